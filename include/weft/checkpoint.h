@@ -1,0 +1,45 @@
+// weft/checkpoint.h — weights in and out, and resumable checkpoints.
+//
+// A checkpoint directory holds one folder per saved step and a pointer file:
+//   <dir>/iter_0000020/model.safetensors      parameters, full shapes, HF names
+//   <dir>/iter_0000020/optimizer.safetensors  "<name>.exp_avg", "<name>.exp_avg_sq"
+//   <dir>/iter_0000020/meta.json              step, consumed samples, config
+//   <dir>/latest_checkpointed_iteration.txt   "20"
+// Each folder is written under a temporary name and renamed when complete,
+// and the pointer file is replaced atomically, so a crash mid-save leaves the
+// previous checkpoint intact.
+#pragma once
+
+#include <weft/optimizer.h>
+#include <weft/param.h>
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+namespace weft {
+
+// Loads parameters from a safetensors file with Hugging Face GPT-2 names: an
+// optional "transformer." prefix is stripped; attention mask buffers
+// (attn.bias, attn.masked_bias) and a tied lm_head.weight are ignored. Throws
+// Error naming the tensor for one that is missing, extra, of the wrong dtype
+// or of the wrong shape (with both shapes).
+void load_weights(const std::string& path, const std::vector<Param*>& params);
+void save_weights(const std::string& path, const std::vector<Param*>& params,
+                  const std::map<std::string, std::string>& metadata = {});
+
+struct CheckpointMeta {
+  int64_t step = 0;              // steps completed
+  int64_t consumed_samples = 0;  // sequences read
+  nlohmann::json config;         // what the run was started with
+};
+
+// Writes <dir>/iter_<step>/ atomically and points latest at it.
+void save_checkpoint(const std::string& dir, const std::vector<Param*>& params, AdamW& optimizer,
+                     const CheckpointMeta& meta);
+// Loads the latest checkpoint of <dir> into params and optimizer.
+CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Param*>& params,
+                               AdamW& optimizer);
+
+}  // namespace weft

@@ -1,0 +1,64 @@
+// weft/cpu_kernels.h — CPU kernels on raw fp32 arrays.
+//
+// Row-major throughout. GEMM goes to OpenBLAS's cblas; the element-wise and
+// reduction kernels are OpenMP loops written for the compiler's vectoriser.
+// Shapes are given in comments as (rows, cols); N = rows = B*T tokens.
+#pragma once
+
+#include <cstdint>
+
+namespace weft::cpu {
+
+// C (m,n) = alpha * op(A) op(B) + beta * C, with op = transpose when trans_*.
+// lda/ldb/ldc are row strides (elements); A is (m,k) or (k,m) when trans_a.
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+          const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+          int64_t ldc);
+
+// --- LayerNorm over the last dimension, eps inside the square root. ---
+// x, y (N, C); mean, rstd (N)
+void layernorm_forward(const float* x, const float* w, const float* b, float* y, float* mean,
+                       float* rstd, int64_t n, int64_t c, float eps);
+// dx (N, C) += d/dx
+void layernorm_backward_input(const float* dy, const float* x, const float* w, const float* mean,
+                              const float* rstd, float* dx, int64_t n, int64_t c);
+// dw, db (C) += d/dw, d/db
+void layernorm_backward_weight(const float* dy, const float* x, const float* mean,
+                               const float* rstd, float* dw, float* db, int64_t n, int64_t c);
+
+// --- tanh-approximated GELU, element-wise over n values. ---
+void gelu_forward(const float* x, float* y, int64_t n);
+void gelu_backward(const float* dy, const float* x, float* dx, int64_t n);  // dx += ...
+
+// --- bias helpers ---
+void add_bias(float* y, const float* bias, int64_t n, int64_t c);       // y (N,C) += bias
+void sum_rows(const float* dy, float* db, int64_t n, int64_t c);        // db (C) += sum dy
+void add_inplace(float* y, const float* x, int64_t n);                  // y += x
+void scale_inplace(float* y, float s, int64_t n);                       // y *= s
+
+// --- causal multi-head attention on a packed qkv (B, T, 3C) -> out (B, T, C). ---
+// probs (B, H, T, T) keeps the softmax for backward (upper triangle zero).
+void attention_forward(const float* qkv, float* out, float* probs, int64_t b, int64_t t,
+                       int64_t h, int64_t c);
+// dqkv (B, T, 3C) += gradient; scratch needs B*H*T*T floats.
+void attention_backward(const float* dout, const float* qkv, const float* probs, float* dqkv,
+                        float* scratch, int64_t b, int64_t t, int64_t h, int64_t c);
+
+// --- softmax cross-entropy over logits (N, V), in place ---
+// On return logits hold the probabilities; losses[i] = -log p[i][target[i]].
+// Returns the sum of losses (in double). Targets outside [0, V) throw Error.
+double softmax_cross_entropy(float* logits, const int32_t* targets, float* losses, int64_t n,
+                             int64_t v);
+// dlogits (N,V) = (p - onehot(target)) * scale, written from probs (may alias).
+void cross_entropy_backward(const float* probs, const int32_t* targets, float* dlogits,
+                            float scale, int64_t n, int64_t v);
+
+// --- AdamW, PyTorch semantics (decoupled decay, bias-corrected moments). ---
+// step is 1-based.
+void adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
+           float beta2, float eps, float weight_decay, int64_t step);
+
+// Sum of squares in double.
+double sum_squares(const float* x, int64_t n);
+
+}  // namespace weft::cpu

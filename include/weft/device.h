@@ -1,0 +1,35 @@
+// weft/device.h — where a tensor's bytes live.
+//
+// CPU is always present. A CUDA device exists when weft is built with
+// -Dcuda=enabled (or auto, where nvcc is found); kernels dispatch on
+// Device::kind. Nothing above src/ needs to know which devices were built.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace weft {
+
+enum class DeviceKind : uint8_t { CPU, CUDA };
+
+struct Device {
+  DeviceKind kind = DeviceKind::CPU;
+  int index = 0;
+
+  static constexpr Device cpu() { return Device{DeviceKind::CPU, 0}; }
+  static constexpr Device cuda(int i) { return Device{DeviceKind::CUDA, i}; }
+  bool is_cpu() const { return kind == DeviceKind::CPU; }
+  bool operator==(const Device& o) const { return kind == o.kind && index == o.index; }
+  std::string str() const;  // "cpu", "cuda:0"
+};
+
+// Raw allocation on a device. CPU memory is 64-byte aligned.
+void* device_alloc(size_t bytes, Device device);
+void device_free(void* p, Device device);
+
+// True when weft was built with the CUDA backend.
+bool cuda_built();
+// Number of usable CUDA devices at run time (0 when none, or not built).
+int cuda_device_count();
+
+}  // namespace weft

@@ -1,0 +1,57 @@
+// weft/layer.h — the Layer interface: forward, backward_input, backward_weight.
+//
+// Every layer is three calls, written side by side in its own file:
+//   forward(ctx, in, out)          out = f(in); saves what backward needs in ctx
+//   backward_input(ctx, dout, din) din += d loss / d in       (the "I" action)
+//   backward_weight(ctx)           param.grad += d loss / d w  (the "W" action)
+// backward_input keeps what backward_weight will need (typically dout) in
+// ctx, so the two may run at different times: zero-bubble schedules put W
+// actions into the pipeline's idle slots.
+//
+// One ctx per (node, micro-batch): several micro-batches can be in flight at
+// once. Output and gradient tensors are allocated by the caller from the
+// micro-batch's Arena; a layer takes any scratch memory from the same arena.
+// Gradients accumulate (+=): a value read by two nodes gets both
+// contributions. An input whose gradient is not needed arrives as an undefined
+// Tensor (tokens, targets) and is skipped.
+#pragma once
+
+#include <weft/arena.h>
+#include <weft/param.h>
+#include <weft/tensor.h>
+
+#include <memory>
+#include <span>
+#include <vector>
+
+namespace weft {
+
+// What a layer saves between forward and backward; subclassed per layer.
+struct LayerCtx {
+  virtual ~LayerCtx() = default;
+};
+
+class Layer {
+ public:
+  virtual ~Layer() = default;
+  virtual const char* kind() const = 0;
+
+  // Output shapes (and dtypes) for these input shapes; throws Error on a mismatch.
+  virtual std::vector<Shape> output_shapes(std::span<const Shape> in) const = 0;
+  virtual std::vector<DType> output_dtypes(std::span<const Shape> in) const {
+    return std::vector<DType>(output_shapes(in).size(), DType::F32);
+  }
+  virtual std::vector<Param*> params() const { return {}; }
+  // Forward FLOPs (multiply-adds count 2) for these input shapes.
+  virtual double flops(std::span<const Shape> /*in*/) const { return 0; }
+
+  virtual std::unique_ptr<LayerCtx> make_ctx() const { return std::make_unique<LayerCtx>(); }
+
+  virtual void forward(LayerCtx& ctx, Arena& arena, std::span<const Tensor> in,
+                       std::span<const Tensor> out) = 0;
+  virtual void backward_input(LayerCtx& ctx, Arena& arena, std::span<const Tensor> grad_out,
+                              std::span<const Tensor> grad_in) = 0;
+  virtual void backward_weight(LayerCtx& /*ctx*/, Arena& /*arena*/) {}
+};
+
+}  // namespace weft

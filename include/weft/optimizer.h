@@ -1,0 +1,60 @@
+// weft/optimizer.h — AdamW (PyTorch semantics), gradient norm and clipping,
+// and the learning-rate schedule.
+#pragma once
+
+#include <weft/param.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace weft {
+
+struct AdamWConfig {
+  float beta1 = 0.9f;
+  float beta2 = 0.95f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;  // applied to parameters of rank >= 2 only
+};
+
+class AdamW {
+ public:
+  AdamW(std::vector<Param*> params, AdamWConfig config);
+  // One update from each parameter's grad: decoupled decay p *= 1 - lr*wd,
+  // moments, bias correction, p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps).
+  void step(float lr);
+  int64_t steps() const { return steps_; }
+  void set_steps(int64_t s) { steps_ = s; }
+  const std::vector<Param*>& params() const { return params_; }
+  // State tensors, named "<param>.exp_avg" and "<param>.exp_avg_sq".
+  std::vector<std::pair<std::string, Tensor>> state();
+
+ private:
+  std::vector<Param*> params_;
+  AdamWConfig config_;
+  std::vector<Tensor> m_, v_;
+  int64_t steps_ = 0;
+};
+
+// Total L2 norm of all gradients (each parameter once), in double.
+double grad_norm(const std::vector<Param*>& params);
+// Scales gradients by max_norm / (norm + 1e-6) when that is below 1, as
+// torch.nn.utils.clip_grad_norm_ does. max_norm <= 0 disables clipping.
+void clip_grads(const std::vector<Param*>& params, double max_norm, double norm);
+void zero_grads(const std::vector<Param*>& params);
+
+enum class LrDecay { Constant, Cosine };
+
+struct LrSchedule {
+  float lr = 3e-4f;
+  float min_lr = 0.0f;
+  LrDecay decay = LrDecay::Constant;
+  int64_t warmup_iters = 0;
+  int64_t decay_iters = 0;  // cosine reaches min_lr here (usually train_iters)
+
+  // 0-based step: linear warmup lr*(step+1)/warmup, then constant, or cosine
+  // from lr down to min_lr at decay_iters, min_lr after.
+  float at(int64_t step) const;
+};
+
+}  // namespace weft

@@ -1,0 +1,67 @@
+// weft/runner.h — running a graph's nodes for one micro-batch.
+//
+// MicroBatch holds everything one micro-batch keeps alive between its forward
+// and its backward: the value tensors, their gradients, each node's LayerCtx
+// and the arena they all live in. Pipeline stages run node ranges of the same
+// graph; a single process runs the whole range.
+//
+//   MicroBatch mb(graph);
+//   mb.set_input(tok, tokens_tensor);
+//   forward(graph, mb, 0, n);
+//   mb.seed_grad(loss, 1.0f / tokens);
+//   backward(graph, mb, 0, n);       // I then W for each node, in reverse
+//   mb.reset();                      // frees its activations for the next one
+#pragma once
+
+#include <weft/arena.h>
+#include <weft/graph.h>
+
+#include <memory>
+#include <vector>
+
+namespace weft {
+
+class MicroBatch {
+ public:
+  explicit MicroBatch(const Graph& graph);
+
+  // Copies `src` into an arena tensor for graph input `value`.
+  void set_input(int value, const Tensor& src);
+  // Returns the tensor of an input value to fill in place.
+  Tensor input(int value);
+  // d loss / d value = g (a scalar value such as the loss).
+  void seed_grad(int value, float g);
+
+  const Tensor& value(int v) const { return values_[static_cast<size_t>(v)]; }
+  Tensor& value(int v) { return values_[static_cast<size_t>(v)]; }
+  const Tensor& grad(int v) const { return grads_[static_cast<size_t>(v)]; }
+  Tensor& grad(int v) { return grads_[static_cast<size_t>(v)]; }
+  LayerCtx& ctx(int node) { return *ctx_[static_cast<size_t>(node)]; }
+  Arena& arena() { return arena_; }
+
+  // Drops every tensor of this micro-batch; the arena keeps its memory.
+  void reset();
+
+ private:
+  friend void forward(const Graph&, MicroBatch&, int, int);
+  friend void backward_input(const Graph&, MicroBatch&, int);
+  friend void backward_weight(const Graph&, MicroBatch&, int);
+  const Graph* graph_;
+  Arena arena_;
+  std::vector<std::unique_ptr<LayerCtx>> ctx_;
+  std::vector<Tensor> values_;
+  std::vector<Tensor> grads_;
+  // Reused per call so that a step allocates nothing.
+  std::vector<Tensor> in_buf_, out_buf_;
+};
+
+// Forward for nodes [begin, end) in order.
+void forward(const Graph& g, MicroBatch& mb, int begin, int end);
+// The I action of one node: gradients of its inputs from those of its outputs.
+void backward_input(const Graph& g, MicroBatch& mb, int node);
+// The W action of one node: its parameter gradients.
+void backward_weight(const Graph& g, MicroBatch& mb, int node);
+// I then W for nodes [begin, end) in reverse order.
+void backward(const Graph& g, MicroBatch& mb, int begin, int end);
+
+}  // namespace weft

@@ -1,0 +1,53 @@
+// weft/safetensors.h — reading and writing the safetensors format.
+//
+// Layout: 8-byte little-endian header length N; N bytes of JSON
+// {"name": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, ...,
+//  "__metadata__": {"key": "value"}}; then the data section, offsets relative
+// to its start. open() validates all of it up front and throws Error naming
+// the file, the tensor and the rule broken; get() then cannot fail on format.
+#pragma once
+
+#include <weft/tensor.h>
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace weft::safetensors {
+
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::F32;
+  Shape shape;
+  size_t begin = 0;  // byte offsets into the data section
+  size_t end = 0;
+};
+
+class File {
+ public:
+  // Reads and validates the whole file. Supported dtypes: F32, I32, BF16.
+  static File open(const std::string& path);
+
+  const std::string& path() const { return path_; }
+  const std::vector<TensorInfo>& tensors() const { return tensors_; }
+  const TensorInfo* find(const std::string& name) const;  // nullptr when absent
+  // A view of the tensor's bytes (valid while this File lives).
+  // Throws Error naming the file when `name` is absent.
+  Tensor get(const std::string& name) const;
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+
+ private:
+  std::string path_;
+  std::vector<char> bytes_;  // the data section, 64-byte aligned copy
+  size_t data_offset_ = 0;
+  std::vector<TensorInfo> tensors_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// Writes tensors (CPU, contiguous) in the given order. Atomic: the bytes go to
+// `path + ".tmp"`, are flushed, then renamed over `path`.
+void save(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+          const std::map<std::string, std::string>& metadata = {});
+
+}  // namespace weft::safetensors

@@ -1,0 +1,81 @@
+#include "layers/linear.h"
+
+#include <weft/cpu_kernels.h>
+
+namespace weft {
+
+namespace {
+struct Ctx : LayerCtx {
+  Tensor x;   // (N, in)
+  Tensor dy;  // (N, out), kept by I for W
+};
+}  // namespace
+
+Linear::Linear(Param* weight, Param* bias, ParallelRole role) : w_(weight), b_(bias), role_(role) {
+  check(w_->value.rank() == 2, "{}: a linear weight must be 2-D (in, out), got {}", w_->name,
+        w_->value.shape().str());
+  check(b_ == nullptr || b_->value.numel() == w_->value.dim(1),
+        "{}: bias length {} does not match the output width {}", b_ ? b_->name : "",
+        b_ ? b_->value.numel() : 0, w_->value.dim(1));
+}
+
+std::vector<Param*> Linear::params() const {
+  if (b_) return {w_, b_};
+  return {w_};
+}
+
+std::vector<Shape> Linear::output_shapes(std::span<const Shape> in) const {
+  check(in.size() == 1 && in[0].last() == w_->value.dim(0),
+        "{}: input width {} does not match the weight's input dimension {}", w_->name,
+        in[0].last(), w_->value.dim(0));
+  Shape s = in[0];
+  s[s.rank - 1] = w_->value.dim(1);
+  return {s};
+}
+
+double Linear::flops(std::span<const Shape> in) const {
+  return 2.0 * static_cast<double>(in[0].rows()) * static_cast<double>(w_->value.numel());
+}
+
+std::unique_ptr<LayerCtx> Linear::make_ctx() const { return std::make_unique<Ctx>(); }
+
+// y (N, out) = x (N, in) W (in, out) + b
+void Linear::forward(LayerCtx& ctx_, Arena&, std::span<const Tensor> in,
+                     std::span<const Tensor> out) {
+  auto& ctx = static_cast<Ctx&>(ctx_);
+  const int64_t n = in[0].shape().rows(), k = w_->value.dim(0), m = w_->value.dim(1);
+  float* y = out[0].data<float>();
+  float beta = 0.0f;
+  if (b_) {
+    const float* b = b_->value.data<float>();
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < m; ++j) y[i * m + j] = b[j];
+    beta = 1.0f;
+  }
+  cpu::gemm(false, false, n, m, k, 1.0f, in[0].data<float>(), k, w_->value.data<float>(), m, beta,
+            y, m);
+  ctx.x = in[0];
+}
+
+// dx (N, in) += dy (N, out) W^T
+void Linear::backward_input(LayerCtx& ctx_, Arena&, std::span<const Tensor> grad_out,
+                            std::span<const Tensor> grad_in) {
+  auto& ctx = static_cast<Ctx&>(ctx_);
+  ctx.dy = grad_out[0];
+  if (!grad_in[0].defined()) return;
+  const int64_t n = ctx.x.shape().rows(), k = w_->value.dim(0), m = w_->value.dim(1);
+  cpu::gemm(false, true, n, k, m, 1.0f, ctx.dy.data<float>(), m, w_->value.data<float>(), m, 1.0f,
+            grad_in[0].data<float>(), k);
+}
+
+// dW (in, out) += x^T dy; db (out) += sum over rows of dy
+void Linear::backward_weight(LayerCtx& ctx_, Arena&) {
+  auto& ctx = static_cast<Ctx&>(ctx_);
+  const int64_t n = ctx.x.shape().rows(), k = w_->value.dim(0), m = w_->value.dim(1);
+  cpu::gemm(true, false, k, m, n, 1.0f, ctx.x.data<float>(), k, ctx.dy.data<float>(), m, 1.0f,
+            w_->grad.data<float>(), m);
+  if (b_) cpu::sum_rows(ctx.dy.data<float>(), b_->grad.data<float>(), n, m);
+}
+
+}  // namespace weft

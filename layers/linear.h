@@ -1,0 +1,37 @@
+// Linear: x (..., in) -> y (..., out) = x W + b, with W stored (in, out) as in
+// Hugging Face GPT-2's Conv1D.
+//
+// The graph stays logical: `role` records which half of a Megatron pair this
+// is (Column splits W's columns across the tensor-parallel group, Row splits
+// its rows), so a stage can instantiate the right parallel form per rank.
+#pragma once
+
+#include <weft/layer.h>
+
+namespace weft {
+
+enum class ParallelRole : uint8_t { None, Column, Row };
+
+class Linear final : public Layer {
+ public:
+  Linear(Param* weight, Param* bias, ParallelRole role = ParallelRole::None);  // bias may be null
+  const char* kind() const override { return "linear"; }
+  std::vector<Shape> output_shapes(std::span<const Shape> in) const override;
+  std::vector<Param*> params() const override;
+  double flops(std::span<const Shape> in) const override;
+  std::unique_ptr<LayerCtx> make_ctx() const override;
+  ParallelRole role() const { return role_; }
+
+  void forward(LayerCtx& ctx, Arena& arena, std::span<const Tensor> in,
+               std::span<const Tensor> out) override;
+  void backward_input(LayerCtx& ctx, Arena& arena, std::span<const Tensor> grad_out,
+                      std::span<const Tensor> grad_in) override;
+  void backward_weight(LayerCtx& ctx, Arena& arena) override;
+
+ private:
+  Param* w_;
+  Param* b_;
+  ParallelRole role_;
+};
+
+}  // namespace weft

@@ -1,0 +1,25 @@
+#include "layers/residual.h"
+
+#include <weft/cpu_kernels.h>
+
+namespace weft {
+
+std::vector<Shape> Residual::output_shapes(std::span<const Shape> in) const {
+  check(in.size() == 2 && in[0] == in[1], "residual adds two equal shapes, got {} and {}",
+        in.empty() ? "nothing" : in[0].str(), in.size() > 1 ? in[1].str() : "nothing");
+  return {in[0]};
+}
+
+void Residual::forward(LayerCtx&, Arena&, std::span<const Tensor> in,
+                       std::span<const Tensor> out) {
+  out[0].copy_from(in[0]);
+  cpu::add_inplace(out[0].data<float>(), in[1].data<float>(), in[0].numel());
+}
+
+void Residual::backward_input(LayerCtx&, Arena&, std::span<const Tensor> grad_out,
+                              std::span<const Tensor> grad_in) {
+  for (const Tensor& g : grad_in)
+    if (g.defined()) cpu::add_inplace(g.data<float>(), grad_out[0].data<float>(), g.numel());
+}
+
+}  // namespace weft

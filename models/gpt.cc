@@ -1,0 +1,166 @@
+#include "models/gpt.h"
+
+#include <weft/runner.h>
+
+#include "layers/attention.h"
+#include "layers/embedding.h"
+#include "layers/gelu.h"
+#include "layers/layernorm.h"
+#include "layers/linear.h"
+#include "layers/residual.h"
+
+#include <cmath>
+#include <random>
+
+namespace weft {
+
+void GptConfig::validate() const {
+  check(num_layers > 0, "--num-layers ({}) must be at least 1", num_layers);
+  check(hidden_size > 0, "--hidden-size ({}) must be positive", hidden_size);
+  check(num_heads > 0, "--num-attention-heads ({}) must be positive", num_heads);
+  check(hidden_size % num_heads == 0,
+        "--num-attention-heads ({}) must divide --hidden-size ({})", num_heads, hidden_size);
+  check(seq_length > 0, "--seq-length ({}) must be positive", seq_length);
+  check(vocab_size > 0 && vocab_size <= (int64_t{1} << 31) - 1,
+        "--vocab-size ({}) must be between 1 and 2^31-1", vocab_size);
+  check(seq_length <= positions(),
+        "--seq-length ({}) must not exceed --max-position-embeddings ({})", seq_length,
+        positions());
+}
+
+int64_t GptConfig::param_count() const {
+  const int64_t c = hidden_size;
+  const int64_t per_layer = 2 * c + (c * 3 * c + 3 * c) + (c * c + c) + 2 * c + (c * 4 * c + 4 * c) +
+                            (4 * c * c + c);
+  return vocab_size * c + positions() * c + num_layers * per_layer + 2 * c;
+}
+
+double GptConfig::train_flops_per_token() const {
+  const double n = static_cast<double>(param_count() - positions() * hidden_size);
+  return 6.0 * n + 12.0 * static_cast<double>(num_layers * seq_length * hidden_size);
+}
+
+GptConfig gpt_preset(const std::string& name) {
+  GptConfig c;
+  if (name == "toy") {
+    c.num_layers = 2, c.hidden_size = 64, c.num_heads = 4, c.seq_length = 64;
+  } else if (name == "mini") {
+    c.num_layers = 4, c.hidden_size = 256, c.num_heads = 4, c.seq_length = 128;
+  } else if (name == "small") {
+    c.num_layers = 6, c.hidden_size = 384, c.num_heads = 6, c.seq_length = 256;
+  } else if (name == "gpt2") {
+    c.num_layers = 12, c.hidden_size = 768, c.num_heads = 12, c.seq_length = 1024;
+    c.vocab_size = 50257, c.max_positions = 1024;
+  } else {
+    std::string names;
+    for (const auto& n : gpt_preset_names()) names += (names.empty() ? "" : ", ") + n;
+    throw Error("--model '{}' is not a preset; choose one of: {}", name, names);
+  }
+  return c;
+}
+
+std::vector<std::string> gpt_preset_names() { return {"toy", "mini", "small", "gpt2"}; }
+
+GptModel build_gpt(const GptConfig& cfg, int64_t micro_batch,
+                   std::shared_ptr<ParamStore> params) {
+  cfg.validate();
+  check(micro_batch > 0, "--micro-batch-size ({}) must be positive", micro_batch);
+  const bool create = params == nullptr;
+  if (create) params = std::make_shared<ParamStore>();
+  ParamStore& ps = *params;
+  const int64_t c = cfg.hidden_size, L = cfg.num_layers;
+  const float proj_std = 0.02f / std::sqrt(2.0f * static_cast<float>(L));
+  auto param = [&](const std::string& name, Shape shape, Init init) {
+    if (create) return ps.create(name, shape, init);
+    Param* p = ps.find(name);
+    check(p != nullptr && p->value.shape() == shape, "shared parameters lack '{}' {}", name,
+          shape.str());
+    return p;
+  };
+  auto norm = [&](const std::string& prefix) {
+    return std::make_unique<LayerNorm>(param(prefix + ".weight", {c}, Init::constant(1)),
+                                       param(prefix + ".bias", {c}, Init::constant(0)));
+  };
+  auto linear = [&](const std::string& prefix, int64_t in, int64_t out, float std,
+                    ParallelRole role) {
+    return std::make_unique<Linear>(param(prefix + ".weight", {in, out}, Init::normal(std)),
+                                    param(prefix + ".bias", {out}, Init::constant(0)), role);
+  };
+
+  GptModel m{params, Graph(params), {}, nullptr};
+  Graph& g = m.graph;
+  const int64_t B = micro_batch, T = cfg.seq_length;
+  Param* wte = param("wte.weight", {cfg.vocab_size, c}, Init::normal(0.02f));
+  Param* wpe = param("wpe.weight", {cfg.positions(), c}, Init::normal(0.02f));
+  m.io.tokens = g.input("tokens", {B, T}, DType::I32);
+  m.io.targets = g.input("targets", {B, T}, DType::I32);
+  int x = g.add1("embed", std::make_unique<Embedding>(wte, wpe), {m.io.tokens});
+  for (int64_t i = 0; i < L; ++i) {
+    const std::string h = fmt::format("h.{}", i);
+    int a = g.add1(h + ".ln_1", norm(h + ".ln_1"), {x});
+    a = g.add1(h + ".attn.c_attn", linear(h + ".attn.c_attn", c, 3 * c, 0.02f, ParallelRole::Column), {a});
+    a = g.add1(h + ".attn.core", std::make_unique<CausalSelfAttention>(cfg.num_heads), {a});
+    a = g.add1(h + ".attn.c_proj", linear(h + ".attn.c_proj", c, c, proj_std, ParallelRole::Row), {a});
+    x = g.add1(h + ".res_1", std::make_unique<Residual>(), {x, a});
+    int f = g.add1(h + ".ln_2", norm(h + ".ln_2"), {x});
+    f = g.add1(h + ".mlp.c_fc", linear(h + ".mlp.c_fc", c, 4 * c, 0.02f, ParallelRole::Column), {f});
+    f = g.add1(h + ".mlp.gelu", std::make_unique<Gelu>(), {f});
+    f = g.add1(h + ".mlp.c_proj", linear(h + ".mlp.c_proj", 4 * c, c, proj_std, ParallelRole::Row), {f});
+    x = g.add1(h + ".res_2", std::make_unique<Residual>(), {x, f});
+  }
+  x = g.add1("ln_f", norm("ln_f"), {x});
+  auto head = std::make_unique<TiedLmHeadLoss>(wte);
+  m.head = head.get();
+  m.io.loss = g.add1("lm_head", std::move(head), {x, m.io.targets});
+  g.mark_output(m.io.loss);
+  m.io.graph = &m.graph;
+  return m;
+}
+
+void init_gpt(GptModel& model, uint64_t seed) {
+  for (Param* p : model.params->all()) init_param(*p, seed);
+}
+
+std::vector<int32_t> sample_gpt(const GptConfig& cfg, const std::shared_ptr<ParamStore>& params,
+                                std::vector<int32_t> prompt, int64_t count, float temperature,
+                                uint64_t seed) {
+  check(!prompt.empty(), "sampling needs a prompt of at least one token");
+  GptModel m = build_gpt(cfg, 1, params);
+  m.head->set_keep_logits(true);
+  const int64_t T = cfg.seq_length, V = cfg.vocab_size;
+  const int n = static_cast<int>(m.graph.nodes().size());
+  const int head_node = n - 1;
+  MicroBatch mb(m.graph);
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> out = prompt;
+  std::vector<double> p(static_cast<size_t>(V));
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t len = std::min<int64_t>(static_cast<int64_t>(out.size()), T);
+    const int32_t* ctx_tokens = out.data() + out.size() - static_cast<size_t>(len);
+    int32_t* tok = mb.input(m.io.tokens).data<int32_t>();
+    int32_t* tgt = mb.input(m.io.targets).data<int32_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      tok[t] = t < len ? ctx_tokens[t] : 0;  // causal: padding after len is never seen
+      tgt[t] = 0;
+    }
+    forward(m.graph, mb, 0, n);
+    const float* logits = TiedLmHeadLoss::logits(mb.ctx(head_node)).data<float>() + (len - 1) * V;
+    int32_t next = 0;
+    if (temperature <= 0) {
+      for (int64_t j = 1; j < V; ++j)
+        if (logits[j] > logits[next]) next = static_cast<int32_t>(j);
+    } else {
+      float mx = logits[0];
+      for (int64_t j = 1; j < V; ++j) mx = std::max(mx, logits[j]);
+      for (int64_t j = 0; j < V; ++j)
+        p[static_cast<size_t>(j)] = std::exp((logits[j] - mx) / temperature);
+      std::discrete_distribution<int32_t> dist(p.begin(), p.end());
+      next = dist(rng);
+    }
+    out.push_back(next);
+    mb.reset();
+  }
+  return std::vector<int32_t>(out.begin() + static_cast<std::ptrdiff_t>(prompt.size()), out.end());
+}
+
+}  // namespace weft

@@ -1,0 +1,64 @@
+// GPT-2-style transformers as weft graphs.
+//
+//   tokens -> embedding -> L x [x + attn(ln_1(x)); x + mlp(ln_2(x))] -> ln_f -> tied head + CE
+//
+// Parameter names are Hugging Face GPT-2's, so `--init-from` reads a GPT-2
+// safetensors file directly. models/ knows nothing of parallelism.
+#pragma once
+
+#include <weft/graph.h>
+#include <weft/trainer.h>
+
+#include "layers/lm_head.h"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace weft {
+
+struct GptConfig {
+  int64_t vocab_size = 256;
+  int64_t max_positions = 0;  // rows of wpe; 0 means seq_length
+  int64_t num_layers = 2;
+  int64_t hidden_size = 64;
+  int64_t num_heads = 4;
+  int64_t seq_length = 64;
+
+  int64_t positions() const { return max_positions > 0 ? max_positions : seq_length; }
+  // Throws Error naming the value and the rule for an impossible shape.
+  void validate() const;
+  // Parameters, and training FLOPs per token (6 N + 12 L T C, N without wpe).
+  int64_t param_count() const;
+  double train_flops_per_token() const;
+};
+
+// Named shapes: "toy" (2 x 64), "mini" (4 x 256), "small" (6 x 384, T 256),
+// "gpt2" (GPT-2 124M: 12 x 768, T 1024, vocab 50257).
+GptConfig gpt_preset(const std::string& name);
+std::vector<std::string> gpt_preset_names();
+
+struct GptModel {
+  std::shared_ptr<ParamStore> params;
+  Graph graph;
+  LmGraph io;
+  TiedLmHeadLoss* head = nullptr;
+};
+
+// Builds the graph for micro-batches of `micro_batch` sequences. Creates the
+// parameters (zero-filled; see init_gpt) unless `params` is given, in which
+// case they are shared (a sampling graph shares the training graph's weights).
+GptModel build_gpt(const GptConfig& cfg, int64_t micro_batch,
+                   std::shared_ptr<ParamStore> params = nullptr);
+// Initialises every parameter from (seed, name): normal(0, 0.02), residual
+// projections normal(0, 0.02 / sqrt(2 L)), biases 0, LayerNorm weights 1.
+void init_gpt(GptModel& model, uint64_t seed);
+
+// Generates `count` tokens after `prompt` by sampling the model's softmax at
+// `temperature` (0 = greedy), with a sliding window of seq_length.
+std::vector<int32_t> sample_gpt(const GptConfig& cfg, const std::shared_ptr<ParamStore>& params,
+                                std::vector<int32_t> prompt, int64_t count, float temperature,
+                                uint64_t seed);
+
+}  // namespace weft

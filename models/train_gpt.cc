@@ -1,0 +1,216 @@
+// train_gpt — train a GPT-2-style model on a text or llm.c token file.
+//
+//   train_gpt --model mini --data-path /usr/share/games/fortunes/fortunes
+//             --micro-batch-size 16 --train-iters 300 --lr 1e-3
+//
+// Flags follow Megatron-LM's names. Errors print one line naming the value
+// and the rule it broke, and exit with status 1.
+#include <weft/checkpoint.h>
+#include <weft/error.h>
+#include <weft/threads.h>
+#include <weft/trainer.h>
+
+#include "models/gpt.h"
+
+#include <CLI/CLI.hpp>
+#include <fmt/core.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+namespace {
+
+struct Args {
+  std::string model;
+  weft::GptConfig gpt;
+  int64_t micro_batch = 8;
+  int64_t global_batch = 0;  // 0 = micro_batch
+  int64_t train_iters = 100;
+  float lr = 3e-4f;
+  float min_lr = 0.0f;
+  std::string lr_decay_style = "constant";
+  int64_t lr_warmup_iters = 0;
+  int64_t lr_decay_iters = 0;  // 0 = train_iters
+  float weight_decay = 0.1f;
+  double clip_grad = 1.0;
+  float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
+  uint64_t seed = 1234;
+  std::string data_path, init_from, save, load, log_jsonl;
+  int64_t save_interval = 0, log_interval = 1;
+  int64_t sample = 0;
+  float sample_temperature = 0.8f;
+  std::string sample_prompt = "\n";
+  int threads = 0;
+};
+
+int run(const Args& a, const CLI::App& app) {
+  using namespace weft;
+  GptConfig cfg = a.model.empty() ? a.gpt : gpt_preset(a.model);
+  // Explicit shape flags override the preset.
+  if (app.count("--num-layers")) cfg.num_layers = a.gpt.num_layers;
+  if (app.count("--hidden-size")) cfg.hidden_size = a.gpt.hidden_size;
+  if (app.count("--num-attention-heads")) cfg.num_heads = a.gpt.num_heads;
+  if (app.count("--seq-length")) cfg.seq_length = a.gpt.seq_length;
+  if (app.count("--max-position-embeddings")) cfg.max_positions = a.gpt.max_positions;
+  if (app.count("--vocab-size")) cfg.vocab_size = a.gpt.vocab_size;
+  cfg.validate();
+
+  const int64_t global = a.global_batch > 0 ? a.global_batch : a.micro_batch;
+  check(a.micro_batch > 0, "--micro-batch-size ({}) must be positive", a.micro_batch);
+  check(global % a.micro_batch == 0,
+        "--global-batch-size ({}) must be a multiple of --micro-batch-size ({})", global,
+        a.micro_batch);
+  check(a.train_iters >= 0, "--train-iters ({}) must not be negative", a.train_iters);
+  check(a.lr > 0, "--lr ({}) must be positive", a.lr);
+  check(a.min_lr >= 0 && a.min_lr <= a.lr, "--min-lr ({}) must be between 0 and --lr ({})",
+        a.min_lr, a.lr);
+  check(a.lr_decay_style == "constant" || a.lr_decay_style == "cosine",
+        "--lr-decay-style '{}' must be constant or cosine", a.lr_decay_style);
+  check(a.beta1 >= 0 && a.beta1 < 1, "--adam-beta1 ({}) must be in [0, 1)", a.beta1);
+  check(a.beta2 >= 0 && a.beta2 < 1, "--adam-beta2 ({}) must be in [0, 1)", a.beta2);
+  check(a.eps > 0, "--adam-eps ({}) must be positive", a.eps);
+  check(a.clip_grad >= 0, "--clip-grad ({}) must be >= 0 (0 turns clipping off)", a.clip_grad);
+  check(a.log_interval > 0, "--log-interval ({}) must be positive", a.log_interval);
+  check(a.save_interval >= 0, "--save-interval ({}) must be >= 0", a.save_interval);
+  check(!a.data_path.empty(), "--data-path is required (a text file, or an llm.c .bin file)");
+
+  set_threads(a.threads > 0 ? a.threads : default_threads());
+  TokenData data = TokenData::load(a.data_path);
+  check(data.max_token() <= cfg.vocab_size,
+        "{} holds token id {}, outside --vocab-size ({})", a.data_path, data.max_token() - 1,
+        cfg.vocab_size);
+
+  GptModel model = build_gpt(cfg, a.micro_batch);
+  init_gpt(model, a.seed);
+  if (!a.init_from.empty()) load_weights(a.init_from, model.graph.params());
+
+  TrainOptions opt;
+  opt.micro_batch = a.micro_batch;
+  opt.global_batch = global;
+  opt.seq_length = cfg.seq_length;
+  opt.lr.lr = a.lr;
+  opt.lr.min_lr = a.min_lr;
+  opt.lr.decay = a.lr_decay_style == "cosine" ? LrDecay::Cosine : LrDecay::Constant;
+  opt.lr.warmup_iters = a.lr_warmup_iters;
+  opt.lr.decay_iters = a.lr_decay_iters > 0 ? a.lr_decay_iters : a.train_iters;
+  opt.adam = {a.beta1, a.beta2, a.eps, a.weight_decay};
+  opt.clip_grad = a.clip_grad;
+  opt.config = {{"num_layers", cfg.num_layers},   {"hidden_size", cfg.hidden_size},
+                {"num_heads", cfg.num_heads},     {"seq_length", cfg.seq_length},
+                {"vocab_size", cfg.vocab_size},   {"max_positions", cfg.positions()},
+                {"micro_batch_size", a.micro_batch}, {"global_batch_size", global},
+                {"seed", a.seed},                 {"data_path", a.data_path}};
+  TokenBatches batches(data, global, cfg.seq_length);
+  Trainer trainer(model.io, batches, opt);
+  if (!a.load.empty()) trainer.load(a.load);
+
+  fmt::print("weft train_gpt | layers {} | hidden {} | heads {} | seq {} | vocab {} | params {} "
+             "| micro-batch {} x {} = global {} | threads {} | data {} ({} tokens)\n",
+             cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.seq_length, cfg.vocab_size,
+             model.graph.param_count(), a.micro_batch, global / a.micro_batch, global,
+             get_threads(), a.data_path, data.size());
+  if (trainer.steps_done() > 0)
+    fmt::print("resumed from {} at step {}\n", a.load, trainer.steps_done());
+
+  std::ofstream jsonl;
+  if (!a.log_jsonl.empty()) {
+    jsonl.open(a.log_jsonl, trainer.steps_done() > 0 ? std::ios::app : std::ios::trunc);
+    check(jsonl.good(), "--log-jsonl {}: cannot open for writing", a.log_jsonl);
+  }
+  const double flops_per_token = cfg.train_flops_per_token();
+  while (trainer.steps_done() < a.train_iters) {
+    StepRecord r = trainer.train_step();
+    if (jsonl.is_open()) {
+      auto j = r.json();
+      j["gflops"] = flops_per_token * r.tokens_per_s / 1e9;
+      jsonl << j.dump() << '\n';
+      jsonl.flush();
+    }
+    if ((r.step + 1) % a.log_interval == 0 || r.step + 1 == a.train_iters)
+      fmt::print("{} | {:.1f} GFLOP/s\n", r.line(a.train_iters),
+                 flops_per_token * r.tokens_per_s / 1e9);
+    std::fflush(stdout);
+    if (!a.save.empty() && a.save_interval > 0 && trainer.steps_done() % a.save_interval == 0)
+      trainer.save(a.save);
+  }
+  if (!a.save.empty()) {
+    trainer.save(a.save);
+    fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
+  }
+  if (a.sample > 0) {
+    std::vector<int32_t> prompt;
+    if (data.is_text()) {
+      for (unsigned char ch : a.sample_prompt) prompt.push_back(ch);
+    } else {
+      prompt.push_back(cfg.vocab_size > 50256 ? 50256 : 0);
+    }
+    auto tokens = sample_gpt(cfg, model.params, prompt, a.sample, a.sample_temperature, a.seed);
+    fmt::print("--- sample ({} tokens, temperature {}) ---\n", a.sample, a.sample_temperature);
+    if (data.is_text()) {
+      std::string s(a.sample_prompt);
+      for (int32_t t : tokens) s.push_back(static_cast<char>(t));
+      fmt::print("{}\n", s);
+    } else {
+      for (int32_t t : tokens) fmt::print("{} ", t);
+      fmt::print("\n");
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  CLI::App app{"train_gpt: train a GPT-2-style model with weft"};
+  app.option_defaults()->always_capture_default();
+  app.add_option("--model", a.model, "shape preset: toy, mini, small, gpt2 (flags override)");
+  app.add_option("--num-layers", a.gpt.num_layers, "transformer blocks");
+  app.add_option("--hidden-size", a.gpt.hidden_size, "model width");
+  app.add_option("--num-attention-heads", a.gpt.num_heads, "attention heads");
+  app.add_option("--seq-length", a.gpt.seq_length, "tokens per sequence");
+  app.add_option("--max-position-embeddings", a.gpt.max_positions,
+                 "rows of the position table (default: --seq-length)");
+  app.add_option("--vocab-size", a.gpt.vocab_size, "vocabulary (256 for byte data)");
+  app.add_option("--micro-batch-size", a.micro_batch, "sequences per micro-batch");
+  app.add_option("--global-batch-size", a.global_batch,
+                 "sequences per step (a multiple of the micro-batch size; default: one micro-batch)");
+  app.add_option("--train-iters", a.train_iters, "steps to train (in total, when resuming)");
+  app.add_option("--lr", a.lr, "peak learning rate");
+  app.add_option("--min-lr", a.min_lr, "final learning rate of the cosine decay");
+  app.add_option("--lr-decay-style", a.lr_decay_style, "constant or cosine");
+  app.add_option("--lr-warmup-iters", a.lr_warmup_iters, "linear warmup steps");
+  app.add_option("--lr-decay-iters", a.lr_decay_iters, "cosine length (default: --train-iters)");
+  app.add_option("--weight-decay", a.weight_decay, "AdamW decay on 2-D parameters");
+  app.add_option("--clip-grad", a.clip_grad, "global gradient-norm clip (0 = off)");
+  app.add_option("--adam-beta1", a.beta1);
+  app.add_option("--adam-beta2", a.beta2);
+  app.add_option("--adam-eps", a.eps);
+  app.add_option("--seed", a.seed, "initialisation seed");
+  app.add_option("--data-path", a.data_path, "text file (bytes) or llm.c .bin token file");
+  app.add_option("--init-from", a.init_from, "safetensors weights with Hugging Face GPT-2 names");
+  app.add_option("--save", a.save, "checkpoint directory to write");
+  app.add_option("--load", a.load, "checkpoint directory to resume from");
+  app.add_option("--save-interval", a.save_interval, "save every N steps (0 = only at the end)");
+  app.add_option("--log-interval", a.log_interval, "print every N steps");
+  app.add_option("--log-jsonl", a.log_jsonl, "write one JSON object per step here");
+  app.add_option("--sample", a.sample, "generate N tokens at the end");
+  app.add_option("--sample-temperature", a.sample_temperature, "0 = greedy");
+  app.add_option("--sample-prompt", a.sample_prompt, "text the sample continues");
+  app.add_option("--threads", a.threads, "CPU threads (default: cores / local ranks)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    return run(a, app);
+  } catch (const weft::Error& e) {
+    fmt::print(stderr, "train_gpt: error: {}\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "train_gpt: error: {}\n", e.what());
+    return 1;
+  }
+}

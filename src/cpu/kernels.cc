@@ -1,0 +1,218 @@
+// Element-wise and reduction kernels. Loops over rows run in parallel with a
+// static OpenMP schedule; reductions over rows (weight gradients) split the
+// columns instead, so their results do not depend on the thread count.
+#include <weft/cpu_kernels.h>
+#include <weft/error.h>
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+
+namespace weft::cpu {
+
+namespace {
+using ArrayF = Eigen::Array<float, Eigen::Dynamic, 1>;
+using MapF = Eigen::Map<ArrayF>;
+using CMapF = Eigen::Map<const ArrayF>;
+constexpr int64_t kColBlock = 64;
+constexpr int64_t kChunk = 16384;  // element-wise work per OpenMP task
+}  // namespace
+
+void layernorm_forward(const float* x, const float* w, const float* b, float* y, float* mean,
+                       float* rstd, int64_t n, int64_t c, float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float* xi = x + i * c;
+    float* yi = y + i * c;
+    float m = 0;
+    for (int64_t j = 0; j < c; ++j) m += xi[j];
+    m /= static_cast<float>(c);
+    float var = 0;
+    for (int64_t j = 0; j < c; ++j) {
+      float d = xi[j] - m;
+      var += d * d;
+    }
+    var /= static_cast<float>(c);
+    float r = 1.0f / std::sqrt(var + eps);
+    for (int64_t j = 0; j < c; ++j) yi[j] = (xi[j] - m) * r * w[j] + b[j];
+    mean[i] = m;
+    rstd[i] = r;
+  }
+}
+
+void layernorm_backward_input(const float* dy, const float* x, const float* w, const float* mean,
+                              const float* rstd, float* dx, int64_t n, int64_t c) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float* dyi = dy + i * c;
+    const float* xi = x + i * c;
+    float* dxi = dx + i * c;
+    float m = mean[i], r = rstd[i];
+    float dnorm_mean = 0, dnorm_xhat_mean = 0;
+    for (int64_t j = 0; j < c; ++j) {
+      float dnorm = dyi[j] * w[j];
+      dnorm_mean += dnorm;
+      dnorm_xhat_mean += dnorm * (xi[j] - m) * r;
+    }
+    dnorm_mean /= static_cast<float>(c);
+    dnorm_xhat_mean /= static_cast<float>(c);
+    for (int64_t j = 0; j < c; ++j) {
+      float xhat = (xi[j] - m) * r;
+      dxi[j] += (dyi[j] * w[j] - dnorm_mean - xhat * dnorm_xhat_mean) * r;
+    }
+  }
+}
+
+void layernorm_backward_weight(const float* dy, const float* x, const float* mean,
+                               const float* rstd, float* dw, float* db, int64_t n, int64_t c) {
+  int64_t blocks = (c + kColBlock - 1) / kColBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    int64_t j0 = blk * kColBlock, j1 = std::min(c, j0 + kColBlock);
+    float sw[kColBlock] = {}, sb[kColBlock] = {};
+    for (int64_t i = 0; i < n; ++i) {
+      const float* dyi = dy + i * c;
+      const float* xi = x + i * c;
+      float m = mean[i], r = rstd[i];
+      for (int64_t j = j0; j < j1; ++j) {
+        sw[j - j0] += dyi[j] * (xi[j] - m) * r;
+        sb[j - j0] += dyi[j];
+      }
+    }
+    for (int64_t j = j0; j < j1; ++j) {
+      dw[j] += sw[j - j0];
+      db[j] += sb[j - j0];
+    }
+  }
+}
+
+namespace {
+constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluCubic = 0.044715f;
+}  // namespace
+
+void gelu_forward(const float* x, float* y, int64_t n) {
+  int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static)
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    int64_t b = ch * kChunk, len = std::min(kChunk, n - b);
+    CMapF xv(x + b, len);
+    ArrayF u = kGeluScale * (xv + kGeluCubic * xv.cube());
+    MapF(y + b, len) = 0.5f * xv * (1.0f + u.tanh());
+  }
+}
+
+void gelu_backward(const float* dy, const float* x, float* dx, int64_t n) {
+  int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static)
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    int64_t b = ch * kChunk, len = std::min(kChunk, n - b);
+    CMapF xv(x + b, len);
+    ArrayF x2 = xv.square();
+    ArrayF t = (kGeluScale * xv * (1.0f + kGeluCubic * x2)).tanh();
+    ArrayF dudx = kGeluScale * (1.0f + 3.0f * kGeluCubic * x2);
+    ArrayF grad = 0.5f * (1.0f + t) + 0.5f * xv * (1.0f - t.square()) * dudx;
+    MapF(dx + b, len) += CMapF(dy + b, len) * grad;
+  }
+}
+
+void add_bias(float* y, const float* bias, int64_t n, int64_t c) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < c; ++j) y[i * c + j] += bias[j];
+}
+
+void sum_rows(const float* dy, float* db, int64_t n, int64_t c) {
+  int64_t blocks = (c + kColBlock - 1) / kColBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    int64_t j0 = blk * kColBlock, j1 = std::min(c, j0 + kColBlock);
+    float s[kColBlock] = {};
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = j0; j < j1; ++j) s[j - j0] += dy[i * c + j];
+    for (int64_t j = j0; j < j1; ++j) db[j] += s[j - j0];
+  }
+}
+
+void add_inplace(float* y, const float* x, int64_t n) {
+  int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static)
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    int64_t b = ch * kChunk, len = std::min(kChunk, n - b);
+    MapF(y + b, len) += CMapF(x + b, len);
+  }
+}
+
+void scale_inplace(float* y, float s, int64_t n) {
+  int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static)
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    int64_t b = ch * kChunk, len = std::min(kChunk, n - b);
+    MapF(y + b, len) *= s;
+  }
+}
+
+double softmax_cross_entropy(float* logits, const int32_t* targets, float* losses, int64_t n,
+                             int64_t v) {
+  for (int64_t i = 0; i < n; ++i)
+    check(targets[i] >= 0 && targets[i] < v,
+          "target token {} at position {} is outside the vocabulary [0, {})", targets[i], i, v);
+  double total = 0;
+#pragma omp parallel for schedule(static) reduction(+ : total)
+  for (int64_t i = 0; i < n; ++i) {
+    float* row = logits + i * v;
+    float mx = row[0];
+    for (int64_t j = 1; j < v; ++j) mx = std::max(mx, row[j]);
+    float sum = 0;
+    for (int64_t j = 0; j < v; ++j) {
+      row[j] = std::exp(row[j] - mx);
+      sum += row[j];
+    }
+    float inv = 1.0f / sum;
+    float target_prob_log = std::log(row[targets[i]]) - std::log(sum);
+    for (int64_t j = 0; j < v; ++j) row[j] *= inv;
+    losses[i] = -target_prob_log;
+    total += static_cast<double>(losses[i]);
+  }
+  return total;
+}
+
+void cross_entropy_backward(const float* probs, const int32_t* targets, float* dlogits,
+                            float scale, int64_t n, int64_t v) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float* p = probs + i * v;
+    float* d = dlogits + i * v;
+    for (int64_t j = 0; j < v; ++j) d[j] = p[j] * scale;
+    d[targets[i]] -= scale;
+  }
+}
+
+void adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
+           float beta2, float eps, float weight_decay, int64_t step) {
+  const float bc1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(beta1), step));
+  const float bc2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(beta2), step));
+  const float step_size = lr / bc1;
+  const float bc2_sqrt = std::sqrt(bc2);
+  const float decay = 1.0f - lr * weight_decay;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    float pi = p[i] * decay;
+    float mi = m[i] * beta1 + (1.0f - beta1) * g[i];
+    float vi = v[i] * beta2 + (1.0f - beta2) * g[i] * g[i];
+    float denom = std::sqrt(vi) / bc2_sqrt + eps;
+    p[i] = pi - step_size * (mi / denom);
+    m[i] = mi;
+    v[i] = vi;
+  }
+}
+
+double sum_squares(const float* x, int64_t n) {
+  double s = 0;
+#pragma omp parallel for schedule(static) reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(x[i]) * x[i];
+  return s;
+}
+
+}  // namespace weft::cpu

@@ -1,0 +1,65 @@
+#include <weft/cpu_kernels.h>
+#include <weft/optimizer.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace weft {
+
+AdamW::AdamW(std::vector<Param*> params, AdamWConfig config)
+    : params_(std::move(params)), config_(config) {
+  for (Param* p : params_) {
+    m_.push_back(Tensor::zeros(p->value.shape()));
+    v_.push_back(Tensor::zeros(p->value.shape()));
+  }
+}
+
+void AdamW::step(float lr) {
+  ++steps_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param* p = params_[i];
+    float wd = p->weight_decay() ? config_.weight_decay : 0.0f;
+    cpu::adamw(p->value.data<float>(), p->grad.data<float>(), m_[i].data<float>(),
+               v_[i].data<float>(), p->value.numel(), lr, config_.beta1, config_.beta2,
+               config_.eps, wd, steps_);
+  }
+}
+
+std::vector<std::pair<std::string, Tensor>> AdamW::state() {
+  std::vector<std::pair<std::string, Tensor>> s;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    s.emplace_back(params_[i]->name + ".exp_avg", m_[i]);
+    s.emplace_back(params_[i]->name + ".exp_avg_sq", v_[i]);
+  }
+  return s;
+}
+
+double grad_norm(const std::vector<Param*>& params) {
+  double s = 0;
+  for (Param* p : params) s += cpu::sum_squares(p->grad.data<float>(), p->grad.numel());
+  return std::sqrt(s);
+}
+
+void clip_grads(const std::vector<Param*>& params, double max_norm, double norm) {
+  if (max_norm <= 0) return;
+  double coef = max_norm / (norm + 1e-6);
+  if (coef >= 1.0) return;
+  for (Param* p : params)
+    cpu::scale_inplace(p->grad.data<float>(), static_cast<float>(coef), p->grad.numel());
+}
+
+void zero_grads(const std::vector<Param*>& params) {
+  for (Param* p : params) p->grad.zero_();
+}
+
+float LrSchedule::at(int64_t step) const {
+  if (warmup_iters > 0 && step < warmup_iters)
+    return lr * static_cast<float>(step + 1) / static_cast<float>(warmup_iters);
+  if (decay == LrDecay::Constant) return lr;
+  const int64_t span = std::max<int64_t>(1, decay_iters - warmup_iters);
+  const double progress =
+      std::clamp(static_cast<double>(step - warmup_iters) / static_cast<double>(span), 0.0, 1.0);
+  return min_lr + static_cast<float>((lr - min_lr) * 0.5 * (1.0 + std::cos(M_PI * progress)));
+}
+
+}  // namespace weft

@@ -1,0 +1,102 @@
+#include <weft/runner.h>
+
+namespace weft {
+
+MicroBatch::MicroBatch(const Graph& graph)
+    : graph_(&graph),
+      values_(graph.values().size()),
+      grads_(graph.values().size()) {
+  for (const Node& n : graph.nodes()) ctx_.push_back(n.layer->make_ctx());
+  size_t most_in = 0, most_out = 0;
+  for (const Node& n : graph.nodes()) {
+    most_in = std::max(most_in, n.inputs.size());
+    most_out = std::max(most_out, n.outputs.size());
+  }
+  in_buf_.reserve(std::max(most_in, most_out));
+  out_buf_.reserve(std::max(most_in, most_out));
+}
+
+Tensor MicroBatch::input(int v) {
+  const Value& val = graph_->values()[static_cast<size_t>(v)];
+  check(val.producer < 0, "'{}' is not a graph input", val.name);
+  Tensor& t = values_[static_cast<size_t>(v)];
+  if (!t.defined()) t = arena_.alloc(val.shape, val.dtype);
+  return t;
+}
+
+void MicroBatch::set_input(int v, const Tensor& src) {
+  const Value& val = graph_->values()[static_cast<size_t>(v)];
+  check(src.shape() == val.shape && src.dtype() == val.dtype,
+        "input '{}' expects {} {}, got {} {}", val.name, dtype_name(val.dtype), val.shape.str(),
+        dtype_name(src.dtype()), src.shape().str());
+  input(v).copy_from(src);
+}
+
+void MicroBatch::seed_grad(int v, float g) {
+  const Value& val = graph_->values()[static_cast<size_t>(v)];
+  Tensor& t = grads_[static_cast<size_t>(v)];
+  if (!t.defined()) t = arena_.zeros(val.shape);
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = g;
+}
+
+void MicroBatch::reset() {
+  for (auto& t : values_) t = Tensor();
+  for (auto& t : grads_) t = Tensor();
+  arena_.reset();
+}
+
+void forward(const Graph& g, MicroBatch& mb, int begin, int end) {
+  for (int n = begin; n < end; ++n) {
+    const Node& node = g.nodes()[static_cast<size_t>(n)];
+    mb.in_buf_.clear();
+    for (int v : node.inputs) {
+      const Tensor& t = mb.values_[static_cast<size_t>(v)];
+      check(t.defined(), "node '{}' reads '{}', which has not been computed or received",
+            node.name, g.values()[static_cast<size_t>(v)].name);
+      mb.in_buf_.push_back(t);
+    }
+    mb.out_buf_.clear();
+    for (int v : node.outputs) {
+      const Value& val = g.values()[static_cast<size_t>(v)];
+      Tensor t = mb.arena_.alloc(val.shape, val.dtype);
+      mb.values_[static_cast<size_t>(v)] = t;
+      mb.out_buf_.push_back(t);
+    }
+    node.layer->forward(*mb.ctx_[static_cast<size_t>(n)], mb.arena_, mb.in_buf_, mb.out_buf_);
+  }
+}
+
+void backward_input(const Graph& g, MicroBatch& mb, int n) {
+  const Node& node = g.nodes()[static_cast<size_t>(n)];
+  mb.out_buf_.clear();  // gradients of the outputs
+  for (int v : node.outputs) {
+    Tensor& gr = mb.grads_[static_cast<size_t>(v)];
+    // An output nothing downstream used has a zero gradient.
+    if (!gr.defined()) gr = mb.arena_.zeros(g.values()[static_cast<size_t>(v)].shape);
+    mb.out_buf_.push_back(gr);
+  }
+  mb.in_buf_.clear();  // gradients of the inputs, accumulated into
+  for (int v : node.inputs) {
+    const Value& val = g.values()[static_cast<size_t>(v)];
+    Tensor& gr = mb.grads_[static_cast<size_t>(v)];
+    if (val.requires_grad && !gr.defined()) gr = mb.arena_.zeros(val.shape);
+    mb.in_buf_.push_back(val.requires_grad ? gr : Tensor());
+  }
+  node.layer->backward_input(*mb.ctx_[static_cast<size_t>(n)], mb.arena_, mb.out_buf_,
+                             mb.in_buf_);
+}
+
+void backward_weight(const Graph& g, MicroBatch& mb, int n) {
+  const Node& node = g.nodes()[static_cast<size_t>(n)];
+  node.layer->backward_weight(*mb.ctx_[static_cast<size_t>(n)], mb.arena_);
+}
+
+void backward(const Graph& g, MicroBatch& mb, int begin, int end) {
+  for (int n = end - 1; n >= begin; --n) {
+    backward_input(g, mb, n);
+    backward_weight(g, mb, n);
+  }
+}
+
+}  // namespace weft

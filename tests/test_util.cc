@@ -1,0 +1,70 @@
+#include "test_util.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+namespace weft::testing {
+
+std::string source_path(const std::string& rel) {
+  const char* env = std::getenv("WEFT_SOURCE_DIR");
+  std::string root = env ? env : WEFT_SOURCE_DIR;
+  return root + "/" + rel;
+}
+
+std::string temp_dir(const std::string& tag) {
+  auto base = std::filesystem::temp_directory_path() /
+              ("weft-test-" + tag + "-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(base);
+  std::filesystem::create_directories(base);
+  return base.string();
+}
+
+std::vector<float> uniform(int64_t n, uint64_t seed, float lo, float hi) {
+  std::mt19937_64 rng(seed);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (auto& x : v) {
+    double u = static_cast<double>(rng() >> 11) * (1.0 / 9007199254740992.0);
+    x = lo + static_cast<float>(u) * (hi - lo);
+  }
+  return v;
+}
+
+Tensor uniform_tensor(Shape shape, uint64_t seed, float lo, float hi) {
+  Tensor t = Tensor::empty(shape);
+  auto v = uniform(t.numel(), seed, lo, hi);
+  std::copy(v.begin(), v.end(), t.data<float>());
+  return t;
+}
+
+double rel_error(const float* a, const float* b, int64_t n) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    double d = static_cast<double>(a[i]) - b[i];
+    num += d * d;
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+}
+
+double rel_error(const Tensor& a, const Tensor& b) {
+  check_shape(a, b.shape(), "rel_error operand");
+  return rel_error(a.data<float>(), b.data<float>(), a.numel());
+}
+
+void write_file(const std::string& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+}  // namespace weft::testing

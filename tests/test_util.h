@@ -1,0 +1,26 @@
+// Helpers shared by weft's tests.
+#pragma once
+
+#include <weft/tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace weft::testing {
+
+// Path of a file under the source tree (tests/reference/fixtures/...).
+std::string source_path(const std::string& rel);
+// A fresh empty directory under the build's temp area, removed at exit.
+std::string temp_dir(const std::string& tag);
+// Deterministic uniform values in [lo, hi).
+std::vector<float> uniform(int64_t n, uint64_t seed, float lo = -1.0f, float hi = 1.0f);
+Tensor uniform_tensor(Shape shape, uint64_t seed, float lo = -1.0f, float hi = 1.0f);
+// ||a - b|| / max(||b||, tiny), in double.
+double rel_error(const float* a, const float* b, int64_t n);
+double rel_error(const Tensor& a, const Tensor& b);
+// Writes a file with these bytes.
+void write_file(const std::string& path, const std::string& bytes);
+std::string read_file(const std::string& path);
+
+}  // namespace weft::testing
