@@ -1,1 +1,251 @@
+// The training loop: accumulation, resume, divergence, the LR schedule, and
+// a steady-state step that allocates nothing.
+#include <weft/checkpoint.h>
+#include <weft/threads.h>
+#include <weft/trainer.h>
+
 #include <gtest/gtest.h>
+
+#include "models/gpt.h"
+#include "models/mlp.h"
+#include "test_util.h"
+
+#include <weft/runner.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <new>
+
+// GCC inlines the replaced operators into library code and then mistakes the
+// malloc/free pair for a mismatch.
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+
+// Counts every operator new in this binary, so a test can prove that a
+// training step allocates nothing once it has run once.
+static std::atomic<long> g_allocations{0};
+void* operator new(std::size_t n) {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+
+namespace weft {
+namespace {
+
+TokenData text_data() {
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += "the quick brown fox jumps over the lazy dog. ";
+  std::vector<int32_t> t(text.begin(), text.end());
+  return TokenData::from_tokens(std::move(t), 256);
+}
+
+GptConfig small_config() {
+  GptConfig c;
+  c.vocab_size = 256, c.num_layers = 2, c.hidden_size = 32, c.num_heads = 4, c.seq_length = 16;
+  return c;
+}
+
+TrainOptions train_options(int64_t micro, int64_t global) {
+  TrainOptions o;
+  o.micro_batch = micro;
+  o.global_batch = global;
+  o.seq_length = small_config().seq_length;
+  o.lr.lr = 1e-2f;
+  o.adam.weight_decay = 0.1f;
+  o.clip_grad = 1.0;
+  return o;
+}
+
+// One micro-batch of 4 and four micro-batches of 1 compute the same gradient.
+TEST(Train, AccumulationMatchesOneBigMicroBatch) {
+  TokenData data = text_data();
+  TokenBatches batches(data, 4, small_config().seq_length);
+  GptModel a = build_gpt(small_config(), 4);
+  GptModel b = build_gpt(small_config(), 1);
+  init_gpt(a, 7);
+  init_gpt(b, 7);
+  Trainer ta(a.io, batches, train_options(4, 4));
+  Trainer tb(b.io, batches, train_options(1, 4));
+  for (int s = 0; s < 3; ++s) {
+    StepRecord ra = ta.train_step();
+    StepRecord rb = tb.train_step();
+    EXPECT_NEAR(ra.loss, rb.loss, 1e-5 * ra.loss) << "step " << s;
+    EXPECT_NEAR(ra.grad_norm, rb.grad_norm, 1e-4 * ra.grad_norm) << "step " << s;
+  }
+  auto pa = a.graph.params(), pb = b.graph.params();
+  for (size_t i = 0; i < pa.size(); ++i)
+    EXPECT_LT(testing::rel_error(pa[i]->value, pb[i]->value), 1e-4) << pa[i]->name;
+}
+
+TEST(Train, LossFallsOnRepetitiveText) {
+  TokenData data = text_data();
+  TokenBatches batches(data, 4, small_config().seq_length);
+  GptModel m = build_gpt(small_config(), 2);
+  init_gpt(m, 1);
+  Trainer t(m.io, batches, train_options(2, 4));
+  const double first = t.train_step().loss;
+  double last = first;
+  for (int s = 0; s < 30; ++s) last = t.train_step().loss;
+  EXPECT_NEAR(first, std::log(256.0), 0.1);  // a fresh model is near uniform
+  EXPECT_LT(last, 0.6 * first);
+}
+
+// Save after 3 steps, resume in a fresh process-like setup, and the next
+// losses equal the uninterrupted run's exactly.
+TEST(Train, ResumeReproducesUninterruptedLossesExactly) {
+  TokenData data = text_data();
+  TokenBatches batches(data, 4, small_config().seq_length);
+  const std::string dir = testing::temp_dir("resume");
+  std::vector<double> straight, resumed;
+  {
+    GptModel m = build_gpt(small_config(), 2);
+    init_gpt(m, 3);
+    Trainer t(m.io, batches, train_options(2, 4));
+    for (int s = 0; s < 6; ++s) {
+      straight.push_back(t.train_step().loss);
+      if (s == 2) t.save(dir);
+    }
+  }
+  {
+    GptModel m = build_gpt(small_config(), 2);
+    init_gpt(m, 99);  // overwritten by the checkpoint
+    Trainer t(m.io, batches, train_options(2, 4));
+    t.load(dir);
+    EXPECT_EQ(t.steps_done(), 3);
+    EXPECT_EQ(t.optimizer().steps(), 3);
+    for (int s = 3; s < 6; ++s) resumed.push_back(t.train_step().loss);
+  }
+  for (int s = 0; s < 3; ++s) EXPECT_EQ(resumed[static_cast<size_t>(s)], straight[static_cast<size_t>(s + 3)]);
+  // Written atomically: the final folder and pointer, no temporaries.
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    EXPECT_EQ(e.path().string().find(".tmp"), std::string::npos) << e.path();
+  EXPECT_TRUE(std::filesystem::exists(dir + "/iter_0000003/model.safetensors"));
+  EXPECT_EQ(testing::read_file(dir + "/latest_checkpointed_iteration.txt"), "3\n");
+}
+
+TEST(Train, CheckpointOfAnotherShapeIsRefusedNamingTheTensor) {
+  TokenData data = text_data();
+  TokenBatches batches(data, 2, small_config().seq_length);
+  const std::string dir = testing::temp_dir("shape");
+  {
+    GptModel m = build_gpt(small_config(), 2);
+    Trainer t(m.io, batches, train_options(2, 2));
+    t.save(dir);
+  }
+  GptConfig wider = small_config();
+  wider.hidden_size = 64;
+  GptModel m = build_gpt(wider, 2);
+  Trainer t(m.io, batches, train_options(2, 2));
+  try {
+    t.load(dir);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("wte.weight"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("[256, 32]"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("[256, 64]"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Train, NonFiniteLossStopsNamingTheStep) {
+  TokenData data = text_data();
+  TokenBatches batches(data, 2, small_config().seq_length);
+  GptModel m = build_gpt(small_config(), 2);
+  init_gpt(m, 1);
+  Trainer t(m.io, batches, train_options(2, 2));
+  t.train_step();
+  t.train_step();
+  m.params->find("h.1.mlp.c_fc.weight")->value.data<float>()[5] = NAN;
+  try {
+    t.train_step();
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("step 3"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Train, SteadyStateStepAllocatesNothing) {
+  TokenData data = text_data();
+  TokenBatches batches(data, 4, small_config().seq_length);
+  GptModel m = build_gpt(small_config(), 2);
+  init_gpt(m, 1);
+  Trainer t(m.io, batches, train_options(2, 4));
+  t.train_step();  // plans the arena
+  t.train_step();
+  const size_t arena_allocs = t.micro_batch_state().arena().system_allocations();
+  const long before = g_allocations.load();
+  t.train_step();
+  t.train_step();
+  EXPECT_EQ(g_allocations.load() - before, 0);
+  EXPECT_EQ(t.micro_batch_state().arena().system_allocations(), arena_allocs);
+  EXPECT_LE(arena_allocs, 3u);
+}
+
+TEST(Train, LearningRateSchedule) {
+  LrSchedule s;
+  s.lr = 1.0f;
+  s.min_lr = 0.1f;
+  s.warmup_iters = 4;
+  s.decay = LrDecay::Cosine;
+  s.decay_iters = 14;
+  EXPECT_FLOAT_EQ(s.at(0), 0.25f);
+  EXPECT_FLOAT_EQ(s.at(3), 1.0f);
+  EXPECT_FLOAT_EQ(s.at(4), 1.0f);           // decay starts at the peak
+  EXPECT_NEAR(s.at(9), 0.55f, 1e-6);        // halfway: (1 + 0.1) / 2
+  EXPECT_FLOAT_EQ(s.at(14), 0.1f);
+  EXPECT_FLOAT_EQ(s.at(100), 0.1f);
+  s.decay = LrDecay::Constant;
+  EXPECT_FLOAT_EQ(s.at(9), 1.0f);
+}
+
+TEST(Train, ClippingScalesToTheMaxNorm) {
+  ParamStore ps;
+  Param* a = ps.create("a", {3}, Init::constant(0));
+  Param* b = ps.create("b", {2, 2}, Init::constant(0));
+  float* ga = a->grad.data<float>();
+  ga[0] = 3, ga[1] = 0, ga[2] = 0;
+  for (int i = 0; i < 4; ++i) b->grad.data<float>()[i] = 2;  // norm 4
+  std::vector<Param*> ps_all = {a, b};
+  const double norm = grad_norm(ps_all);
+  EXPECT_DOUBLE_EQ(norm, 5.0);
+  clip_grads(ps_all, 1.0, norm);
+  EXPECT_NEAR(grad_norm(ps_all), 1.0, 1e-6);
+  clip_grads(ps_all, 10.0, 1.0);  // below the limit: untouched
+  EXPECT_NEAR(grad_norm(ps_all), 1.0, 1e-6);
+}
+
+// The MLP model trains through the same runner with its own loss.
+TEST(Train, MlpFitsALinearMap) {
+  MlpModel m = build_mlp({4, 16, 2}, 8);
+  for (Param* p : m.params->all()) init_param(*p, 5);
+  AdamW opt(m.graph.params(), AdamWConfig{});
+  MicroBatch mb(m.graph);
+  const int n = static_cast<int>(m.graph.nodes().size());
+  double first = 0, last = 0;
+  for (int step = 0; step < 300; ++step) {
+    Tensor x = mb.input(m.input), y = mb.input(m.target);
+    auto u = testing::uniform(32, static_cast<uint64_t>(step));
+    for (int i = 0; i < 8; ++i) {
+      float* xi = x.data<float>() + i * 4;
+      for (int j = 0; j < 4; ++j) xi[j] = u[static_cast<size_t>(i * 4 + j)];
+      y.data<float>()[i * 2] = xi[0] - 2 * xi[1];
+      y.data<float>()[i * 2 + 1] = 0.5f * xi[2] + xi[3];
+    }
+    zero_grads(m.graph.params());
+    forward(m.graph, mb, 0, n);
+    const double loss = mb.value(m.loss).data<float>()[0] / 16.0;
+    if (step == 0) first = loss;
+    last = loss;
+    mb.seed_grad(m.loss, 1.0f / 16.0f);
+    backward(m.graph, mb, 0, n);
+    opt.step(1e-2f);
+    mb.reset();
+  }
+  EXPECT_LT(last, 0.05 * first);
+}
+
+}  // namespace
+}  // namespace weft

@@ -26,13 +26,18 @@ struct TensorInfo {
 
 class File {
  public:
+  File() = default;
+  File(const File&) = delete;  // a copy could lose the data's 64-byte alignment
+  File& operator=(const File&) = delete;
+  File(File&&) = default;
+  File& operator=(File&&) = default;
   // Reads and validates the whole file. Supported dtypes: F32, I32, BF16.
   static File open(const std::string& path);
 
   const std::string& path() const { return path_; }
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
   const TensorInfo* find(const std::string& name) const;  // nullptr when absent
-  // A view of the tensor's bytes (valid while this File lives).
+  // A read-only view of the tensor's bytes (valid while this File lives).
   // Throws Error naming the file when `name` is absent.
   Tensor get(const std::string& name) const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
