@@ -164,7 +164,7 @@ int run(const Args& a, const CLI::App& app) {
 int main(int argc, char** argv) {
   Args a;
   CLI::App app{"train_gpt: train a GPT-2-style model with weft"};
-  app.option_defaults()->always_capture_default();
+  app.option_defaults()->always_capture_default()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--model", a.model, "shape preset: toy, mini, small, gpt2 (flags override)");
   app.add_option("--num-layers", a.gpt.num_layers, "transformer blocks");
   app.add_option("--hidden-size", a.gpt.hidden_size, "model width");

@@ -1,1 +1,228 @@
+// train_gpt end to end: bad input gets one error line and exit status 1;
+// good input trains, logs JSONL, saves, resumes and samples.
+#include <weft/safetensors.h>
+
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "test_util.h"
+
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+namespace weft {
+namespace {
+
+using testing::read_file;
+using testing::source_path;
+using testing::write_file;
+
+struct Result {
+  int code = -1;
+  std::string out, err;
+};
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = testing::temp_dir(::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::string text;
+    for (int i = 0; i < 100; ++i) text += "To be, or not to be, that is the question.\n";
+    write_file(dir_ + "/text.txt", text);
+    // A token file whose ids fit the fixture's vocabulary of 64.
+    std::vector<uint16_t> tokens(400);
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>((i * 7) % 64);
+    write_bin(dir_ + "/tokens.bin", 20240520, 1, static_cast<int32_t>(tokens.size()), tokens);
+  }
+
+  static void write_bin(const std::string& path, int32_t magic, int32_t version, int32_t count,
+                        const std::vector<uint16_t>& tokens) {
+    std::vector<int32_t> header(256, 0);
+    header[0] = magic, header[1] = version, header[2] = count;
+    std::string bytes(reinterpret_cast<const char*>(header.data()), 1024);
+    bytes.append(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 2);
+    write_file(path, bytes);
+  }
+
+  Result run(const std::string& args) {
+    const char* exe = std::getenv("WEFT_TRAIN_GPT");
+    EXPECT_NE(exe, nullptr) << "WEFT_TRAIN_GPT is set by meson test";
+    std::string cmd = std::string(exe ? exe : "train_gpt") + " " + args + " >" + dir_ +
+                      "/out.txt 2>" + dir_ + "/err.txt";
+    int status = std::system(cmd.c_str());
+    Result r;
+    r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    r.out = read_file(dir_ + "/out.txt");
+    r.err = read_file(dir_ + "/err.txt");
+    return r;
+  }
+
+  // Runs and expects one error line containing every fragment.
+  void expect_error(const std::string& args, std::initializer_list<std::string> fragments) {
+    Result r = run(args);
+    EXPECT_EQ(r.code, 1) << args << "\n" << r.out << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    for (const auto& f : fragments) EXPECT_NE(r.err.find(f), std::string::npos) << "missing '" << f << "' in: " << r.err;
+  }
+
+  // The fixture model's shape, reading the token file.
+  std::string tiny(const std::string& extra) {
+    return "--vocab-size 64 --max-position-embeddings 16 --num-layers 2 --hidden-size 32 "
+           "--num-attention-heads 4 --seq-length 12 --micro-batch-size 2 --train-iters 1 "
+           "--data-path " + dir_ + "/tokens.bin " + extra;
+  }
+
+  std::string toy(const std::string& extra) {
+    return "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+           "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --data-path " + dir_ +
+           "/text.txt " + extra;
+  }
+
+  // Writes the fixture's init tensors, edited, to a new safetensors file.
+  std::string edited_init(const std::string& name,
+                          const std::function<void(std::vector<std::pair<std::string, Tensor>>&)>& edit) {
+    auto f = safetensors::File::open(source_path("tests/reference/fixtures/gpt_tiny_init.safetensors"));
+    std::vector<std::pair<std::string, Tensor>> t;
+    for (const auto& info : f.tensors()) t.emplace_back(info.name, f.get(info.name).clone());
+    edit(t);
+    const std::string path = dir_ + "/" + name;
+    safetensors::save(path, t);
+    return path;
+  }
+
+  std::string dir_;
+};
+
+TEST_F(Cli, MissingDataFile) {
+  expect_error(toy("--data-path /nonexistent/corpus.txt"), {"/nonexistent/corpus.txt"});
+}
+
+TEST_F(Cli, DataPathIsADirectory) { expect_error(toy("--data-path " + dir_), {dir_}); }
+
+TEST_F(Cli, BadTokenFileMagic) {
+  write_bin(dir_ + "/bad.bin", 12345, 1, 4, {1, 2, 3, 4});
+  expect_error(tiny("--data-path " + dir_ + "/bad.bin"), {"bad.bin", "12345", "20240520"});
+}
+
+TEST_F(Cli, TruncatedTokenFile) {
+  write_bin(dir_ + "/short.bin", 20240520, 1, 100, {1, 2, 3});
+  expect_error(tiny("--data-path " + dir_ + "/short.bin"), {"short.bin", "truncated"});
+}
+
+TEST_F(Cli, TokensOutsideTheVocabulary) {
+  expect_error(toy("--vocab-size 64"), {"--vocab-size (64)", "text.txt"});
+}
+
+TEST_F(Cli, ImpossibleShapes) {
+  expect_error(toy("--num-layers 0"), {"--num-layers (0)"});
+  expect_error(toy("--num-attention-heads 5"), {"--num-attention-heads (5)", "--hidden-size (32)"});
+  expect_error(toy("--seq-length 32 --max-position-embeddings 16"),
+               {"--seq-length (32)", "--max-position-embeddings (16)"});
+  expect_error(toy("--global-batch-size 3"), {"--global-batch-size (3)", "--micro-batch-size (2)"});
+  expect_error(toy("--model huge"), {"'huge'", "toy"});
+  expect_error(toy("--lr-decay-style linear"), {"'linear'"});
+  expect_error(toy("--lr=-1"), {"--lr (-1)"});
+  expect_error(toy("--seq-length 5000 --train-iters 1"), {"text.txt", "5000"});
+}
+
+TEST_F(Cli, InitFromMissingFile) {
+  expect_error(tiny("--init-from " + dir_ + "/none.safetensors"), {"none.safetensors"});
+}
+
+TEST_F(Cli, InitFromMalformedHeaders) {
+  std::string good = read_file(source_path("tests/reference/fixtures/gpt_tiny_init.safetensors"));
+  std::string huge = good;
+  uint64_t n = 1ull << 40;
+  std::memcpy(huge.data(), &n, 8);
+  write_file(dir_ + "/huge.st", huge);
+  expect_error(tiny("--init-from " + dir_ + "/huge.st"), {"huge.st", "header"});
+
+  std::string bad_json = good;
+  bad_json[8] = '[';
+  bad_json[9] = '[';
+  write_file(dir_ + "/json.st", bad_json);
+  expect_error(tiny("--init-from " + dir_ + "/json.st"), {"json.st", "JSON"});
+
+  write_file(dir_ + "/cut.st", good.substr(0, good.size() - 100));
+  expect_error(tiny("--init-from " + dir_ + "/cut.st"), {"cut.st", "past the end"});
+
+  write_file(dir_ + "/tiny.st", "abc");
+  expect_error(tiny("--init-from " + dir_ + "/tiny.st"), {"tiny.st"});
+}
+
+TEST_F(Cli, InitFromWrongTensors) {
+  auto missing = edited_init("missing.st", [](auto& t) {
+    std::erase_if(t, [](auto& p) { return p.first == "ln_f.bias"; });
+  });
+  expect_error(tiny("--init-from " + missing), {"missing.st", "lacks", "'ln_f.bias'"});
+
+  auto extra = edited_init("extra.st", [](auto& t) { t.emplace_back("h.9.mlp.c_fc.weight", Tensor::zeros({2, 2})); });
+  expect_error(tiny("--init-from " + extra), {"extra.st", "'h.9.mlp.c_fc.weight'"});
+
+  auto shape = edited_init("shape.st", [](auto& t) {
+    for (auto& p : t)
+      if (p.first == "wpe.weight") p.second = Tensor::zeros({8, 32});
+  });
+  expect_error(tiny("--init-from " + shape), {"shape.st", "'wpe.weight'", "[8, 32]", "[16, 32]"});
+
+  auto dtype = edited_init("dtype.st", [](auto& t) {
+    for (auto& p : t)
+      if (p.first == "ln_f.weight") p.second = Tensor::zeros({32}, DType::I32);
+  });
+  expect_error(tiny("--init-from " + dtype), {"dtype.st", "'ln_f.weight'", "I32", "F32"});
+
+  // Hugging Face's prefix and mask buffers are accepted.
+  auto hf = edited_init("hf.st", [](auto& t) {
+    for (auto& p : t) p.first = "transformer." + p.first;
+    t.emplace_back("transformer.h.0.attn.bias", Tensor::zeros({1, 1, 16, 16}));
+  });
+  Result r = run(tiny("--init-from " + hf));
+  EXPECT_EQ(r.code, 0) << r.err;
+}
+
+TEST_F(Cli, TrainsLogsJsonlResumesAndSamples) {
+  Result a = run(toy("--train-iters 4 --log-jsonl " + dir_ + "/a.jsonl"));
+  ASSERT_EQ(a.code, 0) << a.err;
+  EXPECT_NE(a.out.find("step     4/4"), std::string::npos) << a.out;
+  std::vector<nlohmann::json> full;
+  std::istringstream lines(read_file(dir_ + "/a.jsonl"));
+  for (std::string line; std::getline(lines, line);) full.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(full.size(), 4u);
+  for (size_t i = 0; i < full.size(); ++i) {
+    EXPECT_EQ(full[i]["step"].get<int>(), static_cast<int>(i));
+    for (const char* key : {"loss", "lr", "grad_norm", "step_ms", "tokens_per_s"})
+      EXPECT_TRUE(full[i].contains(key)) << key;
+  }
+  EXPECT_LT(full[3]["loss"].get<double>(), full[0]["loss"].get<double>());
+
+  Result b = run(toy("--train-iters 2 --save " + dir_ + "/ckpt"));
+  ASSERT_EQ(b.code, 0) << b.err;
+  Result c = run(toy("--train-iters 4 --load " + dir_ + "/ckpt --log-jsonl " + dir_ +
+                     "/c.jsonl --sample 40 --sample-prompt To"));
+  ASSERT_EQ(c.code, 0) << c.err;
+  EXPECT_NE(c.out.find("resumed from"), std::string::npos);
+  std::vector<nlohmann::json> tail;
+  std::istringstream lines_c(read_file(dir_ + "/c.jsonl"));
+  for (std::string line; std::getline(lines_c, line);) tail.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(tail.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(tail[i]["step"], full[i + 2]["step"]);
+    EXPECT_EQ(tail[i]["loss"].get<double>(), full[i + 2]["loss"].get<double>());
+    EXPECT_EQ(tail[i]["grad_norm"].get<double>(), full[i + 2]["grad_norm"].get<double>());
+  }
+  auto pos = c.out.find("--- sample");
+  ASSERT_NE(pos, std::string::npos) << c.out;
+  std::string sample = c.out.substr(c.out.find('\n', pos) + 1);
+  EXPECT_EQ(sample.rfind("To", 0), 0u);
+  EXPECT_GE(sample.size(), 42u);
+}
+
+TEST_F(Cli, NonFiniteLossNamesTheStep) {
+  expect_error(toy("--train-iters 3 --lr 1e30 --clip-grad 0"), {"step", "diverged"});
+}
+
+}  // namespace
+}  // namespace weft

@@ -1,1 +1,800 @@
+// Every layer against finite differences of its own forward, a double-precision reference
+// for its forward, and the contract of layer.h: the I/W split, several micro-batches in
+// flight, accumulation into gradient buffers, and undefined gradients for inputs.
 #include <gtest/gtest.h>
+#include <weft/arena.h>
+#include <weft/layer.h>
+#include <weft/param.h>
+#include <weft/tensor.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "layers/attention.h"
+#include "layers/embedding.h"
+#include "layers/gelu.h"
+#include "layers/layernorm.h"
+#include "layers/linear.h"
+#include "layers/lm_head.h"
+#include "layers/mse_loss.h"
+#include "layers/residual.h"
+#include "test_util.h"
+
+namespace weft {
+namespace {
+
+constexpr int64_t kB = 2, kT = 5, kC = 8, kHeads = 2, kV = 11, kPos = 6;
+
+size_t z(int64_t i) { return static_cast<size_t>(i); }
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+void fill_uniform(const Tensor& t, uint64_t seed, float lo = -1.0f, float hi = 1.0f) {
+  const std::vector<float> v = testing::uniform(t.numel(), seed, lo, hi);
+  std::copy(v.begin(), v.end(), t.data<float>());
+}
+
+Tensor uniform(Shape s, uint64_t seed, float lo = -1.0f, float hi = 1.0f) {
+  return testing::uniform_tensor(s, seed, lo, hi);
+}
+
+// Token ids with repeats (so gradient rows collect several contributions), covering both
+// ends of the vocabulary for seed 0.
+Tensor tokens(uint64_t seed) {
+  static const int32_t base[kB * kT] = {3, 7, 3, 0, 10, 7, 7, 1, 3, 5};
+  Tensor t = Tensor::empty({kB, kT}, DType::I32);
+  for (int64_t i = 0; i < kB * kT; ++i)
+    t.data<int32_t>()[i] = static_cast<int32_t>((base[i] + static_cast<int64_t>(seed)) % kV);
+  return t;
+}
+
+double at(const Tensor& t, int64_t i) { return static_cast<double>(t.data<float>()[i]); }
+
+// --- the layers under test ---
+
+struct Case {
+  std::string name;
+  std::unique_ptr<ParamStore> store;  // params live at stable addresses
+  std::unique_ptr<Layer> layer;
+  std::function<std::vector<Tensor>(uint64_t)> make_inputs;  // owned master copies
+  std::vector<bool> float_input;  // inputs that get a gradient; int inputs never do
+  bool loss = false;               // one scalar output, a sum
+  // The first output in double, from the inputs and the current parameter values.
+  std::function<std::vector<double>(const std::vector<Tensor>&)> reference;
+};
+
+Param* make_param(ParamStore& s, const std::string& name, Shape shape, float std, float offset,
+                  uint64_t seed) {
+  Param* p = s.create(name, shape, Init::normal(std));
+  init_param(*p, seed);
+  for (int64_t i = 0; i < p->value.numel(); ++i) p->value.data<float>()[i] += offset;
+  return p;
+}
+
+std::vector<double> layernorm_ref(const Tensor& x, const Param* w, const Param* b, double eps) {
+  const int64_t n = x.shape().rows(), c = x.shape().last();
+  std::vector<double> y(z(n * c));
+  for (int64_t i = 0; i < n; ++i) {
+    double m = 0, var = 0;
+    for (int64_t j = 0; j < c; ++j) m += at(x, i * c + j) / static_cast<double>(c);
+    for (int64_t j = 0; j < c; ++j) var += std::pow(at(x, i * c + j) - m, 2) / static_cast<double>(c);
+    for (int64_t j = 0; j < c; ++j)
+      y[z(i * c + j)] = (at(x, i * c + j) - m) / std::sqrt(var + eps) * at(w->value, j) +
+                        at(b->value, j);
+  }
+  return y;
+}
+
+std::vector<double> attention_ref(const Tensor& qkv, int64_t h) {
+  const int64_t b = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3, d = c / h;
+  std::vector<double> out(z(b * t * c), 0.0);
+  auto q = [&](int64_t bi, int64_t ti, int64_t col) { return at(qkv, (bi * t + ti) * 3 * c + col); };
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t hi = 0; hi < h; ++hi)
+      for (int64_t i = 0; i < t; ++i) {
+        std::vector<double> s(z(i + 1));
+        double mx = -std::numeric_limits<double>::infinity(), sum = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+          for (int64_t e = 0; e < d; ++e)
+            s[z(j)] += q(bi, i, hi * d + e) * q(bi, j, c + hi * d + e) / std::sqrt(double(d));
+          mx = std::max(mx, s[z(j)]);
+        }
+        for (double& v : s) sum += (v = std::exp(v - mx));
+        for (int64_t j = 0; j <= i; ++j)
+          for (int64_t e = 0; e < d; ++e)
+            out[z((bi * t + i) * c + hi * d + e)] += s[z(j)] / sum * q(bi, j, 2 * c + hi * d + e);
+      }
+  return out;
+}
+
+// Sum over tokens of -log softmax(x wte^T)[target], in double.
+double lm_loss_ref(const Tensor& x, const Tensor& targets, const Param* wte) {
+  const int64_t n = x.shape().rows(), c = x.shape().last(), v = wte->value.dim(0);
+  double total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<double> logit(z(v), 0.0);
+    double mx = -std::numeric_limits<double>::infinity(), sum = 0;
+    for (int64_t k = 0; k < v; ++k) {
+      for (int64_t j = 0; j < c; ++j) logit[z(k)] += at(x, i * c + j) * at(wte->value, k * c + j);
+      mx = std::max(mx, logit[z(k)]);
+    }
+    for (double l : logit) sum += std::exp(l - mx);
+    total += std::log(sum) + mx - logit[z(targets.data<int32_t>()[i])];
+  }
+  return total;
+}
+
+Case make_case(const std::string& name) {
+  Case c;
+  c.name = name;
+  c.store = std::make_unique<ParamStore>();
+  ParamStore& s = *c.store;
+  const Shape act{kB, kT, kC};
+  if (name == "embedding") {
+    Param* wte = make_param(s, "wte", {kV, kC}, 0.5f, 0.0f, 1);
+    Param* wpe = make_param(s, "wpe", {kPos, kC}, 0.5f, 0.0f, 1);
+    c.layer = std::make_unique<Embedding>(wte, wpe);
+    c.make_inputs = [](uint64_t seed) { return std::vector<Tensor>{tokens(seed)}; };
+    c.float_input = {false};
+    c.reference = [wte, wpe](const std::vector<Tensor>& in) {
+      std::vector<double> y(z(kB * kT * kC));
+      for (int64_t i = 0; i < kB * kT; ++i)
+        for (int64_t j = 0; j < kC; ++j)
+          y[z(i * kC + j)] = at(wte->value, in[0].data<int32_t>()[i] * kC + j) +
+                             at(wpe->value, (i % kT) * kC + j);
+      return y;
+    };
+  } else if (name == "layernorm") {
+    // Weights around one and a non-zero bias, so neither hides a missing term.
+    Param* w = make_param(s, "ln.weight", {kC}, 0.2f, 1.0f, 2);
+    Param* b = make_param(s, "ln.bias", {kC}, 0.3f, 0.0f, 2);
+    c.layer = std::make_unique<LayerNorm>(w, b);
+    c.make_inputs = [act](uint64_t seed) {
+      Tensor x = uniform(act, 100 + seed, -1.0f, 1.0f);
+      // A different offset per row: the mean matters.
+      for (int64_t i = 0; i < act.rows(); ++i)
+        for (int64_t j = 0; j < kC; ++j) x.data<float>()[i * kC + j] += 0.3f * float(i % 4);
+      return std::vector<Tensor>{x};
+    };
+    c.float_input = {true};
+    c.reference = [w, b](const std::vector<Tensor>& in) { return layernorm_ref(in[0], w, b, 1e-5); };
+  } else if (name == "linear_bias" || name == "linear_nobias") {
+    const int64_t out = 6;
+    Param* w = make_param(s, "fc.weight", {kC, out}, 0.5f, 0.0f, 3);
+    Param* b = name == "linear_bias" ? make_param(s, "fc.bias", {out}, 0.5f, 0.0f, 3) : nullptr;
+    c.layer = std::make_unique<Linear>(w, b);
+    c.make_inputs = [act](uint64_t seed) { return std::vector<Tensor>{uniform(act, 200 + seed)}; };
+    c.float_input = {true};
+    c.reference = [w, b, out](const std::vector<Tensor>& in) {
+      const int64_t n = in[0].shape().rows();
+      std::vector<double> y(z(n * out));
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < out; ++j) {
+          double acc = b ? at(b->value, j) : 0.0;
+          for (int64_t k = 0; k < kC; ++k) acc += at(in[0], i * kC + k) * at(w->value, k * out + j);
+          y[z(i * out + j)] = acc;
+        }
+      return y;
+    };
+  } else if (name == "gelu") {
+    c.layer = std::make_unique<Gelu>();
+    c.make_inputs = [act](uint64_t seed) {
+      return std::vector<Tensor>{uniform(act, 300 + seed, -3.0f, 3.0f)};
+    };
+    c.float_input = {true};
+    c.reference = [](const std::vector<Tensor>& in) {
+      std::vector<double> y(z(in[0].numel()));
+      for (int64_t i = 0; i < in[0].numel(); ++i) {
+        const double x = at(in[0], i);
+        y[z(i)] = 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
+      }
+      return y;
+    };
+  } else if (name == "attention") {
+    c.layer = std::make_unique<CausalSelfAttention>(kHeads);
+    c.make_inputs = [](uint64_t seed) {
+      return std::vector<Tensor>{uniform({kB, kT, 3 * kC}, 400 + seed, -1.5f, 1.5f)};
+    };
+    c.float_input = {true};
+    c.reference = [](const std::vector<Tensor>& in) { return attention_ref(in[0], kHeads); };
+  } else if (name == "residual") {
+    c.layer = std::make_unique<Residual>();
+    c.make_inputs = [act](uint64_t seed) {
+      return std::vector<Tensor>{uniform(act, 500 + seed), uniform(act, 600 + seed)};
+    };
+    c.float_input = {true, true};
+    c.reference = [](const std::vector<Tensor>& in) {
+      std::vector<double> y(z(in[0].numel()));
+      for (int64_t i = 0; i < in[0].numel(); ++i) y[z(i)] = at(in[0], i) + at(in[1], i);
+      return y;
+    };
+  } else if (name == "lm_head") {
+    Param* wte = make_param(s, "wte", {kV, kC}, 0.7f, 0.0f, 4);
+    c.layer = std::make_unique<TiedLmHeadLoss>(wte);
+    c.make_inputs = [act](uint64_t seed) {
+      return std::vector<Tensor>{uniform(act, 700 + seed), tokens(seed + 4)};
+    };
+    c.float_input = {true, false};
+    c.loss = true;
+    c.reference = [wte](const std::vector<Tensor>& in) {
+      return std::vector<double>{lm_loss_ref(in[0], in[1], wte)};
+    };
+  } else if (name == "mse") {
+    c.layer = std::make_unique<MseLoss>();
+    c.make_inputs = [](uint64_t seed) {
+      return std::vector<Tensor>{uniform({kB * kT, 4}, 800 + seed), uniform({kB * kT, 4}, 900 + seed)};
+    };
+    c.float_input = {true, true};
+    c.loss = true;
+    c.reference = [](const std::vector<Tensor>& in) {
+      double s2 = 0;
+      for (int64_t i = 0; i < in[0].numel(); ++i) s2 += 0.5 * std::pow(at(in[0], i) - at(in[1], i), 2);
+      return std::vector<double>{s2};
+    };
+  } else {
+    ADD_FAILURE() << "unknown layer case " << name;
+  }
+  return c;
+}
+
+const std::vector<std::string> kAllLayers = {"embedding", "layernorm", "linear_bias",
+                                             "linear_nobias", "gelu", "attention",
+                                             "residual", "lm_head", "mse"};
+const std::vector<std::string> kParamLayers = {"embedding", "layernorm", "linear_bias",
+                                               "linear_nobias", "lm_head"};
+
+// --- running a layer the way the runner does ---
+
+// One micro-batch in flight: its arena, its ctx and the tensors it keeps alive.
+struct Pass {
+  Arena arena;
+  std::unique_ptr<LayerCtx> ctx;
+  std::vector<Tensor> in, out, grad_out, grad_in;
+};
+
+class Harness {
+ public:
+  explicit Harness(Case& c) : c_(c) {
+    // d L / d out: random weights for ordinary layers, 1 for loss layers (L = the loss).
+    const std::vector<Tensor> in = c.make_inputs(0);
+    std::vector<Shape> shapes;
+    for (const Tensor& t : in) shapes.push_back(t.shape());
+    uint64_t seed = 1000;
+    for (const Shape& s : c.layer->output_shapes(shapes)) {
+      r_.push_back(c.loss ? Tensor::zeros(s) : uniform(s, seed++));
+      if (c.loss) r_.back().data<float>()[0] = 1.0f;
+    }
+  }
+
+  Layer& layer() { return *c_.layer; }
+  std::vector<Param*> params() { return c_.layer->params(); }
+  void set_loss_seed(float g) { r_[0].data<float>()[0] = g; }
+
+  std::unique_ptr<Pass> forward(const std::vector<Tensor>& inputs) {
+    auto p = std::make_unique<Pass>();
+    std::vector<Shape> shapes;
+    for (const Tensor& t : inputs) {
+      Tensor a = p->arena.alloc(t.shape(), t.dtype());
+      a.copy_from(t);
+      p->in.push_back(a);
+      shapes.push_back(t.shape());
+    }
+    const std::vector<Shape> os = layer().output_shapes(shapes);
+    const std::vector<DType> od = layer().output_dtypes(shapes);
+    for (size_t k = 0; k < os.size(); ++k) {
+      // NaN-poisoned: an output element the layer forgets to write shows up downstream.
+      Tensor o = p->arena.alloc(os[k], od[k]);
+      std::fill_n(o.data<float>(), o.numel(), std::numeric_limits<float>::quiet_NaN());
+      p->out.push_back(o);
+    }
+    p->ctx = layer().make_ctx();
+    layer().forward(*p->ctx, p->arena, p->in, p->out);
+    return p;
+  }
+
+  // L = sum_i r_i out_i in double from the fp32 outputs.
+  double loss(const Pass& p) const {
+    double l = 0;
+    for (size_t k = 0; k < p.out.size(); ++k)
+      for (int64_t i = 0; i < p.out[k].numel(); ++i) l += at(r_[k], i) * at(p.out[k], i);
+    return l;
+  }
+
+  // want[i]: give input i a gradient buffer (float inputs only); start[i]: its initial
+  // contents, zeros when undefined.
+  void backward_input(Pass& p, std::vector<bool> want = {}, const std::vector<Tensor>& start = {}) {
+    if (want.empty()) want = c_.float_input;
+    for (const Tensor& r : r_) {
+      Tensor g = p.arena.alloc(r.shape());
+      g.copy_from(r);
+      p.grad_out.push_back(g);
+    }
+    for (size_t i = 0; i < p.in.size(); ++i) {
+      if (!want[i] || !c_.float_input[i]) {
+        p.grad_in.emplace_back();
+        continue;
+      }
+      Tensor g = p.arena.zeros(p.in[i].shape());
+      if (i < start.size() && start[i].defined()) g.copy_from(start[i]);
+      p.grad_in.push_back(g);
+    }
+    layer().backward_input(*p.ctx, p.arena, p.grad_out, p.grad_in);
+  }
+
+  void backward_weight(Pass& p) { layer().backward_weight(*p.ctx, p.arena); }
+
+  void zero_param_grads() {
+    for (Param* q : params()) q->grad.zero_();
+  }
+  std::vector<Tensor> param_grads() {
+    std::vector<Tensor> g;
+    for (Param* q : params()) g.push_back(q->grad.clone());
+    return g;
+  }
+
+  // Central differences of L over every element of `x` (an input master copy or a
+  // parameter value), using the perturbation actually representable in fp32.
+  Tensor numeric_grad(const Tensor& x, const std::vector<Tensor>& inputs, double eps = 1e-2) {
+    Tensor g = Tensor::zeros(x.shape());
+    float* v = x.data<float>();
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      const float orig = v[i];
+      const float up = orig + static_cast<float>(eps), down = orig - static_cast<float>(eps);
+      v[i] = up;
+      const double lp = loss(*forward(inputs));
+      v[i] = down;
+      const double lm = loss(*forward(inputs));
+      v[i] = orig;
+      g.data<float>()[i] = static_cast<float>((lp - lm) / (double(up) - double(down)));
+    }
+    return g;
+  }
+
+ private:
+  Case& c_;
+  std::vector<Tensor> r_;
+};
+
+// |num - ana| <= 2e-3 + 2e-2 |ana| per element and a relative norm error below 1e-2.
+void expect_grad_matches(const Tensor& ana, const Tensor& num, const std::string& what) {
+  ASSERT_EQ(ana.shape(), num.shape()) << what;
+  int bad = 0;
+  double norm = 0;
+  for (int64_t i = 0; i < ana.numel(); ++i) {
+    const double a = at(ana, i), n = at(num, i);
+    norm += n * n;
+    if (!(std::abs(n - a) <= 2e-3 + 2e-2 * std::abs(a)) && ++bad <= 5)
+      ADD_FAILURE() << what << "[" << i << "]: analytic " << a << ", numeric " << n;
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << ana.numel() << " elements off";
+  EXPECT_LT(testing::rel_error(ana, num), 1e-2) << what;
+  // A vanishing gradient would make the comparison vacuous.
+  EXPECT_GT(std::sqrt(norm), 1e-2) << what << " has no gradient to compare";
+}
+
+// Close in fp32 terms: for results that differ only in summation order.
+void expect_near_tensor(const Tensor& got, const Tensor& want, const std::string& what,
+                        double tol = 1e-5) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  int bad = 0;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double g = at(got, i), w = at(want, i);
+    if (!(std::abs(g - w) <= tol * (1.0 + std::abs(w))) && ++bad <= 5)
+      ADD_FAILURE() << what << "[" << i << "]: got " << g << ", want " << w;
+  }
+  EXPECT_EQ(bad, 0) << what;
+}
+
+void expect_all_zero(const Tensor& t, const std::string& what) {
+  int64_t nonzero = 0;
+  for (int64_t i = 0; i < t.numel(); ++i) nonzero += t.data<float>()[i] != 0.0f;
+  EXPECT_EQ(nonzero, 0) << what << " was written";
+}
+
+class AllLayers : public ::testing::TestWithParam<std::string> {};
+class ParamLayers : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(AllLayers, ForwardMatchesDoubleReference) {
+  Case c = make_case(GetParam());
+  Harness h(c);
+  const std::vector<Tensor> in = c.make_inputs(0);
+  auto p = h.forward(in);
+  const std::vector<double> want = c.reference(in);
+  ASSERT_EQ(static_cast<size_t>(p->out[0].numel()), want.size());
+  int bad = 0;
+  for (int64_t i = 0; i < p->out[0].numel(); ++i) {
+    const double got = at(p->out[0], i), w = want[z(i)];
+    if (!(std::abs(got - w) <= 1e-5 * (1.0 + std::abs(w))) && ++bad <= 5)
+      ADD_FAILURE() << c.name << " out[" << i << "] = " << got << ", want " << w;
+  }
+  EXPECT_EQ(bad, 0);
+}
+
+// The main check. Also the first half of the I/W split: backward_input leaves every
+// parameter gradient exactly zero, and backward_weight alone produces it.
+TEST_P(AllLayers, GradientsMatchFiniteDifferences) {
+  Case c = make_case(GetParam());
+  Harness h(c);
+  std::vector<Tensor> in = c.make_inputs(0);
+
+  h.zero_param_grads();
+  auto p = h.forward(in);
+  h.backward_input(*p);
+  for (Param* q : h.params()) expect_all_zero(q->grad, q->name + " grad after backward_input");
+  h.backward_weight(*p);
+
+  for (size_t i = 0; i < in.size(); ++i) {
+    if (!c.float_input[i]) continue;
+    expect_grad_matches(p->grad_in[i], h.numeric_grad(in[i], in),
+                        c.name + " d/d input " + std::to_string(i));
+  }
+  for (Param* q : h.params())
+    expect_grad_matches(q->grad, h.numeric_grad(q->value, in), c.name + " d/d " + q->name);
+}
+
+// Gradient buffers are accumulated into: a value read by two nodes gets both contributions.
+TEST_P(AllLayers, GradientsAccumulateIntoExistingBuffers) {
+  Case c = make_case(GetParam());
+  Harness h(c);
+  const std::vector<Tensor> in = c.make_inputs(0);
+
+  h.zero_param_grads();
+  auto clean = h.forward(in);
+  h.backward_input(*clean);
+  h.backward_weight(*clean);
+  const std::vector<Tensor> clean_params = h.param_grads();
+
+  std::vector<Tensor> start, start_params;
+  for (size_t i = 0; i < in.size(); ++i)
+    start.push_back(c.float_input[i] ? uniform(in[i].shape(), 50 + i, 5.0f, 7.0f) : Tensor());
+  uint64_t seed = 60;
+  for (Param* q : h.params()) {
+    fill_uniform(q->grad, seed++, -3.0f, 3.0f);
+    start_params.push_back(q->grad.clone());
+  }
+  auto p = h.forward(in);
+  h.backward_input(*p, {}, start);
+  h.backward_weight(*p);
+
+  for (size_t i = 0; i < in.size(); ++i) {
+    if (!c.float_input[i]) continue;
+    Tensor want = start[i].clone();
+    for (int64_t k = 0; k < want.numel(); ++k)
+      want.data<float>()[k] += clean->grad_in[i].data<float>()[k];
+    expect_near_tensor(p->grad_in[i], want, c.name + " grad_in " + std::to_string(i));
+  }
+  const std::vector<Param*> ps = h.params();
+  for (size_t k = 0; k < ps.size(); ++k) {
+    Tensor want = start_params[k].clone();
+    for (int64_t e = 0; e < want.numel(); ++e)
+      want.data<float>()[e] += clean_params[k].data<float>()[e];
+    expect_near_tensor(ps[k]->grad, want, c.name + " " + ps[k]->name + " grad");
+  }
+}
+
+// An input whose gradient is not wanted arrives undefined; the others, and the parameter
+// gradients (the first layer of a network still trains its weights), are unaffected.
+TEST_P(AllLayers, UndefinedGradInIsSkipped) {
+  Case c = make_case(GetParam());
+  Harness h(c);
+  const std::vector<Tensor> in = c.make_inputs(0);
+
+  h.zero_param_grads();
+  auto full = h.forward(in);
+  h.backward_input(*full);
+  h.backward_weight(*full);
+  const std::vector<Tensor> full_params = h.param_grads();
+
+  // Every subset of the inputs left without a gradient buffer, including all of them.
+  const size_t n = in.size();
+  for (unsigned mask = 0; mask < (1u << n) - 1; ++mask) {
+    std::vector<bool> want(n);
+    for (size_t i = 0; i < n; ++i) want[i] = (mask >> i) & 1u;
+    h.zero_param_grads();
+    auto p = h.forward(in);
+    ASSERT_NO_THROW(h.backward_input(*p, want)) << "mask " << mask;
+    ASSERT_NO_THROW(h.backward_weight(*p)) << "mask " << mask;
+    for (size_t i = 0; i < n; ++i) {
+      EXPECT_EQ(p->grad_in[i].defined(), want[i] && c.float_input[i]);
+      if (p->grad_in[i].defined())
+        expect_near_tensor(p->grad_in[i], full->grad_in[i], c.name + " grad_in", 0);
+    }
+    const std::vector<Param*> ps = h.params();
+    for (size_t k = 0; k < ps.size(); ++k)
+      expect_near_tensor(ps[k]->grad, full_params[k], c.name + " " + ps[k]->name, 0);
+  }
+}
+
+// Several micro-batches in flight, each with its own ctx: interleaving their F, I and W
+// actions gives each input the same gradient as running it alone, and the parameters the
+// sum of the micro-batches' gradients.
+TEST_P(AllLayers, InterleavedMicroBatchesMatchOneAtATime) {
+  Case c = make_case(GetParam());
+  Harness h(c);
+  // F_A F_B I_B I_A W_A W_B as in a zero-bubble pipeline, and a three-deep schedule where
+  // a W runs between other micro-batches' I actions.
+  const std::vector<std::string> schedules = {"FA FB IB IA WA WB",
+                                              "FA FB FC IC IB WB IA WC WA"};
+  for (const std::string& sched : schedules) {
+    const int micro = sched.find('C') != std::string::npos ? 3 : 2;
+    std::vector<std::vector<Tensor>> inputs;
+    for (int m = 0; m < micro; ++m) inputs.push_back(c.make_inputs(static_cast<uint64_t>(m + 1)));
+
+    // One at a time.
+    std::vector<std::vector<Tensor>> solo_in(z(micro));
+    std::vector<Tensor> sum_params;
+    for (Param* q : h.params()) sum_params.push_back(Tensor::zeros(q->grad.shape()));
+    for (int m = 0; m < micro; ++m) {
+      h.zero_param_grads();
+      auto p = h.forward(inputs[z(m)]);
+      h.backward_input(*p);
+      h.backward_weight(*p);
+      for (const Tensor& g : p->grad_in) solo_in[z(m)].push_back(g.defined() ? g.clone() : g);
+      const std::vector<Tensor> g = h.param_grads();
+      for (size_t k = 0; k < g.size(); ++k)
+        for (int64_t e = 0; e < g[k].numel(); ++e)
+          sum_params[k].data<float>()[e] += g[k].data<float>()[e];
+    }
+
+    // Interleaved.
+    h.zero_param_grads();
+    std::vector<std::unique_ptr<Pass>> passes(z(micro));
+    for (size_t k = 0; k < sched.size(); k += 3) {
+      const auto m = z(sched[k + 1] - 'A');
+      if (sched[k] == 'F') passes[m] = h.forward(inputs[m]);
+      if (sched[k] == 'I') h.backward_input(*passes[m]);
+      if (sched[k] == 'W') h.backward_weight(*passes[m]);
+    }
+    for (int m = 0; m < micro; ++m)
+      for (size_t i = 0; i < solo_in[z(m)].size(); ++i)
+        if (solo_in[z(m)][i].defined())
+          expect_near_tensor(passes[z(m)]->grad_in[i], solo_in[z(m)][i],
+                             c.name + " " + sched + " grad_in of micro-batch " +
+                                 std::string(1, static_cast<char>('A' + m)),
+                             0);
+    const std::vector<Param*> ps = h.params();
+    for (size_t k = 0; k < ps.size(); ++k)
+      expect_near_tensor(ps[k]->grad, sum_params[k], c.name + " " + sched + " " + ps[k]->name);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layers, AllLayers, ::testing::ValuesIn(kAllLayers),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
+
+// The I/W split for layers with parameters, with I and W far apart: parameter gradients
+// that already hold values (a previous micro-batch) are left alone by I, and W adds to them.
+TEST_P(ParamLayers, BackwardInputNeverTouchesParamGrads) {
+  Case c = make_case(GetParam());
+  Harness h(c);
+  const std::vector<Tensor> in = c.make_inputs(0);
+  ASSERT_FALSE(h.params().empty());
+  uint64_t seed = 70;
+  std::vector<Tensor> before;
+  for (Param* q : h.params()) {
+    fill_uniform(q->grad, seed++);
+    before.push_back(q->grad.clone());
+  }
+  auto p = h.forward(in);
+  const std::vector<Param*> ps = h.params();
+  for (size_t k = 0; k < ps.size(); ++k)
+    EXPECT_EQ(std::memcmp(ps[k]->grad.raw(), before[k].raw(), before[k].nbytes()), 0)
+        << ps[k]->name << " changed by forward";
+  h.backward_input(*p);
+  for (size_t k = 0; k < ps.size(); ++k)
+    EXPECT_EQ(std::memcmp(ps[k]->grad.raw(), before[k].raw(), before[k].nbytes()), 0)
+        << ps[k]->name << " changed by backward_input";
+  // Another micro-batch's forward and I in between must not disturb what W reads.
+  auto other = h.forward(c.make_inputs(9));
+  h.backward_input(*other);
+  h.backward_weight(*p);
+  bool changed = false;
+  for (size_t k = 0; k < ps.size(); ++k)
+    changed |= std::memcmp(ps[k]->grad.raw(), before[k].raw(), before[k].nbytes()) != 0;
+  EXPECT_TRUE(changed) << "backward_weight produced nothing";
+}
+
+INSTANTIATE_TEST_SUITE_P(Layers, ParamLayers, ::testing::ValuesIn(kParamLayers),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
+
+// --- layer-specific behaviour ---
+
+TEST(TiedLmHeadLoss, OutputIsTheSumOfTokenCrossEntropies) {
+  Case c = make_case("lm_head");
+  Harness h(c);
+  const std::vector<Tensor> in = c.make_inputs(0);
+  auto p = h.forward(in);
+  Param* wte = c.store->find("wte");
+  const double want = lm_loss_ref(in[0], in[1], wte);
+  EXPECT_NEAR(at(p->out[0], 0), want, 1e-5 * want);
+  // A sum, not a mean: the loss of the batch is the loss of its halves added.
+  EXPECT_GT(want, 0.5 * kB * kT * std::log(double(kV)));
+  const Tensor x0 = in[0].slice0(0, 1).clone(), x1 = in[0].slice0(1, 2).clone();
+  const Tensor t0 = in[1].slice0(0, 1).clone(), t1 = in[1].slice0(1, 2).clone();
+  const double halves = at(h.forward({x0, t0})->out[0], 0) + at(h.forward({x1, t1})->out[0], 0);
+  EXPECT_NEAR(at(p->out[0], 0), halves, 1e-5 * want);
+}
+
+TEST(TiedLmHeadLoss, GradOutScalesTheGradients) {
+  Case c = make_case("lm_head");
+  Harness h(c);
+  const std::vector<Tensor> in = c.make_inputs(0);
+  Param* wte = c.store->find("wte");
+
+  h.zero_param_grads();
+  auto one = h.forward(in);
+  h.backward_input(*one);
+  h.backward_weight(*one);
+  const Tensor dwte_sum = wte->grad.clone();
+
+  // Seeding 1/N gives the gradient of the mean loss.
+  const float inv_n = 1.0f / static_cast<float>(kB * kT);
+  h.set_loss_seed(inv_n);
+  h.zero_param_grads();
+  auto mean = h.forward(in);
+  h.backward_input(*mean);
+  h.backward_weight(*mean);
+
+  Tensor want_dx = one->grad_in[0].clone(), want_dwte = dwte_sum.clone();
+  for (int64_t i = 0; i < want_dx.numel(); ++i) want_dx.data<float>()[i] *= inv_n;
+  for (int64_t i = 0; i < want_dwte.numel(); ++i) want_dwte.data<float>()[i] *= inv_n;
+  expect_near_tensor(mean->grad_in[0], want_dx, "dx of the mean", 1e-6);
+  expect_near_tensor(wte->grad, want_dwte, "dwte of the mean", 1e-6);
+  EXPECT_GT(testing::rel_error(want_dx, one->grad_in[0]), 0.5);  // really scaled
+
+  // And those are the finite differences of the mean: L = (1/N) sum.
+  expect_grad_matches(mean->grad_in[0], h.numeric_grad(in[0], in, 1e-2),
+                      "dx of the mean vs finite differences");
+}
+
+TEST(TiedLmHeadLoss, KeptLogitsAreXTimesWteTransposed) {
+  Case c = make_case("lm_head");
+  auto* head = static_cast<TiedLmHeadLoss*>(c.layer.get());
+  head->set_keep_logits(true);
+  Harness h(c);
+  const std::vector<Tensor> in = c.make_inputs(0);
+  auto p = h.forward(in);
+  const Tensor& logits = TiedLmHeadLoss::logits(*p->ctx);
+  ASSERT_EQ(logits.shape().numel(), kB * kT * kV);
+  const Param* wte = c.store->find("wte");
+  Tensor want = Tensor::zeros({kB * kT, kV});
+  for (int64_t i = 0; i < kB * kT; ++i)
+    for (int64_t v = 0; v < kV; ++v) {
+      double s = 0;
+      for (int64_t j = 0; j < kC; ++j) s += at(in[0], i * kC + j) * at(wte->value, v * kC + j);
+      want.data<float>()[i * kV + v] = static_cast<float>(s);
+    }
+  expect_near_tensor(logits.view({kB * kT, kV}), want, "logits");
+  // Keeping logits must not change the loss or the gradients.
+  Case plain = make_case("lm_head");
+  Harness hp(plain);
+  EXPECT_EQ(at(hp.forward(in)->out[0], 0), at(p->out[0], 0));
+}
+
+TEST(TiedLmHeadLoss, TargetOutsideVocabularyThrows) {
+  Case c = make_case("lm_head");
+  Harness h(c);
+  std::vector<Tensor> in = c.make_inputs(0);
+  in[1].data<int32_t>()[3] = 4321;
+  try {
+    h.forward(in);
+    ADD_FAILURE() << "no error for target 4321";
+  } catch (const Error& e) {
+    EXPECT_PRED2(contains, std::string(e.what()), "4321");
+  }
+}
+
+TEST(Embedding, OutOfRangeTokenThrowsNamingIt) {
+  Case c = make_case("embedding");
+  Harness h(c);
+  for (int32_t bad : {1234, -7, static_cast<int32_t>(kV)}) {
+    std::vector<Tensor> in = c.make_inputs(0);
+    in[0].data<int32_t>()[kT + 2] = bad;
+    try {
+      h.forward(in);
+      ADD_FAILURE() << "no error for token " << bad;
+    } catch (const Error& e) {
+      EXPECT_PRED2(contains, std::string(e.what()), std::to_string(bad));
+    }
+  }
+  // The last valid id is accepted.
+  std::vector<Tensor> in = c.make_inputs(0);
+  in[0].data<int32_t>()[0] = static_cast<int32_t>(kV - 1);
+  EXPECT_NO_THROW(h.forward(in));
+}
+
+TEST(Embedding, SequenceLongerThanPositionTableIsRejected) {
+  Case c = make_case("embedding");
+  const Shape ok{kB, kPos}, too_long{kB, kPos + 1};
+  EXPECT_NO_THROW(c.layer->output_shapes(std::span<const Shape>(&ok, 1)));
+  EXPECT_THROW(c.layer->output_shapes(std::span<const Shape>(&too_long, 1)), Error);
+}
+
+TEST(CausalSelfAttention, LaterPositionsDoNotAffectEarlierOutputs) {
+  Case c = make_case("attention");
+  Harness h(c);
+  const std::vector<Tensor> in = c.make_inputs(0);
+  const Tensor base = h.forward(in)->out[0].clone();
+  for (int64_t t = 0; t < kT; ++t) {
+    std::vector<Tensor> changed = {in[0].clone()};
+    // Change q, k and v of position t in batch row 1 only.
+    for (int64_t j = 0; j < 3 * kC; ++j)
+      changed[0].data<float>()[(1 * kT + t) * 3 * kC + j] += 0.5f + 0.1f * float(j % 3);
+    const Tensor out = h.forward(changed)->out[0].clone();
+    for (int64_t b = 0; b < kB; ++b)
+      for (int64_t s = 0; s < kT; ++s) {
+        const bool same = std::memcmp(out.data<float>() + (b * kT + s) * kC,
+                                      base.data<float>() + (b * kT + s) * kC,
+                                      kC * sizeof(float)) == 0;
+        if (b == 0 || s < t)
+          EXPECT_TRUE(same) << "position " << s << " of row " << b << " saw position " << t;
+        else
+          EXPECT_FALSE(same) << "position " << s << " ignored position " << t;
+      }
+  }
+}
+
+TEST(CausalSelfAttention, GradientDoesNotFlowBackwardInTime) {
+  // d out[s] / d in[t] = 0 for t > s: with grad_out nonzero only at position s, the
+  // input gradient is exactly zero at every later position.
+  Case c = make_case("attention");
+  const std::vector<Tensor> in = c.make_inputs(0);
+  for (int64_t s = 0; s < kT; ++s) {
+    Pass p;
+    Tensor x = p.arena.alloc(in[0].shape());
+    x.copy_from(in[0]);
+    Tensor out = p.arena.alloc({kB, kT, kC});
+    p.ctx = c.layer->make_ctx();
+    const Tensor ins[] = {x}, outs[] = {out};
+    c.layer->forward(*p.ctx, p.arena, ins, outs);
+    Tensor dy = p.arena.zeros({kB, kT, kC});
+    for (int64_t b = 0; b < kB; ++b)
+      for (int64_t j = 0; j < kC; ++j) dy.data<float>()[(b * kT + s) * kC + j] = 1.0f;
+    Tensor dx = p.arena.zeros(in[0].shape());
+    const Tensor gos[] = {dy}, gis[] = {dx};
+    c.layer->backward_input(*p.ctx, p.arena, gos, gis);
+    for (int64_t b = 0; b < kB; ++b)
+      for (int64_t t = 0; t < kT; ++t) {
+        double norm = 0;
+        for (int64_t j = 0; j < 3 * kC; ++j)
+          norm += std::abs(at(dx, (b * kT + t) * 3 * kC + j));
+        if (t > s)
+          EXPECT_EQ(norm, 0.0) << "position " << t << " got gradient from output " << s;
+        else
+          EXPECT_GT(norm, 0.0) << "position " << t << " got no gradient from output " << s;
+      }
+  }
+}
+
+TEST(CausalSelfAttention, HeadsMustDivideWidth) {
+  EXPECT_THROW(CausalSelfAttention(0), Error);
+  CausalSelfAttention attn(3);
+  const Shape bad{kB, kT, 3 * kC}, good{kB, kT, 3 * 9};
+  EXPECT_THROW(attn.output_shapes(std::span<const Shape>(&bad, 1)), Error);
+  EXPECT_EQ(attn.output_shapes(std::span<const Shape>(&good, 1))[0], (Shape{kB, kT, 9}));
+}
+
+TEST(Linear, ShapesAndParams) {
+  ParamStore s;
+  Param* w = make_param(s, "w", {kC, 6}, 0.5f, 0.0f, 1);
+  Param* b = make_param(s, "b", {6}, 0.5f, 0.0f, 1);
+  Param* wrong_b = make_param(s, "wrong_b", {5}, 0.5f, 0.0f, 1);
+  Linear with_bias(w, b), no_bias(w, nullptr);
+  EXPECT_EQ(with_bias.params().size(), 2u);
+  EXPECT_EQ(no_bias.params().size(), 1u);
+  const Shape x{3, 4, kC}, bad{3, 4, kC + 1};
+  EXPECT_EQ(with_bias.output_shapes(std::span<const Shape>(&x, 1))[0], (Shape{3, 4, 6}));
+  EXPECT_THROW(with_bias.output_shapes(std::span<const Shape>(&bad, 1)), Error);
+  EXPECT_THROW(Linear(w, wrong_b), Error);
+}
+
+}  // namespace
+}  // namespace weft
