@@ -15,6 +15,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -43,6 +44,18 @@ struct Args {
   std::string sample_prompt = "\n";
   int threads = 0;
 };
+
+// Entropy of the data's token frequencies, in nats: the loss of the best
+// model that ignores context, which a trained model should beat by far.
+double unigram_entropy(const weft::TokenData& data) {
+  std::vector<int64_t> counts(static_cast<size_t>(data.max_token()), 0);
+  for (int32_t t : data.tokens()) ++counts[static_cast<size_t>(t)];
+  double h = 0;
+  const double n = static_cast<double>(data.size());
+  for (int64_t c : counts)
+    if (c > 0) h -= static_cast<double>(c) / n * std::log(static_cast<double>(c) / n);
+  return h;
+}
 
 int run(const Args& a, const CLI::App& app) {
   using namespace weft;
@@ -106,10 +119,11 @@ int run(const Args& a, const CLI::App& app) {
   if (!a.load.empty()) trainer.load(a.load);
 
   fmt::print("weft train_gpt | layers {} | hidden {} | heads {} | seq {} | vocab {} | params {} "
-             "| micro-batch {} x {} = global {} | threads {} | data {} ({} tokens)\n",
+             "| micro-batch {} x {} = global {} | threads {} | data {} ({} tokens, unigram entropy "
+             "{:.3f} nats)\n",
              cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.seq_length, cfg.vocab_size,
              model.graph.param_count(), a.micro_batch, global / a.micro_batch, global,
-             get_threads(), a.data_path, data.size());
+             get_threads(), a.data_path, data.size(), unigram_entropy(data));
   if (trainer.steps_done() > 0)
     fmt::print("resumed from {} at step {}\n", a.load, trainer.steps_done());
 

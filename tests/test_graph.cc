@@ -1,1 +1,109 @@
+// Graphs: shapes, parameter counts and FLOPs of the models, and shape errors.
+#include <weft/graph.h>
+#include <weft/runner.h>
+
 #include <gtest/gtest.h>
+
+#include "layers/linear.h"
+#include "layers/residual.h"
+#include "models/gpt.h"
+#include "models/mlp.h"
+
+namespace weft {
+namespace {
+
+TEST(Graph, Gpt2PresetHasGpt2SmallParameterCount) {
+  const GptConfig c = gpt_preset("gpt2");
+  EXPECT_EQ(c.param_count(), 124439808);  // Hugging Face gpt2, wpe included, head tied
+}
+
+TEST(Graph, GptGraphCountsMatchTheConfig) {
+  for (const char* name : {"toy", "mini"}) {
+    GptConfig c = gpt_preset(name);
+    GptModel m = build_gpt(c, 2);
+    EXPECT_EQ(m.graph.param_count(), c.param_count()) << name;
+    // wte is shared by the embedding and the head but counted once.
+    EXPECT_EQ(m.graph.params().size(), 2u + 12u * static_cast<size_t>(c.num_layers) + 2u);
+    EXPECT_EQ(m.graph.params().front()->name, "wte.weight");
+    // 2 per multiply-add over the weight matrices (head included, wpe not),
+    // plus attention's 4 B T^2 C per layer; the element-wise layers add a little.
+    const double tokens = 2.0 * static_cast<double>(c.seq_length);
+    const double matmul = 2.0 * tokens *
+                          static_cast<double>(12 * c.num_layers * c.hidden_size * c.hidden_size +
+                                              c.vocab_size * c.hidden_size);
+    const double attn = 4.0 * tokens * static_cast<double>(c.seq_length * c.hidden_size * c.num_layers);
+    const double f = m.graph.forward_flops();
+    EXPECT_GE(f, matmul + attn);
+    EXPECT_LT(f, 1.05 * (matmul + attn)) << name;
+  }
+}
+
+TEST(Graph, GptValuesHaveTheExpectedShapes) {
+  GptConfig c = gpt_preset("toy");
+  GptModel m = build_gpt(c, 3);
+  auto shape = [&](const std::string& v) {
+    int id = m.graph.find_value(v);
+    EXPECT_GE(id, 0) << v;
+    return id < 0 ? Shape{} : m.graph.values()[static_cast<size_t>(id)].shape;
+  };
+  EXPECT_EQ(shape("embed"), (Shape{3, 64, 64}));
+  EXPECT_EQ(shape("h.0.attn.c_attn"), (Shape{3, 64, 192}));
+  EXPECT_EQ(shape("h.1.mlp.c_fc"), (Shape{3, 64, 256}));
+  EXPECT_EQ(shape("lm_head"), (Shape{1}));
+  // The residual stream is read by ln_1 and by the add that ends the block.
+  const Value& x = m.graph.values()[static_cast<size_t>(m.graph.find_value("h.0.res_1"))];
+  EXPECT_EQ(x.consumers.size(), 2u);
+  EXPECT_FALSE(m.graph.values()[static_cast<size_t>(m.io.tokens)].requires_grad);
+}
+
+TEST(Graph, ShapeErrorsNameTheNodeAndShapes) {
+  auto ps = std::make_shared<ParamStore>();
+  Graph g(ps);
+  int x = g.input("x", {2, 8}, DType::F32, true);
+  Param* w = ps->create("w", {4, 3}, Init::normal(0.1f));
+  try {
+    g.add("proj", std::make_unique<Linear>(w, nullptr), {x});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("proj"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("8"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("4"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(g.add("bad", std::make_unique<Residual>(), {x, 7}), Error);
+}
+
+TEST(Graph, ConfigErrorsNameTheRule) {
+  GptConfig c = gpt_preset("toy");
+  c.num_heads = 6;
+  EXPECT_THROW(c.validate(), Error);
+  c = gpt_preset("toy");
+  c.max_positions = 32;
+  EXPECT_THROW(build_gpt(c, 1), Error);
+  EXPECT_THROW(gpt_preset("gpt5"), Error);
+}
+
+// A skip connection: the graph input is read again three nodes later, so its
+// gradient gets two contributions.
+TEST(Graph, SkipConnectionGradientAccumulates) {
+  auto ps = std::make_shared<ParamStore>();
+  Graph g(ps);
+  int x = g.input("x", {1, 3}, DType::F32, true);
+  Param* w = ps->create("w", {3, 3}, Init::constant(0));
+  for (int i = 0; i < 3; ++i) w->value.data<float>()[i * 3 + i] = 2.0f;  // 2 I
+  int h = g.add1("fc", std::make_unique<Linear>(w, nullptr), {x});
+  int y = g.add1("skip", std::make_unique<Residual>(), {x, h});
+  MicroBatch mb(g);
+  Tensor in = mb.input(x);
+  for (int i = 0; i < 3; ++i) in.data<float>()[i] = static_cast<float>(i + 1);
+  forward(g, mb, 0, 2);
+  EXPECT_FLOAT_EQ(mb.value(y).data<float>()[2], 9.0f);  // 3 + 2*3
+  Tensor& gy = mb.grad(y);
+  gy = mb.arena().zeros({1, 3});
+  gy.data<float>()[1] = 1.0f;
+  backward(g, mb, 0, 2);
+  EXPECT_FLOAT_EQ(mb.grad(x).data<float>()[1], 3.0f);  // 1 (skip) + 2 (through W)
+  EXPECT_FLOAT_EQ(w->grad.data<float>()[1 * 3 + 1], 2.0f);  // x[1] * dy[1]
+}
+
+}  // namespace
+}  // namespace weft
