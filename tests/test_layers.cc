@@ -264,20 +264,34 @@ struct Pass {
 class Harness {
  public:
   explicit Harness(Case& c) : c_(c) {
-    // d L / d out: random weights for ordinary layers, 1 for loss layers (L = the loss).
     const std::vector<Tensor> in = c.make_inputs(0);
     std::vector<Shape> shapes;
     for (const Tensor& t : in) shapes.push_back(t.shape());
-    uint64_t seed = 1000;
-    for (const Shape& s : c.layer->output_shapes(shapes)) {
-      r_.push_back(c.loss ? Tensor::zeros(s) : uniform(s, seed++));
-      if (c.loss) r_.back().data<float>()[0] = 1.0f;
+    out_shapes_ = c.layer->output_shapes(shapes);
+    set_dout(0);
+  }
+
+  // d L / d out: random weights for ordinary layers; for loss layers the scalar seed, 1 for
+  // seed 0 (so L is the loss itself). Micro-batches in flight get different ones, so a
+  // layer that mixed up whose dout it kept would show.
+  void set_dout(uint64_t seed) {
+    r_.clear();
+    for (size_t k = 0; k < out_shapes_.size(); ++k) {
+      if (c_.loss) {
+        r_.push_back(Tensor::zeros(out_shapes_[k]));
+        r_.back().data<float>()[0] = seed == 0 ? 1.0f : 0.25f + 0.5f * static_cast<float>(seed);
+      } else {
+        r_.push_back(uniform(out_shapes_[k], 1000 + 10 * seed + k));
+      }
     }
+  }
+  void scale_dout(float s) {
+    for (const Tensor& r : r_)
+      for (int64_t i = 0; i < r.numel(); ++i) r.data<float>()[i] *= s;
   }
 
   Layer& layer() { return *c_.layer; }
   std::vector<Param*> params() { return c_.layer->params(); }
-  void set_loss_seed(float g) { r_[0].data<float>()[0] = g; }
 
   std::unique_ptr<Pass> forward(const std::vector<Tensor>& inputs) {
     auto p = std::make_unique<Pass>();
@@ -361,10 +375,14 @@ class Harness {
 
  private:
   Case& c_;
+  std::vector<Shape> out_shapes_;
   std::vector<Tensor> r_;
 };
 
-// |num - ana| <= 2e-3 + 2e-2 |ana| per element and a relative norm error below 1e-2.
+// |num - ana| <= 5e-4 + 5e-3 |ana| per element and a relative norm error below 2e-3.
+// With eps = 1e-2 the observed errors are at most 1/8 of this (the LM head's, whose fp32
+// loss of ~24 rounds to 2e-6 before the difference quotient), so a missing term as small
+// as a few percent of a gradient still fails.
 void expect_grad_matches(const Tensor& ana, const Tensor& num, const std::string& what) {
   ASSERT_EQ(ana.shape(), num.shape()) << what;
   int bad = 0;
@@ -372,11 +390,11 @@ void expect_grad_matches(const Tensor& ana, const Tensor& num, const std::string
   for (int64_t i = 0; i < ana.numel(); ++i) {
     const double a = at(ana, i), n = at(num, i);
     norm += n * n;
-    if (!(std::abs(n - a) <= 2e-3 + 2e-2 * std::abs(a)) && ++bad <= 5)
+    if (!(std::abs(n - a) <= 5e-4 + 5e-3 * std::abs(a)) && ++bad <= 5)
       ADD_FAILURE() << what << "[" << i << "]: analytic " << a << ", numeric " << n;
   }
   EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << ana.numel() << " elements off";
-  EXPECT_LT(testing::rel_error(ana, num), 1e-2) << what;
+  EXPECT_LT(testing::rel_error(ana, num), 2e-3) << what;
   // A vanishing gradient would make the comparison vacuous.
   EXPECT_GT(std::sqrt(norm), 1e-2) << what << " has no gradient to compare";
 }
@@ -514,6 +532,38 @@ TEST_P(AllLayers, UndefinedGradInIsSkipped) {
   }
 }
 
+// d L / d in is linear in the seed grad_out: scaling it scales every gradient. For the loss
+// layers this is how the caller turns the sum into a mean.
+TEST_P(AllLayers, GradientsScaleWithGradOut) {
+  Case c = make_case(GetParam());
+  Harness h(c);
+  const std::vector<Tensor> in = c.make_inputs(0);
+  h.zero_param_grads();
+  auto base = h.forward(in);
+  h.backward_input(*base);
+  h.backward_weight(*base);
+  const std::vector<Tensor> base_params = h.param_grads();
+
+  const float s = 0.37f;
+  h.scale_dout(s);
+  h.zero_param_grads();
+  auto scaled = h.forward(in);
+  h.backward_input(*scaled);
+  h.backward_weight(*scaled);
+  auto times_s = [s](const Tensor& t) {
+    Tensor u = t.clone();
+    for (int64_t i = 0; i < u.numel(); ++i) u.data<float>()[i] *= s;
+    return u;
+  };
+  for (size_t i = 0; i < in.size(); ++i)
+    if (c.float_input[i])
+      expect_near_tensor(scaled->grad_in[i], times_s(base->grad_in[i]),
+                         c.name + " grad_in " + std::to_string(i), 1e-6);
+  const std::vector<Param*> ps = h.params();
+  for (size_t k = 0; k < ps.size(); ++k)
+    expect_near_tensor(ps[k]->grad, times_s(base_params[k]), c.name + " " + ps[k]->name, 1e-6);
+}
+
 // Several micro-batches in flight, each with its own ctx: interleaving their F, I and W
 // actions gives each input the same gradient as running it alone, and the parameters the
 // sum of the micro-batches' gradients.
@@ -536,6 +586,7 @@ TEST_P(AllLayers, InterleavedMicroBatchesMatchOneAtATime) {
     for (int m = 0; m < micro; ++m) {
       h.zero_param_grads();
       auto p = h.forward(inputs[z(m)]);
+      h.set_dout(static_cast<uint64_t>(m + 1));
       h.backward_input(*p);
       h.backward_weight(*p);
       for (const Tensor& g : p->grad_in) solo_in[z(m)].push_back(g.defined() ? g.clone() : g);
@@ -551,7 +602,10 @@ TEST_P(AllLayers, InterleavedMicroBatchesMatchOneAtATime) {
     for (size_t k = 0; k < sched.size(); k += 3) {
       const auto m = z(sched[k + 1] - 'A');
       if (sched[k] == 'F') passes[m] = h.forward(inputs[m]);
-      if (sched[k] == 'I') h.backward_input(*passes[m]);
+      if (sched[k] == 'I') {
+        h.set_dout(m + 1);
+        h.backward_input(*passes[m]);
+      }
       if (sched[k] == 'W') h.backward_weight(*passes[m]);
     }
     for (int m = 0; m < micro; ++m)
@@ -616,7 +670,6 @@ TEST(TiedLmHeadLoss, OutputIsTheSumOfTokenCrossEntropies) {
   const double want = lm_loss_ref(in[0], in[1], wte);
   EXPECT_NEAR(at(p->out[0], 0), want, 1e-5 * want);
   // A sum, not a mean: the loss of the batch is the loss of its halves added.
-  EXPECT_GT(want, 0.5 * kB * kT * std::log(double(kV)));
   const Tensor x0 = in[0].slice0(0, 1).clone(), x1 = in[0].slice0(1, 2).clone();
   const Tensor t0 = in[1].slice0(0, 1).clone(), t1 = in[1].slice0(1, 2).clone();
   const double halves = at(h.forward({x0, t0})->out[0], 0) + at(h.forward({x1, t1})->out[0], 0);
@@ -637,7 +690,7 @@ TEST(TiedLmHeadLoss, GradOutScalesTheGradients) {
 
   // Seeding 1/N gives the gradient of the mean loss.
   const float inv_n = 1.0f / static_cast<float>(kB * kT);
-  h.set_loss_seed(inv_n);
+  h.scale_dout(inv_n);
   h.zero_param_grads();
   auto mean = h.forward(in);
   h.backward_input(*mean);

@@ -4,10 +4,28 @@
 // parallelism.
 #include <weft/cpu_kernels.h>
 
+#include <Eigen/Core>
+
 #include <algorithm>
 #include <cmath>
 
 namespace weft::cpu {
+
+namespace {
+using RowMap = Eigen::Map<Eigen::ArrayXf>;
+using CRowMap = Eigen::Map<const Eigen::ArrayXf>;
+
+// Row i of a causal score matrix: softmax over columns 0..i, zero after.
+void causal_softmax_rows(float* p, int64_t t) {
+  for (int64_t i = 0; i < t; ++i) {
+    RowMap row(p + i * t, i + 1);
+    const float mx = row.maxCoeff();
+    row = (row - mx).exp();
+    row *= 1.0f / row.sum();
+    std::fill(p + i * t + i + 1, p + (i + 1) * t, 0.0f);
+  }
+}
+}  // namespace
 
 // qkv (B, T, 3C): q, k, v blocks of C columns; head h owns columns h*D..h*D+D-1
 // of each block. out (B, T, C). probs (B, H, T, T).
@@ -23,19 +41,7 @@ void attention_forward(const float* qkv, float* out, float* probs, int64_t b, in
     const float* v = q + 2 * c;
     float* p = probs + bh * t * t;
     gemm(false, true, t, t, d, scale, q, ld, k, ld, 0.0f, p, t);
-    for (int64_t i = 0; i < t; ++i) {
-      float* row = p + i * t;
-      float mx = row[0];
-      for (int64_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
-      float sum = 0;
-      for (int64_t j = 0; j <= i; ++j) {
-        row[j] = std::exp(row[j] - mx);
-        sum += row[j];
-      }
-      float inv = 1.0f / sum;
-      for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
-      for (int64_t j = i + 1; j < t; ++j) row[j] = 0.0f;
-    }
+    causal_softmax_rows(p, t);
     gemm(false, false, t, d, t, 1.0f, p, t, v, ld, 0.0f, out + bi * t * c + hi * d, c);
   }
 }
@@ -59,12 +65,11 @@ void attention_backward(const float* dout, const float* qkv, const float* probs,
     gemm(false, true, t, t, d, 1.0f, dO, c, v, ld, 0.0f, ds, t);  // dP = dO V^T
     gemm(true, false, t, d, t, 1.0f, p, t, dO, c, 1.0f, dv, ld);  // dV += P^T dO
     for (int64_t i = 0; i < t; ++i) {  // dS = P * (dP - sum_j P dP), causal part only
-      const float* pr = p + i * t;
-      float* sr = ds + i * t;
-      float dot = 0;
-      for (int64_t j = 0; j <= i; ++j) dot += pr[j] * sr[j];
-      for (int64_t j = 0; j <= i; ++j) sr[j] = pr[j] * (sr[j] - dot);
-      for (int64_t j = i + 1; j < t; ++j) sr[j] = 0.0f;
+      CRowMap pr(p + i * t, i + 1);
+      RowMap sr(ds + i * t, i + 1);
+      const float dot = (pr * sr).sum();
+      sr = pr * (sr - dot);
+      std::fill(ds + i * t + i + 1, ds + (i + 1) * t, 0.0f);
     }
     gemm(false, false, t, d, t, scale, ds, t, k, ld, 1.0f, dq, ld);  // dQ += s dS K
     gemm(true, false, t, d, t, scale, ds, t, q, ld, 1.0f, dk, ld);   // dK += s dS^T Q

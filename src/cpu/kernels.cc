@@ -161,18 +161,13 @@ double softmax_cross_entropy(float* logits, const int32_t* targets, float* losse
   double total = 0;
 #pragma omp parallel for schedule(static) reduction(+ : total)
   for (int64_t i = 0; i < n; ++i) {
-    float* row = logits + i * v;
-    float mx = row[0];
-    for (int64_t j = 1; j < v; ++j) mx = std::max(mx, row[j]);
-    float sum = 0;
-    for (int64_t j = 0; j < v; ++j) {
-      row[j] = std::exp(row[j] - mx);
-      sum += row[j];
-    }
-    float inv = 1.0f / sum;
-    float target_prob_log = std::log(row[targets[i]]) - std::log(sum);
-    for (int64_t j = 0; j < v; ++j) row[j] *= inv;
-    losses[i] = -target_prob_log;
+    MapF row(logits + i * v, v);
+    const float mx = row.maxCoeff();
+    const float target_logit = row[targets[i]] - mx;
+    row = (row - mx).exp();
+    const float sum = row.sum();
+    row *= 1.0f / sum;
+    losses[i] = std::log(sum) - target_logit;
     total += static_cast<double>(losses[i]);
   }
   return total;
