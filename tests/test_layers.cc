@@ -67,7 +67,7 @@ struct Case {
   std::unique_ptr<Layer> layer;
   std::function<std::vector<Tensor>(uint64_t)> make_inputs;  // owned master copies
   std::vector<bool> float_input;  // inputs that get a gradient; int inputs never do
-  bool loss = false;               // one scalar output, a sum
+  bool loss = false;              // one scalar output, a sum
   // The first output in double, from the inputs and the current parameter values.
   std::function<std::vector<double>(const std::vector<Tensor>&)> reference;
 };
@@ -86,10 +86,11 @@ std::vector<double> layernorm_ref(const Tensor& x, const Param* w, const Param* 
   for (int64_t i = 0; i < n; ++i) {
     double m = 0, var = 0;
     for (int64_t j = 0; j < c; ++j) m += at(x, i * c + j) / static_cast<double>(c);
-    for (int64_t j = 0; j < c; ++j) var += std::pow(at(x, i * c + j) - m, 2) / static_cast<double>(c);
     for (int64_t j = 0; j < c; ++j)
-      y[z(i * c + j)] = (at(x, i * c + j) - m) / std::sqrt(var + eps) * at(w->value, j) +
-                        at(b->value, j);
+      var += std::pow(at(x, i * c + j) - m, 2) / static_cast<double>(c);
+    for (int64_t j = 0; j < c; ++j)
+      y[z(i * c + j)] =
+          (at(x, i * c + j) - m) / std::sqrt(var + eps) * at(w->value, j) + at(b->value, j);
   }
   return y;
 }
@@ -97,7 +98,9 @@ std::vector<double> layernorm_ref(const Tensor& x, const Param* w, const Param* 
 std::vector<double> attention_ref(const Tensor& qkv, int64_t h) {
   const int64_t b = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3, d = c / h;
   std::vector<double> out(z(b * t * c), 0.0);
-  auto q = [&](int64_t bi, int64_t ti, int64_t col) { return at(qkv, (bi * t + ti) * 3 * c + col); };
+  auto q = [&](int64_t bi, int64_t ti, int64_t col) {
+    return at(qkv, (bi * t + ti) * 3 * c + col);
+  };
   for (int64_t bi = 0; bi < b; ++bi)
     for (int64_t hi = 0; hi < h; ++hi)
       for (int64_t i = 0; i < t; ++i) {
@@ -149,8 +152,8 @@ Case make_case(const std::string& name) {
       std::vector<double> y(z(kB * kT * kC));
       for (int64_t i = 0; i < kB * kT; ++i)
         for (int64_t j = 0; j < kC; ++j)
-          y[z(i * kC + j)] = at(wte->value, in[0].data<int32_t>()[i] * kC + j) +
-                             at(wpe->value, (i % kT) * kC + j);
+          y[z(i * kC + j)] =
+              at(wte->value, in[0].data<int32_t>()[i] * kC + j) + at(wpe->value, (i % kT) * kC + j);
       return y;
     };
   } else if (name == "layernorm") {
@@ -166,7 +169,9 @@ Case make_case(const std::string& name) {
       return std::vector<Tensor>{x};
     };
     c.float_input = {true};
-    c.reference = [w, b](const std::vector<Tensor>& in) { return layernorm_ref(in[0], w, b, 1e-5); };
+    c.reference = [w, b](const std::vector<Tensor>& in) {
+      return layernorm_ref(in[0], w, b, 1e-5);
+    };
   } else if (name == "linear_bias" || name == "linear_nobias") {
     const int64_t out = 6;
     Param* w = make_param(s, "fc.weight", {kC, out}, 0.5f, 0.0f, 3);
@@ -231,13 +236,15 @@ Case make_case(const std::string& name) {
   } else if (name == "mse") {
     c.layer = std::make_unique<MseLoss>();
     c.make_inputs = [](uint64_t seed) {
-      return std::vector<Tensor>{uniform({kB * kT, 4}, 800 + seed), uniform({kB * kT, 4}, 900 + seed)};
+      return std::vector<Tensor>{uniform({kB * kT, 4}, 800 + seed),
+                                 uniform({kB * kT, 4}, 900 + seed)};
     };
     c.float_input = {true, true};
     c.loss = true;
     c.reference = [](const std::vector<Tensor>& in) {
       double s2 = 0;
-      for (int64_t i = 0; i < in[0].numel(); ++i) s2 += 0.5 * std::pow(at(in[0], i) - at(in[1], i), 2);
+      for (int64_t i = 0; i < in[0].numel(); ++i)
+        s2 += 0.5 * std::pow(at(in[0], i) - at(in[1], i), 2);
       return std::vector<double>{s2};
     };
   } else {
@@ -246,9 +253,9 @@ Case make_case(const std::string& name) {
   return c;
 }
 
-const std::vector<std::string> kAllLayers = {"embedding", "layernorm", "linear_bias",
-                                             "linear_nobias", "gelu", "attention",
-                                             "residual", "lm_head", "mse"};
+const std::vector<std::string> kAllLayers = {"embedding",     "layernorm", "linear_bias",
+                                             "linear_nobias", "gelu",      "attention",
+                                             "residual",      "lm_head",   "mse"};
 const std::vector<std::string> kParamLayers = {"embedding", "layernorm", "linear_bias",
                                                "linear_nobias", "lm_head"};
 
@@ -572,8 +579,7 @@ TEST_P(AllLayers, InterleavedMicroBatchesMatchOneAtATime) {
   Harness h(c);
   // F_A F_B I_B I_A W_A W_B as in a zero-bubble pipeline, and a three-deep schedule where
   // a W runs between other micro-batches' I actions.
-  const std::vector<std::string> schedules = {"FA FB IB IA WA WB",
-                                              "FA FB FC IC IB WB IA WC WA"};
+  const std::vector<std::string> schedules = {"FA FB IB IA WA WB", "FA FB FC IC IB WB IA WC WA"};
   for (const std::string& sched : schedules) {
     const int micro = sched.find('C') != std::string::npos ? 3 : 2;
     std::vector<std::vector<Tensor>> inputs;
@@ -784,9 +790,9 @@ TEST(CausalSelfAttention, LaterPositionsDoNotAffectEarlierOutputs) {
     const Tensor out = h.forward(changed)->out[0].clone();
     for (int64_t b = 0; b < kB; ++b)
       for (int64_t s = 0; s < kT; ++s) {
-        const bool same = std::memcmp(out.data<float>() + (b * kT + s) * kC,
-                                      base.data<float>() + (b * kT + s) * kC,
-                                      kC * sizeof(float)) == 0;
+        const bool same =
+            std::memcmp(out.data<float>() + (b * kT + s) * kC,
+                        base.data<float>() + (b * kT + s) * kC, kC * sizeof(float)) == 0;
         if (b == 0 || s < t)
           EXPECT_TRUE(same) << "position " << s << " of row " << b << " saw position " << t;
         else
@@ -817,8 +823,7 @@ TEST(CausalSelfAttention, GradientDoesNotFlowBackwardInTime) {
     for (int64_t b = 0; b < kB; ++b)
       for (int64_t t = 0; t < kT; ++t) {
         double norm = 0;
-        for (int64_t j = 0; j < 3 * kC; ++j)
-          norm += std::abs(at(dx, (b * kT + t) * 3 * kC + j));
+        for (int64_t j = 0; j < 3 * kC; ++j) norm += std::abs(at(dx, (b * kT + t) * 3 * kC + j));
         if (t > s)
           EXPECT_EQ(norm, 0.0) << "position " << t << " got gradient from output " << s;
         else
