@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # weft against PyTorch on the same GPT, same machine, same threads, in one run.
 # Prints a markdown table. Needs python3 with torch (Debian: python3-torch).
+# Each runs as it runs best: weft with its defaults (one OpenMP pool shared with
+# OpenBLAS), PyTorch with set_num_threads and OMP_WAIT_POLICY=PASSIVE, without
+# which its OpenMP threads spin against its BLAS threads.
 #   bench/compare_pytorch.sh [threads]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +21,7 @@ echo "|---|---|---:|---:|---:|---:|---:|---:|---:|"
 for model in mini small; do
   read -r L C H T <<<"${shape[$model]}"
   B=8
-  w=$(OMP_WAIT_POLICY=PASSIVE build/bench/bench_train --model "$model" --micro-batch-size $B \
+  w=$(build/bench/bench_train --model "$model" --micro-batch-size $B \
         --threads "$threads" --steps 5 --json --no-gemm | tail -n 1)
   p=$(OMP_WAIT_POLICY=PASSIVE "$py" bench/pytorch_gpt.py --num-layers "$L" --hidden-size "$C" \
         --num-heads "$H" --seq-length "$T" --micro-batch-size $B --threads "$threads" --steps 5)

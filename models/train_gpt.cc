@@ -94,6 +94,7 @@ int run(const Args& a, const CLI::App& app) {
         "{} holds token id {}, outside --vocab-size ({})", a.data_path, data.max_token() - 1,
         cfg.vocab_size);
 
+  const double entropy = unigram_entropy(data);
   GptModel model = build_gpt(cfg, a.micro_batch);
   init_gpt(model, a.seed);
   if (!a.init_from.empty()) load_weights(a.init_from, model.graph.params());
@@ -123,7 +124,7 @@ int run(const Args& a, const CLI::App& app) {
              "{:.3f} nats)\n",
              cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.seq_length, cfg.vocab_size,
              model.graph.param_count(), a.micro_batch, global / a.micro_batch, global,
-             get_threads(), a.data_path, data.size(), unigram_entropy(data));
+             get_threads(), a.data_path, data.size(), entropy);
   if (trainer.steps_done() > 0)
     fmt::print("resumed from {} at step {}\n", a.load, trainer.steps_done());
 
@@ -133,8 +134,14 @@ int run(const Args& a, const CLI::App& app) {
     check(jsonl.good(), "--log-jsonl {}: cannot open for writing", a.log_jsonl);
   }
   const double flops_per_token = cfg.train_flops_per_token();
+  // Step losses are noisy (each reads one stretch of the data): summarise the
+  // run by the mean of its last steps.
+  constexpr size_t kRecent = 50;
+  std::vector<double> recent;
   while (trainer.steps_done() < a.train_iters) {
     StepRecord r = trainer.train_step();
+    if (recent.size() == kRecent) recent.erase(recent.begin());
+    recent.push_back(r.loss);
     if (jsonl.is_open()) {
       auto j = r.json();
       j["gflops"] = flops_per_token * r.tokens_per_s / 1e9;
@@ -147,6 +154,14 @@ int run(const Args& a, const CLI::App& app) {
     std::fflush(stdout);
     if (!a.save.empty() && a.save_interval > 0 && trainer.steps_done() % a.save_interval == 0)
       trainer.save(a.save);
+  }
+  if (!recent.empty()) {
+    double mean = 0;
+    for (double l : recent) mean += l;
+    mean /= static_cast<double>(recent.size());
+    fmt::print("mean loss of the last {} steps: {:.4f} nats ({:.2f} bits per token); unigram "
+               "entropy of the data: {:.4f} nats\n",
+               recent.size(), mean, mean / std::log(2.0), entropy);
   }
   if (!a.save.empty()) {
     trainer.save(a.save);

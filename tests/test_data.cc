@@ -13,24 +13,12 @@
 namespace weft {
 namespace {
 
+using testing::contains;
+using testing::error_message;
+
 using testing::temp_dir;
 using testing::write_file;
 
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
-
-// Runs `f`, which must throw Error; returns the message ("" after a failure).
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected weft::Error";
-  return "";
-}
 
 void put_i32(std::string& b, size_t at, int32_t v) {
   auto u = static_cast<uint32_t>(v);
@@ -89,14 +77,14 @@ TEST(TokenData, WindowsCountFullWindowsWithShiftedTarget) {
 }
 
 TEST(TokenData, WindowsThrowsWhenNoWindowFits) {
-  std::string msg = error_of([] { ramp(3).windows(3); });
+  std::string msg = error_message([] { ramp(3).windows(3); });
   EXPECT_TRUE(contains(msg, "3 tokens")) << msg;
   EXPECT_TRUE(contains(msg, "sequence length 3")) << msg;
   EXPECT_TRUE(contains(msg, "needs 4 tokens")) << msg;
 
   std::string path = temp_dir("data-short") + "/tiny.txt";
   write_file(path, "ab");
-  msg = error_of([&] { TokenData::load(path).windows(8); });
+  msg = error_message([&] { TokenData::load(path).windows(8); });
   EXPECT_TRUE(contains(msg, path)) << msg;
   EXPECT_TRUE(contains(msg, "2 tokens")) << msg;
 }
@@ -149,9 +137,9 @@ TEST(TokenData, FirstSequencePartitionsEachStep) {
 }
 
 TEST(TokenData, FirstSequenceRejectsBadLayout) {
-  std::string msg = error_of([] { first_sequence(0, 8, 2, 0, 2, 2); });
+  std::string msg = error_message([] { first_sequence(0, 8, 2, 0, 2, 2); });
   EXPECT_TRUE(contains(msg, "dp_rank 2 of dp 2")) << msg;
-  msg = error_of([] { first_sequence(0, 8, 2, 2, 2, 0); });  // micro 2 needs 12 > 8
+  msg = error_message([] { first_sequence(0, 8, 2, 2, 2, 0); });  // micro 2 needs 12 > 8
   EXPECT_TRUE(contains(msg, "global batch of 8")) << msg;
 }
 
@@ -176,7 +164,7 @@ TEST(TokenData, LlmcBinRoundTrip) {
 TEST(TokenData, LlmcBadMagic) {
   std::string path = temp_dir("data-magic") + "/m.bin";
   write_file(path, llmc_file(12345, 1, 2, {1, 2}));
-  std::string msg = error_of([&] { TokenData::load(path); });
+  std::string msg = error_message([&] { TokenData::load(path); });
   EXPECT_TRUE(contains(msg, path)) << msg;
   EXPECT_TRUE(contains(msg, "magic is 12345")) << msg;
   EXPECT_TRUE(contains(msg, "20240520")) << msg;
@@ -185,7 +173,7 @@ TEST(TokenData, LlmcBadMagic) {
 TEST(TokenData, LlmcBadVersion) {
   std::string path = temp_dir("data-version") + "/v.bin";
   write_file(path, llmc_file(20240520, 2, 2, {1, 2}));
-  std::string msg = error_of([&] { TokenData::load(path); });
+  std::string msg = error_message([&] { TokenData::load(path); });
   EXPECT_TRUE(contains(msg, path)) << msg;
   EXPECT_TRUE(contains(msg, "version is 2, expected 1")) << msg;
 }
@@ -193,7 +181,7 @@ TEST(TokenData, LlmcBadVersion) {
 TEST(TokenData, LlmcZeroCount) {
   std::string path = temp_dir("data-count") + "/c.bin";
   write_file(path, llmc_file(20240520, 1, 0, {}));
-  std::string msg = error_of([&] { TokenData::load(path); });
+  std::string msg = error_message([&] { TokenData::load(path); });
   EXPECT_TRUE(contains(msg, path)) << msg;
   EXPECT_TRUE(contains(msg, "token count is 0")) << msg;
 }
@@ -201,26 +189,26 @@ TEST(TokenData, LlmcZeroCount) {
 TEST(TokenData, LlmcTruncatedOrTooLong) {
   std::string path = temp_dir("data-trunc") + "/t.bin";
   write_file(path, llmc_file(20240520, 1, 5, {1, 2, 3, 4}));
-  std::string msg = error_of([&] { TokenData::load(path); });
+  std::string msg = error_message([&] { TokenData::load(path); });
   EXPECT_TRUE(contains(msg, path)) << msg;
   EXPECT_TRUE(contains(msg, "1032 bytes")) << msg;  // found
   EXPECT_TRUE(contains(msg, "1034 bytes")) << msg;  // needed
   EXPECT_TRUE(contains(msg, "truncated")) << msg;
 
   write_file(path, llmc_file(20240520, 1, 3, {1, 2, 3, 4}));
-  msg = error_of([&] { TokenData::load(path); });
+  msg = error_message([&] { TokenData::load(path); });
   EXPECT_TRUE(contains(msg, "1032 bytes")) << msg;
   EXPECT_TRUE(contains(msg, "1030 bytes")) << msg;
 
   write_file(path, std::string(100, '\x01'));  // not even a header
-  msg = error_of([&] { TokenData::load(path); });
+  msg = error_message([&] { TokenData::load(path); });
   EXPECT_TRUE(contains(msg, "100 bytes")) << msg;
   EXPECT_TRUE(contains(msg, "1024-byte")) << msg;
 }
 
 TEST(TokenData, MissingFileNamesPath) {
   std::string path = temp_dir("data-missing") + "/nope.txt";
-  std::string msg = error_of([&] { TokenData::load(path); });
+  std::string msg = error_message([&] { TokenData::load(path); });
   EXPECT_TRUE(contains(msg, path)) << msg;
   EXPECT_TRUE(contains(msg, "No such file or directory")) << msg;
 }
@@ -230,7 +218,7 @@ TEST(TokenData, EmptyFileIsRejected) {
   for (const char* name : {"/empty.txt", "/empty.bin"}) {
     std::string path = dir + name;
     write_file(path, "");
-    std::string msg = error_of([&] { TokenData::load(path); });
+    std::string msg = error_message([&] { TokenData::load(path); });
     EXPECT_TRUE(contains(msg, path)) << msg;
     EXPECT_TRUE(contains(msg, "empty")) << msg;
   }
@@ -240,9 +228,9 @@ TEST(TokenData, FromTokensValidatesIds) {
   TokenData d = TokenData::from_tokens({3, 1, 4, 1, 5}, 10);
   EXPECT_EQ(d.max_token(), 6);
   EXPECT_EQ(d.size(), 5);
-  std::string msg = error_of([] { TokenData::from_tokens({1, -2}, 0); });
+  std::string msg = error_message([] { TokenData::from_tokens({1, -2}, 0); });
   EXPECT_TRUE(contains(msg, "-2")) << msg;
-  msg = error_of([] { TokenData::from_tokens({1, 10}, 10); });
+  msg = error_message([] { TokenData::from_tokens({1, 10}, 10); });
   EXPECT_TRUE(contains(msg, "token 10 at index 1")) << msg;
 }
 

@@ -16,24 +16,15 @@
 namespace weft {
 namespace {
 
+using testing::contains;
+using testing::error_message;
+
 using Vec = std::vector<float>;
 using DVec = std::vector<double>;
 
 size_t z(int64_t i) { return static_cast<size_t>(i); }
 
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
 
-template <typename F>
-std::string error_message(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 // Element-wise |got - want| <= atol + rtol |want|, reporting the first few misses.
 void expect_close(const float* got, const double* want, int64_t n, double atol, double rtol,

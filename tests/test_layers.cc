@@ -30,13 +30,13 @@
 namespace weft {
 namespace {
 
+using testing::contains;
+using testing::error_message;
+
 constexpr int64_t kB = 2, kT = 5, kC = 8, kHeads = 2, kV = 11, kPos = 6;
 
 size_t z(int64_t i) { return static_cast<size_t>(i); }
 
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
 
 void fill_uniform(const Tensor& t, uint64_t seed, float lo = -1.0f, float hi = 1.0f) {
   const std::vector<float> v = testing::uniform(t.numel(), seed, lo, hi);

@@ -15,21 +15,10 @@
 namespace weft {
 namespace {
 
-// True when `text` contains `part`; failures print both through EXPECT_PRED2.
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
+using testing::contains;
+using testing::error_message;
 
-// The message of the Error thrown by f, or "" when nothing was thrown.
-template <typename F>
-std::string error_message(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+
 
 // --- Shape ---
 

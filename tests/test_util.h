@@ -23,4 +23,20 @@ double rel_error(const Tensor& a, const Tensor& b);
 void write_file(const std::string& path, const std::string& bytes);
 std::string read_file(const std::string& path);
 
+// True when `text` contains `part`.
+inline bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// The message of the Error thrown by f, or "" when nothing was thrown.
+template <typename F>
+std::string error_message(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
 }  // namespace weft::testing
