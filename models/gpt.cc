@@ -94,7 +94,8 @@ GptModel build_gpt(const GptConfig& cfg, int64_t micro_batch,
   Param* wpe = param("wpe.weight", {cfg.positions(), c}, Init::normal(0.02f));
   m.io.tokens = g.input("tokens", {B, T}, DType::I32);
   m.io.targets = g.input("targets", {B, T}, DType::I32);
-  int x = g.add1("embed", std::make_unique<Embedding>(wte, wpe), {m.io.tokens});
+  const int embedded = g.add1("embed", std::make_unique<Embedding>(wte, wpe), {m.io.tokens});
+  int x = embedded;
   for (int64_t i = 0; i < L; ++i) {
     const std::string h = fmt::format("h.{}", i);
     int a = g.add1(h + ".ln_1", norm(h + ".ln_1"), {x});
@@ -108,6 +109,7 @@ GptModel build_gpt(const GptConfig& cfg, int64_t micro_batch,
     f = g.add1(h + ".mlp.c_proj", linear(h + ".mlp.c_proj", 4 * c, c, proj_std, ParallelRole::Row), {f});
     x = g.add1(h + ".res_2", std::make_unique<Residual>(), {x, f});
   }
+  if (cfg.embedding_skip) x = g.add1("embedding_skip", std::make_unique<Residual>(), {x, embedded});
   x = g.add1("ln_f", norm("ln_f"), {x});
   auto head = std::make_unique<TiedLmHeadLoss>(wte);
   m.head = head.get();

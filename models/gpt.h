@@ -25,6 +25,9 @@ struct GptConfig {
   int64_t hidden_size = 64;
   int64_t num_heads = 4;
   int64_t seq_length = 64;
+  // Adds the embedding output to the last block's output before ln_f: a skip
+  // connection that crosses every pipeline stage (not part of GPT-2).
+  bool embedding_skip = false;
 
   int64_t positions() const { return max_positions > 0 ? max_positions : seq_length; }
   // Throws Error naming the value and the rule for an impossible shape.

@@ -7,6 +7,11 @@
 // and the rule it broke, and exit with status 1.
 #include <weft/checkpoint.h>
 #include <weft/error.h>
+#include <weft/mesh.h>
+#include <weft/mpi_communicator.h>
+#include <weft/partition.h>
+#include <weft/pipeline.h>
+#include <weft/schedule.h>
 #include <weft/threads.h>
 #include <weft/trainer.h>
 
@@ -14,10 +19,13 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <optional>
+#include <span>
 #include <string>
 
 namespace {
@@ -43,6 +51,14 @@ struct Args {
   float sample_temperature = 0.8f;
   std::string sample_prompt = "\n";
   int threads = 0;
+  // Parallelism (Megatron's names; dp = world / (tp x pp)).
+  int tp = 1, pp = 1;
+  std::string schedule = "1f1b";
+  int virtual_stages = 0;       // chunks per pipeline rank
+  int layers_per_virtual = 0;   // --num-layers-per-virtual-pipeline-stage
+  std::string partition = "uniform";
+  bool recompute = false;
+  double comm_timeout = 300;  // seconds
 };
 
 // Entropy of the data's token frequencies, in nats: the loss of the best
@@ -57,10 +73,54 @@ double unigram_entropy(const weft::TokenData& data) {
   return h;
 }
 
-int run(const Args& a, const CLI::App& app) {
+// Pipeline settings checked before any communication: every rank reaches the
+// same verdict from the flags and the world size alone.
+struct PipelineSetup {
+  int chunks = 1;
+  int64_t micro_batches = 1;
+};
+
+PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int world, int64_t global) {
   using namespace weft;
-  GptConfig cfg = a.model.empty() ? a.gpt : gpt_preset(a.model);
-  // Explicit shape flags override the preset.
+  MeshLayout layout(world, a.tp, a.pp);
+  check(a.tp == 1, "--tensor-model-parallel-size ({}) > 1 is not available yet", a.tp);
+  check(layout.dp() == 1,
+        "world size ({}) = tp ({}) x pp ({}) x dp ({}): data parallelism (dp > 1) is not "
+        "available yet",
+        world, a.tp, a.pp, layout.dp());
+  PipelineSetup p;
+  if (a.layers_per_virtual > 0) {
+    check(cfg.num_layers % (a.pp * a.layers_per_virtual) == 0,
+          "--num-layers ({}) must be divisible by --pp ({}) x "
+          "--num-layers-per-virtual-pipeline-stage ({})",
+          cfg.num_layers, a.pp, a.layers_per_virtual);
+    p.chunks = static_cast<int>(cfg.num_layers / (a.pp * a.layers_per_virtual));
+  } else if (a.virtual_stages > 0) {
+    p.chunks = a.virtual_stages;
+  } else if (a.schedule == "interleaved-1f1b" || a.schedule == "zb-v") {
+    p.chunks = 2;
+  }
+  check(cfg.num_layers >= a.pp * p.chunks,
+        "--num-layers ({}) must be at least --pp ({}) x virtual stages ({}): every stage needs a "
+        "layer",
+        cfg.num_layers, a.pp, p.chunks);
+  check(global % (a.micro_batch * layout.dp()) == 0,
+        "--global-batch-size ({}) must be divisible by --micro-batch-size ({}) x dp ({})", global,
+        a.micro_batch, layout.dp());
+  p.micro_batches = global / (a.micro_batch * layout.dp());
+  // Throws naming the rule when the schedule cannot run these sizes.
+  sched::make_schedule(a.schedule, a.pp, static_cast<int>(p.micro_batches), p.chunks);
+  parse_partition_method(a.partition);
+  if (a.pp > 1) {
+    check(a.save.empty() && a.load.empty(), "--save and --load with --pp > 1 are not available yet");
+    check(a.sample == 0, "--sample with --pp > 1 is not available yet");
+  }
+  return p;
+}
+
+// The preset, with explicit shape flags overriding it.
+weft::GptConfig resolve_config(const Args& a, const CLI::App& app) {
+  weft::GptConfig cfg = a.model.empty() ? a.gpt : weft::gpt_preset(a.model);
   if (app.count("--num-layers")) cfg.num_layers = a.gpt.num_layers;
   if (app.count("--hidden-size")) cfg.hidden_size = a.gpt.hidden_size;
   if (app.count("--num-attention-heads")) cfg.num_heads = a.gpt.num_heads;
@@ -68,6 +128,12 @@ int run(const Args& a, const CLI::App& app) {
   if (app.count("--max-position-embeddings")) cfg.max_positions = a.gpt.max_positions;
   if (app.count("--vocab-size")) cfg.vocab_size = a.gpt.vocab_size;
   cfg.validate();
+  return cfg;
+}
+
+int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
+  using namespace weft;
+  const GptConfig cfg = resolve_config(a, app);
 
   const int64_t global = a.global_batch > 0 ? a.global_batch : a.micro_batch;
   check(a.micro_batch > 0, "--micro-batch-size ({}) must be positive", a.micro_batch);
@@ -87,6 +153,8 @@ int run(const Args& a, const CLI::App& app) {
   check(a.log_interval > 0, "--log-interval ({}) must be positive", a.log_interval);
   check(a.save_interval >= 0, "--save-interval ({}) must be >= 0", a.save_interval);
   check(!a.data_path.empty(), "--data-path is required (a text file, or an llm.c .bin file)");
+  const PipelineSetup setup = check_parallel(a, cfg, world ? world->size() : 1, global);
+  const bool rank0 = world == nullptr || world->rank() == 0;
 
   set_threads(a.threads > 0 ? a.threads : default_threads());
   TokenData data = TokenData::load(a.data_path);
@@ -116,10 +184,34 @@ int run(const Args& a, const CLI::App& app) {
                 {"micro_batch_size", a.micro_batch}, {"global_batch_size", global},
                 {"seed", a.seed},                 {"data_path", a.data_path}};
   TokenBatches batches(data, global, cfg.seq_length);
-  Trainer trainer(model.io, batches, opt);
+  std::optional<Mesh> mesh;
+  std::unique_ptr<PipelineExecutor> pipeline;
+  sched::Schedule schedule;
+  if (a.pp > 1) {
+    mesh.emplace(Mesh::build(*world, a.tp, a.pp));
+    if (rank0) fmt::print("mesh: {}\n", mesh->layout.describe());
+    schedule = sched::lower(sched::make_schedule(a.schedule, a.pp,
+                                                 static_cast<int>(setup.micro_batches),
+                                                 setup.chunks));
+    PartitionOptions po;
+    po.method = parse_partition_method(a.partition);
+    po.pp = a.pp;
+    po.chunks = setup.chunks;
+    po.stage_rank = schedule.stage_rank;
+    po.in_flight = sched::peak_in_flight(schedule);
+    StagePlan plan = partition(model.graph, CostModel::analytic(model.graph), po);
+    if (rank0) fmt::print("schedule {} over {} stages; partition {}:\n{}", a.schedule,
+                          schedule.stages(), a.partition, plan.describe(model.graph));
+    pipeline = std::make_unique<PipelineExecutor>(model.graph, model.io, std::move(plan), schedule,
+                                                  *mesh->pp, PipelineOptions{a.recompute});
+  }
+  std::unique_ptr<Trainer> trainer_ptr =
+      pipeline ? std::make_unique<Trainer>(model.io, batches, opt, *pipeline)
+               : std::make_unique<Trainer>(model.io, batches, opt);
+  Trainer& trainer = *trainer_ptr;
   if (!a.load.empty()) trainer.load(a.load);
 
-  fmt::print("weft train_gpt | layers {} | hidden {} | heads {} | seq {} | vocab {} | params {} "
+  if (rank0) fmt::print("weft train_gpt | layers {} | hidden {} | heads {} | seq {} | vocab {} | params {} "
              "| micro-batch {} x {} = global {} | threads {} | data {} ({} tokens, unigram entropy "
              "{:.3f} nats)\n",
              cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.seq_length, cfg.vocab_size,
@@ -129,7 +221,7 @@ int run(const Args& a, const CLI::App& app) {
     fmt::print("resumed from {} at step {}\n", a.load, trainer.steps_done());
 
   std::ofstream jsonl;
-  if (!a.log_jsonl.empty()) {
+  if (!a.log_jsonl.empty() && rank0) {
     jsonl.open(a.log_jsonl, trainer.steps_done() > 0 ? std::ios::app : std::ios::trunc);
     check(jsonl.good(), "--log-jsonl {}: cannot open for writing", a.log_jsonl);
   }
@@ -148,14 +240,27 @@ int run(const Args& a, const CLI::App& app) {
       jsonl << j.dump() << '\n';
       jsonl.flush();
     }
-    if ((r.step + 1) % a.log_interval == 0 || r.step + 1 == a.train_iters)
+    if (rank0 && ((r.step + 1) % a.log_interval == 0 || r.step + 1 == a.train_iters))
       fmt::print("{} | {:.1f} GFLOP/s\n", r.line(a.train_iters),
                  flops_per_token * r.tokens_per_s / 1e9);
     std::fflush(stdout);
     if (!a.save.empty() && a.save_interval > 0 && trainer.steps_done() % a.save_interval == 0)
       trainer.save(a.save);
   }
-  if (!recent.empty()) {
+  if (pipeline) {
+    // Each rank reports the most micro-batches it held at once.
+    Tensor peaks = Tensor::zeros({a.pp}, DType::I32);
+    Tensor mine = Tensor::zeros({1}, DType::I32);
+    mine.data<int32_t>()[0] = pipeline->peak_stashed();
+    mesh->pp->all_gather(mine, peaks);
+    std::vector<int> promised = sched::peak_in_flight(schedule);
+    if (rank0)
+      fmt::print("stashed activations, peak per pipeline rank: [{}] micro-batch stages ({} "
+                 "promises [{}])\n",
+                 fmt::join(std::span(peaks.data<int32_t>(), static_cast<size_t>(a.pp)), ", "),
+                 a.schedule, fmt::join(promised, ", "));
+  }
+  if (!recent.empty() && rank0) {
     double mean = 0;
     for (double l : recent) mean += l;
     mean /= static_cast<double>(recent.size());
@@ -228,18 +333,41 @@ int main(int argc, char** argv) {
   app.add_option("--sample-temperature", a.sample_temperature, "0 = greedy");
   app.add_option("--sample-prompt", a.sample_prompt, "text the sample continues");
   app.add_option("--threads", a.threads, "CPU threads (default: cores / local ranks)");
+  app.add_option("--tensor-model-parallel-size,--tp", a.tp, "tensor-parallel ranks");
+  app.add_option("--pipeline-model-parallel-size,--pp", a.pp, "pipeline ranks");
+  app.add_option("--schedule", a.schedule,
+                 "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v");
+  app.add_option("--virtual-stages", a.virtual_stages, "model chunks per pipeline rank");
+  app.add_option("--num-layers-per-virtual-pipeline-stage", a.layers_per_virtual,
+                 "layers per chunk (sets the virtual stages as Megatron does)");
+  app.add_option("--partition", a.partition, "stage partition: uniform, parameters, time");
+  app.add_flag("--recompute", a.recompute, "recompute activations in the backward pass");
+  app.add_option("--comm-timeout", a.comm_timeout,
+                 "seconds any rank waits for a message or collective before failing");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  const weft::LaunchInfo launch = weft::detect_launch();
+  if (launch.size == 1) {
+    try {
+      return run(a, app, nullptr);
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "train_gpt: error: {}\n", e.what());
+      return 1;
+    }
+  }
+  // Several ranks: catch bad flags before any communication, printed once.
   try {
-    return run(a, app);
-  } catch (const weft::Error& e) {
-    fmt::print(stderr, "train_gpt: error: {}\n", e.what());
-    return 1;
+    check_parallel(a, resolve_config(a, app), launch.size,
+                   a.global_batch > 0 ? a.global_batch : a.micro_batch);
   } catch (const std::exception& e) {
-    fmt::print(stderr, "train_gpt: error: {}\n", e.what());
+    if (launch.rank == 0) fmt::print(stderr, "train_gpt: error: {}\n", e.what());
     return 1;
   }
+  weft::CommOptions comm;
+  comm.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.comm_timeout * 1000));
+  return weft::mpi_main(argc, argv, [&](weft::Communicator& world) { return run(a, app, &world); },
+                        comm);
 }

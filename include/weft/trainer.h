@@ -19,6 +19,8 @@
 
 namespace weft {
 
+class PipelineExecutor;
+
 // Where a language-model graph takes its data and gives its loss.
 struct LmGraph {
   Graph* graph = nullptr;
@@ -74,6 +76,9 @@ struct StepRecord {
 class Trainer {
  public:
   Trainer(LmGraph g, const BatchSource& data, TrainOptions opt);
+  // One pipeline rank: the executor runs this rank's share of each step, and
+  // the optimizer updates the parameters of this rank's stages.
+  Trainer(LmGraph g, const BatchSource& data, TrainOptions opt, PipelineExecutor& pipeline);
 
   // Runs one step; throws Error naming the step when the loss is not finite.
   StepRecord train_step();
@@ -93,6 +98,7 @@ class Trainer {
   LmGraph g_;
   const BatchSource& data_;
   TrainOptions opt_;
+  PipelineExecutor* pipeline_ = nullptr;
   std::vector<Param*> params_;
   AdamW optimizer_;
   MicroBatch mb_;

@@ -1,3 +1,4 @@
+#include <weft/pipeline.h>
 #include <weft/trainer.h>
 
 #include <chrono>
@@ -42,7 +43,21 @@ Trainer::Trainer(LmGraph g, const BatchSource& data, TrainOptions opt)
         opt_.micro_batch, opt_.seq_length);
 }
 
+Trainer::Trainer(LmGraph g, const BatchSource& data, TrainOptions opt, PipelineExecutor& pipeline)
+    : g_(g),
+      data_(data),
+      opt_(std::move(opt)),
+      pipeline_(&pipeline),
+      params_(pipeline.params()),
+      optimizer_(params_, opt_.adam),
+      mb_(*g.graph) {
+  check(opt_.micro_batch > 0 && opt_.global_batch % opt_.micro_batch == 0,
+        "global batch size ({}) must be a multiple of the micro-batch size ({})",
+        opt_.global_batch, opt_.micro_batch);
+}
+
 double Trainer::compute_gradients(int64_t step) {
+  if (pipeline_ != nullptr) return pipeline_->run(data_, step, opt_.micro_batch, opt_.seq_length);
   const Graph& graph = *g_.graph;
   const int64_t micro = opt_.global_batch / opt_.micro_batch;
   const int n = static_cast<int>(graph.nodes().size());
@@ -66,7 +81,7 @@ StepRecord Trainer::train_step() {
   StepRecord r;
   r.step = steps_done_;
   r.loss = compute_gradients(steps_done_);
-  r.grad_norm = grad_norm(params_);
+  r.grad_norm = pipeline_ != nullptr ? pipeline_->grad_norm() : grad_norm(params_);
   check(std::isfinite(r.loss) && std::isfinite(r.grad_norm),
         "step {}: loss is {} and gradient norm is {}; training diverged (try a lower --lr or "
         "--clip-grad)",

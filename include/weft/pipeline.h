@@ -1,0 +1,101 @@
+// weft/pipeline.h — running one rank's share of a pipeline schedule.
+//
+// The PipelineExecutor is the one place where compute meets communication:
+// a loop over this rank's actions of a lowered schedule (weft/schedule.h),
+// calling the runner for F/B/I/W and the communicator for SEND/RECV.
+//
+// Stage s runs the graph nodes plan.begin[s] .. plan.begin[s+1]. Its boundary
+// is every value produced up to its end and read after it, so a stage
+// boundary may carry several tensors and a value that skips stages is relayed
+// through them. Each (stage, micro-batch) gets a slot: a MicroBatch (values,
+// gradients, layer contexts, arena) holding its own copies of its inputs; the
+// slot returns to a pool as soon as its backward (I and W) is done and its
+// sends have completed. Slots are reused, so steady-state steps allocate
+// nothing. With recompute, F keeps only the stage's inputs and replays the
+// forward right before the backward.
+#pragma once
+
+#include <weft/communicator.h>
+#include <weft/graph.h>
+#include <weft/partition.h>
+#include <weft/runner.h>
+#include <weft/schedule.h>
+#include <weft/trainer.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace weft {
+
+struct PipelineOptions {
+  bool recompute = false;
+};
+
+class PipelineExecutor {
+ public:
+  // `graph` is this rank's copy of the whole model (parameters of stages on
+  // other ranks are simply never used); `schedule` must be lowered; `pp` is
+  // the pipeline group (rank r runs schedule.actions[r]).
+  PipelineExecutor(const Graph& graph, LmGraph io, StagePlan plan, sched::Schedule schedule,
+                   Communicator& pp, PipelineOptions options = {});
+  ~PipelineExecutor();
+
+  // Runs every action of this rank for one global batch: parameter gradients
+  // accumulate into Param::grad (zeroed first), and tied parameters held by
+  // several ranks get their gradients summed. Returns the mean loss over the
+  // global batch (on every rank).
+  double run(const BatchSource& data, int64_t step, int64_t micro_batch, int64_t seq_len);
+
+  // Parameters this rank updates, and the total gradient norm over the whole
+  // model counting each parameter once (collective over the pp group).
+  const std::vector<Param*>& params() const { return params_; }
+  double grad_norm() const;
+
+  // The most micro-batch stages whose forward activations were held at once
+  // (F done, I or B not yet) during the last run: what the schedule promises.
+  int peak_stashed() const { return peak_stashed_; }
+  // The most (stage, micro-batch) slots alive at once: also counts slots that
+  // wait only for their W action. A slot keeps its whole arena until then,
+  // so with split backward this, not peak_stashed, bounds the memory today.
+  int peak_slots() const { return peak_slots_; }
+  const std::vector<int>& local_stages() const { return local_stages_; }
+
+ private:
+  struct Slot;
+  struct Boundary;
+  Slot& slot(int stage, int micro_batch, bool create);
+  void release_if_done(int stage, int micro_batch);
+  void forward_action(int stage, int mb, int64_t step);
+  void backward_input_action(int stage, int mb);
+  void backward_weight_action(int stage, int mb);
+  void fill_inputs(Slot& s, int stage, int mb, int64_t step);
+  void share_inputs(MicroBatch& from, MicroBatch& to, int stage) const;
+  void reduce_tied();
+  void set_step(int64_t step, size_t index, const sched::Action& a);
+
+  const Graph& graph_;
+  LmGraph io_;
+  StagePlan plan_;
+  sched::Schedule schedule_;
+  Communicator& pp_;
+  PipelineOptions options_;
+  std::vector<Boundary> boundary_;  // per stage: values it sends forward
+  std::vector<int> local_stages_;
+  std::vector<Param*> params_;
+  std::vector<Param*> norm_params_;  // params whose norm this rank counts
+  struct Tied;
+  std::vector<Tied> tied_;
+  std::vector<std::unique_ptr<Slot>> pool_;
+  std::vector<Slot*> live_;  // indexed by stage * m + micro_batch
+  const BatchSource* data_ = nullptr;
+  int64_t micro_batch_size_ = 0, seq_len_ = 0, step_ = 0;
+  double loss_sum_ = 0;
+  int peak_slots_ = 0, slots_in_use_ = 0;
+  int peak_stashed_ = 0, stashed_ = 0;
+  mutable Tensor scalar_;  // for the loss and norm reductions
+  std::unique_ptr<MicroBatch> work_;  // with recompute: where a stage's activations live
+  std::vector<int> keep_buf_;
+};
+
+}  // namespace weft

@@ -1,0 +1,119 @@
+// weft/schedule.h — pipeline schedules as plain data.
+//
+// A schedule says, for every pipeline rank, the order of its actions. An
+// action is {kind, stage, micro-batch}; its text form is the stage, the kind
+// and the micro-batch: "2F0" (stage 2, forward, micro-batch 0), "1B3",
+// "0I1", "0W1", "1SEND_F0", "2RECV_B4". Stages are global: with pp ranks and
+// v chunks per rank there are pp*v stages, stage s reading stage s-1's output.
+// Which rank holds a stage is part of the schedule (stage_rank): round-robin
+// (s % pp) for GPipe, 1F1B and interleaved 1F1B; a V shape for ZB-V.
+//
+// Generators are pure functions of (pp, micro-batches, chunks) and return
+// compute actions only (F, B, or I and W). lower() adds the SEND/RECV
+// actions in an order that cannot deadlock; validate() checks a (lowered or
+// not) schedule and, when it rejects one, names the failing action and draws
+// the rank x step grid with it marked. One representation serves generation,
+// lowering, validation, simulation, rendering and execution.
+//
+//   Schedule s = lower(one_f_one_b(4, 8));
+//   ValidationResult v = validate(s);
+//   if (!v.ok) fmt::print("{}\n", v.message);   // includes the grid
+//   for (const Action& a : s.actions[rank]) ...  // the executor's loop
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace weft::sched {
+
+enum class ActionKind : uint8_t {
+  F,            // forward of (stage, micro-batch)
+  B,            // full backward: I then W
+  I,            // backward for the input (activation gradient)
+  W,            // backward for the weights
+  SEND_F,       // send stage's forward output to the next stage's rank
+  RECV_F,       // receive stage's forward input from the previous stage's rank
+  SEND_B,       // send stage's input gradient to the previous stage's rank
+  RECV_B,       // receive stage's output gradient from the next stage's rank
+  REDUCE_GRAD,  // data-parallel gradient reduction of a stage (micro_batch = -1)
+  REDUCE_TIED,  // sum tied-weight gradients across the stages that hold a copy
+  STEP,         // optimizer step (stage = -1, micro_batch = -1)
+};
+
+struct Action {
+  ActionKind kind = ActionKind::F;
+  int stage = 0;
+  int micro_batch = 0;
+
+  // "2F0", "1SEND_B3", "0REDUCE_GRAD", "STEP".
+  std::string str() const;
+  // Inverse of str(); throws weft::Error naming the text on bad input.
+  static Action parse(std::string_view text);
+  bool operator==(const Action&) const = default;
+};
+
+struct Schedule {
+  std::string name;       // "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", ...
+  int pp = 1;             // pipeline ranks
+  int chunks = 1;         // stages per rank (v)
+  int micro_batches = 1;  // m
+  std::vector<int> stage_rank;                // stage -> rank, size pp * chunks
+  std::vector<std::vector<Action>> actions;   // per rank, in execution order
+
+  int stages() const { return pp * chunks; }
+};
+
+// --- generators: compute actions only ---
+Schedule gpipe(int pp, int micro_batches);
+Schedule one_f_one_b(int pp, int micro_batches);
+// Megatron's interleaved 1F1B: `chunks` model chunks per rank, round-robin.
+Schedule interleaved_1f1b(int pp, int micro_batches, int chunks);
+// Zero bubble H1 (split I/W, 1F1B's memory, about a third of its bubble).
+Schedule zb_h1(int pp, int micro_batches);
+// Zero bubble V (two chunks per rank in a V: rank r holds stages r and 2pp-1-r).
+Schedule zb_v(int pp, int micro_batches);
+
+// Names accepted by make_schedule, everywhere (weft-sched, train_gpt --schedule).
+std::vector<std::string> schedule_names();
+// By name; throws weft::Error naming the value and the rule (an unknown name,
+// micro-batches fewer than the schedule needs, chunks a schedule does not
+// support, ...). chunks is ignored by schedules with a fixed number.
+Schedule make_schedule(const std::string& name, int pp, int micro_batches, int chunks = 1);
+
+// --- lowering, validation, text ---
+// Inserts SEND_F/RECV_F/SEND_B/RECV_B for every stage boundary that crosses
+// ranks, placed so that the lowered schedule cannot deadlock when sends are
+// non-blocking and receives block.
+Schedule lower(const Schedule& compute);
+
+struct ValidationResult {
+  bool ok = true;
+  int rank = -1;           // the failing action, when !ok
+  int index = -1;
+  std::string message;     // the rule broken, then the grid with "<-- ERROR HERE"
+};
+// Checks: every (stage, micro-batch) has exactly one F and either one B or
+// one I and one W, on the rank that holds the stage; F(s, m) follows
+// F(s-1, m); I/B(s, m) follows F(s, m) and I/B(s+1, m); W follows I; in a
+// lowered schedule every SEND meets one RECV of the same tensor on the peer
+// rank, in the same per-peer FIFO order, and executing it with blocking
+// receives terminates (no deadlock).
+ValidationResult validate(const Schedule& s);
+
+// The rank x step grid, one row per rank: "rank 0: 0F0 0F1 ... ".
+std::string render_grid(const Schedule& s, int mark_rank = -1, int mark_index = -1);
+// CSV: one line per rank, actions separated by commas. Round-trips.
+std::string to_csv(const Schedule& s);
+// Parses actions per rank; stage_rank, pp, chunks and micro-batches are
+// inferred (pp = lines); throws weft::Error naming the line and cell.
+Schedule from_csv(std::string_view csv, const std::string& name = "csv");
+
+// The most micro-batches whose activations a rank holds at once (F done,
+// I/B not yet), walking its actions in order: what the executor's stash
+// will hold. GPipe: m; 1F1B: pp - rank (capped by m).
+std::vector<int> peak_in_flight(const Schedule& s);
+
+}  // namespace weft::sched

@@ -1,0 +1,62 @@
+// partitioner/search.h — min-max searches over the cut positions of a node order.
+#pragma once
+
+#include "partitioner/pricing.h"
+
+#include <functional>
+#include <limits>
+#include <vector>
+
+namespace weft::partition_detail {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// A price for every range [a, b) of n nodes, 0 <= a < b <= n.
+class RangeTable {
+ public:
+  explicit RangeTable(int n = 0) : n_(n), v_(static_cast<size_t>((n + 1) * (n + 1)), 0) {}
+  double& at(int a, int b) { return v_[static_cast<size_t>(a * (n_ + 1) + b)]; }
+  double operator()(int a, int b) const { return v_[static_cast<size_t>(a * (n_ + 1) + b)]; }
+
+ private:
+  int n_;
+  std::vector<double> v_;
+};
+
+// What every range costs as a stage of its own: time, and the parameter and activation
+// bytes of a rank holding only that range (a tied parameter used twice in it counts once).
+struct StageTables {
+  StageTables(const Pricing& p, const Layout& l);
+  const Pricing& p;
+  const Layout& l;
+  RangeTable time, params, activations;
+  // Bytes of stage s's rank if it held nodes [a, b) alone.
+  double memory(int s, int a, int b) const {
+    return memory_bytes(p.state_factor, params(a, b), l.in_flight[static_cast<size_t>(l.rank[static_cast<size_t>(s)])],
+                        activations(a, b));
+  }
+};
+
+// price(s, a, b): what stage s costs running nodes [a, b); +inf where it may not.
+using RangePrice = std::function<double(int s, int a, int b)>;
+using Grid = std::vector<std::vector<double>>;
+
+// best[s][a]: the least largest price over cuts of nodes [a, n) into stages s..stages-1
+// (+inf when none; best[stages][n] is -inf, the empty maximum).
+Grid min_max_suffix(int n, int stages, const RangePrice& price);
+// As above with sums for maxima (best[stages][n] = 0).
+Grid min_sum_suffix(int n, int stages, const RangePrice& price);
+// The cut (begin, size stages + 1) minimising the largest price; empty when every cut
+// has a range priced +inf. Of equal cuts, the one with the earliest cuts wins.
+std::vector<int> min_max_cut(int n, int stages, const RangePrice& price);
+
+// Exact searches for when a rank runs several stages (chunks > 1), so its memory is
+// the sum over non-adjacent ranges and no cut-position DP is exact.
+enum class Goal {
+  Time,    // least largest stage time with every rank's memory within the budget
+  Memory,  // least largest rank memory
+};
+// Empty when no cut meets the budget (Goal::Time).
+std::vector<int> branch_and_bound(const StageTables& t, Goal goal);
+
+}  // namespace weft::partition_detail

@@ -1,0 +1,29 @@
+// GPipe: every rank runs all forwards, then all backwards. The simplest
+// schedule and the most memory-hungry: each rank holds all m micro-batches'
+// activations at the turn. Stage s lives on rank s.
+#include <weft/error.h>
+#include <weft/schedule.h>
+
+namespace weft::sched {
+
+Schedule gpipe(int pp, int micro_batches) {
+  check(pp >= 1, "gpipe: pipeline ranks (pp = {}) must be at least 1", pp);
+  check(micro_batches >= 1, "gpipe: micro-batches ({}) must be at least 1", micro_batches);
+  Schedule s;
+  s.name = "gpipe";
+  s.pp = pp;
+  s.chunks = 1;
+  s.micro_batches = micro_batches;
+  s.actions.resize(static_cast<size_t>(pp));
+  for (int rank = 0; rank < pp; ++rank) {
+    s.stage_rank.push_back(rank);
+    auto& list = s.actions[static_cast<size_t>(rank)];
+    for (int mb = 0; mb < micro_batches; ++mb) list.push_back({ActionKind::F, rank, mb});
+    // Backwards in forward order, so the first micro-batch's gradient leaves
+    // the last stage as soon as the forwards drain.
+    for (int mb = 0; mb < micro_batches; ++mb) list.push_back({ActionKind::B, rank, mb});
+  }
+  return s;
+}
+
+}  // namespace weft::sched

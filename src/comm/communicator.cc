@@ -1,0 +1,66 @@
+#include <weft/communicator.h>
+
+namespace weft {
+
+const char* reduce_op_name(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "max"; }
+
+namespace {
+const char* kind_name(MessageTag::Kind k) {
+  switch (k) {
+    case MessageTag::Kind::Activation: return "activation";
+    case MessageTag::Kind::Gradient: return "gradient";
+    case MessageTag::Kind::Tied: return "tied";
+    case MessageTag::Kind::Data: return "data";
+    case MessageTag::Kind::User: return "user";
+  }
+  return "?";
+}
+}  // namespace
+
+// bits: kind 3 | micro_batch 12 | chunk 6 | index 4
+int32_t MessageTag::encode() const {
+  check(micro_batch >= 0 && micro_batch < kMaxMicroBatch,
+        "message micro-batch {} is outside [0, {})", micro_batch, kMaxMicroBatch);
+  check(chunk >= 0 && chunk < kMaxChunk, "message chunk {} is outside [0, {})", chunk, kMaxChunk);
+  check(index >= 0 && index < kMaxIndex, "message tensor index {} is outside [0, {})", index,
+        kMaxIndex);
+  return (static_cast<int32_t>(kind) << 22) | (micro_batch << 10) | (chunk << 4) | index;
+}
+
+MessageTag MessageTag::decode(int32_t code) {
+  MessageTag t;
+  t.kind = static_cast<Kind>((code >> 22) & 0x7);
+  t.micro_batch = (code >> 10) & (kMaxMicroBatch - 1);
+  t.chunk = (code >> 4) & (kMaxChunk - 1);
+  t.index = code & (kMaxIndex - 1);
+  return t;
+}
+
+std::string MessageTag::str() const {
+  return fmt::format("{} mb {} chunk {} #{}", kind_name(kind), micro_batch, chunk, index);
+}
+
+void wait_all(std::vector<RequestPtr>& requests) {
+  for (auto& r : requests)
+    if (r) r->wait();
+}
+
+std::string Communicator::waiting_for(const std::string& operation) const {
+  std::string s = fmt::format("rank {} (world rank {}) timed out after {} ms waiting for {} in {}",
+                              rank(), world_rank(rank()), options_.timeout.count(), operation,
+                              describe());
+  if (!step_.empty()) s += fmt::format(", at {}", step_);
+  return s;
+}
+
+void check_message(const Tensor& posted, const Shape& arrived_shape, DType arrived_dtype,
+                   int peer, const MessageTag& tag, const Communicator& comm) {
+  check(posted.shape() == arrived_shape && posted.dtype() == arrived_dtype,
+        "rank {} (world rank {}) received {} {} from rank {} (world rank {}) with tag {} in {}, "
+        "but posted a receive for {} {}",
+        comm.rank(), comm.world_rank(comm.rank()), dtype_name(arrived_dtype), arrived_shape.str(),
+        peer, comm.world_rank(peer), tag.str(), comm.describe(), dtype_name(posted.dtype()),
+        posted.shape().str());
+}
+
+}  // namespace weft

@@ -1,0 +1,359 @@
+#include <weft/pipeline.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+namespace weft {
+
+using sched::Action;
+using sched::ActionKind;
+
+struct PipelineExecutor::Boundary {
+  std::vector<int> values;  // sent from stage s to stage s+1, in value order
+};
+
+struct PipelineExecutor::Slot {
+  explicit Slot(const Graph& g) : mb(g) {}
+  MicroBatch mb;
+  int stage = -1, micro = -1;
+  bool input_grad_done = false, weight_done = false, grads_sent = false;
+  std::vector<RequestPtr> sends;
+};
+
+struct PipelineExecutor::Tied {
+  Param* param = nullptr;  // this rank's copy, or null when it holds none
+  std::unique_ptr<Communicator> group;
+};
+
+PipelineExecutor::PipelineExecutor(const Graph& graph, LmGraph io, StagePlan plan,
+                                   sched::Schedule schedule, Communicator& pp,
+                                   PipelineOptions options)
+    : graph_(graph),
+      io_(io),
+      plan_(std::move(plan)),
+      schedule_(std::move(schedule)),
+      pp_(pp),
+      options_(options) {
+  const int stages = schedule_.stages();
+  check(plan_.stages() == stages, "the stage plan has {} stages but schedule '{}' has {}",
+        plan_.stages(), schedule_.name, stages);
+  check(pp_.size() == schedule_.pp, "schedule '{}' is for {} pipeline ranks, the group has {}",
+        schedule_.name, schedule_.pp, pp_.size());
+  check(stages <= MessageTag::kMaxChunk, "{} pipeline stages exceed the {} a message tag can name",
+        stages, MessageTag::kMaxChunk);
+  // Boundaries: values produced by stage <= s and read after it.
+  boundary_.resize(static_cast<size_t>(stages));
+  const auto& values = graph_.values();
+  for (int s = 0; s < stages; ++s) {
+    const int end = plan_.begin[static_cast<size_t>(s) + 1];
+    for (size_t v = 0; v < values.size(); ++v) {
+      const Value& val = values[v];
+      if (val.producer < 0 || val.producer >= end) continue;
+      if (std::any_of(val.consumers.begin(), val.consumers.end(), [&](int c) { return c >= end; }))
+        boundary_[static_cast<size_t>(s)].values.push_back(static_cast<int>(v));
+    }
+  }
+  // This rank's stages and parameters; tied parameters across ranks.
+  std::map<std::string, std::vector<int>> holders;  // name -> ranks using it
+  std::map<std::string, Param*> by_name;
+  for (int s = 0; s < stages; ++s) {
+    const int r = schedule_.stage_rank[static_cast<size_t>(s)];
+    if (r == pp_.rank()) local_stages_.push_back(s);
+    for (Param* p : graph_.params(plan_.begin[static_cast<size_t>(s)],
+                                  plan_.begin[static_cast<size_t>(s) + 1])) {
+      auto& h = holders[p->name];
+      if (std::find(h.begin(), h.end(), r) == h.end()) h.push_back(r);
+      by_name[p->name] = p;
+    }
+  }
+  for (auto& [name, ranks] : holders) {
+    std::sort(ranks.begin(), ranks.end());
+    const bool mine = std::find(ranks.begin(), ranks.end(), pp_.rank()) != ranks.end();
+    if (mine) params_.push_back(by_name[name]);
+    if (mine && ranks.front() == pp_.rank()) norm_params_.push_back(by_name[name]);
+    if (ranks.size() < 2) continue;
+    // Every rank takes part in each split, in the same (name) order.
+    std::vector<std::vector<int>> groups = {ranks};
+    for (int r = 0; r < pp_.size(); ++r)
+      if (std::find(ranks.begin(), ranks.end(), r) == ranks.end()) groups.push_back({r});
+    Tied t;
+    t.param = mine ? by_name[name] : nullptr;
+    t.group = pp_.split(groups, "tied " + name);
+    tied_.push_back(std::move(t));
+  }
+  live_.assign(static_cast<size_t>(stages * schedule_.micro_batches), nullptr);
+  scalar_ = Tensor::zeros({1});
+  if (options_.recompute) work_ = std::make_unique<MicroBatch>(graph_);
+  keep_buf_.reserve(graph_.values().size());
+}
+
+// "step 3, action 12 (1F4)" without allocating: a timeout names where it was.
+void PipelineExecutor::set_step(int64_t step, size_t index, const sched::Action& a) {
+  char buf[96];
+  // Action texts fit std::string's small buffer, so str() does not allocate.
+  auto r = fmt::format_to_n(buf, sizeof(buf), "step {}, action {} ({})", step + 1, index, a.str());
+  pp_.set_step(std::string_view(buf, r.size < sizeof(buf) ? r.size : sizeof(buf)));
+}
+
+PipelineExecutor::~PipelineExecutor() = default;
+
+PipelineExecutor::Slot& PipelineExecutor::slot(int stage, int mb, bool create) {
+  Slot*& s = live_[static_cast<size_t>(stage * schedule_.micro_batches + mb)];
+  if (s == nullptr) {
+    check(create, "stage {} micro-batch {} has no activations here: the schedule runs a backward "
+                  "or send before its forward",
+          stage, mb);
+    for (auto& p : pool_)
+      if (p->stage < 0) {
+        s = p.get();
+        break;
+      }
+    if (s == nullptr) {
+      pool_.push_back(std::make_unique<Slot>(graph_));
+      s = pool_.back().get();
+    }
+    s->stage = stage;
+    s->micro = mb;
+    s->input_grad_done = s->weight_done = s->grads_sent = false;
+    peak_slots_ = std::max(peak_slots_, ++slots_in_use_);
+  }
+  return *s;
+}
+
+void PipelineExecutor::release_if_done(int stage, int mb) {
+  Slot& s = slot(stage, mb, false);
+  const bool needs_send_b =
+      stage > 0 && schedule_.stage_rank[static_cast<size_t>(stage) - 1] != pp_.rank();
+  if (!s.input_grad_done || !s.weight_done || (needs_send_b && !s.grads_sent)) return;
+  wait_all(s.sends);
+  s.sends.clear();
+  s.mb.reset();
+  s.stage = s.micro = -1;
+  live_[static_cast<size_t>(stage * schedule_.micro_batches + mb)] = nullptr;
+  --slots_in_use_;
+}
+
+void PipelineExecutor::fill_inputs(Slot& s, int stage, int mb, int64_t step) {
+  const int begin = plan_.begin[static_cast<size_t>(stage)];
+  const int end = plan_.begin[static_cast<size_t>(stage) + 1];
+  bool needs_data = false;
+  for (int v : {io_.tokens, io_.targets})
+    for (int c : graph_.values()[static_cast<size_t>(v)].consumers) needs_data |= c >= begin && c < end;
+  if (!needs_data) return;
+  data_->fill(step, mb * micro_batch_size_, micro_batch_size_, seq_len_,
+              s.mb.input(io_.tokens).data<int32_t>(), s.mb.input(io_.targets).data<int32_t>());
+}
+
+// Copies `values` (and their gradients when `grads`) from one slot to another
+// on the same rank: each slot owns its tensors, so either may be released first.
+static void copy_local(const std::vector<int>& values, MicroBatch& from, MicroBatch& to,
+                       const Graph& g, bool grads) {
+  for (int v : values) {
+    const Value& val = g.values()[static_cast<size_t>(v)];
+    if (grads) {
+      if (!val.requires_grad) continue;
+      Tensor t = to.arena().alloc(val.shape);
+      t.copy_from(from.grad(v));
+      to.grad(v) = t;
+    } else {
+      Tensor t = to.arena().alloc(val.shape, val.dtype);
+      t.copy_from(from.value(v));
+      to.value(v) = t;
+    }
+  }
+}
+
+// With recompute a slot keeps only what crosses its stage's edges (inputs,
+// outputs to send, gradients to send); the stage's activations live in the
+// one work MicroBatch, for one forward, or one replayed forward + backward.
+void PipelineExecutor::share_inputs(MicroBatch& from, MicroBatch& to, int stage) const {
+  if (stage > 0)
+    for (int v : boundary_[static_cast<size_t>(stage) - 1].values) to.value(v) = from.value(v);
+  for (int v : {io_.tokens, io_.targets})
+    if (from.value(v).defined()) to.value(v) = from.value(v);
+}
+
+void PipelineExecutor::forward_action(int stage, int mb, int64_t step) {
+  Slot& s = slot(stage, mb, true);
+  peak_stashed_ = std::max(peak_stashed_, ++stashed_);
+  if (stage > 0 && schedule_.stage_rank[static_cast<size_t>(stage) - 1] == pp_.rank())
+    copy_local(boundary_[static_cast<size_t>(stage) - 1].values, slot(stage - 1, mb, false).mb,
+               s.mb, graph_, false);
+  fill_inputs(s, stage, mb, step);
+  const int begin = plan_.begin[static_cast<size_t>(stage)];
+  const int end = plan_.begin[static_cast<size_t>(stage) + 1];
+  MicroBatch& work = options_.recompute ? *work_ : s.mb;
+  if (options_.recompute) share_inputs(s.mb, work, stage);
+  forward(graph_, work, begin, end);
+  if (stage == schedule_.stages() - 1)
+    loss_sum_ += static_cast<double>(work.value(io_.loss).data<float>()[0]);
+  if (!options_.recompute) return;
+  std::vector<int>& keep = keep_buf_;  // this stage's outputs that cross its edge
+  keep.clear();
+  for (int v : boundary_[static_cast<size_t>(stage)].values)
+    if (graph_.values()[static_cast<size_t>(v)].producer >= begin) keep.push_back(v);
+  copy_local(keep, work, s.mb, graph_, false);
+  work.reset();
+}
+
+void PipelineExecutor::backward_input_action(int stage, int mb) {
+  Slot& s = slot(stage, mb, false);
+  const int begin = plan_.begin[static_cast<size_t>(stage)];
+  const int end = plan_.begin[static_cast<size_t>(stage) + 1];
+  MicroBatch& work = options_.recompute ? *work_ : s.mb;
+  if (options_.recompute) {
+    share_inputs(s.mb, work, stage);
+    forward(graph_, work, begin, end);
+    for (int v : boundary_[static_cast<size_t>(stage)].values)
+      if (s.mb.grad(v).defined()) work.grad(v) = s.mb.grad(v);
+  }
+  if (stage == schedule_.stages() - 1)
+    work.seed_grad(io_.loss, 1.0f / static_cast<float>(schedule_.micro_batches *
+                                                       micro_batch_size_ * seq_len_));
+  for (int n = end - 1; n >= begin; --n) backward_input(graph_, work, n);
+  s.input_grad_done = true;
+  --stashed_;
+  if (options_.recompute) {
+    // The work area is needed for the next stage's forward: finish W now.
+    for (int n = end - 1; n >= begin; --n) backward_weight(graph_, work, n);
+    s.weight_done = true;
+  }
+  if (stage > 0) {
+    const auto& edge = boundary_[static_cast<size_t>(stage) - 1].values;
+    if (schedule_.stage_rank[static_cast<size_t>(stage) - 1] == pp_.rank())
+      copy_local(edge, work, slot(stage - 1, mb, false).mb, graph_, true);
+    else if (options_.recompute)
+      for (int v : edge)  // keep what SEND_B sends, unless it already lives in the slot
+        if (work.grad(v).defined() && work.grad(v).raw() != s.mb.grad(v).raw()) {
+          Tensor t = s.mb.arena().alloc(work.grad(v).shape());
+          t.copy_from(work.grad(v));
+          s.mb.grad(v) = t;
+        }
+  }
+  if (options_.recompute) work.reset();
+}
+
+void PipelineExecutor::backward_weight_action(int stage, int mb) {
+  Slot& s = slot(stage, mb, false);
+  if (s.weight_done) return;
+  const int begin = plan_.begin[static_cast<size_t>(stage)];
+  const int end = plan_.begin[static_cast<size_t>(stage) + 1];
+  for (int n = end - 1; n >= begin; --n) backward_weight(graph_, s.mb, n);
+  s.weight_done = true;
+}
+
+double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micro_batch,
+                             int64_t seq_len) {
+  data_ = &data;
+  micro_batch_size_ = micro_batch;
+  seq_len_ = seq_len;
+  step_ = step;
+  loss_sum_ = 0;
+  peak_slots_ = 0;
+  peak_stashed_ = 0;
+  zero_grads(params_);
+  const auto& mine = schedule_.actions[static_cast<size_t>(pp_.rank())];
+  for (size_t i = 0; i < mine.size(); ++i) {
+    const Action& a = mine[i];
+    set_step(step, i, a);
+    const int st = a.stage, mb = a.micro_batch;
+    switch (a.kind) {
+      case ActionKind::F:
+        forward_action(st, mb, step);
+        break;
+      case ActionKind::B:
+        backward_input_action(st, mb);
+        backward_weight_action(st, mb);  // no-op after recompute's I
+        release_if_done(st, mb);
+        break;
+      case ActionKind::I:
+        backward_input_action(st, mb);
+        release_if_done(st, mb);
+        break;
+      case ActionKind::W:
+        if (options_.recompute) break;  // W ran with I, and the slot may be gone
+        backward_weight_action(st, mb);
+        release_if_done(st, mb);
+        break;
+      case ActionKind::SEND_F: {
+        Slot& s = slot(st, mb, false);
+        const auto& vals = boundary_[static_cast<size_t>(st)].values;
+        const int peer = schedule_.stage_rank[static_cast<size_t>(st) + 1];
+        for (size_t k = 0; k < vals.size(); ++k)
+          s.sends.push_back(pp_.isend(s.mb.value(vals[k]), peer,
+                                      {MessageTag::Kind::Activation, mb, st, static_cast<int>(k)}));
+        break;
+      }
+      case ActionKind::RECV_F: {
+        Slot& s = slot(st, mb, true);
+        const auto& vals = boundary_[static_cast<size_t>(st) - 1].values;
+        const int peer = schedule_.stage_rank[static_cast<size_t>(st) - 1];
+        for (size_t k = 0; k < vals.size(); ++k) {
+          const Value& val = graph_.values()[static_cast<size_t>(vals[k])];
+          Tensor t = s.mb.arena().alloc(val.shape, val.dtype);
+          pp_.recv(t, peer, {MessageTag::Kind::Activation, mb, st - 1, static_cast<int>(k)});
+          s.mb.value(vals[k]) = t;
+        }
+        break;
+      }
+      case ActionKind::SEND_B: {
+        Slot& s = slot(st, mb, false);
+        const auto& vals = boundary_[static_cast<size_t>(st) - 1].values;
+        const int peer = schedule_.stage_rank[static_cast<size_t>(st) - 1];
+        for (size_t k = 0; k < vals.size(); ++k) {
+          if (!graph_.values()[static_cast<size_t>(vals[k])].requires_grad) continue;
+          s.sends.push_back(pp_.isend(s.mb.grad(vals[k]), peer,
+                                      {MessageTag::Kind::Gradient, mb, st, static_cast<int>(k)}));
+        }
+        s.grads_sent = true;
+        release_if_done(st, mb);
+        break;
+      }
+      case ActionKind::RECV_B: {
+        Slot& s = slot(st, mb, false);
+        const auto& vals = boundary_[static_cast<size_t>(st)].values;
+        const int peer = schedule_.stage_rank[static_cast<size_t>(st) + 1];
+        for (size_t k = 0; k < vals.size(); ++k) {
+          const Value& val = graph_.values()[static_cast<size_t>(vals[k])];
+          if (!val.requires_grad) continue;
+          Tensor t = s.mb.arena().alloc(val.shape);
+          pp_.recv(t, peer, {MessageTag::Kind::Gradient, mb, st + 1, static_cast<int>(k)});
+          s.mb.grad(vals[k]) = t;
+        }
+        break;
+      }
+      case ActionKind::REDUCE_GRAD:
+      case ActionKind::REDUCE_TIED:
+      case ActionKind::STEP:
+        break;  // done once per run, below
+    }
+  }
+  pp_.set_step("end of the pipeline's actions");
+  check(slots_in_use_ == 0, "{} (stage, micro-batch) slots are still alive after the last action "
+                            "of schedule '{}' on pipeline rank {}",
+        slots_in_use_, schedule_.name, pp_.rank());
+  reduce_tied();
+  scalar_.data<float>()[0] = static_cast<float>(loss_sum_);
+  pp_.all_reduce(scalar_, ReduceOp::Sum);
+  return static_cast<double>(scalar_.data<float>()[0]) /
+         static_cast<double>(schedule_.micro_batches * micro_batch_size_ * seq_len_);
+}
+
+void PipelineExecutor::reduce_tied() {
+  for (auto& t : tied_)
+    if (t.param != nullptr) t.group->all_reduce(t.param->grad, ReduceOp::Sum);
+}
+
+double PipelineExecutor::grad_norm() const {
+  double local = 0;
+  for (Param* p : norm_params_) {
+    const float* g = p->grad.data<float>();
+    for (int64_t i = 0; i < p->grad.numel(); ++i) local += static_cast<double>(g[i]) * g[i];
+  }
+  scalar_.data<float>()[0] = static_cast<float>(local);
+  pp_.all_reduce(scalar_, ReduceOp::Sum);
+  return std::sqrt(static_cast<double>(scalar_.data<float>()[0]));
+}
+
+}  // namespace weft

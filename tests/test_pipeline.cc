@@ -1,0 +1,166 @@
+// Pipelines train the same model: every schedule, on LocalCommunicator
+// threads, gives the single-process losses and gradient norms step for step,
+// and holds at most the micro-batches its schedule promises.
+#include <weft/local_communicator.h>
+#include <weft/partition.h>
+#include <weft/pipeline.h>
+#include <weft/schedule.h>
+#include <weft/trainer.h>
+
+#include <gtest/gtest.h>
+
+#include "models/gpt.h"
+
+#include <mutex>
+
+namespace weft {
+namespace {
+
+constexpr int kSteps = 5;
+
+TokenData text_data() {
+  std::string text;
+  for (int i = 0; i < 60; ++i) text += "It was the best of times, it was the worst of times. ";
+  return TokenData::from_tokens(std::vector<int32_t>(text.begin(), text.end()), 256);
+}
+
+GptConfig config(int layers, bool skip) {
+  GptConfig c;
+  c.num_layers = layers, c.hidden_size = 32, c.num_heads = 4, c.seq_length = 16;
+  c.embedding_skip = skip;
+  return c;
+}
+
+TrainOptions options(int64_t micro, int64_t global) {
+  TrainOptions o;
+  o.micro_batch = micro;
+  o.global_batch = global;
+  o.seq_length = 16;
+  o.lr.lr = 3e-3f;
+  o.adam.weight_decay = 0.1f;
+  o.clip_grad = 0.5;  // active: the norm starts above it
+  return o;
+}
+
+struct Losses {
+  std::vector<double> loss, norm;
+};
+
+Losses single_process(const GptConfig& cfg, int64_t micro, int64_t global, const TokenData& data) {
+  TokenBatches batches(data, global, cfg.seq_length);
+  GptModel m = build_gpt(cfg, micro);
+  init_gpt(m, 42);
+  Trainer t(m.io, batches, options(micro, global));
+  Losses r;
+  for (int s = 0; s < kSteps; ++s) {
+    StepRecord rec = t.train_step();
+    r.loss.push_back(rec.loss);
+    r.norm.push_back(rec.grad_norm);
+  }
+  return r;
+}
+
+struct Case {
+  std::string schedule;
+  int pp;
+  int chunks;
+  bool skip = false;
+  bool recompute = false;
+};
+
+std::string name_of(const ::testing::TestParamInfo<Case>& info) {
+  std::string n = info.param.schedule + "_pp" + std::to_string(info.param.pp) + "_v" +
+                  std::to_string(info.param.chunks) + (info.param.skip ? "_skip" : "") +
+                  (info.param.recompute ? "_recompute" : "");
+  for (char& ch : n)
+    if (ch == '-') ch = '_';
+  return n;
+}
+
+class PipelineMatchesSingleProcess : public ::testing::TestWithParam<Case> {};
+
+TEST_P(PipelineMatchesSingleProcess, LossesNormsAndStash) {
+  const Case c = GetParam();
+  const int64_t micro = 2, m = 8, global = micro * m;
+  GptConfig cfg = config(c.pp * c.chunks, c.skip);
+  TokenData data = text_data();
+  const Losses want = single_process(cfg, micro, global, data);
+
+  sched::Schedule schedule = sched::lower(sched::make_schedule(c.schedule, c.pp, m, c.chunks));
+  ASSERT_TRUE(sched::validate(schedule).ok) << sched::validate(schedule).message;
+  const std::vector<int> promised = sched::peak_in_flight(schedule);
+  std::mutex mu;
+  std::vector<Losses> got(static_cast<size_t>(c.pp));
+  std::vector<int> peaks(static_cast<size_t>(c.pp)), slots(static_cast<size_t>(c.pp));
+  run_local(c.pp, [&](Communicator& comm) {
+    // Each rank builds the whole model from the same seed, as separate processes would.
+    TokenBatches batches(data, global, cfg.seq_length);
+    GptModel model = build_gpt(cfg, micro);
+    init_gpt(model, 42);
+    PartitionOptions po;
+    po.method = PartitionMethod::Uniform;
+    po.pp = c.pp;
+    po.chunks = schedule.chunks;
+    po.stage_rank = schedule.stage_rank;
+    StagePlan plan = partition(model.graph, CostModel::analytic(model.graph), po);
+    PipelineExecutor exec(model.graph, model.io, plan, schedule, comm, {c.recompute});
+    Trainer trainer(model.io, batches, options(micro, global), exec);
+    Losses r;
+    for (int s = 0; s < kSteps; ++s) {
+      StepRecord rec = trainer.train_step();
+      r.loss.push_back(rec.loss);
+      r.norm.push_back(rec.grad_norm);
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    got[static_cast<size_t>(comm.rank())] = r;
+    peaks[static_cast<size_t>(comm.rank())] = exec.peak_stashed();
+    slots[static_cast<size_t>(comm.rank())] = exec.peak_slots();
+  });
+  for (int rank = 0; rank < c.pp; ++rank) {
+    for (int s = 0; s < kSteps; ++s) {
+      EXPECT_NEAR(got[static_cast<size_t>(rank)].loss[static_cast<size_t>(s)],
+                  want.loss[static_cast<size_t>(s)], 1e-5 * want.loss[static_cast<size_t>(s)])
+          << "rank " << rank << " step " << s;
+      EXPECT_NEAR(got[static_cast<size_t>(rank)].norm[static_cast<size_t>(s)],
+                  want.norm[static_cast<size_t>(s)], 1e-5 * want.norm[static_cast<size_t>(s)])
+          << "rank " << rank << " step " << s;
+    }
+    EXPECT_EQ(peaks[static_cast<size_t>(rank)], promised[static_cast<size_t>(rank)])
+        << "rank " << rank;
+    // Without split backward a slot dies with its B: slots are the stash.
+    if (c.schedule != "zb-h1" && c.schedule != "zb-v") {
+      EXPECT_EQ(slots[static_cast<size_t>(rank)], promised[static_cast<size_t>(rank)])
+          << "rank " << rank;
+    }
+  }
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> v;
+  for (int pp : {2, 4}) {
+    v.push_back({"gpipe", pp, 1});
+    v.push_back({"1f1b", pp, 1});
+    v.push_back({"interleaved-1f1b", pp, 2});
+    v.push_back({"zb-h1", pp, 1});
+    v.push_back({"zb-v", pp, 2});
+  }
+  v.push_back({"1f1b", 4, 1, true});
+  v.push_back({"zb-v", 2, 2, true});
+  v.push_back({"1f1b", 2, 1, false, true});
+  v.push_back({"interleaved-1f1b", 2, 2, true, true});
+  v.push_back({"zb-h1", 4, 1, false, true});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, PipelineMatchesSingleProcess, ::testing::ValuesIn(cases()),
+                         name_of);
+
+TEST(Pipeline, OneFOneBStashIsPpMinusRank) {
+  sched::Schedule s = sched::lower(sched::make_schedule("1f1b", 4, 8));
+  EXPECT_EQ(sched::peak_in_flight(s), (std::vector<int>{4, 3, 2, 1}));
+  sched::Schedule g = sched::lower(sched::make_schedule("gpipe", 4, 8));
+  EXPECT_EQ(sched::peak_in_flight(g), (std::vector<int>{8, 8, 8, 8}));
+}
+
+}  // namespace
+}  // namespace weft
