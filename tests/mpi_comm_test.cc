@@ -159,8 +159,9 @@ TEST(MpiComm, TagsMatchWhateverOrderReceivesArePosted) {
   for (int k : {1, 2, 0}) recvs[static_cast<size_t>(k)]->wait();
   wait_all(sends);
   for (int k = 0; k < 3; ++k)
-    EXPECT_EQ(iota_mismatches(in[static_cast<size_t>(k)], 100.0f * static_cast<float>(prev) + 10.0f * k),
-              0)
+    EXPECT_EQ(
+        iota_mismatches(in[static_cast<size_t>(k)], 100.0f * static_cast<float>(prev) + 10.0f * k),
+        0)
         << "tag " << k;
 }
 
@@ -177,14 +178,15 @@ TEST(MpiComm, EqualTagsArriveInSendOrder) {
     recvs.push_back(world().irecv(in.back(), prev, tag(9)));
   }
   for (size_t k = 0; k < rows.size(); ++k) {
-    out.push_back(iota({rows[k], 4}, 1e6f * static_cast<float>(r) + 100.0f * static_cast<float>(k)));
+    out.push_back(
+        iota({rows[k], 4}, 1e6f * static_cast<float>(r) + 100.0f * static_cast<float>(k)));
     sends.push_back(world().isend(out.back(), next, tag(9)));
   }
   for (size_t k = rows.size(); k-- > 0;) recvs[k]->wait();
   wait_all(sends);
   for (size_t k = 0; k < rows.size(); ++k)
-    EXPECT_EQ(iota_mismatches(in[k], 1e6f * static_cast<float>(prev) + 100.0f * static_cast<float>(k)),
-              0)
+    EXPECT_EQ(
+        iota_mismatches(in[k], 1e6f * static_cast<float>(prev) + 100.0f * static_cast<float>(k)), 0)
         << "message " << k;
 }
 
@@ -238,9 +240,10 @@ TEST(MpiComm, RecvPastTheDeadlineNamesWhatItWaitedFor) {
       msg = e.what();
     }
     const auto waited = std::chrono::steady_clock::now() - start;
-    for (std::string part : {fmt::format("rank {} (world rank {}) timed out after 100 ms", r, r),
-                             fmt::format("recv of F32 [4] from rank {} (world rank {})", prev, prev),
-                             std::string("activation mb 4000"), std::string("step 7, action 1F3")})
+    for (std::string part :
+         {fmt::format("rank {} (world rank {}) timed out after 100 ms", r, r),
+          fmt::format("recv of F32 [4] from rank {} (world rank {})", prev, prev),
+          std::string("activation mb 4000"), std::string("step 7, action 1F3")})
       EXPECT_TRUE(has(msg, part)) << "missing '" << part << "' in: " << msg;
     EXPECT_GE(waited, milliseconds(100));
     EXPECT_LT(waited, milliseconds(1500));
@@ -475,10 +478,10 @@ class FailurePrinter : public ::testing::EmptyTestEventListener {
   void OnTestPartResult(const ::testing::TestPartResult& result) override {
     if (!result.failed()) return;
     const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    std::string line =
-        fmt::format("rank {}: FAILED {}.{} at {}:{}\n{}\n", rank_, test ? test->test_suite_name() : "",
-                    test ? test->name() : "", result.file_name() ? result.file_name() : "?",
-                    result.line_number(), result.message());
+    std::string line = fmt::format("rank {}: FAILED {}.{} at {}:{}\n{}\n", rank_,
+                                   test ? test->test_suite_name() : "", test ? test->name() : "",
+                                   result.file_name() ? result.file_name() : "?",
+                                   result.line_number(), result.message());
     std::fwrite(line.data(), 1, line.size(), stdout);
     std::fflush(stdout);
   }
@@ -504,13 +507,17 @@ int main(int argc, char** argv) {
           delete listeners.Release(listeners.default_result_printer());
           listeners.Append(new weft::FailurePrinter(world.rank()));
         }
-        const int failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
-        weft::Tensor verdict = weft::Tensor::empty({1}, weft::DType::I32);
+        // RUN_ALL_TESTS also fails when no test ran or one failed outside a test.
+        const int status = RUN_ALL_TESTS();
+        const int failed = ::testing::UnitTest::GetInstance()->failed_test_count();
+        weft::Tensor verdict = weft::Tensor::empty({2}, weft::DType::I32);
         verdict.data<int32_t>()[0] = failed;
+        verdict.data<int32_t>()[1] = status;
         world.all_reduce(verdict, weft::ReduceOp::Max);
-        const int any = verdict.data<int32_t>()[0];
-        if (world.rank() == 0 && any && !failed) std::printf("[  FAILED  ] on other ranks (above)\n");
-        return any;
+        const int most = verdict.data<int32_t>()[0];
+        if (world.rank() == 0 && most > failed)
+          std::printf("[  FAILED  ] %d tests on another rank (its failures are above)\n", most);
+        return most > 0 || verdict.data<int32_t>()[1] != 0 ? 1 : 0;
       },
       options);
 }

@@ -50,5 +50,6 @@ int run(Communicator& world, const std::string& scenario) {
 
 int main(int argc, char** argv) {
   const std::string scenario = argc > 1 ? argv[1] : "";
-  return weft::mpi_main(argc, argv, [&](weft::Communicator& world) { return run(world, scenario); });
+  return weft::mpi_main(argc, argv,
+                        [&](weft::Communicator& world) { return run(world, scenario); });
 }

@@ -251,10 +251,12 @@ void abandon(MPI_Request* reqs, int n, bool cancel, std::unique_ptr<Header>& hea
 
 class SendRequest final : public Request {
  public:
-  // From this size MPI sends by rendezvous, which needs the sender polling
-  // while the data flows. Such a payload's header goes synchronously
-  // (MPI_Issend): once it completes, the receiver has matched it and so has
-  // posted the payload's receive too, and the sender stops sleeping.
+  // Payloads this large go by rendezvous (MPICH over UCX switches above
+  // 8 KiB on one node), which needs the sender polling while the data flows.
+  // Their header goes synchronously (MPI_Issend): once it completes, the
+  // receiver has matched it, so it has posted the payload's receive too, and
+  // the sender stops sleeping. (Where MPI's eager limit is higher, such a
+  // send now waits for its receive to be posted, as MPI's send may.)
   static constexpr size_t kSyncHeaderBytes = 16 * 1024;
 
   SendRequest(const MpiCommunicator& comm, const Tensor& t, int peer, MessageTag tag)
@@ -271,8 +273,8 @@ class SendRequest final : public Request {
     for (int i = 0; i < t.rank(); ++i) header_->dims[i] = t.dim(i);
     const int count = mpi_count(copy_count(t), "send");
     mpi_check((sync_ ? MPI_Issend : MPI_Isend)(header_.get(), sizeof(Header), MPI_BYTE, peer,
-                                                code | kHeaderBit, comm.comm(), &reqs_[0]),
-              "MPI_Isend");
+                                               code | kHeaderBit, comm.comm(), &reqs_[0]),
+              sync_ ? "MPI_Issend" : "MPI_Isend");
     mpi_check(MPI_Isend(t.raw(), count, kCopyType, peer, code, comm.comm(), &reqs_[1]),
               "MPI_Isend");
   }
@@ -280,8 +282,9 @@ class SendRequest final : public Request {
 
   bool test() override { return progress() == Progress::Done; }
   void wait() override {
-    comm_.poll([&] { return progress(); },
-               [&] { return fmt::format("send {}, tag {}", comm_.peer_str("to", peer_), tag_.str()); });
+    comm_.poll(
+        [&] { return progress(); },
+        [&] { return fmt::format("send {}, tag {}", comm_.peer_str("to", peer_), tag_.str()); });
   }
 
  private:
@@ -317,10 +320,12 @@ class RecvRequest final : public Request {
 
   bool test() override { return progress() == Progress::Done; }
   void wait() override {
-    comm_.poll([&] { return progress(); }, [&] {
-      return fmt::format("recv of {} {} {}, tag {}", dtype_name(posted_.dtype()),
-                         posted_.shape().str(), comm_.peer_str("from", peer_), tag_.str());
-    });
+    comm_.poll([&] { return progress(); },
+               [&] {
+                 return fmt::format("recv of {} {} {}, tag {}", dtype_name(posted_.dtype()),
+                                    posted_.shape().str(), comm_.peer_str("from", peer_),
+                                    tag_.str());
+               });
   }
 
  private:
@@ -348,9 +353,9 @@ class RecvRequest final : public Request {
   // stray payload is left to match a later receive with the same tag.
   void check_header() {
     const Header& h = *header_;
-    check(h.magic == kHeaderMagic && h.ndim >= 0 && h.ndim <= Shape::kMaxRank &&
-              h.dtype >= 0 && h.dtype <= static_cast<int32_t>(DType::BF16) &&
-              h.tag == tag_.encode() && h.rank == peer_,
+    check(h.magic == kHeaderMagic && h.ndim >= 0 && h.ndim <= Shape::kMaxRank && h.dtype >= 0 &&
+              h.dtype <= static_cast<int32_t>(DType::BF16) && h.tag == tag_.encode() &&
+              h.rank == peer_,
           "rank {} received a malformed message header from rank {} for tag {} (magic {:#x}, "
           "tag {}, sender {}, dtype {}, ndim {})",
           comm_.rank(), peer_, tag_.str(), h.magic, h.tag, h.rank, h.dtype, h.ndim);
@@ -436,9 +441,10 @@ void MpiCommunicator::reduce_scatter(const Tensor& in, const Tensor& out, Reduce
   const char* b = out.data<char>();
   if (out.nbytes() > 0 && b < a + in.nbytes() && a < b + out.nbytes()) src = in.clone();
   MPI_Request req;
-  mpi_check(MPI_Ireduce_scatter_block(src.raw(), out.raw(), mpi_count(out.numel(), "reduce_scatter"),
-                                      type, mpi_op(op), comm_, &req),
-            "MPI_Ireduce_scatter_block");
+  mpi_check(
+      MPI_Ireduce_scatter_block(src.raw(), out.raw(), mpi_count(out.numel(), "reduce_scatter"),
+                                type, mpi_op(op), comm_, &req),
+      "MPI_Ireduce_scatter_block");
   wait_collective(req, [&] {
     return fmt::format("reduce_scatter ({}) of {} {}", reduce_op_name(op), dtype_name(in.dtype()),
                        in.shape().str());
@@ -447,12 +453,12 @@ void MpiCommunicator::reduce_scatter(const Tensor& in, const Tensor& out, Reduce
 
 void MpiCommunicator::broadcast(const Tensor& t, int root) {
   check_host(t, "broadcast");
-  check(root >= 0 && root < size_, "broadcast: root {} is outside {} of size {}", root,
-        describe(), size_);
+  check(root >= 0 && root < size_, "broadcast: root {} is outside {} of size {}", root, describe(),
+        size_);
   MPI_Request req;
-  mpi_check(MPI_Ibcast(t.raw(), mpi_count(copy_count(t), "broadcast"), kCopyType, root,
-                       comm_, &req),
-            "MPI_Ibcast");
+  mpi_check(
+      MPI_Ibcast(t.raw(), mpi_count(copy_count(t), "broadcast"), kCopyType, root, comm_, &req),
+      "MPI_Ibcast");
   wait_collective(req, [&] {
     return fmt::format("broadcast of {} {} from rank {} (world rank {})", dtype_name(t.dtype()),
                        t.shape().str(), root, world_rank(root));
@@ -507,8 +513,7 @@ std::unique_ptr<Communicator> MpiCommunicator::split(const std::vector<std::vect
 
   const int g = group_of[static_cast<size_t>(rank_)];
   MPI_Comm sub;
-  mpi_check(MPI_Comm_split(comm_, g, position[static_cast<size_t>(rank_)], &sub),
-            "MPI_Comm_split");
+  mpi_check(MPI_Comm_split(comm_, g, position[static_cast<size_t>(rank_)], &sub), "MPI_Comm_split");
   std::vector<int> members;
   for (int r : groups[static_cast<size_t>(g)]) members.push_back(world_rank(r));
   return std::make_unique<MpiCommunicator>(sub, /*owned=*/true, std::move(members), name, spin_,

@@ -1,0 +1,110 @@
+// train_gpt under mpiexec: every schedule at pp 2 and 4 gives the
+// single-process losses and gradient norms for 5 steps, on real processes.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "test_util.h"
+
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <sstream>
+
+namespace weft {
+namespace {
+
+using testing::read_file;
+
+class MpiPipeline : public ::testing::TestWithParam<std::tuple<std::string, int>> {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new std::string(testing::temp_dir("mpi-pipeline"));
+    std::string text;
+    for (int i = 0; i < 80; ++i) text += "Call me Ishmael. Some years ago, never mind how long. ";
+    testing::write_file(*dir_ + "/text.txt", text);
+    reference_ = new std::vector<nlohmann::json>(train(1, ""));
+    ASSERT_EQ(reference_->size(), 5u);
+  }
+
+  static std::string flags() {
+    return "--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+           "--micro-batch-size 2 --global-batch-size 16 --train-iters 5 --lr 3e-3 "
+           "--clip-grad 0.5 --threads 1 --comm-timeout 60 --data-path " + *dir_ + "/text.txt";
+  }
+
+  // Runs train_gpt on `ranks` processes and returns its JSONL records.
+  static std::vector<nlohmann::json> train(int ranks, const std::string& extra) {
+    const std::string out = *dir_ + "/run.jsonl";
+    std::remove(out.c_str());
+    std::string cmd = std::string(std::getenv("WEFT_TRAIN_GPT")) + " " + flags() + " " + extra +
+                      " --log-jsonl " + out;
+    if (ranks > 1)
+      cmd = std::string(std::getenv("WEFT_MPIEXEC")) + " -n " + std::to_string(ranks) + " " + cmd;
+    cmd += " >" + *dir_ + "/out.txt 2>&1";
+    const int status = std::system(cmd.c_str());
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << cmd << "\n" << read_file(*dir_ + "/out.txt");
+    std::vector<nlohmann::json> records;
+    std::istringstream lines(read_file(out));
+    for (std::string line; std::getline(lines, line);) records.push_back(nlohmann::json::parse(line));
+    return records;
+  }
+
+  static std::string* dir_;
+  static std::vector<nlohmann::json>* reference_;
+};
+
+std::string* MpiPipeline::dir_ = nullptr;
+std::vector<nlohmann::json>* MpiPipeline::reference_ = nullptr;
+
+TEST_P(MpiPipeline, MatchesSingleProcess) {
+  const auto& [schedule, pp] = GetParam();
+  auto got = train(pp, "--pp " + std::to_string(pp) + " --schedule " + schedule);
+  ASSERT_EQ(got.size(), reference_->size()) << read_file(*dir_ + "/out.txt");
+  for (size_t s = 0; s < got.size(); ++s) {
+    const double loss = (*reference_)[s]["loss"], norm = (*reference_)[s]["grad_norm"];
+    EXPECT_NEAR(got[s]["loss"].get<double>(), loss, 1e-5 * loss) << "step " << s;
+    EXPECT_NEAR(got[s]["grad_norm"].get<double>(), norm, 1e-5 * norm) << "step " << s;
+  }
+  const std::string out = read_file(*dir_ + "/out.txt");
+  EXPECT_NE(out.find("stashed activations, peak per pipeline rank"), std::string::npos) << out;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Schedules, MpiPipeline,
+    ::testing::Combine(::testing::Values("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"),
+                       ::testing::Values(2, 4)),
+    [](const auto& param_info) {
+      std::string n = std::get<0>(param_info.param) + "_pp" +
+                      std::to_string(std::get<1>(param_info.param));
+      for (char& c : n)
+        if (c == '-') c = '_';
+      return n;
+    });
+
+TEST(MpiPipelineErrors, ImpossibleLayoutsFailOnEveryRankBeforeCommunicating) {
+  const std::string dir = testing::temp_dir("mpi-pipeline-errors");
+  testing::write_file(dir + "/t.txt", std::string(4000, 'a'));
+  auto run = [&](const std::string& args) {
+    std::string cmd = std::string(std::getenv("WEFT_MPIEXEC")) + " -n 4 " +
+                      std::getenv("WEFT_TRAIN_GPT") + " --data-path " + dir + "/t.txt " + args +
+                      " >" + dir + "/out.txt 2>&1";
+    const int status = std::system(cmd.c_str());
+    EXPECT_FALSE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << cmd;
+    return read_file(dir + "/out.txt");
+  };
+  std::string out = run("--model toy --pp 3");
+  EXPECT_NE(out.find("world size (4) must be divisible"), std::string::npos) << out;
+  EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1) << out;  // printed once
+  out = run("--model toy --num-layers 8 --pp 4 --schedule zb-v --micro-batch-size 2 "
+            "--global-batch-size 4");
+  EXPECT_NE(out.find("micro-batches (2) must be at least pp (4)"), std::string::npos) << out;
+  out = run("--model toy --pp 4 --schedule interleaved-1f1b --micro-batch-size 1 "
+            "--global-batch-size 8");
+  EXPECT_NE(out.find("--num-layers (2)"), std::string::npos) << out;
+  out = run("--model toy --num-layers 4 --pp 4 --schedule pipedream");
+  EXPECT_NE(out.find("pipedream"), std::string::npos) << out;
+}
+
+}  // namespace
+}  // namespace weft
