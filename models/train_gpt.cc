@@ -11,6 +11,7 @@
 #include <weft/mpi_communicator.h>
 #include <weft/partition.h>
 #include <weft/pipeline.h>
+#include <weft/profile.h>
 #include <weft/schedule.h>
 #include <weft/threads.h>
 #include <weft/trainer.h>
@@ -57,6 +58,7 @@ struct Args {
   int virtual_stages = 0;       // chunks per pipeline rank
   int layers_per_virtual = 0;   // --num-layers-per-virtual-pipeline-stage
   std::string partition = "uniform";
+  std::string profile;  // write measured per-node costs here (JSON) and partition by them
   bool recompute = false;
   double comm_timeout = 300;  // seconds
 };
@@ -131,6 +133,36 @@ weft::GptConfig resolve_config(const Args& a, const CLI::App& app) {
   return cfg;
 }
 
+// The partitioner's cost model: analytic FLOPs, or with --profile times
+// measured on rank 0 and broadcast, so every rank cuts the model the same way.
+weft::CostModel costs(const Args& a, weft::GptModel& model, const weft::BatchSource& data,
+                      weft::Communicator& world) {
+  using namespace weft;
+  CostModel cost = CostModel::analytic(model.graph);
+  if (a.profile.empty()) return cost;
+  const int64_t n = static_cast<int64_t>(cost.nodes.size());
+  Tensor t = Tensor::zeros({3 * n});
+  float* d = t.data<float>();
+  if (world.rank() == 0) {
+    const int64_t seq_len = model.graph.values()[static_cast<size_t>(model.io.tokens)].shape[1];
+    cost = profile_costs(model.graph, model.io, data, a.micro_batch, seq_len);
+    for (int64_t k = 0; k < n; ++k) {
+      const NodeCost& c = cost.nodes[static_cast<size_t>(k)];
+      d[3 * k] = static_cast<float>(c.f), d[3 * k + 1] = static_cast<float>(c.i);
+      d[3 * k + 2] = static_cast<float>(c.w);
+    }
+    std::ofstream f(a.profile, std::ios::trunc);
+    f << cost_model_json(cost, model.graph).dump(2) << '\n';
+    check(f.good(), "--profile {}: cannot write", a.profile);
+  }
+  world.broadcast(t, 0);
+  for (int64_t k = 0; k < n; ++k) {
+    NodeCost& c = cost.nodes[static_cast<size_t>(k)];
+    c.f = d[3 * k], c.i = d[3 * k + 1], c.w = d[3 * k + 2];
+  }
+  return cost;
+}
+
 int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   using namespace weft;
   const GptConfig cfg = resolve_config(a, app);
@@ -199,7 +231,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     po.chunks = setup.chunks;
     po.stage_rank = schedule.stage_rank;
     po.in_flight = sched::peak_in_flight(schedule);
-    StagePlan plan = partition(model.graph, CostModel::analytic(model.graph), po);
+    StagePlan plan = partition(model.graph, costs(a, model, batches, *world), po);
     if (rank0) fmt::print("schedule {} over {} stages; partition {}:\n{}", a.schedule,
                           schedule.stages(), a.partition, plan.describe(model.graph));
     pipeline = std::make_unique<PipelineExecutor>(model.graph, model.io, std::move(plan), schedule,
@@ -342,6 +374,9 @@ int main(int argc, char** argv) {
                  "layers per chunk (sets the virtual stages as Megatron does)");
   app.add_option("--partition", a.partition, "stage partition: uniform, parameters, time");
   app.add_flag("--recompute", a.recompute, "recompute activations in the backward pass");
+  app.add_option("--profile", a.profile,
+                 "time every node's F, I and W on this machine, write them to this JSON file and "
+                 "use them for --partition time");
   app.add_option("--comm-timeout", a.comm_timeout,
                  "seconds any rank waits for a message or collective before failing");
   try {

@@ -255,6 +255,7 @@ class BranchAndBound {
     cut_ = {0};
     if (floor_ < kInf) search(0, 0);
     fprintf(stderr, "goal %d nodes %ld best %g floor %g\n", (int)goal_, visits_, best_, floor_);
+    for (int i = 0; i <= l_.stages; ++i) fprintf(stderr, " depth %d: %ld\n", i, depth_[i]);
     return best_cut_;
   }
 
@@ -281,7 +282,9 @@ class BranchAndBound {
   // The lower bound of finishing after stage s ends at b, given each rank's bytes; +inf
   // when no finish can stay within the budget (Time) or get below the best peak (Memory).
   double bound(int s, int a, int b, const std::vector<double>& bytes) const {
-    const double cap = goal_ == Goal::Memory ? best_ : l_.budget > 0 ? l_.budget : kInf;
+    // Goal::Memory looks for a peak below the best: the largest double under it.
+    const double cap = goal_ == Goal::Memory ? std::nextafter(best_, -kInf)
+                                             : l_.budget > 0 ? l_.budget : kInf;
     const double peak = bounds_.peak_at_least(s, b, bytes);
     if (peak == kInf || (goal_ == Goal::Time && !fits(peak, cap))) return kInf;
     if (cap < kInf && !bounds_.could_fit(s, b, bytes, cap)) return kInf;
@@ -317,9 +320,9 @@ class BranchAndBound {
     return out;
   }
 
-  long visits_ = 0;
+  long visits_ = 0; long depth_[80] = {};
   void search(int s, int a) {
-    ++visits_;
+    ++visits_; ++depth_[s];
     if (s == l_.stages) return record();
     const int r = l_.rank[static_cast<size_t>(s)];
     for (const Candidate& c : candidates(s, a)) {

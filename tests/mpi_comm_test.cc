@@ -475,11 +475,14 @@ TEST(MpiComm, SplitRejectsMembersThatDisagree) {
 class FailurePrinter : public ::testing::EmptyTestEventListener {
  public:
   explicit FailurePrinter(int rank) : rank_(rank) {}
+  // Remembered here: UnitTest::current_test_info() would take the lock that
+  // gtest holds while it reports a result.
+  void OnTestStart(const ::testing::TestInfo& test) override {
+    test_ = fmt::format("{}.{}", test.test_suite_name(), test.name());
+  }
   void OnTestPartResult(const ::testing::TestPartResult& result) override {
     if (!result.failed()) return;
-    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    std::string line = fmt::format("rank {}: FAILED {}.{} at {}:{}\n{}\n", rank_,
-                                   test ? test->test_suite_name() : "", test ? test->name() : "",
+    std::string line = fmt::format("rank {}: FAILED {} at {}:{}\n{}\n", rank_, test_,
                                    result.file_name() ? result.file_name() : "?",
                                    result.line_number(), result.message());
     std::fwrite(line.data(), 1, line.size(), stdout);
@@ -488,6 +491,7 @@ class FailurePrinter : public ::testing::EmptyTestEventListener {
 
  private:
   int rank_;
+  std::string test_;
 };
 
 }  // namespace

@@ -4,12 +4,14 @@
 #include <weft/local_communicator.h>
 #include <weft/partition.h>
 #include <weft/pipeline.h>
+#include <weft/profile.h>
 #include <weft/schedule.h>
 #include <weft/trainer.h>
 
 #include <gtest/gtest.h>
 
 #include "models/gpt.h"
+#include "test_util.h"
 
 #include <mutex>
 
@@ -154,6 +156,33 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Schedules, PipelineMatchesSingleProcess, ::testing::ValuesIn(cases()),
                          name_of);
+
+// Measured costs: every node is timed, and the time plan they give is never
+// worse than the uniform one by the same costs.
+TEST(Pipeline, ProfiledCostsDriveTheTimePartition) {
+  GptConfig cfg = config(4, false);
+  TokenData data = text_data();
+  TokenBatches batches(data, 4, cfg.seq_length);
+  GptModel m = build_gpt(cfg, 2);
+  init_gpt(m, 1);
+  CostModel cost = profile_costs(m.graph, m.io, batches, 2, cfg.seq_length, 2);
+  ASSERT_EQ(cost.nodes.size(), m.graph.nodes().size());
+  for (size_t k = 0; k < cost.nodes.size(); ++k) {
+    EXPECT_GT(cost.nodes[k].f, 0.0) << m.graph.nodes()[k].name;
+    EXPECT_GE(cost.nodes[k].i, 0.0) << m.graph.nodes()[k].name;
+  }
+  for (Param* p : m.graph.params()) EXPECT_EQ(testing::rel_error(p->grad, Tensor::zeros(p->grad.shape())), 0.0);
+  PartitionOptions po;
+  po.pp = 2;
+  po.method = PartitionMethod::Time;
+  StagePlan timed = partition(m.graph, cost, po);
+  po.method = PartitionMethod::Uniform;
+  StagePlan uniform = partition(m.graph, cost, po);
+  EXPECT_LE(timed.max_stage_cost(), uniform.max_stage_cost());
+  auto json = cost_model_json(cost, m.graph);
+  EXPECT_EQ(json["nodes"].size(), cost.nodes.size());
+  EXPECT_EQ(json["nodes"][0]["name"], "embed");
+}
 
 TEST(Pipeline, OneFOneBStashIsPpMinusRank) {
   sched::Schedule s = sched::lower(sched::make_schedule("1f1b", 4, 8));
