@@ -6,8 +6,8 @@
 //
 // Raw MPI uses blocking MPI_Send/MPI_Recv/MPI_Allreduce, which busy-wait;
 // weft posts non-blocking operations and polls. Rounds of the two alternate,
-// and the table reports the median round, so drift on a shared machine hits
-// both alike.
+// so drift on a shared machine hits both alike, and the table reports each
+// one's best round.
 #include <weft/mpi_communicator.h>
 
 #include <mpi.h>
@@ -23,12 +23,10 @@ namespace {
 using namespace weft;
 using Clock = std::chrono::steady_clock;
 
-constexpr int kRounds = 5;
+constexpr int kRounds = 7;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+// The best round: other processes on a shared machine only ever add time.
+double best(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
 
 std::string size_str(int64_t bytes) {
   if (bytes >= (1 << 20)) return fmt::format("{} MiB", bytes >> 20);
@@ -61,7 +59,7 @@ void ping_pong(Communicator& world) {
   const int me = world.rank();
   const MessageTag tag{MessageTag::Kind::Activation, 0, 0, 0};
   if (me == 0) {
-    std::printf("## Ping-pong, 2 ranks: one-way time (round trip / 2), median of %d rounds\n\n",
+    std::printf("## Ping-pong, 2 ranks: one-way time (round trip / 2), best of %d rounds\n\n",
                 kRounds);
     std::printf("| size | MPI us | weft us | MPI GB/s | weft GB/s | weft / MPI |\n");
     std::printf("|---:|---:|---:|---:|---:|---:|\n");
@@ -97,7 +95,7 @@ void ping_pong(Communicator& world) {
       t_weft.push_back(timed(world, iters, weft) / 2);
     }
     if (me == 0) {
-      const double r = median(t_raw), w = median(t_weft);
+      const double r = best(t_raw), w = best(t_weft);
       std::printf("| %s | %.2f | %.2f | %.3f | %.3f | %.3f |\n", size_str(b).c_str(), r * 1e6,
                   w * 1e6, double(b) / r * 1e-9, double(b) / w * 1e-9, w / r);
     }
@@ -108,7 +106,7 @@ void ping_pong(Communicator& world) {
 void all_reduce(Communicator& world) {
   const int size = world.size();
   if (world.rank() == 0) {
-    std::printf("## all_reduce (sum, F32), %d ranks, median of %d rounds\n\n", size, kRounds);
+    std::printf("## all_reduce (sum, F32), %d ranks, best of %d rounds\n\n", size, kRounds);
     std::printf("| elements | bytes | MPI_Allreduce ms | weft ms | weft / MPI |\n");
     std::printf("|---:|---:|---:|---:|---:|\n");
   }
@@ -127,7 +125,7 @@ void all_reduce(Communicator& world) {
       t_weft.push_back(timed(world, iters, weft));
     }
     if (world.rank() == 0) {
-      const double r = median(t_raw), w = median(t_weft);
+      const double r = best(t_raw), w = best(t_weft);
       std::printf("| %lld | %s | %.3f | %.3f | %.3f |\n", static_cast<long long>(n),
                   size_str(n * 4).c_str(), r * 1e3, w * 1e3, w / r);
     }
