@@ -7,16 +7,8 @@
 namespace weft::sched {
 
 Schedule gpipe(int pp, int micro_batches) {
-  check(pp >= 1, "gpipe: pipeline ranks (pp = {}) must be at least 1", pp);
-  check(micro_batches >= 1, "gpipe: micro-batches ({}) must be at least 1", micro_batches);
-  Schedule s;
-  s.name = "gpipe";
-  s.pp = pp;
-  s.chunks = 1;
-  s.micro_batches = micro_batches;
-  s.actions.resize(static_cast<size_t>(pp));
+  Schedule s = empty_schedule("gpipe", pp, micro_batches);
   for (int rank = 0; rank < pp; ++rank) {
-    s.stage_rank.push_back(rank);
     auto& list = s.actions[static_cast<size_t>(rank)];
     for (int mb = 0; mb < micro_batches; ++mb) list.push_back({ActionKind::F, rank, mb});
     // Backwards in forward order, so the first micro-batch's gradient leaves

@@ -43,13 +43,7 @@ Schedule interleaved_1f1b(int pp, int micro_batches, int chunks) {
   check(micro_batches >= pp && micro_batches % pp == 0,
         "interleaved-1f1b: micro-batches ({}) must be a positive multiple of pp ({})",
         micro_batches, pp);
-  Schedule s;
-  s.name = "interleaved-1f1b";
-  s.pp = pp;
-  s.chunks = chunks;
-  s.micro_batches = micro_batches;
-  for (int stage = 0; stage < pp * chunks; ++stage) s.stage_rank.push_back(stage % pp);
-  s.actions.resize(static_cast<size_t>(pp));
+  Schedule s = empty_schedule("interleaved-1f1b", pp, micro_batches, chunks);
 
   const int total = micro_batches * chunks;
   for (int rank = 0; rank < pp; ++rank) {

@@ -10,16 +10,8 @@
 namespace weft::sched {
 
 Schedule one_f_one_b(int pp, int micro_batches) {
-  check(pp >= 1, "1f1b: pipeline ranks (pp = {}) must be at least 1", pp);
-  check(micro_batches >= 1, "1f1b: micro-batches ({}) must be at least 1", micro_batches);
-  Schedule s;
-  s.name = "1f1b";
-  s.pp = pp;
-  s.chunks = 1;
-  s.micro_batches = micro_batches;
-  s.actions.resize(static_cast<size_t>(pp));
+  Schedule s = empty_schedule("1f1b", pp, micro_batches);
   for (int rank = 0; rank < pp; ++rank) {
-    s.stage_rank.push_back(rank);
     auto& list = s.actions[static_cast<size_t>(rank)];
     const int warmup = std::min(pp - 1 - rank, micro_batches);
     int next_f = 0, next_b = 0;

@@ -7,6 +7,19 @@
 
 namespace weft::sched {
 
+Schedule empty_schedule(std::string name, int pp, int micro_batches, int chunks) {
+  check(pp >= 1, "{}: pipeline ranks (pp = {}) must be at least 1", name, pp);
+  check(micro_batches >= 1, "{}: micro-batches ({}) must be at least 1", name, micro_batches);
+  Schedule s;
+  s.name = std::move(name);
+  s.pp = pp;
+  s.chunks = chunks;
+  s.micro_batches = micro_batches;
+  for (int stage = 0; stage < pp * chunks; ++stage) s.stage_rank.push_back(stage % pp);
+  s.actions.resize(static_cast<size_t>(pp));
+  return s;
+}
+
 std::vector<std::string> schedule_names() {
   return {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"};
 }

@@ -43,17 +43,9 @@ std::vector<Action> rank_actions(int pp, int micro_batches, int rank) {
 }  // namespace
 
 Schedule zb_h1(int pp, int micro_batches) {
-  check(pp >= 1, "zb-h1: pipeline ranks (pp = {}) must be at least 1", pp);
-  check(micro_batches >= 1, "zb-h1: micro-batches ({}) must be at least 1", micro_batches);
-  Schedule s;
-  s.name = "zb-h1";
-  s.pp = pp;
-  s.chunks = 1;
-  s.micro_batches = micro_batches;
-  for (int rank = 0; rank < pp; ++rank) {
-    s.stage_rank.push_back(rank);
-    s.actions.push_back(rank_actions(pp, micro_batches, rank));
-  }
+  Schedule s = empty_schedule("zb-h1", pp, micro_batches);
+  for (int rank = 0; rank < pp; ++rank)
+    s.actions[static_cast<size_t>(rank)] = rank_actions(pp, micro_batches, rank);
   return s;
 }
 

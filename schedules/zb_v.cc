@@ -146,13 +146,9 @@ Schedule zb_v(int pp, int micro_batches) {
   check(pp >= 1, "zb-v: pipeline ranks (pp = {}) must be at least 1", pp);
   check(micro_batches >= pp, "zb-v: micro-batches ({}) must be at least pp ({})", micro_batches,
         pp);
-  Schedule s;
-  s.name = "zb-v";
-  s.pp = pp;
-  s.chunks = 2;
-  s.micro_batches = micro_batches;
-  for (int stage = 0; stage < 2 * pp; ++stage)
-    s.stage_rank.push_back(stage < pp ? stage : 2 * pp - 1 - stage);
+  Schedule s = empty_schedule("zb-v", pp, micro_batches, 2);
+  for (int stage = pp; stage < 2 * pp; ++stage)  // the V: back down the ranks
+    s.stage_rank[static_cast<size_t>(stage)] = 2 * pp - 1 - stage;
   s.actions = Builder(pp, micro_batches).build();
   return s;
 }

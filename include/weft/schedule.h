@@ -66,6 +66,11 @@ struct Schedule {
   int stages() const { return pp * chunks; }
 };
 
+// The frame every generator fills: name and sizes set, one empty action list
+// per rank, stages placed round-robin (stage s on rank s % pp). Throws
+// weft::Error, prefixed with the name, when pp or micro_batches is below 1.
+Schedule empty_schedule(std::string name, int pp, int micro_batches, int chunks = 1);
+
 // --- generators: compute actions only ---
 Schedule gpipe(int pp, int micro_batches);
 Schedule one_f_one_b(int pp, int micro_batches);
