@@ -1,0 +1,89 @@
+// weft/simulate.h — timing a schedule before running it.
+//
+// simulate() plays a schedule (compute-only or lowered) against a cost model:
+// each rank runs its actions in order, and an action starts once its rank is
+// free and everything it needs has finished (plus the link time when that
+// crosses ranks). What comes back is the timeline the executor would follow
+// on a machine that behaves like the costs: step time, each rank's bubble,
+// its activation stash and the bytes it sends.
+//
+//   Schedule s = lower(zb_h1(4, 8));
+//   SimResult r = simulate(s, uniform_cost(s, 1, 1, 1));
+//   fmt::print("{:.1f}% idle\n", 100 * r.bubble_fraction);
+//   write(chrome_trace(s, r));   // open in Perfetto
+//
+// Times are in cost units; the trace writer takes one unit as a millisecond.
+#pragma once
+
+#include <weft/schedule.h>
+
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace weft::sched {
+
+struct SimCost {
+  // Per stage (size stages()): forward, input-gradient and weight-gradient
+  // time. A full backward B costs I + W.
+  std::vector<double> f, i, w;
+  // A message takes link_latency + bytes / bandwidth to arrive.
+  double link_latency = 0;
+  double bandwidth = std::numeric_limits<double>::infinity();  // bytes per time unit
+  // Per stage: bytes of its output, which is both what crosses the boundary
+  // to the next stage (forward, and the gradient back) and what a stash of it
+  // holds. Empty means zero.
+  std::vector<double> activation_bytes;
+  // With overlap a send only hands the tensor to the link; without it the
+  // sender is occupied until the message has arrived.
+  bool overlap = true;
+};
+
+// The same costs for every stage. f, i, w and bytes are for a whole rank's
+// share of the model, so a chunk of a `chunks`-way split gets 1/chunks of the
+// compute; a boundary tensor is the same size however the model is cut.
+SimCost uniform_cost(const Schedule& s, double f, double i, double w, double comm = 0,
+                     double bytes = 1);
+
+struct ActionTime {
+  double start = 0;
+  double end = 0;
+};
+
+// A SEND and the RECV it met (matched per pair of ranks in FIFO order, as
+// validate() pairs them).
+struct SimMessage {
+  int from_rank = 0, from_index = 0;  // the SEND
+  int to_rank = 0, to_index = 0;      // the RECV
+  double sent = 0, arrives = 0;
+  double bytes = 0;
+};
+
+struct SimResult {
+  std::vector<std::vector<ActionTime>> times;  // parallel to Schedule::actions
+  std::vector<SimMessage> messages;
+  double first_start = 0, last_end = 0;
+  double step_time = 0;  // last_end - first_start
+  // Compute time (F, B, I, W) per rank; waiting and communicating are idle.
+  std::vector<double> busy;
+  // Idle share of [first_start, last_end]: per rank and over all ranks.
+  std::vector<double> rank_bubble;
+  double bubble_fraction = 0;
+  // Most (stage, micro-batch) stashes held at once (F done, I/B not yet),
+  // the same count as peak_in_flight(), and the most bytes they held at once.
+  std::vector<int> peak_activations;
+  std::vector<double> peak_activation_bytes;
+  std::vector<double> bytes_sent;  // per rank
+};
+
+// Throws weft::Error when the costs do not fit the schedule (sizes, negative
+// times) or when no rank can proceed (validate() explains why).
+SimResult simulate(const Schedule& s, const SimCost& cost);
+
+// Chrome trace JSON (Perfetto, chrome://tracing): one complete event per
+// action on thread `rank`, flow arrows from each SEND to its RECV.
+std::string chrome_trace(const Schedule& s, const SimResult& r);
+// SVG timeline: one row per rank, compute coloured by kind, idle left white.
+std::string timeline_svg(const Schedule& s, const SimResult& r);
+
+}  // namespace weft::sched

@@ -1,0 +1,121 @@
+// An SVG timeline of a simulated schedule: one row per rank, a box per
+// compute action coloured by kind, and idle time left as white gaps, so the
+// bubble is what the eye sees. Only compute actions are <rect>s (the legend
+// draws its swatches as paths), which keeps the boxes countable.
+#include <weft/simulate.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace weft::sched {
+namespace {
+
+constexpr double kLabelWidth = 64;
+constexpr double kPlotWidth = 960;
+constexpr double kRowHeight = 22;
+constexpr double kRowGap = 6;
+constexpr double kTop = 28;
+constexpr double kLegendHeight = 30;
+
+struct Kind {
+  ActionKind kind;
+  const char* label;
+  const char* colour;
+};
+constexpr Kind kKinds[] = {
+    {ActionKind::F, "forward", "#4c72b0"},
+    {ActionKind::I, "input-grad", "#55a868"},
+    {ActionKind::W, "weight-grad", "#dd8452"},
+    {ActionKind::B, "full backward", "#17a398"},
+};
+
+const Kind* kind_of(ActionKind k) {
+  for (const Kind& c : kKinds)
+    if (c.kind == k) return &c;
+  return nullptr;
+}
+
+std::string escape(const std::string& text) {
+  std::string out;
+  for (char ch : text) {
+    if (ch == '<') out += "&lt;";
+    else if (ch == '>') out += "&gt;";
+    else if (ch == '&') out += "&amp;";
+    else if (ch == '"') out += "&quot;";
+    else out += ch;
+  }
+  return out;
+}
+
+double row_y(size_t rank) { return kTop + static_cast<double>(rank) * (kRowHeight + kRowGap); }
+
+std::string action_box(const Action& a, const ActionTime& t, const Kind& k, double x0,
+                       double scale, size_t rank) {
+  const double x = kLabelWidth + (t.start - x0) * scale;
+  const double w = std::max(0.5, (t.end - t.start) * scale);
+  const double y = row_y(rank);
+  std::string out = fmt::format(
+      "<rect class=\"action {}\" x=\"{:.2f}\" y=\"{:.2f}\" width=\"{:.2f}\" height=\"{:.2f}\" "
+      "fill=\"{}\" stroke=\"#ffffff\" stroke-width=\"0.5\"><title>{} [{:.3g}, {:.3g})</title>"
+      "</rect>\n",
+      k.label, x, y, w, kRowHeight, k.colour, a.str(), t.start, t.end);
+  // A label only where it fits; the tooltip names every box.
+  if (w >= 7.0 * static_cast<double>(a.str().size()))
+    out += fmt::format(
+        "<text x=\"{:.2f}\" y=\"{:.2f}\" font-size=\"10\" fill=\"#ffffff\" "
+        "text-anchor=\"middle\">{}</text>\n",
+        x + w / 2, y + kRowHeight / 2 + 3.5, a.str());
+  return out;
+}
+
+std::string legend(double y) {
+  std::string out;
+  double x = kLabelWidth;
+  for (const Kind& k : kKinds) {
+    out += fmt::format("<path d=\"M{:.1f} {:.1f}h10v10h-10z\" fill=\"{}\"/>\n", x, y, k.colour);
+    out += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" font-size=\"11\">{}</text>\n", x + 14,
+                       y + 9, k.label);
+    x += 120;
+  }
+  out += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" font-size=\"11\">idle: white</text>\n", x,
+                     y + 9);
+  return out;
+}
+
+}  // namespace
+
+std::string timeline_svg(const Schedule& s, const SimResult& r) {
+  const size_t ranks = s.actions.size();
+  const double span = r.step_time > 0 ? r.step_time : 1;
+  const double scale = kPlotWidth / span;
+  const double plot_bottom = row_y(ranks);
+  const double width = kLabelWidth + kPlotWidth + 16;
+  const double height = plot_bottom + kLegendHeight;
+  std::string out = fmt::format(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" "
+      "viewBox=\"0 0 {:.0f} {:.0f}\" font-family=\"sans-serif\">\n",
+      width, height, width, height);
+  out += fmt::format(
+      "<text x=\"{:.1f}\" y=\"18\" font-size=\"13\">{} (pp {}, chunks {}, micro-batches {}): "
+      "step {:.4g}, bubble {:.1f}%</text>\n",
+      kLabelWidth, escape(s.name), s.pp, s.chunks, s.micro_batches, r.step_time,
+      100 * r.bubble_fraction);
+  for (size_t rank = 0; rank < ranks; ++rank) {
+    const double y = row_y(rank);
+    out += fmt::format("<text x=\"4\" y=\"{:.2f}\" font-size=\"11\">rank {}</text>\n",
+                       y + kRowHeight / 2 + 4, rank);
+    // The row's frame: what stays white inside it is idle time.
+    out += fmt::format(
+        "<path d=\"M{:.1f} {:.2f}h{:.1f}v{:.1f}h{:.1f}z\" fill=\"none\" stroke=\"#cccccc\"/>\n",
+        kLabelWidth, y, kPlotWidth, kRowHeight, -kPlotWidth);
+    for (size_t i = 0; i < s.actions[rank].size(); ++i)
+      if (const Kind* k = kind_of(s.actions[rank][i].kind))
+        out += action_box(s.actions[rank][i], r.times[rank][i], *k, r.first_start, scale, rank);
+  }
+  out += legend(plot_bottom + 6);
+  out += "</svg>\n";
+  return out;
+}
+
+}  // namespace weft::sched
