@@ -59,6 +59,7 @@ struct Args {
   int layers_per_virtual = 0;   // --num-layers-per-virtual-pipeline-stage
   std::string partition = "uniform";
   std::string profile;  // write measured per-node costs here (JSON) and partition by them
+  std::string trace;    // Chrome trace of every action on every rank
   bool recompute = false;
   double comm_timeout = 300;  // seconds
 };
@@ -116,6 +117,8 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
   if (a.pp > 1) {
     check(a.save.empty() && a.load.empty(), "--save and --load with --pp > 1 are not available yet");
     check(a.sample == 0, "--sample with --pp > 1 is not available yet");
+  } else {
+    check(a.trace.empty(), "--trace records pipeline actions: it needs --pp > 1");
   }
   return p;
 }
@@ -235,7 +238,8 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     if (rank0) fmt::print("schedule {} over {} stages; partition {}:\n{}", a.schedule,
                           schedule.stages(), a.partition, plan.describe(model.graph));
     pipeline = std::make_unique<PipelineExecutor>(model.graph, model.io, std::move(plan), schedule,
-                                                  *mesh->pp, PipelineOptions{a.recompute});
+                                                  *mesh->pp,
+                                                  PipelineOptions{a.recompute, !a.trace.empty()});
   }
   std::unique_ptr<Trainer> trainer_ptr =
       pipeline ? std::make_unique<Trainer>(model.io, batches, opt, *pipeline)
@@ -278,6 +282,10 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     std::fflush(stdout);
     if (!a.save.empty() && a.save_interval > 0 && trainer.steps_done() % a.save_interval == 0)
       trainer.save(a.save);
+  }
+  if (pipeline && !a.trace.empty()) {
+    pipeline->write_trace(a.trace);
+    if (rank0) fmt::print("wrote the trace of every action to {}\n", a.trace);
   }
   if (pipeline) {
     // Each rank reports the most micro-batches it held at once.
@@ -374,6 +382,8 @@ int main(int argc, char** argv) {
                  "layers per chunk (sets the virtual stages as Megatron does)");
   app.add_option("--partition", a.partition, "stage partition: uniform, parameters, time");
   app.add_flag("--recompute", a.recompute, "recompute activations in the backward pass");
+  app.add_option("--trace", a.trace,
+                 "write a Chrome trace (Perfetto) of every pipeline action on every rank");
   app.add_option("--profile", a.profile,
                  "time every node's F, I and W on this machine, write them to this JSON file and "
                  "use them for --partition time");

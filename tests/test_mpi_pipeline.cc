@@ -8,6 +8,8 @@
 #include <sys/wait.h>
 
 #include <cstdlib>
+#include <map>
+#include <set>
 #include <sstream>
 
 namespace weft {
@@ -81,6 +83,40 @@ INSTANTIATE_TEST_SUITE_P(
         if (c == '-') c = '_';
       return n;
     });
+
+// A measured trace: one complete event per action of the lowered schedule per
+// step, on one track per rank, every send's arrow ending at its receive; the
+// log gains each step's bubble.
+TEST_F(MpiPipeline, TraceRecordsEveryActionOnEveryRank) {
+  const std::string trace = *dir_ + "/trace.json";
+  auto got = train(2, "--pp 2 --schedule zb-h1 --trace " + trace);
+  ASSERT_EQ(got.size(), 5u);
+  for (const auto& rec : got) {
+    ASSERT_TRUE(rec.contains("bubble_frac"));
+    EXPECT_GE(rec["bubble_frac"].get<double>(), 0.0);
+    EXPECT_LT(rec["bubble_frac"].get<double>(), 1.0);
+  }
+  auto events = nlohmann::json::parse(read_file(trace))["traceEvents"];
+  size_t complete = 0;
+  std::map<int64_t, int> flows;
+  std::set<int> tracks;
+  for (const auto& e : events) {
+    ASSERT_TRUE(e.contains("ph") && e.contains("pid") && e.contains("tid")) << e.dump();
+    const std::string ph = e["ph"];
+    if (ph == "X") {
+      ++complete;
+      tracks.insert(e["tid"].get<int>());
+      EXPECT_GE(e["dur"].get<int64_t>(), 0);
+    }
+    if (ph == "s") ++flows[e["id"].get<int64_t>()];
+    if (ph == "f") --flows[e["id"].get<int64_t>()];
+  }
+  // zb-h1 at pp 2 with 8 micro-batches: per rank 8 F + 8 I + 8 W + 16 messages.
+  EXPECT_EQ(complete, 5u * 2u * (3u * 8u + 2u * 8u));
+  EXPECT_EQ(tracks, (std::set<int>{0, 1}));
+  EXPECT_EQ(flows.size(), 5u * 2u * 8u);
+  for (const auto& [id, balance] : flows) EXPECT_EQ(balance, 0) << id;
+}
 
 TEST(MpiPipelineErrors, ImpossibleLayoutsFailOnEveryRankBeforeCommunicating) {
   const std::string dir = testing::temp_dir("mpi-pipeline-errors");

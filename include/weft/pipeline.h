@@ -22,6 +22,7 @@
 #include <weft/schedule.h>
 #include <weft/trainer.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -30,6 +31,16 @@ namespace weft {
 
 struct PipelineOptions {
   bool recompute = false;
+  // Record every action's start and end (for write_trace); off, a step
+  // records only its compute time.
+  bool trace = false;
+};
+
+// One action as it ran: microseconds since the pipeline's common start.
+struct ActionSpan {
+  int64_t step = 0;
+  sched::Action action;
+  int64_t start_us = 0, end_us = 0;
 };
 
 class PipelineExecutor {
@@ -60,6 +71,14 @@ class PipelineExecutor {
   // so with split backward this, not peak_stashed, bounds the memory today.
   int peak_slots() const { return peak_slots_; }
   const std::vector<int>& local_stages() const { return local_stages_; }
+
+  // Idle share of all pipeline ranks' time during the last run: 1 - (compute
+  // time summed over ranks) / (ranks x the longest rank's span). Collective.
+  double bubble_fraction() const;
+  // Chrome trace JSON of every recorded action on every rank (one track per
+  // rank, arrows from each send to its receive), written by pipeline rank 0.
+  // Collective over the pipeline group; needs PipelineOptions::trace.
+  void write_trace(const std::string& path) const;
 
  private:
   struct Slot;
@@ -94,6 +113,10 @@ class PipelineExecutor {
   int peak_slots_ = 0, slots_in_use_ = 0;
   int peak_stashed_ = 0, stashed_ = 0;
   mutable Tensor scalar_;  // for the loss and norm reductions
+  // Clocks: each rank's zero is taken right after a barrier at construction.
+  std::chrono::steady_clock::time_point epoch_;
+  double busy_s_ = 0, span_s_ = 0;  // last run
+  std::vector<ActionSpan> spans_;
   std::unique_ptr<MicroBatch> work_;  // with recompute: where a stage's activations live
   std::vector<int> keep_buf_;
 };

@@ -68,6 +68,7 @@ struct StepRecord {
   double grad_norm = 0;  // before clipping
   double step_ms = 0;
   double tokens_per_s = 0;
+  double bubble_frac = -1;  // pipeline idle share of the step; -1 on one process
 
   nlohmann::json json() const;
   std::string line(int64_t train_iters) const;  // the one-line human log

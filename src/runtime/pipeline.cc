@@ -1,8 +1,11 @@
 #include <weft/pipeline.h>
 
 #include <algorithm>
+#include <fstream>
 #include <cmath>
 #include <map>
+
+#include <nlohmann/json.hpp>
 
 namespace weft {
 
@@ -84,6 +87,8 @@ PipelineExecutor::PipelineExecutor(const Graph& graph, LmGraph io, StagePlan pla
   }
   live_.assign(static_cast<size_t>(stages * schedule_.micro_batches), nullptr);
   scalar_ = Tensor::zeros({1});
+  pp_.barrier();
+  epoch_ = std::chrono::steady_clock::now();
   if (options_.recompute) work_ = std::make_unique<MicroBatch>(graph_);
   keep_buf_.reserve(graph_.values().size());
 }
@@ -254,8 +259,12 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
   peak_stashed_ = 0;
   zero_grads(params_);
   const auto& mine = schedule_.actions[static_cast<size_t>(pp_.rank())];
+  using Clock = std::chrono::steady_clock;
+  const auto run_start = Clock::now();
+  busy_s_ = 0;
   for (size_t i = 0; i < mine.size(); ++i) {
     const Action& a = mine[i];
+    const auto t0 = Clock::now();
     set_step(step, i, a);
     const int st = a.stage, mb = a.micro_batch;
     switch (a.kind) {
@@ -328,7 +337,18 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
       case ActionKind::STEP:
         break;  // done once per run, below
     }
+    const auto t1 = Clock::now();
+    if (a.kind == ActionKind::F || a.kind == ActionKind::B || a.kind == ActionKind::I ||
+        a.kind == ActionKind::W)
+      busy_s_ += std::chrono::duration<double>(t1 - t0).count();
+    if (options_.trace) {
+      auto us = [&](Clock::time_point t) {
+        return std::chrono::duration_cast<std::chrono::microseconds>(t - epoch_).count();
+      };
+      spans_.push_back({step, a, us(t0), us(t1)});
+    }
   }
+  span_s_ = std::chrono::duration<double>(Clock::now() - run_start).count();
   pp_.set_step("end of the pipeline's actions");
   check(slots_in_use_ == 0, "{} (stage, micro-batch) slots are still alive after the last action "
                             "of schedule '{}' on pipeline rank {}",
@@ -343,6 +363,67 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
 void PipelineExecutor::reduce_tied() {
   for (auto& t : tied_)
     if (t.param != nullptr) t.group->all_reduce(t.param->grad, ReduceOp::Sum);
+}
+
+double PipelineExecutor::bubble_fraction() const {
+  scalar_.data<float>()[0] = static_cast<float>(busy_s_);
+  pp_.all_reduce(scalar_, ReduceOp::Sum);
+  const double busy = scalar_.data<float>()[0];
+  scalar_.data<float>()[0] = static_cast<float>(span_s_);
+  pp_.all_reduce(scalar_, ReduceOp::Max);
+  const double span = scalar_.data<float>()[0];
+  return span > 0 ? 1.0 - busy / (span * pp_.size()) : 0.0;
+}
+
+void PipelineExecutor::write_trace(const std::string& path) const {
+  check(options_.trace, "write_trace needs the executor built with tracing on");
+  // Gather every rank's spans on rank 0 as rows of int32:
+  // step, kind, stage, micro-batch, start us, duration us.
+  constexpr int64_t kCols = 6;
+  Tensor count = Tensor::zeros({1}, DType::I32), counts = Tensor::zeros({pp_.size()}, DType::I32);
+  count.data<int32_t>()[0] = static_cast<int32_t>(spans_.size());
+  pp_.all_gather(count, counts);
+  int32_t most = 0;
+  for (int r = 0; r < pp_.size(); ++r) most = std::max(most, counts.data<int32_t>()[r]);
+  Tensor mine = Tensor::zeros({std::max<int64_t>(1, most) * kCols}, DType::I32);
+  int32_t* m = mine.data<int32_t>();
+  for (size_t k = 0; k < spans_.size(); ++k) {
+    const ActionSpan& sp = spans_[k];
+    const int32_t row[kCols] = {static_cast<int32_t>(sp.step), static_cast<int32_t>(sp.action.kind),
+                                sp.action.stage, sp.action.micro_batch,
+                                static_cast<int32_t>(sp.start_us),
+                                static_cast<int32_t>(sp.end_us - sp.start_us)};
+    std::copy(row, row + kCols, m + static_cast<int64_t>(k) * kCols);
+  }
+  Tensor all = Tensor::zeros({pp_.size() * mine.numel()}, DType::I32);
+  pp_.all_gather(mine, all);
+  if (pp_.rank() != 0) return;
+  nlohmann::json events = nlohmann::json::array();
+  for (int r = 0; r < pp_.size(); ++r) {
+    events.push_back({{"ph", "M"}, {"pid", 0}, {"tid", r}, {"name", "thread_name"},
+                      {"args", {{"name", fmt::format("rank {}", r)}}}});
+    const int32_t* rows = all.data<int32_t>() + static_cast<int64_t>(r) * mine.numel();
+    for (int32_t k = 0; k < counts.data<int32_t>()[r]; ++k) {
+      const int32_t* row = rows + static_cast<int64_t>(k) * kCols;
+      const Action a{static_cast<ActionKind>(row[1]), row[2], row[3]};
+      events.push_back({{"ph", "X"}, {"pid", 0}, {"tid", r}, {"name", a.str()},
+                        {"ts", row[4]}, {"dur", row[5]}, {"args", {{"step", row[0] + 1}}}});
+      // A send starts an arrow that its receive, on the peer, ends.
+      const bool send = a.kind == ActionKind::SEND_F || a.kind == ActionKind::SEND_B;
+      const bool recv = a.kind == ActionKind::RECV_F || a.kind == ActionKind::RECV_B;
+      if (!send && !recv) continue;
+      const bool fwd = a.kind == ActionKind::SEND_F || a.kind == ActionKind::RECV_F;
+      const int from_stage = send ? a.stage : (fwd ? a.stage - 1 : a.stage + 1);
+      const int64_t id = ((static_cast<int64_t>(row[0]) * 2 + (fwd ? 0 : 1)) * 64 + from_stage) *
+                             MessageTag::kMaxMicroBatch + a.micro_batch;
+      events.push_back({{"ph", send ? "s" : "f"}, {"pid", 0}, {"tid", r}, {"name", "message"},
+                        {"cat", fwd ? "activation" : "gradient"}, {"id", id},
+                        {"ts", send ? row[4] : row[4] + row[5]}, {"bp", "e"}});
+    }
+  }
+  std::ofstream f(path, std::ios::trunc);
+  f << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() << '\n';
+  check(f.good(), "--trace {}: cannot write", path);
 }
 
 double PipelineExecutor::grad_norm() const {

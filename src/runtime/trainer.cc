@@ -7,14 +7,17 @@
 namespace weft {
 
 nlohmann::json StepRecord::json() const {
-  return {{"step", step},           {"loss", loss},         {"lr", lr},
-          {"grad_norm", grad_norm}, {"step_ms", step_ms}, {"tokens_per_s", tokens_per_s}};
+  nlohmann::json j = {{"step", step},           {"loss", loss},         {"lr", lr},
+                      {"grad_norm", grad_norm}, {"step_ms", step_ms}, {"tokens_per_s", tokens_per_s}};
+  if (bubble_frac >= 0) j["bubble_frac"] = bubble_frac;
+  return j;
 }
 
 std::string StepRecord::line(int64_t train_iters) const {
   return fmt::format("step {:>5}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.0f} ms | "
                      "{:.0f} tok/s",
-                     step + 1, train_iters, loss, lr, grad_norm, step_ms, tokens_per_s);
+                     step + 1, train_iters, loss, lr, grad_norm, step_ms, tokens_per_s) +
+         (bubble_frac >= 0 ? fmt::format(" | bubble {:.1f}%", 100 * bubble_frac) : "");
 }
 
 TokenBatches::TokenBatches(const TokenData& data, int64_t global_batch, int64_t seq_len)
@@ -82,6 +85,7 @@ StepRecord Trainer::train_step() {
   r.step = steps_done_;
   r.loss = compute_gradients(steps_done_);
   r.grad_norm = pipeline_ != nullptr ? pipeline_->grad_norm() : grad_norm(params_);
+  if (pipeline_ != nullptr) r.bubble_frac = pipeline_->bubble_fraction();
   check(std::isfinite(r.loss) && std::isfinite(r.grad_norm),
         "step {}: loss is {} and gradient norm is {}; training diverged (try a lower --lr or "
         "--clip-grad)",
