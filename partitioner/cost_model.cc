@@ -10,6 +10,8 @@
 
 namespace weft {
 
+using partition_detail::at;
+
 namespace {
 
 double value_bytes(const Value& v) {
@@ -18,8 +20,7 @@ double value_bytes(const Value& v) {
 
 double output_bytes(const Graph& g, int node) {
   double bytes = 0;
-  for (int v : g.nodes()[static_cast<size_t>(node)].outputs)
-    bytes += value_bytes(g.values()[static_cast<size_t>(v)]);
+  for (int v : at(g.nodes(), node).outputs) bytes += value_bytes(at(g.values(), v));
   return bytes;
 }
 
@@ -31,7 +32,7 @@ CostModel CostModel::analytic(const Graph& g) {
   for (int n = 0; n < static_cast<int>(g.nodes().size()); ++n) {
     NodeCost c;
     c.f = g.node_flops(n);
-    const std::vector<Param*> params = g.nodes()[static_cast<size_t>(n)].layer->params();
+    const std::vector<Param*> params = at(g.nodes(), n).layer->params();
     // Backward through a layer costs about its forward for the input gradient; a layer
     // with weights does a second product of the same size for the weight gradient.
     c.i = c.f;
@@ -55,8 +56,8 @@ void check_cost(const Graph& g, const CostModel& cost) {
         "the cost model has {} node costs for a graph of {} nodes", cost.nodes.size(),
         g.nodes().size());
   auto field = [](double v, const char* what, size_t n, const std::string& name) {
-    check(std::isfinite(v) && v >= 0, "cost of node {} '{}': {} = {} must be finite and >= 0",
-          n, name, what, v);
+    check(std::isfinite(v) && v >= 0, "cost of node {} '{}': {} = {} must be finite and >= 0", n,
+          name, what, v);
   };
   for (size_t n = 0; n < cost.nodes.size(); ++n) {
     const NodeCost& c = cost.nodes[n];
@@ -85,12 +86,14 @@ std::vector<double> index_params(const Graph& g, Pricing& p) {
     elements.push_back(static_cast<double>(q->value.numel()));
   }
   p.param_bytes.assign(id.size(), 0);
+  p.first_user.assign(id.size(), -1);
   p.node_params.resize(static_cast<size_t>(p.nodes));
   for (int n = 0; n < p.nodes; ++n) {
-    std::vector<int>& ids = p.node_params[static_cast<size_t>(n)];
-    for (const Param* q : g.nodes()[static_cast<size_t>(n)].layer->params()) {
+    std::vector<int>& ids = at(p.node_params, n);
+    for (const Param* q : at(g.nodes(), n).layer->params()) {
       const int i = id.at(q);
       if (std::find(ids.begin(), ids.end(), i) == ids.end()) ids.push_back(i);
+      if (at(p.first_user, i) < 0) at(p.first_user, i) = n;
     }
   }
   return elements;
@@ -105,34 +108,34 @@ void share_param_bytes(const CostModel& cost, const std::vector<double>& element
   for (int n = 0; n < p.nodes; ++n) {
     std::vector<int> first;
     double total = 0;
-    for (int id : p.node_params[static_cast<size_t>(n)]) {
-      if (seen[static_cast<size_t>(id)]) continue;
-      seen[static_cast<size_t>(id)] = true;
+    for (int id : at(p.node_params, n)) {
+      if (at(seen, id)) continue;
+      at(seen, id) = true;
       first.push_back(id);
-      total += elements[static_cast<size_t>(id)];
+      total += at(elements, id);
     }
-    const double bytes = cost.nodes[static_cast<size_t>(n)].param_bytes;
+    const double bytes = at(cost.nodes, n).param_bytes;
     if (total <= 0) {
-      p.own_bytes[static_cast<size_t>(n)] = bytes;
+      at(p.own_bytes, n) = bytes;
       continue;
     }
     // Multiply before dividing: fp32 bytes (4 x elements) then come out exact.
-    for (int id : first)
-      p.param_bytes[static_cast<size_t>(id)] = bytes * elements[static_cast<size_t>(id)] / total;
+    for (int id : first) at(p.param_bytes, id) = bytes * at(elements, id) / total;
   }
 }
 
 void find_crossings(const Graph& g, const CostModel& cost, Pricing& p) {
   for (int n = 0; n < p.nodes; ++n) {
-    const std::vector<int>& outs = g.nodes()[static_cast<size_t>(n)].outputs;
+    const std::vector<int>& outs = at(g.nodes(), n).outputs;
     double total = 0;
-    for (int v : outs) total += value_bytes(g.values()[static_cast<size_t>(v)]);
+    for (int v : outs) total += value_bytes(at(g.values(), v));
     for (int v : outs) {
-      const Value& val = g.values()[static_cast<size_t>(v)];
+      const Value& val = at(g.values(), v);
       if (val.consumers.empty()) continue;
       const int last = *std::max_element(val.consumers.begin(), val.consumers.end());
-      const double share = total > 0 ? value_bytes(val) / total : 1.0 / static_cast<double>(outs.size());
-      p.crossings.push_back({n, last, cost.nodes[static_cast<size_t>(n)].output_bytes * share});
+      const double share =
+          total > 0 ? value_bytes(val) / total : 1.0 / static_cast<double>(outs.size());
+      p.crossings.push_back({n, last, at(cost.nodes, n).output_bytes * share});
     }
   }
 }
@@ -171,26 +174,24 @@ double Pricing::time(int a, int b) const {
 }
 
 void RankMemory::add(int node) {
-  for (int id : p_->node_params[static_cast<size_t>(node)])
-    if (held_[static_cast<size_t>(id)]++ == 0) totals_.params += p_->param_bytes[static_cast<size_t>(id)];
-  totals_.params += p_->own_bytes[static_cast<size_t>(node)];
-  totals_.activations += p_->activation[static_cast<size_t>(node)];
+  for (int id : at(p_->node_params, node))
+    if (at(held_, id)++ == 0) totals_.params += at(p_->param_bytes, id);
+  totals_.params += at(p_->own_bytes, node);
+  totals_.activations += at(p_->activation, node);
 }
 
 void RankMemory::remove(int a, int b, Totals before) {
   for (int n = a; n < b; ++n)
-    for (int id : p_->node_params[static_cast<size_t>(n)]) --held_[static_cast<size_t>(id)];
+    for (int id : at(p_->node_params, n)) --at(held_, id);
   totals_ = before;
 }
 
 std::vector<double> rank_memory(const Pricing& p, const Layout& l, const std::vector<int>& begin) {
   std::vector<RankMemory> ranks(static_cast<size_t>(l.pp), RankMemory(p));
   for (int s = 0; s < l.stages; ++s)
-    for (int n = begin[static_cast<size_t>(s)]; n < begin[static_cast<size_t>(s) + 1]; ++n)
-      ranks[static_cast<size_t>(l.rank[static_cast<size_t>(s)])].add(n);
+    for (int n = at(begin, s); n < at(begin, s + 1); ++n) at(ranks, at(l.rank, s)).add(n);
   std::vector<double> bytes;
-  for (int r = 0; r < l.pp; ++r)
-    bytes.push_back(ranks[static_cast<size_t>(r)].bytes(l.in_flight[static_cast<size_t>(r)]));
+  for (int r = 0; r < l.pp; ++r) bytes.push_back(at(ranks, r).bytes(at(l.in_flight, r)));
   return bytes;
 }
 

@@ -23,16 +23,19 @@ using namespace partition_detail;
 
 const char* method_name(PartitionMethod m) {
   switch (m) {
-    case PartitionMethod::Uniform: return "uniform";
-    case PartitionMethod::Parameters: return "parameters";
-    case PartitionMethod::Time: return "time";
+    case PartitionMethod::Uniform:
+      return "uniform";
+    case PartitionMethod::Parameters:
+      return "parameters";
+    case PartitionMethod::Time:
+      return "time";
   }
   return "?";
 }
 
 std::string bytes_text(double bytes) {
-  std::string s = bytes == std::floor(bytes) && bytes < 1e18 ? fmt::format("{:.0f} bytes", bytes)
-                                                             : fmt::format("{} bytes", bytes);
+  std::string s = bytes == std::floor(bytes) ? fmt::format("{:.0f} bytes", bytes)
+                                             : fmt::format("{:.1f} bytes", bytes);
   if (bytes >= 1024 * 1024) s += fmt::format(" ({:.1f} MiB)", bytes / (1024 * 1024));
   return s;
 }
@@ -50,7 +53,8 @@ int block_of(const std::string& name) {
 // count % parts shares take one item more, as DeepSpeed's partition_uniform does.
 std::vector<int> even_starts(int count, int parts) {
   std::vector<int> starts;
-  for (int s = 0; s <= parts; ++s) starts.push_back(s * (count / parts) + std::min(s, count % parts));
+  for (int s = 0; s <= parts; ++s)
+    starts.push_back(s * (count / parts) + std::min(s, count % parts));
   return starts;
 }
 
@@ -61,7 +65,7 @@ std::vector<int> uniform_cut(const Graph& g, const Layout& l) {
   std::vector<int> block_start;
   std::unordered_set<int> seen;
   for (int i = 0; i < n; ++i) {
-    const int b = block_of(g.nodes()[static_cast<size_t>(i)].name);
+    const int b = block_of(at(g.nodes(), i).name);
     if (b >= 0 && seen.insert(b).second) block_start.push_back(i);
   }
   if (block_start.empty()) return even_starts(n, l.stages);
@@ -73,7 +77,7 @@ std::vector<int> uniform_cut(const Graph& g, const Layout& l) {
         blocks, l.stages);
   const std::vector<int> first = even_starts(blocks, l.stages);
   std::vector<int> begin{0};
-  for (int s = 1; s < l.stages; ++s) begin.push_back(block_start[static_cast<size_t>(first[static_cast<size_t>(s)])]);
+  for (int s = 1; s < l.stages; ++s) begin.push_back(at(block_start, at(first, s)));
   begin.push_back(n);
   return begin;
 }
@@ -83,34 +87,39 @@ std::vector<int> parameters_cut(const StageTables& t) {
   const int n = t.p.nodes, stages = t.l.stages;
   const double least =
       min_max_suffix(n, stages, [&](int, int a, int b) { return t.params(a, b); })[0][0];
-  return min_max_cut(n, stages, [&](int, int a, int b) {
-    return t.params(a, b) <= least ? t.time(a, b) : kInf;
-  });
+  return min_max_cut(
+      n, stages, [&](int, int a, int b) { return t.params(a, b) <= least ? t.time(a, b) : kInf; });
 }
 
 bool all_fit(const std::vector<double>& bytes, double budget) {
   return std::all_of(bytes.begin(), bytes.end(), [&](double b) { return fits(b, budget); });
 }
 
-// Least largest stage time within the budget; empty when no cut fits. With one stage
-// per rank a stage's memory is its rank's, so the DP over cuts is exact. With several,
-// the DP's per-stage check is only necessary: its cut is optimal if its ranks fit, and
-// otherwise the exact search takes over.
-std::vector<int> time_cut(const StageTables& t) {
+// With several stages per rank the exact search may grow exponentially (a rank's memory
+// sums non-adjacent ranges, so no cut-position DP is exact); it stops after this many
+// partial cuts, a few seconds, and says so rather than claim what it did not prove. The
+// search that only words an error gets a quarter of that.
+constexpr long kMaxSearchSteps = 200000;
+constexpr long kMaxMessageSteps = kMaxSearchSteps / 4;
+
+struct TimeCut {
+  std::vector<int> cut;  // empty when no cut fits the budget
+  bool proven = true;    // false: the step limit ended the search before it proved optimality
+};
+
+// Least largest stage time within the budget. With one stage per rank a stage's memory
+// is its rank's, so the DP over cuts is exact. With several, the DP's per-stage check is
+// only necessary: its cut is optimal if its ranks fit, and otherwise the exact search
+// takes over.
+TimeCut time_cut(const StageTables& t) {
   const Layout& l = t.l;
   std::vector<int> cut = min_max_cut(t.p.nodes, l.stages, [&](int s, int a, int b) {
     return fits(t.memory(s, a, b), l.budget) ? t.time(a, b) : kInf;
   });
-  if (cut.empty() || l.chunks == 1 || l.budget <= 0) return cut;
-  if (all_fit(rank_memory(t.p, l, cut), l.budget)) return cut;
-  return branch_and_bound(t, Goal::Time);
-}
-
-// The cut whose largest rank memory is least.
-std::vector<int> least_memory_cut(const StageTables& t) {
-  if (t.l.chunks > 1) return branch_and_bound(t, Goal::Memory);
-  return min_max_cut(t.p.nodes, t.l.stages,
-                     [&](int s, int a, int b) { return t.memory(s, a, b); });
+  if (cut.empty() || l.chunks == 1 || l.budget <= 0) return {cut, true};
+  if (all_fit(rank_memory(t.p, l, cut), l.budget)) return {cut, true};
+  SearchResult found = branch_and_bound(t, Goal::Time, kMaxSearchSteps);
+  return {std::move(found.cut), found.proven};
 }
 
 double peak(const StagePlan& plan, int* rank = nullptr) {
@@ -119,13 +128,37 @@ double peak(const StagePlan& plan, int* rank = nullptr) {
   return *it;
 }
 
+std::string least_peak_text(const Graph& g, const CostModel& cost, const PartitionOptions& opt,
+                            const StageTables& t) {
+  SearchResult least{{}, true, 0};
+  if (t.l.chunks == 1) {
+    least.cut =
+        min_max_cut(t.p.nodes, t.l.stages, [&](int s, int a, int b) { return t.memory(s, a, b); });
+  } else {
+    least = branch_and_bound(t, Goal::Memory, kMaxMessageSteps);
+  }
+  const double reached = peak(evaluate_plan(g, cost, opt, least.cut, "least memory"));
+  if (least.proven) return fmt::format("is {}", bytes_text(reached));
+  return fmt::format("is between {} and {} (the search for it stopped after {} steps)",
+                     bytes_text(std::floor(std::min(reached, least.floor))), bytes_text(reached),
+                     kMaxMessageSteps);
+}
+
+// Why no plan came back, naming the least peak memory any cut reaches.
 [[noreturn]] void no_cut_fits(const Graph& g, const CostModel& cost, const PartitionOptions& opt,
-                              const StageTables& t) {
-  const StagePlan least = evaluate_plan(g, cost, opt, least_memory_cut(t), "least memory");
+                              const StageTables& t, bool proven) {
+  const std::string least = least_peak_text(g, cost, opt, t);
+  const std::string budget = bytes_text(opt.memory_budget);
+  if (proven)
+    throw Error(
+        "no plan fits the memory budget of {} per rank: the smallest peak rank memory any cut "
+        "into {} stages reaches {}",
+        budget, t.l.stages, least);
   throw Error(
-      "no plan fits the memory budget of {} per rank: the smallest peak rank memory any cut "
-      "into {} stages reaches is {}",
-      bytes_text(opt.memory_budget), t.l.stages, bytes_text(peak(least)));
+      "no plan within the memory budget of {} per rank was found in {} search steps (with {} "
+      "chunks per rank the exact search can grow exponentially); the smallest peak rank memory "
+      "any cut into {} stages reaches {}",
+      budget, kMaxSearchSteps, t.l.chunks, t.l.stages, least);
 }
 
 void check_budget(const StagePlan& plan, double budget) {
@@ -143,14 +176,20 @@ StagePlan partition(const Graph& g, const CostModel& cost, const PartitionOption
   const Layout l = make_layout(g, opt);
   const Pricing p(g, cost);
   std::vector<int> cut;
+  std::string method = method_name(opt.method);
   if (opt.method == PartitionMethod::Uniform) {
     cut = uniform_cut(g, l);
+  } else if (opt.method == PartitionMethod::Parameters) {
+    cut = parameters_cut(StageTables(p, l));
   } else {
     const StageTables t(p, l);
-    cut = opt.method == PartitionMethod::Time ? time_cut(t) : parameters_cut(t);
-    if (cut.empty()) no_cut_fits(g, cost, opt, t);
+    TimeCut found = time_cut(t);
+    if (found.cut.empty()) no_cut_fits(g, cost, opt, t, found.proven);
+    // A plan that fits but is not proven optimal says so wherever it is described.
+    if (!found.proven) method = "time (best found: the search stopped before proving it optimal)";
+    cut = std::move(found.cut);
   }
-  StagePlan plan = evaluate_plan(g, cost, opt, std::move(cut), method_name(opt.method));
+  StagePlan plan = evaluate_plan(g, cost, opt, std::move(cut), method);
   check_budget(plan, l.budget);
   return plan;
 }

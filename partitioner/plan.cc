@@ -8,6 +8,8 @@
 
 namespace weft {
 
+using partition_detail::at;
+
 namespace partition_detail {
 
 namespace {
@@ -23,15 +25,15 @@ std::vector<int> stage_ranks(const PartitionOptions& opt, int stages) {
         opt.stage_rank.size(), stages);
   std::vector<int> count(static_cast<size_t>(opt.pp), 0);
   for (int s = 0; s < stages; ++s) {
-    const int r = opt.stage_rank[static_cast<size_t>(s)];
+    const int r = at(opt.stage_rank, s);
     check(r >= 0 && r < opt.pp, "stage_rank[{}] = {} is not a rank in 0..{}", s, r, opt.pp - 1);
-    ++count[static_cast<size_t>(r)];
+    ++at(count, r);
   }
   // Every schedule weft runs gives each rank the same number of virtual stages.
   for (int r = 0; r < opt.pp; ++r)
-    check(count[static_cast<size_t>(r)] == opt.chunks,
-          "stage_rank gives rank {} {} stages; every rank must run chunks = {}", r,
-          count[static_cast<size_t>(r)], opt.chunks);
+    check(at(count, r) == opt.chunks,
+          "stage_rank gives rank {} {} stages; every rank must run chunks = {}", r, at(count, r),
+          opt.chunks);
   return opt.stage_rank;
 }
 
@@ -40,9 +42,9 @@ std::vector<int> in_flight(const PartitionOptions& opt) {
   check(static_cast<int>(opt.in_flight.size()) == opt.pp,
         "in_flight has {} entries; it needs one per rank (pp = {})", opt.in_flight.size(), opt.pp);
   for (int r = 0; r < opt.pp; ++r)
-    check(opt.in_flight[static_cast<size_t>(r)] >= 1,
+    check(at(opt.in_flight, r) >= 1,
           "in_flight[{}] = {} must be at least 1: a rank holds the micro-batch it runs", r,
-          opt.in_flight[static_cast<size_t>(r)]);
+          at(opt.in_flight, r));
   return opt.in_flight;
 }
 
@@ -56,10 +58,10 @@ void check_cut(const std::vector<int>& begin, int stages, int n) {
         first);
   check(first == 0, "stage 0 starts at node {}, before the first node 0", first);
   for (int s = 1; s < stages; ++s)
-    check(begin[static_cast<size_t>(s)] <= n, "stage {} starts at node {}, past the graph's {} nodes",
-          s, begin[static_cast<size_t>(s)], n);
+    check(at(begin, s) <= n, "stage {} starts at node {}, past the graph's {} nodes", s,
+          at(begin, s), n);
   for (int s = 0; s < stages; ++s) {
-    const int a = begin[static_cast<size_t>(s)], b = begin[static_cast<size_t>(s) + 1];
+    const int a = at(begin, s), b = at(begin, s + 1);
     check(a != b, "stage {} is empty: it starts and ends at node {}", s, a);
     check(a < b,
           "stage {} ends at node {} before it starts at node {}: nodes {}..{} would run in "
@@ -104,8 +106,9 @@ StagePlan evaluate_plan(const Graph& g, const CostModel& cost, const PartitionOp
   plan.chunks = l.chunks;
   plan.method = std::move(method);
   for (int s = 0; s < l.stages; ++s)
-    plan.stage_cost.push_back(p.time(begin[static_cast<size_t>(s)], begin[static_cast<size_t>(s) + 1]));
+    plan.stage_cost.push_back(p.time(at(begin, s), at(begin, s + 1)));
   plan.rank_memory = rank_memory(p, l, begin);
+  plan.stage_rank = l.rank;
   plan.begin = std::move(begin);
   return plan;
 }
@@ -131,8 +134,6 @@ std::string human_bytes(double bytes) {
 
 }  // namespace
 
-// The plan does not record a custom stage_rank, so the rank column is s % pp (the
-// default placement); rank memory is as evaluated.
 std::string StagePlan::describe(const Graph& g) const {
   double peak = 0;
   for (double m : rank_memory) peak = std::max(peak, m);
@@ -142,12 +143,12 @@ std::string StagePlan::describe(const Graph& g) const {
   s += fmt::format("{:>5} {:>4}  {:<11} {:<40} {:>11} {:>12}\n", "stage", "rank", "nodes",
                    "first .. last", "cost", "rank memory");
   for (int st = 0; st + 1 < static_cast<int>(begin.size()); ++st) {
-    const int a = begin[static_cast<size_t>(st)], b = begin[static_cast<size_t>(st) + 1];
-    const int r = st % pp;
-    const std::string names = fmt::format("{} .. {}", g.nodes()[static_cast<size_t>(a)].name,
-                                          g.nodes()[static_cast<size_t>(b) - 1].name);
-    const double cost = static_cast<size_t>(st) < stage_cost.size() ? stage_cost[static_cast<size_t>(st)] : 0;
-    const double mem = static_cast<size_t>(r) < rank_memory.size() ? rank_memory[static_cast<size_t>(r)] : 0;
+    const int a = at(begin, st), b = at(begin, st + 1);
+    const int r = static_cast<size_t>(st) < stage_rank.size() ? at(stage_rank, st) : st % pp;
+    const std::string names =
+        fmt::format("{} .. {}", at(g.nodes(), a).name, at(g.nodes(), b - 1).name);
+    const double cost = static_cast<size_t>(st) < stage_cost.size() ? at(stage_cost, st) : 0;
+    const double mem = static_cast<size_t>(r) < rank_memory.size() ? at(rank_memory, r) : 0;
     s += fmt::format("{:>5} {:>4}  {:<11} {:<40} {:>11.4g} {:>12}\n", st, r,
                      fmt::format("{}-{}", a, b - 1), names, cost, human_bytes(mem));
   }

@@ -11,6 +11,12 @@
 
 namespace weft::partition_detail {
 
+// Element i of a vector: nodes, stages and ranks are numbered with ints throughout.
+template <typename V>
+decltype(auto) at(V& v, int i) {
+  return v[static_cast<size_t>(i)];
+}
+
 // Validated options: the rank of every stage and the micro-batches each rank holds.
 struct Layout {
   int pp = 1, chunks = 1, stages = 1;
@@ -25,8 +31,7 @@ inline bool fits(double bytes, double budget) { return budget <= 0 || bytes <= b
 
 // The one formula for a rank's bytes: parameters with their gradients and optimizer
 // state, plus the activations of every micro-batch the rank holds at once.
-inline double memory_bytes(double state_factor, double params, int in_flight,
-                           double activations) {
+inline double memory_bytes(double state_factor, double params, int in_flight, double activations) {
   return state_factor * params + in_flight * activations;
 }
 
@@ -35,18 +40,19 @@ struct Pricing {
   Pricing(const Graph& g, const CostModel& cost);  // throws Error on a bad cost model
 
   int nodes = 0;
-  double link = 0;          // boundary bytes per cost unit; 0 = free
-  double state_factor = 4;  // 1 + state_per_param_byte
+  double link = 0;                   // boundary bytes per cost unit; 0 = free
+  double state_factor = 4;           // 1 + state_per_param_byte
   std::vector<double> work_prefix;   // F + I + W of nodes [0, i)
   std::vector<double> param_prefix;  // cost-model param_bytes of nodes [0, i)
   std::vector<double> act_prefix;    // activation bytes of nodes [0, i)
 
   // A parameter's bytes are its share (by element count) of the param_bytes of the
   // node that first uses it; a later user on another rank holds a copy of it.
-  std::vector<double> param_bytes;             // per parameter id
-  std::vector<std::vector<int>> node_params;   // per node: the parameter ids it uses
-  std::vector<double> own_bytes;   // per node: param_bytes no parameter of it carries
-  std::vector<double> activation;  // per node
+  std::vector<double> param_bytes;            // per parameter id
+  std::vector<std::vector<int>> node_params;  // per node: the parameter ids it uses
+  std::vector<int> first_user;                // per parameter id: the first node using it
+  std::vector<double> own_bytes;              // per node: param_bytes no parameter of it carries
+  std::vector<double> activation;             // per node
 
   // A value read after the node producing it: it crosses every cut in between.
   struct Crossing {
@@ -55,7 +61,7 @@ struct Pricing {
   };
   std::vector<Crossing> crossings;
 
-  double work(int a, int b) const { return work_prefix[b] - work_prefix[a]; }
+  double work(int a, int b) const { return at(work_prefix, b) - at(work_prefix, a); }
   // Bytes stage [a, b) sends forward: values produced in it and read after it.
   double sent_bytes(int a, int b) const;
   // F + I + W of nodes [a, b) plus the time to send its boundary.
@@ -75,6 +81,7 @@ class RankMemory {
   // (restoring rather than subtracting keeps the sums exact).
   void remove(int a, int b, Totals before);
   Totals totals() const { return totals_; }
+  bool holds(int param) const { return at(held_, param) > 0; }
   double bytes(int in_flight) const {
     return memory_bytes(p_->state_factor, totals_.params, in_flight, totals_.activations);
   }

@@ -3,7 +3,6 @@
 #include "partitioner/search.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <cmath>
 
 namespace weft::partition_detail {
@@ -31,16 +30,16 @@ template <typename Combine>
 Grid suffix_table(int n, int stages, const RangePrice& price, double empty, Combine combine,
                   double start) {
   Grid best(static_cast<size_t>(stages) + 1, std::vector<double>(static_cast<size_t>(n) + 1, kInf));
-  best[static_cast<size_t>(stages)][static_cast<size_t>(n)] = empty;
+  at(at(best, stages), n) = empty;
   for (int s = stages - 1; s >= 0; --s) {
     for (int a = s; a < last_end(n, stages, s); ++a) {
       double v = start;
       for (int b = a + 1; b <= last_end(n, stages, s); ++b) {
-        const double rest = best[static_cast<size_t>(s) + 1][static_cast<size_t>(b)];
+        const double rest = at(at(best, s + 1), b);
         if (rest == kInf) continue;
         v = std::min(v, combine(price(s, a, b), rest));
       }
-      best[static_cast<size_t>(s)][static_cast<size_t>(a)] = v;
+      at(at(best, s), a) = v;
     }
   }
   return best;
@@ -49,12 +48,13 @@ Grid suffix_table(int n, int stages, const RangePrice& price, double empty, Comb
 }  // namespace
 
 Grid min_max_suffix(int n, int stages, const RangePrice& price) {
-  return suffix_table(n, stages, price, -kInf, [](double x, double y) { return std::max(x, y); },
-                      kInf);
+  return suffix_table(
+      n, stages, price, -kInf, [](double x, double y) { return std::max(x, y); }, kInf);
 }
 
 Grid min_sum_suffix(int n, int stages, const RangePrice& price) {
-  return suffix_table(n, stages, price, 0.0, [](double x, double y) { return x + y; }, kInf);
+  return suffix_table(
+      n, stages, price, 0.0, [](double x, double y) { return x + y; }, kInf);
 }
 
 std::vector<int> min_max_cut(int n, int stages, const RangePrice& price) {
@@ -62,10 +62,9 @@ std::vector<int> min_max_cut(int n, int stages, const RangePrice& price) {
   if (best[0][0] == kInf) return {};
   std::vector<int> begin{0};
   for (int s = 0, a = 0; s < stages; ++s) {
-    const double target = best[static_cast<size_t>(s)][static_cast<size_t>(a)];
+    const double target = at(at(best, s), a);
     for (int b = a + 1; b <= last_end(n, stages, s); ++b) {
-      if (std::max(price(s, a, b), best[static_cast<size_t>(s) + 1][static_cast<size_t>(b)]) ==
-          target) {
+      if (std::max(price(s, a, b), at(at(best, s + 1), b)) == target) {
         begin.push_back(b);
         a = b;
         break;
@@ -77,186 +76,232 @@ std::vector<int> min_max_cut(int n, int stages, const RangePrice& price) {
 
 namespace {
 
-// Lower bounds on the bytes ranks end with, fixed up front. The bytes a rank must add for
-// nodes [a, b) are at least those of the parameters first used there (nobody holds them
-// yet) and the activations. For weights w over ranks summing to 1, the w-weighted mean of
-// the ranks' final bytes is at least w . (bytes so far) + left[s][a], the least weighted
-// bytes that stages s.. must add over nodes [a, n): a sum over stages, so a DP finds it.
-// The peak is at least every weighted mean: one w per rank alone, and a few chosen at the
-// start to make the bound high.
+// Lower bounds on the bytes each rank ends with, for pruning. The bytes a rank must add for
+// nodes [a, e) are at least those of the parameters first used there (nobody holds them
+// yet) and of the activations; every bound below is built from that, so none ever
+// rejects a cut that fits.
 class MemoryBounds {
  public:
-  explicit MemoryBounds(const StageTables& t) : t_(t), l_(t.l), n_(t.p.nodes) {
-    for (int r = 0; r < l_.pp; ++r) {
-      std::vector<double> w(static_cast<size_t>(l_.pp), 0);
-      w[static_cast<size_t>(r)] = 1;
-      add_weights(w);
-    }
+  explicit MemoryBounds(const StageTables& t) : p_(t.p), l_(t.l), n_(t.p.nodes) {
+    for (int r = 0; r < l_.pp; ++r) rank_left_.push_back(least_left(r));
     if (l_.pp > 1) tune_weights();
-    last_stage_.assign(static_cast<size_t>(l_.pp), -1);
-    for (int s = 0; s < l_.stages; ++s) last_stage_[static_cast<size_t>(l_.rank[static_cast<size_t>(s)])] = s;
+    left_after_.assign(static_cast<size_t>(l_.stages) + 1,
+                       std::vector<int>(static_cast<size_t>(l_.pp), 0));
+    for (int s = l_.stages - 1; s >= 0; --s) {
+      at(left_after_, s) = at(left_after_, s + 1);
+      ++at(at(left_after_, s), at(l_.rank, s));
+    }
     for (int r = 0; r < l_.pp; ++r) by_in_flight_.push_back(r);
-    std::stable_sort(by_in_flight_.begin(), by_in_flight_.end(), [&](int x, int y) {
-      return l_.in_flight[static_cast<size_t>(x)] < l_.in_flight[static_cast<size_t>(y)];
-    });
+    std::stable_sort(by_in_flight_.begin(), by_in_flight_.end(),
+                     [&](int x, int y) { return in_flight(x) < in_flight(y); });
+    find_tied();
   }
 
-  // Cuts seen while choosing weights: real cuts, so good first guesses for the least peak.
-  const std::vector<std::vector<int>>& sample_cuts() const { return samples_; }
-
-  // The least peak any finish can reach once stage s ends at node b (+inf: none exists).
+  // The least peak any finish reaches once stage s ends at node b, the ranks holding
+  // `bytes`: each rank alone must still add its own stages' least bytes (+inf: no finish).
+  // So must the ranks together, and the peak is at least their weighted mean.
   double peak_at_least(int s, int b, const std::vector<double>& bytes) const {
     double peak = -kInf;
-    for (const Weighted& w : weighted_) {
-      double v = w.left[static_cast<size_t>(s) + 1][static_cast<size_t>(b)];
-      for (int q = 0; q < l_.pp; ++q) v += w.w[static_cast<size_t>(q)] * bytes[static_cast<size_t>(q)];
-      peak = std::max(peak, v);
+    for (int q = 0; q < l_.pp; ++q) peak = std::max(peak, at(bytes, q) + left(q, s + 1, b));
+    if (!weights_.empty()) {
+      double mean = at(at(weighted_left_, s + 1), b);
+      for (int q = 0; q < l_.pp; ++q) mean += at(weights_, q) * at(bytes, q);
+      peak = std::max(peak, mean * (1 - 1e-9));  // the weights sum to 1 only up to rounding
     }
     return peak;
   }
 
-  double floor() const { return peak_at_least(-1, 0, std::vector<double>(static_cast<size_t>(l_.pp), 0)); }
-
-  // Two more necessary conditions for every rank to end within `cap`, each dropping a
-  // different part of the truth, so neither ever rejects a cut that fits.
-  bool could_fit(int s, int b, const std::vector<double>& bytes, double cap) const {
-    return room_in_any_order(s, b, bytes, cap) && room_in_order(s, b, bytes, cap);
+  // Whether every rank could still end within `cap`, by two tests that each drop a
+  // different part of the truth. `memo` caches stage ends for ranks other than `r`,
+  // whose rooms stay fixed while stage s's end b varies; it starts filled with -1.
+  bool could_fit(int s, int b, int r, const std::vector<RankMemory>& ranks,
+                 const std::vector<double>& bytes, double cap, std::vector<int>& memo) const {
+    return room_in_any_order(s, b, bytes, cap) && room_in_order(s, b, r, ranks, bytes, cap, memo);
   }
 
  private:
-  struct Weighted {
-    std::vector<double> w;
-    Grid left;
+  struct Tied {
+    int id, first;              // parameter id and its first user
+    std::vector<int> next_use;  // per node a: its first user at or after a (n if none)
   };
 
-  double least_added(int a, int b, int in_flight) const {
-    const Pricing& p = t_.p;
-    const double bytes = memory_bytes(
-        p.state_factor, p.param_prefix[static_cast<size_t>(b)] - p.param_prefix[static_cast<size_t>(a)],
-        in_flight, p.act_prefix[static_cast<size_t>(b)] - p.act_prefix[static_cast<size_t>(a)]);
-    return bytes * (1 - 1e-9);  // prefix differences may round up; stay below
+  int in_flight(int r) const { return at(l_.in_flight, r); }
+  double left(int r, int s, int a) const { return at(at(at(rank_left_, r), s), a); }
+
+  double least_added(int a, int e, int k) const {
+    const double params = at(p_.param_prefix, e) - at(p_.param_prefix, a);
+    const double acts = at(p_.act_prefix, e) - at(p_.act_prefix, a);
+    return memory_bytes(p_.state_factor, params, k, acts) * (1 - 1e-9);  // prefix sums may round up
   }
 
-  RangePrice weighted_price(const std::vector<double>& w) const {
-    return [this, &w](int s, int a, int b) {
-      const int r = l_.rank[static_cast<size_t>(s)];
-      const double wr = w[static_cast<size_t>(r)];
-      return wr == 0 ? 0.0 : wr * least_added(a, b, l_.in_flight[static_cast<size_t>(r)]);
-    };
+  // left[s][a]: the least bytes rank r adds over nodes [a, n) in its stages from s on.
+  Grid least_left(int r) const {
+    return min_sum_suffix(n_, l_.stages, [&, r](int s, int a, int e) {
+      return at(l_.rank, s) == r ? least_added(a, e, in_flight(r)) : 0.0;
+    });
   }
 
-  void add_weights(const std::vector<double>& w) {
-    weighted_.push_back({w, {}});
-    weighted_.back().left = min_sum_suffix(n_, l_.stages, weighted_price(weighted_.back().w));
+  // For weights w over ranks summing to 1: [s][a] = the least w-weighted sum of the bytes
+  // the stages from s on add over nodes [a, n). A sum over stages, so a DP finds it.
+  Grid weighted_left(const std::vector<double>& w) const {
+    return min_sum_suffix(n_, l_.stages, [&](int s, int a, int e) {
+      const int r = at(l_.rank, s);
+      return at(w, r) * least_added(a, e, in_flight(r));
+    });
   }
 
-  // The cut reaching left[0][0], and what each rank must add along it.
-  std::vector<double> argmin_bytes(const Weighted& w) {
-    const RangePrice price = weighted_price(w.w);
+  // What each rank adds along the cut that reaches weighted_left(w)[0][0].
+  std::vector<double> weighted_argmin(const std::vector<double>& w, const Grid& left) const {
     std::vector<double> bytes(static_cast<size_t>(l_.pp), 0);
-    std::vector<int> cut{0};
     for (int s = 0, a = 0; s < l_.stages; ++s) {
-      for (int b = a + 1; b <= n_; ++b) {
-        const double rest = w.left[static_cast<size_t>(s) + 1][static_cast<size_t>(b)];
-        if (rest < kInf && price(s, a, b) + rest == w.left[static_cast<size_t>(s)][static_cast<size_t>(a)]) {
-          const int r = l_.rank[static_cast<size_t>(s)];
-          bytes[static_cast<size_t>(r)] += least_added(a, b, l_.in_flight[static_cast<size_t>(r)]);
-          cut.push_back(b);
-          a = b;
+      const int r = at(l_.rank, s);
+      for (int e = a + 1; e <= n_; ++e) {
+        const double add = least_added(a, e, in_flight(r));
+        const double rest = at(at(left, s + 1), e);
+        if (at(w, r) * add + rest == at(at(left, s), a)) {
+          at(bytes, r) += add;
+          a = e;
           break;
         }
       }
     }
-    if (static_cast<int>(cut.size()) == l_.stages + 1) samples_.push_back(cut);
     return bytes;
   }
 
-  // Multiplicative-weights ascent on the bound: ranks the current best cut loads most
-  // get more weight. Every weight vector gives a valid bound; this only makes it tighter.
+  // Any weights give a valid bound; multiplicative-weights ascent (more weight to the
+  // ranks the least-sum cut loads most) makes it high. Keeps the best weights seen.
   void tune_weights() {
     std::vector<double> w(static_cast<size_t>(l_.pp), 1.0 / l_.pp);
-    Weighted best{w, min_sum_suffix(n_, l_.stages, weighted_price(w))};
-    Weighted cur = best;
-    for (int it = 1; it <= 24; ++it) {
-      const std::vector<double> x = argmin_bytes(cur);
+    for (int it = 1; it <= 20; ++it) {
+      Grid left = weighted_left(w);
+      if (weights_.empty() || left[0][0] > weighted_left_[0][0]) {
+        weights_ = w;
+        weighted_left_ = left;
+      }
+      const std::vector<double> x = weighted_argmin(w, left);
       const double top = *std::max_element(x.begin(), x.end());
-      if (top <= 0) break;
+      if (!(top > 0)) break;
       double sum = 0;
-      for (int q = 0; q < l_.pp; ++q)
-        sum += w[static_cast<size_t>(q)] *= std::exp(2.0 / std::sqrt(it) * x[static_cast<size_t>(q)] / top);
+      for (int q = 0; q < l_.pp; ++q) sum += at(w, q) *= std::exp(at(x, q) / top / std::sqrt(it));
       for (double& v : w) v /= sum;
-      cur = {w, min_sum_suffix(n_, l_.stages, weighted_price(w))};
-      if (cur.left[0][0] > best.left[0][0]) best = cur;
     }
-    weighted_.push_back(std::move(best));
+  }
+
+  void find_tied() {
+    for (int id = 0; id < static_cast<int>(p_.param_bytes.size()); ++id) {
+      std::vector<int> next(static_cast<size_t>(n_) + 1, n_);
+      int users = 0;
+      for (int i = n_ - 1; i >= 0; --i) {
+        const std::vector<int>& ids = at(p_.node_params, i);
+        const bool uses = std::find(ids.begin(), ids.end(), id) != ids.end();
+        users += uses;
+        at(next, i) = uses ? i : at(next, i + 1);
+      }
+      if (users > 1) tied_.push_back({id, at(p_.first_user, id), std::move(next)});
+    }
   }
 
   // Ignoring node order: activations go first to the ranks keeping the fewest
   // micro-batches, and the parameters first used after b must fit in the room left.
   // Only ranks with stages after s take more nodes.
   bool room_in_any_order(int s, int b, const std::vector<double>& bytes, double cap) const {
-    const Pricing& p = t_.p;
-    double acts = (p.act_prefix[static_cast<size_t>(n_)] - p.act_prefix[static_cast<size_t>(b)]) * (1 - 1e-9);
+    double acts = (at(p_.act_prefix, n_) - at(p_.act_prefix, b)) * (1 - 1e-9);
     double room = 0;
     for (int q : by_in_flight_) {
-      if (last_stage_[static_cast<size_t>(q)] <= s) continue;
-      const double free = cap - bytes[static_cast<size_t>(q)];
-      if (free <= 0) continue;
-      const double k = l_.in_flight[static_cast<size_t>(q)];
-      const double take = std::min(acts, free / k);
+      const double free = cap - at(bytes, q);
+      if (at(at(left_after_, s + 1), q) == 0 || free <= 0) continue;
+      const double take = std::min(acts, free / in_flight(q));
       acts -= take;
-      room += free - k * take;
+      room += free - in_flight(q) * take;
     }
-    const double params = (p.param_prefix[static_cast<size_t>(n_)] - p.param_prefix[static_cast<size_t>(b)]) * (1 - 1e-9);
-    return acts <= 0 && p.state_factor * params <= room;
+    const double params = at(p_.param_prefix, n_) - at(p_.param_prefix, b);
+    return acts <= 0 && p_.state_factor * params * (1 - 1e-9) <= room;
+  }
+
+  // Bytes rank q (holding what `rank` holds) must add for nodes [a, e): least_added, plus,
+  // when `copies`, each tied parameter used there, older than a, that the rank lacks.
+  // Grows with e.
+  double need(const RankMemory& rank, int q, int a, int e, bool copies) const {
+    double tied = 0;
+    if (copies)
+      for (const Tied& t : tied_)
+        if (t.first < a && at(t.next_use, a) < e && !rank.holds(t.id))
+          tied += at(p_.param_bytes, t.id);
+    return least_added(a, e, in_flight(q)) + p_.state_factor * tied * (1 - 1e-9);
+  }
+
+  // The furthest end of stage st from node a within `room`: need grows with the end.
+  int furthest(int st, int a, const RankMemory& rank, double room) const {
+    const int q = at(l_.rank, st);
+    // With one stage left, the rank must copy in the tied parameters it lacks; with more,
+    // an earlier one might bring them.
+    const bool copies = at(at(left_after_, st), q) == 1;
+    int lo = a, hi = n_;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (need(rank, q, a, mid, copies) <= room)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    return lo;
   }
 
   // In order, but as if each later stage had its rank's whole room to itself and could be
   // empty: then taking the most nodes each stage can is as good as any cut.
-  bool room_in_order(int s, int b, const std::vector<double>& bytes, double cap) const {
+  bool room_in_order(int s, int b, int r, const std::vector<RankMemory>& ranks,
+                     const std::vector<double>& bytes, double cap, std::vector<int>& memo) const {
     int a = b;
     for (int st = s + 1; st < l_.stages && a < n_; ++st) {
-      const int q = l_.rank[static_cast<size_t>(st)];
-      const double room = cap - bytes[static_cast<size_t>(q)];
-      int e = a;
-      while (e < n_ && least_added(a, e + 1, l_.in_flight[static_cast<size_t>(q)]) <= room) ++e;
-      a = e;
+      const int q = at(l_.rank, st);
+      const double room = cap - at(bytes, q);
+      if (q == r) {
+        a = furthest(st, a, at(ranks, q), room);
+        continue;
+      }
+      int& end = at(memo, st * (n_ + 1) + a);
+      if (end < 0) end = furthest(st, a, at(ranks, q), room);
+      a = end;
     }
     return a == n_;
   }
 
-  const StageTables& t_;
+  const Pricing& p_;
   const Layout& l_;
   int n_;
-  std::vector<Weighted> weighted_;
-  std::vector<std::vector<int>> samples_;
-  std::vector<int> last_stage_;    // per rank
-  std::vector<int> by_in_flight_;  // ranks, fewest micro-batches in flight first
+  std::vector<Grid> rank_left_;               // per rank: least_left
+  std::vector<double> weights_;               // per rank, summing to 1
+  Grid weighted_left_;                        // weighted_left(weights_)
+  std::vector<std::vector<int>> left_after_;  // [s][r]: stages of rank r from s on
+  std::vector<int> by_in_flight_;             // ranks, fewest micro-batches in flight first
+  std::vector<Tied> tied_;                    // parameters used by more than one node
 };
 
 // Depth-first over stage ends, stage by stage, keeping each rank's exact memory (shared
 // parameters once). A branch is cut when its lower bound cannot beat the best cut found:
-// the least time to finish is a DP that ignores the ranks' memory coupling, and the
-// memory bounds above never overestimate, so no better cut is ever cut off.
+// the least time to finish is a DP that ignores how the ranks' memory couples, and the
+// memory bounds never overestimate, so no better cut is ever cut off.
 class BranchAndBound {
  public:
-  BranchAndBound(const StageTables& t, Goal goal)
-      : t_(t), l_(t.l), n_(t.p.nodes), goal_(goal), bounds_(t),
+  BranchAndBound(const StageTables& t, Goal goal, long max_steps)
+      : t_(t),
+        l_(t.l),
+        n_(t.p.nodes),
+        goal_(goal),
+        steps_left_(max_steps),
+        bounds_(t),
         ranks_(static_cast<size_t>(l_.pp), RankMemory(t.p)) {
     time_left_ = min_max_suffix(n_, l_.stages, [&](int s, int a, int b) {
       return goal_ == Goal::Time && !fits(t_.memory(s, a, b), l_.budget) ? kInf : t_.time(a, b);
     });
-    floor_ = goal_ == Goal::Time ? time_left_[0][0] : bounds_.floor();
-    if (goal_ == Goal::Memory)
-      for (const std::vector<int>& cut : bounds_.sample_cuts()) consider(cut);
+    const std::vector<double> none(static_cast<size_t>(l_.pp), 0);
+    floor_ = goal_ == Goal::Time ? time_left_[0][0] : bounds_.peak_at_least(-1, 0, none);
   }
 
-  std::vector<int> run() {
+  SearchResult run() {
     cut_ = {0};
     if (floor_ < kInf) search(0, 0);
-    fprintf(stderr, "goal %d nodes %ld best %g floor %g\n", (int)goal_, visits_, best_, floor_);
-    for (int i = 0; i <= l_.stages; ++i) fprintf(stderr, " depth %d: %ld\n", i, depth_[i]);
-    return best_cut_;
+    return {best_cut_, steps_left_ >= 0, floor_};
   }
 
  private:
@@ -265,53 +310,48 @@ class BranchAndBound {
     int end;
   };
 
-  // A known cut as the best so far (Goal::Memory), to prune with from the start.
-  void consider(const std::vector<int>& cut) {
-    const std::vector<double> bytes = rank_memory(t_.p, l_, cut);
-    const double peak = *std::max_element(bytes.begin(), bytes.end());
-    if (peak < best_) {
-      best_ = peak;
-      best_cut_ = cut;
-    }
+  double rank_bytes(int r) const { return at(ranks_, r).bytes(at(l_.in_flight, r)); }
+
+  // The most any rank may end with: the budget (Goal::Time), or just under the best peak.
+  double cap() const {
+    if (goal_ == Goal::Memory) return std::nextafter(best_, -kInf);
+    return l_.budget > 0 ? l_.budget : kInf;
   }
 
-  double rank_bytes(int r) const {
-    return ranks_[static_cast<size_t>(r)].bytes(l_.in_flight[static_cast<size_t>(r)]);
-  }
-
-  // The lower bound of finishing after stage s ends at b, given each rank's bytes; +inf
-  // when no finish can stay within the budget (Time) or get below the best peak (Memory).
-  double bound(int s, int a, int b, const std::vector<double>& bytes) const {
-    // Goal::Memory looks for a peak below the best: the largest double under it.
-    const double cap = goal_ == Goal::Memory ? std::nextafter(best_, -kInf)
-                                             : l_.budget > 0 ? l_.budget : kInf;
+  // The lower bound of finishing after stage s (on rank r) ends at b, given each rank's
+  // bytes; +inf when no finish can keep every rank within cap().
+  double bound(int s, int a, int b, const std::vector<double>& bytes,
+               std::vector<int>& memo) const {
     const double peak = bounds_.peak_at_least(s, b, bytes);
-    if (peak == kInf || (goal_ == Goal::Time && !fits(peak, cap))) return kInf;
-    if (cap < kInf && !bounds_.could_fit(s, b, bytes, cap)) return kInf;
-    if (goal_ == Goal::Memory) return peak;
-    return std::max({cmax_, t_.time(a, b), time_left_[static_cast<size_t>(s) + 1][static_cast<size_t>(b)]});
+    if (!(peak <= cap())) return kInf;
+    const double key = goal_ == Goal::Memory
+                           ? peak
+                           : std::max({cmax_, t_.time(a, b), at(at(time_left_, s + 1), b)});
+    if (key >= best_) return kInf;  // checked before the dearer memory tests
+    const int r = at(l_.rank, s);
+    return bounds_.could_fit(s, b, r, ranks_, bytes, cap(), memo) ? key : kInf;
   }
 
   // The ends stage s may take, best bound first. Grows rank r's memory node by node and
   // puts it back, so each candidate's bytes are exact.
   std::vector<Candidate> candidates(int s, int a) {
-    const int r = l_.rank[static_cast<size_t>(s)];
+    const int r = at(l_.rank, s);
     std::vector<double> bytes;
     for (int q = 0; q < l_.pp; ++q) bytes.push_back(rank_bytes(q));
-    RankMemory& m = ranks_[static_cast<size_t>(r)];
+    std::vector<int> memo(static_cast<size_t>(l_.stages) * static_cast<size_t>(n_ + 1), -1);
+    RankMemory& m = at(ranks_, r);
     const RankMemory::Totals before = m.totals();
     std::vector<Candidate> out;
     int b = a + 1;
     for (; b <= last_end(n_, l_.stages, s); ++b) {
       m.add(b - 1);
-      bytes[static_cast<size_t>(r)] = rank_bytes(r);
-      // Memory only grows with the range: past the budget or the best peak, stop.
-      if (goal_ == Goal::Time ? !fits(bytes[static_cast<size_t>(r)], l_.budget)
-                              : bytes[static_cast<size_t>(r)] >= best_) {
+      at(bytes, r) = rank_bytes(r);
+      // Memory only grows with the range: past the cap, stop.
+      if (!(at(bytes, r) <= cap())) {
         ++b;
         break;
       }
-      const double key = bound(s, a, b, bytes);
+      const double key = bound(s, a, b, bytes, memo);
       if (key < best_) out.push_back({key, b});
     }
     m.remove(a, b - 1, before);
@@ -320,14 +360,14 @@ class BranchAndBound {
     return out;
   }
 
-  long visits_ = 0; long depth_[80] = {};
   void search(int s, int a) {
-    ++visits_; ++depth_[s];
     if (s == l_.stages) return record();
-    const int r = l_.rank[static_cast<size_t>(s)];
+    if (--steps_left_ < 0) return;
+    const int r = at(l_.rank, s);
     for (const Candidate& c : candidates(s, a)) {
-      if (c.key >= best_ || best_ <= floor_) return;  // sorted: nothing later beats the best
-      RankMemory& m = ranks_[static_cast<size_t>(r)];
+      // Sorted: nothing later beats the best; and nothing beats the floor.
+      if (c.key >= best_ || best_ <= floor_ || steps_left_ < 0) return;
+      RankMemory& m = at(ranks_, r);
       const RankMemory::Totals before = m.totals();
       for (int i = a; i < c.end; ++i) m.add(i);
       const double cmax = cmax_;
@@ -356,6 +396,7 @@ class BranchAndBound {
   const Layout& l_;
   int n_;
   Goal goal_;
+  long steps_left_;
   MemoryBounds bounds_;
   std::vector<RankMemory> ranks_;
   Grid time_left_;       // least largest stage time from (stage, node) on
@@ -367,8 +408,8 @@ class BranchAndBound {
 
 }  // namespace
 
-std::vector<int> branch_and_bound(const StageTables& t, Goal goal) {
-  return BranchAndBound(t, goal).run();
+SearchResult branch_and_bound(const StageTables& t, Goal goal, long max_steps) {
+  return BranchAndBound(t, goal, max_steps).run();
 }
 
 }  // namespace weft::partition_detail

@@ -15,10 +15,12 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 class RangeTable {
  public:
   explicit RangeTable(int n = 0) : n_(n), v_(static_cast<size_t>((n + 1) * (n + 1)), 0) {}
-  double& at(int a, int b) { return v_[static_cast<size_t>(a * (n_ + 1) + b)]; }
-  double operator()(int a, int b) const { return v_[static_cast<size_t>(a * (n_ + 1) + b)]; }
+  double& at(int a, int b) { return v_[index(a, b)]; }
+  double operator()(int a, int b) const { return v_[index(a, b)]; }
 
  private:
+  size_t index(int a, int b) const { return static_cast<size_t>(a * (n_ + 1) + b); }
+
   int n_;
   std::vector<double> v_;
 };
@@ -32,7 +34,7 @@ struct StageTables {
   RangeTable time, params, activations;
   // Bytes of stage s's rank if it held nodes [a, b) alone.
   double memory(int s, int a, int b) const {
-    return memory_bytes(p.state_factor, params(a, b), l.in_flight[static_cast<size_t>(l.rank[static_cast<size_t>(s)])],
+    return memory_bytes(p.state_factor, params(a, b), at(l.in_flight, at(l.rank, s)),
                         activations(a, b));
   }
 };
@@ -56,7 +58,12 @@ enum class Goal {
   Time,    // least largest stage time with every rank's memory within the budget
   Memory,  // least largest rank memory
 };
-// Empty when no cut meets the budget (Goal::Time).
-std::vector<int> branch_and_bound(const StageTables& t, Goal goal);
+struct SearchResult {
+  std::vector<int> cut;  // the best cut found; empty when none meets the budget (Goal::Time)
+  bool proven = true;    // false when the step limit ended the search first
+  double floor = 0;      // no cut does better (a lower bound on the goal)
+};
+// Explores at most `max_steps` partial cuts.
+SearchResult branch_and_bound(const StageTables& t, Goal goal, long max_steps);
 
 }  // namespace weft::partition_detail

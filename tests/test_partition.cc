@@ -12,6 +12,7 @@
 #include "test_util.h"
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <limits>
 #include <random>
@@ -46,7 +47,8 @@ std::unique_ptr<Chain> residual_chain(int nodes) {
       skip = x;
       continue;
     }
-    Param* w = i == 0 || i == last_linear ? tied : ps.create(name + ".w", {4, 4}, Init::normal(0.02f));
+    Param* w =
+        i == 0 || i == last_linear ? tied : ps.create(name + ".w", {4, 4}, Init::normal(0.02f));
     Param* b = ps.create(name + ".b", {4}, Init::constant(0));
     x = g.add1(name, std::make_unique<Linear>(w, b), {x});
   }
@@ -58,7 +60,9 @@ std::unique_ptr<Chain> residual_chain(int nodes) {
 // 16 : 4 split between a weight and its bias is exact too.
 CostModel random_costs(const Graph& g, uint64_t seed, double link = 0) {
   std::mt19937_64 rng(seed);
-  auto draw = [&](int lo, int hi) { return static_cast<double>(std::uniform_int_distribution<int>(lo, hi)(rng)); };
+  auto draw = [&](int lo, int hi) {
+    return static_cast<double>(std::uniform_int_distribution<int>(lo, hi)(rng));
+  };
   CostModel m;
   for (const Node& n : g.nodes()) {
     NodeCost c;
@@ -98,11 +102,9 @@ double peak(const StagePlan& p) {
 }
 
 struct BruteForce {
-  double best_time = kInf;      // least largest stage cost among cuts within the budget
-  double least_peak = kInf;     // least peak rank memory among all cuts
-  double most_peak = 0;         // largest peak rank memory among all cuts
-  double best_params = kInf;    // least largest stage parameter bytes (memory of one stage)
-  int cuts = 0;
+  double best_time = kInf;   // least largest stage cost among cuts within the budget
+  double least_peak = kInf;  // least peak rank memory among all cuts
+  double most_peak = 0;      // largest peak rank memory among all cuts
 };
 
 BruteForce brute_force(const Graph& g, const CostModel& cost, const PartitionOptions& opt) {
@@ -110,7 +112,6 @@ BruteForce brute_force(const Graph& g, const CostModel& cost, const PartitionOpt
   const int n = static_cast<int>(g.nodes().size());
   for_each_cut(n, opt.pp * opt.chunks, [&](const std::vector<int>& begin) {
     const StagePlan p = evaluate_plan(g, cost, opt, begin, "brute");
-    ++bf.cuts;
     bf.least_peak = std::min(bf.least_peak, peak(p));
     bf.most_peak = std::max(bf.most_peak, peak(p));
     if (opt.memory_budget <= 0 || peak(p) <= opt.memory_budget)
@@ -138,7 +139,8 @@ TEST(Partition, TimeIsOptimalAgainstEveryCut) {
         const PartitionOptions opt = options(PartitionMethod::Time, pp);
         const StagePlan plan = partition(c->graph, cost, opt);
         const BruteForce bf = brute_force(c->graph, cost, opt);
-        EXPECT_DOUBLE_EQ(plan.max_stage_cost(), bf.best_time) << n << " nodes, pp " << pp << ", link " << link;
+        EXPECT_DOUBLE_EQ(plan.max_stage_cost(), bf.best_time)
+            << n << " nodes, pp " << pp << ", link " << link;
         EXPECT_EQ(plan.method, "time");
         ++checked;
       }
@@ -260,8 +262,8 @@ TEST(Partition, TimeIsNeverWorseThanTheOtherMethodsOnGpt) {
           costs == 0 ? CostModel::analytic(m.graph) : random_costs(m.graph, 17, 8.0);
       for (int pp : {2, 4}) {
         for (int chunks : {1, 2}) {
-          const double best = partition(m.graph, cost, options(PartitionMethod::Time, pp, chunks))
-                                  .max_stage_cost();
+          const double best =
+              partition(m.graph, cost, options(PartitionMethod::Time, pp, chunks)).max_stage_cost();
           const double params =
               partition(m.graph, cost, options(PartitionMethod::Parameters, pp, chunks))
                   .max_stage_cost();
@@ -305,9 +307,8 @@ TEST(Partition, UniformGivesEachStageTheSameBlocks) {
   EXPECT_EQ(stage_nodes(g, p, 0).back(), "h.1.res_2");
   for (int s = 0; s < 4; ++s) {
     const auto names = stage_nodes(g, p, s);
-    const int blocks = static_cast<int>(std::count_if(names.begin(), names.end(), [](const std::string& x) {
-      return x.ends_with(".ln_1");
-    }));
+    const int blocks = static_cast<int>(std::count_if(
+        names.begin(), names.end(), [](const std::string& x) { return x.ends_with(".ln_1"); }));
     EXPECT_EQ(blocks, 2) << s;
     EXPECT_TRUE(contains(names[s == 0 ? 1 : 0], fmt::format("h.{}.ln_1", 2 * s))) << s;
   }
@@ -362,7 +363,8 @@ TEST(Partition, EvaluatePlanRefusesCutsThatDropDuplicateOrEmpty) {
       << msg({0, 3, 6, 10});
   EXPECT_TRUE(contains(msg({0, 12, 6, 9}), "stage 1 starts at node 12, past the graph's 9 nodes"))
       << msg({0, 12, 6, 9});
-  EXPECT_TRUE(contains(msg({0, 3, 9}), "a plan of 3 stages needs 4 stage starts")) << msg({0, 3, 9});
+  EXPECT_TRUE(contains(msg({0, 3, 9}), "a plan of 3 stages needs 4 stage starts"))
+      << msg({0, 3, 9});
 }
 
 TEST(Partition, OptionErrorsNameTheValueAndTheRule) {
@@ -385,10 +387,9 @@ TEST(Partition, OptionErrorsNameTheValueAndTheRule) {
   EXPECT_TRUE(contains(msg(o), "in_flight has 1 entries")) << msg(o);
   CostModel short_cost = cost;
   short_cost.nodes.pop_back();
-  EXPECT_TRUE(contains(error_message([&] {
-                         partition(c->graph, short_cost, options(PartitionMethod::Time, 2));
-                       }),
-                       "5 node costs for a graph of 6 nodes"));
+  EXPECT_TRUE(contains(
+      error_message([&] { partition(c->graph, short_cost, options(PartitionMethod::Time, 2)); }),
+      "5 node costs for a graph of 6 nodes"));
   EXPECT_EQ(parse_partition_method("parameters"), PartitionMethod::Parameters);
   EXPECT_EQ(parse_partition_method("time"), PartitionMethod::Time);
   EXPECT_EQ(parse_partition_method("uniform"), PartitionMethod::Uniform);
@@ -441,15 +442,15 @@ TEST(Partition, TiedEmbeddingIsHeldByEveryRankThatUsesIt) {
   EXPECT_EQ(split.rank_memory[0], expected(0, 12));
   EXPECT_EQ(split.rank_memory[1], expected(12, n));
   // Both ranks hold wte: together they hold it (and its state) twice.
-  EXPECT_EQ(split.rank_memory[0] + split.rank_memory[1],
-            expected(0, n) + 4 * wte);
+  EXPECT_EQ(split.rank_memory[0] + split.rank_memory[1], expected(0, n) + 4 * wte);
   // A V placement puts the embedding and the head on rank 0, which holds wte once.
   opt = options(PartitionMethod::Time, 2, 2);
   opt.stage_rank = {0, 1, 1, 0};
   opt.in_flight = {3, 2};
   const StagePlan v = evaluate_plan(g, cost, opt, {0, 6, 12, 18, n}, "given");
   double acts0 = 0;
-  for (int i : {0, 1, 2, 3, 4, 5, 18, 19, 20, 21, 22}) acts0 += cost.nodes[static_cast<size_t>(i)].activation_bytes;
+  for (int i : {0, 1, 2, 3, 4, 5, 18, 19, 20, 21, 22})
+    acts0 += cost.nodes[static_cast<size_t>(i)].activation_bytes;
   double params0 = 0;
   std::vector<const Param*> seen;
   for (auto [a, b] : {std::pair{0, 6}, std::pair{18, n}})
@@ -460,6 +461,27 @@ TEST(Partition, TiedEmbeddingIsHeldByEveryRankThatUsesIt) {
       }
   ASSERT_EQ(n, 23);
   EXPECT_EQ(v.rank_memory[0], 4 * params0 + 3 * acts0);
+}
+
+TEST(Partition, TiedEmbeddingShapesTheBudgetedPlan) {
+  // On a GPT the tied wte is the largest parameter: where the head's stage runs decides
+  // whether a rank holds it twice. Tight budgets, both placements, against every cut.
+  GptModel m = build_gpt(gpt_preset("toy"), 1);
+  const Graph& g = m.graph;
+  const CostModel cost = CostModel::analytic(g);
+  for (bool v_shape : {false, true}) {
+    PartitionOptions opt = options(PartitionMethod::Time, 2, 2);
+    opt.in_flight = {3, 2};
+    if (v_shape) opt.stage_rank = {0, 1, 1, 0};
+    const BruteForce all = brute_force(g, cost, opt);
+    for (double frac : {0.0, 0.02, 0.1}) {
+      opt.memory_budget = std::floor(all.least_peak + frac * (all.most_peak - all.least_peak));
+      const StagePlan plan = partition(g, cost, opt);
+      EXPECT_DOUBLE_EQ(plan.max_stage_cost(), brute_force(g, cost, opt).best_time)
+          << "v " << v_shape << " budget " << opt.memory_budget;
+      EXPECT_LE(peak(plan), opt.memory_budget);
+    }
+  }
 }
 
 TEST(Partition, TimeSearchesLargerGraphsQuickly) {
@@ -474,6 +496,7 @@ TEST(Partition, TimeSearchesLargerGraphsQuickly) {
   const StagePlan free_plan = partition(m.graph, cost, opt);
   opt.memory_budget = 0.97 * peak(free_plan);
   const StagePlan tight = partition(m.graph, cost, opt);
+  EXPECT_EQ(tight.method, "time");  // proven optimal, not cut short
   EXPECT_LE(peak(tight), opt.memory_budget);
   EXPECT_GE(tight.max_stage_cost(), free_plan.max_stage_cost());
   const std::string text = tight.describe(m.graph);

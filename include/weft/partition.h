@@ -16,7 +16,10 @@
 //               and W time of its nodes plus the time to send its boundary,
 //               subject to each rank's memory (parameters, gradients and
 //               optimizer state, plus the activations its schedule keeps in
-//               flight) fitting the budget.
+//               flight) fitting the budget. With several stages per rank and
+//               a binding budget an exact branch and bound takes over; past
+//               its step limit it returns the best plan found and says so in
+//               StagePlan::method.
 #pragma once
 
 #include <weft/graph.h>
@@ -42,8 +45,9 @@ struct CostModel {
   // Bytes of gradients and optimizer state per parameter byte (fp32 AdamW: grad + m + v = 3).
   double state_per_param_byte = 3;
 
-  // From the graph alone: F = forward FLOPs, I = W = forward FLOPs for nodes
-  // with parameters (I = 2F, W = 0 without), fp32 bytes for memory.
+  // From the graph alone: F = forward FLOPs; I = F for every node and W = F
+  // for nodes with parameters (a matmul's backward is two matmuls), W = 0
+  // without; fp32 bytes for memory.
   static CostModel analytic(const Graph& g);
 };
 
@@ -62,6 +66,7 @@ struct PartitionOptions {
 struct StagePlan {
   int pp = 1, chunks = 1;
   std::vector<int> begin;            // size stages + 1; begin.front() = 0, back() = nodes
+  std::vector<int> stage_rank;       // stage -> rank
   std::vector<double> stage_cost;    // per stage, by the cost model
   std::vector<double> rank_memory;   // per rank, bytes
   std::string method;
