@@ -12,7 +12,7 @@ if [[ ! -x "$exe" ]]; then
 fi
 # A hung job ends instead of hanging the script; one thread per rank.
 export MPIEXEC_TIMEOUT=600 OMP_NUM_THREADS=1
-echo "# bench_comm on $(nproc) cores"
+echo "# bench_comm on $(getconf _NPROCESSORS_ONLN) cores"
 echo
 for n in 2 4 8; do
   mpiexec -n "$n" "$exe"

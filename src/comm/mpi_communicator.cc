@@ -3,9 +3,10 @@
 // Every operation is posted non-blocking and completed by one polling loop
 // (MpiCommunicator::poll). MPICH's own blocking calls spin at full speed, and
 // with more ranks than cores a spinning rank steals the core the rank it waits
-// for needs: a blocking 8-rank all-reduce on 2 cores takes 50-100 ms. The loop
-// here spins only where spinning is free (no more ranks than cores on the
-// node), and otherwise sleeps between MPI_Test calls; the deadline lives there.
+// for needs: a blocking 8-rank all-reduce of up to 256 KiB on 2 cores takes
+// 30-100 ms, through this loop 1-4 ms (bench/comm.sh). The loop spins only
+// where spinning is free (no more ranks than cores on the node) and otherwise
+// sleeps between MPI_Test calls; the deadline lives there.
 //
 // Point-to-point messages travel as two MPI messages posted together: a small
 // Header (dtype, shape, sender, tag) under tag `code | kHeaderBit`, and the
@@ -63,17 +64,23 @@ void mpi_check(int rc, const char* call) {
   throw Error("{} failed: {} (error {})", call, std::string(text, static_cast<size_t>(len)), rc);
 }
 
+// Checks on the per-message path are written `if (!ok) throw`, not check():
+// check() formats its arguments (shapes, group names) before it tests, which
+// cost more than the message itself.
+
 // MPI counts are int; weft's tensors are not.
-int mpi_count(int64_t n, const char* op) {
-  check(n <= INT_MAX, "{} of {} elements is more than one MPI call carries ({})", op, n, INT_MAX);
+int mpi_count(int64_t n, const Tensor& t, const char* op) {
+  if (n > INT_MAX)
+    throw Error("{} of {} {} ({} bytes) needs {} MPI items, more than one call carries ({})", op,
+                dtype_name(t.dtype()), t.shape().str(), t.nbytes(), n, INT_MAX);
   return static_cast<int>(n);
 }
 
 void check_host(const Tensor& t, const char* op) {
-  check(t.device().is_cpu(),
-        "{}: MpiCommunicator moves host memory, but the tensor {} is on {} (use NCCL)", op,
-        t.shape().str(), t.device().str());
-  check(t.defined(), "{}: the tensor {} has no storage", op, t.shape().str());
+  if (!t.device().is_cpu())
+    throw Error("{}: MpiCommunicator moves host memory, but the tensor {} is on {} (use NCCL)", op,
+                t.shape().str(), t.device().str());
+  if (!t.defined()) throw Error("{}: the tensor {} has no storage", op, t.shape().str());
 }
 
 // The element type of a reduction; reductions are defined for F32 and I32.
@@ -125,21 +132,23 @@ enum class Progress {
   Waiting,
 };
 
-// Between two MPI_Test calls while Waiting. With a core of its own a rank keeps polling
-// for `spin` (2 ms covers a ping-pong up to a few MiB). Then, or at once when
-// ranks outnumber cores, it yields a few times (the rank it waits for may be
-// about to run) and then sleeps for 1/32 of the time waited so far, at least
-// 50 us (shorter sleeps are rounded up to Linux's timer slack anyway) and at
-// most 1 ms: a long wait ends at most ~3% late, a short one is not stretched
-// by a long sleep, and a sleeping rank leaves its core to the others.
-void back_off(Clock::duration waited, microseconds spin, int polls) {
-  if (waited < spin) return;
+// Between two MPI_Test calls while Waiting; false once done spinning. With a
+// core of its own a rank keeps polling for `spin` (2 ms covers a ping-pong of
+// a few MiB). Then, or at once when ranks outnumber cores, it yields a few
+// times (the rank it waits for may be about to run) and then sleeps for 1/32
+// of the time waited so far, at least 50 us (shorter sleeps are rounded up to
+// Linux's timer slack anyway) and at most 1 ms: a long wait ends at most ~3%
+// late, a short one is not stretched by a long sleep, and a sleeping rank
+// leaves its core to the others.
+bool back_off(Clock::duration waited, microseconds spin, int polls) {
+  if (waited < spin) return true;
   if (polls < 16) {
     std::this_thread::yield();
-    return;
+    return false;
   }
   std::this_thread::sleep_for(
       std::clamp<Clock::duration>(waited / 32, microseconds(50), microseconds(1000)));
+  return false;
 }
 
 class MpiCommunicator final : public Communicator {
@@ -165,7 +174,7 @@ class MpiCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   int world_rank(int r) const override {
-    check(r >= 0 && r < size_, "rank {} is outside {} (size {})", r, describe(), size_);
+    if (r < 0 || r >= size_) throw Error("rank {} is outside {} (size {})", r, describe(), size_);
     return world_ranks_[static_cast<size_t>(r)];
   }
   std::string describe() const override {
@@ -187,21 +196,33 @@ class MpiCommunicator final : public Communicator {
 
   // The one waiting loop: calls step() (which calls MPI_Test) until it is
   // Done; past the deadline throws CommTimeout naming what(). step() may
-  // throw (a mismatched message).
+  // throw (a mismatched message). `bytes` is what this rank's share of the
+  // operation moves when step() cannot tell Moving from Waiting.
   template <typename Step, typename What>
-  void poll(Step&& step, What&& what) const {
+  void poll(Step&& step, What&& what, size_t bytes = 0) const {
+    // A rank with a core of its own also spins through the transfer itself,
+    // counted at 1 GB/s (shared memory on one node does several).
+    const microseconds spin = spin_.count() ? spin_ + microseconds(bytes / 1000) : spin_;
+    Progress p = step();
+    if (p == Progress::Done) return;  // most sends, without reading the clock
     const auto start = Clock::now();
     const auto deadline = start + options_.timeout;
+    bool spinning = false;
     for (int polls = 0;; ++polls) {
-      const Progress p = step();
-      if (p == Progress::Done) return;
-      const auto now = Clock::now();
-      if (now >= deadline) throw CommTimeout(waiting_for(what()));
-      if (p == Progress::Waiting) {
-        back_off(now - start, spin_, polls);
-      } else if (spin_.count() == 0) {
-        std::this_thread::yield();
+      // Reading the clock costs about what an idle MPI_Test does: while
+      // spinning, read it every 32nd poll only.
+      if (!spinning || polls % 32 == 0) {
+        const auto now = Clock::now();
+        if (now >= deadline) throw CommTimeout(waiting_for(what()));
+        if (p == Progress::Waiting) {
+          spinning = back_off(now - start, spin, polls);
+        } else {
+          spinning = spin_.count() > 0;
+          if (!spinning) std::this_thread::yield();
+        }
       }
+      p = step();
+      if (p == Progress::Done) return;
     }
   }
 
@@ -212,18 +233,20 @@ class MpiCommunicator final : public Communicator {
 
  private:
   void check_peer(int peer, const char* op) const {
-    check(peer >= 0 && peer < size_, "{}: peer rank {} is outside {} of size {} (rank {})", op,
-          peer, describe(), size_, rank_);
+    if (peer < 0 || peer >= size_)
+      throw Error("{}: peer rank {} is outside {} of size {} (rank {})", op, peer, describe(),
+                  size_, rank_);
   }
-  // Waits for a posted collective.
-  void wait_collective(MPI_Request& req, const std::function<std::string()>& what) {
+  // Waits for a posted collective that moves `bytes` in and out of this rank.
+  template <typename What>
+  void wait_collective(MPI_Request& req, size_t bytes, What&& what) {
     poll(
         [&] {
           int flag = 0;
           mpi_check(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "MPI_Test");
           return flag ? Progress::Done : Progress::Waiting;
         },
-        what);
+        what, bytes);
   }
 
   MPI_Comm comm_;
@@ -271,7 +294,7 @@ class SendRequest final : public Request {
     header_->dtype = static_cast<int32_t>(t.dtype());
     header_->ndim = t.rank();
     for (int i = 0; i < t.rank(); ++i) header_->dims[i] = t.dim(i);
-    const int count = mpi_count(copy_count(t), "send");
+    const int count = mpi_count(copy_count(t), t, "send");
     mpi_check((sync_ ? MPI_Issend : MPI_Isend)(header_.get(), sizeof(Header), MPI_BYTE, peer,
                                                code | kHeaderBit, comm.comm(), &reqs_[0]),
               sync_ ? "MPI_Issend" : "MPI_Isend");
@@ -309,7 +332,7 @@ class RecvRequest final : public Request {
   RecvRequest(const MpiCommunicator& comm, const Tensor& t, int peer, MessageTag tag)
       : comm_(comm), posted_(t), peer_(peer), tag_(tag), header_(std::make_unique<Header>()) {
     const int code = tag.encode();
-    const int count = mpi_count(copy_count(t), "recv");
+    const int count = mpi_count(copy_count(t), t, "recv");
     mpi_check(MPI_Irecv(header_.get(), sizeof(Header), MPI_BYTE, peer, code | kHeaderBit,
                         comm.comm(), &reqs_[0]),
               "MPI_Irecv");
@@ -353,17 +376,19 @@ class RecvRequest final : public Request {
   // stray payload is left to match a later receive with the same tag.
   void check_header() {
     const Header& h = *header_;
-    check(h.magic == kHeaderMagic && h.ndim >= 0 && h.ndim <= Shape::kMaxRank && h.dtype >= 0 &&
-              h.dtype <= static_cast<int32_t>(DType::BF16) && h.tag == tag_.encode() &&
-              h.rank == peer_,
+    if (h.magic != kHeaderMagic || h.ndim < 0 || h.ndim > Shape::kMaxRank || h.dtype < 0 ||
+        h.dtype > static_cast<int32_t>(DType::BF16) || h.tag != tag_.encode() || h.rank != peer_)
+      throw Error(
           "rank {} received a malformed message header from rank {} for tag {} (magic {:#x}, "
           "tag {}, sender {}, dtype {}, ndim {})",
           comm_.rank(), peer_, tag_.str(), h.magic, h.tag, h.rank, h.dtype, h.ndim);
     Shape shape;
     shape.rank = h.ndim;
     for (int i = 0; i < h.ndim; ++i) shape.dims[static_cast<size_t>(i)] = h.dims[i];
+    const auto dtype = static_cast<DType>(h.dtype);
+    if (shape == posted_.shape() && dtype == posted_.dtype()) return;
     try {
-      check_message(posted_, shape, static_cast<DType>(h.dtype), peer_, tag_, comm_);
+      check_message(posted_, shape, dtype, peer_, tag_, comm_);
     } catch (const Error& e) {
       mismatch_ = e.what();
     }
@@ -394,10 +419,10 @@ void MpiCommunicator::all_reduce(const Tensor& t, ReduceOp op) {
   check_host(t, "all_reduce");
   MPI_Datatype type = reduce_type(t, "all_reduce");
   MPI_Request req;
-  mpi_check(MPI_Iallreduce(MPI_IN_PLACE, t.raw(), mpi_count(t.numel(), "all_reduce"), type,
+  mpi_check(MPI_Iallreduce(MPI_IN_PLACE, t.raw(), mpi_count(t.numel(), t, "all_reduce"), type,
                            mpi_op(op), comm_, &req),
             "MPI_Iallreduce");
-  wait_collective(req, [&] {
+  wait_collective(req, 2 * t.nbytes(), [&] {
     return fmt::format("all_reduce ({}) of {} {}", reduce_op_name(op), dtype_name(t.dtype()),
                        t.shape().str());
   });
@@ -406,12 +431,13 @@ void MpiCommunicator::all_reduce(const Tensor& t, ReduceOp op) {
 void MpiCommunicator::all_gather(const Tensor& in, const Tensor& out) {
   check_host(in, "all_gather");
   check_host(out, "all_gather");
-  check(in.dtype() == out.dtype(), "all_gather: input is {} but output is {}",
-        dtype_name(in.dtype()), dtype_name(out.dtype()));
-  check(out.numel() == size_ * in.numel(),
-        "all_gather in {}: output {} holds {} elements, not size ({}) x input {} ({})", describe(),
-        out.shape().str(), out.numel(), size_, in.shape().str(), in.numel());
-  const int count = mpi_count(copy_count(in), "all_gather");
+  if (in.dtype() != out.dtype())
+    throw Error("all_gather: input is {} but output is {}", dtype_name(in.dtype()),
+                dtype_name(out.dtype()));
+  if (out.numel() != size_ * in.numel())
+    throw Error("all_gather in {}: output {} holds {} elements, not size ({}) x input {} ({})",
+                describe(), out.shape().str(), out.numel(), size_, in.shape().str(), in.numel());
+  const int count = mpi_count(copy_count(in), in, "all_gather");
   const MPI_Datatype type = kCopyType;
   // MPI forbids a send buffer inside the receive buffer except as MPI_IN_PLACE.
   const char* own_slot = out.data<char>() + static_cast<size_t>(rank_) * in.nbytes();
@@ -420,7 +446,7 @@ void MpiCommunicator::all_gather(const Tensor& in, const Tensor& out) {
   mpi_check(MPI_Iallgather(in_place ? MPI_IN_PLACE : in.raw(), count, type, out.raw(), count, type,
                            comm_, &req),
             "MPI_Iallgather");
-  wait_collective(req, [&] {
+  wait_collective(req, out.nbytes(), [&] {
     return fmt::format("all_gather of {} {}", dtype_name(in.dtype()), in.shape().str());
   });
 }
@@ -428,11 +454,12 @@ void MpiCommunicator::all_gather(const Tensor& in, const Tensor& out) {
 void MpiCommunicator::reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op) {
   check_host(in, "reduce_scatter");
   check_host(out, "reduce_scatter");
-  check(in.dtype() == out.dtype(), "reduce_scatter: input is {} but output is {}",
-        dtype_name(in.dtype()), dtype_name(out.dtype()));
-  check(in.numel() == size_ * out.numel(),
-        "reduce_scatter in {}: input {} holds {} elements, not size ({}) x output {} ({})",
-        describe(), in.shape().str(), in.numel(), size_, out.shape().str(), out.numel());
+  if (in.dtype() != out.dtype())
+    throw Error("reduce_scatter: input is {} but output is {}", dtype_name(in.dtype()),
+                dtype_name(out.dtype()));
+  if (in.numel() != size_ * out.numel())
+    throw Error("reduce_scatter in {}: input {} holds {} elements, not size ({}) x output {} ({})",
+                describe(), in.shape().str(), in.numel(), size_, out.shape().str(), out.numel());
   MPI_Datatype type = reduce_type(in, "reduce_scatter");
   // MPI's in-place form keeps the result at the front, not at slice `rank`:
   // an output inside the input is reduced from a copy of the input instead.
@@ -442,10 +469,10 @@ void MpiCommunicator::reduce_scatter(const Tensor& in, const Tensor& out, Reduce
   if (out.nbytes() > 0 && b < a + in.nbytes() && a < b + out.nbytes()) src = in.clone();
   MPI_Request req;
   mpi_check(
-      MPI_Ireduce_scatter_block(src.raw(), out.raw(), mpi_count(out.numel(), "reduce_scatter"),
+      MPI_Ireduce_scatter_block(src.raw(), out.raw(), mpi_count(out.numel(), out, "reduce_scatter"),
                                 type, mpi_op(op), comm_, &req),
       "MPI_Ireduce_scatter_block");
-  wait_collective(req, [&] {
+  wait_collective(req, in.nbytes(), [&] {
     return fmt::format("reduce_scatter ({}) of {} {}", reduce_op_name(op), dtype_name(in.dtype()),
                        in.shape().str());
   });
@@ -453,13 +480,13 @@ void MpiCommunicator::reduce_scatter(const Tensor& in, const Tensor& out, Reduce
 
 void MpiCommunicator::broadcast(const Tensor& t, int root) {
   check_host(t, "broadcast");
-  check(root >= 0 && root < size_, "broadcast: root {} is outside {} of size {}", root, describe(),
-        size_);
+  if (root < 0 || root >= size_)
+    throw Error("broadcast: root {} is outside {} of size {}", root, describe(), size_);
   MPI_Request req;
   mpi_check(
-      MPI_Ibcast(t.raw(), mpi_count(copy_count(t), "broadcast"), kCopyType, root, comm_, &req),
+      MPI_Ibcast(t.raw(), mpi_count(copy_count(t), t, "broadcast"), kCopyType, root, comm_, &req),
       "MPI_Ibcast");
-  wait_collective(req, [&] {
+  wait_collective(req, t.nbytes(), [&] {
     return fmt::format("broadcast of {} {} from rank {} (world rank {})", dtype_name(t.dtype()),
                        t.shape().str(), root, world_rank(root));
   });
@@ -468,28 +495,30 @@ void MpiCommunicator::broadcast(const Tensor& t, int root) {
 void MpiCommunicator::barrier() {
   MPI_Request req;
   mpi_check(MPI_Ibarrier(comm_, &req), "MPI_Ibarrier");
-  wait_collective(req, [] { return std::string("barrier"); });
+  wait_collective(req, 0, [] { return std::string("barrier"); });
 }
 
 std::unique_ptr<Communicator> MpiCommunicator::split(const std::vector<std::vector<int>>& groups,
                                                      const std::string& name) {
   std::vector<int> group_of(static_cast<size_t>(size_), -1), position(static_cast<size_t>(size_));
   for (size_t g = 0; g < groups.size(); ++g) {
-    check(!groups[g].empty(), "split '{}' of {}: group {} is empty", name, describe(), g);
+    if (groups[g].empty()) throw Error("split '{}' of {}: group {} is empty", name, describe(), g);
     for (size_t i = 0; i < groups[g].size(); ++i) {
       const int r = groups[g][i];
-      check(r >= 0 && r < size_, "split '{}' of {}: rank {} in group {} is outside [0, {})", name,
-            describe(), r, g, size_);
+      if (r < 0 || r >= size_)
+        throw Error("split '{}' of {}: rank {} in group {} is outside [0, {})", name, describe(), r,
+                    g, size_);
       int& slot = group_of[static_cast<size_t>(r)];
-      check(slot < 0, "split '{}' of {}: rank {} is listed twice (groups {} and {})", name,
-            describe(), r, slot, g);
+      if (slot >= 0)
+        throw Error("split '{}' of {}: rank {} is listed twice (groups {} and {})", name,
+                    describe(), r, slot, g);
       slot = static_cast<int>(g);
       position[static_cast<size_t>(r)] = static_cast<int>(i);
     }
   }
   for (int r = 0; r < size_; ++r)
-    check(group_of[static_cast<size_t>(r)] >= 0, "split '{}' of {}: rank {} is in no group", name,
-          describe(), r);
+    if (group_of[static_cast<size_t>(r)] < 0)
+      throw Error("split '{}' of {}: rank {} is in no group", name, describe(), r);
 
   // Every member must pass the same partition: compare a hash of it (max of
   // h and of -h equal h and -h only if all agree). This also brings the
