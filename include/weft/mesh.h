@@ -43,6 +43,7 @@ class MeshLayout {
   std::string describe() const;
 
  private:
+  std::vector<std::vector<int>> groups_along(int axis) const;
   int world_, tp_, dp_, pp_;
 };
 

@@ -24,35 +24,27 @@ MeshCoord MeshLayout::coord(int r) const {
 
 int MeshLayout::rank(MeshCoord c) const { return c.tp + tp_ * (c.dp + dp_ * c.pp); }
 
-std::vector<std::vector<int>> MeshLayout::tp_groups() const {
+// Ranks that differ only along `axis` (0 tp, 1 dp, 2 pp), one group per
+// value of the other two axes, the higher axis outermost.
+std::vector<std::vector<int>> MeshLayout::groups_along(int axis) const {
+  const int size[3] = {tp_, dp_, pp_};
+  const int inner = axis == 0 ? 1 : 0, outer = axis == 2 ? 1 : 2;
   std::vector<std::vector<int>> g;
-  for (int pp = 0; pp < pp_; ++pp)
-    for (int dp = 0; dp < dp_; ++dp) {
+  for (int o = 0; o < size[outer]; ++o)
+    for (int i = 0; i < size[inner]; ++i) {
       g.emplace_back();
-      for (int tp = 0; tp < tp_; ++tp) g.back().push_back(rank({tp, dp, pp}));
+      for (int a = 0; a < size[axis]; ++a) {
+        int c[3] = {0, 0, 0};
+        c[outer] = o, c[inner] = i, c[axis] = a;
+        g.back().push_back(rank({c[0], c[1], c[2]}));
+      }
     }
   return g;
 }
 
-std::vector<std::vector<int>> MeshLayout::dp_groups() const {
-  std::vector<std::vector<int>> g;
-  for (int pp = 0; pp < pp_; ++pp)
-    for (int tp = 0; tp < tp_; ++tp) {
-      g.emplace_back();
-      for (int dp = 0; dp < dp_; ++dp) g.back().push_back(rank({tp, dp, pp}));
-    }
-  return g;
-}
-
-std::vector<std::vector<int>> MeshLayout::pp_groups() const {
-  std::vector<std::vector<int>> g;
-  for (int dp = 0; dp < dp_; ++dp)
-    for (int tp = 0; tp < tp_; ++tp) {
-      g.emplace_back();
-      for (int pp = 0; pp < pp_; ++pp) g.back().push_back(rank({tp, dp, pp}));
-    }
-  return g;
-}
+std::vector<std::vector<int>> MeshLayout::tp_groups() const { return groups_along(0); }
+std::vector<std::vector<int>> MeshLayout::dp_groups() const { return groups_along(1); }
+std::vector<std::vector<int>> MeshLayout::pp_groups() const { return groups_along(2); }
 
 namespace {
 std::string groups_str(const std::vector<std::vector<int>>& groups) {
