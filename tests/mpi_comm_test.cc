@@ -12,6 +12,8 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include "test_util.h"
+
 #include <chrono>
 #include <cstdio>
 #include <numeric>
@@ -44,19 +46,8 @@ int64_t iota_mismatches(const Tensor& t, float base) {
   return bad;
 }
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-bool has(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
+using testing::contains;
+using testing::error_message;
 
 // Restores the world's deadline and step when a test changed them.
 struct DeadlineGuard {
@@ -88,9 +79,9 @@ TEST(MessageTagTest, RoundTripsEveryField) {
 }
 
 TEST(MessageTagTest, OutOfRangeFieldsAreNamed) {
-  EXPECT_TRUE(has(error_of([] { tag(MessageTag::kMaxMicroBatch).encode(); }), "micro-batch 4096"));
-  EXPECT_TRUE(has(error_of([] { tag(0, Kind::User, -1).encode(); }), "chunk -1"));
-  EXPECT_TRUE(has(error_of([] { tag(0, Kind::User, 0, 16).encode(); }), "index 16"));
+  EXPECT_TRUE(contains(error_message([] { tag(MessageTag::kMaxMicroBatch).encode(); }), "micro-batch 4096"));
+  EXPECT_TRUE(contains(error_message([] { tag(0, Kind::User, -1).encode(); }), "chunk -1"));
+  EXPECT_TRUE(contains(error_message([] { tag(0, Kind::User, 0, 16).encode(); }), "index 16"));
 }
 
 TEST(MpiComm, WorldDescribesItself) {
@@ -101,7 +92,7 @@ TEST(MpiComm, WorldDescribesItself) {
   EXPECT_EQ(world().rank(), rank);
   EXPECT_EQ(world().describe(), "world");
   for (int r = 0; r < size; ++r) EXPECT_EQ(world().world_rank(r), r);
-  EXPECT_TRUE(has(error_of([] { world().world_rank(world().size()); }), "outside"));
+  EXPECT_TRUE(contains(error_message([] { world().world_rank(world().size()); }), "outside"));
 }
 
 TEST(MpiComm, RingOfNonBlockingSends) {
@@ -209,16 +200,16 @@ TEST(MpiComm, MismatchedMessagesNameBothSides) {
     world().send(iota({4, 4}, 0), r + 1, tag(102));  // more bytes than the receiver posted
   } else if (r % 2 == 1) {
     Tensor posted = Tensor::zeros({3, 2});
-    std::string shape = error_of([&] { world().recv(posted, r - 1, tag(100)); });
-    EXPECT_TRUE(has(shape, "F32 [2, 3]") && has(shape, "F32 [3, 2]")) << shape;
-    EXPECT_TRUE(has(shape, fmt::format("from rank {}", r - 1)) && has(shape, "user mb 100"))
+    std::string shape = error_message([&] { world().recv(posted, r - 1, tag(100)); });
+    EXPECT_TRUE(contains(shape, "F32 [2, 3]") && contains(shape, "F32 [3, 2]")) << shape;
+    EXPECT_TRUE(contains(shape, fmt::format("from rank {}", r - 1)) && contains(shape, "user mb 100"))
         << shape;
     Tensor six = Tensor::zeros({6});
-    std::string dtype = error_of([&] { world().recv(six, r - 1, tag(101)); });
-    EXPECT_TRUE(has(dtype, "I32 [6]") && has(dtype, "F32 [6]")) << dtype;
+    std::string dtype = error_message([&] { world().recv(six, r - 1, tag(101)); });
+    EXPECT_TRUE(contains(dtype, "I32 [6]") && contains(dtype, "F32 [6]")) << dtype;
     Tensor small = Tensor::zeros({2, 2});
-    std::string larger = error_of([&] { world().recv(small, r - 1, tag(102)); });
-    EXPECT_TRUE(has(larger, "F32 [4, 4]") && has(larger, "F32 [2, 2]")) << larger;
+    std::string larger = error_message([&] { world().recv(small, r - 1, tag(102)); });
+    EXPECT_TRUE(contains(larger, "F32 [4, 4]") && contains(larger, "F32 [2, 2]")) << larger;
   }
   world().barrier();
 }
@@ -244,7 +235,7 @@ TEST(MpiComm, RecvPastTheDeadlineNamesWhatItWaitedFor) {
          {fmt::format("rank {} (world rank {}) timed out after 100 ms", r, r),
           fmt::format("recv of F32 [4] from rank {} (world rank {})", prev, prev),
           std::string("activation mb 4000"), std::string("step 7, action 1F3")})
-      EXPECT_TRUE(has(msg, part)) << "missing '" << part << "' in: " << msg;
+      EXPECT_TRUE(contains(msg, part)) << "missing '" << part << "' in: " << msg;
     EXPECT_GE(waited, milliseconds(100));
     EXPECT_LT(waited, milliseconds(1500));
   }
@@ -263,18 +254,18 @@ TEST(MpiComm, RecvPastTheDeadlineNamesWhatItWaitedFor) {
 TEST(MpiComm, BadArgumentsAreErrorsWithValues) {
   const int n = world().size();
   Tensor t = Tensor::zeros({4});
-  EXPECT_TRUE(has(error_of([&] { world().isend(t, n, tag(0)); }), fmt::format("peer rank {}", n)));
-  EXPECT_TRUE(has(error_of([&] { world().irecv(t, -1, tag(0)); }), "peer rank -1"));
-  EXPECT_TRUE(has(error_of([&] { world().broadcast(t, n); }), fmt::format("root {}", n)));
+  EXPECT_TRUE(contains(error_message([&] { world().isend(t, n, tag(0)); }), fmt::format("peer rank {}", n)));
+  EXPECT_TRUE(contains(error_message([&] { world().irecv(t, -1, tag(0)); }), "peer rank -1"));
+  EXPECT_TRUE(contains(error_message([&] { world().broadcast(t, n); }), fmt::format("root {}", n)));
   Tensor bf16 = Tensor::zeros({4}, DType::BF16);
-  EXPECT_TRUE(has(error_of([&] { world().all_reduce(bf16, ReduceOp::Sum); }), "BF16 [4]"));
+  EXPECT_TRUE(contains(error_message([&] { world().all_reduce(bf16, ReduceOp::Sum); }), "BF16 [4]"));
   Tensor wrong = Tensor::zeros({4 * n + 1});
-  EXPECT_TRUE(has(error_of([&] { world().all_gather(t, wrong); }),
+  EXPECT_TRUE(contains(error_message([&] { world().all_gather(t, wrong); }),
                   fmt::format("holds {} elements, not size ({}) x input [4] (4)", 4 * n + 1, n)));
-  EXPECT_TRUE(has(error_of([&] { world().reduce_scatter(wrong, t, ReduceOp::Sum); }),
+  EXPECT_TRUE(contains(error_message([&] { world().reduce_scatter(wrong, t, ReduceOp::Sum); }),
                   fmt::format("holds {} elements, not size ({}) x output [4] (4)", 4 * n + 1, n)));
   Tensor i32 = Tensor::zeros({4 * n}, DType::I32);
-  EXPECT_TRUE(has(error_of([&] { world().all_gather(t, i32); }), "input is F32 but output is I32"));
+  EXPECT_TRUE(contains(error_message([&] { world().all_gather(t, i32); }), "input is F32 but output is I32"));
 }
 
 TEST(MpiComm, AllReduceSumAndMax) {
@@ -445,16 +436,16 @@ TEST(MpiComm, SplitRejectsBadPartitions) {
   std::vector<int> all(static_cast<size_t>(n));
   std::iota(all.begin(), all.end(), 0);
   std::vector<int> missing(all.begin(), all.end() - 1);
-  std::string msg = error_of([&] { world().split({missing}, "dp"); });
-  EXPECT_TRUE(has(msg, fmt::format("split 'dp' of world: rank {} is in no group", n - 1))) << msg;
+  std::string msg = error_message([&] { world().split({missing}, "dp"); });
+  EXPECT_TRUE(contains(msg, fmt::format("split 'dp' of world: rank {} is in no group", n - 1))) << msg;
   std::vector<int> twice = all;
   twice.push_back(0);
-  msg = error_of([&] { world().split({twice}, "dp"); });
-  EXPECT_TRUE(has(msg, "rank 0 is listed twice")) << msg;
-  msg = error_of([&] { world().split({all, {n}}, "dp"); });
-  EXPECT_TRUE(has(msg, fmt::format("rank {} in group 1 is outside [0, {})", n, n))) << msg;
-  msg = error_of([&] { world().split({all, {}}, "dp"); });
-  EXPECT_TRUE(has(msg, "group 1 is empty")) << msg;
+  msg = error_message([&] { world().split({twice}, "dp"); });
+  EXPECT_TRUE(contains(msg, "rank 0 is listed twice")) << msg;
+  msg = error_message([&] { world().split({all, {n}}, "dp"); });
+  EXPECT_TRUE(contains(msg, fmt::format("rank {} in group 1 is outside [0, {})", n, n))) << msg;
+  msg = error_message([&] { world().split({all, {}}, "dp"); });
+  EXPECT_TRUE(contains(msg, "group 1 is empty")) << msg;
 }
 
 TEST(MpiComm, SplitRejectsMembersThatDisagree) {
@@ -465,8 +456,8 @@ TEST(MpiComm, SplitRejectsMembersThatDisagree) {
   if (r == n - 1) {  // the last rank alone lists the world backwards
     std::reverse(groups[0].begin(), groups[0].end());
   }
-  std::string msg = error_of([&] { world().split(groups, "pp"); });
-  EXPECT_TRUE(has(msg, "every member must pass the same groups")) << msg;
+  std::string msg = error_message([&] { world().split(groups, "pp"); });
+  EXPECT_TRUE(contains(msg, "every member must pass the same groups")) << msg;
   world().barrier();  // the communicator still works
 }
 
