@@ -1,6 +1,7 @@
 #include "layers/attention.h"
 
 #include <weft/cpu_kernels.h>
+#include <weft/tensor_parallel.h>
 
 namespace weft {
 
@@ -28,6 +29,13 @@ double CausalSelfAttention::flops(std::span<const Shape> in) const {
   const double b = static_cast<double>(in[0][0]), t = static_cast<double>(in[0][1]);
   const double c = static_cast<double>(in[0][2]) / 3.0;
   return 4.0 * b * t * t * c;
+}
+
+std::unique_ptr<Layer> CausalSelfAttention::tensor_parallel(TpBuild& build) const {
+  const int tp = build.group->size();
+  check(heads_ % tp == 0, "attention heads ({}) must be divisible by tensor-parallel size ({})",
+        heads_, tp);
+  return std::make_unique<CausalSelfAttention>(heads_ / tp);
 }
 
 std::unique_ptr<LayerCtx> CausalSelfAttention::make_ctx() const {

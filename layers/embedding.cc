@@ -1,6 +1,10 @@
 #include "layers/embedding.h"
 
+#include <weft/tensor_parallel.h>
+
 #include <algorithm>
+
+#include "layers/tp_embedding.h"
 
 namespace weft {
 
@@ -26,6 +30,14 @@ std::vector<Shape> Embedding::output_shapes(std::span<const Shape> in) const {
         "sequence length ({}) must not exceed the position table ({} positions)", in[0][1],
         wpe_->value.dim(0));
   return {Shape{in[0][0], in[0][1], wte_->value.dim(1)}};
+}
+
+std::unique_ptr<Layer> Embedding::tensor_parallel(TpBuild& build) const {
+  const int tp = build.group->size();
+  check(wte_->value.dim(0) % tp == 0,
+        "vocabulary ({}) must be divisible by tensor-parallel size ({})", wte_->value.dim(0), tp);
+  return std::make_unique<VocabParallelEmbedding>(*build.group, build.param(*wte_, 0),
+                                                  build.param(*wpe_, -1));
 }
 
 std::unique_ptr<LayerCtx> Embedding::make_ctx() const { return std::make_unique<Ctx>(); }

@@ -13,6 +13,9 @@ class Embedding final : public Layer {
   std::vector<Shape> output_shapes(std::span<const Shape> in) const override;
   std::vector<Param*> params() const override { return {wte_, wpe_}; }
   std::unique_ptr<LayerCtx> make_ctx() const override;
+  // Tensor-parallel: VocabParallelEmbedding (layers/tp_embedding.h); the
+  // vocabulary must divide by the group size.
+  std::unique_ptr<Layer> tensor_parallel(TpBuild& build) const override;
 
   void forward(LayerCtx& ctx, Arena& arena, std::span<const Tensor> in,
                std::span<const Tensor> out) override;

@@ -15,6 +15,8 @@ std::vector<Shape> Gelu::output_shapes(std::span<const Shape> in) const {
   return {in[0]};
 }
 
+std::unique_ptr<Layer> Gelu::tensor_parallel(TpBuild&) const { return std::make_unique<Gelu>(); }
+
 std::unique_ptr<LayerCtx> Gelu::make_ctx() const { return std::make_unique<Ctx>(); }
 
 void Gelu::forward(LayerCtx& ctx, Arena&, std::span<const Tensor> in,

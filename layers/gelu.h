@@ -11,6 +11,8 @@ class Gelu final : public Layer {
   std::vector<Shape> output_shapes(std::span<const Shape> in) const override;
   double flops(std::span<const Shape> in) const override { return 10.0 * in[0].numel(); }
   std::unique_ptr<LayerCtx> make_ctx() const override;
+  // Element-wise: the same layer on whatever slice the rank holds.
+  std::unique_ptr<Layer> tensor_parallel(TpBuild& build) const override;
 
   void forward(LayerCtx& ctx, Arena& arena, std::span<const Tensor> in,
                std::span<const Tensor> out) override;

@@ -1,6 +1,7 @@
 #include "layers/layernorm.h"
 
 #include <weft/cpu_kernels.h>
+#include <weft/tensor_parallel.h>
 
 namespace weft {
 
@@ -20,6 +21,10 @@ std::vector<Shape> LayerNorm::output_shapes(std::span<const Shape> in) const {
         "{}: input width {} does not match the normalised width {}", w_->name, in[0].last(),
         w_->value.numel());
   return {in[0]};
+}
+
+std::unique_ptr<Layer> LayerNorm::tensor_parallel(TpBuild& build) const {
+  return std::make_unique<LayerNorm>(build.param(*w_, -1), build.param(*b_, -1), eps_);
 }
 
 std::unique_ptr<LayerCtx> LayerNorm::make_ctx() const { return std::make_unique<Ctx>(); }

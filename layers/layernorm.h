@@ -13,6 +13,9 @@ class LayerNorm final : public Layer {
   std::vector<Param*> params() const override { return {w_, b_}; }
   double flops(std::span<const Shape> in) const override { return 8.0 * in[0].numel(); }
   std::unique_ptr<LayerCtx> make_ctx() const override;
+  // Tensor-parallel: a copy with the whole weight and bias (its input is whole
+  // on every rank, so their gradients are the same on every rank).
+  std::unique_ptr<Layer> tensor_parallel(TpBuild& build) const override;
 
   void forward(LayerCtx& ctx, Arena& arena, std::span<const Tensor> in,
                std::span<const Tensor> out) override;

@@ -1,6 +1,9 @@
 #include "layers/linear.h"
 
 #include <weft/cpu_kernels.h>
+#include <weft/tensor_parallel.h>
+
+#include "layers/tp_linear.h"
 
 namespace weft {
 
@@ -11,9 +14,13 @@ struct Ctx : LayerCtx {
 };
 }  // namespace
 
-Linear::Linear(Param* weight, Param* bias, ParallelRole role) : w_(weight), b_(bias), role_(role) {
+Linear::Linear(Param* weight, Param* bias, ParallelRole role, int out_blocks)
+    : w_(weight), b_(bias), role_(role), out_blocks_(out_blocks) {
   check(w_->value.rank() == 2, "{}: a linear weight must be 2-D (in, out), got {}", w_->name,
         w_->value.shape().str());
+  check(out_blocks_ > 0 && w_->value.dim(1) % out_blocks_ == 0,
+        "{}: the output width {} must be {} equal blocks", w_->name, w_->value.dim(1),
+        out_blocks_);
   check(b_ == nullptr || b_->value.numel() == w_->value.dim(1),
         "{}: bias length {} does not match the output width {}", b_ ? b_->name : "",
         b_ ? b_->value.numel() : 0, w_->value.dim(1));
@@ -76,6 +83,24 @@ void Linear::backward_weight(LayerCtx& ctx_, Arena&) {
   cpu::gemm(true, false, k, m, n, 1.0f, ctx.x.data<float>(), k, ctx.dy.data<float>(), m, 1.0f,
             w_->grad.data<float>(), m);
   if (b_) cpu::sum_rows(ctx.dy.data<float>(), b_->grad.data<float>(), n, m);
+}
+
+// Column: W (in, out) and b (out) split by columns, in out_blocks blocks.
+// Row: W split by rows; b whole, added once after the reduction.
+// None: a replicated copy.
+std::unique_ptr<Layer> Linear::tensor_parallel(TpBuild& build) const {
+  switch (role_) {
+    case ParallelRole::Column:
+      return std::make_unique<ColumnParallelLinear>(
+          *build.group, build.param(*w_, 1, out_blocks_),
+          b_ ? build.param(*b_, 0, out_blocks_) : nullptr);
+    case ParallelRole::Row:
+      return std::make_unique<RowParallelLinear>(*build.group, build.param(*w_, 0),
+                                                 b_ ? build.param(*b_, -1) : nullptr);
+    case ParallelRole::None: break;
+  }
+  return std::make_unique<Linear>(build.param(*w_, -1), b_ ? build.param(*b_, -1) : nullptr,
+                                  role_, out_blocks_);
 }
 
 }  // namespace weft

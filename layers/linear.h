@@ -3,7 +3,10 @@
 //
 // The graph stays logical: `role` records which half of a Megatron pair this
 // is (Column splits W's columns across the tensor-parallel group, Row splits
-// its rows), so a stage can instantiate the right parallel form per rank.
+// its rows), so a stage can instantiate the right parallel form per rank
+// (layers/tp_linear.h). `out_blocks` says that the output is that many packed
+// equal blocks (3 for GPT's q|k|v projection): a column split then gives each
+// rank its piece of every block, so its slice keeps the packed layout.
 #pragma once
 
 #include <weft/layer.h>
@@ -14,13 +17,16 @@ enum class ParallelRole : uint8_t { None, Column, Row };
 
 class Linear final : public Layer {
  public:
-  Linear(Param* weight, Param* bias, ParallelRole role = ParallelRole::None);  // bias may be null
+  // bias may be null
+  Linear(Param* weight, Param* bias, ParallelRole role = ParallelRole::None, int out_blocks = 1);
   const char* kind() const override { return "linear"; }
   std::vector<Shape> output_shapes(std::span<const Shape> in) const override;
   std::vector<Param*> params() const override;
   double flops(std::span<const Shape> in) const override;
   std::unique_ptr<LayerCtx> make_ctx() const override;
   ParallelRole role() const { return role_; }
+  int out_blocks() const { return out_blocks_; }
+  std::unique_ptr<Layer> tensor_parallel(TpBuild& build) const override;
 
   void forward(LayerCtx& ctx, Arena& arena, std::span<const Tensor> in,
                std::span<const Tensor> out) override;
@@ -32,6 +38,7 @@ class Linear final : public Layer {
   Param* w_;
   Param* b_;
   ParallelRole role_;
+  int out_blocks_;
 };
 
 }  // namespace weft

@@ -1,6 +1,9 @@
 #include "layers/lm_head.h"
 
 #include <weft/cpu_kernels.h>
+#include <weft/tensor_parallel.h>
+
+#include "layers/tp_lm_head.h"
 
 namespace weft {
 
@@ -27,6 +30,15 @@ std::vector<Shape> TiedLmHeadLoss::output_shapes(std::span<const Shape> in) cons
 
 double TiedLmHeadLoss::flops(std::span<const Shape> in) const {
   return 2.0 * static_cast<double>(in[0].rows()) * static_cast<double>(wte_->value.numel());
+}
+
+std::unique_ptr<Layer> TiedLmHeadLoss::tensor_parallel(TpBuild& build) const {
+  const int tp = build.group->size();
+  check(wte_->value.dim(0) % tp == 0,
+        "vocabulary ({}) must be divisible by tensor-parallel size ({})", wte_->value.dim(0), tp);
+  auto head = std::make_unique<VocabParallelLmHeadLoss>(*build.group, build.param(*wte_, 0));
+  head->set_keep_logits(keep_logits_);
+  return head;
 }
 
 std::unique_ptr<LayerCtx> TiedLmHeadLoss::make_ctx() const { return std::make_unique<Ctx>(); }

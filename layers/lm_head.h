@@ -24,6 +24,10 @@ class TiedLmHeadLoss final : public Layer {
   void set_keep_logits(bool keep) { keep_logits_ = keep; }
   // Logits of the last forward on this ctx (needs set_keep_logits(true)).
   static const Tensor& logits(LayerCtx& ctx);
+  // Tensor-parallel: VocabParallelLmHeadLoss (layers/tp_lm_head.h), with the
+  // same rows of wte as the embedding's; the vocabulary must divide by the
+  // group size.
+  std::unique_ptr<Layer> tensor_parallel(TpBuild& build) const override;
 
   void forward(LayerCtx& ctx, Arena& arena, std::span<const Tensor> in,
                std::span<const Tensor> out) override;

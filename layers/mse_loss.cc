@@ -14,6 +14,10 @@ std::vector<Shape> MseLoss::output_shapes(std::span<const Shape> in) const {
   return {Shape{1}};
 }
 
+std::unique_ptr<Layer> MseLoss::tensor_parallel(TpBuild&) const {
+  return std::make_unique<MseLoss>();
+}
+
 std::unique_ptr<LayerCtx> MseLoss::make_ctx() const { return std::make_unique<Ctx>(); }
 
 void MseLoss::forward(LayerCtx& ctx_, Arena&, std::span<const Tensor> in,

@@ -13,6 +13,8 @@ class MseLoss final : public Layer {
   std::vector<Shape> output_shapes(std::span<const Shape> in) const override;
   double flops(std::span<const Shape> in) const override { return 3.0 * in[0].numel(); }
   std::unique_ptr<LayerCtx> make_ctx() const override;
+  // A copy: its inputs are whole on every rank, and so is the loss.
+  std::unique_ptr<Layer> tensor_parallel(TpBuild& build) const override;
 
   void forward(LayerCtx& ctx, Arena& arena, std::span<const Tensor> in,
                std::span<const Tensor> out) override;

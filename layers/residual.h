@@ -10,6 +10,8 @@ class Residual final : public Layer {
   const char* kind() const override { return "residual"; }
   std::vector<Shape> output_shapes(std::span<const Shape> in) const override;
   double flops(std::span<const Shape> in) const override { return static_cast<double>(in[0].numel()); }
+  // Element-wise: the same layer on whatever the rank holds.
+  std::unique_ptr<Layer> tensor_parallel(TpBuild& build) const override;
 
   void forward(LayerCtx& ctx, Arena& arena, std::span<const Tensor> in,
                std::span<const Tensor> out) override;

@@ -82,9 +82,10 @@ GptModel build_gpt(const GptConfig& cfg, int64_t micro_batch,
                                        param(prefix + ".bias", {c}, Init::constant(0)));
   };
   auto linear = [&](const std::string& prefix, int64_t in, int64_t out, float std,
-                    ParallelRole role) {
+                    ParallelRole role, int out_blocks = 1) {
     return std::make_unique<Linear>(param(prefix + ".weight", {in, out}, Init::normal(std)),
-                                    param(prefix + ".bias", {out}, Init::constant(0)), role);
+                                    param(prefix + ".bias", {out}, Init::constant(0)), role,
+                                    out_blocks);
   };
 
   GptModel m{params, Graph(params), {}, nullptr};
@@ -99,7 +100,7 @@ GptModel build_gpt(const GptConfig& cfg, int64_t micro_batch,
   for (int64_t i = 0; i < L; ++i) {
     const std::string h = fmt::format("h.{}", i);
     int a = g.add1(h + ".ln_1", norm(h + ".ln_1"), {x});
-    a = g.add1(h + ".attn.c_attn", linear(h + ".attn.c_attn", c, 3 * c, 0.02f, ParallelRole::Column), {a});
+    a = g.add1(h + ".attn.c_attn", linear(h + ".attn.c_attn", c, 3 * c, 0.02f, ParallelRole::Column, 3), {a});
     a = g.add1(h + ".attn.core", std::make_unique<CausalSelfAttention>(cfg.num_heads), {a});
     a = g.add1(h + ".attn.c_proj", linear(h + ".attn.c_proj", c, c, proj_std, ParallelRole::Row), {a});
     x = g.add1(h + ".res_1", std::make_unique<Residual>(), {x, a});

@@ -12,6 +12,7 @@
 
 #include <weft/optimizer.h>
 #include <weft/param.h>
+#include <weft/safetensors.h>
 
 #include <nlohmann/json.hpp>
 
@@ -35,11 +36,29 @@ struct CheckpointMeta {
   nlohmann::json config;         // what the run was started with
 };
 
-// Writes <dir>/iter_<step>/ atomically and points latest at it.
-void save_checkpoint(const std::string& dir, const std::vector<Param*>& params, AdamW& optimizer,
+using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
+
+// Writes <dir>/iter_<step>/ atomically and points latest at it. `model` and
+// `optimizer` hold full tensors (every layout's pieces put together), so any
+// other layout can load them.
+void save_checkpoint(const std::string& dir, const NamedTensors& model,
+                     const NamedTensors& optimizer, int64_t optimizer_steps,
                      const CheckpointMeta& meta);
-// Loads the latest checkpoint of <dir> into params and optimizer.
-CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Param*>& params,
-                               AdamW& optimizer);
+
+// The latest checkpoint of a directory, opened.
+struct Checkpoint {
+  CheckpointMeta meta;
+  int64_t optimizer_steps = 0;
+  safetensors::File model, optimizer;
+
+  // Loads every parameter (a tensor-parallel piece gets its slice of the
+  // full tensor). Throws Error naming the tensor and both shapes when the
+  // checkpoint does not fit, or a tensor that is missing or extra.
+  void read_model(const std::vector<Param*>& params) const;
+  // Adam's moments of these parameters, shaped like their values (pieces
+  // sliced), named "<param>.exp_avg" and "<param>.exp_avg_sq".
+  NamedTensors read_optimizer(const std::vector<Param*>& params) const;
+};
+Checkpoint open_checkpoint(const std::string& dir);
 
 }  // namespace weft

@@ -118,6 +118,15 @@ class Communicator {
   virtual void broadcast(const Tensor& t, int root) = 0;
   virtual void barrier() = 0;
 
+  // Non-blocking forms, for communication that overlaps compute (the
+  // data-parallel gradient buckets). Members post them in the same order as
+  // every other collective; the tensors must stay alive until the request
+  // completes. A transport without them runs the blocking form at once and
+  // returns a completed request (LocalCommunicator does: correct, no overlap).
+  virtual RequestPtr iall_reduce(const Tensor& t, ReduceOp op);
+  virtual RequestPtr ireduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op);
+  virtual RequestPtr iall_gather(const Tensor& in, const Tensor& out);
+
   // Collective over this communicator: `groups` partitions its ranks (every
   // member passes the same partition); each member gets a communicator for
   // the group that holds it, ranked in the order listed.

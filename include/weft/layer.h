@@ -26,6 +26,9 @@
 
 namespace weft {
 
+class Communicator;
+struct TpBuild;  // weft/tensor_parallel.h
+
 // What a layer saves between forward and backward; subclassed per layer.
 struct LayerCtx {
   virtual ~LayerCtx() = default;
@@ -52,6 +55,13 @@ class Layer {
   virtual void backward_input(LayerCtx& ctx, Arena& arena, std::span<const Tensor> grad_out,
                               std::span<const Tensor> grad_in) = 0;
   virtual void backward_weight(LayerCtx& /*ctx*/, Arena& /*arena*/) {}
+
+  // This layer's form on one rank of a tensor-parallel group: the graph stays
+  // logical, and a stage is instantiated per rank from it
+  // (weft/tensor_parallel.h). A layer without parameters or splits returns a
+  // copy of itself using build.param() for its parameters. The default throws
+  // Error naming kind(): the layer cannot run tensor-parallel.
+  virtual std::unique_ptr<Layer> tensor_parallel(TpBuild& build) const;
 };
 
 }  // namespace weft

@@ -23,11 +23,29 @@ struct Init {
   static Init constant(float v) { return {Kind::Constant, v}; }
 };
 
+// How the tensor a rank holds relates to the full parameter under tensor
+// parallelism. Dimension `dim` of the full tensor is `blocks` equal blocks
+// (3 for a packed q|k|v projection), and each block is cut into `parts` equal
+// pieces; this rank holds piece `index` of every block, concatenated in block
+// order. dim = -1 means the whole tensor (replicated across the group).
+struct Shard {
+  int dim = -1;
+  int parts = 1;
+  int index = 0;
+  int blocks = 1;
+  Shape full;  // the full tensor's shape (set for every parameter)
+
+  bool split() const { return dim >= 0 && parts > 1; }
+  // The shape this rank holds.
+  Shape local() const;
+};
+
 struct Param {
   std::string name;
-  Tensor value;  // fp32, owned
+  Tensor value;  // fp32, owned; this rank's part (see shard)
   Tensor grad;   // same shape; accumulated by backward_weight
   Init init;
+  Shard shard;  // whole by default
   // PyTorch/Megatron convention: decay matrices and embeddings, not biases or norms.
   bool weight_decay() const { return value.rank() >= 2; }
 };
@@ -36,6 +54,8 @@ struct Param {
 class ParamStore {
  public:
   Param* create(const std::string& name, Shape shape, Init init);
+  // A parameter holding part `shard` of a full tensor of shape shard.full.
+  Param* create_shard(const std::string& name, Shard shard, Init init);
   Param* find(const std::string& name);
   const Param* find(const std::string& name) const;
   std::vector<Param*> all();
@@ -45,7 +65,13 @@ class ParamStore {
   std::deque<Param> params_;
 };
 
+// Copies this rank's part of `full` (shape s.full) into `part` (shape
+// s.local()), and back: the two are exact inverses on a rank's piece.
+void slice_shard(const Tensor& full, const Shard& s, const Tensor& part);
+void place_shard(const Tensor& part, const Shard& s, const Tensor& full);
+
 // Fills p.value from (seed, p.name, p.init); independent of everything else.
+// A shard gets its piece of the full tensor, so every layout starts alike.
 void init_param(Param& p, uint64_t seed);
 // Deterministic standard normals from (seed, name): element i of the tensor
 // named `name` is the same number whatever slice of it a rank generates.

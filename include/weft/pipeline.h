@@ -16,6 +16,7 @@
 #pragma once
 
 #include <weft/communicator.h>
+#include <weft/grad_sync.h>
 #include <weft/graph.h>
 #include <weft/partition.h>
 #include <weft/runner.h>
@@ -52,16 +53,30 @@ class PipelineExecutor {
                    Communicator& pp, PipelineOptions options = {});
   ~PipelineExecutor();
 
-  // Runs every action of this rank for one global batch: parameter gradients
-  // accumulate into Param::grad (zeroed first), and tied parameters held by
-  // several ranks get their gradients summed. Returns the mean loss over the
-  // global batch (on every rank).
-  double run(const BatchSource& data, int64_t step, int64_t micro_batch, int64_t seq_len);
+  // Runs every action of this rank for the schedule's micro-batches of one
+  // step: parameter gradients accumulate into Param::grad (zeroed first), and
+  // tied parameters held by several ranks get their gradients summed. The
+  // loss is seeded with 1 / (global_batch x seq_len) tokens (0: this
+  // pipeline's micro-batches make the whole batch, as without data
+  // parallelism). Returns this pipeline's loss sum over that token count (on
+  // every pipeline rank).
+  double run(const BatchSource& data, int64_t step, int64_t micro_batch, int64_t seq_len,
+             int64_t global_batch = 0);
 
   // Parameters this rank updates, and the total gradient norm over the whole
   // model counting each parameter once (collective over the pp group).
   const std::vector<Param*>& params() const { return params_; }
   double grad_norm() const;
+  // Of params(): the ones this rank counts in a norm (their first holder),
+  // and the ones tied with another pipeline rank (summed at the end of run).
+  const std::vector<Param*>& norm_params() const { return norm_params_; }
+  std::vector<Param*> tied_params() const;
+  // The graph nodes of this rank's stages.
+  std::vector<int> local_nodes() const;
+  Communicator& group() const { return pp_; }
+  int micro_batches() const { return schedule_.micro_batches; }
+  // Told of every node's W action (data-parallel buckets start from it).
+  void set_grad_sync(GradSync* sync) { sync_ = sync; }
 
   // The most micro-batch stages whose forward activations were held at once
   // (F done, I or B not yet) during the last run: what the schedule promises.
@@ -108,7 +123,8 @@ class PipelineExecutor {
   std::vector<std::unique_ptr<Slot>> pool_;
   std::vector<Slot*> live_;  // indexed by stage * m + micro_batch
   const BatchSource* data_ = nullptr;
-  int64_t micro_batch_size_ = 0, seq_len_ = 0, step_ = 0;
+  GradSync* sync_ = nullptr;
+  int64_t micro_batch_size_ = 0, seq_len_ = 0, step_ = 0, global_batch_ = 0;
   double loss_sum_ = 0;
   int peak_slots_ = 0, slots_in_use_ = 0;
   int peak_stashed_ = 0, stashed_ = 0;

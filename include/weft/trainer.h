@@ -8,6 +8,7 @@
 
 #include <weft/checkpoint.h>
 #include <weft/data.h>
+#include <weft/grad_sync.h>
 #include <weft/graph.h>
 #include <weft/optimizer.h>
 #include <weft/runner.h>
@@ -15,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include <memory>
+#include <set>
 #include <string>
 
 namespace weft {
@@ -69,17 +71,44 @@ struct StepRecord {
   double step_ms = 0;
   double tokens_per_s = 0;
   double bubble_frac = -1;  // pipeline idle share of the step; -1 on one process
+  double dp_wait_ms = -1;   // data-parallel reduction not hidden by the backward; -1 without dp
 
   nlohmann::json json() const;
   std::string line(int64_t train_iters) const;  // the one-line human log
 };
 
+// This rank's place in a dp x pp x tp layout (weft/mesh.h).
+struct Parallel {
+  ParallelGroups groups;                  // null members are groups of one
+  PipelineExecutor* pipeline = nullptr;   // runs this rank's stages when pp > 1
+  GradSyncOptions sync;
+};
+
+// Replica r of a data-parallel group reads sequences
+// [r * G / dp, (r + 1) * G / dp) of each global batch of G sequences.
+class ReplicaBatches final : public BatchSource {
+ public:
+  ReplicaBatches(const BatchSource& all, int64_t offset) : all_(all), offset_(offset) {}
+  void fill(int64_t step, int64_t index, int64_t count, int64_t seq_len, int32_t* inputs,
+            int32_t* targets) const override {
+    all_.fill(step, offset_ + index, count, seq_len, inputs, targets);
+  }
+
+ private:
+  const BatchSource& all_;
+  int64_t offset_;
+};
+
 class Trainer {
  public:
-  Trainer(LmGraph g, const BatchSource& data, TrainOptions opt);
-  // One pipeline rank: the executor runs this rank's share of each step, and
-  // the optimizer updates the parameters of this rank's stages.
+  // `g` is the graph this rank runs: the model, or its tensor-parallel form
+  // (weft/tensor_parallel.h) when par.groups.tp has more than one rank. With a
+  // pipeline, the executor runs this rank's stages and the optimizer updates
+  // their parameters. Every layout takes the same steps as one process.
+  Trainer(LmGraph g, const BatchSource& data, TrainOptions opt, Parallel par = {});
+  // One pipeline rank (pp only).
   Trainer(LmGraph g, const BatchSource& data, TrainOptions opt, PipelineExecutor& pipeline);
+  ~Trainer();
 
   // Runs one step; throws Error naming the step when the loss is not finite.
   StepRecord train_step();
@@ -88,22 +117,29 @@ class Trainer {
   double compute_gradients(int64_t step);
 
   int64_t steps_done() const { return steps_done_; }
-  AdamW& optimizer() { return optimizer_; }
-  const std::vector<Param*>& params() const { return params_; }
+  GradSync& grad_sync() { return *sync_; }
+  const std::vector<Param*>& params() const { return sync_->params(); }
   MicroBatch& micro_batch_state() { return mb_; }
+  // Micro-batches of micro_batch sequences each replica runs per step.
+  int64_t micro_batches() const { return micro_batches_; }
 
+  // Collective over every rank: a checkpoint of full tensors that any other
+  // layout can load (weft/checkpoint.h), written by world rank 0.
   void save(const std::string& dir);
+  // Every rank reads its own pieces of the latest checkpoint in `dir`.
   void load(const std::string& dir);
 
  private:
   LmGraph g_;
-  const BatchSource& data_;
   TrainOptions opt_;
-  PipelineExecutor* pipeline_ = nullptr;
-  std::vector<Param*> params_;
-  AdamW optimizer_;
+  Parallel par_;
+  int64_t micro_batches_ = 0;
+  ReplicaBatches data_;
+  std::unique_ptr<GradSync> sync_;
   MicroBatch mb_;
   int64_t steps_done_ = 0;
+  std::set<const Param*> owned_;  // counted and saved by this rank (its pipeline share)
+  Tensor scalar_;
 };
 
 }  // namespace weft

@@ -187,6 +187,8 @@ class MpiCommunicator final : public Communicator {
   void all_reduce(const Tensor& t, ReduceOp op) override;
   void all_gather(const Tensor& in, const Tensor& out) override;
   void reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op) override;
+  RequestPtr iall_reduce(const Tensor& t, ReduceOp op) override;
+  RequestPtr ireduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op) override;
   void broadcast(const Tensor& t, int root) override;
   void barrier() override;
   std::unique_ptr<Communicator> split(const std::vector<std::vector<int>>& groups,
@@ -232,6 +234,10 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
+  MPI_Request post_all_reduce(const Tensor& t, ReduceOp op);
+  // `src` receives the copy MPI reads from when `out` lies inside `in`.
+  MPI_Request post_reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op, Tensor& src);
+  static std::string reduce_scatter_what(const Tensor& in, ReduceOp op);
   void check_peer(int peer, const char* op) const {
     if (peer < 0 || peer >= size_)
       throw Error("{}: peer rank {} is outside {} of size {} (rank {})", op, peer, describe(),
@@ -415,17 +421,60 @@ RequestPtr MpiCommunicator::irecv(const Tensor& t, int peer, MessageTag tag) {
   return std::make_unique<RecvRequest>(*this, t, peer, tag);
 }
 
-void MpiCommunicator::all_reduce(const Tensor& t, ReduceOp op) {
+// A posted non-blocking collective, completed by the communicator's polling
+// loop. MPI forbids freeing or cancelling one, so a request dropped before it
+// completes is left to MPI (the job is ending with an error anyway).
+class CollectiveRequest final : public Request {
+ public:
+  CollectiveRequest(const MpiCommunicator& comm, MPI_Request req, size_t bytes, std::string what,
+                    Tensor keep_alive)
+      : comm_(comm), req_(req), bytes_(bytes), what_(std::move(what)), keep_(std::move(keep_alive)) {}
+
+  bool test() override {
+    if (req_ == MPI_REQUEST_NULL) return true;
+    int flag = 0;
+    mpi_check(MPI_Test(&req_, &flag, MPI_STATUS_IGNORE), "MPI_Test");
+    return flag != 0;
+  }
+  void wait() override {
+    comm_.poll([&] { return test() ? Progress::Done : Progress::Waiting; },
+               [&] { return what_; }, bytes_);
+  }
+
+ private:
+  const MpiCommunicator& comm_;
+  MPI_Request req_;
+  size_t bytes_;
+  std::string what_;
+  Tensor keep_;  // a copy MPI reads from until done
+};
+
+namespace {
+std::string all_reduce_what(const Tensor& t, ReduceOp op) {
+  return fmt::format("all_reduce ({}) of {} {}", reduce_op_name(op), dtype_name(t.dtype()),
+                     t.shape().str());
+}
+}  // namespace
+
+MPI_Request MpiCommunicator::post_all_reduce(const Tensor& t, ReduceOp op) {
   check_host(t, "all_reduce");
   MPI_Datatype type = reduce_type(t, "all_reduce");
   MPI_Request req;
   mpi_check(MPI_Iallreduce(MPI_IN_PLACE, t.raw(), mpi_count(t.numel(), t, "all_reduce"), type,
                            mpi_op(op), comm_, &req),
             "MPI_Iallreduce");
-  wait_collective(req, 2 * t.nbytes(), [&] {
-    return fmt::format("all_reduce ({}) of {} {}", reduce_op_name(op), dtype_name(t.dtype()),
-                       t.shape().str());
-  });
+  return req;
+}
+
+void MpiCommunicator::all_reduce(const Tensor& t, ReduceOp op) {
+  MPI_Request req = post_all_reduce(t, op);
+  wait_collective(req, 2 * t.nbytes(), [&] { return all_reduce_what(t, op); });
+}
+
+RequestPtr MpiCommunicator::iall_reduce(const Tensor& t, ReduceOp op) {
+  MPI_Request req = post_all_reduce(t, op);
+  return std::make_unique<CollectiveRequest>(*this, req, 2 * t.nbytes(), all_reduce_what(t, op),
+                                             Tensor());
 }
 
 void MpiCommunicator::all_gather(const Tensor& in, const Tensor& out) {
@@ -452,6 +501,25 @@ void MpiCommunicator::all_gather(const Tensor& in, const Tensor& out) {
 }
 
 void MpiCommunicator::reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op) {
+  Tensor src;
+  MPI_Request req = post_reduce_scatter(in, out, op, src);
+  wait_collective(req, in.nbytes(), [&] { return reduce_scatter_what(in, op); });
+}
+
+RequestPtr MpiCommunicator::ireduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op) {
+  Tensor src;
+  MPI_Request req = post_reduce_scatter(in, out, op, src);
+  return std::make_unique<CollectiveRequest>(*this, req, in.nbytes(), reduce_scatter_what(in, op),
+                                             src);
+}
+
+std::string MpiCommunicator::reduce_scatter_what(const Tensor& in, ReduceOp op) {
+  return fmt::format("reduce_scatter ({}) of {} {}", reduce_op_name(op), dtype_name(in.dtype()),
+                     in.shape().str());
+}
+
+MPI_Request MpiCommunicator::post_reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op,
+                                                 Tensor& src) {
   check_host(in, "reduce_scatter");
   check_host(out, "reduce_scatter");
   if (in.dtype() != out.dtype())
@@ -463,19 +531,16 @@ void MpiCommunicator::reduce_scatter(const Tensor& in, const Tensor& out, Reduce
   MPI_Datatype type = reduce_type(in, "reduce_scatter");
   // MPI's in-place form keeps the result at the front, not at slice `rank`:
   // an output inside the input is reduced from a copy of the input instead.
-  Tensor src = in;
+  src = Tensor();
   const char* a = in.data<char>();
   const char* b = out.data<char>();
   if (out.nbytes() > 0 && b < a + in.nbytes() && a < b + out.nbytes()) src = in.clone();
   MPI_Request req;
-  mpi_check(
-      MPI_Ireduce_scatter_block(src.raw(), out.raw(), mpi_count(out.numel(), out, "reduce_scatter"),
-                                type, mpi_op(op), comm_, &req),
-      "MPI_Ireduce_scatter_block");
-  wait_collective(req, in.nbytes(), [&] {
-    return fmt::format("reduce_scatter ({}) of {} {}", reduce_op_name(op), dtype_name(in.dtype()),
-                       in.shape().str());
-  });
+  mpi_check(MPI_Ireduce_scatter_block(src.raw() ? src.raw() : in.raw(), out.raw(),
+                                      mpi_count(out.numel(), out, "reduce_scatter"), type,
+                                      mpi_op(op), comm_, &req),
+            "MPI_Ireduce_scatter_block");
+  return req;
 }
 
 void MpiCommunicator::broadcast(const Tensor& t, int root) {

@@ -24,8 +24,15 @@ std::string strip_prefix(const std::string& name) {
   return name.rfind(prefix, 0) == 0 ? name.substr(prefix.size()) : name;
 }
 
+// Where a named tensor of a file goes: all of it, or this rank's piece.
+struct Dest {
+  Tensor t;
+  Shard shard;  // t holds piece shard of a tensor of shape shard.full when split
+  const Shape& full() const { return shard.split() ? shard.full : t.shape(); }
+};
+
 // Copies the tensors of `file` named in `wanted` (name -> destination).
-void load_named(const safetensors::File& file, const std::map<std::string, Tensor>& wanted,
+void load_named(const safetensors::File& file, const std::map<std::string, Dest>& wanted,
                 bool hf_names, const char* what) {
   std::set<std::string> found;
   for (const auto& info : file.tensors()) {
@@ -36,17 +43,25 @@ void load_named(const safetensors::File& file, const std::map<std::string, Tenso
           file.path(), what, info.name);
     check(info.dtype == DType::F32, "{}: tensor '{}' has dtype {}, expected F32", file.path(),
           info.name, dtype_name(info.dtype));
-    check(info.shape == it->second.shape(),
-          "{}: tensor '{}' has shape {} but the model expects {}", file.path(), info.name,
-          info.shape.str(), it->second.shape().str());
+    const Dest& d = it->second;
+    check(info.shape == d.full(), "{}: tensor '{}' has shape {} but the model expects {}",
+          file.path(), info.name, info.shape.str(), d.full().str());
     check(found.insert(name).second, "{}: tensor '{}' appears twice (with and without prefix)",
           file.path(), name);
-    Tensor dst = it->second;
-    dst.copy_from(file.get(info.name));
+    if (d.shard.split())
+      slice_shard(file.get(info.name), d.shard, d.t);
+    else
+      d.t.copy_from(file.get(info.name));
   }
-  for (const auto& [name, t] : wanted)
+  for (const auto& [name, d] : wanted)
     check(found.count(name) == 1, "{}: {} lacks tensor '{}' (shape {})", file.path(), what, name,
-          t.shape().str());
+          d.full().str());
+}
+
+std::map<std::string, Dest> param_dests(const std::vector<Param*>& params) {
+  std::map<std::string, Dest> wanted;
+  for (Param* p : params) wanted.emplace(p->name, Dest{p->value, p->shard});
+  return wanted;
 }
 
 void write_text_atomic(const std::string& path, const std::string& text) {
@@ -66,9 +81,7 @@ std::string iter_name(int64_t step) { return fmt::format("iter_{:07d}", step); }
 
 void load_weights(const std::string& path, const std::vector<Param*>& params) {
   auto file = safetensors::File::open(path);
-  std::map<std::string, Tensor> wanted;
-  for (Param* p : params) wanted.emplace(p->name, p->value);
-  load_named(file, wanted, /*hf_names=*/true, "weights file");
+  load_named(file, param_dests(params), /*hf_names=*/true, "weights file");
 }
 
 void save_weights(const std::string& path, const std::vector<Param*>& params,
@@ -78,19 +91,20 @@ void save_weights(const std::string& path, const std::vector<Param*>& params,
   safetensors::save(path, t, metadata);
 }
 
-void save_checkpoint(const std::string& dir, const std::vector<Param*>& params, AdamW& optimizer,
+void save_checkpoint(const std::string& dir, const NamedTensors& model,
+                     const NamedTensors& optimizer, int64_t optimizer_steps,
                      const CheckpointMeta& meta) {
   fs::create_directories(dir);
   const fs::path final_dir = fs::path(dir) / iter_name(meta.step);
   const fs::path tmp_dir = fs::path(dir) / (iter_name(meta.step) + ".tmp");
   fs::remove_all(tmp_dir);
   fs::create_directories(tmp_dir);
-  save_weights((tmp_dir / "model.safetensors").string(), params, {{"format", "weft"}});
-  safetensors::save((tmp_dir / "optimizer.safetensors").string(), optimizer.state(),
-                    {{"optimizer", "adamw"}, {"steps", std::to_string(optimizer.steps())}});
+  safetensors::save((tmp_dir / "model.safetensors").string(), model, {{"format", "weft"}});
+  safetensors::save((tmp_dir / "optimizer.safetensors").string(), optimizer,
+                    {{"optimizer", "adamw"}, {"steps", std::to_string(optimizer_steps)}});
   nlohmann::json j = {{"step", meta.step},
                       {"consumed_samples", meta.consumed_samples},
-                      {"optimizer_steps", optimizer.steps()},
+                      {"optimizer_steps", optimizer_steps},
                       {"config", meta.config},
                       {"format_version", 1}};
   write_text_atomic((tmp_dir / "meta.json").string(), j.dump(2) + "\n");
@@ -100,8 +114,7 @@ void save_checkpoint(const std::string& dir, const std::vector<Param*>& params, 
                     std::to_string(meta.step) + "\n");
 }
 
-CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Param*>& params,
-                               AdamW& optimizer) {
+Checkpoint open_checkpoint(const std::string& dir) {
   const fs::path latest = fs::path(dir) / "latest_checkpointed_iteration.txt";
   std::ifstream lf(latest);
   check(lf.good(), "--load {}: no checkpoint there ({} is missing)", dir, latest.string());
@@ -117,20 +130,41 @@ CheckpointMeta load_checkpoint(const std::string& dir, const std::vector<Param*>
   } catch (const nlohmann::json::exception& e) {
     throw Error("--load {}: meta.json is not valid JSON: {}", dir, e.what());
   }
-  auto model = safetensors::File::open((d / "model.safetensors").string());
-  std::map<std::string, Tensor> wanted;
-  for (Param* p : params) wanted.emplace(p->name, p->value);
-  load_named(model, wanted, /*hf_names=*/false, "checkpoint");
-  auto opt = safetensors::File::open((d / "optimizer.safetensors").string());
-  std::map<std::string, Tensor> state;
-  for (auto& [name, t] : optimizer.state()) state.emplace(name, t);
-  load_named(opt, state, /*hf_names=*/false, "optimizer state");
-  CheckpointMeta meta;
-  meta.step = j.at("step").get<int64_t>();
-  meta.consumed_samples = j.at("consumed_samples").get<int64_t>();
-  meta.config = j.at("config");
-  optimizer.set_steps(j.at("optimizer_steps").get<int64_t>());
-  return meta;
+  Checkpoint c;
+  c.model = safetensors::File::open((d / "model.safetensors").string());
+  c.optimizer = safetensors::File::open((d / "optimizer.safetensors").string());
+  c.meta.step = j.at("step").get<int64_t>();
+  c.meta.consumed_samples = j.at("consumed_samples").get<int64_t>();
+  c.meta.config = j.at("config");
+  c.optimizer_steps = j.at("optimizer_steps").get<int64_t>();
+  return c;
+}
+
+void Checkpoint::read_model(const std::vector<Param*>& params) const {
+  load_named(model, param_dests(params), /*hf_names=*/false, "checkpoint");
+}
+
+NamedTensors Checkpoint::read_optimizer(const std::vector<Param*>& params) const {
+  NamedTensors out;
+  std::map<std::string, Dest> wanted;
+  for (Param* p : params)
+    for (const char* suffix : {".exp_avg", ".exp_avg_sq"}) {
+      Tensor t = Tensor::zeros(p->value.shape());
+      out.emplace_back(p->name + suffix, t);
+      wanted.emplace(p->name + suffix, Dest{t, p->shard});
+    }
+  // Every moment in the file must belong to the model; these params may be a
+  // subset of it (one pipeline stage), so only their entries are required.
+  std::set<std::string> extra;
+  for (const auto& info : optimizer.tensors())
+    if (!wanted.count(info.name)) extra.insert(info.name);
+  std::map<std::string, Dest> all = wanted;
+  for (const auto& name : extra) {
+    const auto* info = optimizer.find(name);
+    all.emplace(name, Dest{Tensor::zeros(info->shape), Shard{}});
+  }
+  load_named(optimizer, all, /*hf_names=*/false, "optimizer state");
+  return out;
 }
 
 }  // namespace weft

@@ -214,14 +214,16 @@ void PipelineExecutor::backward_input_action(int stage, int mb) {
       if (s.mb.grad(v).defined()) work.grad(v) = s.mb.grad(v);
   }
   if (stage == schedule_.stages() - 1)
-    work.seed_grad(io_.loss, 1.0f / static_cast<float>(schedule_.micro_batches *
-                                                       micro_batch_size_ * seq_len_));
+    work.seed_grad(io_.loss, 1.0f / static_cast<float>(global_batch_ * seq_len_));
   for (int n = end - 1; n >= begin; --n) backward_input(graph_, work, n);
   s.input_grad_done = true;
   --stashed_;
   if (options_.recompute) {
     // The work area is needed for the next stage's forward: finish W now.
-    for (int n = end - 1; n >= begin; --n) backward_weight(graph_, work, n);
+    for (int n = end - 1; n >= begin; --n) {
+      backward_weight(graph_, work, n);
+      if (sync_) sync_->weight_done(n);
+    }
     s.weight_done = true;
   }
   if (stage > 0) {
@@ -244,13 +246,17 @@ void PipelineExecutor::backward_weight_action(int stage, int mb) {
   if (s.weight_done) return;
   const int begin = plan_.begin[static_cast<size_t>(stage)];
   const int end = plan_.begin[static_cast<size_t>(stage) + 1];
-  for (int n = end - 1; n >= begin; --n) backward_weight(graph_, s.mb, n);
+  for (int n = end - 1; n >= begin; --n) {
+    backward_weight(graph_, s.mb, n);
+    if (sync_) sync_->weight_done(n);
+  }
   s.weight_done = true;
 }
 
 double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micro_batch,
-                             int64_t seq_len) {
+                             int64_t seq_len, int64_t global_batch) {
   data_ = &data;
+  global_batch_ = global_batch > 0 ? global_batch : schedule_.micro_batches * micro_batch;
   micro_batch_size_ = micro_batch;
   seq_len_ = seq_len;
   step_ = step;
@@ -357,7 +363,22 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
   scalar_.data<float>()[0] = static_cast<float>(loss_sum_);
   pp_.all_reduce(scalar_, ReduceOp::Sum);
   return static_cast<double>(scalar_.data<float>()[0]) /
-         static_cast<double>(schedule_.micro_batches * micro_batch_size_ * seq_len_);
+         static_cast<double>(global_batch_ * seq_len_);
+}
+
+std::vector<Param*> PipelineExecutor::tied_params() const {
+  std::vector<Param*> v;
+  for (const auto& t : tied_)
+    if (t.param != nullptr) v.push_back(t.param);
+  return v;
+}
+
+std::vector<int> PipelineExecutor::local_nodes() const {
+  std::vector<int> v;
+  for (int s : local_stages_)
+    for (int n = plan_.begin[static_cast<size_t>(s)]; n < plan_.begin[static_cast<size_t>(s) + 1]; ++n)
+      v.push_back(n);
+  return v;
 }
 
 void PipelineExecutor::reduce_tied() {

@@ -1,5 +1,6 @@
 #include <weft/param.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace weft {
@@ -11,7 +12,26 @@ Param* ParamStore::create(const std::string& name, Shape shape, Init init) {
   p.value = Tensor::zeros(shape);
   p.grad = Tensor::zeros(shape);
   p.init = init;
+  p.shard.full = shape;
   return &p;
+}
+
+Shape Shard::local() const {
+  Shape s = full;
+  if (dim >= 0) {
+    check(dim < full.rank, "shard dimension {} is out of range for shape {}", dim, full.str());
+    check(full[dim] % (static_cast<int64_t>(blocks) * parts) == 0,
+          "dimension {} of {} ({}) must be divisible by {} blocks x {} parts", dim, full.str(),
+          full[dim], blocks, parts);
+    s[dim] = full[dim] / parts;
+  }
+  return s;
+}
+
+Param* ParamStore::create_shard(const std::string& name, Shard shard, Init init) {
+  Param* p = create(name, shard.local(), init);
+  p->shard = shard;
+  return p;
 }
 
 Param* ParamStore::find(const std::string& name) {
@@ -68,13 +88,68 @@ void normal_fill(float* out, int64_t n, uint64_t seed, const std::string& name, 
   }
 }
 
+namespace {
+
+// Visits the contiguous runs that make up a rank's part: the full tensor is
+// (outer, dim extent, inner); the part keeps, of each outer row, `blocks`
+// runs of (extent / blocks / parts) x inner elements.
+template <typename F>
+void for_each_run(const Shard& s, F&& f) {
+  if (s.dim < 0) {
+    f(int64_t{0}, int64_t{0}, s.full.numel());
+    return;
+  }
+  int64_t outer = 1, inner = 1;
+  for (int i = 0; i < s.dim; ++i) outer *= s.full[i];
+  for (int i = s.dim + 1; i < s.full.rank; ++i) inner *= s.full[i];
+  const int64_t extent = s.full[s.dim];
+  const int64_t block = extent / s.blocks, piece = block / s.parts;
+  int64_t part_off = 0;
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t b = 0; b < s.blocks; ++b) {
+      const int64_t full_off = (o * extent + b * block + s.index * piece) * inner;
+      f(full_off, part_off, piece * inner);
+      part_off += piece * inner;
+    }
+}
+
+void check_shard_pair(const Tensor& full, const Shard& s, const Tensor& part) {
+  check_shape(full, s.full, "full tensor of a shard");
+  check_shape(part, s.local(), "part of a shard");
+  check(full.dtype() == DType::F32 && part.dtype() == DType::F32, "shards are fp32 tensors");
+}
+
+}  // namespace
+
+void slice_shard(const Tensor& full, const Shard& s, const Tensor& part) {
+  check_shard_pair(full, s, part);
+  const float* src = full.data<float>();
+  float* dst = part.data<float>();
+  for_each_run(s, [&](int64_t full_off, int64_t part_off, int64_t n) {
+    std::copy(src + full_off, src + full_off + n, dst + part_off);
+  });
+}
+
+void place_shard(const Tensor& part, const Shard& s, const Tensor& full) {
+  check_shard_pair(full, s, part);
+  const float* src = part.data<float>();
+  float* dst = full.data<float>();
+  for_each_run(s, [&](int64_t full_off, int64_t part_off, int64_t n) {
+    std::copy(src + part_off, src + part_off + n, dst + full_off);
+  });
+}
+
 void init_param(Param& p, uint64_t seed) {
   float* d = p.value.data<float>();
-  int64_t n = p.value.numel();
+  const int64_t n = p.value.numel();
   if (p.init.kind == Init::Kind::Constant) {
     for (int64_t i = 0; i < n; ++i) d[i] = p.init.value;
-  } else {
+  } else if (!p.shard.split()) {
     normal_fill(d, n, seed, p.name, p.init.value);
+  } else {
+    Tensor full = Tensor::empty(p.shard.full);
+    normal_fill(full.data<float>(), full.numel(), seed, p.name, p.init.value);
+    slice_shard(full, p.shard, p.value);
   }
 }
 

@@ -1,0 +1,134 @@
+// weft/grad_sync.h — data-parallel gradient reduction in buckets, the
+// distributed optimizer (ZeRO-1), and the gradient norm over every layout.
+//
+// The gradients of this rank's parameters live in flat bucket buffers
+// (Param::grad becomes a view into one), in the order they become final
+// during backward. The executor reports each node's W action; when the last
+// W that touches a bucket's parameters has run for the step's last
+// micro-batch, the bucket's reduction across the data-parallel group starts
+// at once (non-blocking) and overlaps the rest of the backward. finish()
+// starts what is left (parameters tied across pipeline ranks go last, after
+// their pipeline sum) and waits for all.
+//
+// Plain data parallelism all-reduces each bucket; every replica then holds
+// the summed gradient and runs AdamW on all of it. With the distributed
+// optimizer (ZeRO-1) each bucket is reduce-scattered: replica r owns slice r
+// of every bucket, keeps Adam's moments for that slice only, updates it, and
+// the parameters are all-gathered back (Param::value is a view into the
+// bucket's flat parameter buffer). Both give the same numbers.
+//
+// The gradient norm counts every parameter once, whether it is split by
+// tensor parallelism (each rank adds its piece), replicated across the
+// tensor-parallel group (tp rank 0 adds it), tied across pipeline stages (its
+// first holder adds it) or replicated across data-parallel replicas.
+#pragma once
+
+#include <weft/communicator.h>
+#include <weft/graph.h>
+#include <weft/optimizer.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace weft {
+
+struct GradSyncOptions {
+  // Elements per bucket (Megatron's --ddp-bucket-size); a parameter larger
+  // than this gets a bucket of its own.
+  int64_t bucket_elements = int64_t{1} << 20;
+  // Start each bucket as soon as its gradients are final (--overlap-grad-reduce);
+  // off, every bucket starts in finish(), after the whole backward.
+  bool overlap = true;
+  bool distributed_optimizer = false;  // --use-distributed-optimizer
+};
+
+// The groups this rank belongs to; a null communicator is a group of one.
+struct ParallelGroups {
+  Communicator* tp = nullptr;
+  Communicator* dp = nullptr;
+  Communicator* pp = nullptr;
+
+  int tp_rank() const { return tp ? tp->rank() : 0; }
+  int dp_size() const { return dp ? dp->size() : 1; }
+  int dp_rank() const { return dp ? dp->rank() : 0; }
+};
+
+class GradSync {
+ public:
+  // `params`: this rank's parameters. `nodes`: the graph nodes this rank
+  // runs (each once per micro-batch). `late`: parameters whose gradients are
+  // completed after the last W (summed across pipeline ranks that share
+  // them); they are reduced in finish(). `norm_owned`: the parameters whose
+  // squares this rank counts as their pipeline owner (every rank holding a
+  // parameter has it, exactly one counts it).
+  GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param*> params,
+           std::vector<Param*> late, std::vector<Param*> norm_owned, ParallelGroups groups,
+           AdamWConfig adam, GradSyncOptions options);
+  ~GradSync();
+
+  // Zeroes every gradient and arms the buckets for `micro_batches` W actions
+  // of each node.
+  void begin(int64_t micro_batches);
+  // Node `node` finished its W action for one micro-batch; starts every
+  // bucket this completes (in bucket order), and lets the transport progress.
+  void weight_done(int node);
+  // Starts the remaining buckets and waits for all reductions.
+  void finish();
+
+  // Global L2 norm of the reduced gradients (collective over tp, dp and pp).
+  double grad_norm();
+  // Scales the gradients this rank updates by max_norm / (norm + 1e-6) when below 1.
+  void clip(double max_norm, double norm);
+  // AdamW: plain, on every parameter; distributed, on this replica's slice,
+  // followed by the all-gather of the parameters.
+  void step(float lr);
+
+  const std::vector<Param*>& params() const { return params_; }
+  bool distributed() const { return options_.distributed_optimizer && groups_.dp_size() > 1; }
+  int64_t steps() const { return steps_; }
+  void set_steps(int64_t s);
+
+  // Adam's moments per parameter ("<name>.exp_avg", "<name>.exp_avg_sq"),
+  // this rank's tensor-parallel piece of each, whole across data parallelism
+  // (collective over dp when distributed).
+  std::vector<std::pair<std::string, Tensor>> optimizer_state();
+  // Sets the moments from tensors shaped as optimizer_state() returns them.
+  void load_optimizer_state(const std::vector<std::pair<std::string, Tensor>>& state);
+
+  // What the last step moved and waited for.
+  struct Stats {
+    int buckets = 0;
+    double bytes_sent = 0;      // this rank's share of the data-parallel traffic
+    double wait_ms = 0;         // time finish() spent waiting: communication not hidden
+    double reduce_ms = 0;       // from the first bucket's start to the last one's end
+  };
+  const Stats& stats() const { return stats_; }
+
+ private:
+  struct Bucket;
+  void launch(Bucket& b);
+  void launch_ready();
+  void poll();
+
+  ParallelGroups groups_;
+  GradSyncOptions options_;
+  AdamWConfig adam_;
+  std::vector<Param*> params_;
+  std::vector<std::unique_ptr<Bucket>> buckets_;
+  std::vector<std::vector<int>> node_params_;  // node -> indices into params_
+  std::vector<int> bucket_of_;                 // param index -> bucket
+  std::vector<int64_t> remaining_;             // param index -> W actions to go
+  std::vector<char> norm_counts_;              // param index -> counted in the norm
+  std::vector<int> nodes_per_param_;
+  size_t next_launch_ = 0;
+  int64_t steps_ = 0;
+  std::unique_ptr<AdamW> plain_;  // when not distributed
+  Stats stats_;
+  std::chrono::steady_clock::time_point first_launch_;
+  bool launched_any_ = false;
+  Tensor scalar_;
+};
+
+}  // namespace weft

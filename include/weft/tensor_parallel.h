@@ -1,0 +1,52 @@
+// weft/tensor_parallel.h — instantiating a logical graph on one rank of a
+// tensor-parallel group (Megatron-style).
+//
+// models/ builds a logical graph that never mentions tp. For tp > 1 each rank
+// replays it node by node, asking every layer for its tensor-parallel form
+// (Layer::tensor_parallel): a column-parallel Linear keeps its slice of the
+// output columns, a row-parallel Linear its slice of the input rows followed
+// by an all-reduce, attention its heads/tp heads, the embedding and the tied
+// LM head their slice of the vocabulary (no rank ever holds full logits).
+// Layers without splits are copied. The result has the same nodes and values
+// in the same order (so a StagePlan of the logical graph applies unchanged);
+// only the shapes of values inside the split regions differ.
+//
+// Activations enter and leave a split region through the conjugate pairs of
+// layers/tp_regions.h (the vocab-parallel cross-entropy also all-reduces its
+// per-token max and sums, inside the layer). The parallel layers are in
+// layers/tp_*.h: ColumnParallelLinear and RowParallelLinear (tp_linear),
+// VocabParallelEmbedding (tp_embedding) and VocabParallelLmHeadLoss
+// (tp_lm_head). Building a graph communicates nothing, so a config that does
+// not divide fails on every rank before any message.
+#pragma once
+
+#include <weft/communicator.h>
+#include <weft/graph.h>
+
+#include <memory>
+
+namespace weft {
+
+// What a layer needs to build its form for one rank.
+struct TpBuild {
+  Communicator* group = nullptr;  // the tensor-parallel group (any size >= 1)
+  ParamStore* store = nullptr;    // this rank's parameters
+
+  // This rank's parameter for `logical`: its piece along `dim` (in `blocks`
+  // equal blocks, see Shard), or the whole tensor for dim = -1 (a replica:
+  // its Shard still records the group size and rank). Created
+  // (zero-filled, with the logical parameter's name and Init) on first use;
+  // later calls for the same name return the same Param, so tied weights stay
+  // tied. Throws Error naming the parameter, the dimension and the group size
+  // when the dimension does not divide.
+  Param* param(const Param& logical, int dim, int blocks = 1);
+};
+
+// The graph rank `tp.rank()` runs. Parameters are created in `store` (pass an
+// empty one) and must be initialised afterwards (init_param gives each rank
+// its piece of the full tensor). Throws Error naming the node and the rule
+// when a layer has no tensor-parallel form or a size does not divide.
+Graph tensor_parallel_graph(const Graph& logical, Communicator& tp,
+                            std::shared_ptr<ParamStore> store);
+
+}  // namespace weft

@@ -1,0 +1,23 @@
+#include "layers/tp_regions.h"
+
+#include <weft/cpu_kernels.h>
+
+namespace weft {
+
+Tensor copy_to_tp_grad_buffer(Communicator& group, Arena& arena, const Tensor& dx) {
+  if (group.size() == 1) return dx;
+  return arena.zeros(dx.shape());
+}
+
+void copy_to_tp_backward(Communicator& group, const Tensor& part, const Tensor& dx) {
+  if (part.raw() == dx.raw()) return;  // a group of one: part is dx
+  check_shape(part, dx.shape(), "partial gradient entering a tensor-parallel region");
+  group.all_reduce(part, ReduceOp::Sum);
+  cpu::add_inplace(dx.data<float>(), part.data<float>(), dx.numel());
+}
+
+void reduce_from_tp_forward(Communicator& group, const Tensor& y) {
+  if (group.size() > 1) group.all_reduce(y, ReduceOp::Sum);
+}
+
+}  // namespace weft

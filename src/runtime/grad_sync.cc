@@ -1,0 +1,329 @@
+#include <weft/cpu_kernels.h>
+#include <weft/grad_sync.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+namespace weft {
+
+using Clock = std::chrono::steady_clock;
+
+struct GradSync::Bucket {
+  std::vector<int> params;      // indices into params_, in flat order
+  std::vector<int64_t> offset;  // each one's first element in the flat buffers
+  int64_t numel = 0;            // elements in use
+  int64_t padded = 0;           // a multiple of the data-parallel size
+  bool late = false;
+  int pending = 0;              // parameters whose gradients are not final yet
+  bool launched = false;
+  Tensor grad;                  // (padded): Param::grad are views into it
+  // Distributed optimizer only.
+  Tensor value;                 // (padded): Param::value are views into it
+  Tensor shard_grad;            // (padded / dp): this replica's reduced slice
+  Tensor shard_value;           // (padded / dp): its slice, sent by the all-gather
+  Tensor m, v;                  // (padded / dp): Adam's moments of the slice
+  RequestPtr request;
+};
+
+namespace {
+
+// The elements [lo, hi) of segment [begin, end) of a flat buffer, if any.
+struct Overlap {
+  int64_t lo = 0, hi = 0;
+  bool empty() const { return hi <= lo; }
+};
+Overlap overlap(int64_t begin, int64_t end, int64_t lo, int64_t hi) {
+  return {std::max(begin, lo), std::min(end, hi)};
+}
+
+}  // namespace
+
+GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param*> params,
+                   std::vector<Param*> late, std::vector<Param*> norm_owned, ParallelGroups groups,
+                   AdamWConfig adam, GradSyncOptions options)
+    : groups_(groups), options_(options), adam_(adam), params_(std::move(params)) {
+  check(options_.bucket_elements > 0, "--ddp-bucket-size ({}) must be positive",
+        options_.bucket_elements);
+  std::map<const Param*, int> index;
+  for (size_t i = 0; i < params_.size(); ++i) index[params_[i]] = static_cast<int>(i);
+  const size_t np = params_.size();
+
+  // Which of this rank's nodes use each parameter, and the earliest one: the
+  // backward runs nodes in reverse, so that node's W makes the gradient final.
+  node_params_.assign(graph.nodes().size(), {});
+  nodes_per_param_.assign(np, 0);
+  std::vector<int> first_node(np, static_cast<int>(graph.nodes().size()));
+  for (int n : nodes)
+    for (Param* p : graph.nodes()[static_cast<size_t>(n)].layer->params()) {
+      auto it = index.find(p);
+      if (it == index.end()) continue;
+      node_params_[static_cast<size_t>(n)].push_back(it->second);
+      ++nodes_per_param_[static_cast<size_t>(it->second)];
+      first_node[static_cast<size_t>(it->second)] =
+          std::min(first_node[static_cast<size_t>(it->second)], n);
+    }
+  std::vector<char> is_late(np, 0);
+  for (Param* p : late) {
+    auto it = index.find(p);
+    if (it != index.end()) is_late[static_cast<size_t>(it->second)] = 1;
+  }
+  norm_counts_.assign(np, 0);
+  for (Param* p : norm_owned) {
+    auto it = index.find(p);
+    if (it == index.end()) continue;
+    // A piece of a split tensor counts on every tensor-parallel rank; a whole
+    // tensor replicated across the group counts on rank 0 only.
+    norm_counts_[static_cast<size_t>(it->second)] = p->shard.split() || groups_.tp_rank() == 0;
+  }
+
+  // Buckets, in the order their gradients become final: later first nodes first.
+  std::vector<int> order(np);
+  for (size_t i = 0; i < np; ++i) order[i] = static_cast<int>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    if (is_late[static_cast<size_t>(a)] != is_late[static_cast<size_t>(b)])
+      return is_late[static_cast<size_t>(a)] < is_late[static_cast<size_t>(b)];
+    return first_node[static_cast<size_t>(a)] > first_node[static_cast<size_t>(b)];
+  });
+  bucket_of_.assign(np, -1);
+  for (int i : order) {
+    const bool lt = is_late[static_cast<size_t>(i)] != 0;
+    const int64_t n = params_[static_cast<size_t>(i)]->value.numel();
+    if (buckets_.empty() || buckets_.back()->late != lt ||
+        (buckets_.back()->numel > 0 && buckets_.back()->numel + n > options_.bucket_elements)) {
+      buckets_.push_back(std::make_unique<Bucket>());
+      buckets_.back()->late = lt;
+    }
+    Bucket& b = *buckets_.back();
+    b.params.push_back(i);
+    b.offset.push_back(b.numel);
+    b.numel += n;
+    bucket_of_[static_cast<size_t>(i)] = static_cast<int>(buckets_.size()) - 1;
+  }
+
+  // Flat buffers; gradients (and, distributed, values) become views into them.
+  const int64_t dp = groups_.dp_size();
+  for (auto& bp : buckets_) {
+    Bucket& b = *bp;
+    b.padded = (b.numel + dp - 1) / dp * dp;
+    b.grad = Tensor::zeros({b.padded});
+    if (distributed()) {
+      const int64_t s = b.padded / dp;
+      b.value = Tensor::zeros({b.padded});
+      b.shard_grad = Tensor::zeros({s});
+      b.shard_value = Tensor::zeros({s});
+      b.m = Tensor::zeros({s});
+      b.v = Tensor::zeros({s});
+    }
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      Param* p = params_[static_cast<size_t>(b.params[k])];
+      float* g = b.grad.data<float>() + b.offset[k];
+      p->grad = Tensor(g, p->value.shape(), DType::F32);
+      if (distributed()) {
+        Tensor view(b.value.data<float>() + b.offset[k], p->value.shape(), DType::F32);
+        view.copy_from(p->value);
+        p->value = view;
+      }
+    }
+  }
+  if (!distributed()) plain_ = std::make_unique<AdamW>(params_, adam_);
+  remaining_.assign(np, 0);
+  scalar_ = Tensor::zeros({1});
+}
+
+GradSync::~GradSync() = default;
+
+void GradSync::set_steps(int64_t s) {
+  steps_ = s;
+  if (plain_) plain_->set_steps(s);
+}
+
+void GradSync::begin(int64_t micro_batches) {
+  for (auto& b : buckets_) {
+    b->grad.zero_();
+    b->launched = false;
+    b->request.reset();
+    b->pending = 0;
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    remaining_[i] = nodes_per_param_[i] * micro_batches;
+    ++buckets_[static_cast<size_t>(bucket_of_[i])]->pending;
+  }
+  next_launch_ = 0;
+  launched_any_ = false;
+  stats_ = {};
+}
+
+void GradSync::launch(Bucket& b) {
+  b.launched = true;
+  if (groups_.dp_size() <= 1) return;
+  if (!launched_any_) {
+    launched_any_ = true;
+    first_launch_ = Clock::now();
+  }
+  ++stats_.buckets;
+  const double dp = groups_.dp_size(), bytes = static_cast<double>(b.grad.nbytes());
+  if (distributed()) {
+    b.request = groups_.dp->ireduce_scatter(b.grad, b.shard_grad, ReduceOp::Sum);
+    stats_.bytes_sent += bytes * (dp - 1) / dp;  // a ring reduce-scatter's share
+  } else {
+    b.request = groups_.dp->iall_reduce(b.grad, ReduceOp::Sum);
+    stats_.bytes_sent += 2 * bytes * (dp - 1) / dp;  // a ring all-reduce's share
+  }
+}
+
+// Buckets start in bucket order on every replica, so collectives match.
+void GradSync::launch_ready() {
+  while (next_launch_ < buckets_.size()) {
+    Bucket& b = *buckets_[next_launch_];
+    if (b.late || b.pending > 0) return;
+    launch(b);
+    ++next_launch_;
+  }
+}
+
+void GradSync::poll() {
+  for (size_t k = 0; k < next_launch_; ++k)
+    if (buckets_[k]->request && buckets_[k]->request->test()) buckets_[k]->request.reset();
+}
+
+void GradSync::weight_done(int node) {
+  bool any = false;
+  for (int i : node_params_[static_cast<size_t>(node)])
+    if (--remaining_[static_cast<size_t>(i)] == 0) {
+      --buckets_[static_cast<size_t>(bucket_of_[static_cast<size_t>(i)])]->pending;
+      any = true;
+    }
+  if (!options_.overlap) return;
+  if (any) launch_ready();
+  poll();
+}
+
+void GradSync::finish() {
+  const auto t0 = Clock::now();
+  while (next_launch_ < buckets_.size()) launch(*buckets_[next_launch_++]);
+  for (auto& b : buckets_)
+    if (b->request) {
+      b->request->wait();
+      b->request.reset();
+    }
+  const auto t1 = Clock::now();
+  stats_.wait_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+  if (launched_any_)
+    stats_.reduce_ms = std::chrono::duration<double, std::milli>(t1 - first_launch_).count();
+}
+
+double GradSync::grad_norm() {
+  double local = 0;
+  if (!distributed()) {
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (norm_counts_[i])
+        local += cpu::sum_squares(params_[i]->grad.data<float>(), params_[i]->grad.numel());
+  } else {
+    const int64_t r = groups_.dp_rank();
+    for (auto& bp : buckets_) {
+      const Bucket& b = *bp;
+      const int64_t s = b.shard_grad.numel(), lo = r * s;
+      for (size_t k = 0; k < b.params.size(); ++k) {
+        if (!norm_counts_[static_cast<size_t>(b.params[k])]) continue;
+        const int64_t n = params_[static_cast<size_t>(b.params[k])]->value.numel();
+        const Overlap o = overlap(b.offset[k], b.offset[k] + n, lo, lo + s);
+        if (!o.empty()) local += cpu::sum_squares(b.shard_grad.data<float>() + (o.lo - lo), o.hi - o.lo);
+      }
+    }
+  }
+  scalar_.data<float>()[0] = static_cast<float>(local);
+  if (distributed()) groups_.dp->all_reduce(scalar_, ReduceOp::Sum);
+  if (groups_.tp) groups_.tp->all_reduce(scalar_, ReduceOp::Sum);
+  if (groups_.pp) groups_.pp->all_reduce(scalar_, ReduceOp::Sum);
+  return std::sqrt(static_cast<double>(scalar_.data<float>()[0]));
+}
+
+void GradSync::clip(double max_norm, double norm) {
+  if (!distributed()) return clip_grads(params_, max_norm, norm);
+  if (max_norm <= 0) return;
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef >= 1.0) return;
+  for (auto& b : buckets_)
+    cpu::scale_inplace(b->shard_grad.data<float>(), static_cast<float>(coef), b->shard_grad.numel());
+}
+
+void GradSync::step(float lr) {
+  ++steps_;
+  if (!distributed()) {
+    plain_->step(lr);
+    return;
+  }
+  const int64_t r = groups_.dp_rank();
+  std::vector<RequestPtr> gathers;
+  gathers.reserve(buckets_.size());
+  for (auto& bp : buckets_) {
+    Bucket& b = *bp;
+    const int64_t s = b.shard_grad.numel(), lo = r * s;
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      const Param* p = params_[static_cast<size_t>(b.params[k])];
+      const Overlap o = overlap(b.offset[k], b.offset[k] + p->value.numel(), lo, lo + s);
+      if (o.empty()) continue;
+      const int64_t at = o.lo - lo;
+      cpu::adamw(b.value.data<float>() + o.lo, b.shard_grad.data<float>() + at,
+                 b.m.data<float>() + at, b.v.data<float>() + at, o.hi - o.lo, lr, adam_.beta1,
+                 adam_.beta2, adam_.eps, p->weight_decay() ? adam_.weight_decay : 0.0f, steps_);
+    }
+    std::copy(b.value.data<float>() + lo, b.value.data<float>() + lo + s,
+              b.shard_value.data<float>());
+    gathers.push_back(groups_.dp->iall_gather(b.shard_value, b.value));
+  }
+  wait_all(gathers);
+}
+
+std::vector<std::pair<std::string, Tensor>> GradSync::optimizer_state() {
+  if (!distributed()) return plain_->state();
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (auto& bp : buckets_) {
+    Bucket& b = *bp;
+    Tensor m = Tensor::zeros({b.padded}), v = Tensor::zeros({b.padded});
+    groups_.dp->all_gather(b.m, m);
+    groups_.dp->all_gather(b.v, v);
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      const Param* p = params_[static_cast<size_t>(b.params[k])];
+      const Shape& shape = p->value.shape();
+      out.emplace_back(p->name + ".exp_avg",
+                       Tensor(m.data<float>() + b.offset[k], shape, DType::F32).clone());
+      out.emplace_back(p->name + ".exp_avg_sq",
+                       Tensor(v.data<float>() + b.offset[k], shape, DType::F32).clone());
+    }
+  }
+  return out;
+}
+
+void GradSync::load_optimizer_state(const std::vector<std::pair<std::string, Tensor>>& state) {
+  std::map<std::string, const Tensor*> by_name;
+  for (const auto& [name, t] : state) by_name[name] = &t;
+  auto find = [&](const std::string& name, const Shape& shape) -> const Tensor& {
+    auto it = by_name.find(name);
+    check(it != by_name.end(), "the optimizer state lacks '{}'", name);
+    check_shape(*it->second, shape, "optimizer state '" + name + "'");
+    return *it->second;
+  };
+  if (!distributed()) {
+    for (auto& [name, t] : plain_->state()) t.copy_from(find(name, t.shape()));
+    return;
+  }
+  const int64_t r = groups_.dp_rank();
+  for (auto& bp : buckets_) {
+    Bucket& b = *bp;
+    const int64_t s = b.shard_grad.numel(), lo = r * s;
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      const Param* p = params_[static_cast<size_t>(b.params[k])];
+      const Overlap o = overlap(b.offset[k], b.offset[k] + p->value.numel(), lo, lo + s);
+      if (o.empty()) continue;
+      const Tensor& m = find(p->name + ".exp_avg", p->value.shape());
+      const Tensor& v = find(p->name + ".exp_avg_sq", p->value.shape());
+      const int64_t from = o.lo - b.offset[k], n = o.hi - o.lo;
+      std::copy(m.data<float>() + from, m.data<float>() + from + n, b.m.data<float>() + (o.lo - lo));
+      std::copy(v.data<float>() + from, v.data<float>() + from + n, b.v.data<float>() + (o.lo - lo));
+    }
+  }
+}
+
+}  // namespace weft

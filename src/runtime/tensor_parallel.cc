@@ -1,0 +1,82 @@
+#include <weft/tensor_parallel.h>
+
+namespace weft {
+
+std::unique_ptr<Layer> Layer::tensor_parallel(TpBuild&) const {
+  throw Error("layers of kind '{}' have no tensor-parallel form", kind());
+}
+
+Param* TpBuild::param(const Param& logical, int dim, int blocks) {
+  check(group != nullptr && store != nullptr, "{}: TpBuild needs a group and a parameter store",
+        logical.name);
+  const Shape full = logical.value.shape();
+  check(!logical.shard.split(), "{}: the logical parameter is already a piece {} of {}",
+        logical.name, full.str(), logical.shard.full.str());
+  check(dim >= -1 && dim < full.rank, "{}: dimension {} is out of range for shape {}", logical.name,
+        dim, full.str());
+  check(blocks >= 1, "{}: {} blocks", logical.name, blocks);
+  const int tp = group->size();
+  if (dim >= 0)
+    check(full[dim] % (static_cast<int64_t>(blocks) * tp) == 0,
+          "{}: dimension {} ({}) must be divisible by tensor-parallel size ({}){}", logical.name,
+          dim, full[dim], tp,
+          blocks > 1 ? fmt::format(" in each of its {} blocks", blocks) : std::string());
+  const Shard shard{dim, tp, group->rank(), dim >= 0 ? blocks : 1, full};
+  if (Param* p = store->find(logical.name)) {
+    // Tied weights: a second user must want the same piece.
+    check(p->shard.dim == shard.dim && p->shard.blocks == shard.blocks &&
+              p->shard.parts == shard.parts && p->shard.index == shard.index &&
+              p->shard.full == full,
+          "{}: tensor-parallel piece along dimension {} ({} blocks) requested, but it is "
+          "already held along dimension {} ({} blocks)",
+          logical.name, dim, shard.blocks, p->shard.dim, p->shard.blocks);
+    return p;
+  }
+  return store->create_shard(logical.name, shard, logical.init);
+}
+
+Graph tensor_parallel_graph(const Graph& logical, Communicator& tp,
+                            std::shared_ptr<ParamStore> store) {
+  check(store != nullptr, "tensor_parallel_graph needs a parameter store");
+  check(store.get() != &logical.param_store(),
+        "tensor_parallel_graph needs a store of its own, not the logical graph's");
+  TpBuild build{&tp, store.get()};
+  Graph g(store);
+  const std::vector<Value>& values = logical.values();
+  const std::vector<Node>& nodes = logical.nodes();
+
+  // Values are numbered in the order inputs and nodes were added: replay that
+  // order, so every value and node keeps its id.
+  size_t next = 0;  // the next logical node to add
+  auto add_through = [&](size_t last) {
+    for (; next <= last; ++next) {
+      const Node& node = nodes[next];
+      std::unique_ptr<Layer> layer;
+      try {
+        layer = node.layer->tensor_parallel(build);
+      } catch (const Error& e) {
+        throw Error("{} ({}) at tensor-parallel size {}: {}", node.name, node.layer->kind(),
+                    tp.size(), e.what());
+      }
+      const std::vector<int> outs = g.add(node.name, std::move(layer), node.inputs);
+      check(outs == node.outputs,
+            "{}: its tensor-parallel form's {} outputs are not the logical node's {}", node.name,
+            outs.size(), node.outputs.size());
+    }
+  };
+  for (size_t v = 0; v < values.size(); ++v) {
+    const Value& val = values[v];
+    if (val.producer < 0) {
+      const int id = g.input(val.name, val.shape, val.dtype, val.requires_grad);
+      check(id == static_cast<int>(v), "graph input '{}' became value {} instead of {}", val.name,
+            id, v);
+    } else if (static_cast<size_t>(val.producer) >= next) {
+      add_through(static_cast<size_t>(val.producer));
+    }
+  }
+  if (next < nodes.size()) add_through(nodes.size() - 1);  // nodes without outputs
+  for (int v : logical.outputs()) g.mark_output(v);
+  return g;
+}
+
+}  // namespace weft
