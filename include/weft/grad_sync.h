@@ -100,6 +100,7 @@ class GradSync {
   // What the last step moved and waited for.
   struct Stats {
     int buckets = 0;
+    int started_in_backward = 0;  // buckets started before finish(): overlapped
     double bytes_sent = 0;      // this rank's share of the data-parallel traffic
     double wait_ms = 0;         // time finish() spent waiting: communication not hidden
     double reduce_ms = 0;       // from the first bucket's start to the last one's end
@@ -128,6 +129,7 @@ class GradSync {
   Stats stats_;
   std::chrono::steady_clock::time_point first_launch_;
   bool launched_any_ = false;
+  bool in_finish_ = false;
   Tensor scalar_;
 };
 

@@ -100,6 +100,7 @@ class PipelineExecutor {
   struct Boundary;
   Slot& slot(int stage, int micro_batch, bool create);
   void release_if_done(int stage, int micro_batch);
+  static bool sends_done(Slot& s);
   void forward_action(int stage, int mb, int64_t step);
   void backward_input_action(int stage, int mb);
   void backward_weight_action(int stage, int mb);

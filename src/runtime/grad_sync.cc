@@ -162,6 +162,7 @@ void GradSync::launch(Bucket& b) {
     first_launch_ = Clock::now();
   }
   ++stats_.buckets;
+  if (!in_finish_) ++stats_.started_in_backward;
   const double dp = groups_.dp_size(), bytes = static_cast<double>(b.grad.nbytes());
   if (distributed()) {
     b.request = groups_.dp->ireduce_scatter(b.grad, b.shard_grad, ReduceOp::Sum);
@@ -200,6 +201,7 @@ void GradSync::weight_done(int node) {
 }
 
 void GradSync::finish() {
+  in_finish_ = true;
   const auto t0 = Clock::now();
   while (next_launch_ < buckets_.size()) launch(*buckets_[next_launch_++]);
   for (auto& b : buckets_)
@@ -208,6 +210,7 @@ void GradSync::finish() {
       b->request.reset();
     }
   const auto t1 = Clock::now();
+  in_finish_ = false;
   stats_.wait_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
   if (launched_any_)
     stats_.reduce_ms = std::chrono::duration<double, std::milli>(t1 - first_launch_).count();

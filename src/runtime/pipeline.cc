@@ -16,6 +16,10 @@ struct PipelineExecutor::Boundary {
   std::vector<int> values;  // sent from stage s to stage s+1, in value order
 };
 
+namespace {
+constexpr int kRetiring = -2;  // Slot::stage of a slot whose sends are in flight
+}  // namespace
+
 struct PipelineExecutor::Slot {
   explicit Slot(const Graph& g) : mb(g) {}
   MicroBatch mb;
@@ -110,7 +114,7 @@ PipelineExecutor::Slot& PipelineExecutor::slot(int stage, int mb, bool create) {
                   "or send before its forward",
           stage, mb);
     for (auto& p : pool_)
-      if (p->stage < 0) {
+      if (p->stage == -1 || (p->stage == kRetiring && sends_done(*p))) {
         s = p.get();
         break;
       }
@@ -126,15 +130,25 @@ PipelineExecutor::Slot& PipelineExecutor::slot(int stage, int mb, bool create) {
   return *s;
 }
 
+// True once every send from the slot has completed; then frees its tensors.
+bool PipelineExecutor::sends_done(Slot& s) {
+  for (auto& r : s.sends)
+    if (r && !r->test()) return false;
+  s.sends.clear();
+  s.mb.reset();
+  return true;
+}
+
 void PipelineExecutor::release_if_done(int stage, int mb) {
   Slot& s = slot(stage, mb, false);
   const bool needs_send_b =
       stage > 0 && schedule_.stage_rank[static_cast<size_t>(stage) - 1] != pp_.rank();
   if (!s.input_grad_done || !s.weight_done || (needs_send_b && !s.grads_sent)) return;
-  wait_all(s.sends);
-  s.sends.clear();
-  s.mb.reset();
-  s.stage = s.micro = -1;
+  // A send still in flight keeps the slot's memory until its receiver takes
+  // it (which may be after this rank's next actions): the slot retires and
+  // is reused only once its sends are done. Waiting here could deadlock.
+  s.stage = sends_done(s) ? -1 : kRetiring;
+  s.micro = -1;
   live_[static_cast<size_t>(stage * schedule_.micro_batches + mb)] = nullptr;
   --slots_in_use_;
 }
@@ -359,6 +373,12 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
   check(slots_in_use_ == 0, "{} (stage, micro-batch) slots are still alive after the last action "
                             "of schedule '{}' on pipeline rank {}",
         slots_in_use_, schedule_.name, pp_.rank());
+  for (auto& sl : pool_)
+    if (sl->stage == kRetiring) {
+      wait_all(sl->sends);
+      sends_done(*sl);
+      sl->stage = -1;
+    }
   reduce_tied();
   scalar_.data<float>()[0] = static_cast<float>(loss_sum_);
   pp_.all_reduce(scalar_, ReduceOp::Sum);
