@@ -17,9 +17,9 @@
 
 namespace {
 
-int failures = 0;
+[[maybe_unused]] int failures = 0;
 
-void expect(bool ok, const std::string& what) {
+[[maybe_unused]] void expect(bool ok, const std::string& what) {
   if (!ok) {
     ++failures;
     fmt::print(stderr, "FAILED: {}\n", what);
