@@ -1,3 +1,4 @@
+#include <weft/cuda/runtime.h>
 #include <weft/nccl_communicator.h>
 
 #include <cuda_runtime.h>
@@ -242,11 +243,14 @@ class NcclCommunicator final : public Communicator {
   template <typename F>
   RequestPtr launch(std::string what, RequestPtr header, Tensor header_bytes, F&& enqueue) {
     cuda_check(cudaSetDevice(device_), "cudaSetDevice");
-    // Order after the caller's work on the default stream.
+    // Order after the caller's work: weft's kernels on the device's compute
+    // stream, and anything else on this thread's default stream.
     cudaEvent_t ready, done;
     cuda_check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
-    cuda_check(cudaEventRecord(ready, cudaStreamPerThread), "cudaEventRecord");
-    cuda_check(cudaStreamWaitEvent(stream_, ready, 0), "cudaStreamWaitEvent");
+    for (cudaStream_t before : {cuda::context(device_).compute_stream(), cudaStreamPerThread}) {
+      cuda_check(cudaEventRecord(ready, before), "cudaEventRecord");
+      cuda_check(cudaStreamWaitEvent(stream_, ready, 0), "cudaStreamWaitEvent");
+    }
     cudaEventDestroy(ready);
     nccl_check(ncclGroupStart(), "ncclGroupStart");
     enqueue();

@@ -1,0 +1,136 @@
+// weft/cuda/kernels.h — the device twins of weft/cpu_kernels.h.
+//
+// Same shapes, same semantics, same accumulation rules (a "+=" here is a "+="
+// there), so a layer's CUDA path is its CPU path with `cpu::` replaced by
+// `cuda::` and a Context in front. Every pointer is device memory on the
+// context's GPU; every call is queued on the compute stream and returns
+// without waiting, unless it says otherwise. Row-major throughout; N = rows =
+// B*T tokens. Scratch memory comes from the context's caching allocator.
+//
+// Precision: fp32 kernels give the CPU result to rounding (1e-5 relative).
+// GEMMs take a MathMode: FP32 (exact fp32 products), TF32 (tensor cores, 10-bit
+// mantissa inputs), or BF16 (inputs rounded to bf16, fp32 accumulation and
+// output: mixed precision with fp32 master weights).
+#pragma once
+
+#include <weft/cuda/runtime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+namespace weft::cuda {
+
+enum class MathMode : uint8_t { FP32, TF32, BF16 };
+const char* math_mode_name(MathMode m);  // "fp32", "tf32", "bf16"
+MathMode parse_math_mode(const std::string& name);  // throws Error for anything else
+
+// bfloat16 storage: the top 16 bits of an fp32 (layout of CUDA's __nv_bfloat16).
+struct bf16 {
+  uint16_t bits;
+};
+
+// fp32 -> bf16 rounding to nearest even (any NaN -> 0x7fff), as CUDA's
+// __float2bfloat16_rn: the host reference for the device conversion.
+inline bf16 to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{0x7fff};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16{static_cast<uint16_t>(u >> 16)};
+}
+inline float to_float(bf16 h) {
+  const uint32_t u = static_cast<uint32_t>(h.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// --- GEMM through cuBLAS ---
+
+// cpu::gemm's twin: C (m,n) = alpha * op(A) op(B) + beta * C, row-major, with
+// lda/ldb/ldc the row strides. BF16 converts A and B into bf16 scratch first.
+void gemm(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m, int64_t n,
+          int64_t k, float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
+          float beta, float* c, int64_t ldc);
+// bf16 A and B, fp32 accumulation, fp32 C.
+void gemm_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+               float alpha, const bf16* a, int64_t lda, const bf16* b, int64_t ldb, float beta,
+               float* c, int64_t ldc);
+// `batch` independent GEMMs; matrix i of A, B, C starts stride_a/b/c elements after matrix i-1.
+void gemm_strided_batched(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m,
+                          int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                          int64_t stride_a, const float* b, int64_t ldb, int64_t stride_b,
+                          float beta, float* c, int64_t ldc, int64_t stride_c, int64_t batch);
+
+// --- LayerNorm over the last dimension, eps inside the square root ---
+// x, y (N, C); mean, rstd (N)
+void layernorm_forward(Context& ctx, const float* x, const float* w, const float* b, float* y,
+                       float* mean, float* rstd, int64_t n, int64_t c, float eps);
+// dx (N, C) += d/dx
+void layernorm_backward_input(Context& ctx, const float* dy, const float* x, const float* w,
+                              const float* mean, const float* rstd, float* dx, int64_t n,
+                              int64_t c);
+// dw, db (C) += d/dw, d/db
+void layernorm_backward_weight(Context& ctx, const float* dy, const float* x, const float* mean,
+                               const float* rstd, float* dw, float* db, int64_t n, int64_t c);
+
+// --- tanh-approximated GELU, element-wise ---
+void gelu_forward(Context& ctx, const float* x, float* y, int64_t n);
+void gelu_backward(Context& ctx, const float* dy, const float* x, float* dx, int64_t n);  // dx +=
+
+// --- bias and element-wise helpers ---
+void add_bias(Context& ctx, float* y, const float* bias, int64_t n, int64_t c);  // y (N,C) += bias
+void sum_rows(Context& ctx, const float* dy, float* db, int64_t n, int64_t c);   // db (C) += sum dy
+void add_inplace(Context& ctx, float* y, const float* x, int64_t n);             // y += x
+void scale_inplace(Context& ctx, float* y, float s, int64_t n);                  // y *= s
+
+// --- causal multi-head attention on a packed qkv (B, T, 3C) -> out (B, T, C) ---
+// The layout of layers/attention.h: q, k, v are C-wide column blocks, head h
+// owns columns h*D .. h*D+D-1 of each. probs (B, H, T, T) keeps the softmax
+// (upper triangle zero). The score and value GEMMs use `mode`.
+void attention_forward(Context& ctx, MathMode mode, const float* qkv, float* out, float* probs,
+                       int64_t b, int64_t t, int64_t h, int64_t c);
+// dqkv (B, T, 3C) += gradient; scratch holds B*H*T*T floats.
+void attention_backward(Context& ctx, MathMode mode, const float* dout, const float* qkv,
+                        const float* probs, float* dqkv, float* scratch, int64_t b, int64_t t,
+                        int64_t h, int64_t c);
+
+// --- softmax cross-entropy over logits (N, V) ---
+// In place: logits become the probabilities; losses[i] = -log p[i][target[i]].
+// Targets must lie in [0, V) (the caller checks on the host, as the embedding
+// does); a row with a target outside gets a NaN loss rather than a stray write.
+void softmax_cross_entropy(Context& ctx, float* logits, const int32_t* targets, float* losses,
+                           int64_t n, int64_t v);
+// dlogits (N,V) = (p - onehot(target)) * scale, from probs (may alias).
+void cross_entropy_backward(Context& ctx, const float* probs, const int32_t* targets,
+                            float* dlogits, float scale, int64_t n, int64_t v);
+// Both in one pass (the fused classifier): losses as above, and logits
+// replaced in place by dlogits = (softmax - onehot) * scale.
+void fused_cross_entropy(Context& ctx, float* logits, const int32_t* targets, float* losses,
+                         float scale, int64_t n, int64_t v);
+
+// --- token + position embedding (layers/embedding.h) ---
+// y (B, T, C) = wte[tokens] + wpe[t]
+void embedding_forward(Context& ctx, const int32_t* tokens, const float* wte, const float* wpe,
+                       float* y, int64_t b, int64_t t, int64_t c);
+// dwte[tokens[i]] += dy[i] (atomic scatter-add); dwpe[t] += sum_b dy[b, t]
+void embedding_backward(Context& ctx, const int32_t* tokens, const float* dy, float* dwte,
+                        float* dwpe, int64_t b, int64_t t, int64_t c);
+
+// --- AdamW, PyTorch semantics, as cpu::adamw; step is 1-based ---
+void adamw(Context& ctx, float* p, const float* g, float* m, float* v, int64_t n, float lr,
+           float beta1, float beta2, float eps, float weight_decay, int64_t step);
+
+// --- reductions into one double on the device (deterministic two-pass trees) ---
+void sum(Context& ctx, const float* x, int64_t n, double* out);          // *out = sum x
+void sum_squares(Context& ctx, const float* x, int64_t n, double* out);  // *out = sum x^2
+// The same, brought back to the host (waits for the compute stream).
+double sum_to_host(Context& ctx, const float* x, int64_t n);
+double sum_squares_to_host(Context& ctx, const float* x, int64_t n);
+
+// --- bf16 conversion, round to nearest even ---
+void to_bf16(Context& ctx, const float* x, bf16* y, int64_t n);
+void to_float(Context& ctx, const bf16* x, float* y, int64_t n);
+
+}  // namespace weft::cuda

@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# The CUDA backend's check, on a machine with a GPU: build with -Dcuda=enabled,
+# run the GPU tests (NCCL, every kernel against the CPU, a whole GPT step
+# against the CPU graph, the allocator) and the throughput bench; print a
+# table. Budget: under 8 minutes on a 16-core H100/H200 machine.
+#
+#   scripts/gpu-check.sh             # on a GPU machine: every test must pass
+#   scripts/gpu-check.sh --dry-run   # anywhere with nvcc: the same build, and
+#                                    # every GPU test must SKIP cleanly (exit 77)
+#
+# Environment: WEFT_GPU_BUILD (build directory, default build-gpu),
+# WEFT_GPU_ARCH (default: the first GPU's compute capability, else 90),
+# WEFT_BENCH_ARGS (extra bench_cuda flags, e.g. "--batch 8 --modes bf16").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+dry_run=0
+case "${1:-}" in
+  --dry-run) dry_run=1 ;;
+  "") ;;
+  *) echo "usage: $0 [--dry-run]" >&2; exit 2 ;;
+esac
+
+build=${WEFT_GPU_BUILD:-build-gpu}
+logs=$(mktemp -d /tmp/weft-gpu-check.XXXXXX)  # every command's output
+start=$(date +%s)
+results=()   # "name|result|seconds" rows of the table
+failed=0
+
+for tool in meson ninja nvcc; do
+  if ! command -v "$tool" >/dev/null && ! [ -x "/usr/local/cuda/bin/$tool" ]; then
+    echo "gpu-check: $tool not found (nvcc is expected in PATH or /usr/local/cuda/bin)" >&2
+    exit 1
+  fi
+done
+export PATH="$PATH:/usr/local/cuda/bin"
+
+gpus=0
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+  gpus=$(nvidia-smi -L | grep -c '^GPU' || true)
+fi
+arch=${WEFT_GPU_ARCH:-}
+if [ -z "$arch" ] && [ "$gpus" -gt 0 ]; then
+  arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '. ')
+fi
+arch=${arch:-90}
+if [ "$dry_run" = 0 ] && [ "$gpus" = 0 ]; then
+  echo "gpu-check: no GPU visible (nvidia-smi -L); use --dry-run to check the build and the skips" >&2
+  exit 1
+fi
+
+# --- build: only what the check runs (no time limit in a dry run: CI
+# machines may have 2 cores) ---
+t0=$(date +%s)
+log="$logs/build.log"
+if [ -d "$build/meson-private" ]; then
+  meson configure "$build" -Dcuda=enabled -Dgpu_arch="$arch" >"$log" 2>&1
+else
+  meson setup "$build" -Dcuda=enabled -Dgpu_arch="$arch" >"$log" 2>&1
+fi
+targets=(tests/test_nccl tests/cuda/test_cuda_allocator tests/cuda/test_cuda_kernels
+         tests/cuda/test_cuda_step bench/bench_cuda)
+build_limit=$([ "$dry_run" = 1 ] && echo 3600 || echo 360)
+if ! timeout "$build_limit" ninja -C "$build" -j"$(nproc)" "${targets[@]}" >>"$log" 2>&1; then
+  tail -n 40 "$log"
+  echo "gpu-check: the build failed (log: $log)" >&2
+  exit 1
+fi
+results+=("build (-Dcuda=enabled, sm_$arch, $(nproc) cores)|ok|$(( $(date +%s) - t0 ))")
+
+# --- tests: each must pass on a GPU; in a dry run, SKIP (77), except the
+# allocator's host-side test, which runs without a GPU ---
+export WEFT_SOURCE_DIR="$PWD" OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+run_test() {  # name binary needs_gpu
+  local name=$1 bin=$2 needs_gpu=$3 want=0 rc=0 t0 ms
+  t0=$(date +%s%N)
+  timeout 240 "$build/$bin" >"$logs/$name.out" 2>&1 || rc=$?
+  ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  if [ "$dry_run" = 1 ] && [ "$needs_gpu" = 1 ]; then want=77; fi
+  local result
+  case "$rc" in
+    0) result=PASS ;;
+    77) result=SKIP ;;
+    124) result="TIMEOUT (240 s)" ;;
+    *) result="FAIL (exit $rc)" ;;
+  esac
+  if [ "$rc" != "$want" ]; then
+    result="$result, expected $([ "$want" = 77 ] && echo SKIP || echo PASS)"
+    failed=1
+    echo "---- $name: last lines of $logs/$name.out ----"
+    tail -n 40 "$logs/$name.out"
+  fi
+  results+=("$name|$result|$((ms / 1000)).$(((ms % 1000) / 100))")
+}
+run_test nccl tests/test_nccl 1
+run_test cuda_allocator tests/cuda/test_cuda_allocator 0
+run_test cuda_kernels tests/cuda/test_cuda_kernels 1
+run_test cuda_step tests/cuda/test_cuda_step 1
+
+# --- throughput ---
+bench_rc=0
+t0=$(date +%s)
+# shellcheck disable=SC2086
+timeout 240 "$build/bench/bench_cuda" ${WEFT_BENCH_ARGS:-} >"$logs/bench_cuda.out" 2>&1 || bench_rc=$?
+case "$bench_rc" in
+  0) bench_result=ok ;;
+  77) bench_result=SKIP ;;
+  124) bench_result="TIMEOUT (240 s)" ;;
+  *) bench_result="FAIL (exit $bench_rc)" ;;
+esac
+if { [ "$dry_run" = 1 ] && [ "$bench_rc" != 77 ]; } || { [ "$dry_run" = 0 ] && [ "$bench_rc" != 0 ]; }; then
+  failed=1
+  tail -n 20 "$logs/bench_cuda.out"
+fi
+results+=("bench_cuda|$bench_result|$(( $(date +%s) - t0 ))")
+
+# --- report ---
+echo
+echo "weft gpu-check$([ "$dry_run" = 1 ] && echo ' --dry-run') | GPUs: $gpus$([ "$gpus" -gt 0 ] && echo " ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1))")"
+echo
+echo "| check | result | seconds |"
+echo "|---|---|---:|"
+for row in "${results[@]}"; do
+  IFS='|' read -r name result secs <<<"$row"
+  echo "| $name | $result | $secs |"
+done
+if [ "$bench_rc" = 0 ]; then
+  echo
+  grep -E '^(weft bench_cuda|\|)' "$logs/bench_cuda.out"
+fi
+total=$(( $(date +%s) - start ))
+echo
+echo "total: ${total} s (budget on a GPU machine: 480 s); logs in $logs"
+if [ "$failed" = 1 ]; then
+  echo "gpu-check: FAILED" >&2
+  exit 1
+fi
+echo "gpu-check: $([ "$dry_run" = 1 ] && echo 'dry run ok: the CUDA build links and every GPU test skips cleanly' || echo ok)"

@@ -1,0 +1,117 @@
+// Row-major GEMMs on cuBLAS (which is column-major).
+//
+// A row-major matrix read as column-major is its transpose, so the row-major
+// C = op(A) op(B) is computed as the column-major C^T = op(B)^T op(A)^T: swap
+// the operands (and m with n) and keep each operand's own transpose flag.
+#include <weft/cuda/kernels.h>
+
+#include "src/cuda/check.h"
+
+#include <climits>
+
+namespace weft::cuda {
+
+const char* math_mode_name(MathMode m) {
+  switch (m) {
+    case MathMode::FP32: return "fp32";
+    case MathMode::TF32: return "tf32";
+    case MathMode::BF16: return "bf16";
+  }
+  return "?";
+}
+
+MathMode parse_math_mode(const std::string& name) {
+  for (MathMode m : {MathMode::FP32, MathMode::TF32, MathMode::BF16})
+    if (name == math_mode_name(m)) return m;
+  throw Error("math mode '{}' is not one of fp32, tf32, bf16", name);
+}
+
+namespace {
+
+int as_int(int64_t v, const char* what) {
+  check(v >= 0 && v <= INT_MAX, "gemm: {} ({}) does not fit cuBLAS's 32-bit int", what, v);
+  return static_cast<int>(v);
+}
+
+cublasOperation_t op(bool trans) { return trans ? CUBLAS_OP_T : CUBLAS_OP_N; }
+
+// Elements from a matrix's first to its last element: (rows - 1) * ld + cols,
+// where a transposed operand stores its (cols, rows).
+int64_t footprint(bool trans, int64_t rows, int64_t cols, int64_t ld) {
+  const int64_t r = trans ? cols : rows, c = trans ? rows : cols;
+  return r == 0 || c == 0 ? 0 : (r - 1) * ld + c;
+}
+
+cublasComputeType_t compute_type(MathMode mode) {
+  return mode == MathMode::TF32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+}
+
+// One cuBLAS call for every precision: A and B of type `ab` (fp32 or bf16),
+// C fp32; batch 1 uses cublasGemmEx.
+void gemm_any(Context& ctx, cublasComputeType_t compute, cudaDataType_t ab, bool trans_a,
+              bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const void* a,
+              int64_t lda, int64_t stride_a, const void* b, int64_t ldb, int64_t stride_b,
+              float beta, float* c, int64_t ldc, int64_t stride_c, int64_t batch) {
+  if (m == 0 || n == 0 || batch == 0) return;
+  ctx.make_current();
+  cublasHandle_t h = ctx.cublas();
+  const int im = as_int(m, "m"), in = as_int(n, "n"), ik = as_int(k, "k");
+  const int ilda = as_int(lda, "lda"), ildb = as_int(ldb, "ldb"), ildc = as_int(ldc, "ldc");
+  if (batch == 1) {
+    WEFT_CUBLAS_CHECK(cublasGemmEx(h, op(trans_b), op(trans_a), in, im, ik, &alpha, b, ab, ildb, a,
+                                   ab, ilda, &beta, c, CUDA_R_32F, ildc, compute,
+                                   CUBLAS_GEMM_DEFAULT));
+  } else {
+    WEFT_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+        h, op(trans_b), op(trans_a), in, im, ik, &alpha, b, ab, ildb, stride_b, a, ab, ilda,
+        stride_a, &beta, c, CUDA_R_32F, ildc, stride_c, as_int(batch, "batch"), compute,
+        CUBLAS_GEMM_DEFAULT));
+  }
+}
+
+// fp32 operands in any mode; BF16 rounds A and B into bf16 scratch first.
+void gemm_mode(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m, int64_t n,
+               int64_t k, float alpha, const float* a, int64_t lda, int64_t stride_a,
+               const float* b, int64_t ldb, int64_t stride_b, float beta, float* c, int64_t ldc,
+               int64_t stride_c, int64_t batch) {
+  if (mode != MathMode::BF16) {
+    gemm_any(ctx, compute_type(mode), CUDA_R_32F, trans_a, trans_b, m, n, k, alpha, a, lda,
+             stride_a, b, ldb, stride_b, beta, c, ldc, stride_c, batch);
+    return;
+  }
+  if (m == 0 || n == 0 || batch == 0) return;
+  const int64_t na = (batch - 1) * stride_a + footprint(trans_a, m, k, lda);
+  const int64_t nb = (batch - 1) * stride_b + footprint(trans_b, k, n, ldb);
+  DeviceBuffer<bf16> a16(ctx, na), b16(ctx, nb);
+  to_bf16(ctx, a, a16.data(), na);
+  to_bf16(ctx, b, b16.data(), nb);
+  gemm_any(ctx, CUBLAS_COMPUTE_32F, CUDA_R_16BF, trans_a, trans_b, m, n, k, alpha, a16.data(), lda,
+           stride_a, b16.data(), ldb, stride_b, beta, c, ldc, stride_c, batch);
+  // a16 and b16 go back to the cache now; the next user is ordered after this
+  // GEMM on the same stream.
+}
+
+}  // namespace
+
+void gemm(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m, int64_t n,
+          int64_t k, float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
+          float beta, float* c, int64_t ldc) {
+  gemm_mode(ctx, mode, trans_a, trans_b, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc, 0, 1);
+}
+
+void gemm_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+               float alpha, const bf16* a, int64_t lda, const bf16* b, int64_t ldb, float beta,
+               float* c, int64_t ldc) {
+  gemm_any(ctx, CUBLAS_COMPUTE_32F, CUDA_R_16BF, trans_a, trans_b, m, n, k, alpha, a, lda, 0, b,
+           ldb, 0, beta, c, ldc, 0, 1);
+}
+
+void gemm_strided_batched(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m,
+                          int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                          int64_t stride_a, const float* b, int64_t ldb, int64_t stride_b,
+                          float beta, float* c, int64_t ldc, int64_t stride_c, int64_t batch) {
+  gemm_mode(ctx, mode, trans_a, trans_b, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta,
+            c, ldc, stride_c, batch);
+}
+
+}  // namespace weft::cuda

@@ -1,0 +1,180 @@
+// The public kernels of weft/cuda/kernels.h: argument checks, scratch memory
+// from the caching allocator, the launch (src/cuda/kernels.cu) and its check.
+#include <weft/cuda/kernels.h>
+
+#include "src/cuda/check.h"
+#include "src/cuda/launch.h"
+
+#include <cmath>
+
+namespace weft::cuda {
+
+namespace {
+cudaStream_t prepare(Context& ctx) {
+  ctx.make_current();
+  return ctx.compute_stream();
+}
+}  // namespace
+
+void layernorm_forward(Context& ctx, const float* x, const float* w, const float* b, float* y,
+                       float* mean, float* rstd, int64_t n, int64_t c, float eps) {
+  if (n == 0) return;
+  launch::layernorm_forward(prepare(ctx), x, w, b, y, mean, rstd, n, c, eps);
+  WEFT_LAUNCH_CHECK("layernorm_forward");
+}
+
+void layernorm_backward_input(Context& ctx, const float* dy, const float* x, const float* w,
+                              const float* mean, const float* rstd, float* dx, int64_t n,
+                              int64_t c) {
+  if (n == 0) return;
+  launch::layernorm_backward_input(prepare(ctx), dy, x, w, mean, rstd, dx, n, c);
+  WEFT_LAUNCH_CHECK("layernorm_backward_input");
+}
+
+void layernorm_backward_weight(Context& ctx, const float* dy, const float* x, const float* mean,
+                               const float* rstd, float* dw, float* db, int64_t n, int64_t c) {
+  if (n == 0 || c == 0) return;
+  DeviceBuffer<float> partials(ctx, 2 * launch::column_slices(n) * c);
+  launch::column_sums(prepare(ctx), dy, x, mean, rstd, dw, db, partials.data(), n, c);
+  WEFT_LAUNCH_CHECK("column_sums (layernorm weight)");
+}
+
+void gelu_forward(Context& ctx, const float* x, float* y, int64_t n) {
+  if (n == 0) return;
+  launch::gelu_forward(prepare(ctx), x, y, n);
+  WEFT_LAUNCH_CHECK("gelu_forward");
+}
+
+void gelu_backward(Context& ctx, const float* dy, const float* x, float* dx, int64_t n) {
+  if (n == 0) return;
+  launch::gelu_backward(prepare(ctx), dy, x, dx, n);
+  WEFT_LAUNCH_CHECK("gelu_backward");
+}
+
+void add_bias(Context& ctx, float* y, const float* bias, int64_t n, int64_t c) {
+  if (n == 0 || c == 0) return;
+  launch::add_bias(prepare(ctx), y, bias, n, c);
+  WEFT_LAUNCH_CHECK("add_bias");
+}
+
+void sum_rows(Context& ctx, const float* dy, float* db, int64_t n, int64_t c) {
+  if (n == 0 || c == 0) return;
+  DeviceBuffer<float> partials(ctx, launch::column_slices(n) * c);
+  launch::column_sums(prepare(ctx), dy, nullptr, nullptr, nullptr, nullptr, db, partials.data(), n,
+                      c);
+  WEFT_LAUNCH_CHECK("column_sums (sum_rows)");
+}
+
+void add_inplace(Context& ctx, float* y, const float* x, int64_t n) {
+  if (n == 0) return;
+  launch::add_inplace(prepare(ctx), y, x, n);
+  WEFT_LAUNCH_CHECK("add_inplace");
+}
+
+void scale_inplace(Context& ctx, float* y, float s, int64_t n) {
+  if (n == 0) return;
+  launch::scale_inplace(prepare(ctx), y, s, n);
+  WEFT_LAUNCH_CHECK("scale_inplace");
+}
+
+namespace {
+void check_rows(int64_t n, const char* what) {
+  check(n <= 0x7fffffff, "{}: {} rows exceed the grid's limit of 2^31 - 1 blocks", what, n);
+}
+}  // namespace
+
+void softmax_cross_entropy(Context& ctx, float* logits, const int32_t* targets, float* losses,
+                           int64_t n, int64_t v) {
+  if (n == 0) return;
+  check_rows(n, "softmax_cross_entropy");
+  launch::cross_entropy(prepare(ctx), logits, targets, losses, 1.0f, false, n, v);
+  WEFT_LAUNCH_CHECK("softmax_cross_entropy");
+}
+
+void cross_entropy_backward(Context& ctx, const float* probs, const int32_t* targets,
+                            float* dlogits, float scale, int64_t n, int64_t v) {
+  if (n == 0 || v == 0) return;
+  launch::cross_entropy_backward(prepare(ctx), probs, targets, dlogits, scale, n, v);
+  WEFT_LAUNCH_CHECK("cross_entropy_backward");
+}
+
+void fused_cross_entropy(Context& ctx, float* logits, const int32_t* targets, float* losses,
+                         float scale, int64_t n, int64_t v) {
+  if (n == 0) return;
+  check_rows(n, "fused_cross_entropy");
+  launch::cross_entropy(prepare(ctx), logits, targets, losses, scale, true, n, v);
+  WEFT_LAUNCH_CHECK("fused_cross_entropy");
+}
+
+void embedding_forward(Context& ctx, const int32_t* tokens, const float* wte, const float* wpe,
+                       float* y, int64_t b, int64_t t, int64_t c) {
+  if (b * t * c == 0) return;
+  launch::embedding_forward(prepare(ctx), tokens, wte, wpe, y, b, t, c);
+  WEFT_LAUNCH_CHECK("embedding_forward");
+}
+
+void embedding_backward(Context& ctx, const int32_t* tokens, const float* dy, float* dwte,
+                        float* dwpe, int64_t b, int64_t t, int64_t c) {
+  if (b * t * c == 0) return;
+  launch::embedding_backward(prepare(ctx), tokens, dy, dwte, dwpe, b, t, c);
+  WEFT_LAUNCH_CHECK("embedding_backward");
+}
+
+void adamw(Context& ctx, float* p, const float* g, float* m, float* v, int64_t n, float lr,
+           float beta1, float beta2, float eps, float weight_decay, int64_t step) {
+  if (n == 0) return;
+  check(step >= 1, "adamw: step ({}) is 1-based", step);
+  // The scalars exactly as cpu::adamw computes them.
+  const float bc1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(beta1), step));
+  const float bc2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(beta2), step));
+  const float step_size = lr / bc1;
+  const float bc2_sqrt = std::sqrt(bc2);
+  const float decay = 1.0f - lr * weight_decay;
+  launch::adamw(prepare(ctx), p, g, m, v, n, beta1, beta2, eps, step_size, bc2_sqrt, decay);
+  WEFT_LAUNCH_CHECK("adamw");
+}
+
+namespace {
+void reduce(Context& ctx, const float* x, int64_t n, bool square, double* out) {
+  DeviceBuffer<double> partials(ctx, launch::reduce_blocks(n));
+  launch::reduce(prepare(ctx), x, n, square, partials.data(), out);
+  WEFT_LAUNCH_CHECK("reduce");
+}
+}  // namespace
+
+void sum(Context& ctx, const float* x, int64_t n, double* out) { reduce(ctx, x, n, false, out); }
+
+void sum_squares(Context& ctx, const float* x, int64_t n, double* out) {
+  reduce(ctx, x, n, true, out);
+}
+
+double sum_to_host(Context& ctx, const float* x, int64_t n) {
+  DeviceBuffer<double> d(ctx, 1);
+  sum(ctx, x, n, d.data());
+  double r = 0;
+  download(ctx, &r, d.data(), sizeof r);
+  return r;
+}
+
+double sum_squares_to_host(Context& ctx, const float* x, int64_t n) {
+  DeviceBuffer<double> d(ctx, 1);
+  sum_squares(ctx, x, n, d.data());
+  double r = 0;
+  download(ctx, &r, d.data(), sizeof r);
+  return r;
+}
+
+void to_bf16(Context& ctx, const float* x, bf16* y, int64_t n) {
+  if (n == 0) return;
+  static_assert(sizeof(bf16) == sizeof(uint16_t));
+  launch::to_bf16(prepare(ctx), x, reinterpret_cast<uint16_t*>(y), n);
+  WEFT_LAUNCH_CHECK("to_bf16");
+}
+
+void to_float(Context& ctx, const bf16* x, float* y, int64_t n) {
+  if (n == 0) return;
+  launch::to_float(prepare(ctx), reinterpret_cast<const uint16_t*>(x), y, n);
+  WEFT_LAUNCH_CHECK("to_float");
+}
+
+}  // namespace weft::cuda

@@ -1,0 +1,458 @@
+// Element-wise, normalisation, loss, embedding, optimiser and reduction
+// kernels: the device twins of src/cpu/kernels.cc and layers/embedding.cc.
+// Host-side checks and scratch memory are in kernels.cc; this file is device
+// code and the launchers of src/cuda/launch.h.
+//
+// Each kernel does the CPU loop's arithmetic in the same order within an
+// element or a row (two-pass mean and variance, max-subtracted softmax, the
+// same AdamW expression), so the results differ from the CPU's only by the
+// order of the reductions across a row. Reductions across rows (weight and
+// bias gradients) use fixed-shape trees, so they are deterministic; the one
+// exception is the token-embedding gradient, a scatter-add with atomics.
+#include "src/cuda/launch.h"
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace weft::cuda::launch {
+
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kThreads = 256;
+
+// Blocks for a grid-stride loop over n elements: enough to fill the GPU,
+// never more than the loop needs.
+unsigned blocks_for(int64_t n, int threads = kThreads) {
+  const int64_t want = (n + threads - 1) / threads;
+  return static_cast<unsigned>(std::clamp<int64_t>(want, 1, int64_t{1} << 16));
+}
+
+__device__ float warp_sum(float v) {
+  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum (or max) over the whole block; every thread gets the result. `shared`
+// holds one value per warp. blockDim.x must be a multiple of 32.
+template <typename T, typename Op>
+__device__ T block_reduce(T v, T* shared, Op op) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int warps = blockDim.x / kWarp;
+  for (int o = kWarp / 2; o > 0; o /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();  // `shared` may still be read by a previous call
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  T r = shared[0];
+  for (int i = 1; i < warps; ++i) r = op(r, shared[i]);
+  return r;
+}
+
+struct Add {
+  template <typename T>
+  __device__ T operator()(T a, T b) const { return a + b; }
+};
+struct Max {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// ---------------------------------------------------------------- LayerNorm
+
+// One warp per row. x, y (N, C); mean, rstd (N)
+__global__ void layernorm_forward_kernel(const float* x, const float* w, const float* b, float* y,
+                                         float* mean, float* rstd, int64_t n, int64_t c,
+                                         float eps) {
+  const int64_t row = int64_t{blockIdx.x} * (blockDim.x / kWarp) + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (row >= n) return;
+  const float* xr = x + row * c;
+  float s = 0;
+  for (int64_t j = lane; j < c; j += kWarp) s += xr[j];
+  const float m = warp_sum(s) / static_cast<float>(c);
+  float var = 0;
+  for (int64_t j = lane; j < c; j += kWarp) {
+    const float d = xr[j] - m;
+    var += d * d;
+  }
+  var = warp_sum(var) / static_cast<float>(c);
+  const float r = 1.0f / sqrtf(var + eps);
+  float* yr = y + row * c;
+  for (int64_t j = lane; j < c; j += kWarp) yr[j] = (xr[j] - m) * r * w[j] + b[j];
+  if (lane == 0) {
+    mean[row] = m;
+    rstd[row] = r;
+  }
+}
+
+// One warp per row: dx += (dy w - mean(dy w) - xhat mean(dy w xhat)) rstd
+__global__ void layernorm_backward_input_kernel(const float* dy, const float* x, const float* w,
+                                                const float* mean, const float* rstd, float* dx,
+                                                int64_t n, int64_t c) {
+  const int64_t row = int64_t{blockIdx.x} * (blockDim.x / kWarp) + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (row >= n) return;
+  const float* dyr = dy + row * c;
+  const float* xr = x + row * c;
+  const float m = mean[row], r = rstd[row];
+  float dnorm_mean = 0, dnorm_xhat_mean = 0;
+  for (int64_t j = lane; j < c; j += kWarp) {
+    const float dnorm = dyr[j] * w[j];
+    dnorm_mean += dnorm;
+    dnorm_xhat_mean += dnorm * (xr[j] - m) * r;
+  }
+  dnorm_mean = warp_sum(dnorm_mean) / static_cast<float>(c);
+  dnorm_xhat_mean = warp_sum(dnorm_xhat_mean) / static_cast<float>(c);
+  float* dxr = dx + row * c;
+  for (int64_t j = lane; j < c; j += kWarp) {
+    const float xhat = (xr[j] - m) * r;
+    dxr[j] += (dyr[j] * w[j] - dnorm_mean - xhat * dnorm_xhat_mean) * r;
+  }
+}
+
+// Column sums over rows in two deterministic passes. Pass 1: block (32, 8)
+// owns 32 columns and row slice blockIdx.y of `slices`; it writes one partial
+// per column. Pass 2 adds the slices' partials in order into the output.
+// With `norm`, it also sums dy * xhat (the LayerNorm weight gradient).
+constexpr int kColTile = 32, kRowLanes = 8;
+
+template <bool norm>
+__global__ void column_partials_kernel(const float* dy, const float* x, const float* mean,
+                                       const float* rstd, float* part_dw, float* part_db,
+                                       int64_t n, int64_t c) {
+  __shared__ float sw[kRowLanes][kColTile], sb[kRowLanes][kColTile];
+  const int64_t col = int64_t{blockIdx.x} * kColTile + threadIdx.x;
+  const int64_t slices = gridDim.y;
+  float acc_w = 0, acc_b = 0;
+  if (col < c) {
+    for (int64_t i = int64_t{blockIdx.y} * kRowLanes + threadIdx.y; i < n;
+         i += slices * kRowLanes) {
+      const float g = dy[i * c + col];
+      acc_b += g;
+      if constexpr (norm) acc_w += g * (x[i * c + col] - mean[i]) * rstd[i];
+    }
+  }
+  sw[threadIdx.y][threadIdx.x] = acc_w;
+  sb[threadIdx.y][threadIdx.x] = acc_b;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < c) {
+    float tw = 0, tb = 0;
+    for (int k = 0; k < kRowLanes; ++k) {
+      tw += sw[k][threadIdx.x];
+      tb += sb[k][threadIdx.x];
+    }
+    if constexpr (norm) part_dw[int64_t{blockIdx.y} * c + col] = tw;
+    part_db[int64_t{blockIdx.y} * c + col] = tb;
+  }
+}
+
+__global__ void column_finish_kernel(const float* part, float* out, int64_t slices, int64_t c) {
+  for (int64_t j = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; j < c;
+       j += int64_t{gridDim.x} * blockDim.x) {
+    float s = 0;
+    for (int64_t k = 0; k < slices; ++k) s += part[k * c + j];
+    out[j] += s;
+  }
+}
+
+// ---------------------------------------------------------------- GELU
+
+constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluCubic = 0.044715f;
+
+__global__ void gelu_forward_kernel(const float* x, float* y, int64_t n) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const float xi = x[i];
+    const float u = kGeluScale * (xi + kGeluCubic * xi * xi * xi);
+    y[i] = 0.5f * xi * (1.0f + tanhf(u));
+  }
+}
+
+__global__ void gelu_backward_kernel(const float* dy, const float* x, float* dx, int64_t n) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const float xi = x[i], x2 = xi * xi;
+    const float t = tanhf(kGeluScale * xi * (1.0f + kGeluCubic * x2));
+    const float dudx = kGeluScale * (1.0f + 3.0f * kGeluCubic * x2);
+    const float grad = 0.5f * (1.0f + t) + 0.5f * xi * (1.0f - t * t) * dudx;
+    dx[i] += dy[i] * grad;
+  }
+}
+
+// ---------------------------------------------------------------- element-wise
+
+__global__ void add_bias_kernel(float* y, const float* bias, int64_t n, int64_t c) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n * c;
+       i += int64_t{gridDim.x} * blockDim.x)
+    y[i] += bias[i % c];
+}
+
+__global__ void add_inplace_kernel(float* y, const float* x, int64_t n) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    y[i] += x[i];
+}
+
+__global__ void scale_inplace_kernel(float* y, float s, int64_t n) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    y[i] *= s;
+}
+
+// ---------------------------------------------------------------- cross-entropy
+
+constexpr int kRowThreads = 512;
+
+// One block per row: the row's max, then the sum of exp(x - max) (the CPU's
+// two passes), then the output pass: probabilities, or dlogits when fused.
+template <bool fused>
+__global__ void cross_entropy_kernel(float* logits, const int32_t* targets, float* losses,
+                                     float scale, int64_t v) {
+  __shared__ float shared[kRowThreads / kWarp];
+  float* row = logits + int64_t{blockIdx.x} * v;
+  const int32_t target = targets[blockIdx.x];
+  float mx = -INFINITY;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x) mx = fmaxf(mx, row[j]);
+  mx = block_reduce(mx, shared, Max{});
+  float s = 0;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x) s += expf(row[j] - mx);
+  s = block_reduce(s, shared, Add{});
+  const bool valid = target >= 0 && target < v;
+  // Read the target's logit before the output pass overwrites the row.
+  const float target_logit = valid ? row[target] - mx : 0.0f;
+  __syncthreads();
+  const float inv = 1.0f / s;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
+    const float p = expf(row[j] - mx) * inv;
+    if constexpr (fused)
+      row[j] = j == target ? p * scale - scale : p * scale;
+    else
+      row[j] = p;
+  }
+  if (threadIdx.x == 0) losses[blockIdx.x] = valid ? logf(s) - target_logit : NAN;
+}
+
+__global__ void cross_entropy_backward_kernel(const float* probs, const int32_t* targets,
+                                              float* dlogits, float scale, int64_t n, int64_t v) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n * v;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const float d = probs[i] * scale;
+    dlogits[i] = (i % v) == targets[i / v] ? d - scale : d;
+  }
+}
+
+// ---------------------------------------------------------------- embedding
+
+__global__ void embedding_forward_kernel(const int32_t* tokens, const float* wte,
+                                         const float* wpe, float* y, int64_t n, int64_t t,
+                                         int64_t c) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n * c;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t row = i / c, j = i % c;
+    y[i] = wte[int64_t{tokens[row]} * c + j] + wpe[(row % t) * c + j];
+  }
+}
+
+__global__ void embedding_backward_wte_kernel(const int32_t* tokens, const float* dy, float* dwte,
+                                              int64_t n, int64_t c) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n * c;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t row = i / c, j = i % c;
+    atomicAdd(dwte + int64_t{tokens[row]} * c + j, dy[i]);
+  }
+}
+
+// dwpe[t, j] += sum over b of dy[b, t, j], summed in batch order.
+__global__ void embedding_backward_wpe_kernel(const float* dy, float* dwpe, int64_t b, int64_t t,
+                                              int64_t c) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < t * c;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    float s = 0;
+    for (int64_t bi = 0; bi < b; ++bi) s += dy[bi * t * c + i];
+    dwpe[i] += s;
+  }
+}
+
+// ---------------------------------------------------------------- AdamW
+
+__global__ void adamw_kernel(float* p, const float* g, float* m, float* v, int64_t n, float beta1,
+                             float beta2, float eps, float step_size, float bc2_sqrt,
+                             float decay) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const float pi = p[i] * decay;
+    const float mi = m[i] * beta1 + (1.0f - beta1) * g[i];
+    const float vi = v[i] * beta2 + (1.0f - beta2) * g[i] * g[i];
+    const float denom = sqrtf(vi) / bc2_sqrt + eps;
+    p[i] = pi - step_size * (mi / denom);
+    m[i] = mi;
+    v[i] = vi;
+  }
+}
+
+// ---------------------------------------------------------------- reductions
+
+constexpr int kReduceBlocks = 1024;
+
+// Pass 1: each block's sum (of x or x^2) in double, over a grid-stride slice.
+template <bool square>
+__global__ void reduce_partials_kernel(const float* x, int64_t n, double* part) {
+  __shared__ double shared[kThreads / kWarp];
+  double s = 0;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const double xi = x[i];
+    s += square ? xi * xi : xi;
+  }
+  s = block_reduce(s, shared, Add{});
+  if (threadIdx.x == 0) part[blockIdx.x] = s;
+}
+
+// Pass 2: one block adds the partials.
+__global__ void reduce_finish_kernel(const double* part, int64_t count, double* out) {
+  __shared__ double shared[kThreads / kWarp];
+  double s = 0;
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) s += part[i];
+  s = block_reduce(s, shared, Add{});
+  if (threadIdx.x == 0) *out = s;
+}
+
+// ---------------------------------------------------------------- bf16
+
+__global__ void to_bf16_kernel(const float* x, __nv_bfloat16* y, int64_t n) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    y[i] = __float2bfloat16_rn(x[i]);
+}
+
+__global__ void to_float_kernel(const __nv_bfloat16* x, float* y, int64_t n) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    y[i] = __bfloat162float(x[i]);
+}
+
+
+// Rows per block for the one-warp-per-row kernels.
+constexpr int kRowsPerBlock = kThreads / kWarp;
+unsigned row_blocks(int64_t n) {
+  return static_cast<unsigned>((n + kRowsPerBlock - 1) / kRowsPerBlock);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- launchers
+
+void layernorm_forward(cudaStream_t s, const float* x, const float* w, const float* b, float* y,
+                       float* mean, float* rstd, int64_t n, int64_t c, float eps) {
+  layernorm_forward_kernel<<<row_blocks(n), kThreads, 0, s>>>(x, w, b, y, mean, rstd, n, c, eps);
+}
+
+void layernorm_backward_input(cudaStream_t s, const float* dy, const float* x, const float* w,
+                              const float* mean, const float* rstd, float* dx, int64_t n,
+                              int64_t c) {
+  layernorm_backward_input_kernel<<<row_blocks(n), kThreads, 0, s>>>(dy, x, w, mean, rstd, dx, n,
+                                                                     c);
+}
+
+// About 16 rows per thread of the first pass, at most 128 slices.
+int64_t column_slices(int64_t n) {
+  return std::clamp<int64_t>((n + kRowLanes * 16 - 1) / (kRowLanes * 16), 1, 128);
+}
+
+void column_sums(cudaStream_t s, const float* dy, const float* x, const float* mean,
+                 const float* rstd, float* dw, float* db, float* partials, int64_t n, int64_t c) {
+  const int64_t slices = column_slices(n);
+  const dim3 grid(static_cast<unsigned>((c + kColTile - 1) / kColTile),
+                  static_cast<unsigned>(slices));
+  const dim3 block(kColTile, kRowLanes);
+  float* part_db = partials;
+  if (dw != nullptr) {
+    float* part_dw = partials + slices * c;
+    column_partials_kernel<true><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_dw, part_db, n, c);
+    column_finish_kernel<<<blocks_for(c), kThreads, 0, s>>>(part_dw, dw, slices, c);
+  } else {
+    column_partials_kernel<false><<<grid, block, 0, s>>>(dy, x, mean, rstd, nullptr, part_db, n, c);
+  }
+  column_finish_kernel<<<blocks_for(c), kThreads, 0, s>>>(part_db, db, slices, c);
+}
+
+void gelu_forward(cudaStream_t s, const float* x, float* y, int64_t n) {
+  gelu_forward_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, y, n);
+}
+
+void gelu_backward(cudaStream_t s, const float* dy, const float* x, float* dx, int64_t n) {
+  gelu_backward_kernel<<<blocks_for(n), kThreads, 0, s>>>(dy, x, dx, n);
+}
+
+void add_bias(cudaStream_t s, float* y, const float* bias, int64_t n, int64_t c) {
+  add_bias_kernel<<<blocks_for(n * c), kThreads, 0, s>>>(y, bias, n, c);
+}
+
+void add_inplace(cudaStream_t s, float* y, const float* x, int64_t n) {
+  add_inplace_kernel<<<blocks_for(n), kThreads, 0, s>>>(y, x, n);
+}
+
+void scale_inplace(cudaStream_t s, float* y, float scale, int64_t n) {
+  scale_inplace_kernel<<<blocks_for(n), kThreads, 0, s>>>(y, scale, n);
+}
+
+void cross_entropy(cudaStream_t s, float* logits, const int32_t* targets, float* losses,
+                   float scale, bool fused, int64_t n, int64_t v) {
+  const unsigned rows = static_cast<unsigned>(n);
+  if (fused)
+    cross_entropy_kernel<true><<<rows, kRowThreads, 0, s>>>(logits, targets, losses, scale, v);
+  else
+    cross_entropy_kernel<false><<<rows, kRowThreads, 0, s>>>(logits, targets, losses, scale, v);
+}
+
+void cross_entropy_backward(cudaStream_t s, const float* probs, const int32_t* targets,
+                            float* dlogits, float scale, int64_t n, int64_t v) {
+  cross_entropy_backward_kernel<<<blocks_for(n * v), kThreads, 0, s>>>(probs, targets, dlogits,
+                                                                       scale, n, v);
+}
+
+void embedding_forward(cudaStream_t s, const int32_t* tokens, const float* wte, const float* wpe,
+                       float* y, int64_t b, int64_t t, int64_t c) {
+  embedding_forward_kernel<<<blocks_for(b * t * c), kThreads, 0, s>>>(tokens, wte, wpe, y, b * t,
+                                                                      t, c);
+}
+
+void embedding_backward(cudaStream_t s, const int32_t* tokens, const float* dy, float* dwte,
+                        float* dwpe, int64_t b, int64_t t, int64_t c) {
+  embedding_backward_wte_kernel<<<blocks_for(b * t * c), kThreads, 0, s>>>(tokens, dy, dwte,
+                                                                           b * t, c);
+  embedding_backward_wpe_kernel<<<blocks_for(t * c), kThreads, 0, s>>>(dy, dwpe, b, t, c);
+}
+
+void adamw(cudaStream_t s, float* p, const float* g, float* m, float* v, int64_t n, float beta1,
+           float beta2, float eps, float step_size, float bc2_sqrt, float decay) {
+  adamw_kernel<<<blocks_for(n), kThreads, 0, s>>>(p, g, m, v, n, beta1, beta2, eps, step_size,
+                                                  bc2_sqrt, decay);
+}
+
+int64_t reduce_blocks(int64_t n) { return std::min<int64_t>(blocks_for(n), kReduceBlocks); }
+
+void reduce(cudaStream_t s, const float* x, int64_t n, bool square, double* partials,
+            double* out) {
+  const int64_t blocks = reduce_blocks(n);
+  if (square)
+    reduce_partials_kernel<true><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(x, n, partials);
+  else
+    reduce_partials_kernel<false><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(x, n, partials);
+  reduce_finish_kernel<<<1, kThreads, 0, s>>>(partials, blocks, out);
+}
+
+static_assert(sizeof(uint16_t) == sizeof(__nv_bfloat16), "bf16 is 2 bytes");
+
+void to_bf16(cudaStream_t s, const float* x, uint16_t* y, int64_t n) {
+  to_bf16_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, reinterpret_cast<__nv_bfloat16*>(y), n);
+}
+
+void to_float(cudaStream_t s, const uint16_t* x, float* y, int64_t n) {
+  to_float_kernel<<<blocks_for(n), kThreads, 0, s>>>(reinterpret_cast<const __nv_bfloat16*>(x), y,
+                                                     n);
+}
+
+}  // namespace weft::cuda::launch

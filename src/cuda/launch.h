@@ -1,0 +1,76 @@
+// Kernel launchers: the boundary between nvcc-compiled device code (*.cu) and
+// the host code that checks arguments, takes scratch memory and reports errors
+// (*.cc, compiled by the C++ compiler).
+//
+// The .cu files include only this header and CUDA's: nvcc's C++20 front end
+// cannot compile fmt, so weft/error.h (and every weft header that includes it)
+// stays on the .cc side. Launchers queue one or two kernels on `stream` and
+// return; the caller checks cudaGetLastError (WEFT_LAUNCH_CHECK). Arguments
+// are as in weft/cuda/kernels.h; bf16 arrays are passed as uint16_t.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace weft::cuda::launch {
+
+// --- LayerNorm ---
+void layernorm_forward(cudaStream_t s, const float* x, const float* w, const float* b, float* y,
+                       float* mean, float* rstd, int64_t n, int64_t c, float eps);
+void layernorm_backward_input(cudaStream_t s, const float* dy, const float* x, const float* w,
+                              const float* mean, const float* rstd, float* dx, int64_t n,
+                              int64_t c);
+
+// --- column sums over rows: db += sum_i dy[i]; with x/mean/rstd also dw += sum_i dy xhat ---
+// Row slices of the first pass; `partials` holds (dw ? 2 : 1) * slices * c floats.
+int64_t column_slices(int64_t n);
+void column_sums(cudaStream_t s, const float* dy, const float* x, const float* mean,
+                 const float* rstd, float* dw, float* db, float* partials, int64_t n, int64_t c);
+
+// --- element-wise ---
+void gelu_forward(cudaStream_t s, const float* x, float* y, int64_t n);
+void gelu_backward(cudaStream_t s, const float* dy, const float* x, float* dx, int64_t n);
+void add_bias(cudaStream_t s, float* y, const float* bias, int64_t n, int64_t c);
+void add_inplace(cudaStream_t s, float* y, const float* x, int64_t n);
+void scale_inplace(cudaStream_t s, float* y, float scale, int64_t n);
+
+// --- cross-entropy, one block per row (n < 2^31) ---
+void cross_entropy(cudaStream_t s, float* logits, const int32_t* targets, float* losses,
+                   float scale, bool fused, int64_t n, int64_t v);
+void cross_entropy_backward(cudaStream_t s, const float* probs, const int32_t* targets,
+                            float* dlogits, float scale, int64_t n, int64_t v);
+
+// --- embedding ---
+void embedding_forward(cudaStream_t s, const int32_t* tokens, const float* wte, const float* wpe,
+                       float* y, int64_t b, int64_t t, int64_t c);
+void embedding_backward(cudaStream_t s, const int32_t* tokens, const float* dy, float* dwte,
+                        float* dwpe, int64_t b, int64_t t, int64_t c);
+
+// --- AdamW with the host-computed scalars of cpu::adamw ---
+void adamw(cudaStream_t s, float* p, const float* g, float* m, float* v, int64_t n, float beta1,
+           float beta2, float eps, float step_size, float bc2_sqrt, float decay);
+
+// --- reductions: *out = sum x (or x^2), in double; `partials` holds reduce_blocks(n) doubles ---
+int64_t reduce_blocks(int64_t n);
+void reduce(cudaStream_t s, const float* x, int64_t n, bool square, double* partials, double* out);
+
+// --- bf16 ---
+void to_bf16(cudaStream_t s, const float* x, uint16_t* y, int64_t n);
+void to_float(cudaStream_t s, const uint16_t* x, float* y, int64_t n);
+
+// --- attention pieces (src/cuda/attention.cu) ---
+// qkv (B, T, 3C) -> q, k, v (B, H, T, D)
+void split_qkv(cudaStream_t s, const float* qkv, float* q, float* k, float* v, int64_t b,
+               int64_t t, int64_t h, int64_t d);
+// (B, H, T, D) -> (B, T, C) when to_rows, else (B, T, C) -> (B, H, T, D)
+void permute_heads(cudaStream_t s, const float* src, float* dst, int64_t b, int64_t t, int64_t h,
+                   int64_t d, bool to_rows);
+// dqkv (B, T, 3C) += dq, dk, dv (B, H, T, D)
+void accumulate_qkv(cudaStream_t s, const float* dq, const float* dk, const float* dv,
+                    float* dqkv, int64_t b, int64_t t, int64_t h, int64_t d);
+// Rows of stacked T x T score matrices: row r keeps columns 0 .. r % T.
+void causal_softmax(cudaStream_t s, float* p, int64_t rows, int64_t t);
+void softmax_backward(cudaStream_t s, const float* p, float* ds, int64_t rows, int64_t t);
+
+}  // namespace weft::cuda::launch

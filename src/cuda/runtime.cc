@@ -1,0 +1,202 @@
+// Contexts, streams, pinned buffers and copies on the CUDA runtime.
+#include <weft/cuda/runtime.h>
+
+#include "src/cuda/check.h"
+
+#include <cstring>
+
+namespace weft::cuda {
+
+std::string cuda_error_message(int status, const char* call) {
+  const auto e = static_cast<cudaError_t>(status);
+  return fmt::format("{} failed: {} ({})", call, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+std::string cublas_error_message(int status, const char* call) {
+  const auto s = static_cast<cublasStatus_t>(status);
+  return fmt::format("{} failed: {} ({})", call, cublasGetStatusString(s), cublasGetStatusName(s));
+}
+
+namespace {
+
+// cudaMalloc/cudaFree on one device. Out of memory is reported as nullptr so
+// the allocator can empty its cache and retry; the sticky error is cleared.
+class CudaBackend final : public MemoryBackend {
+ public:
+  explicit CudaBackend(int device) : device_(device) {}
+  void* malloc(size_t bytes) override {
+    WEFT_CUDA_CHECK(cudaSetDevice(device_));
+    void* p = nullptr;
+    const cudaError_t e = cudaMalloc(&p, bytes);
+    if (e == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    detail::check_cuda(e, "cudaMalloc", __FILE__, __LINE__);
+    return p;
+  }
+  void free(void* p) override {
+    cudaSetDevice(device_);
+    cudaFree(p);  // errors here are the runtime shutting down; nothing to do
+  }
+
+ private:
+  int device_;
+};
+
+constexpr size_t kCublasWorkspace = size_t{32} << 20;  // what cuBLAS recommends on Hopper
+
+}  // namespace
+
+PinnedBuffer::PinnedBuffer(size_t bytes) : bytes_(bytes) {
+  WEFT_CUDA_CHECK(cudaMallocHost(&data_, bytes));
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (data_ != nullptr) cudaFreeHost(data_);
+}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
+  if (this != &o) {
+    if (data_ != nullptr) cudaFreeHost(data_);
+    data_ = std::exchange(o.data_, nullptr);
+    bytes_ = std::exchange(o.bytes_, 0);
+  }
+  return *this;
+}
+
+Context::Context(int device) : device_(device) {
+  WEFT_CUDA_CHECK(cudaSetDevice(device));
+  cudaStream_t s = nullptr;
+  // Blocking streams: a plain cudaMemcpy (the legacy default stream) still
+  // waits for, and is waited for by, weft's work, so code outside weft that
+  // touches the same memory stays correct.
+  WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamDefault));
+  compute_ = s;
+  WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamDefault));
+  comm_ = s;
+  cudaEvent_t e = nullptr;
+  for (CUevent_st** ev : {&compute_done_, &comm_done_, &staging_done_}) {
+    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    *ev = e;
+  }
+  allocator_ = std::make_unique<CachingAllocator>(std::make_unique<CudaBackend>(device));
+}
+
+Context::~Context() {
+  cudaSetDevice(device_);
+  if (cublas_ != nullptr) cublasDestroy(cublas_);
+  allocator_->release(cublas_workspace_);
+  allocator_.reset();
+  for (CUevent_st* ev : {compute_done_, comm_done_, staging_done_}) cudaEventDestroy(ev);
+  cudaStreamDestroy(compute_);
+  cudaStreamDestroy(comm_);
+}
+
+void Context::make_current() const { WEFT_CUDA_CHECK(cudaSetDevice(device_)); }
+
+cublasContext* Context::cublas() {
+  std::call_once(cublas_once_, [this] {
+    make_current();
+    cublasHandle_t h = nullptr;
+    WEFT_CUBLAS_CHECK(cublasCreate(&h));
+    WEFT_CUBLAS_CHECK(cublasSetStream(h, compute_));
+    cublas_workspace_ = allocator_->allocate(kCublasWorkspace);
+    WEFT_CUBLAS_CHECK(cublasSetWorkspace(h, cublas_workspace_, kCublasWorkspace));
+    cublas_ = h;
+  });
+  return cublas_;
+}
+
+void Context::comm_waits_for_compute() {
+  make_current();
+  WEFT_CUDA_CHECK(cudaEventRecord(compute_done_, compute_));
+  WEFT_CUDA_CHECK(cudaStreamWaitEvent(comm_, compute_done_, 0));
+}
+
+void Context::compute_waits_for_comm() {
+  make_current();
+  WEFT_CUDA_CHECK(cudaEventRecord(comm_done_, comm_));
+  WEFT_CUDA_CHECK(cudaStreamWaitEvent(compute_, comm_done_, 0));
+}
+
+void Context::synchronize() const {
+  make_current();
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(compute_));
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(comm_));
+}
+
+PinnedBuffer& Context::staging(size_t bytes) {
+  if (staging_pending_) {
+    WEFT_CUDA_CHECK(cudaEventSynchronize(staging_done_));
+    staging_pending_ = false;
+  }
+  if (staging_.bytes() < bytes) staging_ = PinnedBuffer(std::max(bytes, staging_.bytes() * 2));
+  return staging_;
+}
+
+void Context::staging_in_flight() {
+  WEFT_CUDA_CHECK(cudaEventRecord(staging_done_, compute_));
+  staging_pending_ = true;
+}
+
+Context& context(int device) {
+  static std::mutex mu;
+  static std::vector<Context*> contexts;  // leaked on purpose: see the header
+  std::lock_guard<std::mutex> lock(mu);
+  int count = 0;  // left untouched by cudaGetDeviceCount on error
+  if (contexts.empty()) {
+    const cudaError_t e = cudaGetDeviceCount(&count);
+    check(e == cudaSuccess && count > 0, "no CUDA device is usable: {}",
+          e == cudaSuccess ? std::string("none found")
+                           : cuda_error_message(static_cast<int>(e), "cudaGetDeviceCount"));
+    contexts.assign(static_cast<size_t>(count), nullptr);
+  }
+  check(device >= 0 && static_cast<size_t>(device) < contexts.size(),
+        "cuda:{} requested, but {} CUDA device(s) are visible", device, contexts.size());
+  Context*& c = contexts[static_cast<size_t>(device)];
+  if (c == nullptr) c = new Context(device);
+  return *c;
+}
+
+void upload(Context& ctx, void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  std::lock_guard<std::mutex> lock(ctx.staging_mu_);
+  ctx.make_current();
+  PinnedBuffer& pin = ctx.staging(bytes);
+  std::memcpy(pin.data(), src, bytes);
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(dst, pin.data(), bytes, cudaMemcpyHostToDevice,
+                                  ctx.compute_stream()));
+  ctx.staging_in_flight();
+}
+
+void download(Context& ctx, void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  std::lock_guard<std::mutex> lock(ctx.staging_mu_);
+  ctx.make_current();
+  PinnedBuffer& pin = ctx.staging(bytes);
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(pin.data(), src, bytes, cudaMemcpyDeviceToHost,
+                                  ctx.compute_stream()));
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(ctx.compute_stream()));
+  std::memcpy(dst, pin.data(), bytes);
+}
+
+namespace {
+cudaStream_t stream_of(const Context& ctx, StreamKind on) {
+  return on == StreamKind::Compute ? ctx.compute_stream() : ctx.comm_stream();
+}
+}  // namespace
+
+void copy_device(Context& ctx, void* dst, const void* src, size_t bytes, StreamKind on) {
+  if (bytes == 0) return;
+  ctx.make_current();
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_of(ctx, on)));
+}
+
+void zero(Context& ctx, void* dst, size_t bytes, StreamKind on) {
+  if (bytes == 0) return;
+  ctx.make_current();
+  WEFT_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream_of(ctx, on)));
+}
+
+}  // namespace weft::cuda

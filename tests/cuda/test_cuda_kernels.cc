@@ -1,0 +1,485 @@
+// Every CUDA kernel against its CPU twin (weft/cpu_kernels.h, the Embedding
+// layer) on the same inputs: fp32 within 1e-5 relative (||gpu - cpu|| /
+// ||cpu||), TF32 within 5e-3 (1e-2 through attention's softmax), bf16 GEMMs as
+// fp32 on bf16-rounded inputs (5e-2 through attention).
+// Shapes are deliberately ragged (T = 37, V = 1000, C = 48) so that partial
+// warps, blocks and tiles are exercised. Also: the caching allocator on the
+// device, stream ordering, pinned copies and error reporting.
+// Needs a GPU; exits 77 (SKIP) without one.
+#include "weft_config.h"
+
+#if WEFT_CUDA
+#include <weft/cpu_kernels.h>
+#include <weft/cuda/kernels.h>
+#include <weft/cuda/runtime.h>
+
+#include "layers/embedding.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "test_util.h"
+
+namespace weft::cuda {
+namespace {
+
+using weft::testing::contains;
+using weft::testing::error_message;
+using weft::testing::rel_error;
+using weft::testing::uniform;
+
+constexpr double kFp32 = 1e-5;
+constexpr double kTf32 = 5e-3;
+
+Context& ctx() { return context(0); }
+
+// Device copy of host values, and back.
+template <typename T>
+class Dev {
+ public:
+  explicit Dev(const std::vector<T>& host) : buf_(ctx(), static_cast<int64_t>(host.size())) {
+    upload(ctx(), buf_.data(), host.data(), buf_.bytes());
+  }
+  T* p() const { return buf_.data(); }
+  std::vector<T> host() const {
+    std::vector<T> h(static_cast<size_t>(buf_.size()));
+    download(ctx(), h.data(), buf_.data(), buf_.bytes());
+    return h;
+  }
+
+ private:
+  DeviceBuffer<T> buf_;
+};
+
+double rel(const std::vector<float>& got, const std::vector<float>& want) {
+  EXPECT_EQ(got.size(), want.size());
+  return rel_error(got.data(), want.data(), static_cast<int64_t>(want.size()));
+}
+
+std::vector<int32_t> random_tokens(int64_t n, int32_t v, uint64_t seed) {
+  std::vector<float> u = uniform(n, seed, 0.0f, static_cast<float>(v));
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (size_t i = 0; i < t.size(); ++i) t[i] = std::min(v - 1, static_cast<int32_t>(u[i]));
+  return t;
+}
+
+// Outputs start as zeros, never as the CPU's answer.
+std::vector<float> zeros(int64_t n) { return std::vector<float>(static_cast<size_t>(n), 0.0f); }
+
+std::vector<float> rounded_to_bf16(std::vector<float> x) {
+  for (float& f : x) f = to_float(to_bf16(f));
+  return x;
+}
+
+// ---------------------------------------------------------------- GEMM
+
+struct GemmCase {
+  bool ta, tb;
+  int64_t m, n, k, lda, ldb, ldc;
+  std::vector<float> a, b, c;
+};
+
+// Row-major operands padded beyond their logical width (ld > cols).
+GemmCase gemm_case(bool ta, bool tb, int64_t m, int64_t n, int64_t k, uint64_t seed) {
+  GemmCase g{ta, tb, m, n, k, (ta ? m : k) + 3, (tb ? k : n) + 5, n + 2, {}, {}, {}};
+  g.a = uniform((ta ? k : m) * g.lda, seed);
+  g.b = uniform((tb ? n : k) * g.ldb, seed + 1);
+  g.c = uniform(m * g.ldc, seed + 2);
+  return g;
+}
+
+std::vector<float> cpu_gemm(const GemmCase& g, const std::vector<float>& a,
+                            const std::vector<float>& b, float alpha, float beta) {
+  std::vector<float> c = g.c;
+  cpu::gemm(g.ta, g.tb, g.m, g.n, g.k, alpha, a.data(), g.lda, b.data(), g.ldb, beta, c.data(),
+            g.ldc);
+  return c;
+}
+
+TEST(CudaGemm, Fp32MatchesCpuForEveryTranspose) {
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      GemmCase g = gemm_case(ta, tb, 37, 29, 53, 11);
+      Dev<float> a(g.a), b(g.b), c(g.c);
+      gemm(ctx(), MathMode::FP32, ta, tb, g.m, g.n, g.k, 0.7f, a.p(), g.lda, b.p(), g.ldb, 0.3f,
+           c.p(), g.ldc);
+      EXPECT_LT(rel(c.host(), cpu_gemm(g, g.a, g.b, 0.7f, 0.3f)), kFp32) << ta << tb;
+    }
+}
+
+TEST(CudaGemm, Tf32IsCloseButNotExact) {
+  // Dense, aligned operands, so that cuBLAS can take its tensor-core kernels.
+  GemmCase g = gemm_case(false, true, 256, 192, 320, 12);
+  g.lda = g.k, g.ldb = g.k, g.ldc = g.n;
+  g.a.resize(static_cast<size_t>(g.m * g.lda));
+  g.b.resize(static_cast<size_t>(g.n * g.ldb));
+  g.c.resize(static_cast<size_t>(g.m * g.ldc));
+  Dev<float> a(g.a), b(g.b), c(g.c);
+  gemm(ctx(), MathMode::TF32, g.ta, g.tb, g.m, g.n, g.k, 1.0f, a.p(), g.lda, b.p(), g.ldb, 0.0f,
+       c.p(), g.ldc);
+  const double err = rel(c.host(), cpu_gemm(g, g.a, g.b, 1.0f, 0.0f));
+  EXPECT_LT(err, kTf32);
+  EXPECT_GT(err, 1e-6) << "TF32 rounds its inputs to 10 mantissa bits; an exact result means "
+                          "the tensor-core path was not taken";
+}
+
+TEST(CudaGemm, Bf16IsFp32OnBf16RoundedInputs) {
+  // Products of bf16 values are exact in fp32, so with fp32 accumulation the
+  // only difference from the CPU on rounded inputs is the summation order.
+  for (bool ta : {false, true}) {
+    GemmCase g = gemm_case(ta, !ta, 64, 48, 96, 13);
+    const std::vector<float> want = cpu_gemm(g, rounded_to_bf16(g.a), rounded_to_bf16(g.b), 1.5f,
+                                             0.5f);
+    Dev<float> a(g.a), b(g.b), c(g.c);
+    gemm(ctx(), MathMode::BF16, g.ta, g.tb, g.m, g.n, g.k, 1.5f, a.p(), g.lda, b.p(), g.ldb, 0.5f,
+         c.p(), g.ldc);
+    EXPECT_LT(rel(c.host(), want), kFp32);
+    // The same through gemm_bf16 with bf16 operands converted on the host.
+    std::vector<bf16> a16, b16;
+    for (float f : g.a) a16.push_back(to_bf16(f));
+    for (float f : g.b) b16.push_back(to_bf16(f));
+    Dev<bf16> da(a16), db(b16);
+    Dev<float> c2(g.c);
+    gemm_bf16(ctx(), g.ta, g.tb, g.m, g.n, g.k, 1.5f, da.p(), g.lda, db.p(), g.ldb, 0.5f, c2.p(),
+              g.ldc);
+    EXPECT_LT(rel(c2.host(), want), kFp32);
+  }
+}
+
+TEST(CudaGemm, StridedBatchedIsALoopOfGemms) {
+  const int64_t m = 17, n = 23, k = 31, batch = 5;
+  const int64_t sa = m * k + 7, sb = k * n + 3, sc = m * n + 1;
+  std::vector<float> ha = uniform(batch * sa, 14), hb = uniform(batch * sb, 15);
+  std::vector<float> hc = uniform(batch * sc, 16), want = hc;
+  for (int64_t i = 0; i < batch; ++i)
+    cpu::gemm(false, true, m, n, k, 0.5f, ha.data() + i * sa, k, hb.data() + i * sb, k, 1.0f,
+              want.data() + i * sc, n);
+  Dev<float> a(ha), b(hb), c(hc);
+  gemm_strided_batched(ctx(), MathMode::FP32, false, true, m, n, k, 0.5f, a.p(), k, sa, b.p(), k,
+                       sb, 1.0f, c.p(), n, sc, batch);
+  EXPECT_LT(rel(c.host(), want), kFp32);
+}
+
+// ---------------------------------------------------------------- LayerNorm, GELU, helpers
+
+TEST(CudaLayerNorm, ForwardAndBothBackwardsMatchCpu) {
+  const int64_t n = 45, c = 200;  // c not a multiple of 32
+  const std::vector<float> x = uniform(n * c, 21, -2.0f, 3.0f), w = uniform(c, 22),
+                           b = uniform(c, 23), dy = uniform(n * c, 24);
+  std::vector<float> y(n * c), mean(n), rstd(n);
+  cpu::layernorm_forward(x.data(), w.data(), b.data(), y.data(), mean.data(), rstd.data(), n, c,
+                         1e-5f);
+  // Gradients accumulate onto what is already there.
+  std::vector<float> dx = uniform(n * c, 25), dw = uniform(c, 26), db = uniform(c, 27);
+  Dev<float> gdx(dx), gdw(dw), gdb(db);
+  cpu::layernorm_backward_input(dy.data(), x.data(), w.data(), mean.data(), rstd.data(), dx.data(),
+                                n, c);
+  cpu::layernorm_backward_weight(dy.data(), x.data(), mean.data(), rstd.data(), dw.data(),
+                                 db.data(), n, c);
+
+  Dev<float> gx(x), gw(w), gb(b), gdy(dy), gy(zeros(n * c)), gmean(zeros(n)), grstd(zeros(n));
+  layernorm_forward(ctx(), gx.p(), gw.p(), gb.p(), gy.p(), gmean.p(), grstd.p(), n, c, 1e-5f);
+  EXPECT_LT(rel(gy.host(), y), kFp32);
+  EXPECT_LT(rel(gmean.host(), mean), kFp32);
+  EXPECT_LT(rel(grstd.host(), rstd), kFp32);
+  layernorm_backward_input(ctx(), gdy.p(), gx.p(), gw.p(), gmean.p(), grstd.p(), gdx.p(), n, c);
+  layernorm_backward_weight(ctx(), gdy.p(), gx.p(), gmean.p(), grstd.p(), gdw.p(), gdb.p(), n, c);
+  EXPECT_LT(rel(gdx.host(), dx), kFp32);
+  EXPECT_LT(rel(gdw.host(), dw), kFp32);
+  EXPECT_LT(rel(gdb.host(), db), kFp32);
+}
+
+TEST(CudaLayerNorm, WeightGradientOverManyRowsUsesEverySlice) {
+  // Enough rows for the two-pass column sum to use many row slices.
+  const int64_t n = 8192 + 13, c = 96;
+  const std::vector<float> x = uniform(n * c, 31), dy = uniform(n * c, 32), w = uniform(c, 33),
+                           b = uniform(c, 34);
+  std::vector<float> y(n * c), mean(n), rstd(n), dw(c, 0.0f), db(c, 0.0f);
+  cpu::layernorm_forward(x.data(), w.data(), b.data(), y.data(), mean.data(), rstd.data(), n, c,
+                         1e-5f);
+  cpu::layernorm_backward_weight(dy.data(), x.data(), mean.data(), rstd.data(), dw.data(),
+                                 db.data(), n, c);
+  Dev<float> gx(x), gdy(dy), gmean(mean), grstd(rstd), gdw(zeros(c)), gdb(zeros(c));
+  layernorm_backward_weight(ctx(), gdy.p(), gx.p(), gmean.p(), grstd.p(), gdw.p(), gdb.p(), n, c);
+  EXPECT_LT(rel(gdw.host(), dw), kFp32);
+  EXPECT_LT(rel(gdb.host(), db), kFp32);
+}
+
+TEST(CudaGelu, ForwardAndBackwardMatchCpu) {
+  const int64_t n = 100003;
+  const std::vector<float> x = uniform(n, 41, -5.0f, 5.0f), dy = uniform(n, 42);
+  std::vector<float> y(n), dx = uniform(n, 43);
+  Dev<float> gx(x), gdy(dy), gy(y), gdx(dx);
+  cpu::gelu_forward(x.data(), y.data(), n);
+  cpu::gelu_backward(dy.data(), x.data(), dx.data(), n);
+  gelu_forward(ctx(), gx.p(), gy.p(), n);
+  gelu_backward(ctx(), gdy.p(), gx.p(), gdx.p(), n);
+  EXPECT_LT(rel(gy.host(), y), kFp32);
+  EXPECT_LT(rel(gdx.host(), dx), kFp32);
+}
+
+TEST(CudaHelpers, BiasRowSumsAddAndScaleMatchCpu) {
+  const int64_t n = 300, c = 77;
+  std::vector<float> y = uniform(n * c, 51), bias = uniform(c, 52), db = uniform(c, 53),
+                     x = uniform(n * c, 54);
+  Dev<float> gy(y), gbias(bias), gdb(db), gx(x);
+  cpu::add_bias(y.data(), bias.data(), n, c);
+  add_bias(ctx(), gy.p(), gbias.p(), n, c);
+  EXPECT_LT(rel(gy.host(), y), kFp32);
+  cpu::sum_rows(y.data(), db.data(), n, c);
+  sum_rows(ctx(), gy.p(), gdb.p(), n, c);
+  EXPECT_LT(rel(gdb.host(), db), kFp32);
+  cpu::add_inplace(y.data(), x.data(), n * c);
+  add_inplace(ctx(), gy.p(), gx.p(), n * c);
+  cpu::scale_inplace(y.data(), -0.25f, n * c);
+  scale_inplace(ctx(), gy.p(), -0.25f, n * c);
+  EXPECT_LT(rel(gy.host(), y), kFp32);
+}
+
+// ---------------------------------------------------------------- attention
+
+void check_attention(int64_t b, int64_t t, int64_t h, int64_t c, MathMode mode, double tol) {
+  const std::vector<float> qkv = uniform(b * t * 3 * c, 61, -2.0f, 2.0f),
+                           dout = uniform(b * t * c, 62);
+  std::vector<float> out(b * t * c), probs(b * h * t * t), scratch(b * h * t * t);
+  std::vector<float> dqkv = uniform(b * t * 3 * c, 63);
+  Dev<float> gqkv(qkv), gout(out), gprobs(probs), gdout(dout), gdqkv(dqkv), gscratch(scratch);
+  cpu::attention_forward(qkv.data(), out.data(), probs.data(), b, t, h, c);
+  cpu::attention_backward(dout.data(), qkv.data(), probs.data(), dqkv.data(), scratch.data(), b, t,
+                          h, c);
+  attention_forward(ctx(), mode, gqkv.p(), gout.p(), gprobs.p(), b, t, h, c);
+  attention_backward(ctx(), mode, gdout.p(), gqkv.p(), gprobs.p(), gdqkv.p(), gscratch.p(), b, t,
+                     h, c);
+  const std::vector<float> got_probs = gprobs.host();
+  EXPECT_LT(rel(gout.host(), out), tol) << "T " << t;
+  EXPECT_LT(rel(got_probs, probs), tol) << "T " << t;
+  EXPECT_LT(rel(gdqkv.host(), dqkv), tol) << "T " << t;
+  // The causal mask: nothing above the diagonal, every row sums to 1.
+  for (int64_t r = 0; r < b * h * t; r += 7) {
+    const int64_t i = r % t;
+    double row = 0;
+    for (int64_t j = 0; j < t; ++j) {
+      const float p = got_probs[static_cast<size_t>(r * t + j)];
+      if (j > i) {
+        EXPECT_EQ(p, 0.0f) << "row " << r << " col " << j;
+      }
+      row += p;
+    }
+    EXPECT_NEAR(row, 1.0, 1e-5);
+  }
+}
+
+TEST(CudaAttention, Fp32MatchesCpuOnRaggedShapes) {
+  check_attention(2, 37, 3, 48, MathMode::FP32, kFp32);
+  check_attention(1, 1, 2, 8, MathMode::FP32, kFp32);  // a single position
+  check_attention(2, 128, 4, 256, MathMode::FP32, kFp32);
+}
+
+TEST(CudaAttention, Tf32AndBf16AreClose) {
+  // Scores and probabilities inherit the inputs' rounding (TF32 2^-11, bf16 2^-9).
+  check_attention(2, 64, 4, 128, MathMode::TF32, 1e-2);
+  check_attention(2, 64, 4, 128, MathMode::BF16, 5e-2);
+}
+
+// ---------------------------------------------------------------- cross-entropy
+
+TEST(CudaCrossEntropy, ProbabilitiesLossesAndGradientsMatchCpu) {
+  const int64_t n = 13, v = 1000;
+  const std::vector<float> logits = uniform(n * v, 71, -8.0f, 8.0f);
+  const std::vector<int32_t> targets = random_tokens(n, static_cast<int32_t>(v), 72);
+  const float scale = 1.0f / 26.0f;
+  std::vector<float> probs = logits, losses(n), dlogits(n * v);
+  const double total = cpu::softmax_cross_entropy(probs.data(), targets.data(), losses.data(), n,
+                                                  v);
+  cpu::cross_entropy_backward(probs.data(), targets.data(), dlogits.data(), scale, n, v);
+
+  Dev<float> gp(logits), glosses(zeros(n)), gd(zeros(n * v));
+  Dev<int32_t> gt(targets);
+  softmax_cross_entropy(ctx(), gp.p(), gt.p(), glosses.p(), n, v);
+  EXPECT_LT(rel(gp.host(), probs), kFp32);
+  EXPECT_LT(rel(glosses.host(), losses), kFp32);
+  EXPECT_NEAR(sum_to_host(ctx(), glosses.p(), n), total, 1e-5 * std::abs(total));
+  cross_entropy_backward(ctx(), gp.p(), gt.p(), gd.p(), scale, n, v);
+  EXPECT_LT(rel(gd.host(), dlogits), kFp32);
+
+  // Fused: one pass from logits to losses and dlogits.
+  Dev<float> gf(logits), gfl(zeros(n));
+  fused_cross_entropy(ctx(), gf.p(), gt.p(), gfl.p(), scale, n, v);
+  EXPECT_LT(rel(gf.host(), dlogits), kFp32);
+  EXPECT_LT(rel(gfl.host(), losses), kFp32);
+}
+
+TEST(CudaCrossEntropy, GptVocabularyRows) {
+  const int64_t n = 4, v = 50257;
+  const std::vector<float> logits = uniform(n * v, 73, -10.0f, 10.0f);
+  const std::vector<int32_t> targets = {0, 50256, 17, 31337};
+  std::vector<float> probs = logits, losses(n);
+  cpu::softmax_cross_entropy(probs.data(), targets.data(), losses.data(), n, v);
+  Dev<float> gp(logits), gl(zeros(n));
+  Dev<int32_t> gt(targets);
+  softmax_cross_entropy(ctx(), gp.p(), gt.p(), gl.p(), n, v);
+  EXPECT_LT(rel(gl.host(), losses), kFp32);
+  EXPECT_LT(rel(gp.host(), probs), kFp32);
+}
+
+TEST(CudaCrossEntropy, TargetOutsideTheVocabularyGivesNaNNotAStrayWrite) {
+  const int64_t n = 2, v = 10;
+  Dev<float> gp(uniform(n * v, 74)), gl(zeros(n));
+  Dev<int32_t> gt(std::vector<int32_t>{3, 10});
+  softmax_cross_entropy(ctx(), gp.p(), gt.p(), gl.p(), n, v);
+  const std::vector<float> l = gl.host();
+  EXPECT_TRUE(std::isfinite(l[0]));
+  EXPECT_TRUE(std::isnan(l[1]));
+}
+
+// ---------------------------------------------------------------- embedding
+
+TEST(CudaEmbedding, ForwardAndScatterAddBackwardMatchTheLayer) {
+  const int64_t b = 3, t = 20, c = 40, v = 11, positions = 24;
+  ParamStore store;
+  Param* wte = store.create("wte.weight", {v, c}, Init::normal(0.02f));
+  Param* wpe = store.create("wpe.weight", {positions, c}, Init::normal(0.02f));
+  init_param(*wte, 5);
+  init_param(*wpe, 5);
+  std::vector<float> dwte0 = uniform(v * c, 81), dwpe0 = uniform(positions * c, 82);
+  std::copy(dwte0.begin(), dwte0.end(), wte->grad.data<float>());
+  std::copy(dwpe0.begin(), dwpe0.end(), wpe->grad.data<float>());
+  // Few distinct tokens: many rows scatter into the same wte row.
+  const std::vector<int32_t> tokens = random_tokens(b * t, static_cast<int32_t>(v), 83);
+  const std::vector<float> dy = uniform(b * t * c, 84);
+
+  Embedding layer(wte, wpe);
+  auto lctx = layer.make_ctx();
+  Arena arena;
+  Tensor tok(const_cast<int32_t*>(tokens.data()), Shape{b, t}, DType::I32);
+  Tensor y = Tensor::zeros({b, t, c});
+  Tensor dyt(const_cast<float*>(dy.data()), Shape{b, t, c}, DType::F32);
+  layer.forward(*lctx, arena, std::span<const Tensor>(&tok, 1), std::span<const Tensor>(&y, 1));
+  Tensor none;
+  layer.backward_input(*lctx, arena, std::span<const Tensor>(&dyt, 1),
+                       std::span<const Tensor>(&none, 1));
+  layer.backward_weight(*lctx, arena);
+
+  auto vec = [](const Tensor& x) {
+    return std::vector<float>(x.data<float>(), x.data<float>() + x.numel());
+  };
+  Dev<float> gwte(vec(wte->value)), gwpe(vec(wpe->value)), gy(zeros(b * t * c));
+  Dev<float> gdwte(dwte0), gdwpe(dwpe0), gdy(dy);
+  Dev<int32_t> gtok(tokens);
+  embedding_forward(ctx(), gtok.p(), gwte.p(), gwpe.p(), gy.p(), b, t, c);
+  embedding_backward(ctx(), gtok.p(), gdy.p(), gdwte.p(), gdwpe.p(), b, t, c);
+  EXPECT_LT(rel(gy.host(), vec(y)), kFp32);
+  EXPECT_LT(rel(gdwte.host(), vec(wte->grad)), kFp32);
+  EXPECT_LT(rel(gdwpe.host(), vec(wpe->grad)), kFp32);
+}
+
+// ---------------------------------------------------------------- AdamW, reductions, bf16
+
+TEST(CudaAdamW, ThreeStepsMatchCpu) {
+  const int64_t n = 5001;
+  std::vector<float> p = uniform(n, 91), m(n, 0.0f), v(n, 0.0f);
+  Dev<float> gp(p), gm(m), gv(v);
+  for (int64_t step = 1; step <= 3; ++step) {
+    const std::vector<float> g = uniform(n, 92 + static_cast<uint64_t>(step));
+    Dev<float> gg(g);
+    cpu::adamw(p.data(), g.data(), m.data(), v.data(), n, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, step);
+    adamw(ctx(), gp.p(), gg.p(), gm.p(), gv.p(), n, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, step);
+  }
+  EXPECT_LT(rel(gp.host(), p), kFp32);
+  EXPECT_LT(rel(gm.host(), m), kFp32);
+  EXPECT_LT(rel(gv.host(), v), kFp32);
+}
+
+TEST(CudaReduce, SumsInDoubleMatchCpu) {
+  for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{3000017}}) {
+    const std::vector<float> x = uniform(n, 101);
+    Dev<float> gx(x);
+    double s = 0;
+    for (float f : x) s += f;
+    EXPECT_NEAR(sum_to_host(ctx(), gx.p(), n), s, 1e-9 * n) << n;
+    const double sq = cpu::sum_squares(x.data(), n);
+    EXPECT_NEAR(sum_squares_to_host(ctx(), gx.p(), n), sq, 1e-12 * sq) << n;
+  }
+}
+
+TEST(CudaBf16, ConversionMatchesTheHostRoundingBitForBit) {
+  std::vector<float> x = uniform(100000, 111, -1e4f, 1e4f);
+  x.insert(x.end(), {0.0f, -0.0f, 1.0f + 0x01p-8f, 1.0f + 3 * 0x01p-8f, 3.0e38f, -1e-40f});
+  Dev<float> gx(x);
+  DeviceBuffer<bf16> g16(ctx(), static_cast<int64_t>(x.size()));
+  to_bf16(ctx(), gx.p(), g16.data(), static_cast<int64_t>(x.size()));
+  std::vector<bf16> h16(x.size());
+  download(ctx(), h16.data(), g16.data(), g16.bytes());
+  for (size_t i = 0; i < x.size(); ++i)
+    ASSERT_EQ(h16[i].bits, to_bf16(x[i]).bits) << "value " << x[i];
+  Dev<float> back(zeros(static_cast<int64_t>(x.size())));
+  to_float(ctx(), g16.data(), back.p(), static_cast<int64_t>(x.size()));
+  const std::vector<float> hb = back.host();
+  for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(hb[i], to_float(h16[i]));
+}
+
+// ---------------------------------------------------------------- runtime on the device
+
+TEST(CudaRuntime, RepeatedStepAllocatesNothingNew) {
+  // A "step": the same sizes every time, freed at its end.
+  auto step = [] {
+    DeviceBuffer<float> a(ctx(), 1 << 20), b(ctx(), 3000), c(ctx(), 12345);
+    zero(ctx(), a.data(), a.bytes());
+    gelu_forward(ctx(), a.data(), a.data(), a.size());
+    return sum_to_host(ctx(), a.data(), a.size());
+  };
+  EXPECT_EQ(step(), 0.0);
+  const AllocatorStats first = ctx().allocator().stats();
+  EXPECT_EQ(step(), 0.0);
+  const AllocatorStats second = ctx().allocator().stats();
+  EXPECT_EQ(second.device_mallocs, first.device_mallocs);
+  EXPECT_GT(second.cache_hits, first.cache_hits);
+  // Tensors on the device are served by the same allocator.
+  { Tensor t = Tensor::empty({4096}, DType::F32, Device::cuda(0)); }
+  const size_t before = ctx().allocator().stats().device_mallocs;
+  { Tensor t = Tensor::empty({4096}, DType::F32, Device::cuda(0)); }
+  EXPECT_EQ(ctx().allocator().stats().device_mallocs, before);
+}
+
+TEST(CudaRuntime, CommStreamWaitsForComputeAndBack) {
+  const int64_t n = int64_t{1} << 24;
+  std::vector<float> ones(static_cast<size_t>(n), 1.0f);
+  Dev<float> src(ones);
+  DeviceBuffer<float> dst(ctx(), n);
+  zero(ctx(), dst.data(), dst.bytes());
+  // Long compute work on src, then a copy on the communication stream.
+  for (int i = 0; i < 20; ++i) scale_inplace(ctx(), src.p(), 2.0f, n);
+  ctx().comm_waits_for_compute();
+  copy_device(ctx(), dst.data(), src.p(), dst.bytes(), StreamKind::Comm);
+  ctx().compute_waits_for_comm();
+  // Exact: 2^20 per element. A copy that ran early would see smaller values.
+  EXPECT_EQ(sum_to_host(ctx(), dst.data(), n), std::ldexp(1.0, 20) * static_cast<double>(n));
+  ctx().synchronize();
+}
+
+TEST(CudaRuntime, PinnedCopiesRoundTripAndGrow) {
+  const std::vector<float> big = uniform(int64_t{3} << 20, 121);  // 12 MiB
+  Dev<float> d(big);
+  EXPECT_GE(ctx().staging_bytes(), big.size() * sizeof(float));
+  EXPECT_EQ(d.host(), big);
+}
+
+TEST(CudaRuntime, ErrorsNameTheCallAndTheValues) {
+  EXPECT_TRUE(contains(error_message([] { ctx().allocator().allocate(size_t{1} << 50); }),
+                       "out of device memory allocating 1125899906842624 bytes"));
+  // lda smaller than the row: cuBLAS rejects it, and the message says which call.
+  Dev<float> a(std::vector<float>(64, 1.0f)), c(std::vector<float>(64, 0.0f));
+  const std::string msg = error_message([&] {
+    gemm(ctx(), MathMode::FP32, false, false, 8, 8, 8, 1.0f, a.p(), 2, a.p(), 8, 0.0f, c.p(), 8);
+  });
+  EXPECT_TRUE(contains(msg, "cublasGemmEx")) << msg;
+  EXPECT_TRUE(contains(msg, "CUBLAS_STATUS_INVALID_VALUE")) << msg;
+  EXPECT_TRUE(contains(error_message([] { context(1000); }), "cuda:1000 requested"));
+}
+
+}  // namespace
+}  // namespace weft::cuda
+#endif  // WEFT_CUDA
