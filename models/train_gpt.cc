@@ -7,6 +7,7 @@
 // and the rule it broke, and exit with status 1.
 #include <weft/checkpoint.h>
 #include <weft/error.h>
+#include <weft/layout.h>
 #include <weft/mesh.h>
 #include <weft/mpi_communicator.h>
 #include <weft/partition.h>
@@ -62,7 +63,25 @@ struct Args {
   std::string trace;    // Chrome trace of every action on every rank
   bool recompute = false;
   double comm_timeout = 300;  // seconds
+  // Data parallelism.
+  bool distributed_optimizer = false;
+  int64_t ddp_bucket_size = int64_t{1} << 20;  // elements
+  bool overlap_grad_reduce = true;
+  std::string grad_reduce_dtype = "fp32";
+  std::string grad_compression = "none";
+  int powersgd_rank = 4;
+  int64_t powersgd_start_iter = 0;
 };
+
+// --grad-reduce-dtype, --grad-compression and --powersgd-* into `sync`
+// (which holds the other data-parallel flags), checked against them.
+void set_grad_compression(const Args& a, weft::GradSyncOptions& sync) {
+  sync.reduce_dtype = weft::parse_grad_reduce_dtype(a.grad_reduce_dtype);
+  sync.compression = weft::parse_grad_compression(a.grad_compression);
+  sync.powersgd_rank = a.powersgd_rank;
+  sync.powersgd_start_iter = a.powersgd_start_iter;
+  weft::check_grad_sync_options(sync);
+}
 
 // Entropy of the data's token frequencies, in nats: the loss of the best
 // model that ignores context, which a trained model should beat by far.
@@ -86,11 +105,14 @@ struct PipelineSetup {
 PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int world, int64_t global) {
   using namespace weft;
   MeshLayout layout(world, a.tp, a.pp);
-  check(a.tp == 1, "--tensor-model-parallel-size ({}) > 1 is not available yet", a.tp);
-  check(layout.dp() == 1,
-        "world size ({}) = tp ({}) x pp ({}) x dp ({}): data parallelism (dp > 1) is not "
-        "available yet",
-        world, a.tp, a.pp, layout.dp());
+  // Tensor parallelism splits heads, the MLP's columns and the vocabulary.
+  check(cfg.num_heads % a.tp == 0,
+        "--num-attention-heads ({}) must be divisible by --tensor-model-parallel-size ({})",
+        cfg.num_heads, a.tp);
+  check(cfg.vocab_size % a.tp == 0,
+        "--vocab-size ({}) must be divisible by --tensor-model-parallel-size ({}) (the vocabulary "
+        "is split across tensor-parallel ranks)",
+        cfg.vocab_size, a.tp);
   PipelineSetup p;
   if (a.layers_per_virtual > 0) {
     check(cfg.num_layers % (a.pp * a.layers_per_virtual) == 0,
@@ -108,18 +130,22 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
         "layer",
         cfg.num_layers, a.pp, p.chunks);
   check(global % (a.micro_batch * layout.dp()) == 0,
-        "--global-batch-size ({}) must be divisible by --micro-batch-size ({}) x dp ({})", global,
-        a.micro_batch, layout.dp());
+        "--global-batch-size ({}) must be divisible by --micro-batch-size ({}) x dp ({}) (dp = "
+        "world {} / (tp {} x pp {}))",
+        global, a.micro_batch, layout.dp(), world, a.tp, a.pp);
   p.micro_batches = global / (a.micro_batch * layout.dp());
   // Throws naming the rule when the schedule cannot run these sizes.
-  sched::make_schedule(a.schedule, a.pp, static_cast<int>(p.micro_batches), p.chunks);
+  if (a.pp > 1)
+    sched::make_schedule(a.schedule, a.pp, static_cast<int>(p.micro_batches), p.chunks);
   parse_partition_method(a.partition);
-  if (a.pp > 1) {
-    check(a.save.empty() && a.load.empty(), "--save and --load with --pp > 1 are not available yet");
-    check(a.sample == 0, "--sample with --pp > 1 is not available yet");
-  } else {
-    check(a.trace.empty(), "--trace records pipeline actions: it needs --pp > 1");
-  }
+  check(a.ddp_bucket_size > 0, "--ddp-bucket-size ({}) must be positive", a.ddp_bucket_size);
+  GradSyncOptions sync;  // the compression flags, checked before any message
+  sync.distributed_optimizer = a.distributed_optimizer;
+  set_grad_compression(a, sync);
+  check(a.sample == 0 || (a.pp == 1 && a.tp == 1),
+        "--sample with --pp or --tp > 1 is not available yet (save a checkpoint and sample from "
+        "it on one process)");
+  if (a.pp == 1) check(a.trace.empty(), "--trace records pipeline actions: it needs --pp > 1");
   return p;
 }
 
@@ -198,9 +224,8 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
         cfg.vocab_size);
 
   const double entropy = unigram_entropy(data);
+  // The logical model; the layout instantiates this rank's part of it.
   GptModel model = build_gpt(cfg, a.micro_batch);
-  init_gpt(model, a.seed);
-  if (!a.init_from.empty()) load_weights(a.init_from, model.graph.params());
 
   TrainOptions opt;
   opt.micro_batch = a.micro_batch;
@@ -219,32 +244,32 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
                 {"micro_batch_size", a.micro_batch}, {"global_batch_size", global},
                 {"seed", a.seed},                 {"data_path", a.data_path}};
   TokenBatches batches(data, global, cfg.seq_length);
-  std::optional<Mesh> mesh;
-  std::unique_ptr<PipelineExecutor> pipeline;
-  sched::Schedule schedule;
-  if (a.pp > 1) {
-    mesh.emplace(Mesh::build(*world, a.tp, a.pp));
-    if (rank0) fmt::print("mesh: {}\n", mesh->layout.describe());
-    schedule = sched::lower(sched::make_schedule(a.schedule, a.pp,
-                                                 static_cast<int>(setup.micro_batches),
-                                                 setup.chunks));
-    PartitionOptions po;
-    po.method = parse_partition_method(a.partition);
-    po.pp = a.pp;
-    po.chunks = setup.chunks;
-    po.stage_rank = schedule.stage_rank;
-    po.in_flight = sched::peak_in_flight(schedule);
-    StagePlan plan = partition(model.graph, costs(a, model, batches, *world), po);
+  LayoutOptions lo;
+  lo.tp = a.tp;
+  lo.pp = a.pp;
+  lo.schedule = a.schedule;
+  lo.chunks = setup.chunks;
+  lo.partition = parse_partition_method(a.partition);
+  lo.pipeline = PipelineOptions{a.recompute, !a.trace.empty()};
+  lo.sync.distributed_optimizer = a.distributed_optimizer;
+  lo.sync.bucket_elements = a.ddp_bucket_size;
+  lo.sync.overlap = a.overlap_grad_reduce;
+  set_grad_compression(a, lo.sync);
+  std::optional<CostModel> cost;
+  if (a.pp > 1) cost = costs(a, model, batches, *world);
+  RankLayout layout(world, model.graph, model.io, batches, opt, lo, a.seed,
+                    cost ? &*cost : nullptr);
+  if (!a.init_from.empty()) load_weights(a.init_from, layout.graph().params());
+  if (rank0 && layout.mesh()) fmt::print("mesh: {}\n", layout.mesh()->layout.describe());
+  PipelineExecutor* pipeline = layout.pipeline();
+  const sched::Schedule& schedule = layout.schedule();
+  if (pipeline) {
+    // The plan's per-stage sums join the node costs: what weft-sched --costs reads.
+    if (rank0 && !a.profile.empty()) write_profile(a.profile, *cost, layout.plan(), model.graph);
     if (rank0) fmt::print("schedule {} over {} stages; partition {}:\n{}", a.schedule,
-                          schedule.stages(), a.partition, plan.describe(model.graph));
-    pipeline = std::make_unique<PipelineExecutor>(model.graph, model.io, std::move(plan), schedule,
-                                                  *mesh->pp,
-                                                  PipelineOptions{a.recompute, !a.trace.empty()});
+                          schedule.stages(), a.partition, layout.plan().describe(model.graph));
   }
-  std::unique_ptr<Trainer> trainer_ptr =
-      pipeline ? std::make_unique<Trainer>(model.io, batches, opt, *pipeline)
-               : std::make_unique<Trainer>(model.io, batches, opt);
-  Trainer& trainer = *trainer_ptr;
+  Trainer& trainer = layout.trainer();
   if (!a.load.empty()) trainer.load(a.load);
 
   if (rank0) fmt::print("weft train_gpt | layers {} | hidden {} | heads {} | seq {} | vocab {} | params {} "
@@ -253,7 +278,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
              cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.seq_length, cfg.vocab_size,
              model.graph.param_count(), a.micro_batch, global / a.micro_batch, global,
              get_threads(), a.data_path, data.size(), entropy);
-  if (trainer.steps_done() > 0)
+  if (trainer.steps_done() > 0 && rank0)
     fmt::print("resumed from {} at step {}\n", a.load, trainer.steps_done());
 
   std::ofstream jsonl;
@@ -292,7 +317,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     Tensor peaks = Tensor::zeros({a.pp}, DType::I32);
     Tensor mine = Tensor::zeros({1}, DType::I32);
     mine.data<int32_t>()[0] = pipeline->peak_stashed();
-    mesh->pp->all_gather(mine, peaks);
+    pipeline->group().all_gather(mine, peaks);
     std::vector<int> promised = sched::peak_in_flight(schedule);
     if (rank0)
       fmt::print("stashed activations, peak per pipeline rank: [{}] micro-batch stages ({} "
@@ -310,7 +335,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   }
   if (!a.save.empty()) {
     trainer.save(a.save);
-    fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
+    if (rank0) fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
   }
   if (a.sample > 0) {
     std::vector<int32_t> prompt;
@@ -387,6 +412,20 @@ int main(int argc, char** argv) {
   app.add_option("--profile", a.profile,
                  "time every node's F, I and W on this machine, write them to this JSON file and "
                  "use them for --partition time");
+  app.add_flag("--use-distributed-optimizer", a.distributed_optimizer,
+               "shard AdamW's state across data-parallel replicas (ZeRO-1)");
+  app.add_option("--ddp-bucket-size", a.ddp_bucket_size,
+                 "gradient elements per data-parallel reduction bucket");
+  app.add_flag("--overlap-grad-reduce,!--no-overlap-grad-reduce", a.overlap_grad_reduce,
+               "start each bucket's reduction as soon as its gradients are final");
+  app.add_option("--grad-reduce-dtype", a.grad_reduce_dtype,
+                 "data-parallel gradient reduction: fp32, or bf16 (rounded; half the bytes)");
+  app.add_option("--grad-compression", a.grad_compression,
+                 "data-parallel gradient compression: none, or powersgd (error feedback; plain "
+                 "data parallelism only)");
+  app.add_option("--powersgd-rank", a.powersgd_rank, "rank of the PowerSGD gradient factors");
+  app.add_option("--powersgd-start-iter", a.powersgd_start_iter,
+                 "steps reduced uncompressed before PowerSGD starts (e.g. the LR warmup)");
   app.add_option("--comm-timeout", a.comm_timeout,
                  "seconds any rank waits for a message or collective before failing");
   try {

@@ -7,6 +7,7 @@
 // others) and no test skips on one rank only. Rank 0 prints gtest's report;
 // other ranks print only their failures, and main() combines the verdicts so
 // every rank exits with the same status.
+#include <weft/bf16.h>
 #include <weft/mpi_communicator.h>
 
 #include <gtest/gtest.h>
@@ -258,7 +259,7 @@ TEST(MpiComm, BadArgumentsAreErrorsWithValues) {
   EXPECT_TRUE(contains(error_message([&] { world().irecv(t, -1, tag(0)); }), "peer rank -1"));
   EXPECT_TRUE(contains(error_message([&] { world().broadcast(t, n); }), fmt::format("root {}", n)));
   Tensor bf16 = Tensor::zeros({4}, DType::BF16);
-  EXPECT_TRUE(contains(error_message([&] { world().all_reduce(bf16, ReduceOp::Sum); }), "BF16 [4]"));
+  EXPECT_TRUE(contains(error_message([&] { world().all_reduce(bf16, ReduceOp::Max); }), "BF16 [4]"));
   Tensor wrong = Tensor::zeros({4 * n + 1});
   EXPECT_TRUE(contains(error_message([&] { world().all_gather(t, wrong); }),
                   fmt::format("holds {} elements, not size ({}) x input [4] (4)", 4 * n + 1, n)));
@@ -289,6 +290,54 @@ TEST(MpiComm, AllReduceSumAndMax) {
       bad += isum.data<int32_t>()[i] != 1000 * n * (n - 1) / 2 + n * static_cast<int32_t>(i % 11);
     }
     EXPECT_EQ(bad, 0) << numel << " elements";
+  }
+}
+
+// bf16 sums (the user op): small integers add exactly in any order; values
+// that need rounding give, on 2 ranks, exactly bf16(bf16(a) + bf16(b)) and,
+// on more, the same bits on every rank within one rounding per addition of
+// the exact sum. Large counts take MPICH's reduce-scatter based algorithms.
+TEST(MpiComm, Bf16SumRoundsEachAdditionAndAgreesOnEveryRank) {
+  const int n = world().size(), r = world().rank();
+  auto input = [](int rank, int64_t i) {
+    return to_bf16(1.0f + static_cast<float>((i * 37 + rank * 11) % 97) / 97.0f);
+  };
+  for (int64_t numel : {1, 1000, 300000}) {
+    Tensor exact = Tensor::empty({numel}, DType::BF16), rounded = Tensor::empty({numel}, DType::BF16);
+    for (int64_t i = 0; i < numel; ++i) {
+      exact.data<uint16_t>()[i] = to_bf16(static_cast<float>(r + i % 7));
+      rounded.data<uint16_t>()[i] = input(r, i);
+    }
+    world().all_reduce(exact, ReduceOp::Sum);
+    world().all_reduce(rounded, ReduceOp::Sum);
+    Tensor all = Tensor::empty({n * numel}, DType::BF16);
+    world().all_gather(rounded, all);
+    int64_t bad_exact = 0, bad_two = 0, far = 0, differ = 0;
+    for (int64_t i = 0; i < numel; ++i) {
+      const float got = bf16_to_float(rounded.data<uint16_t>()[i]);
+      bad_exact += bf16_to_float(exact.data<uint16_t>()[i]) !=
+                   static_cast<float>(n * (n - 1) / 2 + n * (i % 7));
+      if (n == 2) bad_two += rounded.data<uint16_t>()[i] != bf16_add(input(0, i), input(1, i));
+      double sum = 0;  // positive inputs: each rounding errs by at most 2^-8 of the sum
+      for (int k = 0; k < n; ++k) sum += bf16_to_float(input(k, i));
+      far += std::abs(got - sum) > (n - 1) * sum / 256.0;
+      for (int k = 0; k < n; ++k)
+        differ += all.data<uint16_t>()[k * numel + i] != rounded.data<uint16_t>()[i];
+    }
+    EXPECT_EQ(bad_exact, 0) << numel << " elements";
+    EXPECT_EQ(bad_two, 0) << numel << " elements";
+    EXPECT_EQ(far, 0) << numel << " elements";
+    EXPECT_EQ(differ, 0) << numel << " elements: ranks got other bits";
+
+    // reduce_scatter: member r's slice of the same sums as the all-reduce.
+    Tensor in = Tensor::empty({n * numel}, DType::BF16), out = Tensor::empty({numel}, DType::BF16);
+    for (int64_t i = 0; i < n * numel; ++i) in.data<uint16_t>()[i] = to_bf16(static_cast<float>(r + i % 5));
+    world().reduce_scatter(in, out, ReduceOp::Sum);
+    int64_t bad_rs = 0;
+    for (int64_t i = 0; i < numel; ++i)
+      bad_rs += bf16_to_float(out.data<uint16_t>()[i]) !=
+                static_cast<float>(n * (n - 1) / 2 + n * ((r * numel + i) % 5));
+    EXPECT_EQ(bad_rs, 0) << numel << " elements";
   }
 }
 

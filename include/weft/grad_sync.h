@@ -17,6 +17,19 @@
 // the parameters are all-gathered back (Param::value is a view into the
 // bucket's flat parameter buffer). Both give the same numbers.
 //
+// Compression, off by default, trades exactness for traffic. With
+// reduce_dtype BF16 each bucket is rounded to bf16 (to nearest even), reduced
+// in bf16 (every addition done in fp32 and rounded once to bf16, so the sum
+// depends on the transport's reduction order but is the same bits on every
+// replica) and widened back: half the bytes, with plain data parallelism and
+// with the distributed optimizer. With compression PowerSgd (plain data
+// parallelism only) each bucket's matrices travel as rank-r PowerSGD factors
+// with error feedback (weft/compress.h), from step powersgd_start_iter on
+// (uncompressed before): the first all-reduce (the P factors and the
+// bucket's vectors) starts with the bucket and overlaps the backward; the
+// second (the Q factors) needs the first's result, and starts in finish() in
+// bucket order, so that every replica posts its collectives alike.
+//
 // The gradient norm counts every parameter once, whether it is split by
 // tensor parallelism (each rank adds its piece), replicated across the
 // tensor-parallel group (tp rank 0 adds it), tied across pipeline stages (its
@@ -24,6 +37,7 @@
 #pragma once
 
 #include <weft/communicator.h>
+#include <weft/compress.h>
 #include <weft/graph.h>
 #include <weft/optimizer.h>
 
@@ -42,7 +56,22 @@ struct GradSyncOptions {
   // off, every bucket starts in finish(), after the whole backward.
   bool overlap = true;
   bool distributed_optimizer = false;  // --use-distributed-optimizer
+  // --grad-reduce-dtype: F32, or BF16 (rounded, reduced and sent as bf16).
+  DType reduce_dtype = DType::F32;
+  // --grad-compression, --powersgd-rank and --powersgd-start-iter (the steps
+  // before it reduce uncompressed); plain data parallelism only.
+  GradCompression compression = GradCompression::None;
+  int powersgd_rank = 4;
+  int64_t powersgd_start_iter = 0;
 };
+
+// "fp32" -> F32, "bf16" -> BF16; throws Error naming the value and the choices.
+DType parse_grad_reduce_dtype(const std::string& name);
+// Throws Error naming the flags and values of impossible options: a bucket
+// size or PowerSGD rank below 1, a negative PowerSGD start, a reduce dtype
+// other than F32 or BF16, PowerSGD with the distributed optimizer or with a
+// bf16 reduction. Every replica reaches the same verdict from the options alone.
+void check_grad_sync_options(const GradSyncOptions& options);
 
 // The groups this rank belongs to; a null communicator is a group of one.
 struct ParallelGroups {
@@ -100,9 +129,11 @@ class GradSync {
   // What the last step moved and waited for.
   struct Stats {
     int buckets = 0;
+    int collectives = 0;          // reductions posted (PowerSGD posts two per bucket)
     int started_in_backward = 0;  // buckets started before finish(): overlapped
     double bytes_sent = 0;      // this rank's share of the data-parallel traffic
     double wait_ms = 0;         // time finish() spent waiting: communication not hidden
+                                // (and, compressed, the decompression done there)
     double reduce_ms = 0;       // from the first bucket's start to the last one's end
   };
   const Stats& stats() const { return stats_; }
@@ -112,6 +143,12 @@ class GradSync {
   void launch(Bucket& b);
   void launch_ready();
   void poll();
+  // Posts a reduction of `t` (all-reduce, or reduce-scatter into `out`) and counts its bytes.
+  RequestPtr reduce(const Tensor& t, const Tensor* out);
+  // PowerSGD's second all-reduce of every compressed bucket, in bucket order.
+  void launch_second_round();
+  // Turns a bucket's reduced message back into fp32 gradients.
+  void unpack(Bucket& b);
 
   ParallelGroups groups_;
   GradSyncOptions options_;
@@ -130,6 +167,7 @@ class GradSync {
   std::chrono::steady_clock::time_point first_launch_;
   bool launched_any_ = false;
   bool in_finish_ = false;
+  bool compressing_ = false;  // PowerSGD this step
   Tensor scalar_;
 };
 

@@ -3,12 +3,19 @@
 // The partitioner's `time` method balances a CostModel; profile_costs fills
 // one with measured seconds for every node's F, I and W (the median of a few
 // runs of one micro-batch), and the analytic model's bytes.
+//
+// `train_gpt --profile FILE` writes profile_json: the node costs and, for the
+// plan it chose, their sums per stage, which `weft-sched simulate --costs FILE`
+// reads to time any schedule of the same stages on this machine.
 #pragma once
 
 #include <weft/partition.h>
 #include <weft/trainer.h>
 
 #include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
 
 namespace weft {
 
@@ -17,5 +24,28 @@ CostModel profile_costs(const Graph& g, const LmGraph& io, const BatchSource& da
 
 // {"unit": "seconds", "nodes": [{"name", "f", "i", "w", "param_bytes", ...}]}
 nlohmann::json cost_model_json(const CostModel& cost, const Graph& g);
+
+// Seconds, per stage of `plan`, that a training step spends on the stage's
+// parameters once its pipeline has drained: zeroing the gradients, their
+// norm, clipping and the AdamW step (median of `repeats`). Times the real
+// parameters with zero gradients and learning rate 0, which leaves them as
+// they were; it zeroes their gradients.
+std::vector<double> profile_updates(const Graph& g, const StagePlan& plan, int repeats = 3);
+
+// A plan's costs per stage, in stage order (one micro-batch, seconds and bytes):
+// {"pp", "chunks", "partition", "stages": [{"stage", "rank", "first", "last",
+//  "nodes", "f", "i", "w", "update", "boundary_bytes", "stash_bytes"}]}.
+// f, i and w sum the stage's nodes; update is `update[stage]` (0 when not
+// given); boundary_bytes is what the stage sends forward (every value
+// produced up to its end and read after it, as the executor sends them; the
+// gradient back is as large); stash_bytes sums its nodes' activation_bytes,
+// held from F to I.
+nlohmann::json stage_costs_json(const CostModel& cost, const StagePlan& plan, const Graph& g,
+                                const std::vector<double>& update = {});
+
+// Times the updates (profile_updates), then writes cost_model_json and
+// stage_costs_json in one object to `path`.
+void write_profile(const std::string& path, const CostModel& cost, const StagePlan& plan,
+                   const Graph& g);
 
 }  // namespace weft

@@ -49,4 +49,9 @@ struct TpBuild {
 Graph tensor_parallel_graph(const Graph& logical, Communicator& tp,
                             std::shared_ptr<ParamStore> store);
 
+// Throws what tensor_parallel_graph would throw at size `tp` (a head count or
+// vocabulary that does not divide, a layer without a tensor-parallel form),
+// without any communicator: call it before building the mesh.
+void check_tensor_parallel(const Graph& logical, int tp);
+
 }  // namespace weft

@@ -17,6 +17,7 @@
 // member's result in rank order (so all results are bitwise identical), then
 // everyone leaves. The others' tensors stay valid meanwhile because their
 // owners are blocked in the same collective.
+#include <weft/bf16.h>
 #include <weft/local_communicator.h>
 
 #include <fmt/ranges.h>
@@ -148,6 +149,17 @@ void reduce_slice(const std::vector<std::optional<CollectiveCall>>& calls, int64
   }
 }
 
+// bf16 sums fold in rank order, each addition in fp32 rounded once to bf16:
+// ((x0 + x1) + x2) + ..., the same bits for every member.
+void reduce_slice_bf16(const std::vector<std::optional<CollectiveCall>>& calls, int64_t offset,
+                       int64_t n, uint16_t* acc) {
+  std::memcpy(acc, calls[0]->in.data<uint16_t>() + offset, static_cast<size_t>(n) * 2);
+  for (size_t r = 1; r < calls.size(); ++r) {
+    const uint16_t* x = calls[r]->in.data<uint16_t>() + offset;
+    for (int64_t i = 0; i < n; ++i) acc[i] = bf16_add(acc[i], x[i]);
+  }
+}
+
 // Writes the reduction of slice [offset, offset + n) into `dst`, through a
 // scratch buffer so that `dst` may alias an input.
 void reduce_into(const std::vector<std::optional<CollectiveCall>>& calls, int64_t offset, int64_t n,
@@ -157,8 +169,10 @@ void reduce_into(const std::vector<std::optional<CollectiveCall>>& calls, int64_
   std::vector<std::byte> acc(static_cast<size_t>(n) * dtype_size(dtype));
   if (dtype == DType::F32)
     reduce_slice(calls, offset, n, op, reinterpret_cast<float*>(acc.data()));
-  else
+  else if (dtype == DType::I32)
     reduce_slice(calls, offset, n, op, reinterpret_cast<int32_t*>(acc.data()));
+  else
+    reduce_slice_bf16(calls, offset, n, reinterpret_cast<uint16_t*>(acc.data()));
   std::memcpy(dst, acc.data(), acc.size());
 }
 
@@ -281,7 +295,7 @@ class LocalCommunicator : public Communicator {
   }
 
   void all_reduce(const Tensor& t, ReduceOp op) override {
-    check_reducible(t, "all_reduce");
+    check_reducible(t, op, "all_reduce");
     collective({CollectiveCall::Kind::AllReduce, op, 0, t, t});
   }
 
@@ -295,7 +309,7 @@ class LocalCommunicator : public Communicator {
   }
 
   void reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op) override {
-    check_reducible(in, "reduce_scatter");
+    check_reducible(in, op, "reduce_scatter");
     check_cpu(out, "reduce_scatter");
     check(in.numel() == size() * out.numel() && out.dtype() == in.dtype(),
           "reduce_scatter in {}: input {} {} must hold {} x {} {} elements", describe(),
@@ -336,11 +350,12 @@ class LocalCommunicator : public Communicator {
     check(peer >= 0 && peer < size(), "{} peer {} is outside {} of size {}", op, peer, describe(),
           size());
   }
-  void check_reducible(const Tensor& t, const char* op) const {
-    check_cpu(t, op);
-    check(t.dtype() == DType::F32 || t.dtype() == DType::I32,
-          "{} in {} of {} tensors is not supported (F32 or I32)", op, describe(),
-          dtype_name(t.dtype()));
+  void check_reducible(const Tensor& t, ReduceOp op, const char* what) const {
+    check_cpu(t, what);
+    check(t.dtype() == DType::F32 || t.dtype() == DType::I32 ||
+              (t.dtype() == DType::BF16 && op == ReduceOp::Sum),
+          "{} ({}) in {} of {} tensors is not supported (F32 or I32; BF16 sums only)", what,
+          reduce_op_name(op), describe(), dtype_name(t.dtype()));
   }
 
   // Joins collective number next_collective_ of this group and returns once

@@ -22,6 +22,7 @@
 // kills every rank of a job as soon as one of them exits abnormally, killed
 // by a signal included. The deadline covers the rest (a peer that is alive but
 // never sends).
+#include <weft/bf16.h>
 #include <weft/mpi_communicator.h>
 
 #include <fmt/ranges.h>
@@ -83,15 +84,44 @@ void check_host(const Tensor& t, const char* op) {
   if (!t.defined()) throw Error("{}: the tensor {} has no storage", op, t.shape().str());
 }
 
-// The element type of a reduction; reductions are defined for F32 and I32.
-MPI_Datatype reduce_type(const Tensor& t, const char* op) {
+// bf16 sum as an MPI user op over 2-byte elements: each addition in fp32,
+// rounded once to bf16 (weft/bf16.h). fp32 addition commutes exactly, so the
+// op is declared commutative; it is not associative, so the result depends on
+// MPI's reduction tree, but MPICH's trees give every rank the same bits.
+void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const uint16_t*>(in);
+  auto* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = bf16_add(a[i], b[i]);
+}
+
+// Created at the first bf16 reduction (MPI is initialised by then); never
+// freed, it lives until MPI_Finalize like the built-in ops.
+MPI_Op bf16_sum_op() {
+  static const MPI_Op op = [] {
+    MPI_Op o;
+    mpi_check(MPI_Op_create(&bf16_sum, /*commute=*/1, &o), "MPI_Op_create");
+    return o;
+  }();
+  return op;
+}
+
+// The element type and operation of a reduction: sum and max of F32 and
+// I32, and sum of BF16.
+struct Reduction {
+  MPI_Datatype type;
+  MPI_Op op;
+};
+Reduction reduction(const Tensor& t, ReduceOp op, const char* what) {
+  const MPI_Op builtin = op == ReduceOp::Sum ? MPI_SUM : MPI_MAX;
   switch (t.dtype()) {
-    case DType::F32: return MPI_FLOAT;
-    case DType::I32: return MPI_INT32_T;
-    default: break;
+    case DType::F32: return {MPI_FLOAT, builtin};
+    case DType::I32: return {MPI_INT32_T, builtin};
+    case DType::BF16:
+      if (op == ReduceOp::Sum) return {MPI_UINT16_T, bf16_sum_op()};
+      break;
   }
-  throw Error("{} of {} {}: MPI reductions take F32 or I32", op, dtype_name(t.dtype()),
-              t.shape().str());
+  throw Error("{} ({}) of {} {}: MPI reductions take F32 or I32, and BF16 for sums", what,
+              reduce_op_name(op), dtype_name(t.dtype()), t.shape().str());
 }
 
 // Copies move bytes of any dtype, counted in 2-byte units (every dtype's size
@@ -99,8 +129,6 @@ MPI_Datatype reduce_type(const Tensor& t, const char* op) {
 // always agree on the type even when their dtypes differ.
 const MPI_Datatype kCopyType = MPI_UINT16_T;
 int64_t copy_count(const Tensor& t) { return static_cast<int64_t>(t.nbytes() / 2); }
-
-MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::Sum ? MPI_SUM : MPI_MAX; }
 
 // When a waiting rank may spin: only while each rank on this node has a core
 // to itself; otherwise spinning takes the core from the rank being waited for.
@@ -458,10 +486,10 @@ std::string all_reduce_what(const Tensor& t, ReduceOp op) {
 
 MPI_Request MpiCommunicator::post_all_reduce(const Tensor& t, ReduceOp op) {
   check_host(t, "all_reduce");
-  MPI_Datatype type = reduce_type(t, "all_reduce");
+  const Reduction red = reduction(t, op, "all_reduce");
   MPI_Request req;
-  mpi_check(MPI_Iallreduce(MPI_IN_PLACE, t.raw(), mpi_count(t.numel(), t, "all_reduce"), type,
-                           mpi_op(op), comm_, &req),
+  mpi_check(MPI_Iallreduce(MPI_IN_PLACE, t.raw(), mpi_count(t.numel(), t, "all_reduce"), red.type,
+                           red.op, comm_, &req),
             "MPI_Iallreduce");
   return req;
 }
@@ -528,7 +556,7 @@ MPI_Request MpiCommunicator::post_reduce_scatter(const Tensor& in, const Tensor&
   if (in.numel() != size_ * out.numel())
     throw Error("reduce_scatter in {}: input {} holds {} elements, not size ({}) x output {} ({})",
                 describe(), in.shape().str(), in.numel(), size_, out.shape().str(), out.numel());
-  MPI_Datatype type = reduce_type(in, "reduce_scatter");
+  const Reduction red = reduction(in, op, "reduce_scatter");
   // MPI's in-place form keeps the result at the front, not at slice `rank`:
   // an output inside the input is reduced from a copy of the input instead.
   src = Tensor();
@@ -537,8 +565,8 @@ MPI_Request MpiCommunicator::post_reduce_scatter(const Tensor& in, const Tensor&
   if (out.nbytes() > 0 && b < a + in.nbytes() && a < b + out.nbytes()) src = in.clone();
   MPI_Request req;
   mpi_check(MPI_Ireduce_scatter_block(src.raw() ? src.raw() : in.raw(), out.raw(),
-                                      mpi_count(out.numel(), out, "reduce_scatter"), type,
-                                      mpi_op(op), comm_, &req),
+                                      mpi_count(out.numel(), out, "reduce_scatter"), red.type,
+                                      red.op, comm_, &req),
             "MPI_Ireduce_scatter_block");
   return req;
 }

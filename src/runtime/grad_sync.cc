@@ -1,3 +1,4 @@
+#include <weft/bf16.h>
 #include <weft/cpu_kernels.h>
 #include <weft/grad_sync.h>
 
@@ -23,6 +24,9 @@ struct GradSync::Bucket {
   Tensor shard_grad;            // (padded / dp): this replica's reduced slice
   Tensor shard_value;           // (padded / dp): its slice, sent by the all-gather
   Tensor m, v;                  // (padded / dp): Adam's moments of the slice
+  // A bf16 reduction: the message (padded) and, distributed, this replica's slice.
+  Tensor grad16, shard16;
+  std::unique_ptr<PowerSgd> powersgd;  // when it compresses one of the bucket's matrices
   RequestPtr request;
 };
 
@@ -39,12 +43,33 @@ Overlap overlap(int64_t begin, int64_t end, int64_t lo, int64_t hi) {
 
 }  // namespace
 
+DType parse_grad_reduce_dtype(const std::string& name) {
+  if (name == "fp32") return DType::F32;
+  if (name == "bf16") return DType::BF16;
+  throw Error("--grad-reduce-dtype '{}' must be fp32 or bf16", name);
+}
+
+void check_grad_sync_options(const GradSyncOptions& o) {
+  check(o.bucket_elements > 0, "--ddp-bucket-size ({}) must be positive", o.bucket_elements);
+  check(o.reduce_dtype == DType::F32 || o.reduce_dtype == DType::BF16,
+        "--grad-reduce-dtype {} is not available (fp32 or bf16)", dtype_name(o.reduce_dtype));
+  check(o.powersgd_rank >= 1, "--powersgd-rank ({}) must be at least 1", o.powersgd_rank);
+  check(o.powersgd_start_iter >= 0, "--powersgd-start-iter ({}) must not be negative",
+        o.powersgd_start_iter);
+  if (o.compression != GradCompression::PowerSgd) return;
+  check(!o.distributed_optimizer,
+        "--grad-compression powersgd compresses the all-reduce of plain data parallelism; it "
+        "cannot be combined with --use-distributed-optimizer (which reduce-scatters)");
+  check(o.reduce_dtype == DType::F32,
+        "--grad-compression powersgd sends fp32 factors; it cannot be combined with "
+        "--grad-reduce-dtype bf16");
+}
+
 GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param*> params,
                    std::vector<Param*> late, std::vector<Param*> norm_owned, ParallelGroups groups,
                    AdamWConfig adam, GradSyncOptions options)
     : groups_(groups), options_(options), adam_(adam), params_(std::move(params)) {
-  check(options_.bucket_elements > 0, "--ddp-bucket-size ({}) must be positive",
-        options_.bucket_elements);
+  check_grad_sync_options(options_);
   std::map<const Param*, int> index;
   for (size_t i = 0; i < params_.size(); ++i) index[params_[i]] = static_cast<int>(i);
   const size_t np = params_.size();
@@ -114,6 +139,19 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
       b.shard_value = Tensor::zeros({s});
       b.m = Tensor::zeros({s});
       b.v = Tensor::zeros({s});
+      if (options_.reduce_dtype == DType::BF16) b.shard16 = Tensor::zeros({s}, DType::BF16);
+    }
+    if (dp > 1 && options_.reduce_dtype == DType::BF16)
+      b.grad16 = Tensor::zeros({b.padded}, DType::BF16);
+    if (dp > 1 && options_.compression == GradCompression::PowerSgd) {
+      std::vector<PowerSgd::Piece> pieces;
+      bool any = false;
+      for (size_t k = 0; k < b.params.size(); ++k) {
+        const Param* p = params_[static_cast<size_t>(b.params[k])];
+        pieces.push_back({p->name, b.offset[k], p->value.shape()});
+        any = any || PowerSgd::compressible(p->value.shape(), options_.powersgd_rank);
+      }
+      if (any) b.powersgd = std::make_unique<PowerSgd>(pieces, options_.powersgd_rank);
     }
     for (size_t k = 0; k < b.params.size(); ++k) {
       Param* p = params_[static_cast<size_t>(b.params[k])];
@@ -152,6 +190,10 @@ void GradSync::begin(int64_t micro_batches) {
   next_launch_ = 0;
   launched_any_ = false;
   stats_ = {};
+  // Steps before --powersgd-start-iter reduce uncompressed (PyTorch's
+  // start_powerSGD_iter): Adam's moments settle on exact gradients first.
+  compressing_ = options_.compression == GradCompression::PowerSgd &&
+                 steps_ >= options_.powersgd_start_iter;
 }
 
 void GradSync::launch(Bucket& b) {
@@ -163,13 +205,46 @@ void GradSync::launch(Bucket& b) {
   }
   ++stats_.buckets;
   if (!in_finish_) ++stats_.started_in_backward;
-  const double dp = groups_.dp_size(), bytes = static_cast<double>(b.grad.nbytes());
-  if (distributed()) {
-    b.request = groups_.dp->ireduce_scatter(b.grad, b.shard_grad, ReduceOp::Sum);
-    stats_.bytes_sent += bytes * (dp - 1) / dp;  // a ring reduce-scatter's share
+  if (b.powersgd && compressing_) {
+    b.request = reduce(b.powersgd->compress(b.grad.data<float>()), nullptr);
+  } else if (b.grad16.raw() != nullptr) {
+    to_bf16(b.grad.data<float>(), b.grad16.data<uint16_t>(), b.padded);
+    b.request = reduce(b.grad16, distributed() ? &b.shard16 : nullptr);
   } else {
-    b.request = groups_.dp->iall_reduce(b.grad, ReduceOp::Sum);
-    stats_.bytes_sent += 2 * bytes * (dp - 1) / dp;  // a ring all-reduce's share
+    b.request = reduce(b.grad, distributed() ? &b.shard_grad : nullptr);
+  }
+}
+
+RequestPtr GradSync::reduce(const Tensor& t, const Tensor* out) {
+  const double dp = groups_.dp_size(), bytes = static_cast<double>(t.nbytes());
+  ++stats_.collectives;
+  if (out) {
+    stats_.bytes_sent += bytes * (dp - 1) / dp;  // a ring reduce-scatter's share
+    return groups_.dp->ireduce_scatter(t, *out, ReduceOp::Sum);
+  }
+  stats_.bytes_sent += 2 * bytes * (dp - 1) / dp;  // a ring all-reduce's share
+  return groups_.dp->iall_reduce(t, ReduceOp::Sum);
+}
+
+void GradSync::launch_second_round() {
+  for (auto& bp : buckets_) {
+    Bucket& b = *bp;
+    if (!b.powersgd || !compressing_ || !b.launched) continue;
+    if (b.request) {
+      b.request->wait();
+      b.request.reset();
+    }
+    b.request = reduce(b.powersgd->project(b.grad.data<float>()), nullptr);
+  }
+}
+
+void GradSync::unpack(Bucket& b) {
+  if (b.powersgd && compressing_) {
+    b.powersgd->decompress(b.grad.data<float>(), groups_.dp_size());
+  } else if (distributed() && b.shard16.raw() != nullptr) {
+    bf16_to_float(b.shard16.data<uint16_t>(), b.shard_grad.data<float>(), b.shard16.numel());
+  } else if (!distributed() && b.grad16.raw() != nullptr) {
+    bf16_to_float(b.grad16.data<uint16_t>(), b.grad.data<float>(), b.padded);
   }
 }
 
@@ -204,11 +279,16 @@ void GradSync::finish() {
   in_finish_ = true;
   const auto t0 = Clock::now();
   while (next_launch_ < buckets_.size()) launch(*buckets_[next_launch_++]);
-  for (auto& b : buckets_)
-    if (b->request) {
-      b->request->wait();
-      b->request.reset();
+  if (groups_.dp_size() > 1) {
+    if (compressing_) launch_second_round();
+    for (auto& b : buckets_) {
+      if (b->request) {
+        b->request->wait();
+        b->request.reset();
+      }
+      unpack(*b);
     }
+  }
   const auto t1 = Clock::now();
   in_finish_ = false;
   stats_.wait_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();

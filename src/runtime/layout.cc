@@ -13,6 +13,7 @@ RankLayout::RankLayout(Communicator* world, Graph& logical, LmGraph io, const Ba
         "size ({})",
         opt.global_batch, opt.micro_batch, shape.dp());
   const int64_t micro_batches = opt.global_batch / (opt.micro_batch * shape.dp());
+  check_tensor_parallel(logical_, lo_.tp);  // heads, vocabulary: before any message
   if (world != nullptr) mesh_.emplace(Mesh::build(*world, lo_.tp, lo_.pp));
 
   // This rank's graph and parameters: each rank starts from its piece of the

@@ -1,8 +1,10 @@
+#include <weft/optimizer.h>
 #include <weft/profile.h>
 #include <weft/runner.h>
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
 
 namespace weft {
 
@@ -63,6 +65,87 @@ nlohmann::json cost_model_json(const CostModel& cost, const Graph& g) {
                      {"output_bytes", c.output_bytes}});
   }
   return {{"unit", "seconds"}, {"nodes", nodes}};
+}
+
+namespace {
+void check_plan(const StagePlan& plan, const Graph& g) {
+  const size_t n = g.nodes().size();
+  check(plan.begin.size() == static_cast<size_t>(plan.stages()) + 1 && plan.begin.front() == 0 &&
+            plan.begin.back() == static_cast<int>(n) &&
+            plan.stage_rank.size() == static_cast<size_t>(plan.stages()),
+        "stage costs: the plan's {} cut points and {} ranks do not split {} nodes into {} stages",
+        plan.begin.size(), plan.stage_rank.size(), n, plan.stages());
+}
+}  // namespace
+
+std::vector<double> profile_updates(const Graph& g, const StagePlan& plan, int repeats) {
+  check(repeats > 0, "profiling needs at least one repeat, got {}", repeats);
+  check_plan(plan, g);
+  std::vector<double> seconds;
+  for (int s = 0; s < plan.stages(); ++s) {
+    const std::vector<Param*> params =
+        g.params(plan.begin[static_cast<size_t>(s)], plan.begin[static_cast<size_t>(s) + 1]);
+    AdamW adam(params, AdamWConfig{0.9f, 0.95f, 1e-8f, 0.1f});
+    std::vector<double> t;
+    // One untimed round first, as the trainer's first step allocates the moments.
+    for (int r = -1; r < repeats; ++r) {
+      const auto t0 = Clock::now();
+      zero_grads(params);
+      clip_grads(params, 1.0, grad_norm(params));
+      adam.step(0.0f);
+      if (r >= 0) t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    seconds.push_back(median(t));
+  }
+  return seconds;
+}
+
+nlohmann::json stage_costs_json(const CostModel& cost, const StagePlan& plan, const Graph& g,
+                                const std::vector<double>& update) {
+  const size_t n = g.nodes().size();
+  check(cost.nodes.size() == n, "stage costs: the cost model has {} nodes, the graph {}",
+        cost.nodes.size(), n);
+  check_plan(plan, g);
+  check(update.empty() || update.size() == static_cast<size_t>(plan.stages()),
+        "stage costs: {} update times for {} stages", update.size(), plan.stages());
+  nlohmann::json stages = nlohmann::json::array();
+  for (int s = 0; s < plan.stages(); ++s) {
+    const int begin = plan.begin[static_cast<size_t>(s)];
+    const int end = plan.begin[static_cast<size_t>(s) + 1];
+    double f = 0, i = 0, w = 0, stash = 0, boundary = 0;
+    for (int k = begin; k < end; ++k) {
+      const NodeCost& c = cost.nodes[static_cast<size_t>(k)];
+      f += c.f, i += c.i, w += c.w, stash += c.activation_bytes;
+    }
+    // The executor's boundary: values produced before `end` and read after it.
+    for (const Value& v : g.values()) {
+      if (v.producer < 0 || v.producer >= end) continue;
+      if (std::any_of(v.consumers.begin(), v.consumers.end(), [&](int c) { return c >= end; }))
+        boundary += static_cast<double>(v.shape.numel()) * static_cast<double>(dtype_size(v.dtype));
+    }
+    stages.push_back({{"stage", s},
+                      {"rank", plan.stage_rank[static_cast<size_t>(s)]},
+                      {"first", g.nodes()[static_cast<size_t>(begin)].name},
+                      {"last", g.nodes()[static_cast<size_t>(end) - 1].name},
+                      {"nodes", end - begin},
+                      {"f", f},
+                      {"i", i},
+                      {"w", w},
+                      {"update", update.empty() ? 0.0 : update[static_cast<size_t>(s)]},
+                      {"boundary_bytes", boundary},
+                      {"stash_bytes", stash}});
+  }
+  return {{"pp", plan.pp}, {"chunks", plan.chunks}, {"partition", plan.method},
+          {"stages", stages}};
+}
+
+void write_profile(const std::string& path, const CostModel& cost, const StagePlan& plan,
+                   const Graph& g) {
+  nlohmann::json j = cost_model_json(cost, g);
+  j.update(stage_costs_json(cost, plan, g, profile_updates(g, plan)));
+  std::ofstream f(path, std::ios::trunc);
+  f << j.dump(2) << '\n';
+  check(f.good(), "--profile {}: cannot write", path);
 }
 
 }  // namespace weft

@@ -79,4 +79,45 @@ Graph tensor_parallel_graph(const Graph& logical, Communicator& tp,
   return g;
 }
 
+namespace {
+
+// A tensor-parallel group in name only: rank 0 of `size`, for building a
+// rank's graph to check it. Building communicates nothing; anything that
+// tries is a bug, and says so.
+class ShapeOnlyGroup final : public Communicator {
+ public:
+  explicit ShapeOnlyGroup(int size) : Communicator(CommOptions{}), size_(size) {}
+  int rank() const override { return 0; }
+  int size() const override { return size_; }
+  int world_rank(int r) const override { return r; }
+  std::string describe() const override { return "tp (checking shapes)"; }
+  RequestPtr isend(const Tensor&, int, MessageTag) override { fail("isend"); }
+  RequestPtr irecv(const Tensor&, int, MessageTag) override { fail("irecv"); }
+  void all_reduce(const Tensor&, ReduceOp) override { fail("all_reduce"); }
+  void all_gather(const Tensor&, const Tensor&) override { fail("all_gather"); }
+  void reduce_scatter(const Tensor&, const Tensor&, ReduceOp) override { fail("reduce_scatter"); }
+  void broadcast(const Tensor&, int) override { fail("broadcast"); }
+  void barrier() override { fail("barrier"); }
+  std::unique_ptr<Communicator> split(const std::vector<std::vector<int>>&,
+                                      const std::string&) override {
+    fail("split");
+  }
+
+ private:
+  [[noreturn]] static void fail(const char* op) {
+    throw Error("{} while checking tensor-parallel shapes: building a graph must not communicate",
+                op);
+  }
+  int size_;
+};
+
+}  // namespace
+
+void check_tensor_parallel(const Graph& logical, int tp) {
+  check(tp >= 1, "tensor-parallel size ({}) must be at least 1", tp);
+  if (tp == 1) return;
+  ShapeOnlyGroup group(tp);
+  tensor_parallel_graph(logical, group, std::make_shared<ParamStore>());
+}
+
 }  // namespace weft

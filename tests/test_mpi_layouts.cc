@@ -1,0 +1,164 @@
+// train_gpt under mpiexec with 8 processes: every dp x pp x tp layout, with
+// 1F1B and with the zero-bubble schedule, and with the distributed optimizer,
+// gives the single-process losses and gradient norms for 5 steps; a
+// checkpoint saved by one layout resumes in others with the losses the
+// uninterrupted run has.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "test_util.h"
+
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <sstream>
+
+namespace weft {
+namespace {
+
+using testing::read_file;
+
+constexpr int kWorld = 8;
+
+class MpiLayouts : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new std::string(testing::temp_dir("mpi-layouts"));
+    std::string text;
+    for (int i = 0; i < 80; ++i) text += "Call me Ishmael. Some years ago, never mind how long. ";
+    testing::write_file(*dir_ + "/text.txt", text);
+    reference_ = new std::vector<nlohmann::json>(train(1, ""));
+    ASSERT_EQ(reference_->size(), 5u);
+  }
+
+  // 8 heads and a vocabulary of 256 divide by every tp up to 8; 8 layers
+  // give every pipeline rank a block at pp 8.
+  static std::string flags() {
+    return "--num-layers 8 --hidden-size 32 --num-attention-heads 8 --seq-length 16 "
+           "--micro-batch-size 1 --global-batch-size 8 --lr 3e-3 --clip-grad 0.5 "
+           "--threads 1 --comm-timeout 60 --data-path " + *dir_ + "/text.txt";
+  }
+
+  // Runs train_gpt on `ranks` processes; returns its JSONL records.
+  static std::vector<nlohmann::json> train(int ranks, const std::string& extra,
+                                           int iters = 5) {
+    const std::string out = *dir_ + "/run.jsonl";
+    std::remove(out.c_str());
+    std::string cmd = std::string(std::getenv("WEFT_TRAIN_GPT")) + " " + flags() +
+                      " --train-iters " + std::to_string(iters) + " " + extra + " --log-jsonl " +
+                      out;
+    if (ranks > 1)
+      cmd = std::string(std::getenv("WEFT_MPIEXEC")) + " -n " + std::to_string(ranks) + " " + cmd;
+    cmd += " >" + *dir_ + "/out.txt 2>&1";
+    const int status = std::system(cmd.c_str());
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << cmd << "\n" << read_file(*dir_ + "/out.txt");
+    std::vector<nlohmann::json> records;
+    std::istringstream lines(read_file(out));
+    for (std::string line; std::getline(lines, line);) records.push_back(nlohmann::json::parse(line));
+    return records;
+  }
+
+  // The records match the reference's steps [first, first + size).
+  static void expect_reference(const std::vector<nlohmann::json>& got, size_t first,
+                               const std::string& what) {
+    ASSERT_TRUE(!got.empty() && first + got.size() <= reference_->size())
+        << what << ": " << got.size() << " records\n" << read_file(*dir_ + "/out.txt");
+    for (size_t s = 0; s < got.size(); ++s) {
+      const auto& want = (*reference_)[first + s];
+      EXPECT_EQ(got[s]["step"].get<int64_t>(), want["step"].get<int64_t>()) << what;
+      const double loss = want["loss"], norm = want["grad_norm"];
+      EXPECT_NEAR(got[s]["loss"].get<double>(), loss, 1e-5 * loss) << what << " step " << s;
+      EXPECT_NEAR(got[s]["grad_norm"].get<double>(), norm, 1e-5 * norm) << what << " step " << s;
+    }
+  }
+
+  static std::string* dir_;
+  static std::vector<nlohmann::json>* reference_;
+};
+
+std::string* MpiLayouts::dir_ = nullptr;
+std::vector<nlohmann::json>* MpiLayouts::reference_ = nullptr;
+
+struct Layout {
+  int dp, pp, tp;
+  std::string args() const {
+    return "--tp " + std::to_string(tp) + " --pp " + std::to_string(pp);
+  }
+  std::string str() const {
+    return "(dp " + std::to_string(dp) + ", pp " + std::to_string(pp) + ", tp " +
+           std::to_string(tp) + ")";
+  }
+};
+
+const Layout kLayouts[] = {{2, 2, 2}, {1, 2, 4}, {2, 4, 1}, {4, 1, 2},
+                           {8, 1, 1}, {1, 8, 1}, {1, 1, 8}};
+
+TEST_F(MpiLayouts, EveryLayoutAndScheduleMatchesSingleProcess) {
+  for (const Layout& l : kLayouts) {
+    ASSERT_EQ(l.dp * l.pp * l.tp, kWorld);
+    // Without a pipeline the schedule has nothing to order.
+    for (const char* schedule : {"1f1b", "zb-h1"}) {
+      if (l.pp == 1 && std::string(schedule) != "1f1b") continue;
+      const std::string what = l.str() + " " + schedule;
+      expect_reference(train(kWorld, l.args() + " --schedule " + schedule), 0, what);
+    }
+  }
+}
+
+TEST_F(MpiLayouts, DistributedOptimizerMatchesSingleProcess) {
+  for (const Layout& l : {Layout{2, 2, 2}, Layout{8, 1, 1}, Layout{4, 1, 2}})
+    expect_reference(train(kWorld, l.args() + " --schedule zb-h1 --use-distributed-optimizer"),
+                     0, l.str() + " distributed optimizer");
+  // Small buckets: many reductions overlap the backward, same numbers.
+  expect_reference(train(kWorld, "--tp 1 --pp 1 --ddp-bucket-size 4096"), 0, "small buckets");
+}
+
+TEST_F(MpiLayouts, CheckpointResumesInOtherLayouts) {
+  for (const char* optimizer : {"", " --use-distributed-optimizer"}) {
+    const std::string ckpt = *dir_ + "/ckpt" + (optimizer[0] ? "-zero" : "");
+    auto first = train(kWorld, "--tp 2 --pp 2 --save " + ckpt + optimizer, 2);
+    ASSERT_EQ(first.size(), 2u);
+    expect_reference(first, 0, std::string("saving at (2, 2, 2)") + optimizer);
+    // train_iters counts in total: the resumed runs take steps 3 to 5.
+    for (const Layout& l : {Layout{1, 4, 2}, Layout{8, 1, 1}}) {
+      auto rest = train(kWorld, l.args() + " --load " + ckpt + optimizer);
+      ASSERT_EQ(rest.size(), 3u);
+      expect_reference(rest, 2, "resumed at " + l.str() + optimizer);
+    }
+    auto single = train(1, std::string("--load ") + ckpt);
+    expect_reference(single, 2, std::string("resumed on one process from") + optimizer);
+  }
+}
+
+TEST(MpiLayoutErrors, ImpossibleLayoutsFailBeforeCommunicating) {
+  const std::string dir = testing::temp_dir("mpi-layout-errors");
+  testing::write_file(dir + "/t.txt", std::string(4000, 'a'));
+  auto run = [&](const std::string& args) {
+    std::string cmd = std::string(std::getenv("WEFT_MPIEXEC")) + " -n 8 " +
+                      std::getenv("WEFT_TRAIN_GPT") + " --data-path " + dir + "/t.txt " + args +
+                      " >" + dir + "/out.txt 2>&1";
+    const int status = std::system(cmd.c_str());
+    EXPECT_FALSE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << cmd;
+    return read_file(dir + "/out.txt");
+  };
+  std::string out = run("--model toy --num-attention-heads 6 --hidden-size 48 --tp 4");
+  EXPECT_NE(out.find("--num-attention-heads (6) must be divisible by "
+                     "--tensor-model-parallel-size (4)"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1) << out;  // printed once
+  out = run("--model toy --num-attention-heads 8 --vocab-size 260 --tp 8");
+  EXPECT_NE(out.find("--vocab-size (260) must be divisible by --tensor-model-parallel-size (8)"),
+            std::string::npos)
+      << out;
+  out = run("--model toy --tp 2 --micro-batch-size 2 --global-batch-size 4");
+  EXPECT_NE(out.find("--global-batch-size (4) must be divisible by --micro-batch-size (2) x dp (4)"),
+            std::string::npos)
+      << out;
+  out = run("--model toy --tp 3");
+  EXPECT_NE(out.find("world size (8) must be divisible"), std::string::npos) << out;
+}
+
+}  // namespace
+}  // namespace weft

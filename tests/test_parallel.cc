@@ -1,0 +1,658 @@
+// Every dp x pp x tp layout trains the same model. On LocalCommunicator
+// threads, RankLayout assembles each rank; every rank's losses, gradient
+// norms and final parameters are the single-process ones. Also: the
+// distributed optimizer (ZeRO-1) against the plain one, the data-parallel
+// buckets' overlap with the backward, checkpoints saved by one layout and
+// resumed by another, and config errors raised before any communication.
+#include <weft/layout.h>
+#include <weft/local_communicator.h>
+
+#include <gtest/gtest.h>
+
+#include "models/gpt.h"
+#include "test_util.h"
+
+#include <cmath>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <ostream>
+#include <set>
+#include <tuple>
+
+namespace weft {
+namespace {
+
+using testing::contains;
+using testing::error_message;
+
+constexpr int kSteps = 5;
+constexpr uint64_t kSeed = 42;
+constexpr double kTol = 1e-5;
+constexpr int64_t kMicro = 1, kGlobal = 8;
+
+size_t z(int64_t i) { return static_cast<size_t>(i); }
+
+// Parameters after training: kTol relative, plus 1e-6 per element absolute.
+// The key bias has a zero gradient in exact arithmetic (softmax ignores a
+// shift shared by every key), so Adam turns float noise there into values
+// near 1e-7 that differ between any two summation orders; a missed or
+// doubled update moves a parameter by about lr = 3e-3.
+constexpr double kParamAbs = 1e-6;
+::testing::AssertionResult params_close(const Tensor& got, const Tensor& want) {
+  double diff = 0, ref = 0;
+  for (int64_t i = 0; i < want.numel(); ++i) {
+    const double d = static_cast<double>(got.data<float>()[i]) - want.data<float>()[i];
+    diff += d * d;
+    ref += static_cast<double>(want.data<float>()[i]) * want.data<float>()[i];
+  }
+  diff = std::sqrt(diff), ref = std::sqrt(ref);
+  const double allowed = kTol * ref + kParamAbs * std::sqrt(static_cast<double>(want.numel()));
+  if (diff <= allowed) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << "|got - want| = " << diff << " > " << allowed << " (|want| = " << ref << ")";
+}
+
+const TokenData& text_data() {
+  static const TokenData data = [] {
+    std::string text;
+    for (int i = 0; i < 60; ++i) text += "It was the best of times, it was the worst of times. ";
+    return TokenData::from_tokens(std::vector<int32_t>(text.begin(), text.end()), 256);
+  }();
+  return data;
+}
+
+// 8 heads, so tp up to 8 divides the heads, the widths and the vocabulary.
+GptConfig tiny() {
+  GptConfig c;
+  c.vocab_size = 256, c.num_layers = 8, c.hidden_size = 32, c.num_heads = 8, c.seq_length = 16;
+  return c;
+}
+
+TrainOptions options() {
+  TrainOptions o;
+  o.micro_batch = kMicro;
+  o.global_batch = kGlobal;
+  o.seq_length = tiny().seq_length;
+  // Warmup then cosine: the learning rate depends on the step, so a resumed
+  // run must know where it is.
+  o.lr.lr = 3e-3f;
+  o.lr.min_lr = 3e-4f;
+  o.lr.decay = LrDecay::Cosine;
+  o.lr.warmup_iters = 2;
+  o.lr.decay_iters = kSteps;
+  o.adam.weight_decay = 0.1f;
+  o.clip_grad = 0.5;  // active: the reference checks that the norm starts above it
+  return o;
+}
+
+// The single-process run every layout must reproduce, computed once.
+struct Reference {
+  std::vector<double> loss, norm;
+  std::map<std::string, Tensor> params;   // after kSteps
+  std::map<std::string, Tensor> moments;  // Adam's, after kSteps
+};
+
+const Reference& reference() {
+  static const Reference ref = [] {
+    TokenBatches batches(text_data(), kGlobal, tiny().seq_length);
+    GptModel m = build_gpt(tiny(), kMicro);
+    init_gpt(m, kSeed);
+    Trainer t(m.io, batches, options());
+    Reference r;
+    for (int s = 0; s < kSteps; ++s) {
+      const StepRecord rec = t.train_step();
+      r.loss.push_back(rec.loss);
+      r.norm.push_back(rec.grad_norm);
+    }
+    for (Param* p : m.graph.params()) r.params.emplace(p->name, p->value.clone());
+    for (auto& [name, moment] : t.grad_sync().optimizer_state())
+      r.moments.emplace(name, moment.clone());
+    return r;
+  }();
+  return ref;
+}
+
+// --- running a layout ---
+
+struct Layout {
+  int dp = 1, pp = 1, tp = 1;
+  std::string schedule = "1f1b";
+  int chunks = 1;
+  bool distributed = false;
+  bool recompute = false;
+  int64_t bucket_elements = int64_t{1} << 20;
+  bool overlap = true;
+
+  int world() const { return dp * pp * tp; }
+  LayoutOptions options() const {
+    LayoutOptions lo;
+    lo.tp = tp, lo.pp = pp, lo.schedule = schedule, lo.chunks = chunks;
+    lo.pipeline.recompute = recompute;
+    lo.sync.distributed_optimizer = distributed;
+    lo.sync.bucket_elements = bucket_elements;
+    lo.sync.overlap = overlap;
+    return lo;
+  }
+  std::string name() const {
+    std::string n =
+        "dp" + std::to_string(dp) + "_pp" + std::to_string(pp) + "_tp" + std::to_string(tp);
+    if (pp > 1) n += "_" + schedule + (chunks > 1 ? "_v" + std::to_string(chunks) : "");
+    if (distributed) n += "_zero1";
+    if (recompute) n += "_recompute";
+    for (char& ch : n)
+      if (ch == '-') ch = '_';
+    return n;
+  }
+};
+
+// gtest names a failing case by its layout.
+void PrintTo(const Layout& l, std::ostream* os) { *os << l.name(); }
+
+// What one rank saw.
+struct RankRun {
+  MeshCoord coord;
+  std::vector<StepRecord> steps;
+  std::vector<GradSync::Stats> stats;    // after each step
+  std::map<std::string, Tensor> params;  // the ones this rank updates, its pieces
+  std::map<std::string, Shard> shards;
+  NamedTensors moments;  // optimizer_state() after the last step
+};
+
+// Runs `steps` steps of layout `l` on its world of threads. `before` runs on
+// each rank after the layout is built (e.g. to load a checkpoint), `after`
+// after the steps (e.g. to save one); both are collective when they need be.
+using RankHook = std::function<void(RankLayout&)>;
+std::vector<RankRun> run_layout(const Layout& l, int steps, const RankHook& before = {},
+                                const RankHook& after = {}, const GptConfig& cfg = tiny(),
+                                bool with_moments = false) {
+  std::vector<RankRun> runs(z(l.world()));
+  std::mutex mu;
+  auto body = [&](Communicator* world) {
+    TokenBatches batches(text_data(), kGlobal, cfg.seq_length);
+    GptModel model = build_gpt(cfg, kMicro);  // zero-filled: RankLayout initialises
+    RankLayout rank(world, model.graph, model.io, batches, options(), l.options(), kSeed);
+    if (before) before(rank);
+    RankRun r;
+    r.coord = rank.coord();
+    for (int s = 0; s < steps; ++s) {
+      r.steps.push_back(rank.trainer().train_step());
+      r.stats.push_back(rank.trainer().grad_sync().stats());
+    }
+    for (Param* p : rank.trainer().params()) {
+      r.params.emplace(p->name, p->value.clone());
+      r.shards.emplace(p->name, p->shard);
+    }
+    if (with_moments) {
+      for (auto& [name, t] : rank.trainer().grad_sync().optimizer_state())
+        r.moments.emplace_back(name, t.clone());
+    }
+    if (after) after(rank);
+    std::lock_guard<std::mutex> lock(mu);
+    runs[z(world ? world->rank() : 0)] = std::move(r);
+  };
+  if (l.world() == 1) {
+    body(nullptr);
+  } else {
+    run_local(l.world(), [&](Communicator& world) { body(&world); });
+  }
+  return runs;
+}
+
+// Every rank's steps are reference steps first .. first + n - 1.
+void expect_reference_steps(const std::vector<RankRun>& runs, int first) {
+  const Reference& ref = reference();
+  for (size_t rank = 0; rank < runs.size(); ++rank) {
+    const RankRun& r = runs[rank];
+    ASSERT_FALSE(r.steps.empty()) << "rank " << rank << " ran no step";
+    for (size_t k = 0; k < r.steps.size(); ++k) {
+      const size_t s = z(first) + k;
+      ASSERT_LT(s, ref.loss.size());
+      EXPECT_EQ(r.steps[k].step, static_cast<int64_t>(s)) << "rank " << rank;
+      EXPECT_NEAR(r.steps[k].loss, ref.loss[s], kTol * ref.loss[s])
+          << "rank " << rank << " step " << s + 1;
+      EXPECT_NEAR(r.steps[k].grad_norm, ref.norm[s], kTol * ref.norm[s])
+          << "rank " << rank << " step " << s + 1;
+    }
+  }
+}
+
+// Every rank's parameters after the run are its pieces of the reference's,
+// and the pieces of each (dp, pp) slice of ranks, placed together, are the
+// whole tensors: an update that only some ranks (or some pieces) take fails.
+void expect_reference_params(const std::vector<RankRun>& runs, const Layout& l) {
+  const Reference& ref = reference();
+  // (dp, pp) -> name -> the full tensor, from the pieces of that slice's tp ranks
+  std::map<std::pair<int, int>, std::map<std::string, Tensor>> assembled;
+  std::map<std::pair<int, int>, std::map<std::string, int>> pieces;
+  std::set<std::string> updated;
+  for (size_t rank = 0; rank < runs.size(); ++rank) {
+    const RankRun& r = runs[rank];
+    EXPECT_FALSE(r.params.empty()) << "rank " << rank << " updates no parameter";
+    for (const auto& [name, value] : r.params) {
+      updated.insert(name);
+      const Shard& shard = r.shards.at(name);
+      const Tensor& want_full = ref.params.at(name);
+      ASSERT_EQ(shard.split() ? shard.full : value.shape(), want_full.shape()) << name;
+      Tensor want = Tensor::zeros(value.shape());
+      if (shard.split())
+        slice_shard(want_full, shard, want);
+      else
+        want.copy_from(want_full);
+      EXPECT_TRUE(params_close(value, want))
+          << "rank " << rank << " (tp " << r.coord.tp << ", dp " << r.coord.dp << ", pp "
+          << r.coord.pp << "): " << name << " after " << kSteps << " steps";
+      auto& full = assembled[{r.coord.dp, r.coord.pp}];
+      auto it = full.find(name);
+      if (it == full.end()) it = full.emplace(name, Tensor::zeros(want_full.shape())).first;
+      if (shard.split()) {
+        place_shard(value, shard, it->second);
+      } else {
+        it->second.copy_from(value);
+      }
+      ++pieces[{r.coord.dp, r.coord.pp}][name];
+    }
+  }
+  // Every parameter of the model is updated somewhere.
+  EXPECT_EQ(updated.size(), ref.params.size());
+  for (const auto& [where, full] : assembled)
+    for (const auto& [name, t] : full) {
+      EXPECT_EQ(pieces[where][name], l.tp) << name << " at dp " << where.first << " pp "
+                                           << where.second << ": not held by every tp rank";
+      EXPECT_TRUE(params_close(t, ref.params.at(name)))
+          << name << " assembled at dp " << where.first << " pp " << where.second;
+    }
+}
+
+// --- 1. every layout trains the same model ---
+
+class EveryLayout : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(EveryLayout, GivesTheSingleProcessLossesNormsAndParameters) {
+  const Layout l = GetParam();
+  const std::vector<RankRun> runs = run_layout(l, kSteps);
+  ASSERT_EQ(runs.size(), z(l.world()));
+  // Each rank has its own place in the mesh.
+  std::set<std::tuple<int, int, int>> coords;
+  for (const RankRun& r : runs) coords.insert({r.coord.tp, r.coord.dp, r.coord.pp});
+  EXPECT_EQ(coords.size(), runs.size());
+  expect_reference_steps(runs, 0);
+  expect_reference_params(runs, l);
+}
+
+std::vector<Layout> layouts() {
+  std::vector<Layout> v;
+  // The eight-rank layouts, each pipeline with 1F1B and the zero-bubble schedule.
+  for (auto [dp, pp, tp] : std::vector<std::tuple<int, int, int>>{
+           {2, 2, 2}, {1, 2, 4}, {2, 4, 1}, {4, 1, 2}, {8, 1, 1}, {1, 8, 1}, {1, 1, 8}}) {
+    if (pp == 1) {
+      v.push_back({dp, pp, tp});
+      continue;
+    }
+    v.push_back({dp, pp, tp, "1f1b"});
+    v.push_back({dp, pp, tp, "zb-h1"});
+  }
+  // More layouts and schedules.
+  v.push_back({2, 1, 1});
+  v.push_back({1, 1, 2});
+  v.push_back({2, 2, 1, "interleaved-1f1b", 2});
+  v.push_back({1, 2, 2, "zb-v", 2});
+  v.push_back({4, 2, 1, "gpipe"});
+  v.push_back({2, 1, 4});
+  // The distributed optimizer.
+  v.push_back({2, 2, 2, "zb-h1", 1, true});
+  v.push_back({8, 1, 1, "1f1b", 1, true});
+  v.push_back({4, 1, 2, "1f1b", 1, true});
+  v.push_back({2, 4, 1, "1f1b", 1, true});
+  // Recomputation, with every axis.
+  v.push_back({2, 2, 2, "1f1b", 1, false, true});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, EveryLayout, ::testing::ValuesIn(layouts()),
+                         [](const ::testing::TestParamInfo<Layout>& p) { return p.param.name(); });
+
+// The reference itself is a meaningful target: clipping acts, and training moves.
+TEST(Reference, ClipsAndLearns) {
+  const Reference& ref = reference();
+  EXPECT_GT(ref.norm[0], options().clip_grad) << "clipping would not act";
+  EXPECT_LT(ref.loss.back(), ref.loss.front());
+}
+
+// --- 2. the distributed optimizer ---
+
+// Same layout, both flags: the same losses, norms, parameters and Adam moments.
+TEST(DistributedOptimizer, SameNumbersAsThePlainOne) {
+  Layout plain{4, 1, 2};
+  Layout zero1 = plain;
+  zero1.distributed = true;
+  const std::vector<RankRun> a = run_layout(plain, kSteps, {}, {}, tiny(), true);
+  const std::vector<RankRun> b = run_layout(zero1, kSteps, {}, {}, tiny(), true);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t rank = 0; rank < a.size(); ++rank) {
+    for (size_t s = 0; s < z(kSteps); ++s) {
+      EXPECT_NEAR(b[rank].steps[s].loss, a[rank].steps[s].loss, kTol * a[rank].steps[s].loss)
+          << "rank " << rank << " step " << s + 1;
+      EXPECT_NEAR(b[rank].steps[s].grad_norm, a[rank].steps[s].grad_norm,
+                  kTol * a[rank].steps[s].grad_norm)
+          << "rank " << rank << " step " << s + 1;
+    }
+    // optimizer_state() is this rank's tp piece of each moment, whole across dp.
+    ASSERT_EQ(a[rank].moments.size(), b[rank].moments.size()) << "rank " << rank;
+    ASSERT_EQ(a[rank].moments.size(), 2 * a[rank].params.size()) << "rank " << rank;
+    std::map<std::string, Tensor> plain_moments(a[rank].moments.begin(), a[rank].moments.end());
+    for (const auto& [name, t] : b[rank].moments) {
+      ASSERT_TRUE(plain_moments.count(name)) << name;
+      EXPECT_LT(testing::rel_error(t, plain_moments.at(name)), kTol)
+          << "rank " << rank << ": " << name;
+    }
+    // A reduce-scatter moves half an all-reduce's bytes.
+    EXPECT_NEAR(b[rank].stats.back().bytes_sent, a[rank].stats.back().bytes_sent / 2,
+                1e-9 * a[rank].stats.back().bytes_sent);
+  }
+  // And the moments are the single-process ones (tp 2: compare the pieces).
+  const Reference& ref = reference();
+  for (size_t rank = 0; rank < b.size(); ++rank)
+    for (const auto& [name, t] : b[rank].moments) {
+      const std::string param = name.substr(0, name.rfind(".exp_avg"));
+      const Shard& shard = b[rank].shards.at(param);
+      Tensor want = Tensor::zeros(t.shape());
+      if (shard.split())
+        slice_shard(ref.moments.at(name), shard, want);
+      else
+        want.copy_from(ref.moments.at(name));
+      EXPECT_LT(testing::rel_error(t, want), kTol) << "rank " << rank << ": " << name;
+    }
+}
+
+// Each replica keeps Adam's moments for its slice only. Replica r loads a
+// state filled with r + 1; gathered back, the state is made of every
+// replica's slice, each about 1/dp of it. The plain optimizer keeps what it
+// loaded, all of it.
+struct OwnedCounts {
+  std::vector<int64_t> by_replica;  // elements holding replica r's value
+  int64_t total = 0;
+  int buckets = 0;
+};
+
+std::vector<OwnedCounts> moments_after_loading_per_replica_values(const Layout& l) {
+  std::vector<OwnedCounts> counts(z(l.world()));
+  std::mutex mu;
+  run_local(l.world(), [&](Communicator& world) {
+    TokenBatches batches(text_data(), kGlobal, tiny().seq_length);
+    GptModel model = build_gpt(tiny(), kMicro);
+    RankLayout rank(&world, model.graph, model.io, batches, options(), l.options(), kSeed);
+    rank.trainer().train_step();
+    GradSync& sync = rank.trainer().grad_sync();
+    const float mine = static_cast<float>(rank.coord().dp + 1);
+    NamedTensors state = sync.optimizer_state();
+    for (auto& [name, t] : state) {
+      t = t.clone();
+      for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = mine;
+    }
+    sync.load_optimizer_state(state);
+    OwnedCounts c;
+    c.by_replica.assign(z(l.dp), 0);
+    c.buckets = sync.stats().buckets;
+    for (const auto& [name, t] : sync.optimizer_state())
+      for (int64_t i = 0; i < t.numel(); ++i) {
+        const float x = t.data<float>()[i];
+        const int r = static_cast<int>(x) - 1;
+        ++c.total;
+        if (x == static_cast<float>(r + 1) && r >= 0 && r < l.dp) ++c.by_replica[z(r)];
+      }
+    std::lock_guard<std::mutex> lock(mu);
+    counts[z(world.rank())] = c;
+  });
+  return counts;
+}
+
+TEST(DistributedOptimizer, EachReplicaKeepsMomentsForItsSliceOnly) {
+  Layout l{2, 1, 1};
+  l.bucket_elements = 2048;  // several buckets, each cut in two
+  l.distributed = true;
+  const std::vector<OwnedCounts> all = moments_after_loading_per_replica_values(l);
+  for (size_t r = 1; r < all.size(); ++r)
+    EXPECT_EQ(all[r].by_replica, all[0].by_replica) << "rank " << r << " sees another state";
+  const OwnedCounts& c = all[0];
+  ASSERT_GT(c.buckets, 1);
+  int64_t found = 0;
+  for (int r = 0; r < l.dp; ++r) {
+    // Each replica's slice is half of each bucket, rounded up to an even size.
+    EXPECT_NEAR(static_cast<double>(c.by_replica[z(r)]), static_cast<double>(c.total) / l.dp,
+                static_cast<double>(2 * c.buckets))
+        << "replica " << r;
+    found += c.by_replica[z(r)];
+  }
+  EXPECT_EQ(found, c.total) << "moments that belong to no replica";
+
+  // Without it, each replica keeps everything it loaded.
+  l.distributed = false;
+  const std::vector<OwnedCounts> plain = moments_after_loading_per_replica_values(l);
+  for (size_t r = 0; r < plain.size(); ++r) EXPECT_EQ(plain[r].by_replica[r], plain[r].total);
+}
+
+// --- 3. bucket overlap ---
+
+TEST(GradBuckets, StartDuringTheBackwardUnlessOverlapIsOff) {
+  Layout on{2, 1, 1};
+  on.bucket_elements = 2048;
+  Layout off = on;
+  off.overlap = false;
+  const std::vector<RankRun> a = run_layout(on, 2);
+  const std::vector<RankRun> b = run_layout(off, 2);
+  // A parameter larger than a bucket is a bucket of its own; the others
+  // share buckets of at most bucket_elements.
+  int64_t alone = 0, shared = 0;
+  for (const auto& [name, t] : reference().params) {
+    if (t.numel() > on.bucket_elements)
+      ++alone;
+    else
+      shared += t.numel();
+  }
+  const int64_t at_least = alone + (shared + on.bucket_elements - 1) / on.bucket_elements;
+  for (size_t rank = 0; rank < a.size(); ++rank) {
+    for (size_t s = 0; s < a[rank].stats.size(); ++s) {
+      const GradSync::Stats& x = a[rank].stats[s];
+      EXPECT_GE(x.buckets, at_least) << "rank " << rank;
+      EXPECT_EQ(x.started_in_backward, x.buckets) << "rank " << rank << " step " << s + 1;
+      EXPECT_GT(x.bytes_sent, 0.0);
+      const GradSync::Stats& y = b[rank].stats[s];
+      EXPECT_EQ(y.buckets, x.buckets) << "rank " << rank;
+      EXPECT_EQ(y.started_in_backward, 0) << "rank " << rank << " step " << s + 1;
+      // Identical either way: the same reductions, started at other times.
+      EXPECT_EQ(a[rank].steps[s].loss, b[rank].steps[s].loss) << "rank " << rank;
+      EXPECT_EQ(a[rank].steps[s].grad_norm, b[rank].steps[s].grad_norm) << "rank " << rank;
+      EXPECT_GE(a[rank].steps[s].dp_wait_ms, 0.0);
+    }
+  }
+  expect_reference_steps(a, 0);
+}
+
+// With a pipeline, the buckets of weights tied across stages (wte, in the
+// first and last stage) wait for the pipeline's sum: they start in finish().
+TEST(GradBuckets, TiedWeightsAreTheLateBucketsOfAPipeline) {
+  Layout l{2, 2, 1, "1f1b"};
+  l.bucket_elements = 2048;
+  std::vector<int> late(z(l.world()), -1);
+  std::mutex mu;
+  const std::vector<RankRun> runs = run_layout(l, 2, [&](RankLayout& rank) {
+    int n = 0;
+    for (Param* p : rank.pipeline()->tied_params()) {
+      // Larger than a bucket: each is a bucket of its own.
+      EXPECT_GT(p->value.numel(), l.bucket_elements) << p->name;
+      ++n;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    late[z(rank.coord().tp + l.tp * (rank.coord().dp + l.dp * rank.coord().pp))] = n;
+  });
+  for (size_t rank = 0; rank < runs.size(); ++rank) {
+    EXPECT_EQ(late[rank], 1) << "rank " << rank << ": wte is tied between the two stages";
+    for (const GradSync::Stats& x : runs[rank].stats) {
+      EXPECT_GT(x.buckets, 2) << "rank " << rank;
+      EXPECT_EQ(x.started_in_backward, x.buckets - late[rank]) << "rank " << rank;
+    }
+  }
+  expect_reference_steps(runs, 0);
+}
+
+// --- 4. checkpoints across layouts ---
+
+constexpr int kSaveAfter = 2;
+
+// Saves after kSaveAfter steps of `from`, then resumes at each of `to`: their
+// steps kSaveAfter + 1 .. kSteps are the uninterrupted run's.
+void save_and_resume(const Layout& from, const std::vector<Layout>& to, const std::string& tag) {
+  const std::string dir = testing::temp_dir(tag);
+  const std::vector<RankRun> first =
+      run_layout(from, kSaveAfter, {}, [&](RankLayout& rank) { rank.trainer().save(dir); });
+  expect_reference_steps(first, 0);
+  for (const Layout& l : to) {
+    SCOPED_TRACE("resumed at " + l.name());
+    const std::vector<RankRun> rest = run_layout(l, kSteps - kSaveAfter, [&](RankLayout& rank) {
+      rank.trainer().load(dir);
+      EXPECT_EQ(rank.trainer().steps_done(), kSaveAfter);
+    });
+    expect_reference_steps(rest, kSaveAfter);
+    expect_reference_params(rest, l);
+  }
+}
+
+TEST(Checkpoint, SavedAt222ResumesAt142And811AndOneProcess) {
+  save_and_resume({2, 2, 2, "1f1b"}, {{1, 4, 2, "1f1b"}, {8, 1, 1}, {1, 1, 1}}, "ckpt_222");
+}
+
+TEST(Checkpoint, SavedByTheDistributedOptimizerResumesElsewhere) {
+  Layout from{2, 2, 2, "zb-h1"};
+  from.distributed = true;
+  Layout to_zero1{4, 1, 2};
+  to_zero1.distributed = true;
+  save_and_resume(from, {{1, 4, 2, "zb-h1"}, to_zero1, {1, 1, 1}}, "ckpt_222_zero1");
+}
+
+TEST(Checkpoint, AnotherModelShapeNamesTheTensorAndBothShapes) {
+  const std::string dir = testing::temp_dir("ckpt_shape");
+  run_layout({2, 1, 1}, 1, {}, [&](RankLayout& rank) { rank.trainer().save(dir); });
+
+  // More positions: only wpe differs.
+  GptConfig longer = tiny();
+  longer.max_positions = 32;
+  std::string msg = error_message([&] {
+    run_layout(
+        {1, 1, 1}, 0, [&](RankLayout& rank) { rank.trainer().load(dir); }, {}, longer);
+  });
+  EXPECT_TRUE(contains(msg, "'wpe.weight'")) << msg;
+  EXPECT_TRUE(contains(msg, Shape{16, 32}.str()) && contains(msg, Shape{32, 32}.str())) << msg;
+
+  // A larger vocabulary, at tp 2 where wte is split: the shapes named are the full ones.
+  GptConfig wider = tiny();
+  wider.vocab_size = 512;
+  msg = error_message([&] {
+    run_layout(
+        {1, 1, 2}, 0, [&](RankLayout& rank) { rank.trainer().load(dir); }, {}, wider);
+  });
+  EXPECT_TRUE(contains(msg, "'wte.weight'")) << msg;
+  EXPECT_TRUE(contains(msg, Shape{256, 32}.str()) && contains(msg, Shape{512, 32}.str())) << msg;
+}
+
+// --- 5. config errors, before any communication ---
+
+// A world whose every communication is an error: a RankLayout given one of
+// its ranks must find a bad config by arithmetic alone, as every rank of a
+// real job does, each on its own.
+class NoCommunication final : public Communicator {
+ public:
+  NoCommunication(int rank, int size) : Communicator(CommOptions{}), rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  int world_rank(int r) const override { return r; }
+  std::string describe() const override { return "world"; }
+  RequestPtr isend(const Tensor&, int, MessageTag) override { fail("isend"); }
+  RequestPtr irecv(const Tensor&, int, MessageTag) override { fail("irecv"); }
+  void all_reduce(const Tensor&, ReduceOp) override { fail("all_reduce"); }
+  void all_gather(const Tensor&, const Tensor&) override { fail("all_gather"); }
+  void reduce_scatter(const Tensor&, const Tensor&, ReduceOp) override { fail("reduce_scatter"); }
+  void broadcast(const Tensor&, int) override { fail("broadcast"); }
+  void barrier() override { fail("barrier"); }
+  std::unique_ptr<Communicator> split(const std::vector<std::vector<int>>&,
+                                      const std::string& name) override {
+    fail("split " + name);
+  }
+
+ private:
+  [[noreturn]] static void fail(const std::string& op) {
+    throw Error("communicated ({}) before the config was checked", op);
+  }
+  int rank_, size_;
+};
+
+std::string layout_error(int world, LayoutOptions lo, TrainOptions opt = options(),
+                         GptConfig cfg = tiny()) {
+  TokenBatches batches(text_data(), opt.global_batch, cfg.seq_length);
+  GptModel model = build_gpt(cfg, opt.micro_batch);
+  std::string first;
+  // Every rank throws the same error by itself.
+  for (int r = 0; r < world; ++r) {
+    NoCommunication comm(r, world);
+    const std::string msg = error_message(
+        [&] { RankLayout rank(&comm, model.graph, model.io, batches, opt, lo, kSeed); });
+    if (r == 0) first = msg;
+    EXPECT_EQ(msg, first) << "rank " << r;
+  }
+  return first;
+}
+
+TEST(ConfigErrors, WorldNotDivisibleByTpTimesPp) {
+  LayoutOptions lo;
+  lo.tp = 3;
+  const std::string msg = layout_error(8, lo);
+  EXPECT_TRUE(contains(msg, "world size (8) must be divisible by tensor-parallel size (3)")) << msg;
+  lo.tp = 2, lo.pp = 3;
+  const std::string pp_msg = layout_error(8, lo);
+  EXPECT_TRUE(contains(pp_msg, "pipeline-parallel size (3)")) << pp_msg;
+}
+
+TEST(ConfigErrors, GlobalBatchNotDivisibleByMicroBatchTimesDp) {
+  TrainOptions opt = options();
+  opt.global_batch = 6;
+  const std::string msg = layout_error(4, {}, opt);
+  EXPECT_TRUE(contains(msg, "--global-batch-size (6)")) << msg;
+  EXPECT_TRUE(contains(msg, "--micro-batch-size (1)")) << msg;
+  EXPECT_TRUE(contains(msg, "data-parallel size (4)")) << msg;
+}
+
+TEST(ConfigErrors, HeadsOrVocabularyNotDivisibleByTp) {
+  GptConfig cfg = tiny();
+  cfg.hidden_size = 48, cfg.num_heads = 6;  // every width divides by 4: only the heads do not
+  LayoutOptions lo;
+  lo.tp = 4;
+  const std::string msg = layout_error(4, lo, options(), cfg);
+  EXPECT_TRUE(contains(msg, "attention heads (6) must be divisible by tensor-parallel size (4)"))
+      << msg;
+  cfg = tiny();
+  cfg.vocab_size = 255;
+  lo.tp = 2;
+  const std::string vocab_msg = layout_error(2, lo, options(), cfg);
+  EXPECT_TRUE(contains(vocab_msg, "vocabulary (255) must be divisible by tensor-parallel size (2)"))
+      << vocab_msg;
+}
+
+// The heads error on a world of threads: it names the rule, and no rank hangs.
+TEST(ConfigErrors, HeadsErrorOnAWorldOfThreads) {
+  GptConfig cfg = tiny();
+  cfg.hidden_size = 48, cfg.num_heads = 6;
+  const std::string msg = error_message([&] {
+    run_local(4, [&](Communicator& world) {
+      TokenBatches batches(text_data(), kGlobal, cfg.seq_length);
+      GptModel model = build_gpt(cfg, kMicro);
+      LayoutOptions lo;
+      lo.tp = 4;
+      RankLayout rank(&world, model.graph, model.io, batches, options(), lo, kSeed);
+    });
+  });
+  EXPECT_TRUE(contains(msg, "attention heads (6) must be divisible by tensor-parallel size (4)"))
+      << msg;
+}
+
+}  // namespace
+}  // namespace weft
