@@ -114,6 +114,25 @@ TEST_F(MpiLayouts, DistributedOptimizerMatchesSingleProcess) {
   expect_reference(train(kWorld, "--tp 1 --pp 1 --ddp-bucket-size 4096"), 0, "small buckets");
 }
 
+// Compressed reductions change the numbers a little, not the training.
+TEST_F(MpiLayouts, CompressedReductionsTrainAlongside) {
+  auto bf16 = train(kWorld, "--tp 1 --pp 2 --grad-reduce-dtype bf16");
+  ASSERT_EQ(bf16.size(), reference_->size()) << read_file(*dir_ + "/out.txt");
+  bool differs = false;
+  for (size_t s = 0; s < bf16.size(); ++s) {
+    const double want = (*reference_)[s]["loss"], got = bf16[s]["loss"];
+    EXPECT_NEAR(got, want, 1e-2 * want) << "bf16, step " << s;
+    differs |= got != want;
+  }
+  EXPECT_TRUE(differs) << "bf16 reduction gave fp32's losses bit for bit: was it used?";
+  auto psgd = train(kWorld, "--tp 1 --pp 1 --grad-compression powersgd --powersgd-rank 2");
+  ASSERT_EQ(psgd.size(), reference_->size()) << read_file(*dir_ + "/out.txt");
+  const double first = psgd.front()["loss"], last = psgd.back()["loss"];
+  EXPECT_LT(last, first - 0.3) << "PowerSGD did not train";
+  EXPECT_NEAR(last, (*reference_).back()["loss"].get<double>(),
+              0.1 * (*reference_).back()["loss"].get<double>());
+}
+
 TEST_F(MpiLayouts, CheckpointResumesInOtherLayouts) {
   for (const char* optimizer : {"", " --use-distributed-optimizer"}) {
     const std::string ckpt = *dir_ + "/ckpt" + (optimizer[0] ? "-zero" : "");
