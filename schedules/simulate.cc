@@ -52,9 +52,15 @@ void check_costs(const Schedule& s, const SimCost& c) {
         "pp x chunks ({})",
         s.name, s.actions.size(), s.stage_rank.size(), s.pp, n);
   const std::pair<const char*, const std::vector<double>*> per_stage[] = {
-      {"f", &c.f}, {"i", &c.i}, {"w", &c.w}, {"activation_bytes", &c.activation_bytes}};
+      {"f", &c.f},
+      {"i", &c.i},
+      {"w", &c.w},
+      {"activation_bytes", &c.activation_bytes},
+      {"stash_bytes", &c.stash_bytes},
+      {"update", &c.update}};
   for (const auto& [name, v] : per_stage) {
-    const bool optional = v == &c.activation_bytes && v->empty();
+    const bool optional =
+        (v == &c.activation_bytes || v == &c.stash_bytes || v == &c.update) && v->empty();
     check(optional || v->size() == n, "simulate: cost {} has {} entries, not one per stage ({})",
           name, v->size(), n);
     for (size_t st = 0; st < v->size(); ++st)
@@ -244,7 +250,7 @@ class Simulator {
   SimResult r_;
 };
 
-void summarize_time(const Schedule& s, SimResult& r) {
+void summarize_time(const Schedule& s, const SimCost& c, SimResult& r) {
   bool any = false;
   for (size_t rank = 0; rank < r.times.size(); ++rank) {
     double busy = 0;
@@ -257,8 +263,13 @@ void summarize_time(const Schedule& s, SimResult& r) {
     }
     r.busy.push_back(busy);
   }
-  r.step_time = r.last_end - r.first_start;
-  const double span = r.step_time;
+  r.pipeline_time = r.last_end - r.first_start;
+  r.update.assign(s.actions.size(), 0);
+  for (size_t st = 0; st < c.update.size(); ++st)
+    r.update[static_cast<size_t>(s.stage_rank[st])] += c.update[st];
+  r.update_time = r.update.empty() ? 0 : *std::max_element(r.update.begin(), r.update.end());
+  r.step_time = r.pipeline_time + r.update_time;
+  const double span = r.pipeline_time;
   double all_busy = 0;
   for (double busy : r.busy) {
     r.rank_bubble.push_back(span > 0 ? (span - busy) / span : 0);
@@ -269,13 +280,13 @@ void summarize_time(const Schedule& s, SimResult& r) {
 }
 
 void summarize_memory(const Schedule& s, const SimCost& c, SimResult& r) {
+  const std::vector<double>& stash = c.stash_bytes.empty() ? c.activation_bytes : c.stash_bytes;
   for (const auto& list : s.actions) {
     int held = 0, peak = 0;
     double held_bytes = 0, peak_bytes = 0;
     for (const Action& a : list) {
       if (a.kind != ActionKind::F && !is_backward_input(a.kind)) continue;
-      const double b =
-          c.activation_bytes.empty() ? 0 : c.activation_bytes[static_cast<size_t>(a.stage)];
+      const double b = stash.empty() ? 0 : stash[static_cast<size_t>(a.stage)];
       if (a.kind == ActionKind::F) {
         peak = std::max(peak, ++held);
         peak_bytes = std::max(peak_bytes, held_bytes += b);
@@ -308,7 +319,31 @@ SimResult simulate(const Schedule& s, const SimCost& cost) {
   check_costs(s, cost);
   check_actions(s);
   SimResult r = Simulator(s, cost).run();
-  summarize_time(s, r);
+  summarize_time(s, cost, r);
+  summarize_memory(s, cost, r);
+  return r;
+}
+
+SimResult summarize(const Schedule& s, std::vector<std::vector<ActionTime>> times,
+                    const SimCost& cost) {
+  check(times.size() == s.actions.size(), "summarize: {} timed ranks for {} ranks of actions",
+        times.size(), s.actions.size());
+  for (size_t r = 0; r < times.size(); ++r)
+    check(times[r].size() == s.actions[r].size(),
+          "summarize: rank {} has {} times for {} actions", r, times[r].size(),
+          s.actions[r].size());
+  for (const std::vector<double>* v : {&cost.activation_bytes, &cost.stash_bytes, &cost.update})
+    check(v->empty() || v->size() == static_cast<size_t>(s.stages()),
+          "summarize: the costs give {} stages, the schedule has {}", v->size(), s.stages());
+  check_actions(s);
+  SimResult r;
+  r.times = std::move(times);
+  r.bytes_sent.assign(s.actions.size(), 0);
+  for (size_t rank = 0; rank < s.actions.size(); ++rank)
+    for (const Action& a : s.actions[rank])
+      if (is_send(a.kind) && !cost.activation_bytes.empty())
+        r.bytes_sent[rank] += cost.activation_bytes[static_cast<size_t>(boundary(a))];
+  summarize_time(s, cost, r);
   summarize_memory(s, cost, r);
   return r;
 }

@@ -1,7 +1,8 @@
 // An SVG timeline of a simulated schedule: one row per rank, a box per
 // compute action coloured by kind, and idle time left as white gaps, so the
-// bubble is what the eye sees. Only compute actions are <rect>s (the legend
-// draws its swatches as paths), which keeps the boxes countable.
+// bubble is what the eye sees; the parameter update, when the costs have
+// one, follows in grey. Only compute actions are <rect>s (the legend and
+// the update are paths), which keeps the boxes countable.
 #include <weft/simulate.h>
 
 #include <fmt/format.h>
@@ -17,6 +18,7 @@ constexpr double kRowHeight = 22;
 constexpr double kRowGap = 6;
 constexpr double kTop = 28;
 constexpr double kLegendHeight = 30;
+constexpr const char* kUpdateColour = "#a0a0a0";
 
 struct Kind {
   ActionKind kind;
@@ -69,15 +71,17 @@ std::string action_box(const Action& a, const ActionTime& t, const Kind& k, doub
   return out;
 }
 
-std::string legend(double y) {
+std::string legend(double y, bool update) {
   std::string out;
   double x = kLabelWidth;
-  for (const Kind& k : kKinds) {
-    out += fmt::format("<path d=\"M{:.1f} {:.1f}h10v10h-10z\" fill=\"{}\"/>\n", x, y, k.colour);
+  auto swatch = [&](const char* colour, const char* label) {
+    out += fmt::format("<path d=\"M{:.1f} {:.1f}h10v10h-10z\" fill=\"{}\"/>\n", x, y, colour);
     out += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" font-size=\"11\">{}</text>\n", x + 14,
-                       y + 9, k.label);
+                       y + 9, label);
     x += 120;
-  }
+  };
+  for (const Kind& k : kKinds) swatch(k.colour, k.label);
+  if (update) swatch(kUpdateColour, "update");
   out += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" font-size=\"11\">idle: white</text>\n", x,
                      y + 9);
   return out;
@@ -85,7 +89,7 @@ std::string legend(double y) {
 
 }  // namespace
 
-std::string timeline_svg(const Schedule& s, const SimResult& r) {
+std::string timeline_svg(const Schedule& s, const SimResult& r, const std::string& unit) {
   const size_t ranks = s.actions.size();
   const double span = r.step_time > 0 ? r.step_time : 1;
   const double scale = kPlotWidth / span;
@@ -98,9 +102,9 @@ std::string timeline_svg(const Schedule& s, const SimResult& r) {
       width, height, width, height);
   out += fmt::format(
       "<text x=\"{:.1f}\" y=\"18\" font-size=\"13\">{} (pp {}, chunks {}, micro-batches {}): "
-      "step {:.4g}, bubble {:.1f}%</text>\n",
+      "step {:.4g}{}{}, bubble {:.1f}%</text>\n",
       kLabelWidth, escape(s.name), s.pp, s.chunks, s.micro_batches, r.step_time,
-      100 * r.bubble_fraction);
+      unit.empty() ? "" : " ", escape(unit), 100 * r.bubble_fraction);
   for (size_t rank = 0; rank < ranks; ++rank) {
     const double y = row_y(rank);
     out += fmt::format("<text x=\"4\" y=\"{:.2f}\" font-size=\"11\">rank {}</text>\n",
@@ -112,8 +116,14 @@ std::string timeline_svg(const Schedule& s, const SimResult& r) {
     for (size_t i = 0; i < s.actions[rank].size(); ++i)
       if (const Kind* k = kind_of(s.actions[rank][i].kind))
         out += action_box(s.actions[rank][i], r.times[rank][i], *k, r.first_start, scale, rank);
+    if (rank < r.update.size() && r.update[rank] > 0)
+      out += fmt::format(
+          "<path d=\"M{:.2f} {:.2f}h{:.2f}v{:.1f}h{:.2f}z\" fill=\"{}\"><title>update "
+          "{:.3g}</title></path>\n",
+          kLabelWidth + r.pipeline_time * scale, y, std::max(0.5, r.update[rank] * scale),
+          kRowHeight, -std::max(0.5, r.update[rank] * scale), kUpdateColour, r.update[rank]);
   }
-  out += legend(plot_bottom + 6);
+  out += legend(plot_bottom + 6, r.update_time > 0);
   out += "</svg>\n";
   return out;
 }

@@ -1,8 +1,9 @@
 // Chrome trace JSON for a simulated schedule, the format Perfetto and
 // chrome://tracing load: a complete ("X") event per action on the thread of
 // its rank, and a flow ("s" then "f", one id) from each SEND to its RECV so
-// the viewer draws the message as an arrow. One cost unit is shown as a
-// millisecond, since trace timestamps are microseconds.
+// the viewer draws the message as an arrow; each rank's parameter update,
+// when there is one, is a last event named "update". One cost unit is shown
+// as a millisecond, since trace timestamps are microseconds.
 #include <weft/simulate.h>
 
 #include <nlohmann/json.hpp>
@@ -58,6 +59,10 @@ std::string chrome_trace(const Schedule& s, const SimResult& r) {
     events.push_back(thread_name(static_cast<int>(rank)));
     for (size_t i = 0; i < s.actions[rank].size(); ++i)
       events.push_back(complete(s.actions[rank][i], static_cast<int>(rank), r.times[rank][i]));
+    if (rank < r.update.size() && r.update[rank] > 0)
+      events.push_back({{"ph", "X"}, {"name", "update"}, {"cat", "update"}, {"pid", 0},
+                        {"tid", static_cast<int>(rank)}, {"ts", r.last_end * kMicrosPerUnit},
+                        {"dur", r.update[rank] * kMicrosPerUnit}});
   }
   for (size_t id = 0; id < r.messages.size(); ++id) add_flow(events, r, r.messages[id], id);
   nlohmann::json trace = {{"traceEvents", events}, {"displayTimeUnit", "ms"}};

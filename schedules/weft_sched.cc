@@ -7,10 +7,15 @@
 //   weft-sched simulate --schedule zb-h1 --pp 4 --micro-batches 8 [--cost-comm 0.1]
 //       [--json] [--trace zb-h1.json] [--svg zb-h1.svg]
 //   weft-sched compare --pp 4 --micro-batches 8 [--chunks 2] [--cost-f 1 --cost-w 0.5 ...]
+//   weft-sched simulate --schedule 1f1b --pp 2 --micro-batches 8 --costs costs.json
+//   weft-sched timeline --from-trace run.json [--step 5] --svg run.svg
 //
 // simulate and compare time the lowered schedule with F, I and W costs per
 // rank's share of the model (a chunk gets its share of that) and a fixed
-// time per message.
+// time per message; or, with --costs, with the per-stage costs that
+// `train_gpt --pp P --profile FILE` measured for its plan, in milliseconds.
+// timeline summarises one step of a measured trace (train_gpt --trace) the
+// way simulate summarises a simulated one, and draws it.
 //
 // Errors print one line naming the value and the rule it broke, and exit 1.
 #include <weft/error.h>
@@ -20,10 +25,16 @@
 #include <fmt/core.h>
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
+#include <limits>
+#include <map>
 #include <numeric>
+#include <optional>
+#include <sstream>
 #include <string>
 
 namespace {
@@ -40,6 +51,18 @@ struct Request {
 
 struct Costs {
   double f = 1, i = 1, w = 1, comm = 0, bytes = 1;
+  double bandwidth = std::numeric_limits<double>::infinity();
+  double compute_scale = 1;  // times F, I and W
+  std::string file;          // --costs
+};
+
+// A --costs file: per-stage costs of one micro-batch, as train_gpt --profile
+// writes them (seconds there, milliseconds here) for the plan it chose.
+struct StageCosts {
+  std::string path;
+  std::vector<double> f, i, w, update;  // ms
+  std::vector<double> boundary_bytes, stash_bytes;
+  size_t stages() const { return f.size(); }
 };
 
 struct SimOptions {
@@ -54,11 +77,22 @@ void add_size_options(CLI::App* cmd, Request& r) {
 }
 
 void add_cost_options(CLI::App* cmd, Costs& c) {
-  cmd->add_option("--cost-f", c.f, "forward time of a rank's share of the model");
-  cmd->add_option("--cost-i", c.i, "input-gradient time of a rank's share");
-  cmd->add_option("--cost-w", c.w, "weight-gradient time of a rank's share");
-  cmd->add_option("--cost-comm", c.comm, "time a message takes between ranks");
-  cmd->add_option("--bytes", c.bytes, "bytes of a stage's output (message and stash size)");
+  CLI::Option* file = cmd->add_option(
+      "--costs", c.file,
+      "per-stage costs that `train_gpt --pp P --profile FILE` measured; times are then in ms");
+  for (CLI::Option* o :
+       {cmd->add_option("--cost-f", c.f, "forward time of a rank's share of the model"),
+        cmd->add_option("--cost-i", c.i, "input-gradient time of a rank's share"),
+        cmd->add_option("--cost-w", c.w, "weight-gradient time of a rank's share"),
+        cmd->add_option("--bytes", c.bytes, "bytes of a stage's output (message and stash size)")})
+    o->excludes(file);
+  cmd->add_option("--cost-comm", c.comm,
+                  "time a message takes between ranks (ms with --costs), besides its bytes");
+  cmd->add_option("--bandwidth", c.bandwidth,
+                  "bytes a link carries per time unit (with --costs per ms: 2.5e6 = 2.5 GB/s)");
+  cmd->add_option("--compute-scale", c.compute_scale,
+                  "multiply every F, I and W time (say 1.05 where ranks that compute at once "
+                  "slow each other down by 5%)");
 }
 
 // The options every schedule-taking subcommand shares.
@@ -76,10 +110,85 @@ Schedule build(const Request& r) {
   return r.lowered ? lower(s) : s;
 }
 
+// --- --costs ---
+
+std::string read_text(const std::string& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  weft::check(in.good(), "{} {}: cannot open the file", what, path);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+nlohmann::json parse_json(const std::string& path, const char* what) {
+  try {
+    return nlohmann::json::parse(read_text(path, what));
+  } catch (const nlohmann::json::exception& e) {
+    throw weft::Error("{} {}: not valid JSON ({})", what, path, e.what());
+  }
+}
+
+// A stage's entry, finite and not negative; `required` false reads a missing one as 0.
+double stage_number(const StageCosts& c, const nlohmann::json& stage, size_t index,
+                    const char* key, bool required) {
+  const auto it = stage.find(key);
+  if (it == stage.end() && !required) return 0;
+  weft::check(it != stage.end() && it->is_number(), "--costs {}: stages[{}] has no number \"{}\"",
+              c.path, index, key);
+  const double v = it->get<double>();
+  weft::check(std::isfinite(v) && v >= 0,
+              "--costs {}: stages[{}].{} = {} must be finite and not negative", c.path, index,
+              key, v);
+  return v;
+}
+
+StageCosts read_stage_costs(const std::string& path) {
+  StageCosts c;
+  c.path = path;
+  const nlohmann::json j = parse_json(path, "--costs");
+  const auto stages = j.is_object() ? j.find("stages") : j.end();
+  weft::check(stages != j.end() && stages->is_array() && !stages->empty(),
+              "--costs {}: no \"stages\" list; `train_gpt --pp P --profile FILE` writes one",
+              path);
+  for (size_t k = 0; k < stages->size(); ++k) {
+    const nlohmann::json& st = (*stages)[k];
+    weft::check(st.is_object(), "--costs {}: stages[{}] is not an object", path, k);
+    c.f.push_back(1e3 * stage_number(c, st, k, "f", true));
+    c.i.push_back(1e3 * stage_number(c, st, k, "i", true));
+    c.w.push_back(1e3 * stage_number(c, st, k, "w", true));
+    c.update.push_back(1e3 * stage_number(c, st, k, "update", false));
+    c.boundary_bytes.push_back(stage_number(c, st, k, "boundary_bytes", false));
+    c.stash_bytes.push_back(stage_number(c, st, k, "stash_bytes", false));
+  }
+  return c;
+}
+
+// The profiled stages are the schedule's stages, in order: their count must match.
+SimCost profiled_cost(const Schedule& s, const StageCosts& p) {
+  weft::check(p.stages() == static_cast<size_t>(s.stages()),
+              "--costs {}: {} stages, but {} at --pp {} runs pp x chunks = {} x {} = {}", p.path,
+              p.stages(), s.name, s.pp, s.pp, s.chunks, s.stages());
+  SimCost cost;
+  cost.f = p.f;
+  cost.i = p.i;
+  cost.w = p.w;
+  cost.update = p.update;
+  cost.activation_bytes = p.boundary_bytes;
+  cost.stash_bytes = p.stash_bytes;
+  return cost;
+}
+
 // --- simulate and compare ---
 
-SimResult time_schedule(const Schedule& s, const Costs& c) {
-  return simulate(s, uniform_cost(s, c.f, c.i, c.w, c.comm, c.bytes));
+SimResult time_schedule(const Schedule& s, const Costs& c, const std::optional<StageCosts>& p) {
+  weft::check(c.compute_scale > 0 && std::isfinite(c.compute_scale),
+              "--compute-scale ({}) must be a positive number", c.compute_scale);
+  SimCost cost = p ? profiled_cost(s, *p) : uniform_cost(s, c.f, c.i, c.w, c.comm, c.bytes);
+  cost.link_latency = c.comm;
+  cost.bandwidth = c.bandwidth;
+  for (std::vector<double>* v : {&cost.f, &cost.i, &cost.w})
+    for (double& t : *v) t *= c.compute_scale;
+  return simulate(s, cost);
 }
 
 template <typename T>
@@ -104,23 +213,32 @@ void print_row(const Schedule& s, const SimResult& r) {
 }
 
 void print_ranks(const SimResult& r) {
-  fmt::print("\n{:>4} {:>10} {:>8} {:>9} {:>11} {:>10}\n", "rank", "busy", "bubble", "peak act",
-             "peak bytes", "bytes sent");
+  fmt::print("\n{:>4} {:>10} {:>8} {:>10} {:>9} {:>11} {:>10}\n", "rank", "busy", "bubble",
+             "update", "peak act", "peak bytes", "bytes sent");
   for (size_t rank = 0; rank < r.busy.size(); ++rank)
-    fmt::print("{:>4} {:>10.3f} {:>7.1f}% {:>9} {:>11g} {:>10g}\n", rank, r.busy[rank],
-               100 * r.rank_bubble[rank], r.peak_activations[rank],
+    fmt::print("{:>4} {:>10.3f} {:>7.1f}% {:>10.3f} {:>9} {:>11g} {:>10g}\n", rank, r.busy[rank],
+               100 * r.rank_bubble[rank], r.update[rank], r.peak_activations[rank],
                r.peak_activation_bytes[rank], r.bytes_sent[rank]);
 }
 
-// One JSON object; names come from the registry, so they need no escaping.
-std::string to_json(const Schedule& s, const SimResult& r) {
-  return fmt::format(
-      "{{\"schedule\": \"{}\", \"pp\": {}, \"chunks\": {}, \"micro_batches\": {}, "
-      "\"step_time\": {}, \"bubble_fraction\": {}, \"rank_bubble\": [{}], \"busy\": [{}], "
-      "\"peak_activations\": [{}], \"peak_activation_bytes\": [{}], \"bytes_sent\": [{}]}}\n",
-      s.name, s.pp, s.chunks, s.micro_batches, r.step_time, r.bubble_fraction,
-      fmt::join(r.rank_bubble, ", "), fmt::join(r.busy, ", "), fmt::join(r.peak_activations, ", "),
-      fmt::join(r.peak_activation_bytes, ", "), fmt::join(r.bytes_sent, ", "));
+// One JSON object. `unit` is what times are in: "ms" (profiled costs, a
+// measured trace) or "cost" (the unit of the --cost-* flags).
+std::string to_json(const Schedule& s, const SimResult& r, const char* unit) {
+  const nlohmann::json j = {{"schedule", s.name},
+                            {"pp", s.pp},
+                            {"chunks", s.chunks},
+                            {"micro_batches", s.micro_batches},
+                            {"unit", unit},
+                            {"step_time", r.step_time},
+                            {"pipeline_time", r.pipeline_time},
+                            {"update_time", r.update_time},
+                            {"bubble_fraction", r.bubble_fraction},
+                            {"rank_bubble", r.rank_bubble},
+                            {"busy", r.busy},
+                            {"peak_activations", r.peak_activations},
+                            {"peak_activation_bytes", r.peak_activation_bytes},
+                            {"bytes_sent", r.bytes_sent}};
+  return j.dump() + "\n";
 }
 
 void write_text(const std::string& path, const std::string& text) {
@@ -130,29 +248,42 @@ void write_text(const std::string& path, const std::string& text) {
   weft::check(out.good(), "cannot write '{}'", path);
 }
 
-int simulate_command(const Request& r, const Costs& c, const SimOptions& o) {
-  const Schedule s = lower(make_schedule(r.schedule, r.pp, r.micro_batches, r.chunks));
-  const SimResult result = time_schedule(s, c);
+// Times are milliseconds (`in_ms`: profiled costs, a measured trace) or
+// the unit of the --cost-* flags.
+void report(const Schedule& s, const SimResult& result, const SimOptions& o, bool in_ms) {
   if (!o.trace.empty()) write_text(o.trace, chrome_trace(s, result));
-  if (!o.svg.empty()) write_text(o.svg, timeline_svg(s, result));
+  if (!o.svg.empty()) write_text(o.svg, timeline_svg(s, result, in_ms ? "ms" : ""));
   if (o.json) {
-    fmt::print("{}", to_json(s, result));
-    return 0;
+    fmt::print("{}", to_json(s, result, in_ms ? "ms" : "cost"));
+    return;
   }
   print_header();
   print_row(s, result);
   print_ranks(result);
+}
+
+std::optional<StageCosts> stage_costs(const Costs& c) {
+  if (c.file.empty()) return std::nullopt;
+  return read_stage_costs(c.file);
+}
+
+int simulate_command(const Request& r, const Costs& c, const SimOptions& o) {
+  const std::optional<StageCosts> profiled = stage_costs(c);
+  const Schedule s = lower(make_schedule(r.schedule, r.pp, r.micro_batches, r.chunks));
+  report(s, time_schedule(s, c, profiled), o, profiled.has_value());
   return 0;
 }
 
-// Every schedule at the same sizes; one that cannot be built at them says
-// why in its row instead of failing the rest.
+// Every schedule at the same sizes; one that cannot be built at them (or
+// that the --costs file's stages do not fit) says why in its row instead of
+// failing the rest.
 int compare_command(const Request& r, const Costs& c) {
+  const std::optional<StageCosts> profiled = stage_costs(c);
   print_header();
   for (const std::string& name : schedule_names()) {
     try {
       const Schedule s = lower(make_schedule(name, r.pp, r.micro_batches, r.chunks));
-      print_row(s, time_schedule(s, c));
+      print_row(s, time_schedule(s, c, profiled));
     } catch (const weft::Error& e) {
       fmt::print("{:<18} {}\n", name, e.what());
     }
@@ -160,14 +291,100 @@ int compare_command(const Request& r, const Costs& c) {
   return 0;
 }
 
+// --- timeline: one step of a measured trace ---
+
+struct TimelineRequest {
+  std::string from;
+  int step = 0;  // 0 = the last step in the trace
+};
+
+struct TracedAction {
+  Action action;
+  ActionTime time;  // ms
+};
+
+// The actions of one step of a Chrome trace (train_gpt --trace, or weft-sched
+// simulate --trace), per rank in start order, as a schedule and its times.
+// Events without a "step" argument belong to step 1.
+std::pair<Schedule, std::vector<std::vector<ActionTime>>> read_trace_step(
+    const TimelineRequest& t) {
+  const nlohmann::json j = parse_json(t.from, "--from-trace");
+  const auto events = j.is_object() ? j.find("traceEvents") : j.end();
+  weft::check(events != j.end() && events->is_array(),
+              "--from-trace {}: no \"traceEvents\" list (is it a Chrome trace?)", t.from);
+  std::map<int, std::map<int, std::vector<TracedAction>>> steps;  // step -> rank -> actions
+  for (const nlohmann::json& e : *events) {
+    // Actions only: a simulated trace's "update" events are not in the schedule.
+    if (!e.is_object() || e.value("ph", "") != "X" || e.value("name", "") == "update") continue;
+    weft::check(e.contains("tid") && e["tid"].is_number_integer() && e["tid"].get<int>() >= 0 &&
+                    e.contains("ts") && e["ts"].is_number() && e.contains("dur") &&
+                    e["dur"].is_number() && e.contains("name") && e["name"].is_string(),
+                "--from-trace {}: event {} needs a tid >= 0, a ts, a dur and a name", t.from,
+                e.dump());
+    const nlohmann::json* step = nullptr;
+    if (e.contains("args") && e["args"].is_object() && e["args"].contains("step"))
+      step = &e["args"]["step"];
+    weft::check(step == nullptr || step->is_number_integer(),
+                "--from-trace {}: event {} has a step that is not a whole number", t.from,
+                e.dump());
+    const double start = e["ts"].get<double>() / 1e3;
+    const double end = start + e["dur"].get<double>() / 1e3;
+    steps[step ? step->get<int>() : 1][e["tid"].get<int>()].push_back(
+        {Action::parse(e["name"].get<std::string>()), {start, end}});
+  }
+  weft::check(!steps.empty(), "--from-trace {}: no complete (\"X\") events", t.from);
+  const int step = t.step > 0 ? t.step : steps.rbegin()->first;
+  const auto found = steps.find(step);
+  weft::check(found != steps.end(), "--from-trace {}: no step {}; it holds steps {} to {}",
+              t.from, step, steps.begin()->first, steps.rbegin()->first);
+  auto& ranks = found->second;
+  const int pp = ranks.rbegin()->first + 1;
+  weft::check(static_cast<int>(ranks.size()) == pp,
+              "--from-trace {}: step {} has actions on {} ranks, not on every rank 0..{}", t.from,
+              step, ranks.size(), pp - 1);
+  Schedule s;
+  s.name = fmt::format("measured step {}", step);
+  s.pp = pp;
+  s.actions.resize(static_cast<size_t>(pp));
+  std::vector<std::vector<ActionTime>> times(static_cast<size_t>(pp));
+  std::map<int, int> stage_rank;
+  for (auto& [rank, list] : ranks) {
+    std::stable_sort(list.begin(), list.end(), [](const TracedAction& a, const TracedAction& b) {
+      return a.time.start < b.time.start;
+    });
+    for (const TracedAction& a : list) {
+      s.actions[static_cast<size_t>(rank)].push_back(a.action);
+      times[static_cast<size_t>(rank)].push_back(a.time);
+      if (a.action.kind == ActionKind::F) stage_rank[a.action.stage] = rank;
+      s.micro_batches = std::max(s.micro_batches, a.action.micro_batch + 1);
+    }
+  }
+  const int stages = stage_rank.empty() ? 0 : stage_rank.rbegin()->first + 1;
+  weft::check(stages > 0 && static_cast<int>(stage_rank.size()) == stages && stages % pp == 0,
+              "--from-trace {}: step {} runs forwards of {} stages over {} ranks; every stage "
+              "0..N-1 needs one, N a multiple of the ranks",
+              t.from, step, stage_rank.size(), pp);
+  s.chunks = stages / pp;
+  for (const auto& [stage, rank] : stage_rank) s.stage_rank.push_back(rank);
+  return {std::move(s), std::move(times)};
+}
+
+int timeline_command(const TimelineRequest& t, const SimOptions& o) {
+  auto [s, times] = read_trace_step(t);
+  const SimResult result = summarize(s, std::move(times));
+  report(s, result, o, true);
+  return 0;
+}
+
 struct Commands {
-  CLI::App *show, *validate, *csv, *simulate, *compare;
+  CLI::App *show, *validate, *csv, *simulate, *compare, *timeline;
 };
 
 int run(CLI::App& app, const Commands& cmd, const Request& r, const Request& cr,
-        const Costs& costs, const SimOptions& o) {
+        const Costs& costs, const SimOptions& o, const TimelineRequest& t) {
   if (cmd.simulate->parsed()) return simulate_command(r, costs, o);
   if (cmd.compare->parsed()) return compare_command(cr, costs);
+  if (cmd.timeline->parsed()) return timeline_command(t, o);
   if (app.got_subcommand("list")) {
     for (const std::string& name : schedule_names()) fmt::print("{}\n", name);
     return 0;
@@ -213,13 +430,21 @@ int main(int argc, char** argv) {
   CLI::App* compare = app.add_subcommand("compare", "time every schedule at the same sizes");
   add_size_options(compare, cr);
   add_cost_options(compare, costs);
+  TimelineRequest t;
+  CLI::App* timeline = app.add_subcommand(
+      "timeline", "summarise and draw one step of a measured trace (train_gpt --trace)");
+  timeline->add_option("--from-trace", t.from, "a Chrome trace of pipeline actions")->required();
+  timeline->add_option("--step", t.step, "the step to show (default: the last)");
+  timeline->add_flag("--json", o.json, "print one JSON object instead of the table");
+  timeline->add_option("--svg", o.svg, "write an SVG timeline to this file");
+  timeline->add_option("--trace", o.trace, "write the step alone as a Chrome trace");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 1;  // --help is not an error
   }
   try {
-    return run(app, {show, check, csv, sim, compare}, r, cr, costs, o);
+    return run(app, {show, check, csv, sim, compare, timeline}, r, cr, costs, o, t);
   } catch (const weft::Error& e) {
     fmt::print(stderr, "weft-sched: {}\n", e.what());
     return 1;

@@ -155,6 +155,69 @@ TEST(Simulate, SendsWithoutOverlapOccupyTheSender) {
   EXPECT_GT(simulate(s, c).step_time, overlapped);
 }
 
+// --- the update after the pipeline, stash bytes, measured timelines ---
+
+TEST(Simulate, UpdateIsTheSlowestRanksAfterThePipeline) {
+  const Schedule s = lower(interleaved_1f1b(2, 4, 2));  // rank 0: stages 0, 2; rank 1: 1, 3
+  SimCost c = uniform_cost(s, 1, 1, 1);
+  const SimResult plain = simulate(s, c);
+  c.update = {0.5, 2, 1, 0.25};
+  const SimResult r = simulate(s, c);
+  EXPECT_EQ(r.update, (std::vector<double>{1.5, 2.25}));
+  EXPECT_DOUBLE_EQ(r.update_time, 2.25);
+  EXPECT_DOUBLE_EQ(r.pipeline_time, plain.step_time);
+  EXPECT_DOUBLE_EQ(r.step_time, plain.step_time + 2.25);
+  // The bubble is the pipeline's, as the executor measures it.
+  EXPECT_DOUBLE_EQ(r.bubble_fraction, plain.bubble_fraction);
+  const std::string svg = timeline_svg(s, r);
+  EXPECT_EQ(count(svg, "<title>update"), 2u);
+  EXPECT_EQ(count(svg, "<rect"), 4u * 2 * 4) << "compute boxes only";
+  const nlohmann::json trace = nlohmann::json::parse(chrome_trace(s, r));
+  size_t updates = 0;
+  for (const auto& e : trace["traceEvents"])
+    if (e.value("name", "") == "update") {
+      ++updates;
+      EXPECT_DOUBLE_EQ(e["ts"].get<double>(), 1000 * r.last_end);
+    }
+  EXPECT_EQ(updates, 2u);
+  c.update = {1, 2};
+  EXPECT_TRUE(contains(error_message([&] { simulate(s, c); }),
+                       "cost update has 2 entries, not one per stage (4)"));
+}
+
+TEST(Simulate, StashBytesAreWhatAStashHoldsNotWhatCrosses) {
+  const Schedule s = lower(one_f_one_b(2, 4));
+  SimCost c = uniform_cost(s, 1, 1, 1, 0, 3);  // 3 bytes cross each boundary
+  c.stash_bytes = {100, 10};
+  const SimResult r = simulate(s, c);
+  EXPECT_EQ(r.peak_activations, (std::vector<int>{2, 1}));
+  EXPECT_EQ(r.peak_activation_bytes, (std::vector<double>{200, 10}));
+  EXPECT_EQ(r.bytes_sent, (std::vector<double>{12, 12}));
+}
+
+// A measured timeline summarised: the same numbers as the simulation it copies.
+TEST(Simulate, SummarizeATimelineAsSimulateDoes) {
+  for (const std::string& name : schedule_names()) {
+    const Schedule s = lower(make_schedule(name, 4, 8, 2));
+    SimCost c = uniform_cost(s, 1, 2, 0.5, 0.25, 4);
+    c.update.assign(static_cast<size_t>(s.stages()), 0.125);
+    const SimResult sim = simulate(s, c);
+    const SimResult r = summarize(s, sim.times, c);
+    EXPECT_DOUBLE_EQ(r.step_time, sim.step_time) << name;
+    EXPECT_DOUBLE_EQ(r.bubble_fraction, sim.bubble_fraction) << name;
+    EXPECT_EQ(r.rank_bubble, sim.rank_bubble) << name;
+    EXPECT_EQ(r.peak_activations, sim.peak_activations) << name;
+    EXPECT_EQ(r.peak_activation_bytes, sim.peak_activation_bytes) << name;
+    EXPECT_EQ(r.bytes_sent, sim.bytes_sent) << name;
+  }
+  const Schedule s = lower(one_f_one_b(2, 2));
+  std::vector<std::vector<ActionTime>> short_times = unit(s).times;
+  short_times[1].pop_back();
+  EXPECT_TRUE(contains(error_message([&] { summarize(s, short_times); }),
+                       "rank 1 has " + std::to_string(s.actions[1].size() - 1) + " times for " +
+                           std::to_string(s.actions[1].size()) + " actions"));
+}
+
 // --- errors ---
 
 TEST(Simulate, ErrorsNameTheValueAndTheRule) {

@@ -1,12 +1,18 @@
 // weft-sched as a user runs it: the JSON, the comparison table, the trace and
-// the SVG it writes, and one error line for a bad name.
+// the SVG it writes, one error line for a bad name; per-stage costs from a
+// profile (--costs) and the timeline of a trace read back.
+#include <weft/partition.h>
+#include <weft/profile.h>
+
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "models/gpt.h"
 #include "test_util.h"
 
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 
@@ -62,6 +68,257 @@ TEST(WeftSched, BadNameIsOneErrorLine) {
   EXPECT_EQ(o.code, 1);
   EXPECT_EQ(std::count(o.err.begin(), o.err.end(), '\n'), 1) << o.err;
   EXPECT_NE(o.err.find("'nope'"), std::string::npos) << o.err;
+}
+
+// --- --costs: per-stage costs as train_gpt --profile writes them ---
+
+// A 2-layer GPT whose embedding skips to the end, cut after block 0 into an
+// uneven plan: stage 0 (embed, h.0) is cheap, stage 1 (h.1, ln_f, head)
+// dear. Every node costs F 1 ms, I 2 ms and W 0.5 ms, so a stage costs its
+// node count times that. The skip makes the boundary two [2, 16, 32] floats.
+struct ProfiledPlan {
+  nlohmann::json stages;  // stage_costs_json
+  std::string path;       // the file --costs reads
+};
+
+ProfiledPlan profiled_plan() {
+  GptConfig cfg;
+  cfg.num_layers = 2, cfg.hidden_size = 32, cfg.num_heads = 4, cfg.seq_length = 16;
+  cfg.embedding_skip = true;
+  GptModel m = build_gpt(cfg, 2);
+  CostModel cost = CostModel::analytic(m.graph);
+  for (NodeCost& c : cost.nodes) c.f = 1e-3, c.i = 2e-3, c.w = 0.5e-3;
+  int cut = 0;
+  while (m.graph.nodes()[static_cast<size_t>(cut)].name != "h.1.ln_1") ++cut;
+  PartitionOptions po;
+  po.pp = 2;
+  const int n = static_cast<int>(m.graph.nodes().size());
+  EXPECT_LT(cut, n - cut) << "stage 1 must be the dearer one";
+  const StagePlan plan = evaluate_plan(m.graph, cost, po, {0, cut, n}, "by hand");
+  ProfiledPlan p;
+  p.stages = stage_costs_json(cost, plan, m.graph);
+  p.path = testing::temp_dir("weft-sched-costs") + "/costs.json";
+  nlohmann::json file = cost_model_json(cost, m.graph);
+  file.update(p.stages);
+  testing::write_file(p.path, file.dump());
+  return p;
+}
+
+TEST(WeftSched, StageCostsSumTheNodesOfEachStage) {
+  const ProfiledPlan p = profiled_plan();
+  const auto& st = p.stages["stages"];
+  ASSERT_EQ(st.size(), 2u);
+  EXPECT_EQ(p.stages["pp"], 2);
+  EXPECT_EQ(p.stages["chunks"], 1);
+  EXPECT_EQ(p.stages["partition"], "by hand");
+  EXPECT_EQ(st[0]["first"], "embed");
+  EXPECT_EQ(st[1]["first"], "h.1.ln_1");
+  for (const auto& s : st) {
+    const double nodes = s["nodes"].get<double>();
+    EXPECT_NEAR(s["f"].get<double>(), nodes * 1e-3, 1e-12);
+    EXPECT_NEAR(s["i"].get<double>(), nodes * 2e-3, 1e-12);
+    EXPECT_NEAR(s["w"].get<double>(), nodes * 0.5e-3, 1e-12);
+    EXPECT_GT(s["stash_bytes"].get<double>(), 0.0);
+  }
+  // The block's output and the embedding that skips past it: 2 x 2 x 16 x 32 floats.
+  EXPECT_EQ(st[0]["boundary_bytes"].get<double>(), 2.0 * 2 * 16 * 32 * 4);
+  EXPECT_EQ(st[1]["boundary_bytes"].get<double>(), 0.0);
+}
+
+// Timing the update (zero, norm, clip, AdamW at learning rate 0) leaves the
+// parameters as they were.
+TEST(WeftSched, ProfilingTheUpdateChangesNoParameter) {
+  GptConfig cfg;
+  cfg.num_layers = 2, cfg.hidden_size = 32, cfg.num_heads = 4, cfg.seq_length = 16;
+  GptModel m = build_gpt(cfg, 2);
+  init_gpt(m, 7);
+  std::vector<std::vector<float>> before;
+  for (Param* p : m.graph.params()) {
+    before.emplace_back(p->value.data<float>(), p->value.data<float>() + p->value.numel());
+    p->grad.data<float>()[0] = 5;  // a stale gradient: the update zeroes it first
+  }
+  PartitionOptions po;
+  po.pp = 2;
+  const StagePlan plan = partition(m.graph, CostModel::analytic(m.graph), po);
+  const std::vector<double> seconds = profile_updates(m.graph, plan, 2);
+  ASSERT_EQ(seconds.size(), 2u);
+  for (double t : seconds) EXPECT_GT(t, 0.0);
+  const auto params = m.graph.params();
+  for (size_t k = 0; k < params.size(); ++k) {
+    EXPECT_TRUE(std::equal(before[k].begin(), before[k].end(), params[k]->value.data<float>()))
+        << params[k]->name;
+    EXPECT_EQ(params[k]->grad.data<float>()[0], 0.0f) << params[k]->name;
+  }
+}
+
+// With stage 1 the bottleneck, 1F1B and GPipe at pp 2 take stage 0's forward,
+// then m of stage 1's F + I + W back to back, then stage 0's backward.
+TEST(WeftSched, CostsFromAProfileSetTheStepTime) {
+  const ProfiledPlan p = profiled_plan();
+  const auto& st = p.stages["stages"];
+  auto ms = [&](int stage, const char* k) { return 1e3 * st[stage][k].get<double>(); };
+  const int m = 4;
+  const double expected =
+      ms(0, "f") + m * (ms(1, "f") + ms(1, "i") + ms(1, "w")) + ms(0, "i") + ms(0, "w");
+  for (const char* name : {"1f1b", "gpipe"}) {
+    Out o = run(fmt::format("simulate --schedule {} --pp 2 --micro-batches {} --costs {} --json",
+                            name, m, p.path));
+    ASSERT_EQ(o.code, 0) << o.err;
+    auto j = nlohmann::json::parse(o.out);
+    EXPECT_EQ(j["unit"], "ms");
+    EXPECT_NEAR(j["step_time"].get<double>(), expected, 1e-9) << name;
+    // Forwards out of rank 0, gradients back out of rank 1, one per micro-batch.
+    const double boundary = st[0]["boundary_bytes"].get<double>();
+    EXPECT_EQ(j["bytes_sent"], nlohmann::json({m * boundary, m * boundary})) << name;
+    const bool gpipe = std::string(name) == "gpipe";
+    const int held0 = gpipe ? m : 2, held1 = gpipe ? m : 1;
+    EXPECT_EQ(j["peak_activation_bytes"],
+              nlohmann::json({held0 * st[0]["stash_bytes"].get<double>(),
+                              held1 * st[1]["stash_bytes"].get<double>()}))
+        << name;
+  }
+  // The same total work spread evenly runs faster: the uneven cut is what costs.
+  const double total = ms(0, "f") + ms(1, "f");
+  Out even = run(fmt::format("simulate --schedule 1f1b --pp 2 --micro-batches {} --cost-f {} "
+                             "--cost-i {} --cost-w {} --json",
+                             m, total / 2, total, total / 4));
+  ASSERT_EQ(even.code, 0) << even.err;
+  EXPECT_LT(nlohmann::json::parse(even.out)["step_time"].get<double>(), expected - 1.0);
+}
+
+// --compute-scale stretches F, I and W, not the update; the update is the
+// slowest rank's, paid once after the pipeline.
+TEST(WeftSched, ComputeScaleAndUpdate) {
+  const ProfiledPlan p = profiled_plan();
+  auto stages = p.stages;
+  stages["stages"][0]["update"] = 0.003;
+  stages["stages"][1]["update"] = 0.005;
+  const std::string path = testing::temp_dir("weft-sched-update") + "/costs.json";
+  testing::write_file(path, stages.dump());
+  auto sim = [&](const std::string& file, const std::string& extra) {
+    Out o = run("simulate --schedule zb-h1 --pp 2 --micro-batches 4 --json --costs " + file +
+                extra);
+    EXPECT_EQ(o.code, 0) << o.err;
+    return o.code == 0 ? nlohmann::json::parse(o.out) : nlohmann::json::object();
+  };
+  const auto plain = sim(p.path, ""), doubled = sim(p.path, " --compute-scale 2");
+  const auto updated = sim(path, ""), both = sim(path, " --compute-scale 2");
+  EXPECT_NEAR(doubled["step_time"].get<double>(), 2 * plain["step_time"].get<double>(), 1e-9);
+  EXPECT_NEAR(doubled["bubble_fraction"].get<double>(), plain["bubble_fraction"].get<double>(),
+              1e-12);
+  EXPECT_EQ(plain["update_time"], 0.0);
+  EXPECT_NEAR(updated["update_time"].get<double>(), 5.0, 1e-12);
+  EXPECT_NEAR(updated["pipeline_time"].get<double>(), plain["step_time"].get<double>(), 1e-9);
+  EXPECT_NEAR(updated["step_time"].get<double>(), plain["step_time"].get<double>() + 5, 1e-9);
+  EXPECT_NEAR(both["step_time"].get<double>(), 2 * plain["step_time"].get<double>() + 5, 1e-9);
+  EXPECT_NE(run("simulate --schedule zb-h1 --pp 2 --micro-batches 4 --compute-scale 0").err.find(
+                "--compute-scale (0) must be a positive number"),
+            std::string::npos);
+}
+
+TEST(WeftSched, CostsAddLinkLatencyAndBandwidth) {
+  const ProfiledPlan p = profiled_plan();
+  const std::string base =
+      "simulate --schedule gpipe --pp 2 --micro-batches 4 --json --costs " + p.path;
+  auto step = [&](const std::string& extra) {
+    Out o = run(base + extra);
+    EXPECT_EQ(o.code, 0) << o.err;
+    return o.code == 0 ? nlohmann::json::parse(o.out)["step_time"].get<double>() : -1.0;
+  };
+  const double free = step("");
+  const double bytes = p.stages["stages"][0]["boundary_bytes"].get<double>();
+  // GPipe pays the link once forward and once back on the critical path.
+  EXPECT_NEAR(step(" --cost-comm 0.5"), free + 2 * 0.5, 1e-9);
+  EXPECT_NEAR(step(fmt::format(" --bandwidth {}", bytes / 0.25)), free + 2 * 0.25, 1e-9);
+}
+
+TEST(WeftSched, CompareWithCostsSaysWhichSchedulesDoNotFit) {
+  const ProfiledPlan p = profiled_plan();
+  Out o = run("compare --pp 2 --micro-batches 4 --costs " + p.path);
+  ASSERT_EQ(o.code, 0) << o.err;
+  // 1F1B has the file's two stages; ZB-V has four (two chunks per rank).
+  EXPECT_NE(o.out.find("1f1b                    1"), std::string::npos) << o.out;
+  EXPECT_NE(o.out.find("2 stages, but zb-v at --pp 2 runs pp x chunks = 2 x 2 = 4"),
+            std::string::npos)
+      << o.out;
+}
+
+TEST(WeftSched, BadCostsAreOneErrorLine) {
+  const std::string dir = testing::temp_dir("weft-sched-bad-costs");
+  const ProfiledPlan p = profiled_plan();
+  auto stages = p.stages;
+  stages["stages"][1]["f"] = -1;
+  testing::write_file(dir + "/negative.json", stages.dump());
+  testing::write_file(dir + "/garbled.json", "{\"stages\": [");
+  testing::write_file(dir + "/nodes-only.json", R"({"unit": "seconds", "nodes": []})");
+  stages = p.stages;
+  stages["stages"][0].erase("i");
+  testing::write_file(dir + "/no-i.json", stages.dump());
+  const std::pair<std::string, std::string> cases[] = {
+      {dir + "/missing.json", "cannot open"},
+      {dir + "/garbled.json", "not valid JSON"},
+      {dir + "/nodes-only.json", "no \"stages\" list"},
+      {dir + "/negative.json", "stages[1].f = -1 must be finite and not negative"},
+      {dir + "/no-i.json", "stages[0] has no number \"i\""},
+  };
+  for (const auto& [file, rule] : cases) {
+    Out o = run("simulate --schedule 1f1b --pp 2 --micro-batches 4 --costs " + file);
+    EXPECT_EQ(o.code, 1) << file;
+    EXPECT_EQ(std::count(o.err.begin(), o.err.end(), '\n'), 1) << o.err;
+    EXPECT_NE(o.err.find(file), std::string::npos) << o.err;
+    EXPECT_NE(o.err.find(rule), std::string::npos) << o.err;
+  }
+  // Two stages do not fit four.
+  Out o = run("simulate --schedule 1f1b --pp 4 --micro-batches 4 --costs " + p.path);
+  EXPECT_EQ(o.code, 1);
+  EXPECT_EQ(std::count(o.err.begin(), o.err.end(), '\n'), 1) << o.err;
+  EXPECT_NE(o.err.find("2 stages, but 1f1b at --pp 4 runs pp x chunks = 4 x 1 = 4"),
+            std::string::npos)
+      << o.err;
+  // Uniform costs and a profile cannot both say what F costs.
+  EXPECT_NE(run("simulate --schedule 1f1b --pp 2 --micro-batches 4 --cost-f 2 --costs " + p.path)
+                .code,
+            0);
+}
+
+// --- timeline: a trace read back ---
+
+// A simulated trace, read back as if measured, gives the simulation's numbers.
+TEST(WeftSched, TimelineOfATraceGivesItsStepAndBubble) {
+  const std::string dir = testing::temp_dir("weft-sched-timeline");
+  for (const char* name : {"zb-h1", "zb-v", "interleaved-1f1b"}) {
+    Out sim = run(fmt::format("simulate --schedule {} --pp 2 --micro-batches 4 --chunks 2 "
+                              "--cost-f 1 --cost-i 1.5 --cost-w 0.5 --cost-comm 0.25 --json "
+                              "--trace {}/t.json",
+                              name, dir));
+    ASSERT_EQ(sim.code, 0) << sim.err;
+    Out back = run("timeline --json --from-trace " + dir + "/t.json --svg " + dir + "/t.svg");
+    ASSERT_EQ(back.code, 0) << back.err;
+    auto s = nlohmann::json::parse(sim.out), b = nlohmann::json::parse(back.out);
+    EXPECT_EQ(b["unit"], "ms");
+    EXPECT_EQ(b["chunks"], s["chunks"]) << name;
+    EXPECT_EQ(b["micro_batches"], 4) << name;
+    EXPECT_NEAR(b["step_time"].get<double>(), s["step_time"].get<double>(), 1e-9) << name;
+    EXPECT_NEAR(b["bubble_fraction"].get<double>(), s["bubble_fraction"].get<double>(), 1e-9)
+        << name;
+    EXPECT_EQ(b["peak_activations"], s["peak_activations"]) << name;
+    const std::string svg = testing::read_file(dir + "/t.svg");
+    EXPECT_NE(svg.find(" ms, bubble"), std::string::npos) << name;
+  }
+}
+
+TEST(WeftSched, TimelineErrorsNameTheFileAndTheStep) {
+  const std::string dir = testing::temp_dir("weft-sched-timeline-bad");
+  ASSERT_EQ(run("simulate --schedule 1f1b --pp 2 --micro-batches 2 --trace " + dir + "/t.json")
+                .code,
+            0);
+  Out o = run("timeline --from-trace " + dir + "/t.json --step 3");
+  EXPECT_EQ(o.code, 1);
+  EXPECT_NE(o.err.find("no step 3; it holds steps 1 to 1"), std::string::npos) << o.err;
+  testing::write_file(dir + "/empty.json", R"({"traceEvents": []})");
+  o = run("timeline --from-trace " + dir + "/empty.json");
+  EXPECT_EQ(o.code, 1);
+  EXPECT_NE(o.err.find("no complete"), std::string::npos) << o.err;
 }
 
 }  // namespace

@@ -34,6 +34,14 @@ struct SimCost {
   // to the next stage (forward, and the gradient back) and what a stash of it
   // holds. Empty means zero.
   std::vector<double> activation_bytes;
+  // Per stage: bytes a (stage, micro-batch) keeps from its F to its I/B, when
+  // that differs from the boundary (a profiled stage stashes all its layers'
+  // activations). Empty means activation_bytes.
+  std::vector<double> stash_bytes;
+  // Per stage: time to update its parameters once the pipeline has drained
+  // (gradient norm, clipping, the optimizer step). A rank updates its stages
+  // after the last rank has finished, all ranks at once. Empty means zero.
+  std::vector<double> update;
   // With overlap a send only hands the tensor to the link; without it the
   // sender is occupied until the message has arrived.
   bool overlap = true;
@@ -63,10 +71,15 @@ struct SimResult {
   std::vector<std::vector<ActionTime>> times;  // parallel to Schedule::actions
   std::vector<SimMessage> messages;
   double first_start = 0, last_end = 0;
-  double step_time = 0;  // last_end - first_start
+  double pipeline_time = 0;  // last_end - first_start
+  // The slowest rank's update (SimCost::update summed over its stages).
+  std::vector<double> update;  // per rank
+  double update_time = 0;
+  double step_time = 0;  // pipeline_time + update_time
   // Compute time (F, B, I, W) per rank; waiting and communicating are idle.
   std::vector<double> busy;
-  // Idle share of [first_start, last_end]: per rank and over all ranks.
+  // Idle share of [first_start, last_end] (the pipeline, without the
+  // update): per rank and over all ranks.
   std::vector<double> rank_bubble;
   double bubble_fraction = 0;
   // Most (stage, micro-batch) stashes held at once (F done, I/B not yet),
@@ -80,10 +93,18 @@ struct SimResult {
 // times) or when no rank can proceed (validate() explains why).
 SimResult simulate(const Schedule& s, const SimCost& cost);
 
+// The summary of a timeline measured rather than simulated (`times` parallel
+// to s.actions, as a trace records them): step time, busy time and bubble per
+// rank, peak stashes; bytes from `cost` when it has them. Throws weft::Error
+// when `times` does not match the actions.
+SimResult summarize(const Schedule& s, std::vector<std::vector<ActionTime>> times,
+                    const SimCost& cost = {});
+
 // Chrome trace JSON (Perfetto, chrome://tracing): one complete event per
 // action on thread `rank`, flow arrows from each SEND to its RECV.
 std::string chrome_trace(const Schedule& s, const SimResult& r);
 // SVG timeline: one row per rank, compute coloured by kind, idle left white.
-std::string timeline_svg(const Schedule& s, const SimResult& r);
+// `unit` (e.g. "ms") follows the step time in the title.
+std::string timeline_svg(const Schedule& s, const SimResult& r, const std::string& unit = "");
 
 }  // namespace weft::sched

@@ -1,0 +1,437 @@
+#!/usr/bin/env python3
+"""Pipeline schedules measured against simulated, as a markdown report.
+
+bench/schedules.sh is the entry point. For every (pp, schedule, micro-batches)
+it runs train_gpt under mpiexec with --trace, --log-jsonl and --profile (the
+median step after warm-up, the stash peaks, and the per-stage F, I, W and
+update costs of that run's plan). Then it pools the profiles: per stage
+layout (pp, chunks), the median over every run with that layout. One profile
+alone is off by up to 20% on this shared VM (a whole run's speed drifts from
+minute to minute); a median over many is not. Each row is then simulated with
+`weft-sched simulate --costs` on its layout's pooled costs, and its trace is
+summarised and drawn with `weft-sched timeline`.
+
+Two extra traced runs (1F1B and ZB-H1, pp 2) calibrate the simulator: the
+time of a message already sent when its receive starts, and how much slower
+F, I and W run when the ranks compute at once than when rank 0 profiles them
+alone (`--compute-scale`).
+
+It writes docs/schedules.md and the SVG timelines next to it, and renders
+one of them to PNG with rsvg-convert (librsvg2-bin) when that is installed.
+Only python3's standard library is needed.
+"""
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"]
+TWO_CHUNKS = {"interleaved-1f1b", "zb-v"}
+COMPUTE = {"F", "I", "W", "B"}
+CALIBRATION = ["1f1b", "zb-h1"]  # at pp 2 with 4 micro-batches
+
+
+class Failed(RuntimeError):
+    pass
+
+
+def run(cmd, log, timeout=900):
+    """Runs cmd, appending its output to log; raises Failed naming its first error line."""
+    start = time.time()
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=timeout)
+    with open(log, "a") as f:
+        f.write(f"$ {' '.join(cmd)}\n{p.stdout}\n[{time.time() - start:.1f} s, "
+                f"exit {p.returncode}]\n")
+    if p.returncode != 0:
+        errors = [line for line in p.stdout.splitlines() if "error" in line]
+        raise Failed(errors[0] if errors else f"{cmd[0]}: exit {p.returncode}")
+    return p.stdout
+
+
+# --- sharing the machine ---
+# Other people's builds on these two cores would slow part of a run down: the
+# profile and not the steps, or the other way round. Before each run the
+# script waits for the machine to go quiet; during it, it counts the CPU time
+# that was not its own, and runs again (a few times at most) when that
+# exceeds a share.
+
+def busy_cpu_seconds():
+    """CPU seconds every process on the machine has used since boot."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds():
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def wait_for_quiet(a):
+    """Waits (up to --max-wait seconds) for 3 s in a row in which others use < 10% of the CPUs."""
+    deadline, quiet = time.time() + a.max_wait, 0
+    while quiet < 3 and time.time() < deadline:
+        before = busy_cpu_seconds()
+        time.sleep(1)
+        quiet = quiet + 1 if (busy_cpu_seconds() - before) / os.cpu_count() < 0.1 else 0
+
+
+def quiet_run(a, cmd, log):
+    """run() on a quiet machine; returns its output and the share of the CPUs others used."""
+    for attempt in range(a.retries + 1):
+        wait_for_quiet(a)
+        start, busy, own = time.time(), busy_cpu_seconds(), own_cpu_seconds()
+        out = run(cmd, log)
+        wall = time.time() - start
+        others = max(0.0, (busy_cpu_seconds() - busy) - (own_cpu_seconds() - own))
+        others /= wall * os.cpu_count()
+        if others <= a.max_others:
+            break
+        with open(log, "a") as f:
+            f.write(f"[others used {100 * others:.0f}% of the CPUs: again]\n")
+    return out, others
+
+
+def chunks_of(name):
+    return 2 if name in TWO_CHUNKS else 1
+
+
+def train_cmd(a, pp, name, m, *extra):
+    return ["mpiexec", "-n", str(pp), a.train_gpt, "--model", a.model, "--num-layers",
+            str(a.layers), "--data-path", a.data, "--pp", str(pp), "--schedule", name,
+            "--virtual-stages", str(chunks_of(name)), "--micro-batch-size", str(a.micro_batch),
+            "--global-batch-size", str(a.micro_batch * m), "--threads", "1",
+            "--comm-timeout", str(a.comm_timeout), *extra]
+
+
+# --- reading a run ---
+
+def spans(trace_path, first_step):
+    """Complete events of the steps from first_step on."""
+    return [e for e in json.load(open(trace_path))["traceEvents"]
+            if e.get("ph") == "X" and e["args"]["step"] >= first_step]
+
+
+def parse_action(name):
+    """'2SEND_F0' -> ('SEND_F', 2, 0); 'STEP' -> ('STEP', -1, -1)."""
+    i = 0
+    while i < len(name) and name[i].isdigit():
+        i += 1
+    j = len(name)
+    while j > i and name[j - 1].isdigit():
+        j -= 1
+    return name[i:j], int(name[:i] or -1), int(name[j:] or -1)
+
+
+def message_ms(events):
+    """Median time of a receive whose send had started before it: a message's cost here."""
+    sent = {}
+    for e in events:
+        kind, stage, mb = parse_action(e["name"])
+        if kind.startswith("SEND_"):
+            sent[(e["args"]["step"], kind[-1], stage, mb)] = e["ts"]
+    times = []
+    for e in events:
+        kind, stage, mb = parse_action(e["name"])
+        if not kind.startswith("RECV_"):
+            continue
+        src = stage - 1 if kind == "RECV_F" else stage + 1
+        t = sent.get((e["args"]["step"], kind[-1], src, mb))
+        if t is not None and t <= e["ts"]:
+            times.append(e["dur"] / 1e3)
+    return statistics.median(times) if times else 0.0
+
+
+def compute_scale(events, costs):
+    """The median, over F/I/W/B actions, of measured time over what the profile says."""
+    stages = json.load(open(costs))["stages"]
+    ratios = []
+    for e in events:
+        kind, stage, _ = parse_action(e["name"])
+        if kind not in COMPUTE:
+            continue
+        s = stages[stage]
+        ratios.append(e["dur"] / 1e6 / (s["i"] + s["w"] if kind == "B" else s[kind.lower()]))
+    return statistics.median(ratios)
+
+
+# --- one row ---
+
+def pool_profiles(a, runs):
+    """Per stage layout (pp, chunks): the median of every run's profile, as a --costs file."""
+    by_layout = {}
+    for run_ in runs:
+        c = json.load(open(run_["costs"]))
+        by_layout.setdefault((c["pp"], c["chunks"]), []).append(c)
+    costs = {}
+    for (pp, chunks), profiles in by_layout.items():
+        pooled = json.loads(json.dumps(profiles[0]))
+        pooled.pop("nodes", None)
+        pooled["profiles"] = len(profiles)
+        for s, stage in enumerate(pooled["stages"]):
+            for key in ("f", "i", "w", "update"):
+                stage[key] = statistics.median(p["stages"][s][key] for p in profiles)
+        path = os.path.join(a.work, f"costs-pp{pp}-v{chunks}.json")
+        with open(path, "w") as f:
+            json.dump(pooled, f, indent=1)
+        costs[(pp, chunks)] = path
+        a.profiles[(pp, chunks)] = len(profiles)
+    return costs
+
+
+def measure(a, pp, name, m, log):
+    """One traced and profiled run: median step and bubble after warm-up, stash peaks."""
+    tag = f"{name}-pp{pp}-m{m}"
+    jsonl, trace, costs = (os.path.join(a.work, f"{tag}.{ext}")
+                           for ext in ("jsonl", "trace.json", "costs.json"))
+    steps = a.warmup + a.steps
+    out, others = quiet_run(a, train_cmd(a, pp, name, m, "--train-iters", str(steps),
+                                         "--log-interval", str(steps), "--log-jsonl", jsonl,
+                                         "--trace", trace, "--profile", costs), log)
+    records = [json.loads(line) for line in open(jsonl)][a.warmup:]
+    step_ms = [r["step_ms"] for r in records]
+    # The step whose time is the median one (the upper middle of an even count) is drawn.
+    drawn = sorted(records, key=lambda r: r["step_ms"])[len(records) // 2]["step"] + 1
+    peaks = ""
+    for line in out.splitlines():
+        if line.startswith("stashed activations"):
+            peaks = line.split("[", 1)[1].split("]", 1)[0].replace(" ", "")
+    return {"others": others, "step_ms": statistics.median(step_ms),
+            "spread": (min(step_ms), max(step_ms)),
+            "bubble": statistics.median(r["bubble_frac"] for r in records), "peaks": peaks,
+            "trace": trace, "costs": costs, "drawn_step": drawn}
+
+
+def simulate(a, pp, name, m, costs, svg, log):
+    cmd = [a.weft_sched, "simulate", "--schedule", name, "--pp", str(pp), "--micro-batches",
+           str(m), "--chunks", str(chunks_of(name)), "--costs", costs, "--cost-comm",
+           f"{a.link_ms:.6f}", "--compute-scale", f"{a.scale:.4f}", "--json", "--svg", svg]
+    return json.loads(run(cmd, log))
+
+
+def timeline(a, trace, step, svg, log):
+    cmd = [a.weft_sched, "timeline", "--from-trace", trace, "--step", str(step), "--json",
+           "--svg", svg]
+    return json.loads(run(cmd, log))
+
+
+def mib(x):
+    return x / (1 << 20)
+
+
+HEADER = ["pp", "schedule", "m", "step ms", "sim ms", "error", "span ms", "sim span", "error",
+          "bubble", "sim bubble", "stash", "sim stash", "sim MiB", "actions", "others"]
+
+
+def pct(x):
+    return f"{100 * x:+.1f}%"
+
+
+def row_markdown(r):
+    """One table row; a row whose run or simulation failed says why in its step cell."""
+    sim, meas = r.get("sim"), r.get("meas")
+    cells = [str(r["pp"]), r["schedule"], str(r["m"])] + [""] * (len(HEADER) - 3)
+    if meas:
+        lo, hi = meas["spread"]
+        cells[3] = f"{meas['step_ms']:.0f} ({lo:.0f}-{hi:.0f})"
+        cells[9] = f"{100 * meas['bubble']:.1f}%"
+        cells[11] = meas["peaks"]
+        cells[15] = f"{100 * meas['others']:.0f}%"
+    if "failed" in r:
+        cells[3] = (cells[3] + " " if meas else "") + "failed: " + r["failed"].replace("|", "/")
+    if sim:
+        cells[4] = f"{sim['step_time']:.0f}"
+        cells[7] = f"{sim['pipeline_time']:.0f}"
+        cells[10] = f"{100 * sim['bubble_fraction']:.1f}%"
+        cells[12] = ",".join(str(p) for p in sim["peak_activations"])
+        cells[13] = ",".join(f"{mib(b):.0f}" for b in sim["peak_activation_bytes"])
+    if "error" in r:
+        cells[5] = pct(r["error"])
+        cells[6] = f"{r['span']:.0f}"
+        cells[8] = pct((sim["pipeline_time"] - r["span"]) / r["span"])
+        cells[14] = f"{meas['actions']:.2f}x"
+    return "| " + " | ".join(cells) + " |"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--build", default="build")
+    p.add_argument("--docs", default="docs")
+    p.add_argument("--work", required=True)
+    p.add_argument("--model", default="mini")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--data", default="data/fortunes.txt")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--pp2", default="2,4,8", help="micro-batch counts at pp 2")
+    p.add_argument("--pp4", default="4,8", help="micro-batch counts at pp 4 ('' to skip)")
+    p.add_argument("--draw", default="8", help="micro-batch count whose timelines go in docs")
+    p.add_argument("--comm-timeout", type=int, default=30,
+                   help="seconds train_gpt waits for a message before failing")
+    p.add_argument("--max-wait", type=float, default=120,
+                   help="seconds to wait for a quiet machine before each run")
+    p.add_argument("--max-others", type=float, default=0.05,
+                   help="share of the CPUs others may use during a run before it is run again")
+    p.add_argument("--retries", type=int, default=2)
+    a = p.parse_args()
+    a.train_gpt = os.path.join(a.build, "train_gpt")
+    a.weft_sched = os.path.join(a.build, "weft-sched")
+    a.profiles = {}
+    log = os.path.join(a.work, "log.txt")
+    os.makedirs(a.docs, exist_ok=True)
+    grid = [(2, int(m)) for m in a.pp2.split(",") if m] + \
+           [(4, int(m)) for m in a.pp4.split(",") if m]
+    started = time.time()
+
+    # Measure everything first: every run also profiles its plan.
+    calibration = [measure(a, 2, name, 4, log) for name in CALIBRATION]
+    rows = []
+    for pp, m in grid:
+        for name in SCHEDULES:
+            r = {"pp": pp, "schedule": name, "m": m, "drawn": str(m) == a.draw}
+            r["prefix"] = f"sched-{name}-pp{pp}-m{m}"
+            try:
+                r["meas"] = measure(a, pp, name, m, log)
+            except (Failed, subprocess.TimeoutExpired) as e:
+                r["failed"] = str(e)
+            rows.append(r)
+            print(f"measured {name} at pp {pp}, {m} micro-batches", flush=True)
+
+    runs = calibration + [r["meas"] for r in rows if "meas" in r]
+    costs = pool_profiles(a, runs)
+    events = [e for c in calibration for e in spans(c["trace"], a.warmup + 1)]
+    a.link_ms = message_ms(events)
+    a.scale = compute_scale(events, costs[(2, 1)])
+    print(f"calibration: a message takes {a.link_ms:.3f} ms; F/I/W run {a.scale:.3f}x the "
+          f"profile", flush=True)
+
+    for r in rows:
+        pp, name, m = r["pp"], r["schedule"], r["m"]
+        prefix = os.path.join(a.docs if r["drawn"] else a.work, r["prefix"])
+        try:
+            r["sim"] = simulate(a, pp, name, m, costs[(pp, chunks_of(name))],
+                                prefix + "-simulated.svg", log)
+            meas = r.get("meas")
+            if meas:
+                tl = timeline(a, meas["trace"], meas["drawn_step"], prefix + "-measured.svg", log)
+                r["span"] = tl["step_time"]
+                meas["actions"] = compute_scale(spans(meas["trace"], a.warmup + 1),
+                                                costs[(pp, chunks_of(name))])
+                r["error"] = (r["sim"]["step_time"] - meas["step_ms"]) / meas["step_ms"]
+        except (Failed, KeyError) as e:
+            r["failed"] = str(e)
+        print(row_markdown(r), flush=True)
+    png = render_png(a, rows, log)
+    write_report(a, rows, time.time() - started, png)
+
+
+def render_png(a, rows, log):
+    """ZB-H1's measured timeline at pp 2 as a PNG, when rsvg-convert is here; its name or None."""
+    for r in rows:
+        if r["drawn"] and r["pp"] == 2 and r["schedule"] == "zb-h1" and "meas" in r:
+            if not shutil.which("rsvg-convert"):
+                return None
+            svg = os.path.join(a.docs, r["prefix"] + "-measured.svg")
+            run(["rsvg-convert", "--background-color=white", svg, "-o", svg[:-4] + ".png"], log)
+            return os.path.basename(svg[:-4] + ".png")
+    return None
+
+
+def write_report(a, rows, seconds, png):
+    ok = [r for r in rows if "sim" in r and "meas" in r and "error" in r]
+    profiles = ", ".join(f"{n} at pp {pp} x {v} chunks"
+                         for (pp, v), n in sorted(a.profiles.items()))
+    out = [
+        "<!-- written by bench/schedules.sh: change the script, then run it again -->",
+        "# Pipeline schedules: measured against simulated\n",
+        *([f"![ZB-H1 on two ranks, measured: forward blue, input gradient green, weight "
+           f"gradient orange, idle white]({png})\n"] if png else []),
+        f"`bench/schedules.sh` on this machine ({os.cpu_count()} cores, fp32, one thread per "
+        f"rank): GPT `--model {a.model} --num-layers {a.layers}` ({a.layers} blocks of width "
+        f"256, T = 128), micro-batches of {a.micro_batch} sequences, uniform partition. Each "
+        f"row is `mpiexec -n pp train_gpt --pp pp --schedule S --trace --log-jsonl --profile "
+        f"costs.json`, {a.warmup} warm-up and {a.steps} measured steps, against `weft-sched "
+        f"simulate --costs` on the per-stage costs that `--profile` measured for that stage "
+        f"layout: the median over every run with the layout ({profiles}), since one profile "
+        f"alone is off by up to 20% on this shared VM, whose speed drifts from minute to "
+        f"minute. The whole script took "
+        f"{seconds / 60:.1f} minutes, waits for a quiet machine included.\n",
+        "The simulator was calibrated once, from two extra traced runs (1F1B and ZB-H1, pp 2, "
+        "4 micro-batches): a message costs "
+        f"{a.link_ms:.3f} ms (`--cost-comm`; the median receive whose send had already "
+        f"started), and F, I and W take {a.scale:.3f}x what the profile says "
+        f"(`--compute-scale`, the median over those runs' actions), which absorbs the "
+        f"difference between timing layers with rank 0 alone and running both ranks at once "
+        f"on shared caches and memory. Each rank's parameter "
+        f"update after the pipeline drains (gradient norm, clipping, AdamW) is profiled too "
+        f"and counted once per step.\n",
+        "Columns: **step** is train_gpt's `step_ms`, the median of the measured steps "
+        "(fastest and slowest in brackets), update included; **sim** the simulated step; "
+        "**span** the pipeline alone, first action to last, in the trace of the median step "
+        "(`weft-sched timeline`), and **sim span** the simulator's; each **error** is "
+        "simulated against measured. **bubble**: idle share of all ranks during the "
+        "pipeline (measured: the median `bubble_frac` of the JSONL). **stash**: the most "
+        "micro-batch activations each rank held at once (measured: the executor's count; "
+        "simulated: the count and MiB). **actions**: the median F, I, W or B of the run "
+        "against its profiled time (what `--compute-scale` would have to be for this row). "
+        "**others**: the share of the machine's CPU time "
+        "that other processes used during the run (the script waits for a quiet machine "
+        f"and runs a row again, up to {a.retries} times, when others took more than "
+        f"{100 * a.max_others:.0f}%).\n",
+        "| " + " | ".join(HEADER) + " |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|---:|",
+    ]
+    out.extend(row_markdown(r) for r in rows)
+    out.append("")
+    for pp in sorted({r["pp"] for r in ok}):
+        errs = [abs(r["error"]) for r in ok if r["pp"] == pp]
+        out.append(f"pp {pp}: mean |error| {100 * statistics.mean(errs):.1f}%, worst "
+                   f"{100 * max(errs):.1f}%, {sum(e <= 0.10 for e in errs)} of {len(errs)} "
+                   f"measured rows within 10%.\n")
+    stash_ok = sum(r["meas"]["peaks"] == ",".join(str(p) for p in r["sim"]["peak_activations"])
+                   for r in ok)
+    out.append("## Reading the numbers\n")
+    out.append(
+        "- At pp 2 every rank has a core of its own, as the simulator assumes: these rows "
+        "test the model.")
+    out.append(
+        f"- The stash counts agree in {stash_ok} of {len(ok)} rows: the simulator and the "
+        f"executor walk the same schedule.")
+    if any(r["pp"] > os.cpu_count() for r in ok):
+        out.append(
+            f"- pp 4 runs four ranks on {os.cpu_count()} cores. The simulator gives every rank "
+            f"a core; here, whenever more ranks compute at once than there are cores, they "
+            f"share them, and F, I and W take longer than profiled (the **actions** column). "
+            f"These rows measure that oversubscription more than the schedules; they are kept "
+            f"to show it. On a machine with a core (or a GPU) per rank, expect the pp 2 "
+            f"accuracy.")
+    out.append(
+        "- The bubble columns count the pipeline only, as train_gpt's `bubble_frac` does; the "
+        "step columns include each rank's parameter update, which the simulator adds after "
+        "the pipeline drains (grey in the simulated timelines).\n")
+    out.append("## Timelines\n")
+    out.append(f"{a.draw} micro-batches. Measured (the median step of the trace, drawn by "
+               "`weft-sched timeline`) above simulated (`weft-sched simulate --svg`). Blue: "
+               "forward; green: input gradient; orange: weight gradient; teal: full backward "
+               "(I + W); grey: the parameter update; white: idle.\n")
+    for r in rows:
+        if not r["drawn"] or "sim" not in r:
+            continue
+        out.append(f"### {r['schedule']}, pp {r['pp']}\n")
+        if "meas" in r:
+            out.append(f"![{r['schedule']} measured]({r['prefix']}-measured.svg)\n")
+        out.append(f"![{r['schedule']} simulated]({r['prefix']}-simulated.svg)\n")
+    with open(os.path.join(a.docs, "schedules.md"), "w") as f:
+        f.write("\n".join(out))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
