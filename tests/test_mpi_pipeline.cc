@@ -118,6 +118,25 @@ TEST_F(MpiPipeline, TraceRecordsEveryActionOnEveryRank) {
   for (const auto& [id, balance] : flows) EXPECT_EQ(balance, 0) << id;
 }
 
+// Messages above MPI's eager limit (here 32 KiB) complete only once their
+// receiver posts: a rank that waited for its sends before going on to its
+// next actions deadlocked interleaved 1F1B with as many micro-batches as ranks.
+TEST(MpiPipelineLarge, InterleavedWithLargeMessagesAndFewMicroBatchesFinishes) {
+  const std::string dir = testing::temp_dir("mpi-pipeline-large");
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += "Call me Ishmael. Some years ago, never mind how long. ";
+  testing::write_file(dir + "/t.txt", text);
+  const std::string cmd = std::string(std::getenv("WEFT_MPIEXEC")) + " -n 4 " +
+                          std::getenv("WEFT_TRAIN_GPT") + " --data-path " + dir +
+                          "/t.txt --num-layers 8 --hidden-size 128 --num-attention-heads 4 "
+                          "--seq-length 64 --micro-batch-size 1 --global-batch-size 4 --pp 4 "
+                          "--schedule interleaved-1f1b --train-iters 2 --threads 1 "
+                          "--comm-timeout 30 >" + dir + "/out.txt 2>&1";
+  const int status = std::system(cmd.c_str());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_file(dir + "/out.txt");
+  EXPECT_NE(read_file(dir + "/out.txt").find("step     2/2"), std::string::npos);
+}
+
 TEST(MpiPipelineErrors, ImpossibleLayoutsFailOnEveryRankBeforeCommunicating) {
   const std::string dir = testing::temp_dir("mpi-pipeline-errors");
   testing::write_file(dir + "/t.txt", std::string(4000, 'a'));
