@@ -42,21 +42,9 @@ class MpiLayouts : public ::testing::Test {
   // Runs train_gpt on `ranks` processes; returns its JSONL records.
   static std::vector<nlohmann::json> train(int ranks, const std::string& extra,
                                            int iters = 5) {
-    const std::string out = *dir_ + "/run.jsonl";
-    std::remove(out.c_str());
-    std::string cmd = std::string(std::getenv("WEFT_TRAIN_GPT")) + " " + flags() +
-                      " --train-iters " + std::to_string(iters) + " " + extra + " --log-jsonl " +
-                      out;
-    if (ranks > 1)
-      cmd = std::string(std::getenv("WEFT_MPIEXEC")) + " -n " + std::to_string(ranks) + " " + cmd;
-    cmd += " >" + *dir_ + "/out.txt 2>&1";
-    const int status = std::system(cmd.c_str());
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
-        << cmd << "\n" << read_file(*dir_ + "/out.txt");
-    std::vector<nlohmann::json> records;
-    std::istringstream lines(read_file(out));
-    for (std::string line; std::getline(lines, line);) records.push_back(nlohmann::json::parse(line));
-    return records;
+    const testing::TrainRun run = testing::run_train_gpt(ranks, flags() + " --train-iters " + std::to_string(iters) + " " + extra, *dir_);
+    EXPECT_TRUE(run.ok) << run.command << "\n" << run.output;
+    return run.records;
   }
 
   // The records match the reference's steps [first, first + size).

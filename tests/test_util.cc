@@ -7,6 +7,8 @@
 #include <random>
 #include <sstream>
 
+#include <sys/wait.h>
+
 namespace weft::testing {
 
 std::string source_path(const std::string& rel) {
@@ -65,6 +67,22 @@ std::string read_file(const std::string& path) {
   std::stringstream ss;
   ss << f.rdbuf();
   return ss.str();
+}
+
+TrainRun run_train_gpt(int ranks, const std::string& args, const std::string& dir) {
+  const std::string jsonl = dir + "/run.jsonl", out = dir + "/out.txt";
+  std::remove(jsonl.c_str());
+  TrainRun r;
+  r.command = std::string(std::getenv("WEFT_TRAIN_GPT")) + " " + args + " --log-jsonl " + jsonl;
+  if (ranks > 1)
+    r.command =
+        std::string(std::getenv("WEFT_MPIEXEC")) + " -n " + std::to_string(ranks) + " " + r.command;
+  const int status = std::system((r.command + " >" + out + " 2>&1").c_str());
+  r.ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  r.output = read_file(out);
+  std::istringstream lines(read_file(jsonl));
+  for (std::string line; std::getline(lines, line);) r.records.push_back(nlohmann::json::parse(line));
+  return r;
 }
 
 }  // namespace weft::testing

@@ -3,6 +3,8 @@
 
 #include <weft/tensor.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -22,6 +24,15 @@ double rel_error(const Tensor& a, const Tensor& b);
 // Writes a file with these bytes.
 void write_file(const std::string& path, const std::string& bytes);
 std::string read_file(const std::string& path);
+
+// Runs train_gpt ($WEFT_TRAIN_GPT) with `args` plus --log-jsonl, under
+// `$WEFT_MPIEXEC -n ranks` when ranks > 1, its output going to dir/out.txt.
+struct TrainRun {
+  bool ok = false;                      // exited with status 0
+  std::string command, output;
+  std::vector<nlohmann::json> records;  // one per step of the JSONL log
+};
+TrainRun run_train_gpt(int ranks, const std::string& args, const std::string& dir);
 
 // True when `text` contains `part`.
 inline bool contains(const std::string& text, const std::string& part) {
