@@ -91,6 +91,7 @@ struct Reference {
   std::vector<double> loss, norm;
   std::map<std::string, Tensor> params;   // after kSteps
   std::map<std::string, Tensor> moments;  // Adam's, after kSteps
+  std::map<std::string, Tensor> first_moments;  // Adam's, after step 1
 };
 
 const Reference& reference() {
@@ -104,6 +105,9 @@ const Reference& reference() {
       const StepRecord rec = t.train_step();
       r.loss.push_back(rec.loss);
       r.norm.push_back(rec.grad_norm);
+      if (s == 0)
+        for (auto& [name, moment] : t.grad_sync().optimizer_state())
+          r.first_moments.emplace(name, moment.clone());
     }
     for (Param* p : m.graph.params()) r.params.emplace(p->name, p->value.clone());
     for (auto& [name, moment] : t.grad_sync().optimizer_state())
@@ -156,7 +160,8 @@ struct RankRun {
   std::vector<GradSync::Stats> stats;    // after each step
   std::map<std::string, Tensor> params;  // the ones this rank updates, its pieces
   std::map<std::string, Shard> shards;
-  NamedTensors moments;  // optimizer_state() after the last step
+  NamedTensors moments;        // optimizer_state() after the last step
+  NamedTensors first_moments;  // optimizer_state() after step 1
 };
 
 // Runs `steps` steps of layout `l` on its world of threads. `before` runs on
@@ -178,6 +183,9 @@ std::vector<RankRun> run_layout(const Layout& l, int steps, const RankHook& befo
     for (int s = 0; s < steps; ++s) {
       r.steps.push_back(rank.trainer().train_step());
       r.stats.push_back(rank.trainer().grad_sync().stats());
+      if (with_moments && s == 0)
+        for (auto& [name, t] : rank.trainer().grad_sync().optimizer_state())
+          r.first_moments.emplace_back(name, t.clone());
     }
     for (Param* p : rank.trainer().params()) {
       r.params.emplace(p->name, p->value.clone());
@@ -350,18 +358,34 @@ TEST(DistributedOptimizer, SameNumbersAsThePlainOne) {
     EXPECT_NEAR(b[rank].stats.back().bytes_sent, a[rank].stats.back().bytes_sent / 2,
                 1e-9 * a[rank].stats.back().bytes_sent);
   }
-  // And the moments are the single-process ones (tp 2: compare the pieces).
+  // And the moments are the single-process ones (tp 2: compare the pieces),
+  // after step 1. Error model: step 1's gradient is a sum over the G*T = 128
+  // tokens of the batch, carried back through 8 blocks; another split over
+  // ranks (or another BLAS kernel set) sums in another order, about
+  // 2^-24 * sqrt(128) = 7e-7 relative per sum, a few times that through the
+  // blocks: below kTol. m = (1 - beta1) g keeps g's relative error; v =
+  // (1 - beta2) g^2 doubles it, hence 2 kTol. After kSteps the moments are not
+  // compared with the reference: each Adam step normalises a gradient element
+  // by its own size, so an element whose gradient is at rounding level (the
+  // key bias's is zero in exact arithmetic) moves by about lr in either
+  // direction, and later gradients inherit that. After five steps the moments
+  // of two summation orders differ by 1e-5 to 2e-5 (seen with OpenBLAS's
+  // Prescott kernels and on an AVX-512 host), which says nothing about the
+  // optimizer. The comparison with the plain optimizer in the same layout
+  // above (the same sums, so nothing for Adam to amplify) covers those steps.
   const Reference& ref = reference();
   for (size_t rank = 0; rank < b.size(); ++rank)
-    for (const auto& [name, t] : b[rank].moments) {
+    for (const auto& [name, t] : b[rank].first_moments) {
       const std::string param = name.substr(0, name.rfind(".exp_avg"));
       const Shard& shard = b[rank].shards.at(param);
       Tensor want = Tensor::zeros(t.shape());
       if (shard.split())
-        slice_shard(ref.moments.at(name), shard, want);
+        slice_shard(ref.first_moments.at(name), shard, want);
       else
-        want.copy_from(ref.moments.at(name));
-      EXPECT_LT(testing::rel_error(t, want), kTol) << "rank " << rank << ": " << name;
+        want.copy_from(ref.first_moments.at(name));
+      const bool squared = name.ends_with(".exp_avg_sq");
+      EXPECT_LT(testing::rel_error(t, want), squared ? 2 * kTol : kTol)
+          << "rank " << rank << ": " << name << " after step 1";
     }
 }
 

@@ -4,7 +4,7 @@
 // parallelism.
 #include <weft/cpu_kernels.h>
 
-#include <Eigen/Core>
+#include "src/cpu/eigen.h"
 
 #include <algorithm>
 #include <cmath>

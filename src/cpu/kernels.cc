@@ -4,7 +4,7 @@
 #include <weft/cpu_kernels.h>
 #include <weft/error.h>
 
-#include <Eigen/Core>
+#include "src/cpu/eigen.h"
 
 #include <algorithm>
 #include <cmath>
