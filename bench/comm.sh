@@ -15,5 +15,5 @@ export MPIEXEC_TIMEOUT=600 OMP_NUM_THREADS=1
 echo "# bench_comm on $(getconf _NPROCESSORS_ONLN) cores"
 echo
 for n in 2 4 8; do
-  mpiexec -n "$n" "$exe"
+  "$build/bench/mpiexec" -n "$n" "$exe"
 done

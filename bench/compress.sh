@@ -24,4 +24,4 @@ fi
 out=${WEFT_COMPRESS_CSV:-$build/compress_losses.csv}
 # A hung job ends instead of hanging the script; idle OpenMP threads sleep.
 export MPIEXEC_TIMEOUT=600 OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
-mpiexec -n 2 "$exe" --data-path "$data" --csv "$out" "$@"
+"$build/bench/mpiexec" -n 2 "$exe" --data-path "$data" --csv "$out" "$@"

@@ -32,7 +32,7 @@ run() {
   local name=$1 ranks=$2
   shift 2
   local cmd=("$exe" $model --train-iters $iters --log-jsonl "$work/$name.jsonl" "$@")
-  if ((ranks > 1)); then cmd=(mpiexec -n "$ranks" "${cmd[@]}"); fi
+  if ((ranks > 1)); then cmd=("$build/bench/mpiexec" -n "$ranks" "${cmd[@]}"); fi
   "${cmd[@]}" >"$work/$name.log" 2>&1 || { echo "error: $name failed:"; tail -5 "$work/$name.log"; exit 1; }
 }
 

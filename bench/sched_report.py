@@ -103,8 +103,8 @@ def chunks_of(name):
 
 
 def train_cmd(a, pp, name, m, *extra):
-    return ["mpiexec", "-n", str(pp), a.train_gpt, "--model", a.model, "--num-layers",
-            str(a.layers), "--data-path", a.data, "--pp", str(pp), "--schedule", name,
+    return [os.path.join(a.build, "bench", "mpiexec"), "-n", str(pp), a.train_gpt,
+            "--model", a.model, "--num-layers", str(a.layers), "--data-path", a.data, "--pp", str(pp), "--schedule", name,
             "--virtual-stages", str(chunks_of(name)), "--micro-batch-size", str(a.micro_batch),
             "--global-batch-size", str(a.micro_batch * m), "--threads", "1",
             "--comm-timeout", str(a.comm_timeout), *extra]

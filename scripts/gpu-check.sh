@@ -27,13 +27,18 @@ start=$(date +%s)
 results=()   # "name|result|seconds" rows of the table
 failed=0
 
+# The GPU machine keeps meson and ninja in PyTorch's virtual environment.
+for dir in /usr/local/cuda/bin /opt/torch/.venv/bin; do
+  if [ -d "$dir" ]; then export PATH="$PATH:$dir"; fi
+done
+# Open MPI (the GPU machine's MPI) refuses root unless told.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 for tool in meson ninja nvcc; do
   if ! command -v "$tool" >/dev/null && ! [ -x "/usr/local/cuda/bin/$tool" ]; then
     echo "gpu-check: $tool not found (nvcc is expected in PATH or /usr/local/cuda/bin)" >&2
     exit 1
   fi
 done
-export PATH="$PATH:/usr/local/cuda/bin"
 
 gpus=0
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
@@ -53,10 +58,16 @@ fi
 # machines may have 2 cores) ---
 t0=$(date +%s)
 log="$logs/build.log"
+setup_rc=0
 if [ -d "$build/meson-private" ]; then
-  meson configure "$build" -Dcuda=enabled -Dgpu_arch="$arch" >"$log" 2>&1
+  meson configure "$build" -Dcuda=enabled -Dgpu_arch="$arch" >"$log" 2>&1 || setup_rc=$?
 else
-  meson setup "$build" -Dcuda=enabled -Dgpu_arch="$arch" >"$log" 2>&1
+  meson setup "$build" -Dcuda=enabled -Dgpu_arch="$arch" >"$log" 2>&1 || setup_rc=$?
+fi
+if [ "$setup_rc" != 0 ]; then
+  tail -n 40 "$log"
+  echo "gpu-check: meson setup failed (exit $setup_rc; log: $log)" >&2
+  exit 1
 fi
 targets=(tests/test_nccl tests/cuda/test_cuda_allocator tests/cuda/test_cuda_kernels
          tests/cuda/test_cuda_step bench/bench_cuda)

@@ -8,6 +8,11 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 
 mkdir -p data
+if [ ! -s data/fortunes.txt ] && [ ! -d /usr/share/games/fortunes ]; then
+  # shellcheck source=scripts/packages.sh
+  source scripts/packages.sh
+  install_packages "the sample's text (Debian's fortune files)" fortunes-min fortunes
+fi
 if [ ! -s data/fortunes.txt ]; then
   # The plain-text fortune files: skip the .dat indexes and the .u8 links.
   find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.dat' ! -name '*.u8' \

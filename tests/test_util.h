@@ -34,6 +34,13 @@ struct TrainRun {
 };
 TrainRun run_train_gpt(int ranks, const std::string& args, const std::string& dir);
 
+// How many times `part` occurs in `text`.
+inline int count(const std::string& text, const std::string& part) {
+  int n = 0;
+  for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) ++n;
+  return n;
+}
+
 // True when `text` contains `part`.
 inline bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
