@@ -1,6 +1,6 @@
 #include "layers/attention.h"
 
-#include <weft/cpu_kernels.h>
+#include <weft/ops.h>
 #include <weft/tensor_parallel.h>
 
 namespace weft {
@@ -45,11 +45,10 @@ std::unique_ptr<LayerCtx> CausalSelfAttention::make_ctx() const {
 void CausalSelfAttention::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tensor> in,
                                   std::span<const Tensor> out) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const int64_t b = in[0].dim(0), t = in[0].dim(1), c = in[0].dim(2) / 3;
+  const int64_t b = in[0].dim(0), t = in[0].dim(1);
   ctx.qkv = in[0];
   ctx.probs = arena.alloc({b, heads_, t, t});
-  cpu::attention_forward(in[0].data<float>(), out[0].data<float>(), ctx.probs.data<float>(), b, t,
-                         heads_, c);
+  ops::attention_forward(in[0], out[0], ctx.probs, heads_);
 }
 
 void CausalSelfAttention::backward_input(LayerCtx& ctx_, Arena& arena,
@@ -57,11 +56,9 @@ void CausalSelfAttention::backward_input(LayerCtx& ctx_, Arena& arena,
                                          std::span<const Tensor> grad_in) {
   auto& ctx = static_cast<Ctx&>(ctx_);
   if (!grad_in[0].defined()) return;
-  const int64_t b = ctx.qkv.dim(0), t = ctx.qkv.dim(1), c = ctx.qkv.dim(2) / 3;
+  const int64_t b = ctx.qkv.dim(0), t = ctx.qkv.dim(1);
   Tensor scratch = arena.alloc({b, heads_, t, t});
-  cpu::attention_backward(grad_out[0].data<float>(), ctx.qkv.data<float>(),
-                          ctx.probs.data<float>(), grad_in[0].data<float>(),
-                          scratch.data<float>(), b, t, heads_, c);
+  ops::attention_backward(grad_out[0], ctx.qkv, ctx.probs, grad_in[0], scratch, heads_);
 }
 
 }  // namespace weft

@@ -1,8 +1,7 @@
 #include "layers/embedding.h"
 
+#include <weft/ops.h>
 #include <weft/tensor_parallel.h>
-
-#include <algorithm>
 
 #include "layers/tp_embedding.h"
 
@@ -13,7 +12,6 @@ struct Ctx : LayerCtx {
   Tensor tokens;  // (B, T) int32
   Tensor dy;      // (B, T, C), kept by I for W
 };
-constexpr int64_t kColBlock = 64;
 }  // namespace
 
 Embedding::Embedding(Param* wte, Param* wpe) : wte_(wte), wpe_(wpe) {
@@ -42,27 +40,13 @@ std::unique_ptr<Layer> Embedding::tensor_parallel(TpBuild& build) const {
 
 std::unique_ptr<LayerCtx> Embedding::make_ctx() const { return std::make_unique<Ctx>(); }
 
-// tokens (B, T) -> y (B, T, C)
+// tokens (B, T) -> y (B, T, C) = wte[tokens] + wpe[t]
 void Embedding::forward(LayerCtx& ctx_, Arena&, std::span<const Tensor> in,
                         std::span<const Tensor> out) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const Tensor& tok = in[0];
-  const int64_t b = tok.dim(0), t = tok.dim(1), c = wte_->value.dim(1);
-  const int64_t v = wte_->value.dim(0);
-  const int32_t* tp = tok.data<int32_t>();
-  for (int64_t i = 0; i < b * t; ++i)
-    check(tp[i] >= 0 && tp[i] < v, "token {} at position {} is outside the vocabulary [0, {})",
-          tp[i], i, v);
-  const float* wte = wte_->value.data<float>();
-  const float* wpe = wpe_->value.data<float>();
-  float* y = out[0].data<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < b * t; ++i) {
-    const float* e = wte + static_cast<int64_t>(tp[i]) * c;
-    const float* p = wpe + (i % t) * c;
-    for (int64_t j = 0; j < c; ++j) y[i * c + j] = e[j] + p[j];
-  }
-  ctx.tokens = tok;
+  ops::check_token_range(in[0], wte_->value.dim(0), "token");
+  ops::embedding_forward(in[0], wte_->value, 0, wpe_->value, out[0]);
+  ctx.tokens = in[0];
 }
 
 void Embedding::backward_input(LayerCtx& ctx_, Arena&, std::span<const Tensor> grad_out,
@@ -73,26 +57,7 @@ void Embedding::backward_input(LayerCtx& ctx_, Arena&, std::span<const Tensor> g
 // dwte[tokens[i]] += dy[i]; dwpe[t] += sum_b dy[b, t]
 void Embedding::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const int64_t b = ctx.tokens.dim(0), t = ctx.tokens.dim(1), c = wte_->value.dim(1);
-  const int32_t* tp = ctx.tokens.data<int32_t>();
-  const float* dy = ctx.dy.data<float>();
-  float* dwte = wte_->grad.data<float>();
-  float* dwpe = wpe_->grad.data<float>();
-  const int64_t blocks = (c + kColBlock - 1) / kColBlock;
-  // Column blocks: no two threads touch the same element, and the summation
-  // order is the token order whatever the thread count.
-#pragma omp parallel for schedule(static)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t j0 = blk * kColBlock, j1 = std::min(c, j0 + kColBlock);
-    for (int64_t i = 0; i < b * t; ++i) {
-      float* e = dwte + static_cast<int64_t>(tp[i]) * c;
-      float* p = dwpe + (i % t) * c;
-      for (int64_t j = j0; j < j1; ++j) {
-        e[j] += dy[i * c + j];
-        p[j] += dy[i * c + j];
-      }
-    }
-  }
+  ops::embedding_backward(ctx.tokens, ctx.dy, wte_->grad, 0, wpe_->grad);
 }
 
 }  // namespace weft

@@ -1,6 +1,6 @@
 #include "layers/gelu.h"
 
-#include <weft/cpu_kernels.h>
+#include <weft/ops.h>
 
 namespace weft {
 
@@ -22,15 +22,14 @@ std::unique_ptr<LayerCtx> Gelu::make_ctx() const { return std::make_unique<Ctx>(
 void Gelu::forward(LayerCtx& ctx, Arena&, std::span<const Tensor> in,
                    std::span<const Tensor> out) {
   static_cast<Ctx&>(ctx).x = in[0];
-  cpu::gelu_forward(in[0].data<float>(), out[0].data<float>(), in[0].numel());
+  ops::gelu_forward(in[0], out[0]);
 }
 
 void Gelu::backward_input(LayerCtx& ctx, Arena&, std::span<const Tensor> grad_out,
                           std::span<const Tensor> grad_in) {
   if (!grad_in[0].defined()) return;
   const Tensor& x = static_cast<Ctx&>(ctx).x;
-  cpu::gelu_backward(grad_out[0].data<float>(), x.data<float>(), grad_in[0].data<float>(),
-                     x.numel());
+  ops::gelu_backward(grad_out[0], x, grad_in[0]);
 }
 
 }  // namespace weft

@@ -1,6 +1,6 @@
 #include "layers/layernorm.h"
 
-#include <weft/cpu_kernels.h>
+#include <weft/ops.h>
 #include <weft/tensor_parallel.h>
 
 namespace weft {
@@ -32,13 +32,11 @@ std::unique_ptr<LayerCtx> LayerNorm::make_ctx() const { return std::make_unique<
 void LayerNorm::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tensor> in,
                         std::span<const Tensor> out) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const int64_t n = in[0].shape().rows(), c = in[0].shape().last();
+  const int64_t n = in[0].shape().rows();
   ctx.x = in[0];
   ctx.mean = arena.alloc({n});
   ctx.rstd = arena.alloc({n});
-  cpu::layernorm_forward(in[0].data<float>(), w_->value.data<float>(), b_->value.data<float>(),
-                         out[0].data<float>(), ctx.mean.data<float>(), ctx.rstd.data<float>(), n,
-                         c, eps_);
+  ops::layernorm_forward(in[0], w_->value, b_->value, out[0], ctx.mean, ctx.rstd, eps_);
 }
 
 void LayerNorm::backward_input(LayerCtx& ctx_, Arena&, std::span<const Tensor> grad_out,
@@ -46,18 +44,12 @@ void LayerNorm::backward_input(LayerCtx& ctx_, Arena&, std::span<const Tensor> g
   auto& ctx = static_cast<Ctx&>(ctx_);
   ctx.dy = grad_out[0];
   if (!grad_in[0].defined()) return;
-  const int64_t n = ctx.x.shape().rows(), c = ctx.x.shape().last();
-  cpu::layernorm_backward_input(ctx.dy.data<float>(), ctx.x.data<float>(),
-                                w_->value.data<float>(), ctx.mean.data<float>(),
-                                ctx.rstd.data<float>(), grad_in[0].data<float>(), n, c);
+  ops::layernorm_backward_input(ctx.dy, ctx.x, w_->value, ctx.mean, ctx.rstd, grad_in[0]);
 }
 
 void LayerNorm::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const int64_t n = ctx.x.shape().rows(), c = ctx.x.shape().last();
-  cpu::layernorm_backward_weight(ctx.dy.data<float>(), ctx.x.data<float>(),
-                                 ctx.mean.data<float>(), ctx.rstd.data<float>(),
-                                 w_->grad.data<float>(), b_->grad.data<float>(), n, c);
+  ops::layernorm_backward_weight(ctx.dy, ctx.x, ctx.mean, ctx.rstd, w_->grad, b_->grad);
 }
 
 }  // namespace weft

@@ -1,6 +1,6 @@
 #include "layers/linear.h"
 
-#include <weft/cpu_kernels.h>
+#include <weft/ops.h>
 #include <weft/tensor_parallel.h>
 
 #include "layers/tp_linear.h"
@@ -50,18 +50,8 @@ std::unique_ptr<LayerCtx> Linear::make_ctx() const { return std::make_unique<Ctx
 void Linear::forward(LayerCtx& ctx_, Arena&, std::span<const Tensor> in,
                      std::span<const Tensor> out) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const int64_t n = in[0].shape().rows(), k = w_->value.dim(0), m = w_->value.dim(1);
-  float* y = out[0].data<float>();
-  float beta = 0.0f;
-  if (b_) {
-    const float* b = b_->value.data<float>();
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < m; ++j) y[i * m + j] = b[j];
-    beta = 1.0f;
-  }
-  cpu::gemm(false, false, n, m, k, 1.0f, in[0].data<float>(), k, w_->value.data<float>(), m, beta,
-            y, m);
+  if (b_) ops::fill_rows(out[0], b_->value);
+  ops::gemm(in[0], false, w_->value, false, out[0], 1.0f, b_ ? 1.0f : 0.0f);
   ctx.x = in[0];
 }
 
@@ -71,18 +61,14 @@ void Linear::backward_input(LayerCtx& ctx_, Arena&, std::span<const Tensor> grad
   auto& ctx = static_cast<Ctx&>(ctx_);
   ctx.dy = grad_out[0];
   if (!grad_in[0].defined()) return;
-  const int64_t n = ctx.x.shape().rows(), k = w_->value.dim(0), m = w_->value.dim(1);
-  cpu::gemm(false, true, n, k, m, 1.0f, ctx.dy.data<float>(), m, w_->value.data<float>(), m, 1.0f,
-            grad_in[0].data<float>(), k);
+  ops::gemm(ctx.dy, false, w_->value, true, grad_in[0], 1.0f, 1.0f);
 }
 
 // dW (in, out) += x^T dy; db (out) += sum over rows of dy
 void Linear::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const int64_t n = ctx.x.shape().rows(), k = w_->value.dim(0), m = w_->value.dim(1);
-  cpu::gemm(true, false, k, m, n, 1.0f, ctx.x.data<float>(), k, ctx.dy.data<float>(), m, 1.0f,
-            w_->grad.data<float>(), m);
-  if (b_) cpu::sum_rows(ctx.dy.data<float>(), b_->grad.data<float>(), n, m);
+  ops::gemm(ctx.x, true, ctx.dy, false, w_->grad, 1.0f, 1.0f);
+  if (b_) ops::sum_rows(ctx.dy, b_->grad);
 }
 
 // Column: W (in, out) and b (out) split by columns, in out_blocks blocks.

@@ -1,6 +1,6 @@
 #include "layers/lm_head.h"
 
-#include <weft/cpu_kernels.h>
+#include <weft/ops.h>
 #include <weft/tensor_parallel.h>
 
 #include "layers/tp_lm_head.h"
@@ -49,41 +49,34 @@ const Tensor& TiedLmHeadLoss::logits(LayerCtx& ctx) { return static_cast<Ctx&>(c
 void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tensor> in,
                              std::span<const Tensor> out) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const int64_t n = in[0].shape().rows(), c = in[0].shape().last(), v = wte_->value.dim(0);
+  const int64_t n = in[0].shape().rows(), v = wte_->value.dim(0);
   ctx.x = in[0];
   ctx.targets = in[1];
   ctx.probs = arena.alloc({n, v});
-  cpu::gemm(false, true, n, v, c, 1.0f, in[0].data<float>(), c, wte_->value.data<float>(), c,
-            0.0f, ctx.probs.data<float>(), v);
+  ops::gemm(in[0], false, wte_->value, true, ctx.probs);
   if (keep_logits_) {
     ctx.logits = arena.alloc({n, v});
     ctx.logits.copy_from(ctx.probs);
   }
   Tensor losses = arena.alloc({n});
-  double total = cpu::softmax_cross_entropy(ctx.probs.data<float>(), in[1].data<int32_t>(),
-                                            losses.data<float>(), n, v);
-  out[0].data<float>()[0] = static_cast<float>(total);
+  const double total = ops::softmax_cross_entropy(ctx.probs, in[1], losses);
+  ops::set_item(out[0], static_cast<float>(total));
 }
 
 // dlogits = (p - onehot) * g, where g = d loss_total / d (this sum); dx += dlogits wte
 void TiedLmHeadLoss::backward_input(LayerCtx& ctx_, Arena&, std::span<const Tensor> grad_out,
                                     std::span<const Tensor> grad_in) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const int64_t n = ctx.x.shape().rows(), c = ctx.x.shape().last(), v = wte_->value.dim(0);
-  const float g = grad_out[0].data<float>()[0];
-  float* dl = ctx.probs.data<float>();
-  cpu::cross_entropy_backward(dl, ctx.targets.data<int32_t>(), dl, g, n, v);
+  const float g = ops::item(grad_out[0]);
+  ops::cross_entropy_backward(ctx.probs, ctx.targets, 0, ctx.probs, g);  // in place: dlogits
   if (!grad_in[0].defined()) return;
-  cpu::gemm(false, false, n, c, v, 1.0f, dl, v, wte_->value.data<float>(), c, 1.0f,
-            grad_in[0].data<float>(), c);
+  ops::gemm(ctx.probs, false, wte_->value, false, grad_in[0], 1.0f, 1.0f);
 }
 
 // dwte (V, C) += dlogits^T x
 void TiedLmHeadLoss::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const int64_t n = ctx.x.shape().rows(), c = ctx.x.shape().last(), v = wte_->value.dim(0);
-  cpu::gemm(true, false, v, c, n, 1.0f, ctx.probs.data<float>(), v, ctx.x.data<float>(), c, 1.0f,
-            wte_->grad.data<float>(), c);
+  ops::gemm(ctx.probs, true, ctx.x, false, wte_->grad, 1.0f, 1.0f);
 }
 
 }  // namespace weft

@@ -1,5 +1,7 @@
 #include "layers/mse_loss.h"
 
+#include <weft/ops.h>
+
 namespace weft {
 
 namespace {
@@ -25,24 +27,16 @@ void MseLoss::forward(LayerCtx& ctx_, Arena&, std::span<const Tensor> in,
   auto& ctx = static_cast<Ctx&>(ctx_);
   ctx.pred = in[0];
   ctx.target = in[1];
-  const float* p = in[0].data<float>();
-  const float* t = in[1].data<float>();
-  double s = 0;
-  for (int64_t i = 0; i < in[0].numel(); ++i) s += 0.5 * double(p[i] - t[i]) * double(p[i] - t[i]);
-  out[0].data<float>()[0] = static_cast<float>(s);
+  ops::set_item(out[0], static_cast<float>(ops::mse_loss(in[0], in[1])));
 }
 
 void MseLoss::backward_input(LayerCtx& ctx_, Arena&, std::span<const Tensor> grad_out,
                              std::span<const Tensor> grad_in) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const float g = grad_out[0].data<float>()[0];
-  const float* p = ctx.pred.data<float>();
-  const float* t = ctx.target.data<float>();
+  const float g = ops::item(grad_out[0]);
   for (int k = 0; k < 2; ++k) {
     if (!grad_in[static_cast<size_t>(k)].defined()) continue;
-    float* d = grad_in[static_cast<size_t>(k)].data<float>();
-    const float sign = k == 0 ? 1.0f : -1.0f;
-    for (int64_t i = 0; i < ctx.pred.numel(); ++i) d[i] += sign * g * (p[i] - t[i]);
+    ops::mse_backward(ctx.pred, ctx.target, k == 0 ? g : -g, grad_in[static_cast<size_t>(k)]);
   }
 }
 

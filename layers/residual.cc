@@ -1,6 +1,6 @@
 #include "layers/residual.h"
 
-#include <weft/cpu_kernels.h>
+#include <weft/ops.h>
 
 namespace weft {
 
@@ -17,13 +17,13 @@ std::unique_ptr<Layer> Residual::tensor_parallel(TpBuild&) const {
 void Residual::forward(LayerCtx&, Arena&, std::span<const Tensor> in,
                        std::span<const Tensor> out) {
   out[0].copy_from(in[0]);
-  cpu::add_inplace(out[0].data<float>(), in[1].data<float>(), in[0].numel());
+  ops::add(out[0], in[1]);
 }
 
 void Residual::backward_input(LayerCtx&, Arena&, std::span<const Tensor> grad_out,
                               std::span<const Tensor> grad_in) {
   for (const Tensor& g : grad_in)
-    if (g.defined()) cpu::add_inplace(g.data<float>(), grad_out[0].data<float>(), g.numel());
+    if (g.defined()) ops::add(g, grad_out[0]);
 }
 
 }  // namespace weft

@@ -1,6 +1,6 @@
 #include "layers/tp_embedding.h"
 
-#include <algorithm>
+#include <weft/ops.h>
 
 #include "layers/tp_regions.h"
 
@@ -11,7 +11,6 @@ struct Ctx : LayerCtx {
   Tensor tokens;  // (B, T) int32
   Tensor dy;      // (B, T, C), kept by I for W
 };
-constexpr int64_t kColBlock = 64;
 }  // namespace
 
 VocabParallelEmbedding::VocabParallelEmbedding(Communicator& group, Param* wte, Param* wpe)
@@ -40,34 +39,17 @@ std::unique_ptr<LayerCtx> VocabParallelEmbedding::make_ctx() const {
 }
 
 // tokens (B, T) -> y (B, T, C) = sum over ranks of (wte_r row, or 0) + wpe[t]
+// Tensor-parallel rank 0 adds the positions before the sum: exactly one rank
+// holds each token's row and adding zeros is exact, so every rank ends with
+// wte[token] + wpe[t] bit for bit, as on one rank.
 void VocabParallelEmbedding::forward(LayerCtx& ctx_, Arena&, std::span<const Tensor> in,
                                      std::span<const Tensor> out) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const Tensor& tok = in[0];
-  const int64_t b = tok.dim(0), t = tok.dim(1), c = wte_->value.dim(1);
-  const int64_t rows = wte_->value.dim(0);
-  const int32_t* tp = tok.data<int32_t>();
-  for (int64_t i = 0; i < b * t; ++i)
-    check(tp[i] >= 0 && tp[i] < vocab_, "token {} at position {} is outside the vocabulary [0, {})",
-          tp[i], i, vocab_);
-  const float* wte = wte_->value.data<float>();
-  const float* wpe = wpe_->value.data<float>();
-  float* y = out[0].data<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < b * t; ++i) {
-    const int64_t row = tp[i] - first_;
-    if (row >= 0 && row < rows)
-      std::copy_n(wte + row * c, c, y + i * c);
-    else
-      std::fill_n(y + i * c, c, 0.0f);
-  }
+  ops::check_token_range(in[0], vocab_, "token");
+  ops::embedding_forward(in[0], wte_->value, first_, group_->rank() == 0 ? wpe_->value : Tensor(),
+                         out[0]);
   reduce_from_tp_forward(*group_, out[0]);
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < b * t; ++i) {
-    const float* p = wpe + (i % t) * c;
-    for (int64_t j = 0; j < c; ++j) y[i * c + j] += p[j];
-  }
-  ctx.tokens = tok;
+  ctx.tokens = in[0];
 }
 
 void VocabParallelEmbedding::backward_input(LayerCtx& ctx_, Arena&,
@@ -80,27 +62,7 @@ void VocabParallelEmbedding::backward_input(LayerCtx& ctx_, Arena&,
 // dwte_r[tokens[i] - first] += dy[i] for this rank's tokens; dwpe[t] += sum_b dy[b, t]
 void VocabParallelEmbedding::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const int64_t b = ctx.tokens.dim(0), t = ctx.tokens.dim(1), c = wte_->value.dim(1);
-  const int64_t rows = wte_->value.dim(0);
-  const int32_t* tp = ctx.tokens.data<int32_t>();
-  const float* dy = ctx.dy.data<float>();
-  float* dwte = wte_->grad.data<float>();
-  float* dwpe = wpe_->grad.data<float>();
-  const int64_t blocks = (c + kColBlock - 1) / kColBlock;
-  // Column blocks, as in Embedding: no two threads touch the same element, and
-  // the summation order is the token order whatever the thread count.
-#pragma omp parallel for schedule(static)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t j0 = blk * kColBlock, j1 = std::min(c, j0 + kColBlock);
-    for (int64_t i = 0; i < b * t; ++i) {
-      float* p = dwpe + (i % t) * c;
-      for (int64_t j = j0; j < j1; ++j) p[j] += dy[i * c + j];
-      const int64_t row = tp[i] - first_;
-      if (row < 0 || row >= rows) continue;
-      float* e = dwte + row * c;
-      for (int64_t j = j0; j < j1; ++j) e[j] += dy[i * c + j];
-    }
-  }
+  ops::embedding_backward(ctx.tokens, ctx.dy, wte_->grad, first_, wpe_->grad);
 }
 
 }  // namespace weft

@@ -1,6 +1,6 @@
 #include "layers/tp_linear.h"
 
-#include <weft/cpu_kernels.h>
+#include <weft/ops.h>
 
 #include "layers/tp_regions.h"
 
@@ -70,9 +70,7 @@ void RowParallelLinear::forward(LayerCtx& ctx_, Arena& arena, std::span<const Te
   auto& ctx = static_cast<RowCtx&>(ctx_);
   local_.forward(*ctx.local, arena, in, out);
   reduce_from_tp_forward(*group_, out[0]);
-  if (b_)
-    cpu::add_bias(out[0].data<float>(), b_->value.data<float>(), out[0].shape().rows(),
-                  out[0].shape().last());
+  if (b_) ops::add_rows(out[0], b_->value);
 }
 
 // dx_r (N, in/tp) += dy (N, out) W_r^T; dy is the same on every rank
@@ -89,9 +87,7 @@ void RowParallelLinear::backward_input(LayerCtx& ctx_, Arena& arena,
 void RowParallelLinear::backward_weight(LayerCtx& ctx_, Arena& arena) {
   auto& ctx = static_cast<RowCtx&>(ctx_);
   local_.backward_weight(*ctx.local, arena);
-  if (b_)
-    cpu::sum_rows(ctx.dy.data<float>(), b_->grad.data<float>(), ctx.dy.shape().rows(),
-                  ctx.dy.shape().last());
+  if (b_) ops::sum_rows(ctx.dy, b_->grad);
 }
 
 }  // namespace weft

@@ -1,9 +1,6 @@
 #include "layers/tp_lm_head.h"
 
-#include <weft/cpu_kernels.h>
-
-#include <algorithm>
-#include <cmath>
+#include <weft/ops.h>
 
 #include "layers/tp_regions.h"
 
@@ -55,18 +52,13 @@ const Tensor& VocabParallelLmHeadLoss::logits(LayerCtx& ctx) {
 void VocabParallelLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tensor> in,
                                       std::span<const Tensor> out) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const int64_t n = in[0].shape().rows(), c = in[0].shape().last(), v = wte_->value.dim(0);
-  const int32_t* tgt = in[1].data<int32_t>();
-  for (int64_t i = 0; i < n; ++i)
-    check(tgt[i] >= 0 && tgt[i] < vocab_,
-          "target token {} at position {} is outside the vocabulary [0, {})", tgt[i], i, vocab_);
+  const int64_t n = in[0].shape().rows(), v = wte_->value.dim(0);
+  ops::check_token_range(in[1], vocab_, "target token");
   copy_to_tp_forward(*group_, in[0]);
   ctx.x = in[0];
   ctx.targets = in[1];
   ctx.probs = arena.alloc({n, v});
-  float* p = ctx.probs.data<float>();
-  cpu::gemm(false, true, n, v, c, 1.0f, in[0].data<float>(), c, wte_->value.data<float>(), c, 0.0f,
-            p, v);
+  ops::gemm(in[0], false, wte_->value, true, ctx.probs);
   if (keep_logits_) {
     ctx.logits = arena.alloc({n, v});
     ctx.logits.copy_from(ctx.probs);
@@ -74,36 +66,16 @@ void VocabParallelLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<co
 
   // m (N): the row max over the whole vocabulary.
   Tensor max = arena.alloc({n});
-  float* m = max.data<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) m[i] = *std::max_element(p + i * v, p + i * v + v);
+  ops::row_max(ctx.probs, max);
   if (group_->size() > 1) group_->all_reduce(max, ReduceOp::Max);
 
   // stats (2, N): S's local terms, then z_t where this rank holds the target (0 elsewhere).
   Tensor stats = arena.alloc({2, n});
-  float* sum = stats.data<float>();
-  float* z = sum + n;
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    float* row = p + i * v;
-    const int64_t col = tgt[i] - first_;
-    z[i] = col >= 0 && col < v ? row[col] - m[i] : 0.0f;
-    float s = 0.0f;
-    for (int64_t j = 0; j < v; ++j) s += (row[j] = std::exp(row[j] - m[i]));
-    sum[i] = s;
-  }
+  ops::exp_and_stats(ctx.probs, in[1], first_, max, stats);
   if (group_->size() > 1) group_->all_reduce(stats, ReduceOp::Sum);
 
   // probs_r = exp(logit - m) / S; every rank sums the same losses in the same order.
-  double total = 0;
-#pragma omp parallel for schedule(static) reduction(+ : total)
-  for (int64_t i = 0; i < n; ++i) {
-    float* row = p + i * v;
-    const float inv = 1.0f / sum[i];
-    for (int64_t j = 0; j < v; ++j) row[j] *= inv;
-    total += static_cast<double>(std::log(sum[i]) - z[i]);
-  }
-  out[0].data<float>()[0] = static_cast<float>(total);
+  ops::set_item(out[0], static_cast<float>(ops::normalise_and_loss(ctx.probs, stats)));
 }
 
 // dlogits_r = (p_r - onehot_r(target)) * g; dx += sum over ranks of dlogits_r wte_r
@@ -111,30 +83,18 @@ void VocabParallelLmHeadLoss::backward_input(LayerCtx& ctx_, Arena& arena,
                                              std::span<const Tensor> grad_out,
                                              std::span<const Tensor> grad_in) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const int64_t n = ctx.x.shape().rows(), c = ctx.x.shape().last(), v = wte_->value.dim(0);
-  const float g = grad_out[0].data<float>()[0];
-  const int32_t* tgt = ctx.targets.data<int32_t>();
-  float* dl = ctx.probs.data<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    float* row = dl + i * v;
-    for (int64_t j = 0; j < v; ++j) row[j] *= g;
-    const int64_t col = tgt[i] - first_;
-    if (col >= 0 && col < v) row[col] -= g;
-  }
+  const float g = ops::item(grad_out[0]);
+  ops::cross_entropy_backward(ctx.probs, ctx.targets, first_, ctx.probs, g);  // in place
   if (!grad_in[0].defined()) return;
   const Tensor part = copy_to_tp_grad_buffer(*group_, arena, grad_in[0]);
-  cpu::gemm(false, false, n, c, v, 1.0f, dl, v, wte_->value.data<float>(), c, 1.0f,
-            part.data<float>(), c);
+  ops::gemm(ctx.probs, false, wte_->value, false, part, 1.0f, 1.0f);
   copy_to_tp_backward(*group_, part, grad_in[0]);
 }
 
 // dwte_r (V/tp, C) += dlogits_r^T x
 void VocabParallelLmHeadLoss::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const int64_t n = ctx.x.shape().rows(), c = ctx.x.shape().last(), v = wte_->value.dim(0);
-  cpu::gemm(true, false, v, c, n, 1.0f, ctx.probs.data<float>(), v, ctx.x.data<float>(), c, 1.0f,
-            wte_->grad.data<float>(), c);
+  ops::gemm(ctx.probs, true, ctx.x, false, wte_->grad, 1.0f, 1.0f);
 }
 
 }  // namespace weft

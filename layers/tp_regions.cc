@@ -1,6 +1,6 @@
 #include "layers/tp_regions.h"
 
-#include <weft/cpu_kernels.h>
+#include <weft/ops.h>
 
 namespace weft {
 
@@ -13,7 +13,7 @@ void copy_to_tp_backward(Communicator& group, const Tensor& part, const Tensor& 
   if (part.raw() == dx.raw()) return;  // a group of one: part is dx
   check_shape(part, dx.shape(), "partial gradient entering a tensor-parallel region");
   group.all_reduce(part, ReduceOp::Sum);
-  cpu::add_inplace(dx.data<float>(), part.data<float>(), dx.numel());
+  ops::add(dx, part);
 }
 
 void reduce_from_tp_forward(Communicator& group, const Tensor& y) {

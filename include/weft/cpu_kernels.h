@@ -31,6 +31,7 @@ void gelu_forward(const float* x, float* y, int64_t n);
 void gelu_backward(const float* dy, const float* x, float* dx, int64_t n);  // dx += ...
 
 // --- bias helpers ---
+void fill_rows(float* y, const float* row, int64_t n, int64_t c);       // y (N,C) = row
 void add_bias(float* y, const float* bias, int64_t n, int64_t c);       // y (N,C) += bias
 void sum_rows(const float* dy, float* db, int64_t n, int64_t c);        // db (C) += sum dy
 void add_inplace(float* y, const float* x, int64_t n);                  // y += x
@@ -49,9 +50,36 @@ void attention_backward(const float* dout, const float* qkv, const float* probs,
 // Returns the sum of losses (in double). Targets outside [0, V) throw Error.
 double softmax_cross_entropy(float* logits, const int32_t* targets, float* losses, int64_t n,
                              int64_t v);
-// dlogits (N,V) = (p - onehot(target)) * scale, written from probs (may alias).
+// dlogits (N,V) = (p - onehot(target - first)) * scale, written from probs
+// (may alias). The V columns are vocabulary [first, first + V); a target
+// outside them (another tensor-parallel rank's) subtracts nothing.
 void cross_entropy_backward(const float* probs, const int32_t* targets, float* dlogits,
-                            float scale, int64_t n, int64_t v);
+                            float scale, int64_t n, int64_t v, int64_t first = 0);
+
+// --- the vocabulary-parallel cross-entropy's local steps, logits (N, V) of
+// vocabulary [first, first + V) ---
+// m (N) = row maxima.
+void row_max(const float* logits, float* m, int64_t n, int64_t v);
+// In place: logits = exp(logits - m); sum (N) = row sums of those; z (N) =
+// logit[target] - m where this slice holds the target, else 0.
+void exp_and_stats(float* logits, const int32_t* targets, int64_t first, const float* m,
+                   float* sum, float* z, int64_t n, int64_t v);
+// In place: p = exps / sum; returns the sum over rows of log(sum) - z.
+double normalise_and_loss(float* p, const float* sum, const float* z, int64_t n, int64_t v);
+
+// --- token + position embedding; wte holds the `rows` rows of tokens
+// [first, first + rows), other tokens read zeros ---
+// y (B*T, C) = wte[tokens - first] (or 0) + wpe[i % T]; wpe may be null.
+void embedding_forward(const int32_t* tokens, const float* wte, int64_t rows, int64_t first,
+                       const float* wpe, float* y, int64_t b, int64_t t, int64_t c);
+// dwte[tokens - first] += dy for this slice's tokens; dwpe[i % T] += dy[i].
+// Summed in token order whatever the thread count.
+void embedding_backward(const int32_t* tokens, const float* dy, float* dwte, int64_t rows,
+                        int64_t first, float* dwpe, int64_t b, int64_t t, int64_t c);
+
+// --- squared error: returns 0.5 * sum (p - t)^2 in double; d += g * (p - t) ---
+double mse_loss(const float* p, const float* t, int64_t n);
+void mse_backward(const float* p, const float* t, float g, float* d, int64_t n);
 
 // --- AdamW, PyTorch semantics (decoupled decay, bias-corrected moments). ---
 // step is 1-based.

@@ -96,8 +96,8 @@ class Tensor {
   // The same bytes under another shape with the same element count.
   Tensor view(Shape shape) const;
 
-  void zero_() const;                       // fill with zeros (CPU)
-  void copy_from(const Tensor& src) const;  // same shape and dtype (CPU)
+  void zero_() const;                       // fill with zeros (a GPU: queued on its stream)
+  void copy_from(const Tensor& src) const;  // same shape and dtype, any devices
   Tensor clone() const;               // an owned copy
 
  private:

@@ -117,6 +117,11 @@ void gelu_backward(const float* dy, const float* x, float* dx, int64_t n) {
   }
 }
 
+void fill_rows(float* y, const float* row, int64_t n, int64_t c) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) std::copy_n(row, c, y + i * c);
+}
+
 void add_bias(float* y, const float* bias, int64_t n, int64_t c) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i)
@@ -174,13 +179,86 @@ double softmax_cross_entropy(float* logits, const int32_t* targets, float* losse
 }
 
 void cross_entropy_backward(const float* probs, const int32_t* targets, float* dlogits,
-                            float scale, int64_t n, int64_t v) {
+                            float scale, int64_t n, int64_t v, int64_t first) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     const float* p = probs + i * v;
     float* d = dlogits + i * v;
     for (int64_t j = 0; j < v; ++j) d[j] = p[j] * scale;
-    d[targets[i]] -= scale;
+    const int64_t col = targets[i] - first;
+    if (col >= 0 && col < v) d[col] -= scale;
+  }
+}
+
+void row_max(const float* logits, float* m, int64_t n, int64_t v) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) m[i] = *std::max_element(logits + i * v, logits + i * v + v);
+}
+
+void exp_and_stats(float* logits, const int32_t* targets, int64_t first, const float* m,
+                   float* sum, float* z, int64_t n, int64_t v) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    float* row = logits + i * v;
+    const int64_t col = targets[i] - first;
+    z[i] = col >= 0 && col < v ? row[col] - m[i] : 0.0f;
+    float s = 0.0f;
+    for (int64_t j = 0; j < v; ++j) s += (row[j] = std::exp(row[j] - m[i]));
+    sum[i] = s;
+  }
+}
+
+double normalise_and_loss(float* p, const float* sum, const float* z, int64_t n, int64_t v) {
+  double total = 0;
+#pragma omp parallel for schedule(static) reduction(+ : total)
+  for (int64_t i = 0; i < n; ++i) {
+    float* row = p + i * v;
+    const float inv = 1.0f / sum[i];
+    for (int64_t j = 0; j < v; ++j) row[j] *= inv;
+    total += static_cast<double>(std::log(sum[i]) - z[i]);
+  }
+  return total;
+}
+
+void embedding_forward(const int32_t* tokens, const float* wte, int64_t rows, int64_t first,
+                       const float* wpe, float* y, int64_t b, int64_t t, int64_t c) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < b * t; ++i) {
+    const int64_t row = tokens[i] - first;
+    float* yi = y + i * c;
+    if (row >= 0 && row < rows) {
+      const float* e = wte + row * c;
+      if (wpe == nullptr) {
+        std::copy_n(e, c, yi);
+      } else {
+        const float* p = wpe + (i % t) * c;
+        for (int64_t j = 0; j < c; ++j) yi[j] = e[j] + p[j];
+      }
+    } else if (wpe == nullptr) {
+      std::fill_n(yi, c, 0.0f);
+    } else {
+      std::copy_n(wpe + (i % t) * c, c, yi);
+    }
+  }
+}
+
+void embedding_backward(const int32_t* tokens, const float* dy, float* dwte, int64_t rows,
+                        int64_t first, float* dwpe, int64_t b, int64_t t, int64_t c) {
+  const int64_t blocks = (c + kColBlock - 1) / kColBlock;
+  // Column blocks: no two threads touch the same element, and the summation
+  // order is the token order whatever the thread count.
+#pragma omp parallel for schedule(static)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t j0 = blk * kColBlock, j1 = std::min(c, j0 + kColBlock);
+    for (int64_t i = 0; i < b * t; ++i) {
+      const float* d = dy + i * c;
+      float* p = dwpe + (i % t) * c;
+      for (int64_t j = j0; j < j1; ++j) p[j] += d[j];
+      const int64_t row = tokens[i] - first;
+      if (row < 0 || row >= rows) continue;
+      float* e = dwte + row * c;
+      for (int64_t j = j0; j < j1; ++j) e[j] += d[j];
+    }
   }
 }
 
@@ -201,6 +279,16 @@ void adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr, fl
     m[i] = mi;
     v[i] = vi;
   }
+}
+
+double mse_loss(const float* p, const float* t, int64_t n) {
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i) s += 0.5 * double(p[i] - t[i]) * double(p[i] - t[i]);
+  return s;
+}
+
+void mse_backward(const float* p, const float* t, float g, float* d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) d[i] += g * (p[i] - t[i]);
 }
 
 double sum_squares(const float* x, int64_t n) {

@@ -92,9 +92,9 @@ void softmax_cross_entropy(Context& ctx, float* logits, const int32_t* targets, 
 }
 
 void cross_entropy_backward(Context& ctx, const float* probs, const int32_t* targets,
-                            float* dlogits, float scale, int64_t n, int64_t v) {
+                            float* dlogits, float scale, int64_t n, int64_t v, int64_t first) {
   if (n == 0 || v == 0) return;
-  launch::cross_entropy_backward(prepare(ctx), probs, targets, dlogits, scale, n, v);
+  launch::cross_entropy_backward(prepare(ctx), probs, targets, dlogits, scale, n, v, first);
   WEFT_LAUNCH_CHECK("cross_entropy_backward");
 }
 
@@ -107,16 +107,17 @@ void fused_cross_entropy(Context& ctx, float* logits, const int32_t* targets, fl
 }
 
 void embedding_forward(Context& ctx, const int32_t* tokens, const float* wte, const float* wpe,
-                       float* y, int64_t b, int64_t t, int64_t c) {
+                       float* y, int64_t b, int64_t t, int64_t c, int64_t rows, int64_t first) {
   if (b * t * c == 0) return;
-  launch::embedding_forward(prepare(ctx), tokens, wte, wpe, y, b, t, c);
+  launch::embedding_forward(prepare(ctx), tokens, wte, rows, first, wpe, y, b, t, c);
   WEFT_LAUNCH_CHECK("embedding_forward");
 }
 
 void embedding_backward(Context& ctx, const int32_t* tokens, const float* dy, float* dwte,
-                        float* dwpe, int64_t b, int64_t t, int64_t c) {
+                        float* dwpe, int64_t b, int64_t t, int64_t c, int64_t rows,
+                        int64_t first) {
   if (b * t * c == 0) return;
-  launch::embedding_backward(prepare(ctx), tokens, dy, dwte, dwpe, b, t, c);
+  launch::embedding_backward(prepare(ctx), tokens, dy, dwte, rows, first, dwpe, b, t, c);
   WEFT_LAUNCH_CHECK("embedding_backward");
 }
 

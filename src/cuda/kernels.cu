@@ -234,33 +234,41 @@ __global__ void cross_entropy_kernel(float* logits, const int32_t* targets, floa
   if (threadIdx.x == 0) losses[blockIdx.x] = valid ? logf(s) - target_logit : NAN;
 }
 
+// The vocabulary columns [first, first + v) of dlogits; a target outside them
+// (another tensor-parallel rank's) subtracts nothing here.
 __global__ void cross_entropy_backward_kernel(const float* probs, const int32_t* targets,
-                                              float* dlogits, float scale, int64_t n, int64_t v) {
+                                              float* dlogits, float scale, int64_t n, int64_t v,
+                                              int64_t first) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n * v;
        i += int64_t{gridDim.x} * blockDim.x) {
     const float d = probs[i] * scale;
-    dlogits[i] = (i % v) == targets[i / v] ? d - scale : d;
+    dlogits[i] = (i % v) + first == targets[i / v] ? d - scale : d;
   }
 }
 
 // ---------------------------------------------------------------- embedding
 
-__global__ void embedding_forward_kernel(const int32_t* tokens, const float* wte,
-                                         const float* wpe, float* y, int64_t n, int64_t t,
-                                         int64_t c) {
+// wte holds the rows of tokens [first, first + rows); other tokens read 0.
+// wpe may be null: no positions added.
+__global__ void embedding_forward_kernel(const int32_t* tokens, const float* wte, int64_t rows,
+                                         int64_t first, const float* wpe, float* y, int64_t n,
+                                         int64_t t, int64_t c) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n * c;
        i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t row = i / c, j = i % c;
-    y[i] = wte[int64_t{tokens[row]} * c + j] + wpe[(row % t) * c + j];
+    const int64_t e = int64_t{tokens[row]} - first;
+    const float x = e >= 0 && e < rows ? wte[e * c + j] : 0.0f;
+    y[i] = wpe != nullptr ? x + wpe[(row % t) * c + j] : x;
   }
 }
 
 __global__ void embedding_backward_wte_kernel(const int32_t* tokens, const float* dy, float* dwte,
-                                              int64_t n, int64_t c) {
+                                              int64_t rows, int64_t first, int64_t n, int64_t c) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n * c;
        i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t row = i / c, j = i % c;
-    atomicAdd(dwte + int64_t{tokens[row]} * c + j, dy[i]);
+    const int64_t e = int64_t{tokens[row]} - first;
+    if (e >= 0 && e < rows) atomicAdd(dwte + e * c + j, dy[i]);
   }
 }
 
@@ -408,21 +416,23 @@ void cross_entropy(cudaStream_t s, float* logits, const int32_t* targets, float*
 }
 
 void cross_entropy_backward(cudaStream_t s, const float* probs, const int32_t* targets,
-                            float* dlogits, float scale, int64_t n, int64_t v) {
+                            float* dlogits, float scale, int64_t n, int64_t v, int64_t first) {
   cross_entropy_backward_kernel<<<blocks_for(n * v), kThreads, 0, s>>>(probs, targets, dlogits,
-                                                                       scale, n, v);
+                                                                       scale, n, v, first);
 }
 
-void embedding_forward(cudaStream_t s, const int32_t* tokens, const float* wte, const float* wpe,
-                       float* y, int64_t b, int64_t t, int64_t c) {
-  embedding_forward_kernel<<<blocks_for(b * t * c), kThreads, 0, s>>>(tokens, wte, wpe, y, b * t,
-                                                                      t, c);
+void embedding_forward(cudaStream_t s, const int32_t* tokens, const float* wte, int64_t rows,
+                       int64_t first, const float* wpe, float* y, int64_t b, int64_t t,
+                       int64_t c) {
+  embedding_forward_kernel<<<blocks_for(b * t * c), kThreads, 0, s>>>(tokens, wte, rows, first,
+                                                                      wpe, y, b * t, t, c);
 }
 
 void embedding_backward(cudaStream_t s, const int32_t* tokens, const float* dy, float* dwte,
-                        float* dwpe, int64_t b, int64_t t, int64_t c) {
-  embedding_backward_wte_kernel<<<blocks_for(b * t * c), kThreads, 0, s>>>(tokens, dy, dwte,
-                                                                           b * t, c);
+                        int64_t rows, int64_t first, float* dwpe, int64_t b, int64_t t,
+                        int64_t c) {
+  embedding_backward_wte_kernel<<<blocks_for(b * t * c), kThreads, 0, s>>>(tokens, dy, dwte, rows,
+                                                                           first, b * t, c);
   embedding_backward_wpe_kernel<<<blocks_for(t * c), kThreads, 0, s>>>(dy, dwpe, b, t, c);
 }
 

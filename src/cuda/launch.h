@@ -39,13 +39,14 @@ void scale_inplace(cudaStream_t s, float* y, float scale, int64_t n);
 void cross_entropy(cudaStream_t s, float* logits, const int32_t* targets, float* losses,
                    float scale, bool fused, int64_t n, int64_t v);
 void cross_entropy_backward(cudaStream_t s, const float* probs, const int32_t* targets,
-                            float* dlogits, float scale, int64_t n, int64_t v);
+                            float* dlogits, float scale, int64_t n, int64_t v, int64_t first);
 
 // --- embedding ---
-void embedding_forward(cudaStream_t s, const int32_t* tokens, const float* wte, const float* wpe,
-                       float* y, int64_t b, int64_t t, int64_t c);
+void embedding_forward(cudaStream_t s, const int32_t* tokens, const float* wte, int64_t rows,
+                       int64_t first, const float* wpe, float* y, int64_t b, int64_t t, int64_t c);
 void embedding_backward(cudaStream_t s, const int32_t* tokens, const float* dy, float* dwte,
-                        float* dwpe, int64_t b, int64_t t, int64_t c);
+                        int64_t rows, int64_t first, float* dwpe, int64_t b, int64_t t,
+                        int64_t c);
 
 // --- AdamW with the host-computed scalars of cpu::adamw ---
 void adamw(cudaStream_t s, float* p, const float* g, float* m, float* v, int64_t n, float beta1,

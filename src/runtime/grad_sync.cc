@@ -1,6 +1,6 @@
 #include <weft/bf16.h>
-#include <weft/cpu_kernels.h>
 #include <weft/grad_sync.h>
+#include <weft/ops.h>
 
 #include <algorithm>
 #include <cmath>
@@ -31,6 +31,11 @@ struct GradSync::Bucket {
 };
 
 namespace {
+
+// Elements [at, at + n) of a flat fp32 buffer, as a view on its device.
+Tensor elements(const Tensor& flat, int64_t at, int64_t n) {
+  return Tensor(flat.data<float>() + at, Shape{n}, DType::F32, flat.device());
+}
 
 // The elements [lo, hi) of segment [begin, end) of a flat buffer, if any.
 struct Overlap {
@@ -301,7 +306,7 @@ double GradSync::grad_norm() {
   if (!distributed()) {
     for (size_t i = 0; i < params_.size(); ++i)
       if (norm_counts_[i])
-        local += cpu::sum_squares(params_[i]->grad.data<float>(), params_[i]->grad.numel());
+        local += ops::sum_squares(params_[i]->grad);
   } else {
     const int64_t r = groups_.dp_rank();
     for (auto& bp : buckets_) {
@@ -311,7 +316,7 @@ double GradSync::grad_norm() {
         if (!norm_counts_[static_cast<size_t>(b.params[k])]) continue;
         const int64_t n = params_[static_cast<size_t>(b.params[k])]->value.numel();
         const Overlap o = overlap(b.offset[k], b.offset[k] + n, lo, lo + s);
-        if (!o.empty()) local += cpu::sum_squares(b.shard_grad.data<float>() + (o.lo - lo), o.hi - o.lo);
+        if (!o.empty()) local += ops::sum_squares(elements(b.shard_grad, o.lo - lo, o.hi - o.lo));
       }
     }
   }
@@ -327,8 +332,7 @@ void GradSync::clip(double max_norm, double norm) {
   if (max_norm <= 0) return;
   const double coef = max_norm / (norm + 1e-6);
   if (coef >= 1.0) return;
-  for (auto& b : buckets_)
-    cpu::scale_inplace(b->shard_grad.data<float>(), static_cast<float>(coef), b->shard_grad.numel());
+  for (auto& b : buckets_) ops::scale(b->shard_grad, static_cast<float>(coef));
 }
 
 void GradSync::step(float lr) {
@@ -347,13 +351,13 @@ void GradSync::step(float lr) {
       const Param* p = params_[static_cast<size_t>(b.params[k])];
       const Overlap o = overlap(b.offset[k], b.offset[k] + p->value.numel(), lo, lo + s);
       if (o.empty()) continue;
-      const int64_t at = o.lo - lo;
-      cpu::adamw(b.value.data<float>() + o.lo, b.shard_grad.data<float>() + at,
-                 b.m.data<float>() + at, b.v.data<float>() + at, o.hi - o.lo, lr, adam_.beta1,
-                 adam_.beta2, adam_.eps, p->weight_decay() ? adam_.weight_decay : 0.0f, steps_);
+      const int64_t at = o.lo - lo, n = o.hi - o.lo;
+      ops::adamw(elements(b.value, o.lo, n), elements(b.shard_grad, at, n), elements(b.m, at, n),
+                 elements(b.v, at, n),
+                 {lr, adam_.beta1, adam_.beta2, adam_.eps,
+                  p->weight_decay() ? adam_.weight_decay : 0.0f, steps_});
     }
-    std::copy(b.value.data<float>() + lo, b.value.data<float>() + lo + s,
-              b.shard_value.data<float>());
+    b.shard_value.copy_from(elements(b.value, lo, s));
     gathers.push_back(groups_.dp->iall_gather(b.shard_value, b.value));
   }
   wait_all(gathers);

@@ -1,4 +1,4 @@
-#include <weft/cpu_kernels.h>
+#include <weft/ops.h>
 #include <weft/optimizer.h>
 
 #include <algorithm>
@@ -9,8 +9,8 @@ namespace weft {
 AdamW::AdamW(std::vector<Param*> params, AdamWConfig config)
     : params_(std::move(params)), config_(config) {
   for (Param* p : params_) {
-    m_.push_back(Tensor::zeros(p->value.shape()));
-    v_.push_back(Tensor::zeros(p->value.shape()));
+    m_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
+    v_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
   }
 }
 
@@ -18,10 +18,9 @@ void AdamW::step(float lr) {
   ++steps_;
   for (size_t i = 0; i < params_.size(); ++i) {
     Param* p = params_[i];
-    float wd = p->weight_decay() ? config_.weight_decay : 0.0f;
-    cpu::adamw(p->value.data<float>(), p->grad.data<float>(), m_[i].data<float>(),
-               v_[i].data<float>(), p->value.numel(), lr, config_.beta1, config_.beta2,
-               config_.eps, wd, steps_);
+    const float wd = p->weight_decay() ? config_.weight_decay : 0.0f;
+    ops::adamw(p->value, p->grad, m_[i], v_[i],
+               {lr, config_.beta1, config_.beta2, config_.eps, wd, steps_});
   }
 }
 
@@ -36,7 +35,7 @@ std::vector<std::pair<std::string, Tensor>> AdamW::state() {
 
 double grad_norm(const std::vector<Param*>& params) {
   double s = 0;
-  for (Param* p : params) s += cpu::sum_squares(p->grad.data<float>(), p->grad.numel());
+  for (Param* p : params) s += ops::sum_squares(p->grad);
   return std::sqrt(s);
 }
 
@@ -44,8 +43,7 @@ void clip_grads(const std::vector<Param*>& params, double max_norm, double norm)
   if (max_norm <= 0) return;
   double coef = max_norm / (norm + 1e-6);
   if (coef >= 1.0) return;
-  for (Param* p : params)
-    cpu::scale_inplace(p->grad.data<float>(), static_cast<float>(coef), p->grad.numel());
+  for (Param* p : params) ops::scale(p->grad, static_cast<float>(coef));
 }
 
 void zero_grads(const std::vector<Param*>& params) {

@@ -1,5 +1,11 @@
 #include <weft/tensor.h>
 
+#include "weft_config.h"
+
+#if WEFT_CUDA
+#include <weft/cuda/runtime.h>
+#endif
+
 #include <cstring>
 
 namespace weft {
@@ -99,17 +105,43 @@ Tensor Tensor::view(Shape shape) const {
 }
 
 void Tensor::zero_() const {
-  check(device_.is_cpu(), "zero_ on {} is not supported yet", device_.str());
-  if (nbytes()) std::memset(data_, 0, nbytes());
+  if (nbytes() == 0) return;
+  if (device_.is_cpu()) {
+    std::memset(data_, 0, nbytes());
+    return;
+  }
+#if WEFT_CUDA
+  cuda::zero(cuda::context(device_.index), data_, nbytes());
+#else
+  throw Error("zero_ on {}: weft was built without CUDA", device_.str());
+#endif
 }
 
 void Tensor::copy_from(const Tensor& src) const {
   check(src.shape() == shape_ && src.dtype() == dtype_,
         "copy_from: source {} {} does not match destination {} {}", dtype_name(src.dtype()),
         src.shape().str(), dtype_name(dtype_), shape_.str());
-  check(device_.is_cpu() && src.device().is_cpu(), "copy_from between {} and {} not supported yet",
-        src.device().str(), device_.str());
-  if (nbytes()) std::memcpy(data_, src.raw(), nbytes());
+  if (nbytes() == 0) return;
+  if (device_.is_cpu() && src.device().is_cpu()) {
+    std::memcpy(data_, src.raw(), nbytes());
+    return;
+  }
+#if WEFT_CUDA
+  // Host to device and device to device are queued on the device's compute
+  // stream; device to host waits for it. Two GPUs: not yet (peer copies).
+  if (src.device().is_cpu()) {
+    cuda::upload(cuda::context(device_.index), data_, src.raw(), nbytes());
+  } else if (device_.is_cpu()) {
+    cuda::download(cuda::context(src.device().index), data_, src.raw(), nbytes());
+  } else {
+    check(src.device() == device_, "copy_from between {} and {} is not supported yet",
+          src.device().str(), device_.str());
+    cuda::copy_device(cuda::context(device_.index), data_, src.raw(), nbytes());
+  }
+#else
+  throw Error("copy_from between {} and {}: weft was built without CUDA", src.device().str(),
+              device_.str());
+#endif
 }
 
 Tensor Tensor::clone() const {

@@ -102,21 +102,28 @@ void attention_backward(Context& ctx, MathMode mode, const float* dout, const fl
 // does); a row with a target outside gets a NaN loss rather than a stray write.
 void softmax_cross_entropy(Context& ctx, float* logits, const int32_t* targets, float* losses,
                            int64_t n, int64_t v);
-// dlogits (N,V) = (p - onehot(target)) * scale, from probs (may alias).
+// dlogits (N,V) = (p - onehot(target - first)) * scale, from probs (may
+// alias). The V columns are vocabulary [first, first + V): a target outside
+// them (tensor parallelism: another rank's) subtracts nothing.
 void cross_entropy_backward(Context& ctx, const float* probs, const int32_t* targets,
-                            float* dlogits, float scale, int64_t n, int64_t v);
+                            float* dlogits, float scale, int64_t n, int64_t v, int64_t first = 0);
 // Both in one pass (the fused classifier): losses as above, and logits
 // replaced in place by dlogits = (softmax - onehot) * scale.
 void fused_cross_entropy(Context& ctx, float* logits, const int32_t* targets, float* losses,
                          float scale, int64_t n, int64_t v);
 
 // --- token + position embedding (layers/embedding.h) ---
-// y (B, T, C) = wte[tokens] + wpe[t]
+// y (B, T, C) = wte[tokens - first] + wpe[t]. wte holds the `rows` rows of
+// tokens [first, first + rows); other tokens read zeros (by default the
+// whole vocabulary, first 0). wpe may be null: no positions are added.
 void embedding_forward(Context& ctx, const int32_t* tokens, const float* wte, const float* wpe,
-                       float* y, int64_t b, int64_t t, int64_t c);
-// dwte[tokens[i]] += dy[i] (atomic scatter-add); dwpe[t] += sum_b dy[b, t]
+                       float* y, int64_t b, int64_t t, int64_t c, int64_t rows = INT64_MAX,
+                       int64_t first = 0);
+// dwte[tokens[i] - first] += dy[i] (atomic scatter-add) for this slice's
+// tokens; dwpe[t] += sum_b dy[b, t]
 void embedding_backward(Context& ctx, const int32_t* tokens, const float* dy, float* dwte,
-                        float* dwpe, int64_t b, int64_t t, int64_t c);
+                        float* dwpe, int64_t b, int64_t t, int64_t c, int64_t rows = INT64_MAX,
+                        int64_t first = 0);
 
 // --- AdamW, PyTorch semantics, as cpu::adamw; step is 1-based ---
 void adamw(Context& ctx, float* p, const float* g, float* m, float* v, int64_t n, float lr,

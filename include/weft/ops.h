@@ -1,0 +1,138 @@
+// weft/ops.h — the operations layers are written in, on tensors of any device.
+//
+// A layer says *what* (a GEMM, a LayerNorm, a row sum) on Tensors; the
+// tensors' device says *how*: cpu:: kernels (OpenBLAS, OpenMP loops) for
+// Device::cpu(), cuda:: kernels (cuBLAS, CUDA) for Device::cuda(i), on that
+// GPU's compute stream. Every tensor of one call must be on one device; a
+// call that mixes devices, or asks for CUDA in a build without it, throws
+// Error naming the operation and the devices. So each layer is one class for
+// both devices, and nothing in layers/ holds a loop or a kernel launch.
+//
+//   ops::gemm(x, false, w, false, y);            // y (N, out) = x (N, in) w (in, out)
+//   ops::add_rows(y, bias);                      // y (N, out) += bias (out)
+//   ops::sum_rows(dy, db);                       // db (out) += sum over rows of dy
+//
+// Matrices: a tensor is read as the row-major (rows(), last()) matrix of its
+// bytes, so (B, T, C) activations are (B*T, C) matrices. fp32 unless a
+// parameter says otherwise; int32 for tokens and targets. "+=" in a comment
+// means the operation accumulates into its output, as backward passes do.
+//
+// Results that the host needs (a loss, a norm) come back as doubles; on a
+// GPU those calls wait for the compute stream.
+#pragma once
+
+#include <weft/tensor.h>
+
+#include <cstdint>
+
+namespace weft::ops {
+
+// How GEMMs on a CUDA device round their inputs. Fp32 is exact fp32
+// products; Tf32 uses tensor cores with 10-bit mantissa inputs. The CPU
+// always computes in fp32.
+enum class MatmulPrecision : uint8_t { Fp32, Tf32 };
+void set_matmul_precision(Device device, MatmulPrecision precision);
+MatmulPrecision matmul_precision(Device device);
+
+// --- matrices ---
+
+// c = alpha * op(a) op(b) + beta * c; op(x) is x or its transpose.
+void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,
+          float alpha = 1.0f, float beta = 0.0f);
+// y (N, C) = row (C) in every row (a bias, before a GEMM accumulates onto it).
+void fill_rows(const Tensor& y, const Tensor& row);
+// y (N, C) += row (C) in every row.
+void add_rows(const Tensor& y, const Tensor& row);
+// db (C) += the sum of dy's (N, C) rows.
+void sum_rows(const Tensor& dy, const Tensor& db);
+
+// --- element-wise ---
+
+void add(const Tensor& y, const Tensor& x);  // y += x, the same element count
+void scale(const Tensor& y, float s);        // y *= s
+double sum_squares(const Tensor& x);         // sum of x^2, accumulated in double
+
+// A one-element tensor's value, and setting it (the loss and its seed gradient).
+float item(const Tensor& t);
+void set_item(const Tensor& t, float value);
+
+// --- LayerNorm over the last dimension, eps inside the square root ---
+
+// x, y (N, C); w, b (C); mean, rstd (N)
+void layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y,
+                       const Tensor& mean, const Tensor& rstd, float eps);
+// dx (N, C) += d/dx
+void layernorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w,
+                              const Tensor& mean, const Tensor& rstd, const Tensor& dx);
+// dw, db (C) += d/dw, d/db
+void layernorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& mean,
+                               const Tensor& rstd, const Tensor& dw, const Tensor& db);
+
+// --- tanh-approximated GELU ---
+
+void gelu_forward(const Tensor& x, const Tensor& y);
+void gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx);  // dx +=
+
+// --- causal self-attention on a packed qkv (B, T, 3C) -> out (B, T, C) ---
+
+// probs (B, H, T, T) keeps the softmax for backward.
+void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t heads);
+// dqkv (B, T, 3C) += gradient; scratch holds B*H*T*T floats.
+void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
+                        const Tensor& dqkv, const Tensor& scratch, int64_t heads);
+
+// --- token and position embedding over a vocabulary slice ---
+// wte holds the rows of tokens [first, first + wte.rows); a token outside
+// gives a zero row (tensor parallelism: another rank holds it). first = 0
+// and the whole table is the plain embedding.
+
+// Throws Error naming the first token outside [0, vocab) and its position.
+// On a GPU nothing is checked here: tokens reach the device from the data
+// reader, which checks them on the host.
+void check_token_range(const Tensor& tokens, int64_t vocab, const char* what);
+// y (B, T, C) = wte[tokens - first] (or 0) + wpe[t]; wpe may be undefined
+// (no positions added: with tensor parallelism only one rank adds them).
+void embedding_forward(const Tensor& tokens, const Tensor& wte, int64_t first, const Tensor& wpe,
+                       const Tensor& y);
+// dwte[tokens - first] += dy for the tokens of this slice; dwpe[t] += sum_b dy[b, t].
+void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, int64_t first,
+                        const Tensor& dwpe);
+
+// --- softmax cross-entropy over logits (N, V) ---
+
+// In place: logits become the probabilities; losses (N) = -log p[target].
+// Returns the sum of the losses.
+double softmax_cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& losses);
+// dlogits (N, V) = (probs - onehot(target - first)) * scale; may alias probs.
+// With first != 0 or a slice of the vocabulary, targets outside it add nothing.
+void cross_entropy_backward(const Tensor& probs, const Tensor& targets, int64_t first,
+                            const Tensor& dlogits, float scale);
+
+// The vocabulary-parallel cross-entropy's local steps (Megatron's): each rank
+// holds logits (N, V/tp) of vocabulary [first, first + V/tp).
+// max (N) = the row maxima of the local logits.
+void row_max(const Tensor& logits, const Tensor& max);
+// In place: logits become exp(logit - max); stats (2, N) = the row sums of
+// those, then logit[target] - max where this slice holds the target, else 0.
+void exp_and_stats(const Tensor& logits, const Tensor& targets, int64_t first, const Tensor& max,
+                   const Tensor& stats);
+// In place: exps become probabilities, exps / sum; returns the sum over rows
+// of log(sum) - z, the loss, from the all-reduced stats (2, N).
+double normalise_and_loss(const Tensor& exps, const Tensor& stats);
+
+// --- mean-squared error, as a sum: 0.5 * sum (pred - target)^2 ---
+
+double mse_loss(const Tensor& pred, const Tensor& target);
+// d (same shape) += g * (pred - target)
+void mse_backward(const Tensor& pred, const Tensor& target, float g, const Tensor& d);
+
+// --- AdamW, PyTorch semantics (decoupled decay, bias-corrected moments) ---
+
+struct AdamWStep {
+  float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0;
+  int64_t step = 1;  // 1-based
+};
+// p, g, m, v: the same element count; p, m, v are updated.
+void adamw(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v, const AdamWStep& s);
+
+}  // namespace weft::ops

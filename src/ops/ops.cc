@@ -1,0 +1,428 @@
+// The device dispatch of weft/ops.h: each operation checks its tensors once,
+// then runs the cpu:: kernel or the cuda:: kernel of their device.
+//
+// on_device(device, op, cpu, cuda) is the one place that chooses. The CUDA
+// branch is a generic lambda taking the device's cuda::Context; in a build
+// without CUDA it is never instantiated (the cuda:: declarations are plain
+// C++, and nothing of them is linked), and asking for a CUDA tensor there
+// throws instead.
+#include <weft/ops.h>
+
+#include <weft/cpu_kernels.h>
+#include <weft/cuda/kernels.h>
+#include <weft/error.h>
+
+#include "weft_config.h"
+
+#include <array>
+#include <atomic>
+#include <initializer_list>
+
+namespace weft::ops {
+
+namespace {
+
+// Every tensor of one call on one device; returns that device.
+Device common_device(const char* op, std::initializer_list<const Tensor*> ts) {
+  const Tensor* first = nullptr;
+  for (const Tensor* t : ts) {
+    if (t == nullptr || !t->defined() || t->raw() == nullptr) continue;
+    if (first == nullptr) {
+      first = t;
+    } else if (!(t->device() == first->device())) {
+      throw Error("{}: tensors on {} and {}; every operand must be on one device", op,
+                  first->device().str(), t->device().str());
+    }
+  }
+  return first != nullptr ? first->device() : Device::cpu();
+}
+
+void check_dtype(const char* op, const char* name, const Tensor& t, DType want) {
+  check(t.dtype() == want, "{}: {} must be {}, got {}", op, name, dtype_name(want),
+        dtype_name(t.dtype()));
+}
+
+void check_numel(const char* op, const char* name, const Tensor& t, int64_t want) {
+  check(t.numel() == want, "{}: {} has {} elements {}, expected {}", op, name, t.numel(),
+        t.shape().str(), want);
+}
+
+constexpr int kMaxDevices = 64;
+std::array<std::atomic<MatmulPrecision>, kMaxDevices> g_precision{};
+
+cuda::MathMode math_mode(Device d) {
+  return matmul_precision(d) == MatmulPrecision::Tf32 ? cuda::MathMode::TF32
+                                                      : cuda::MathMode::FP32;
+}
+
+#if WEFT_CUDA
+template <typename Cpu, typename Cuda>
+decltype(auto) on_device(Device d, const char*, Cpu&& on_cpu, Cuda&& on_cuda) {
+  if (d.is_cpu()) return on_cpu();
+  return on_cuda(cuda::context(d.index));
+}
+#else
+template <typename Cpu, typename Cuda>
+decltype(auto) on_device(Device d, const char* op, Cpu&& on_cpu, Cuda&&) {
+  if (!d.is_cpu())
+    throw Error("{} on {}: weft was built without CUDA (meson setup -Dcuda=enabled)", op,
+                d.str());
+  return on_cpu();
+}
+#endif
+
+// An operation with no CUDA kernel yet: a clear error rather than a wrong result.
+[[noreturn]] void no_cuda_kernel(const char* op, Device d) {
+  throw Error("{} on {}: this operation has no CUDA kernel yet", op, d.str());
+}
+
+const float* f(const Tensor& t) { return t.data<float>(); }
+float* fw(const Tensor& t) { return t.data<float>(); }
+const int32_t* i32(const Tensor& t) { return t.data<int32_t>(); }
+
+}  // namespace
+
+void set_matmul_precision(Device device, MatmulPrecision precision) {
+  check(device.index >= 0 && device.index < kMaxDevices, "device index {} is out of [0, {})",
+        device.index, kMaxDevices);
+  if (!device.is_cpu()) g_precision[static_cast<size_t>(device.index)] = precision;
+}
+
+MatmulPrecision matmul_precision(Device device) {
+  if (device.is_cpu() || device.index < 0 || device.index >= kMaxDevices)
+    return MatmulPrecision::Fp32;
+  return g_precision[static_cast<size_t>(device.index)];
+}
+
+// --- matrices ---
+
+void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,
+          float alpha, float beta) {
+  const Device d = common_device("gemm", {&a, &b, &c});
+  const int64_t ar = a.shape().rows(), ac = a.shape().last();
+  const int64_t br = b.shape().rows(), bc = b.shape().last();
+  const int64_t m = trans_a ? ac : ar, k = trans_a ? ar : ac;
+  const int64_t kb = trans_b ? bc : br, n = trans_b ? br : bc;
+  check(k == kb && c.shape().rows() == m && c.shape().last() == n,
+        "gemm: op(a) is ({}, {}), op(b) ({}, {}), c {}: the shapes do not chain", m, k, kb, n,
+        c.shape().str());
+  on_device(
+      d, "gemm",
+      [&] { cpu::gemm(trans_a, trans_b, m, n, k, alpha, f(a), ac, f(b), bc, beta, fw(c), n); },
+      [&](auto& cx) {
+        cuda::gemm(cx, math_mode(d), trans_a, trans_b, m, n, k, alpha, f(a), ac, f(b), bc, beta,
+                   fw(c), n);
+      });
+}
+
+void fill_rows(const Tensor& y, const Tensor& row) {
+  const Device d = common_device("fill_rows", {&y, &row});
+  const int64_t n = y.shape().rows(), c = y.shape().last();
+  check_numel("fill_rows", "row", row, c);
+  on_device(
+      d, "fill_rows", [&] { cpu::fill_rows(fw(y), f(row), n, c); },
+      [&](auto& cx) {
+        cuda::zero(cx, y.raw(), y.nbytes());
+        cuda::add_bias(cx, fw(y), f(row), n, c);
+      });
+}
+
+void add_rows(const Tensor& y, const Tensor& row) {
+  const Device d = common_device("add_rows", {&y, &row});
+  const int64_t n = y.shape().rows(), c = y.shape().last();
+  check_numel("add_rows", "row", row, c);
+  on_device(
+      d, "add_rows", [&] { cpu::add_bias(fw(y), f(row), n, c); },
+      [&](auto& cx) { cuda::add_bias(cx, fw(y), f(row), n, c); });
+}
+
+void sum_rows(const Tensor& dy, const Tensor& db) {
+  const Device d = common_device("sum_rows", {&dy, &db});
+  const int64_t n = dy.shape().rows(), c = dy.shape().last();
+  check_numel("sum_rows", "db", db, c);
+  on_device(
+      d, "sum_rows", [&] { cpu::sum_rows(f(dy), fw(db), n, c); },
+      [&](auto& cx) { cuda::sum_rows(cx, f(dy), fw(db), n, c); });
+}
+
+// --- element-wise ---
+
+void add(const Tensor& y, const Tensor& x) {
+  const Device d = common_device("add", {&y, &x});
+  check_numel("add", "x", x, y.numel());
+  on_device(
+      d, "add", [&] { cpu::add_inplace(fw(y), f(x), y.numel()); },
+      [&](auto& cx) { cuda::add_inplace(cx, fw(y), f(x), y.numel()); });
+}
+
+void scale(const Tensor& y, float s) {
+  const Device d = common_device("scale", {&y});
+  on_device(
+      d, "scale", [&] { cpu::scale_inplace(fw(y), s, y.numel()); },
+      [&](auto& cx) { cuda::scale_inplace(cx, fw(y), s, y.numel()); });
+}
+
+double sum_squares(const Tensor& x) {
+  const Device d = common_device("sum_squares", {&x});
+  return on_device(
+      d, "sum_squares", [&] { return cpu::sum_squares(f(x), x.numel()); },
+      [&](auto& cx) { return cuda::sum_squares_to_host(cx, f(x), x.numel()); });
+}
+
+float item(const Tensor& t) {
+  check_numel("item", "the tensor", t, 1);
+  check_dtype("item", "the tensor", t, DType::F32);
+  return on_device(
+      t.device(), "item", [&] { return f(t)[0]; },
+      [&](auto& cx) {
+        float v = 0;
+        cuda::download(cx, &v, t.raw(), sizeof v);
+        return v;
+      });
+}
+
+void set_item(const Tensor& t, float value) {
+  check_numel("set_item", "the tensor", t, 1);
+  check_dtype("set_item", "the tensor", t, DType::F32);
+  on_device(
+      t.device(), "set_item", [&] { fw(t)[0] = value; },
+      [&](auto& cx) { cuda::upload(cx, t.raw(), &value, sizeof value); });
+}
+
+// --- LayerNorm ---
+
+void layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y,
+                       const Tensor& mean, const Tensor& rstd, float eps) {
+  const Device d = common_device("layernorm_forward", {&x, &w, &b, &y, &mean, &rstd});
+  const int64_t n = x.shape().rows(), c = x.shape().last();
+  check_numel("layernorm_forward", "y", y, n * c);
+  on_device(
+      d, "layernorm_forward",
+      [&] { cpu::layernorm_forward(f(x), f(w), f(b), fw(y), fw(mean), fw(rstd), n, c, eps); },
+      [&](auto& cx) {
+        cuda::layernorm_forward(cx, f(x), f(w), f(b), fw(y), fw(mean), fw(rstd), n, c, eps);
+      });
+}
+
+void layernorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w,
+                              const Tensor& mean, const Tensor& rstd, const Tensor& dx) {
+  const Device d = common_device("layernorm_backward_input", {&dy, &x, &w, &mean, &rstd, &dx});
+  const int64_t n = x.shape().rows(), c = x.shape().last();
+  on_device(
+      d, "layernorm_backward_input",
+      [&] {
+        cpu::layernorm_backward_input(f(dy), f(x), f(w), f(mean), f(rstd), fw(dx), n, c);
+      },
+      [&](auto& cx) {
+        cuda::layernorm_backward_input(cx, f(dy), f(x), f(w), f(mean), f(rstd), fw(dx), n, c);
+      });
+}
+
+void layernorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& mean,
+                               const Tensor& rstd, const Tensor& dw, const Tensor& db) {
+  const Device d = common_device("layernorm_backward_weight", {&dy, &x, &mean, &rstd, &dw, &db});
+  const int64_t n = x.shape().rows(), c = x.shape().last();
+  on_device(
+      d, "layernorm_backward_weight",
+      [&] {
+        cpu::layernorm_backward_weight(f(dy), f(x), f(mean), f(rstd), fw(dw), fw(db), n, c);
+      },
+      [&](auto& cx) {
+        cuda::layernorm_backward_weight(cx, f(dy), f(x), f(mean), f(rstd), fw(dw), fw(db), n, c);
+      });
+}
+
+// --- GELU ---
+
+void gelu_forward(const Tensor& x, const Tensor& y) {
+  const Device d = common_device("gelu_forward", {&x, &y});
+  check_numel("gelu_forward", "y", y, x.numel());
+  on_device(
+      d, "gelu_forward", [&] { cpu::gelu_forward(f(x), fw(y), x.numel()); },
+      [&](auto& cx) { cuda::gelu_forward(cx, f(x), fw(y), x.numel()); });
+}
+
+void gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx) {
+  const Device d = common_device("gelu_backward", {&dy, &x, &dx});
+  check_numel("gelu_backward", "dx", dx, x.numel());
+  on_device(
+      d, "gelu_backward", [&] { cpu::gelu_backward(f(dy), f(x), fw(dx), x.numel()); },
+      [&](auto& cx) { cuda::gelu_backward(cx, f(dy), f(x), fw(dx), x.numel()); });
+}
+
+// --- attention ---
+
+void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t heads) {
+  const Device d = common_device("attention_forward", {&qkv, &out, &probs});
+  const int64_t b = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
+  check_numel("attention_forward", "probs", probs, b * heads * t * t);
+  on_device(
+      d, "attention_forward",
+      [&] { cpu::attention_forward(f(qkv), fw(out), fw(probs), b, t, heads, c); },
+      [&](auto& cx) {
+        cuda::attention_forward(cx, math_mode(d), f(qkv), fw(out), fw(probs), b, t, heads, c);
+      });
+}
+
+void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
+                        const Tensor& dqkv, const Tensor& scratch, int64_t heads) {
+  const Device d = common_device("attention_backward", {&dout, &qkv, &probs, &dqkv, &scratch});
+  const int64_t b = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
+  check(scratch.numel() >= b * heads * t * t, "attention_backward: scratch holds {} floats, needs {}",
+        scratch.numel(), b * heads * t * t);
+  on_device(
+      d, "attention_backward",
+      [&] {
+        cpu::attention_backward(f(dout), f(qkv), f(probs), fw(dqkv), fw(scratch), b, t, heads, c);
+      },
+      [&](auto& cx) {
+        cuda::attention_backward(cx, math_mode(d), f(dout), f(qkv), f(probs), fw(dqkv),
+                                 fw(scratch), b, t, heads, c);
+      });
+}
+
+// --- embedding ---
+
+void check_token_range(const Tensor& tokens, int64_t vocab, const char* what) {
+  check_dtype("check_token_range", "tokens", tokens, DType::I32);
+  if (!tokens.device().is_cpu()) return;
+  const int32_t* tp = i32(tokens);
+  for (int64_t i = 0; i < tokens.numel(); ++i)
+    check(tp[i] >= 0 && tp[i] < vocab, "{} {} at position {} is outside the vocabulary [0, {})",
+          what, tp[i], i, vocab);
+}
+
+void embedding_forward(const Tensor& tokens, const Tensor& wte, int64_t first, const Tensor& wpe,
+                       const Tensor& y) {
+  const Device d = common_device("embedding_forward", {&tokens, &wte, &wpe, &y});
+  check_dtype("embedding_forward", "tokens", tokens, DType::I32);
+  const int64_t b = tokens.dim(0), t = tokens.dim(1), c = wte.dim(1), rows = wte.dim(0);
+  const float* pos = wpe.defined() && wpe.numel() > 0 ? f(wpe) : nullptr;
+  check_numel("embedding_forward", "y", y, b * t * c);
+  on_device(
+      d, "embedding_forward",
+      [&] { cpu::embedding_forward(i32(tokens), f(wte), rows, first, pos, fw(y), b, t, c); },
+      [&](auto& cx) {
+        cuda::embedding_forward(cx, i32(tokens), f(wte), pos, fw(y), b, t, c, rows, first);
+      });
+}
+
+void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, int64_t first,
+                        const Tensor& dwpe) {
+  const Device d = common_device("embedding_backward", {&tokens, &dy, &dwte, &dwpe});
+  check_dtype("embedding_backward", "tokens", tokens, DType::I32);
+  const int64_t b = tokens.dim(0), t = tokens.dim(1), c = dwte.dim(1), rows = dwte.dim(0);
+  on_device(
+      d, "embedding_backward",
+      [&] {
+        cpu::embedding_backward(i32(tokens), f(dy), fw(dwte), rows, first, fw(dwpe), b, t, c);
+      },
+      [&](auto& cx) {
+        cuda::embedding_backward(cx, i32(tokens), f(dy), fw(dwte), fw(dwpe), b, t, c, rows,
+                                 first);
+      });
+}
+
+// --- cross-entropy ---
+
+double softmax_cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& losses) {
+  const Device d = common_device("softmax_cross_entropy", {&logits, &targets, &losses});
+  check_dtype("softmax_cross_entropy", "targets", targets, DType::I32);
+  const int64_t n = logits.shape().rows(), v = logits.shape().last();
+  check_numel("softmax_cross_entropy", "targets", targets, n);
+  check_numel("softmax_cross_entropy", "losses", losses, n);
+  return on_device(
+      d, "softmax_cross_entropy",
+      [&] { return cpu::softmax_cross_entropy(fw(logits), i32(targets), fw(losses), n, v); },
+      [&](auto& cx) {
+        cuda::softmax_cross_entropy(cx, fw(logits), i32(targets), fw(losses), n, v);
+        return cuda::sum_to_host(cx, f(losses), n);
+      });
+}
+
+void cross_entropy_backward(const Tensor& probs, const Tensor& targets, int64_t first,
+                            const Tensor& dlogits, float scale) {
+  const Device d = common_device("cross_entropy_backward", {&probs, &targets, &dlogits});
+  const int64_t n = probs.shape().rows(), v = probs.shape().last();
+  check_numel("cross_entropy_backward", "dlogits", dlogits, n * v);
+  on_device(
+      d, "cross_entropy_backward",
+      [&] { cpu::cross_entropy_backward(f(probs), i32(targets), fw(dlogits), scale, n, v, first); },
+      [&](auto& cx) {
+        cuda::cross_entropy_backward(cx, f(probs), i32(targets), fw(dlogits), scale, n, v, first);
+      });
+}
+
+void row_max(const Tensor& logits, const Tensor& max) {
+  const Device d = common_device("row_max", {&logits, &max});
+  const int64_t n = logits.shape().rows(), v = logits.shape().last();
+  check_numel("row_max", "max", max, n);
+  on_device(
+      d, "row_max", [&] { cpu::row_max(f(logits), fw(max), n, v); },
+      [&](auto&) { no_cuda_kernel("row_max", d); });
+}
+
+void exp_and_stats(const Tensor& logits, const Tensor& targets, int64_t first, const Tensor& max,
+                   const Tensor& stats) {
+  const Device d = common_device("exp_and_stats", {&logits, &targets, &max, &stats});
+  const int64_t n = logits.shape().rows(), v = logits.shape().last();
+  check_numel("exp_and_stats", "stats", stats, 2 * n);
+  on_device(
+      d, "exp_and_stats",
+      [&] {
+        cpu::exp_and_stats(fw(logits), i32(targets), first, f(max), fw(stats), fw(stats) + n, n,
+                           v);
+      },
+      [&](auto&) { no_cuda_kernel("exp_and_stats", d); });
+}
+
+double normalise_and_loss(const Tensor& exps, const Tensor& stats) {
+  const Device d = common_device("normalise_and_loss", {&exps, &stats});
+  const int64_t n = exps.shape().rows(), v = exps.shape().last();
+  check_numel("normalise_and_loss", "stats", stats, 2 * n);
+  return on_device(
+      d, "normalise_and_loss",
+      [&] { return cpu::normalise_and_loss(fw(exps), f(stats), f(stats) + n, n, v); },
+      [&](auto&) -> double { no_cuda_kernel("normalise_and_loss", d); });
+}
+
+// --- mean-squared error ---
+
+double mse_loss(const Tensor& pred, const Tensor& target) {
+  const Device d = common_device("mse_loss", {&pred, &target});
+  check_numel("mse_loss", "target", target, pred.numel());
+  return on_device(
+      d, "mse_loss", [&] { return cpu::mse_loss(f(pred), f(target), pred.numel()); },
+      [&](auto&) -> double { no_cuda_kernel("mse_loss", d); });
+}
+
+void mse_backward(const Tensor& pred, const Tensor& target, float g, const Tensor& dx) {
+  const Device d = common_device("mse_backward", {&pred, &target, &dx});
+  check_numel("mse_backward", "the gradient", dx, pred.numel());
+  on_device(
+      d, "mse_backward", [&] { cpu::mse_backward(f(pred), f(target), g, fw(dx), pred.numel()); },
+      [&](auto&) { no_cuda_kernel("mse_backward", d); });
+}
+
+// --- AdamW ---
+
+void adamw(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v,
+           const AdamWStep& s) {
+  const Device d = common_device("adamw", {&p, &g, &m, &v});
+  const int64_t n = p.numel();
+  check_numel("adamw", "the gradient", g, n);
+  check_numel("adamw", "exp_avg", m, n);
+  check_numel("adamw", "exp_avg_sq", v, n);
+  on_device(
+      d, "adamw",
+      [&] {
+        cpu::adamw(fw(p), f(g), fw(m), fw(v), n, s.lr, s.beta1, s.beta2, s.eps, s.weight_decay,
+                   s.step);
+      },
+      [&](auto& cx) {
+        cuda::adamw(cx, fw(p), f(g), fw(m), fw(v), n, s.lr, s.beta1, s.beta2, s.eps,
+                    s.weight_decay, s.step);
+      });
+}
+
+}  // namespace weft::ops
