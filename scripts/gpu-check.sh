@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA backend's check, on a machine with a GPU: build with -Dcuda=enabled,
-# run the GPU tests (NCCL, every kernel against the CPU, a whole GPT step
+# run the GPU tests (NCCL, every kernel against the CPU, every layer class
+# through weft/ops.h on the GPU against the CPU, a whole GPT step
 # against the CPU graph, the allocator) and the throughput bench; print a
 # table. Budget: under 8 minutes on a 16-core H100/H200 machine.
 #
@@ -70,7 +71,7 @@ if [ "$setup_rc" != 0 ]; then
   exit 1
 fi
 targets=(tests/test_nccl tests/cuda/test_cuda_allocator tests/cuda/test_cuda_kernels
-         tests/cuda/test_cuda_step bench/bench_cuda)
+         tests/cuda/test_cuda_layers tests/cuda/test_cuda_step bench/bench_cuda)
 build_limit=$([ "$dry_run" = 1 ] && echo 3600 || echo 360)
 if ! timeout "$build_limit" ninja -C "$build" -j"$(nproc)" "${targets[@]}" >>"$log" 2>&1; then
   tail -n 40 "$log"
@@ -106,6 +107,7 @@ run_test() {  # name binary needs_gpu
 run_test nccl tests/test_nccl 1
 run_test cuda_allocator tests/cuda/test_cuda_allocator 0
 run_test cuda_kernels tests/cuda/test_cuda_kernels 1
+run_test cuda_layers tests/cuda/test_cuda_layers 1
 run_test cuda_step tests/cuda/test_cuda_step 1
 
 # --- throughput ---

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <weft/cpu_kernels.h>
 #include <weft/error.h>
+#include <weft/ops.h>
 #include <weft/threads.h>
 
 #include <algorithm>
@@ -533,6 +534,82 @@ TEST(Determinism, WeightReductionsAreBitwiseIdenticalAcrossThreadCounts) {
     EXPECT_EQ(std::memcmp(db.data(), db1.data(), db.size() * sizeof(float)), 0) << threads;
     EXPECT_EQ(std::memcmp(rows.data(), rows1.data(), rows.size() * sizeof(float)), 0) << threads;
   }
+}
+
+
+// --- weft/ops.h: the device dispatch, on the CPU ---
+
+// The slice kernels (tensor parallelism) against the whole-vocabulary ones:
+// the slices' rows, placed side by side, are the whole table's, and a row
+// whose token another slice holds is zero (positions added by one slice).
+TEST(Ops, EmbeddingSlicesSumToTheWholeTable) {
+  const int64_t b = 2, t = 5, c = 6, v = 12, parts = 3, rows = v / parts;
+  Tensor tok = Tensor::empty({b, t}, DType::I32);
+  for (int64_t i = 0; i < b * t; ++i) tok.data<int32_t>()[i] = static_cast<int32_t>((7 * i + 3) % v);
+  Tensor wte = testing::uniform_tensor({v, c}, 1), wpe = testing::uniform_tensor({t, c}, 2);
+  Tensor whole = Tensor::zeros({b, t, c});
+  ops::embedding_forward(tok, wte, 0, wpe, whole);
+  Tensor sum = Tensor::zeros({b, t, c});
+  for (int64_t p = 0; p < parts; ++p) {
+    Tensor part = Tensor::zeros({b, t, c});
+    ops::embedding_forward(tok, wte.slice0(p * rows, (p + 1) * rows), p * rows,
+                           p == 0 ? wpe : Tensor(), part);
+    ops::add(sum, part);
+  }
+  for (int64_t i = 0; i < whole.numel(); ++i)
+    ASSERT_EQ(sum.data<float>()[i], whole.data<float>()[i]) << i;  // adding zeros is exact
+
+  Tensor dy = testing::uniform_tensor({b, t, c}, 3);
+  Tensor dwte = Tensor::zeros({v, c}), dwpe = Tensor::zeros({t, c});
+  ops::embedding_backward(tok, dy, dwte, 0, dwpe);
+  for (int64_t p = 0; p < parts; ++p) {
+    Tensor part = Tensor::zeros({rows, c}), pos = Tensor::zeros({t, c});
+    ops::embedding_backward(tok, dy, part, p * rows, pos);
+    for (int64_t i = 0; i < part.numel(); ++i)
+      ASSERT_EQ(part.data<float>()[i], dwte.data<float>()[p * rows * c + i]) << "slice " << p;
+    for (int64_t i = 0; i < pos.numel(); ++i) ASSERT_EQ(pos.data<float>()[i], dwpe.data<float>()[i]);
+  }
+}
+
+// A target in another slice subtracts nothing; in this slice, its column.
+TEST(Ops, CrossEntropyBackwardOnASlice) {
+  const int64_t n = 3, v = 4;
+  Tensor probs = testing::uniform_tensor({n, v}, 4, 0.0f, 1.0f);
+  Tensor tgt = Tensor::empty({n}, DType::I32);
+  tgt.data<int32_t>()[0] = 9, tgt.data<int32_t>()[1] = 2, tgt.data<int32_t>()[2] = 8;
+  Tensor d = Tensor::zeros({n, v});
+  ops::cross_entropy_backward(probs, tgt, 8, d, 0.5f);  // this slice: vocabulary [8, 12)
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < v; ++j) {
+      const float p = probs.data<float>()[i * v + j] * 0.5f;
+      const bool hit = tgt.data<int32_t>()[i] == 8 + j;
+      EXPECT_EQ(d.data<float>()[i * v + j], hit ? p - 0.5f : p) << i << ", " << j;
+    }
+}
+
+TEST(Ops, GemmChecksThatShapesChain) {
+  Tensor a = Tensor::zeros({4, 3}), b = Tensor::zeros({5, 2}), c = Tensor::zeros({4, 2});
+  const std::string msg = error_message([&] { ops::gemm(a, false, b, false, c); });
+  EXPECT_TRUE(contains(msg, "gemm: op(a) is (4, 3), op(b) (5, 2)")) << msg;
+}
+
+// Operands on two devices, or on a device this process cannot use, are
+// refused with the operation and the devices named, before any kernel runs.
+// (A view of host bytes labelled cuda:0 is never dereferenced: the check
+// comes first.)
+TEST(Ops, DevicesAreCheckedBeforeAnyKernel) {
+  std::vector<float> bytes(8);
+  Tensor gpu(bytes.data(), Shape{8}, DType::F32, Device::cuda(0));
+  Tensor cpu = Tensor::zeros({8});
+  std::string msg = error_message([&] { ops::add(cpu, gpu); });
+  EXPECT_TRUE(contains(msg, "add: tensors on cpu and cuda:0; every operand must be on one device"))
+      << msg;
+  if (cuda_device_count() > 0) GTEST_SKIP() << "a GPU is visible: cuda:0 is usable here";
+  msg = error_message([&] { ops::scale(gpu, 2.0f); });
+  EXPECT_TRUE(contains(msg, "scale on cuda:0")) << msg;
+  EXPECT_TRUE(contains(msg, cuda_built() ? "no such CUDA device (0 visible)"
+                                         : "weft was built without CUDA"))
+      << msg;
 }
 
 }  // namespace

@@ -57,8 +57,11 @@ cuda::MathMode math_mode(Device d) {
 
 #if WEFT_CUDA
 template <typename Cpu, typename Cuda>
-decltype(auto) on_device(Device d, const char*, Cpu&& on_cpu, Cuda&& on_cuda) {
+decltype(auto) on_device(Device d, const char* op, Cpu&& on_cpu, Cuda&& on_cuda) {
   if (d.is_cpu()) return on_cpu();
+  static const int visible = cuda_device_count();
+  if (d.index < 0 || d.index >= visible)
+    throw Error("{} on {}: no such CUDA device ({} visible)", op, d.str(), visible);
   return on_cuda(cuda::context(d.index));
 }
 #else

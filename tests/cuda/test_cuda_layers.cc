@@ -1,0 +1,198 @@
+// One layer class, two devices: every layer of layers/ runs forward,
+// backward_input and backward_weight through weft/ops.h on cuda:0 and on the
+// CPU from the same inputs and parameters, and the GPU's outputs, input
+// gradients and parameter gradients match the CPU's.
+//
+// Error model (fp32 GEMMs, no TF32): both devices compute every element in
+// fp32 and differ only in the order of reductions: a GEMM or row sum over K
+// terms differs by about 2^-24 * sqrt(K) relative (K <= 1000 here: 2e-6), and
+// the softmaxes of attention and cross-entropy add a few more roundings per
+// element. 1e-5 relative (||gpu - cpu|| / ||cpu||) covers that with margin;
+// an indexing or accumulation bug gives O(1). The token-embedding gradient is
+// a scatter-add with atomics on the GPU: the same sums in another order.
+// Shapes are ragged (T = 37, C = 48, V = 1000). Needs a GPU; exits 77 without.
+#include "weft_config.h"
+
+#if WEFT_CUDA
+#include <weft/arena.h>
+#include <weft/ops.h>
+#include <weft/param.h>
+
+#include "layers/attention.h"
+#include "layers/embedding.h"
+#include "layers/gelu.h"
+#include "layers/layernorm.h"
+#include "layers/linear.h"
+#include "layers/lm_head.h"
+#include "layers/residual.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "test_util.h"
+
+namespace weft {
+namespace {
+
+using testing::rel_error;
+using testing::uniform_tensor;
+
+constexpr double kFp32 = 1e-5;
+const Device kGpu = Device::cuda(0);
+
+Tensor on(const Tensor& t, Device d) {
+  Tensor out = Tensor::empty(t.shape(), t.dtype(), d);
+  out.copy_from(t);
+  return out;
+}
+
+// A layer built twice: over CPU parameters and over GPU copies of them.
+struct Twin {
+  std::deque<Param> cpu, gpu;
+  Param* add(const std::string& name, Tensor value) {
+    Param& c = cpu.emplace_back();
+    c.name = name, c.value = value, c.grad = Tensor::zeros(value.shape());
+    Param& g = gpu.emplace_back();
+    g.name = name, g.value = on(value, kGpu), g.grad = Tensor::zeros(value.shape(), DType::F32, kGpu);
+    return &c;
+  }
+  Param* gpu_of(const Param* p) {
+    for (size_t i = 0; i < cpu.size(); ++i)
+      if (&cpu[i] == p) return &gpu[i];
+    return nullptr;
+  }
+};
+
+// Runs forward, backward_input (with random output gradients; input
+// gradients start at zero and need_grad[i] says which are wanted) and
+// backward_weight on both devices; compares everything.
+void expect_same_on_both(Layer& cpu_layer, Layer& gpu_layer, Twin& twin,
+                         const std::vector<Tensor>& inputs, const std::vector<bool>& need_grad,
+                         const std::string& what, double tol = kFp32) {
+  std::vector<Shape> in_shapes;
+  for (const Tensor& t : inputs) in_shapes.push_back(t.shape());
+  const std::vector<Shape> out_shapes = cpu_layer.output_shapes(in_shapes);
+
+  struct Run {
+    std::vector<Tensor> out, grad_in;
+  };
+  auto run = [&](Layer& layer, Device d) {
+    Arena arena(d);
+    std::vector<Tensor> in;
+    for (const Tensor& t : inputs) in.push_back(on(t, d));
+    Run r;
+    for (const Shape& s : out_shapes) r.out.push_back(Tensor::zeros(s, DType::F32, d));
+    auto ctx = layer.make_ctx();
+    layer.forward(*ctx, arena, in, r.out);
+    std::vector<Tensor> grad_out;
+    for (size_t k = 0; k < out_shapes.size(); ++k)
+      grad_out.push_back(on(out_shapes[k].numel() == 1 ? Tensor::zeros({1})
+                                                       : uniform_tensor(out_shapes[k], 100 + k),
+                            d));
+    if (out_shapes.size() == 1 && out_shapes[0].numel() == 1) ops::set_item(grad_out[0], 0.37f);
+    for (size_t k = 0; k < inputs.size(); ++k)
+      r.grad_in.push_back(need_grad[k] ? Tensor::zeros(inputs[k].shape(), DType::F32, d)
+                                       : Tensor());
+    layer.backward_input(*ctx, arena, grad_out, r.grad_in);
+    layer.backward_weight(*ctx, arena);
+    return r;
+  };
+  const Run c = run(cpu_layer, Device::cpu());
+  const Run g = run(gpu_layer, kGpu);
+  for (size_t k = 0; k < c.out.size(); ++k)
+    EXPECT_LT(rel_error(on(g.out[k], Device::cpu()), c.out[k]), tol) << what << ": output " << k;
+  for (size_t k = 0; k < c.grad_in.size(); ++k) {
+    if (!need_grad[k]) continue;
+    EXPECT_LT(rel_error(on(g.grad_in[k], Device::cpu()), c.grad_in[k]), tol)
+        << what << ": gradient of input " << k;
+  }
+  for (size_t i = 0; i < twin.cpu.size(); ++i)
+    EXPECT_LT(rel_error(on(twin.gpu[i].grad, Device::cpu()), twin.cpu[i].grad), tol)
+        << what << ": gradient of " << twin.cpu[i].name;
+}
+
+const int64_t kB = 2, kT = 37, kC = 48, kV = 1000, kHeads = 4;
+
+TEST(CudaLayers, LinearWithAndWithoutBias) {
+  for (bool bias : {true, false}) {
+    Twin tw;
+    Param* w = tw.add("w", uniform_tensor({kC, 3 * kC}, 1));
+    Param* b = bias ? tw.add("b", uniform_tensor({3 * kC}, 2)) : nullptr;
+    Linear cpu(w, b), gpu(tw.gpu_of(w), bias ? tw.gpu_of(b) : nullptr);
+    expect_same_on_both(cpu, gpu, tw, {uniform_tensor({kB, kT, kC}, 3)}, {true},
+                        bias ? "linear" : "linear without bias");
+  }
+}
+
+TEST(CudaLayers, LayerNorm) {
+  Twin tw;
+  Param* w = tw.add("w", uniform_tensor({kC}, 4, 0.5f, 1.5f));
+  Param* b = tw.add("b", uniform_tensor({kC}, 5));
+  LayerNorm cpu(w, b, 1e-5f), gpu(tw.gpu_of(w), tw.gpu_of(b), 1e-5f);
+  expect_same_on_both(cpu, gpu, tw, {uniform_tensor({kB, kT, kC}, 6)}, {true}, "layernorm");
+}
+
+TEST(CudaLayers, GeluAndResidual) {
+  Twin tw;
+  Gelu gelu_cpu, gelu_gpu;
+  expect_same_on_both(gelu_cpu, gelu_gpu, tw, {uniform_tensor({kB, kT, kC}, 7, -3.0f, 3.0f)},
+                      {true}, "gelu");
+  Residual res_cpu, res_gpu;
+  expect_same_on_both(res_cpu, res_gpu, tw,
+                      {uniform_tensor({kB, kT, kC}, 8), uniform_tensor({kB, kT, kC}, 9)},
+                      {true, true}, "residual");
+}
+
+TEST(CudaLayers, CausalSelfAttention) {
+  Twin tw;
+  CausalSelfAttention cpu(kHeads), gpu(kHeads);
+  expect_same_on_both(cpu, gpu, tw, {uniform_tensor({kB, kT, 3 * kC}, 10)}, {true}, "attention");
+}
+
+Tensor tokens(int64_t n, uint64_t seed) {
+  Tensor u = uniform_tensor({n}, seed, 0.0f, static_cast<float>(kV));
+  Tensor t = Tensor::empty({kB, n / kB}, DType::I32);
+  for (int64_t i = 0; i < n; ++i)
+    t.data<int32_t>()[i] = std::min<int32_t>(kV - 1, static_cast<int32_t>(u.data<float>()[i]));
+  return t;
+}
+
+TEST(CudaLayers, EmbeddingAndTiedLmHead) {
+  Twin tw;
+  Param* wte = tw.add("wte", uniform_tensor({kV, kC}, 11));
+  Param* wpe = tw.add("wpe", uniform_tensor({kT, kC}, 12));
+  Embedding cpu(wte, wpe), gpu(tw.gpu_of(wte), tw.gpu_of(wpe));
+  expect_same_on_both(cpu, gpu, tw, {tokens(kB * kT, 13)}, {false}, "embedding");
+
+  Twin head;
+  Param* table = head.add("wte", uniform_tensor({kV, kC}, 14));
+  TiedLmHeadLoss head_cpu(table), head_gpu(head.gpu_of(table));
+  Tensor targets = tokens(kB * kT, 15).view({kB * kT});
+  expect_same_on_both(head_cpu, head_gpu, head, {uniform_tensor({kB * kT, kC}, 16), targets},
+                      {true, false}, "tied lm head + cross-entropy");
+}
+
+TEST(CudaLayers, AdamWAndNormOnTheDevice) {
+  Tensor p = uniform_tensor({kV, kC}, 20), g = uniform_tensor({kV, kC}, 21);
+  Tensor m = Tensor::zeros({kV, kC}), v = Tensor::zeros({kV, kC});
+  Tensor pg = on(p, kGpu), gg = on(g, kGpu), mg = on(m, kGpu), vg = on(v, kGpu);
+  for (int64_t step = 1; step <= 3; ++step) {
+    const ops::AdamWStep s{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step};
+    ops::adamw(p, g, m, v, s);
+    ops::adamw(pg, gg, mg, vg, s);
+  }
+  EXPECT_LT(rel_error(on(pg, Device::cpu()), p), kFp32);
+  EXPECT_LT(rel_error(on(vg, Device::cpu()), v), kFp32);
+  EXPECT_NEAR(ops::sum_squares(gg), ops::sum_squares(g), 1e-9 * ops::sum_squares(g));
+}
+
+}  // namespace
+}  // namespace weft
+
+#endif  // WEFT_CUDA
