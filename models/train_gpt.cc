@@ -10,6 +10,7 @@
 #include <weft/layout.h>
 #include <weft/mesh.h>
 #include <weft/mpi_communicator.h>
+#include <weft/ops.h>
 #include <weft/partition.h>
 #include <weft/pipeline.h>
 #include <weft/profile.h>
@@ -53,6 +54,9 @@ struct Args {
   float sample_temperature = 0.8f;
   std::string sample_prompt = "\n";
   int threads = 0;
+  // Device and precision (Megatron's names).
+  std::string device = "auto";
+  bool tf32 = false, bf16 = false, fp16 = false;
   // Parallelism (Megatron's names; dp = world / (tp x pp)).
   int tp = 1, pp = 1;
   std::string schedule = "1f1b";
@@ -100,7 +104,34 @@ double unigram_entropy(const weft::TokenData& data) {
 struct PipelineSetup {
   int chunks = 1;
   int64_t micro_batches = 1;
+  weft::Device device;
 };
+
+// --device and the precision flags. auto is cuda when a GPU is visible and
+// the job is one process (several processes on GPUs are not available yet).
+weft::Device resolve_device(const Args& a, int world) {
+  using namespace weft;
+  check(!(a.bf16 && a.fp16), "--bf16 and --fp16 are mutually exclusive: choose one");
+  check(a.device == "auto" || a.device == "cpu" || a.device == "cuda",
+        "--device '{}' must be cpu, cuda or auto", a.device);
+  const int gpus = cuda_device_count();
+  const std::string kind = a.device == "auto" ? (gpus > 0 && world == 1 ? "cuda" : "cpu") : a.device;
+  if (kind == "cuda") {
+    check(cuda_built(), "--device cuda: weft was built without CUDA (meson setup -Dcuda=enabled)");
+    check(gpus > 0, "--device cuda: no CUDA device is visible (see nvidia-smi and "
+                    "CUDA_VISIBLE_DEVICES)");
+    check(world == 1,
+          "--device cuda with {} ranks is not available yet: the GPU engine runs one process "
+          "(use --device cpu for several ranks)",
+          world);
+  }
+  check(!a.tf32 || kind == "cuda", "--tf32 needs --device cuda: the CPU computes in fp32");
+  check(!a.bf16 && !a.fp16,
+        "--{} is not available yet: the engine computes in fp32 (--tf32 on a GPU for tensor "
+        "cores)",
+        a.bf16 ? "bf16" : "fp16");
+  return kind == "cuda" ? Device::cuda(0) : Device::cpu();
+}
 
 PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int world, int64_t global) {
   using namespace weft;
@@ -114,6 +145,7 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
         "is split across tensor-parallel ranks)",
         cfg.vocab_size, a.tp);
   PipelineSetup p;
+  p.device = resolve_device(a, world);
   if (a.layers_per_virtual > 0) {
     check(cfg.num_layers % (a.pp * a.layers_per_virtual) == 0,
           "--num-layers ({}) must be divisible by --pp ({}) x "
@@ -238,6 +270,8 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   opt.lr.decay_iters = a.lr_decay_iters > 0 ? a.lr_decay_iters : a.train_iters;
   opt.adam = {a.beta1, a.beta2, a.eps, a.weight_decay};
   opt.clip_grad = a.clip_grad;
+  opt.device = setup.device;
+  if (a.tf32) ops::set_matmul_precision(setup.device, ops::MatmulPrecision::Tf32);
   opt.config = {{"num_layers", cfg.num_layers},   {"hidden_size", cfg.hidden_size},
                 {"num_heads", cfg.num_heads},     {"seq_length", cfg.seq_length},
                 {"vocab_size", cfg.vocab_size},   {"max_positions", cfg.positions()},
@@ -273,11 +307,13 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   if (!a.load.empty()) trainer.load(a.load);
 
   if (rank0) fmt::print("weft train_gpt | layers {} | hidden {} | heads {} | seq {} | vocab {} | params {} "
-             "| micro-batch {} x {} = global {} | threads {} | data {} ({} tokens, unigram entropy "
+             "| micro-batch {} x {} = global {} | {} | data {} ({} tokens, unigram entropy "
              "{:.3f} nats)\n",
              cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.seq_length, cfg.vocab_size,
              model.graph.param_count(), a.micro_batch, global / a.micro_batch, global,
-             get_threads(), a.data_path, data.size(), entropy);
+             setup.device.is_cpu() ? fmt::format("threads {}", get_threads())
+                                   : fmt::format("{}{}", setup.device.str(), a.tf32 ? " tf32" : ""),
+             a.data_path, data.size(), entropy);
   if (trainer.steps_done() > 0 && rank0)
     fmt::print("resumed from {} at step {}\n", a.load, trainer.steps_done());
 
@@ -338,6 +374,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     if (rank0) fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
   }
   if (a.sample > 0) {
+    place_params(model.graph.params(), Device::cpu());  // sampling runs on the host
     std::vector<int32_t> prompt;
     if (data.is_text()) {
       for (unsigned char ch : a.sample_prompt) prompt.push_back(ch);
@@ -398,6 +435,11 @@ int main(int argc, char** argv) {
   app.add_option("--sample-temperature", a.sample_temperature, "0 = greedy");
   app.add_option("--sample-prompt", a.sample_prompt, "text the sample continues");
   app.add_option("--threads", a.threads, "CPU threads (default: cores / local ranks)");
+  app.add_option("--device", a.device,
+                 "cpu, cuda, or auto: cuda when a GPU is visible and the job is one process");
+  app.add_flag("--tf32", a.tf32, "GEMMs on tensor cores with TF32 inputs (--device cuda)");
+  app.add_flag("--bf16", a.bf16, "bf16 compute with fp32 master weights (not available yet)");
+  app.add_flag("--fp16", a.fp16, "fp16 compute with a dynamic loss scale (not available yet)");
   app.add_option("--tensor-model-parallel-size,--tp", a.tp, "tensor-parallel ranks");
   app.add_option("--pipeline-model-parallel-size,--pp", a.pp, "pipeline ranks");
   app.add_option("--schedule", a.schedule,

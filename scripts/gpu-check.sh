@@ -71,7 +71,8 @@ if [ "$setup_rc" != 0 ]; then
   exit 1
 fi
 targets=(tests/test_nccl tests/cuda/test_cuda_allocator tests/cuda/test_cuda_kernels
-         tests/cuda/test_cuda_layers tests/cuda/test_cuda_step bench/bench_cuda)
+         tests/cuda/test_cuda_layers tests/cuda/test_cuda_train tests/cuda/test_cuda_step
+         tests/test_parity train_gpt bench/bench_cuda)
 build_limit=$([ "$dry_run" = 1 ] && echo 3600 || echo 360)
 if ! timeout "$build_limit" ninja -C "$build" -j"$(nproc)" "${targets[@]}" >>"$log" 2>&1; then
   tail -n 40 "$log"
@@ -83,6 +84,7 @@ results+=("build (-Dcuda=enabled, sm_$arch, $(nproc) cores)|ok|$(( $(date +%s) -
 # --- tests: each must pass on a GPU; in a dry run, SKIP (77), except the
 # allocator's host-side test, which runs without a GPU ---
 export WEFT_SOURCE_DIR="$PWD" OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+export WEFT_TRAIN_GPT="$PWD/$build/train_gpt"
 run_test() {  # name binary needs_gpu
   local name=$1 bin=$2 needs_gpu=$3 want=0 rc=0 t0 ms
   t0=$(date +%s%N)
@@ -108,7 +110,29 @@ run_test nccl tests/test_nccl 1
 run_test cuda_allocator tests/cuda/test_cuda_allocator 0
 run_test cuda_kernels tests/cuda/test_cuda_kernels 1
 run_test cuda_layers tests/cuda/test_cuda_layers 1
+run_test cuda_train tests/cuda/test_cuda_train 1
+run_test parity tests/test_parity 0   # its cuda cases run where a GPU is visible
 run_test cuda_step tests/cuda/test_cuda_step 1
+
+# --- the sample job on the GPU (scripts/sample.sh's model and flags), when
+# its text is here: data/fortunes.txt travels with the checkout ---
+if [ -s data/fortunes.txt ] && [ "$dry_run" = 0 ]; then
+  t0=$(date +%s)
+  sample_rc=0
+  timeout 240 "$build/train_gpt" --device cuda --num-layers 4 --hidden-size 128 \
+    --num-attention-heads 4 --seq-length 64 --data-path data/fortunes.txt \
+    --micro-batch-size 32 --global-batch-size 32 --train-iters 1200 --lr 3e-3 --min-lr 3e-4 \
+    --lr-decay-style cosine --lr-warmup-iters 30 --log-interval 200 \
+    >"$logs/sample_cuda.out" 2>&1 || sample_rc=$?
+  if [ "$sample_rc" = 0 ]; then
+    sample_result="ok: $(grep -o 'mean loss of the last [0-9]* steps: [0-9.]* nats' "$logs/sample_cuda.out")"
+  else
+    sample_result="FAIL (exit $sample_rc)"
+    failed=1
+    tail -n 20 "$logs/sample_cuda.out"
+  fi
+  results+=("train_gpt --device cuda, the sample job|$sample_result|$(( $(date +%s) - t0 ))")
+fi
 
 # --- throughput ---
 bench_rc=0

@@ -1,5 +1,6 @@
 // train_gpt end to end: bad input gets one error line and exit status 1;
 // good input trains, logs JSONL, saves, resumes and samples.
+#include <weft/device.h>
 #include <weft/safetensors.h>
 
 #include <gtest/gtest.h>
@@ -47,10 +48,13 @@ class Cli : public ::testing::Test {
     write_file(path, bytes);
   }
 
+  // Runs train_gpt on the CPU unless `args` names a device: the suite means
+  // the same thing on a machine with a GPU.
   Result run(const std::string& args) {
     const char* exe = std::getenv("WEFT_TRAIN_GPT");
     EXPECT_NE(exe, nullptr) << "WEFT_TRAIN_GPT is set by meson test";
-    std::string cmd = std::string(exe ? exe : "train_gpt") + " " + args + " >" + dir_ +
+    const std::string device = testing::contains(args, "--device") ? "" : " --device cpu";
+    std::string cmd = std::string(exe ? exe : "train_gpt") + " " + args + device + " >" + dir_ +
                       "/out.txt 2>" + dir_ + "/err.txt";
     int status = std::system(cmd.c_str());
     Result r;
@@ -95,6 +99,21 @@ class Cli : public ::testing::Test {
 
   std::string dir_;
 };
+
+// Device and precision flags that cannot be honoured: one line each.
+TEST_F(Cli, DeviceAndPrecisionFlags) {
+  expect_error(toy("--bf16 --fp16"), {"--bf16 and --fp16 are mutually exclusive"});
+  expect_error(toy("--device tpu"), {"--device 'tpu' must be cpu, cuda or auto"});
+  expect_error(toy("--device cpu --tf32"), {"--tf32 needs --device cuda"});
+  expect_error(toy("--device cpu --bf16"), {"--bf16 is not available yet"});
+  if (cuda_device_count() > 0) GTEST_SKIP() << "a GPU is visible: --device cuda can run here";
+  expect_error(toy("--device cuda"), {cuda_built() ? "--device cuda: no CUDA device is visible"
+                                                   : "--device cuda: weft was built without CUDA"});
+  // auto falls back to the CPU without a GPU, and says where it runs.
+  Result r = run(toy("--device auto --train-iters 1"));
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "| threads ")) << r.out;
+}
 
 TEST_F(Cli, MissingDataFile) {
   expect_error(toy("--data-path /nonexistent/corpus.txt"), {"/nonexistent/corpus.txt"});

@@ -518,7 +518,7 @@ TEST(CompressionOptions, TrainGptRejectsBadFlagsWithOneLine) {
        "cannot be combined with --use-distributed-optimizer"},
   };
   for (const auto& [flags, want] : cases) {
-    const std::string cmd = std::string(exe) + " --model toy --train-iters 1 --data-path " + dir +
+    const std::string cmd = std::string(exe) + " --device cpu --model toy --train-iters 1 --data-path " + dir +
                             "/text.txt " + flags + " >" + dir + "/out.txt 2>" + dir + "/err.txt";
     const int status = std::system(cmd.c_str());
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << flags;

@@ -42,6 +42,12 @@ Tensor uniform_tensor(Shape shape, uint64_t seed, float lo, float hi) {
   return t;
 }
 
+Tensor to_host(const Tensor& t) {
+  Tensor h = Tensor::empty(t.shape(), t.dtype(), Device::cpu());
+  h.copy_from(t);
+  return h;
+}
+
 double rel_error(const float* a, const float* b, int64_t n) {
   double num = 0, den = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -73,7 +79,10 @@ TrainRun run_train_gpt(int ranks, const std::string& args, const std::string& di
   const std::string jsonl = dir + "/run.jsonl", out = dir + "/out.txt";
   std::remove(jsonl.c_str());
   TrainRun r;
-  r.command = std::string(std::getenv("WEFT_TRAIN_GPT")) + " " + args + " --log-jsonl " + jsonl;
+  // On the CPU unless the test names a device: the same meaning on a GPU machine.
+  const std::string device = contains(args, "--device") ? "" : " --device cpu";
+  r.command = std::string(std::getenv("WEFT_TRAIN_GPT")) + " " + args + device + " --log-jsonl " +
+              jsonl;
   if (ranks > 1)
     r.command =
         std::string(std::getenv("WEFT_MPIEXEC")) + " -n " + std::to_string(ranks) + " " + r.command;

@@ -15,6 +15,9 @@ namespace weft::testing {
 std::string source_path(const std::string& rel);
 // A fresh empty directory under the build's temp area, removed at exit.
 std::string temp_dir(const std::string& tag);
+// A host copy of a tensor on any device.
+Tensor to_host(const Tensor& t);
+
 // Deterministic uniform values in [lo, hi).
 std::vector<float> uniform(int64_t n, uint64_t seed, float lo = -1.0f, float hi = 1.0f);
 Tensor uniform_tensor(Shape shape, uint64_t seed, float lo = -1.0f, float hi = 1.0f);

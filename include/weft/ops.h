@@ -55,6 +55,8 @@ double sum_squares(const Tensor& x);         // sum of x^2, accumulated in doubl
 // A one-element tensor's value, and setting it (the loss and its seed gradient).
 float item(const Tensor& t);
 void set_item(const Tensor& t, float value);
+// Every element = value (fp32).
+void fill(const Tensor& t, float value);
 
 // --- LayerNorm over the last dimension, eps inside the square root ---
 

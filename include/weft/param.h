@@ -73,6 +73,11 @@ void place_shard(const Tensor& part, const Shard& s, const Tensor& full);
 // Fills p.value from (seed, p.name, p.init); independent of everything else.
 // A shard gets its piece of the full tensor, so every layout starts alike.
 void init_param(Param& p, uint64_t seed);
+
+// Moves each parameter's value to `device` (a copy) and gives it a zero
+// gradient there. Parameters are initialised and loaded on the host, then
+// placed; a no-op for those already there.
+void place_params(const std::vector<Param*>& params, Device device);
 // Deterministic standard normals from (seed, name): element i of the tensor
 // named `name` is the same number whatever slice of it a rank generates.
 void normal_fill(float* out, int64_t n, uint64_t seed, const std::string& name, float std);

@@ -23,7 +23,8 @@ namespace weft {
 
 class MicroBatch {
  public:
-  explicit MicroBatch(const Graph& graph);
+  // Activations and their gradients live on `device`, in the arena.
+  explicit MicroBatch(const Graph& graph, Device device = Device::cpu());
 
   // Copies `src` into an arena tensor for graph input `value`.
   void set_input(int value, const Tensor& src);

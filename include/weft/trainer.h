@@ -61,6 +61,10 @@ struct TrainOptions {
   AdamWConfig adam;
   double clip_grad = 1.0;  // 0 disables
   nlohmann::json config;   // recorded in checkpoints
+  // Where parameters, activations, gradients and optimizer state live; the
+  // layers run that device's kernels (weft/ops.h). Parameters are placed
+  // there when the Trainer is made. A GPU runs one process for now.
+  Device device = Device::cpu();
 };
 
 struct StepRecord {
@@ -137,6 +141,7 @@ class Trainer {
   ReplicaBatches data_;
   std::unique_ptr<GradSync> sync_;
   MicroBatch mb_;
+  Tensor host_tokens_, host_targets_;  // one micro-batch, staged on the host for a GPU
   int64_t steps_done_ = 0;
   std::set<const Param*> owned_;  // counted and saved by this rank (its pipeline share)
   Tensor scalar_;

@@ -14,9 +14,11 @@
 
 #include "weft_config.h"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <initializer_list>
+#include <vector>
 
 namespace weft::ops {
 
@@ -190,6 +192,22 @@ void set_item(const Tensor& t, float value) {
   on_device(
       t.device(), "set_item", [&] { fw(t)[0] = value; },
       [&](auto& cx) { cuda::upload(cx, t.raw(), &value, sizeof value); });
+}
+
+void fill(const Tensor& t, float value) {
+  check_dtype("fill", "the tensor", t, DType::F32);
+  on_device(
+      t.device(), "fill", [&] { std::fill_n(fw(t), t.numel(), value); },
+      [&](auto& cx) {
+        if (value == 0.0f) {
+          cuda::zero(cx, t.raw(), t.nbytes());
+        } else if (t.numel() == 1) {
+          cuda::upload(cx, t.raw(), &value, sizeof value);
+        } else {
+          const std::vector<float> host(static_cast<size_t>(t.numel()), value);
+          cuda::upload(cx, t.raw(), host.data(), t.nbytes());
+        }
+      });
 }
 
 // --- LayerNorm ---

@@ -131,12 +131,20 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
     bucket_of_[static_cast<size_t>(i)] = static_cast<int>(buckets_.size()) - 1;
   }
 
-  // Flat buffers; gradients (and, distributed, values) become views into them.
+  // Flat buffers on the parameters' device; gradients (and, distributed,
+  // values) become views into them.
   const int64_t dp = groups_.dp_size();
+  const Device device = params_.empty() ? Device::cpu() : params_[0]->value.device();
+  for (const Param* p : params_)
+    check(p->value.device() == device, "{} is on {} but {} is on {}: one device per rank",
+          p->name, p->value.device().str(), params_[0]->name, device.str());
+  check(device.is_cpu() || dp == 1,
+        "data parallelism on {} is not available yet: its gradient reduction runs on host memory",
+        device.str());
   for (auto& bp : buckets_) {
     Bucket& b = *bp;
     b.padded = (b.numel + dp - 1) / dp * dp;
-    b.grad = Tensor::zeros({b.padded});
+    b.grad = Tensor::zeros({b.padded}, DType::F32, device);
     if (distributed()) {
       const int64_t s = b.padded / dp;
       b.value = Tensor::zeros({b.padded});
@@ -161,7 +169,7 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
     for (size_t k = 0; k < b.params.size(); ++k) {
       Param* p = params_[static_cast<size_t>(b.params[k])];
       float* g = b.grad.data<float>() + b.offset[k];
-      p->grad = Tensor(g, p->value.shape(), DType::F32);
+      p->grad = Tensor(g, p->value.shape(), DType::F32, device);
       if (distributed()) {
         Tensor view(b.value.data<float>() + b.offset[k], p->value.shape(), DType::F32);
         view.copy_from(p->value);

@@ -1,9 +1,11 @@
+#include <weft/ops.h>
 #include <weft/runner.h>
 
 namespace weft {
 
-MicroBatch::MicroBatch(const Graph& graph)
+MicroBatch::MicroBatch(const Graph& graph, Device device)
     : graph_(&graph),
+      arena_(device),
       values_(graph.values().size()),
       grads_(graph.values().size()) {
   for (const Node& n : graph.nodes()) ctx_.push_back(n.layer->make_ctx());
@@ -35,9 +37,8 @@ void MicroBatch::set_input(int v, const Tensor& src) {
 void MicroBatch::seed_grad(int v, float g) {
   const Value& val = graph_->values()[static_cast<size_t>(v)];
   Tensor& t = grads_[static_cast<size_t>(v)];
-  if (!t.defined()) t = arena_.zeros(val.shape);
-  float* p = t.data<float>();
-  for (int64_t i = 0; i < t.numel(); ++i) p[i] = g;
+  if (!t.defined()) t = arena_.alloc(val.shape);
+  ops::fill(t, g);
 }
 
 void MicroBatch::reset() {

@@ -1,3 +1,4 @@
+#include <weft/ops.h>
 #include <weft/pipeline.h>
 #include <weft/trainer.h>
 
@@ -53,8 +54,18 @@ Trainer::Trainer(LmGraph g, const BatchSource& data, TrainOptions opt, Parallel 
       par_(par),
       micro_batches_(replica_micro_batches(opt_, par_)),
       data_(data, par_.groups.dp_rank() * (opt_.global_batch / par_.groups.dp_size())),
-      mb_(*g.graph) {
+      mb_(*g.graph, opt_.device) {
   const Graph& graph = *g.graph;
+  if (!opt_.device.is_cpu()) {
+    check(par_.pipeline == nullptr && par_.groups.dp_size() == 1 &&
+              (par_.groups.tp == nullptr || par_.groups.tp->size() == 1),
+          "training on {} runs one process for now: pipeline, tensor and data parallelism on "
+          "GPUs are not available yet",
+          opt_.device.str());
+    place_params(graph.params(), opt_.device);
+    host_tokens_ = Tensor::zeros({opt_.micro_batch, opt_.seq_length}, DType::I32);
+    host_targets_ = Tensor::zeros({opt_.micro_batch, opt_.seq_length}, DType::I32);
+  }
   std::vector<int> nodes;
   std::vector<Param*> params, late, owned;
   if (par_.pipeline != nullptr) {
@@ -103,10 +114,17 @@ double Trainer::compute_gradients(int64_t step) {
     const float seed = 1.0f / static_cast<float>(opt_.global_batch * opt_.seq_length);
     double loss_sum = 0;
     for (int64_t j = 0; j < micro_batches_; ++j) {
-      data_.fill(step, j * opt_.micro_batch, opt_.micro_batch, opt_.seq_length,
-                 mb_.input(g_.tokens).data<int32_t>(), mb_.input(g_.targets).data<int32_t>());
+      if (opt_.device.is_cpu()) {  // straight into the arena
+        data_.fill(step, j * opt_.micro_batch, opt_.micro_batch, opt_.seq_length,
+                   mb_.input(g_.tokens).data<int32_t>(), mb_.input(g_.targets).data<int32_t>());
+      } else {  // on the host, then an asynchronous upload through pinned memory
+        data_.fill(step, j * opt_.micro_batch, opt_.micro_batch, opt_.seq_length,
+                   host_tokens_.data<int32_t>(), host_targets_.data<int32_t>());
+        mb_.input(g_.tokens).copy_from(host_tokens_);
+        mb_.input(g_.targets).copy_from(host_targets_);
+      }
       forward(graph, mb_, 0, n);
-      loss_sum += static_cast<double>(mb_.value(g_.loss).data<float>()[0]);
+      loss_sum += static_cast<double>(ops::item(mb_.value(g_.loss)));
       mb_.seed_grad(g_.loss, seed);
       for (int k = n - 1; k >= 0; --k) {
         backward_input(graph, mb_, k);

@@ -139,6 +139,16 @@ void place_shard(const Tensor& part, const Shard& s, const Tensor& full) {
   });
 }
 
+void place_params(const std::vector<Param*>& params, Device device) {
+  for (Param* p : params) {
+    if (p->value.device() == device) continue;
+    Tensor value = Tensor::empty(p->value.shape(), p->value.dtype(), device);
+    value.copy_from(p->value);
+    p->value = value;
+    p->grad = Tensor::zeros(p->value.shape(), DType::F32, device);
+  }
+}
+
 void init_param(Param& p, uint64_t seed) {
   float* d = p.value.data<float>();
   const int64_t n = p.value.numel();
