@@ -1,10 +1,12 @@
-// bench_cuda — GPT training throughput on one GPU (weft/cuda/gpt.h), as a table.
+// bench_cuda — GPT training throughput on one GPU, as a table: the step
+// train_gpt --device cuda runs (the same graph, layers, Trainer and
+// optimizer; weft/ops.h picks the CUDA kernels).
 //
-//   bench_cuda                                   # GPT-2 124M, B 16, T 1024; fp32, tf32, bf16
-//   bench_cuda --model mini --batch 8 --steps 5 --modes bf16
+//   bench_cuda                                   # GPT-2 124M, B 16, T 1024; fp32 and tf32
+//   bench_cuda --model mini --batch 8 --steps 5 --modes tf32
 //
-// A timed step is a whole training step: zero the gradients, forward and
-// backward, gradient norm, clipping, AdamW. FLOPs per token = 6 x (parameters
+// A timed step is Trainer::train_step: zero the gradients, upload the
+// tokens, forward and backward, gradient norm, clipping, AdamW. FLOPs per token = 6 x (parameters
 // without wpe) + 12 x L x T x C, as bench_train and llm.c count them. MFU is
 // the achieved FLOP/s over --peak-tflops (default 989: the H100/H200 SXM dense
 // bf16 tensor-core peak), for every mode, so the rows compare. The last column
@@ -22,7 +24,9 @@
 #include <vector>
 
 #if WEFT_CUDA
-#include <weft/cuda/gpt.h>
+#include <weft/cuda/runtime.h>
+#include <weft/ops.h>
+#include <weft/trainer.h>
 
 #include "models/gpt.h"
 
@@ -39,7 +43,7 @@ struct Options {
   int64_t batch = 16;
   int steps = 10;
   int warmup = 2;
-  std::vector<std::string> modes = {"fp32", "tf32", "bf16"};
+  std::vector<std::string> modes = {"fp32", "tf32"};
   double peak_tflops = 989.0;
 };
 
@@ -79,56 +83,72 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
+// Random tokens, the same every step: the bench times compute, not data.
+class RandomTokens final : public weft::BatchSource {
+ public:
+  RandomTokens(int64_t count, int32_t vocab) : tok_(static_cast<size_t>(count)), tgt_(tok_.size()) {
+    std::mt19937 rng(7);
+    std::uniform_int_distribution<int32_t> dist(0, vocab - 1);
+    for (size_t i = 0; i < tok_.size(); ++i) tok_[i] = dist(rng), tgt_[i] = dist(rng);
+  }
+  void fill(int64_t, int64_t index, int64_t count, int64_t seq_len, int32_t* inputs,
+            int32_t* targets) const override {
+    const size_t at = static_cast<size_t>(index * seq_len), n = static_cast<size_t>(count * seq_len);
+    std::copy_n(tok_.begin() + static_cast<std::ptrdiff_t>(at), n, inputs);
+    std::copy_n(tgt_.begin() + static_cast<std::ptrdiff_t>(at), n, targets);
+  }
+
+ private:
+  std::vector<int32_t> tok_, tgt_;
+};
+
 int run(const Options& o) {
   const weft::GptConfig cfg = weft::gpt_preset(o.model);
   const int64_t T = cfg.seq_length, tokens = o.batch * T;
-  const weft::cuda::GptShape shape{cfg.vocab_size, cfg.positions(), cfg.num_layers,
-                                   cfg.hidden_size, cfg.num_heads,  T,
-                                   o.batch};
   fmt::print("weft bench_cuda | model {} ({} x {}, {} heads, vocab {}) | {} parameters | B {} T {} "
-             "| MFU against {} TFLOP/s\n",
+             "| the train_gpt --device cuda step | MFU against {} TFLOP/s\n",
              o.model, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.vocab_size,
              cfg.param_count(), o.batch, T, o.peak_tflops);
-  weft::GptModel cpu = weft::build_gpt(cfg, 1);  // the parameters; its graph is not run
-  weft::init_gpt(cpu, 1);
-  std::mt19937 rng(7);
-  std::uniform_int_distribution<int32_t> tok_dist(0, static_cast<int32_t>(cfg.vocab_size - 1));
-  std::vector<int32_t> tok(static_cast<size_t>(tokens)), tgt(static_cast<size_t>(tokens));
-  for (size_t i = 0; i < tok.size(); ++i) tok[i] = tok_dist(rng), tgt[i] = tok_dist(rng);
-  weft::AdamWConfig adam;
-  adam.weight_decay = 0.1f;
+  RandomTokens data(tokens, static_cast<int32_t>(cfg.vocab_size));
+  const weft::Device gpu = weft::Device::cuda(0);
+  weft::cuda::Context& ctx = weft::cuda::context(0);
 
   fmt::print("\n| mode | step ms | tokens/s | TFLOP/s | MFU | loss | peak GiB | cudaMalloc in timed steps |\n");
   fmt::print("|---|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const std::string& name : o.modes) {
-    const weft::cuda::MathMode mode = weft::cuda::parse_math_mode(name);
+    weft::check(name == "fp32" || name == "tf32",
+                "--modes: '{}' is not available on the train_gpt path (fp32, tf32)", name);
+    weft::ops::set_matmul_precision(gpu, name == "tf32" ? weft::ops::MatmulPrecision::Tf32
+                                                        : weft::ops::MatmulPrecision::Fp32);
     // Each mode starts from an empty cache, and its peak is its own.
-    weft::cuda::context(0).allocator().empty_cache();
-    weft::cuda::context(0).allocator().reset_peak();
-    weft::cuda::GptStep gpu(shape, *cpu.params, mode);
+    ctx.allocator().empty_cache();
+    ctx.allocator().reset_peak();
+    weft::GptModel model = weft::build_gpt(cfg, o.batch);
+    weft::init_gpt(model, 1);
+    weft::TrainOptions opt;
+    opt.micro_batch = opt.global_batch = o.batch;
+    opt.seq_length = T;
+    opt.lr.lr = 6e-4f;
+    opt.adam.weight_decay = 0.1f;
+    opt.device = gpu;
     double loss = 0;
-    auto step = [&] {
-      gpu.zero_grads();
-      loss = gpu.forward_backward(tok.data(), tgt.data(), 1.0f / static_cast<float>(tokens));
-      const double norm = gpu.grad_norm();
-      gpu.clip_grads(1.0, norm);
-      gpu.adamw_step(6e-4f, adam);
-    };
-    for (int i = 0; i < o.warmup; ++i) step();
-    gpu.context().synchronize();
-    const size_t mallocs = gpu.context().allocator().stats().device_mallocs;
-    const auto t0 = Clock::now();
-    for (int i = 0; i < o.steps; ++i) step();
-    gpu.context().synchronize();
-    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count() / o.steps;
-    const weft::cuda::AllocatorStats stats = gpu.context().allocator().stats();
-    const double tok_s = static_cast<double>(tokens) / seconds;
-    const double tflops = cfg.train_flops_per_token() * tok_s / 1e12;
-    fmt::print("| {} | {:.1f} | {:.0f} | {:.1f} | {:.1f}% | {:.4f} | {:.1f} | {} |\n", name,
-               seconds * 1e3, tok_s, tflops, 100.0 * tflops / o.peak_tflops,
-               loss / static_cast<double>(tokens),
-               static_cast<double>(stats.peak_bytes_in_use) / (1 << 30),
-               stats.device_mallocs - mallocs);
+    {
+      weft::Trainer trainer(model.io, data, opt);
+      for (int i = 0; i < o.warmup; ++i) trainer.train_step();
+      ctx.synchronize();
+      const size_t mallocs = ctx.allocator().stats().device_mallocs;
+      const auto t0 = Clock::now();
+      for (int i = 0; i < o.steps; ++i) loss = trainer.train_step().loss;
+      ctx.synchronize();
+      const double seconds = std::chrono::duration<double>(Clock::now() - t0).count() / o.steps;
+      const weft::cuda::AllocatorStats stats = ctx.allocator().stats();
+      const double tok_s = static_cast<double>(tokens) / seconds;
+      const double tflops = cfg.train_flops_per_token() * tok_s / 1e12;
+      fmt::print("| {} | {:.1f} | {:.0f} | {:.1f} | {:.1f}% | {:.4f} | {:.1f} | {} |\n", name,
+                 seconds * 1e3, tok_s, tflops, 100.0 * tflops / o.peak_tflops, loss,
+                 static_cast<double>(stats.peak_bytes_in_use) / (1 << 30),
+                 stats.device_mallocs - mallocs);
+    }
     std::fflush(stdout);
   }
   return 0;

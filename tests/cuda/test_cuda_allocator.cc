@@ -4,7 +4,6 @@
 #include "weft_config.h"
 
 #if WEFT_CUDA
-#include <weft/cuda/gpt.h>
 #include <weft/cuda/kernels.h>
 #include <weft/cuda/runtime.h>
 
@@ -200,16 +199,6 @@ TEST(MathMode, NamesRoundTrip) {
   for (MathMode m : {MathMode::FP32, MathMode::TF32, MathMode::BF16})
     EXPECT_EQ(parse_math_mode(math_mode_name(m)), m);
   EXPECT_TRUE(contains(error_message([] { parse_math_mode("fp16"); }), "'fp16'"));
-}
-
-TEST(GptShape, RejectsImpossibleShapes) {
-  GptShape s;
-  s.validate();
-  s.heads = 5;
-  EXPECT_TRUE(contains(error_message([&] { s.validate(); }), "heads (5) must divide"));
-  s = GptShape{};
-  s.seq = s.positions + 1;
-  EXPECT_TRUE(contains(error_message([&] { s.validate(); }), "must not exceed"));
 }
 
 }  // namespace
