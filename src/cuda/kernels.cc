@@ -106,6 +106,31 @@ void fused_cross_entropy(Context& ctx, float* logits, const int32_t* targets, fl
   WEFT_LAUNCH_CHECK("fused_cross_entropy");
 }
 
+void row_max(Context& ctx, const float* logits, float* m, int64_t n, int64_t v) {
+  if (n == 0) return;
+  check_rows(n, "row_max");
+  launch::row_max(prepare(ctx), logits, m, n, v);
+  WEFT_LAUNCH_CHECK("row_max");
+}
+
+void exp_and_stats(Context& ctx, float* logits, const int32_t* targets, int64_t first,
+                   const float* m, float* sum, float* z, int64_t n, int64_t v) {
+  if (n == 0) return;
+  check_rows(n, "exp_and_stats");
+  launch::exp_and_stats(prepare(ctx), logits, targets, first, m, sum, z, n, v);
+  WEFT_LAUNCH_CHECK("exp_and_stats");
+}
+
+double normalise_and_loss(Context& ctx, float* p, const float* sum, const float* z, int64_t n,
+                          int64_t v) {
+  if (n == 0) return 0;
+  check_rows(n, "normalise_and_loss");
+  DeviceBuffer<float> losses(ctx, n);
+  launch::normalise(prepare(ctx), p, sum, z, losses.data(), n, v);
+  WEFT_LAUNCH_CHECK("normalise_and_loss");
+  return sum_to_host(ctx, losses.data(), n);
+}
+
 void embedding_forward(Context& ctx, const int32_t* tokens, const float* wte, const float* wpe,
                        float* y, int64_t b, int64_t t, int64_t c, int64_t rows, int64_t first) {
   if (b * t * c == 0) return;

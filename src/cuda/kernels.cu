@@ -234,6 +234,50 @@ __global__ void cross_entropy_kernel(float* logits, const int32_t* targets, floa
   if (threadIdx.x == 0) losses[blockIdx.x] = valid ? logf(s) - target_logit : NAN;
 }
 
+// The vocabulary-parallel cross-entropy's local steps, one block per row of
+// logits (N, V) holding vocabulary [first, first + V).
+__global__ void row_max_kernel(const float* logits, float* m, int64_t v) {
+  __shared__ float shared[kRowThreads / kWarp];
+  const float* row = logits + int64_t{blockIdx.x} * v;
+  float mx = -INFINITY;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x) mx = fmaxf(mx, row[j]);
+  mx = block_reduce(mx, shared, Max{});
+  if (threadIdx.x == 0) m[blockIdx.x] = mx;
+}
+
+// row = exp(row - m); sum[i] = its sum; z[i] = logit[target] - m here, else 0.
+__global__ void exp_and_stats_kernel(float* logits, const int32_t* targets, int64_t first,
+                                     const float* m, float* sum, float* z, int64_t v) {
+  __shared__ float shared[kRowThreads / kWarp];
+  const int64_t i = blockIdx.x;
+  float* row = logits + i * v;
+  const int64_t col = int64_t{targets[i]} - first;
+  // Read the target's logit before this pass overwrites the row.
+  const float zi = col >= 0 && col < v ? row[col] - m[i] : 0.0f;
+  __syncthreads();
+  float s = 0;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
+    const float e = expf(row[j] - m[i]);
+    row[j] = e;
+    s += e;
+  }
+  s = block_reduce(s, shared, Add{});
+  if (threadIdx.x == 0) {
+    sum[i] = s;
+    z[i] = zi;
+  }
+}
+
+// row /= sum[i]; losses[i] = log(sum[i]) - z[i].
+__global__ void normalise_kernel(float* p, const float* sum, const float* z, float* losses,
+                                 int64_t v) {
+  const int64_t i = blockIdx.x;
+  const float inv = 1.0f / sum[i];
+  float* row = p + i * v;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x) row[j] *= inv;
+  if (threadIdx.x == 0) losses[i] = logf(sum[i]) - z[i];
+}
+
 // The vocabulary columns [first, first + v) of dlogits; a target outside them
 // (another tensor-parallel rank's) subtracts nothing here.
 __global__ void cross_entropy_backward_kernel(const float* probs, const int32_t* targets,
@@ -419,6 +463,21 @@ void cross_entropy_backward(cudaStream_t s, const float* probs, const int32_t* t
                             float* dlogits, float scale, int64_t n, int64_t v, int64_t first) {
   cross_entropy_backward_kernel<<<blocks_for(n * v), kThreads, 0, s>>>(probs, targets, dlogits,
                                                                        scale, n, v, first);
+}
+
+void row_max(cudaStream_t s, const float* logits, float* m, int64_t n, int64_t v) {
+  row_max_kernel<<<static_cast<unsigned>(n), kRowThreads, 0, s>>>(logits, m, v);
+}
+
+void exp_and_stats(cudaStream_t s, float* logits, const int32_t* targets, int64_t first,
+                   const float* m, float* sum, float* z, int64_t n, int64_t v) {
+  exp_and_stats_kernel<<<static_cast<unsigned>(n), kRowThreads, 0, s>>>(logits, targets, first, m,
+                                                                        sum, z, v);
+}
+
+void normalise(cudaStream_t s, float* p, const float* sum, const float* z, float* losses,
+               int64_t n, int64_t v) {
+  normalise_kernel<<<static_cast<unsigned>(n), kRowThreads, 0, s>>>(p, sum, z, losses, v);
 }
 
 void embedding_forward(cudaStream_t s, const int32_t* tokens, const float* wte, int64_t rows,

@@ -41,6 +41,13 @@ void cross_entropy(cudaStream_t s, float* logits, const int32_t* targets, float*
 void cross_entropy_backward(cudaStream_t s, const float* probs, const int32_t* targets,
                             float* dlogits, float scale, int64_t n, int64_t v, int64_t first);
 
+// --- the vocabulary-parallel cross-entropy's local steps, one block per row ---
+void row_max(cudaStream_t s, const float* logits, float* m, int64_t n, int64_t v);
+void exp_and_stats(cudaStream_t s, float* logits, const int32_t* targets, int64_t first,
+                   const float* m, float* sum, float* z, int64_t n, int64_t v);
+void normalise(cudaStream_t s, float* p, const float* sum, const float* z, float* losses,
+               int64_t n, int64_t v);
+
 // --- embedding ---
 void embedding_forward(cudaStream_t s, const int32_t* tokens, const float* wte, int64_t rows,
                        int64_t first, const float* wpe, float* y, int64_t b, int64_t t, int64_t c);

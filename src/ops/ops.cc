@@ -380,7 +380,7 @@ void row_max(const Tensor& logits, const Tensor& max) {
   check_numel("row_max", "max", max, n);
   on_device(
       d, "row_max", [&] { cpu::row_max(f(logits), fw(max), n, v); },
-      [&](auto&) { no_cuda_kernel("row_max", d); });
+      [&](auto& cx) { cuda::row_max(cx, f(logits), fw(max), n, v); });
 }
 
 void exp_and_stats(const Tensor& logits, const Tensor& targets, int64_t first, const Tensor& max,
@@ -394,7 +394,10 @@ void exp_and_stats(const Tensor& logits, const Tensor& targets, int64_t first, c
         cpu::exp_and_stats(fw(logits), i32(targets), first, f(max), fw(stats), fw(stats) + n, n,
                            v);
       },
-      [&](auto&) { no_cuda_kernel("exp_and_stats", d); });
+      [&](auto& cx) {
+        cuda::exp_and_stats(cx, fw(logits), i32(targets), first, f(max), fw(stats), fw(stats) + n,
+                            n, v);
+      });
 }
 
 double normalise_and_loss(const Tensor& exps, const Tensor& stats) {
@@ -404,7 +407,9 @@ double normalise_and_loss(const Tensor& exps, const Tensor& stats) {
   return on_device(
       d, "normalise_and_loss",
       [&] { return cpu::normalise_and_loss(fw(exps), f(stats), f(stats) + n, n, v); },
-      [&](auto&) -> double { no_cuda_kernel("normalise_and_loss", d); });
+      [&](auto& cx) {
+        return cuda::normalise_and_loss(cx, fw(exps), f(stats), f(stats) + n, n, v);
+      });
 }
 
 // --- mean-squared error ---

@@ -25,6 +25,10 @@
 #include "layers/linear.h"
 #include "layers/lm_head.h"
 #include "layers/residual.h"
+#include "layers/tp_embedding.h"
+#include "layers/tp_lm_head.h"
+
+#include <weft/local_communicator.h>
 
 #include <gtest/gtest.h>
 
@@ -58,8 +62,10 @@ struct Twin {
   Param* add(const std::string& name, Tensor value) {
     Param& c = cpu.emplace_back();
     c.name = name, c.value = value, c.grad = Tensor::zeros(value.shape());
+    c.shard.full = value.shape();
     Param& g = gpu.emplace_back();
     g.name = name, g.value = on(value, kGpu), g.grad = Tensor::zeros(value.shape(), DType::F32, kGpu);
+    g.shard.full = value.shape();
     return &c;
   }
   Param* gpu_of(const Param* p) {
@@ -176,6 +182,26 @@ TEST(CudaLayers, EmbeddingAndTiedLmHead) {
   Tensor targets = tokens(kB * kT, 15).view({kB * kT});
   expect_same_on_both(head_cpu, head_gpu, head, {uniform_tensor({kB * kT, kC}, 16), targets},
                       {true, false}, "tied lm head + cross-entropy");
+}
+
+// The vocabulary-parallel forms on a group of one: their own kernels (the
+// slice-aware embedding, the split cross-entropy's row max, exponentials and
+// normalisation) on the GPU against the CPU.
+TEST(CudaLayers, VocabularyParallelFormsOnAGroupOfOne) {
+  run_local(1, [&](Communicator& group) {
+    Twin tw;
+    Param* wte = tw.add("wte", uniform_tensor({kV, kC}, 17));
+    Param* wpe = tw.add("wpe", uniform_tensor({kT, kC}, 18));
+    VocabParallelEmbedding cpu(group, wte, wpe), gpu(group, tw.gpu_of(wte), tw.gpu_of(wpe));
+    expect_same_on_both(cpu, gpu, tw, {tokens(kB * kT, 19)}, {false}, "vocab-parallel embedding");
+
+    Twin head;
+    Param* table = head.add("wte", uniform_tensor({kV, kC}, 20));
+    VocabParallelLmHeadLoss head_cpu(group, table), head_gpu(group, head.gpu_of(table));
+    expect_same_on_both(head_cpu, head_gpu, head,
+                        {uniform_tensor({kB * kT, kC}, 21), tokens(kB * kT, 22).view({kB * kT})},
+                        {true, false}, "vocab-parallel lm head + cross-entropy");
+  });
 }
 
 TEST(CudaLayers, AdamWAndNormOnTheDevice) {

@@ -112,6 +112,16 @@ void cross_entropy_backward(Context& ctx, const float* probs, const int32_t* tar
 void fused_cross_entropy(Context& ctx, float* logits, const int32_t* targets, float* losses,
                          float scale, int64_t n, int64_t v);
 
+// --- the vocabulary-parallel cross-entropy's local steps (cpu_kernels.h's
+// row_max, exp_and_stats, normalise_and_loss), logits (N, V) of vocabulary
+// [first, first + V) ---
+void row_max(Context& ctx, const float* logits, float* m, int64_t n, int64_t v);
+void exp_and_stats(Context& ctx, float* logits, const int32_t* targets, int64_t first,
+                   const float* m, float* sum, float* z, int64_t n, int64_t v);
+// p /= sum per row; returns the sum over rows of log(sum) - z (waits for the stream).
+double normalise_and_loss(Context& ctx, float* p, const float* sum, const float* z, int64_t n,
+                          int64_t v);
+
 // --- token + position embedding (layers/embedding.h) ---
 // y (B, T, C) = wte[tokens - first] + wpe[t]. wte holds the `rows` rows of
 // tokens [first, first + rows); other tokens read zeros (by default the
