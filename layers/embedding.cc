@@ -3,7 +3,7 @@
 #include <weft/ops.h>
 #include <weft/tensor_parallel.h>
 
-#include "layers/tp_embedding.h"
+#include "layers/tp_regions.h"
 
 namespace weft {
 
@@ -14,11 +14,16 @@ struct Ctx : LayerCtx {
 };
 }  // namespace
 
-Embedding::Embedding(Param* wte, Param* wpe) : wte_(wte), wpe_(wpe) {
-  check(wte->value.rank() == 2 && wpe->value.rank() == 2 &&
-            wte->value.dim(1) == wpe->value.dim(1),
+Embedding::Embedding(Param* wte, Param* wpe, Communicator* group)
+    : group_(group), wte_(wte), wpe_(wpe) {
+  check(wte->value.rank() == 2 && wpe->value.rank() == 2 && wte->value.dim(1) == wpe->value.dim(1),
         "embedding tables {} {} and {} {} must be 2-D with the same width", wte->name,
         wte->value.shape().str(), wpe->name, wpe->value.shape().str());
+  check(wte->shard.dim == 0 || !wte->shard.split(),
+        "{}: a vocabulary-parallel table is split by rows, not along dimension {}", wte->name,
+        wte->shard.dim);
+  vocab_ = wte->shard.split() ? wte->shard.full[0] : wte->value.dim(0);
+  first_ = wte->shard.split() ? wte->shard.index * wte->value.dim(0) : 0;
 }
 
 std::vector<Shape> Embedding::output_shapes(std::span<const Shape> in) const {
@@ -34,30 +39,32 @@ std::unique_ptr<Layer> Embedding::tensor_parallel(TpBuild& build) const {
   const int tp = build.group->size();
   check(wte_->value.dim(0) % tp == 0,
         "vocabulary ({}) must be divisible by tensor-parallel size ({})", wte_->value.dim(0), tp);
-  return std::make_unique<VocabParallelEmbedding>(*build.group, build.param(*wte_, 0),
-                                                  build.param(*wpe_, -1));
+  return std::make_unique<Embedding>(build.param(*wte_, 0), build.param(*wpe_, -1), build.group);
 }
 
 std::unique_ptr<LayerCtx> Embedding::make_ctx() const { return std::make_unique<Ctx>(); }
 
-// tokens (B, T) -> y (B, T, C) = wte[tokens] + wpe[t]
+// tokens (B, T) -> y (B, T, C) = sum over ranks of (wte_r row, or 0) + wpe[t]
 void Embedding::forward(LayerCtx& ctx_, Arena&, std::span<const Tensor> in,
                         std::span<const Tensor> out) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  ops::check_token_range(in[0], wte_->value.dim(0), "token");
-  ops::embedding_forward(in[0], wte_->value, 0, wpe_->value, out[0]);
+  ops::check_token_range(in[0], vocab_, "token");
+  const bool positions = group_ == nullptr || group_->rank() == 0;
+  ops::embedding_forward(in[0], wte_->value, first_, positions ? wpe_->value : Tensor(), out[0]);
+  if (group_) reduce_from_tp_forward(*group_, out[0]);
   ctx.tokens = in[0];
 }
 
 void Embedding::backward_input(LayerCtx& ctx_, Arena&, std::span<const Tensor> grad_out,
                                std::span<const Tensor>) {
+  if (group_) reduce_from_tp_backward(*group_, grad_out[0]);
   static_cast<Ctx&>(ctx_).dy = grad_out[0];  // tokens have no gradient
 }
 
-// dwte[tokens[i]] += dy[i]; dwpe[t] += sum_b dy[b, t]
+// dwte_r[tokens[i] - first] += dy[i] for this rank's tokens; dwpe[t] += sum_b dy[b, t]
 void Embedding::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  ops::embedding_backward(ctx.tokens, ctx.dy, wte_->grad, 0, wpe_->grad);
+  ops::embedding_backward(ctx.tokens, ctx.dy, wte_->grad, first_, wpe_->grad);
 }
 
 }  // namespace weft

@@ -3,7 +3,7 @@
 #include <weft/ops.h>
 #include <weft/tensor_parallel.h>
 
-#include "layers/tp_lm_head.h"
+#include "layers/tp_regions.h"
 
 namespace weft {
 
@@ -11,12 +11,20 @@ namespace {
 struct Ctx : LayerCtx {
   Tensor x;        // (N, C)
   Tensor targets;  // (N)
-  Tensor probs;    // (N, V); turned into dlogits in place by backward_input
-  Tensor logits;   // (N, V), only with keep_logits
+  Tensor probs;    // (N, V or V/tp); turned into dlogits in place by backward_input
+  Tensor logits;   // (N, V or V/tp), only with keep_logits
 };
 }  // namespace
 
-TiedLmHeadLoss::TiedLmHeadLoss(Param* wte) : wte_(wte) {}
+TiedLmHeadLoss::TiedLmHeadLoss(Param* wte, Communicator* group) : group_(group), wte_(wte) {
+  check(wte->value.rank() == 2, "{}: the lm head's table must be 2-D (V, C), got {}", wte->name,
+        wte->value.shape().str());
+  check(wte->shard.dim == 0 || !wte->shard.split(),
+        "{}: a vocabulary-parallel table is split by rows, not along dimension {}", wte->name,
+        wte->shard.dim);
+  vocab_ = wte->shard.split() ? wte->shard.full[0] : wte->value.dim(0);
+  first_ = wte->shard.split() ? wte->shard.index * wte->value.dim(0) : 0;
+}
 
 std::vector<Shape> TiedLmHeadLoss::output_shapes(std::span<const Shape> in) const {
   check(in.size() == 2, "lm head takes (x, targets), got {} inputs", in.size());
@@ -36,7 +44,7 @@ std::unique_ptr<Layer> TiedLmHeadLoss::tensor_parallel(TpBuild& build) const {
   const int tp = build.group->size();
   check(wte_->value.dim(0) % tp == 0,
         "vocabulary ({}) must be divisible by tensor-parallel size ({})", wte_->value.dim(0), tp);
-  auto head = std::make_unique<VocabParallelLmHeadLoss>(*build.group, build.param(*wte_, 0));
+  auto head = std::make_unique<TiedLmHeadLoss>(build.param(*wte_, 0), build.group);
   head->set_keep_logits(keep_logits_);
   return head;
 }
@@ -45,11 +53,13 @@ std::unique_ptr<LayerCtx> TiedLmHeadLoss::make_ctx() const { return std::make_un
 
 const Tensor& TiedLmHeadLoss::logits(LayerCtx& ctx) { return static_cast<Ctx&>(ctx).logits; }
 
-// logits (N, V) = x (N, C) wte^T; loss = sum -log softmax[target]
+// logits_r (N, V/tp) = x (N, C) wte_r^T; loss = sum over tokens of log S - z_t
 void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tensor> in,
                              std::span<const Tensor> out) {
   auto& ctx = static_cast<Ctx&>(ctx_);
   const int64_t n = in[0].shape().rows(), v = wte_->value.dim(0);
+  ops::check_token_range(in[1], vocab_, "target token");
+  if (group_) copy_to_tp_forward(*group_, in[0]);
   ctx.x = in[0];
   ctx.targets = in[1];
   ctx.probs = arena.alloc({n, v});
@@ -58,22 +68,42 @@ void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
     ctx.logits = arena.alloc({n, v});
     ctx.logits.copy_from(ctx.probs);
   }
-  Tensor losses = arena.alloc({n});
-  const double total = ops::softmax_cross_entropy(ctx.probs, in[1], losses);
-  ops::set_item(out[0], static_cast<float>(total));
+  if (!split()) {  // the whole vocabulary here: softmax and loss in one pass
+    Tensor losses = arena.alloc({n});
+    ops::set_item(out[0], static_cast<float>(ops::softmax_cross_entropy(ctx.probs, in[1], losses)));
+    return;
+  }
+  // m (N): the row max over the whole vocabulary.
+  Tensor max = arena.alloc({n});
+  ops::row_max(ctx.probs, max);
+  group_->all_reduce(max, ReduceOp::Max);
+  // stats (2, N): S's local terms, then z_t where this rank holds the target (0 elsewhere).
+  Tensor stats = arena.alloc({2, n});
+  ops::exp_and_stats(ctx.probs, in[1], first_, max, stats);
+  group_->all_reduce(stats, ReduceOp::Sum);
+  // probs_r = exp(logit - m) / S; every rank sums the same losses in the same order.
+  ops::set_item(out[0], static_cast<float>(ops::normalise_and_loss(ctx.probs, stats)));
 }
 
-// dlogits = (p - onehot) * g, where g = d loss_total / d (this sum); dx += dlogits wte
-void TiedLmHeadLoss::backward_input(LayerCtx& ctx_, Arena&, std::span<const Tensor> grad_out,
+// dlogits_r = (p_r - onehot_r(target)) * g, where g = d loss_total / d (this
+// sum); dx += sum over ranks of dlogits_r wte_r
+void TiedLmHeadLoss::backward_input(LayerCtx& ctx_, Arena& arena,
+                                    std::span<const Tensor> grad_out,
                                     std::span<const Tensor> grad_in) {
   auto& ctx = static_cast<Ctx&>(ctx_);
   const float g = ops::item(grad_out[0]);
-  ops::cross_entropy_backward(ctx.probs, ctx.targets, 0, ctx.probs, g);  // in place: dlogits
+  ops::cross_entropy_backward(ctx.probs, ctx.targets, first_, ctx.probs, g);  // in place
   if (!grad_in[0].defined()) return;
-  ops::gemm(ctx.probs, false, wte_->value, false, grad_in[0], 1.0f, 1.0f);
+  if (!group_) {
+    ops::gemm(ctx.probs, false, wte_->value, false, grad_in[0], 1.0f, 1.0f);
+    return;
+  }
+  const Tensor part = copy_to_tp_grad_buffer(*group_, arena, grad_in[0]);
+  ops::gemm(ctx.probs, false, wte_->value, false, part, 1.0f, 1.0f);
+  copy_to_tp_backward(*group_, part, grad_in[0]);
 }
 
-// dwte (V, C) += dlogits^T x
+// dwte_r (V/tp, C) += dlogits_r^T x
 void TiedLmHeadLoss::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
   ops::gemm(ctx.probs, true, ctx.x, false, wte_->grad, 1.0f, 1.0f);

@@ -5,30 +5,48 @@
 // The output is the SUM of token losses; the caller seeds its gradient with
 // 1 / (tokens in the global batch), which makes the result the gradient of the
 // mean whatever the split into micro-batches and replicas.
+//
+// One layer for one process and for a tensor-parallel group (Megatron's
+// vocab-parallel cross-entropy): with a group of tp ranks, rank r holds rows
+// [r V/tp, (r+1) V/tp) of wte and computes only its logits, x wte_r^T. The
+// softmax over the whole vocabulary needs three numbers per token, combined
+// across the group:
+//   m   = max over ranks of the local row max                (all-reduce Max)
+//   S   = sum over ranks of sum_j exp(logit_j - m)            (all-reduce Sum)
+//   z_t = the target's logit - m, from the rank that holds it (same all-reduce)
+// loss = sum over tokens of log S - z_t. No rank ever holds full logits. x
+// enters through copy_to_tp, so dx is the sum of every rank's dlogits_r wte_r.
+// Without a group (or a group of one) the whole vocabulary is here and the
+// softmax and loss are one fused pass.
 #pragma once
 
+#include <weft/communicator.h>
 #include <weft/layer.h>
 
 namespace weft {
 
 class TiedLmHeadLoss final : public Layer {
  public:
-  explicit TiedLmHeadLoss(Param* wte);  // wte (V, C)
-  const char* kind() const override { return "lm_head_loss"; }
+  // wte (V, C), or this rank's rows (V/tp, C) of it (wte->shard says which).
+  // `group`: the tensor-parallel group, or null.
+  explicit TiedLmHeadLoss(Param* wte, Communicator* group = nullptr);
+  const char* kind() const override {
+    return group_ ? "vocab_parallel_lm_head_loss" : "lm_head_loss";
+  }
   std::vector<Shape> output_shapes(std::span<const Shape> in) const override;
   std::vector<Param*> params() const override { return {wte_}; }
   double flops(std::span<const Shape> in) const override;
   std::unique_ptr<LayerCtx> make_ctx() const override;
-
-  // Keep the raw logits (B, T, V) in the ctx after forward, for sampling and tests.
+  // Keep the raw logits (B, T, V, or this rank's V/tp columns) in the ctx
+  // after forward, for sampling and tests.
   void set_keep_logits(bool keep) { keep_logits_ = keep; }
-  // Logits of the last forward on this ctx (needs set_keep_logits(true)).
+  // Logits of the last forward on this ctx (needs set_keep_logits(true)):
+  // columns first_token() .. of the full logits.
   static const Tensor& logits(LayerCtx& ctx);
-  // Tensor-parallel: VocabParallelLmHeadLoss (layers/tp_lm_head.h), with the
-  // same rows of wte as the embedding's; the vocabulary must divide by the
-  // group size.
+  int64_t first_token() const { return first_; }
+  // The same layer over the embedding's rows of wte; the vocabulary must
+  // divide by the group size.
   std::unique_ptr<Layer> tensor_parallel(TpBuild& build) const override;
-
   void forward(LayerCtx& ctx, Arena& arena, std::span<const Tensor> in,
                std::span<const Tensor> out) override;
   void backward_input(LayerCtx& ctx, Arena& arena, std::span<const Tensor> grad_out,
@@ -36,7 +54,11 @@ class TiedLmHeadLoss final : public Layer {
   void backward_weight(LayerCtx& ctx, Arena& arena) override;
 
  private:
+  bool split() const { return group_ != nullptr && group_->size() > 1; }
+  Communicator* group_;
   Param* wte_;
+  int64_t vocab_;  // V, the whole vocabulary
+  int64_t first_;  // the first token id of this rank's rows
   bool keep_logits_ = false;
 };
 

@@ -29,7 +29,6 @@
 #include "layers/lm_head.h"
 #include "layers/mse_loss.h"
 #include "layers/residual.h"
-#include "layers/tp_lm_head.h"
 #include "models/gpt.h"
 #include "test_util.h"
 
@@ -382,7 +381,7 @@ TEST_P(TpLayers, MatchSerialTwin) {
   if (name == "lm_head") {  // each rank keeps its V/tp columns of the logits, never all V
     std::vector<Tensor> parts;
     for (const RankRun& rr : ranks) {
-      parts.push_back(VocabParallelLmHeadLoss::logits(*rr.run->ctx));
+      parts.push_back(TiedLmHeadLoss::logits(*rr.run->ctx));
       EXPECT_EQ(parts.back().shape(), (Shape{kB * kT, kV / tp}));
     }
     expect_close(assemble(parts, Shard{1, tp, 0, 1, {kB * kT, kV}}, "logits"),

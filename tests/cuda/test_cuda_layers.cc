@@ -25,8 +25,6 @@
 #include "layers/linear.h"
 #include "layers/lm_head.h"
 #include "layers/residual.h"
-#include "layers/tp_embedding.h"
-#include "layers/tp_lm_head.h"
 
 #include <weft/local_communicator.h>
 
@@ -184,20 +182,18 @@ TEST(CudaLayers, EmbeddingAndTiedLmHead) {
                       {true, false}, "tied lm head + cross-entropy");
 }
 
-// The vocabulary-parallel forms on a group of one: their own kernels (the
-// slice-aware embedding, the split cross-entropy's row max, exponentials and
-// normalisation) on the GPU against the CPU.
+// The layers with a tensor-parallel group of one, on the GPU against the CPU.
 TEST(CudaLayers, VocabularyParallelFormsOnAGroupOfOne) {
   run_local(1, [&](Communicator& group) {
     Twin tw;
     Param* wte = tw.add("wte", uniform_tensor({kV, kC}, 17));
     Param* wpe = tw.add("wpe", uniform_tensor({kT, kC}, 18));
-    VocabParallelEmbedding cpu(group, wte, wpe), gpu(group, tw.gpu_of(wte), tw.gpu_of(wpe));
+    Embedding cpu(wte, wpe, &group), gpu(tw.gpu_of(wte), tw.gpu_of(wpe), &group);
     expect_same_on_both(cpu, gpu, tw, {tokens(kB * kT, 19)}, {false}, "vocab-parallel embedding");
 
     Twin head;
     Param* table = head.add("wte", uniform_tensor({kV, kC}, 20));
-    VocabParallelLmHeadLoss head_cpu(group, table), head_gpu(group, head.gpu_of(table));
+    TiedLmHeadLoss head_cpu(table, &group), head_gpu(head.gpu_of(table), &group);
     expect_same_on_both(head_cpu, head_gpu, head,
                         {uniform_tensor({kB * kT, kC}, 21), tokens(kB * kT, 22).view({kB * kT})},
                         {true, false}, "vocab-parallel lm head + cross-entropy");
