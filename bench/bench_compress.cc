@@ -68,7 +68,6 @@ Result train(Communicator& world, const Args& a, const GptConfig& cfg, const Bat
   TrainOptions opt;
   opt.micro_batch = a.micro_batch;
   opt.global_batch = a.global_batch;
-  opt.seq_length = cfg.seq_length;
   opt.lr.lr = a.lr;
   opt.lr.min_lr = a.lr / 10;
   opt.lr.decay = LrDecay::Cosine;

@@ -91,11 +91,11 @@ class RandomTokens final : public weft::BatchSource {
     std::uniform_int_distribution<int32_t> dist(0, vocab - 1);
     for (size_t i = 0; i < tok_.size(); ++i) tok_[i] = dist(rng), tgt_[i] = dist(rng);
   }
-  void fill(int64_t, int64_t index, int64_t count, int64_t seq_len, int32_t* inputs,
-            int32_t* targets) const override {
-    const size_t at = static_cast<size_t>(index * seq_len), n = static_cast<size_t>(count * seq_len);
-    std::copy_n(tok_.begin() + static_cast<std::ptrdiff_t>(at), n, inputs);
-    std::copy_n(tgt_.begin() + static_cast<std::ptrdiff_t>(at), n, targets);
+  void fill(int64_t, int64_t index, std::span<const weft::Tensor> in) const override {
+    const int64_t seq_len = in[0].dim(1);
+    const size_t at = static_cast<size_t>(index * seq_len), n = static_cast<size_t>(in[0].numel());
+    std::copy_n(tok_.begin() + static_cast<std::ptrdiff_t>(at), n, in[0].data<int32_t>());
+    std::copy_n(tgt_.begin() + static_cast<std::ptrdiff_t>(at), n, in[1].data<int32_t>());
   }
 
  private:
@@ -127,7 +127,6 @@ int run(const Options& o) {
     weft::init_gpt(model, 1);
     weft::TrainOptions opt;
     opt.micro_batch = opt.global_batch = o.batch;
-    opt.seq_length = T;
     opt.lr.lr = 6e-4f;
     opt.adam.weight_decay = 0.1f;
     opt.device = gpu;

@@ -100,7 +100,6 @@ TrainResult train_throughput(const std::string& preset, int64_t batch, int steps
   TokenBatches batches(data, batch, r.cfg.seq_length);
   TrainOptions opt;
   opt.micro_batch = opt.global_batch = batch;
-  opt.seq_length = r.cfg.seq_length;
   opt.adam.weight_decay = 0.1f;
   Trainer trainer(m.io, batches, opt);
   std::vector<double> ms;

@@ -88,14 +88,16 @@ GptModel build_gpt(const GptConfig& cfg, int64_t micro_batch,
                                     out_blocks);
   };
 
-  GptModel m{params, Graph(params), {}, nullptr};
+  GptModel m{params, Graph(params), {}, -1, -1, nullptr};
   Graph& g = m.graph;
   const int64_t B = micro_batch, T = cfg.seq_length;
   Param* wte = param("wte.weight", {cfg.vocab_size, c}, Init::normal(0.02f));
   Param* wpe = param("wpe.weight", {cfg.positions(), c}, Init::normal(0.02f));
-  m.io.tokens = g.input("tokens", {B, T}, DType::I32);
-  m.io.targets = g.input("targets", {B, T}, DType::I32);
-  const int embedded = g.add1("embed", std::make_unique<Embedding>(wte, wpe), {m.io.tokens});
+  m.tokens = g.input("tokens", {B, T}, DType::I32);
+  m.targets = g.input("targets", {B, T}, DType::I32);
+  m.io.inputs = {m.tokens, m.targets};
+  m.io.terms_per_sample = T;
+  const int embedded = g.add1("embed", std::make_unique<Embedding>(wte, wpe), {m.tokens});
   int x = embedded;
   for (int64_t i = 0; i < L; ++i) {
     const std::string h = fmt::format("h.{}", i);
@@ -114,7 +116,7 @@ GptModel build_gpt(const GptConfig& cfg, int64_t micro_batch,
   x = g.add1("ln_f", norm("ln_f"), {x});
   auto head = std::make_unique<TiedLmHeadLoss>(wte);
   m.head = head.get();
-  m.io.loss = g.add1("lm_head", std::move(head), {x, m.io.targets});
+  m.io.loss = g.add1("lm_head", std::move(head), {x, m.targets});
   g.mark_output(m.io.loss);
   m.io.graph = &m.graph;
   return m;
@@ -140,8 +142,8 @@ std::vector<int32_t> sample_gpt(const GptConfig& cfg, const std::shared_ptr<Para
   for (int64_t k = 0; k < count; ++k) {
     const int64_t len = std::min<int64_t>(static_cast<int64_t>(out.size()), T);
     const int32_t* ctx_tokens = out.data() + out.size() - static_cast<size_t>(len);
-    int32_t* tok = mb.input(m.io.tokens).data<int32_t>();
-    int32_t* tgt = mb.input(m.io.targets).data<int32_t>();
+    int32_t* tok = mb.input(m.tokens).data<int32_t>();
+    int32_t* tgt = mb.input(m.targets).data<int32_t>();
     for (int64_t t = 0; t < T; ++t) {
       tok[t] = t < len ? ctx_tokens[t] : 0;  // causal: padding after len is never seen
       tgt[t] = 0;

@@ -45,7 +45,8 @@ std::vector<std::string> gpt_preset_names();
 struct GptModel {
   std::shared_ptr<ParamStore> params;
   Graph graph;
-  LmGraph io;
+  ModelIO io;  // inputs {tokens, targets}; the loss sums T terms per sequence
+  int tokens = -1, targets = -1;  // the (B, T) int32 inputs
   TiedLmHeadLoss* head = nullptr;
 };
 

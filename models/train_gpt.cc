@@ -205,8 +205,7 @@ weft::CostModel costs(const Args& a, weft::GptModel& model, const weft::BatchSou
   Tensor t = Tensor::zeros({3 * n});
   float* d = t.data<float>();
   if (world.rank() == 0) {
-    const int64_t seq_len = model.graph.values()[static_cast<size_t>(model.io.tokens)].shape[1];
-    cost = profile_costs(model.graph, model.io, data, a.micro_batch, seq_len);
+    cost = profile_costs(model.graph, model.io, data, a.micro_batch);
     for (int64_t k = 0; k < n; ++k) {
       const NodeCost& c = cost.nodes[static_cast<size_t>(k)];
       d[3 * k] = static_cast<float>(c.f), d[3 * k + 1] = static_cast<float>(c.i);
@@ -262,7 +261,6 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   TrainOptions opt;
   opt.micro_batch = a.micro_batch;
   opt.global_batch = global;
-  opt.seq_length = cfg.seq_length;
   opt.lr.lr = a.lr;
   opt.lr.min_lr = a.min_lr;
   opt.lr.decay = a.lr_decay_style == "cosine" ? LrDecay::Cosine : LrDecay::Constant;

@@ -310,7 +310,6 @@ TrainOptions train_options(int64_t global = kGlobal) {
   TrainOptions o;
   o.micro_batch = kMicro;
   o.global_batch = global;
-  o.seq_length = tiny_gpt().seq_length;
   o.lr.lr = 1e-2f;
   o.clip_grad = 1.0;
   return o;

@@ -53,7 +53,7 @@ TEST(Graph, GptValuesHaveTheExpectedShapes) {
   // The residual stream is read by ln_1 and by the add that ends the block.
   const Value& x = m.graph.values()[static_cast<size_t>(m.graph.find_value("h.0.res_1"))];
   EXPECT_EQ(x.consumers.size(), 2u);
-  EXPECT_FALSE(m.graph.values()[static_cast<size_t>(m.io.tokens)].requires_grad);
+  EXPECT_FALSE(m.graph.values()[static_cast<size_t>(m.tokens)].requires_grad);
 }
 
 TEST(Graph, ShapeErrorsNameTheNodeAndShapes) {

@@ -73,7 +73,6 @@ TrainOptions options() {
   TrainOptions o;
   o.micro_batch = kMicro;
   o.global_batch = kGlobal;
-  o.seq_length = tiny().seq_length;
   // Warmup then cosine: the learning rate depends on the step, so a resumed
   // run must know where it is.
   o.lr.lr = 3e-3f;

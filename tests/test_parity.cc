@@ -49,8 +49,10 @@ struct Fixture {
 class FixtureBatches final : public BatchSource {
  public:
   explicit FixtureBatches(Tensor tokens) : tokens_(tokens) {}
-  void fill(int64_t step, int64_t index, int64_t count, int64_t t, int32_t* inputs,
-            int32_t* targets) const override {
+  void fill(int64_t step, int64_t index, std::span<const Tensor> io) const override {
+    const int64_t count = io[0].dim(0), t = io[0].dim(1);
+    int32_t* inputs = io[0].data<int32_t>();
+    int32_t* targets = io[1].data<int32_t>();
     const int64_t g = tokens_.dim(1), w = tokens_.dim(2);
     ASSERT_EQ(w, t + 1);
     const int32_t* base = tokens_.data<int32_t>() + step * g * w;
@@ -70,7 +72,6 @@ TrainOptions options(const Fixture& fx, int64_t micro_batch, Device device = Dev
   o.device = device;
   o.micro_batch = micro_batch;
   o.global_batch = fx.batch();
-  o.seq_length = fx.config().seq_length;
   o.lr.lr = static_cast<float>(fx.fmeta("lr"));
   o.adam = {static_cast<float>(fx.fmeta("beta1")), static_cast<float>(fx.fmeta("beta2")),
             static_cast<float>(fx.fmeta("eps")), static_cast<float>(fx.fmeta("weight_decay"))};
@@ -86,8 +87,7 @@ TEST(Parity, ForwardLossAndLogits) {
   FixtureBatches batches(fx.golden.get("tokens"));
   MicroBatch mb(m.graph);
   const int64_t t = fx.config().seq_length;
-  batches.fill(0, 0, fx.batch(), t, mb.input(m.io.tokens).data<int32_t>(),
-               mb.input(m.io.targets).data<int32_t>());
+  batches.fill(0, 0, std::vector<Tensor>{mb.input(m.tokens), mb.input(m.targets)});
   const int n = static_cast<int>(m.graph.nodes().size());
   forward(m.graph, mb, 0, n);
   const double loss = mb.value(m.io.loss).data<float>()[0] / static_cast<double>(fx.batch() * t);

@@ -37,7 +37,6 @@ TrainOptions options(int64_t micro, int64_t global) {
   TrainOptions o;
   o.micro_batch = micro;
   o.global_batch = global;
-  o.seq_length = 16;
   o.lr.lr = 3e-3f;
   o.adam.weight_decay = 0.1f;
   o.clip_grad = 0.5;  // active: the norm starts above it
@@ -165,7 +164,7 @@ TEST(Pipeline, ProfiledCostsDriveTheTimePartition) {
   TokenBatches batches(data, 4, cfg.seq_length);
   GptModel m = build_gpt(cfg, 2);
   init_gpt(m, 1);
-  CostModel cost = profile_costs(m.graph, m.io, batches, 2, cfg.seq_length, 2);
+  CostModel cost = profile_costs(m.graph, m.io, batches, 2, 2);
   ASSERT_EQ(cost.nodes.size(), m.graph.nodes().size());
   for (size_t k = 0; k < cost.nodes.size(); ++k) {
     EXPECT_GT(cost.nodes[k].f, 0.0) << m.graph.nodes()[k].name;

@@ -416,11 +416,11 @@ Tensor random_tokens(uint64_t seed, int64_t vocab) {
 
 // Forward, seed d loss = 1 / tokens, backward: node by node (I then W), or every I first
 // and every W after (the split a zero-bubble schedule makes). Returns the loss.
-double train_pass(const Graph& g, const LmGraph& io, bool split, const Tensor& tokens,
+double train_pass(const Graph& g, const ModelIO& io, bool split, const Tensor& tokens,
                   const Tensor& targets, bool* grads_zero_after_i = nullptr) {
   MicroBatch mb(g);
-  mb.set_input(io.tokens, tokens);
-  mb.set_input(io.targets, targets);
+  mb.set_input(io.inputs.at(0), tokens);
+  mb.set_input(io.inputs.at(1), targets);
   const int n = static_cast<int>(g.nodes().size());
   forward(g, mb, 0, n);
   const double loss = mb.value(io.loss).data<float>()[0];

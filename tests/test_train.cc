@@ -1,12 +1,15 @@
 // The training loop: accumulation, resume, divergence, the LR schedule, and
 // a steady-state step that allocates nothing.
 #include <weft/checkpoint.h>
+#include <weft/layout.h>
+#include <weft/local_communicator.h>
 #include <weft/threads.h>
 #include <weft/trainer.h>
 
 #include <gtest/gtest.h>
 
 #include "models/gpt.h"
+#include "layers/linear.h"
 #include "models/mlp.h"
 #include "test_util.h"
 
@@ -53,7 +56,6 @@ TrainOptions train_options(int64_t micro, int64_t global) {
   TrainOptions o;
   o.micro_batch = micro;
   o.global_batch = global;
-  o.seq_length = small_config().seq_length;
   o.lr.lr = 1e-2f;
   o.adam.weight_decay = 0.1f;
   o.clip_grad = 1.0;
@@ -249,6 +251,95 @@ TEST(Train, MlpFitsALinearMap) {
     mb.reset();
   }
   EXPECT_LT(last, 0.05 * first);
+}
+
+
+// --- the model API: any graph whose output is a loss, with inputs of any dtype ---
+
+using testing::contains;
+using testing::error_message;
+
+// Float features and regression targets: sample i of the data is
+// x = sin(0.37 i + 1.3 j), y = (x0 - 2 x1, 0.5 x2 + x3).
+class RegressionBatches final : public BatchSource {
+ public:
+  explicit RegressionBatches(int64_t global) : global_(global) {}
+  void fill(int64_t step, int64_t index, std::span<const Tensor> in) const override {
+    const int64_t count = in[0].dim(0), width = in[0].dim(1);
+    for (int64_t i = 0; i < count; ++i) {
+      const double sample = static_cast<double>(step * global_ + index + i);
+      float* x = in[0].data<float>() + i * width;
+      for (int64_t j = 0; j < width; ++j)
+        x[j] = static_cast<float>(std::sin(0.37 * sample + 1.3 * static_cast<double>(j)));
+      in[1].data<float>()[i * 2] = x[0] - 2 * x[1];
+      in[1].data<float>()[i * 2 + 1] = 0.5f * x[2] + x[3];
+    }
+  }
+
+ private:
+  int64_t global_;
+};
+
+// An MLP with float inputs and a squared-error loss trains on two pipeline
+// stages through the same Trainer, partitioner and executor as GPT, with one
+// process's losses: the same fp32 sums in another order (1e-5, as every
+// layout test).
+TEST(ModelApi, FloatInputsTrainOnTwoPipelineStagesAsOnOne) {
+  constexpr int64_t kMicro = 2, kGlobal = 8;
+  constexpr int kSteps = 6;
+  RegressionBatches data(kGlobal);
+  auto train = [&](Communicator* world, int pp) {
+    MlpModel m = build_mlp({4, 16, 16, 16, 2}, kMicro);
+    TrainOptions o;
+    o.micro_batch = kMicro, o.global_batch = kGlobal;
+    o.lr.lr = 1e-2f;
+    LayoutOptions lo;
+    lo.pp = pp;
+    RankLayout rank(world, m.graph, m.io(), data, o, lo, 11);
+    std::vector<double> losses;
+    for (int s = 0; s < kSteps; ++s) losses.push_back(rank.trainer().train_step().loss);
+    return losses;
+  };
+  const std::vector<double> one = train(nullptr, 1);
+  std::vector<std::vector<double>> two(2);
+  run_local(2, [&](Communicator& world) { two[static_cast<size_t>(world.rank())] = train(&world, 2); });
+  EXPECT_LT(one.back(), one.front()) << "training moves the loss down";
+  for (const auto& rank : two)
+    for (int s = 0; s < kSteps; ++s)
+      EXPECT_NEAR(rank[static_cast<size_t>(s)], one[static_cast<size_t>(s)],
+                  1e-5 * one[static_cast<size_t>(s)])
+          << "step " << s + 1;
+}
+
+// Each mistake in declaring a model is one error naming what is wrong.
+TEST(ModelApi, BadModelDefinitionsAreNamed) {
+  MlpModel m = build_mlp({4, 2}, 2);
+  ModelIO io = m.io();
+  check_model_io(io, 2);
+  io.loss = -1;
+  EXPECT_TRUE(contains(error_message([&] { check_model_io(io, 2); }), "the model has no loss"));
+  io = m.io();
+  io.loss = m.input;
+  EXPECT_TRUE(contains(error_message([&] { check_model_io(io, 2); }),
+                       "the loss 'input' must be one element made by a node"));
+  io = m.io();
+  io.inputs = {m.input};
+  EXPECT_TRUE(contains(error_message([&] { check_model_io(io, 2); }),
+                       "graph input 'target' has no source"));
+  io = m.io();
+  io.inputs = {m.input, m.target, m.loss};
+  EXPECT_TRUE(contains(error_message([&] { check_model_io(io, 2); }),
+                       "model input 'loss' is not a graph input"));
+  EXPECT_TRUE(contains(error_message([&] { check_model_io(m.io(), 3); }),
+                       "input 'input' has shape [2, 4]; its first dimension must be the "
+                       "micro-batch size (3)"));
+  // A node whose input does not fit is named when it is added.
+  auto params = std::make_shared<ParamStore>();
+  Graph g(params);
+  const int x = g.input("x", {2, 4}, DType::F32);
+  Param* w = params->create("w", {5, 3}, Init::constant(0));
+  EXPECT_TRUE(contains(error_message([&] { g.add1("fc", std::make_unique<Linear>(w, nullptr), {x}); }),
+                       "fc (linear): w: input width 4 does not match the weight's input dimension 5"));
 }
 
 }  // namespace

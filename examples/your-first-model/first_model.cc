@@ -60,7 +60,7 @@ constexpr int64_t kVocab = 256, kWidth = 32, kBlocks = 4, kSeq = 16, kMicro = 2,
 struct Model {
   std::shared_ptr<weft::ParamStore> params = std::make_shared<weft::ParamStore>();
   weft::Graph graph{params};
-  weft::LmGraph io;
+  weft::ModelIO io;
 };
 
 // Parameters are made by name; every layout initialises them from (seed,
@@ -80,9 +80,9 @@ std::unique_ptr<Model> build_model() {
   };
   Param* wte = ps.create("wte.weight", {kVocab, kWidth}, Init::normal(0.02f));
   Param* wpe = ps.create("wpe.weight", {kSeq, kWidth}, Init::normal(0.02f));
-  m->io.tokens = g.input("tokens", {kMicro, kSeq}, DType::I32);
-  m->io.targets = g.input("targets", {kMicro, kSeq}, DType::I32);
-  int x = g.add1("embed", std::make_unique<Embedding>(wte, wpe), {m->io.tokens});
+  const int tokens = g.input("tokens", {kMicro, kSeq}, DType::I32);
+  const int targets = g.input("targets", {kMicro, kSeq}, DType::I32);
+  int x = g.add1("embed", std::make_unique<Embedding>(wte, wpe), {tokens});
   for (int64_t i = 0; i < kBlocks; ++i) {
     const std::string b = fmt::format("block.{}", i);
     int h = g.add1(b + ".norm", norm(b + ".norm"), {x});
@@ -93,9 +93,11 @@ std::unique_ptr<Model> build_model() {
     x = g.add1(b + ".residual", std::make_unique<Residual>(), {x, h});
   }
   x = g.add1("norm_f", norm("norm_f"), {x});
-  m->io.loss = g.add1("head", std::make_unique<TiedLmHeadLoss>(wte), {x, m->io.targets});
-  g.mark_output(m->io.loss);
-  m->io.graph = &m->graph;
+  const int loss = g.add1("head", std::make_unique<TiedLmHeadLoss>(wte), {x, targets});
+  g.mark_output(loss);
+  // What the Trainer needs: the inputs a BatchSource fills (TokenBatches
+  // fills tokens and targets), and the loss, a sum of kSeq terms per sequence.
+  m->io = ModelIO{&m->graph, {tokens, targets}, loss, kSeq};
   return m;
 }
 
@@ -107,7 +109,7 @@ std::vector<double> train(weft::Communicator* world, const weft::BatchSource& da
   using namespace weft;
   std::unique_ptr<Model> m = build_model();
   TrainOptions opt;
-  opt.micro_batch = kMicro, opt.global_batch = kGlobal, opt.seq_length = kSeq;
+  opt.micro_batch = kMicro, opt.global_batch = kGlobal;
   opt.lr.lr = 1e-2f;
   LayoutOptions lo;
   lo.pp = pp;

@@ -38,7 +38,7 @@ class RankLayout {
   // Collective over `world` (null: one process). `logical` (the model as
   // models/ builds it) must outlive this; with tp = 1 it is the graph this
   // rank runs. `cost` prices nodes for the partitioner (null: analytic).
-  RankLayout(Communicator* world, Graph& logical, LmGraph io, const BatchSource& data,
+  RankLayout(Communicator* world, Graph& logical, ModelIO io, const BatchSource& data,
              TrainOptions opt, LayoutOptions lo, uint64_t seed, const CostModel* cost = nullptr);
   ~RankLayout();
 
@@ -48,7 +48,7 @@ class RankLayout {
   MeshCoord coord() const { return mesh_ ? mesh_->coord : MeshCoord{}; }
   // The graph this rank runs (the logical one, or its tensor-parallel form).
   Graph& graph() { return tp_graph_ ? *tp_graph_ : logical_; }
-  LmGraph io() const { return io_; }
+  ModelIO io() const { return io_; }
   PipelineExecutor* pipeline() { return pipeline_.get(); }
   const sched::Schedule& schedule() const { return schedule_; }
   const StagePlan& plan() const { return plan_; }
@@ -59,7 +59,7 @@ class RankLayout {
   LayoutOptions lo_;
   std::optional<Mesh> mesh_;
   std::unique_ptr<Graph> tp_graph_;
-  LmGraph io_;
+  ModelIO io_;
   sched::Schedule schedule_;
   StagePlan plan_;
   std::unique_ptr<PipelineExecutor> pipeline_;

@@ -49,18 +49,18 @@ class PipelineExecutor {
   // `graph` is this rank's copy of the whole model (parameters of stages on
   // other ranks are simply never used); `schedule` must be lowered; `pp` is
   // the pipeline group (rank r runs schedule.actions[r]).
-  PipelineExecutor(const Graph& graph, LmGraph io, StagePlan plan, sched::Schedule schedule,
+  PipelineExecutor(const Graph& graph, ModelIO io, StagePlan plan, sched::Schedule schedule,
                    Communicator& pp, PipelineOptions options = {});
   ~PipelineExecutor();
 
   // Runs every action of this rank for the schedule's micro-batches of one
   // step: parameter gradients accumulate into Param::grad (zeroed first), and
   // tied parameters held by several ranks get their gradients summed. The
-  // loss is seeded with 1 / (global_batch x seq_len) tokens (0: this
-  // pipeline's micro-batches make the whole batch, as without data
-  // parallelism). Returns this pipeline's loss sum over that token count (on
-  // every pipeline rank).
-  double run(const BatchSource& data, int64_t step, int64_t micro_batch, int64_t seq_len,
+  // loss is seeded with 1 / (global_batch x the model's terms per sample)
+  // (global_batch 0: this pipeline's micro-batches make the whole batch, as
+  // without data parallelism). Returns this pipeline's loss sum over that
+  // term count (on every pipeline rank).
+  double run(const BatchSource& data, int64_t step, int64_t micro_batch,
              int64_t global_batch = 0);
 
   // Parameters this rank updates, and the total gradient norm over the whole
@@ -110,7 +110,7 @@ class PipelineExecutor {
   void set_step(int64_t step, size_t index, const sched::Action& a);
 
   const Graph& graph_;
-  LmGraph io_;
+  ModelIO io_;
   StagePlan plan_;
   sched::Schedule schedule_;
   Communicator& pp_;
@@ -125,7 +125,8 @@ class PipelineExecutor {
   std::vector<Slot*> live_;  // indexed by stage * m + micro_batch
   const BatchSource* data_ = nullptr;
   GradSync* sync_ = nullptr;
-  int64_t micro_batch_size_ = 0, seq_len_ = 0, step_ = 0, global_batch_ = 0;
+  int64_t micro_batch_size_ = 0, step_ = 0, global_batch_ = 0;
+  std::vector<Tensor> inputs_;  // the data inputs being filled, reused
   double loss_sum_ = 0;
   int peak_slots_ = 0, slots_in_use_ = 0;
   int peak_stashed_ = 0, stashed_ = 0;

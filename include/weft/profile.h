@@ -19,8 +19,8 @@
 
 namespace weft {
 
-CostModel profile_costs(const Graph& g, const LmGraph& io, const BatchSource& data,
-                        int64_t micro_batch, int64_t seq_len, int repeats = 3);
+CostModel profile_costs(const Graph& g, const ModelIO& io, const BatchSource& data,
+                        int64_t micro_batch, int repeats = 3);
 
 // {"unit": "seconds", "nodes": [{"name", "f", "i", "w", "param_bytes", ...}]}
 nlohmann::json cost_model_json(const CostModel& cost, const Graph& g);

@@ -17,36 +17,53 @@
 
 #include <memory>
 #include <set>
+#include <span>
 #include <string>
 
 namespace weft {
 
 class PipelineExecutor;
 
-// Where a language-model graph takes its data and gives its loss.
-struct LmGraph {
+// A model to train, in any layout: a graph, the inputs a BatchSource fills,
+// and the loss. Any graph whose loss is a one-element output trains with any
+// (dp, pp, tp, schedule) through the same Trainer, partitioner and executor.
+//
+//   ModelIO io{&graph, {tokens, targets}, loss, /*terms_per_sample=*/T};
+struct ModelIO {
   Graph* graph = nullptr;
-  int tokens = -1;   // input (B, T) int32
-  int targets = -1;  // input (B, T) int32
-  int loss = -1;     // output (1): the sum of token losses of the micro-batch
+  // Graph inputs, filled by the BatchSource in this order for each
+  // micro-batch; each has the micro-batch size as its first dimension. Every
+  // graph input must be here (an input nothing fills is an error).
+  std::vector<int> inputs;
+  // Output (1): the SUM of the micro-batch's loss terms.
+  int loss = -1;
+  // Loss terms per sample (tokens per sequence for a language model; 1 for a
+  // per-sample loss). The step's loss is the mean over the global batch's
+  // terms, and the gradients are that mean's, however the batch is split.
+  int64_t terms_per_sample = 1;
 };
 
-// Where the sequences of each global batch come from.
+// Checks `io` against its graph; throws Error naming what is wrong: no loss,
+// a loss that is not one element, an input that is not a graph input, a
+// graph input nothing fills, a first dimension that is not the micro-batch.
+void check_model_io(const ModelIO& io, int64_t micro_batch);
+
+// Where the samples of each global batch come from.
 class BatchSource {
  public:
   virtual ~BatchSource() = default;
-  // Fills `count` sequences (inputs and targets, count*seq_len each) starting
-  // at position `index` of the global batch of `step`.
-  virtual void fill(int64_t step, int64_t index, int64_t count, int64_t seq_len, int32_t* inputs,
-                    int32_t* targets) const = 0;
+  // Fills samples [index, index + count) of the global batch of `step`, where
+  // count is the first dimension of every tensor of `inputs` (host tensors,
+  // in ModelIO::inputs order).
+  virtual void fill(int64_t step, int64_t index, std::span<const Tensor> inputs) const = 0;
 };
 
 // DESIGN.md's order over a token file: step s reads windows s*G .. s*G+G-1.
+// Fills two inputs: tokens and targets, (count, T) int32 each.
 class TokenBatches final : public BatchSource {
  public:
   TokenBatches(const TokenData& data, int64_t global_batch, int64_t seq_len);
-  void fill(int64_t step, int64_t index, int64_t count, int64_t seq_len, int32_t* inputs,
-            int32_t* targets) const override;
+  void fill(int64_t step, int64_t index, std::span<const Tensor> inputs) const override;
 
  private:
   const TokenData& data_;
@@ -56,7 +73,6 @@ class TokenBatches final : public BatchSource {
 struct TrainOptions {
   int64_t micro_batch = 1;   // sequences per micro-batch (the graph's B)
   int64_t global_batch = 1;  // sequences per step
-  int64_t seq_length = 0;    // the graph's T
   LrSchedule lr;
   AdamWConfig adam;
   double clip_grad = 1.0;  // 0 disables
@@ -93,9 +109,8 @@ struct Parallel {
 class ReplicaBatches final : public BatchSource {
  public:
   ReplicaBatches(const BatchSource& all, int64_t offset) : all_(all), offset_(offset) {}
-  void fill(int64_t step, int64_t index, int64_t count, int64_t seq_len, int32_t* inputs,
-            int32_t* targets) const override {
-    all_.fill(step, offset_ + index, count, seq_len, inputs, targets);
+  void fill(int64_t step, int64_t index, std::span<const Tensor> inputs) const override {
+    all_.fill(step, offset_ + index, inputs);
   }
 
  private:
@@ -109,9 +124,9 @@ class Trainer {
   // (weft/tensor_parallel.h) when par.groups.tp has more than one rank. With a
   // pipeline, the executor runs this rank's stages and the optimizer updates
   // their parameters. Every layout takes the same steps as one process.
-  Trainer(LmGraph g, const BatchSource& data, TrainOptions opt, Parallel par = {});
+  Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, Parallel par = {});
   // One pipeline rank (pp only).
-  Trainer(LmGraph g, const BatchSource& data, TrainOptions opt, PipelineExecutor& pipeline);
+  Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, PipelineExecutor& pipeline);
   ~Trainer();
 
   // Runs one step; throws Error naming the step when the loss is not finite.
@@ -134,14 +149,15 @@ class Trainer {
   void load(const std::string& dir);
 
  private:
-  LmGraph g_;
+  ModelIO g_;
   TrainOptions opt_;
   Parallel par_;
   int64_t micro_batches_ = 0;
   ReplicaBatches data_;
   std::unique_ptr<GradSync> sync_;
   MicroBatch mb_;
-  Tensor host_tokens_, host_targets_;  // one micro-batch, staged on the host for a GPU
+  std::vector<Tensor> host_inputs_;  // one micro-batch's inputs, staged on the host for a GPU
+  std::vector<Tensor> inputs_;       // reused per micro-batch, so a step allocates nothing
   int64_t steps_done_ = 0;
   std::set<const Param*> owned_;  // counted and saved by this rank (its pipeline share)
   Tensor scalar_;

@@ -3,7 +3,7 @@
 
 namespace weft {
 
-RankLayout::RankLayout(Communicator* world, Graph& logical, LmGraph io, const BatchSource& data,
+RankLayout::RankLayout(Communicator* world, Graph& logical, ModelIO io, const BatchSource& data,
                        TrainOptions opt, LayoutOptions lo, uint64_t seed, const CostModel* cost)
     : logical_(logical), lo_(std::move(lo)), io_(io) {
   const int size = world ? world->size() : 1;

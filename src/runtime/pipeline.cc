@@ -33,7 +33,7 @@ struct PipelineExecutor::Tied {
   std::unique_ptr<Communicator> group;
 };
 
-PipelineExecutor::PipelineExecutor(const Graph& graph, LmGraph io, StagePlan plan,
+PipelineExecutor::PipelineExecutor(const Graph& graph, ModelIO io, StagePlan plan,
                                    sched::Schedule schedule, Communicator& pp,
                                    PipelineOptions options)
     : graph_(graph),
@@ -157,11 +157,12 @@ void PipelineExecutor::fill_inputs(Slot& s, int stage, int mb, int64_t step) {
   const int begin = plan_.begin[static_cast<size_t>(stage)];
   const int end = plan_.begin[static_cast<size_t>(stage) + 1];
   bool needs_data = false;
-  for (int v : {io_.tokens, io_.targets})
+  for (int v : io_.inputs)
     for (int c : graph_.values()[static_cast<size_t>(v)].consumers) needs_data |= c >= begin && c < end;
   if (!needs_data) return;
-  data_->fill(step, mb * micro_batch_size_, micro_batch_size_, seq_len_,
-              s.mb.input(io_.tokens).data<int32_t>(), s.mb.input(io_.targets).data<int32_t>());
+  inputs_.clear();
+  for (int v : io_.inputs) inputs_.push_back(s.mb.input(v));
+  data_->fill(step, mb * micro_batch_size_, inputs_);
 }
 
 // Copies `values` (and their gradients when `grads`) from one slot to another
@@ -189,7 +190,7 @@ static void copy_local(const std::vector<int>& values, MicroBatch& from, MicroBa
 void PipelineExecutor::share_inputs(MicroBatch& from, MicroBatch& to, int stage) const {
   if (stage > 0)
     for (int v : boundary_[static_cast<size_t>(stage) - 1].values) to.value(v) = from.value(v);
-  for (int v : {io_.tokens, io_.targets})
+  for (int v : io_.inputs)
     if (from.value(v).defined()) to.value(v) = from.value(v);
 }
 
@@ -228,7 +229,7 @@ void PipelineExecutor::backward_input_action(int stage, int mb) {
       if (s.mb.grad(v).defined()) work.grad(v) = s.mb.grad(v);
   }
   if (stage == schedule_.stages() - 1)
-    work.seed_grad(io_.loss, 1.0f / static_cast<float>(global_batch_ * seq_len_));
+    work.seed_grad(io_.loss, 1.0f / static_cast<float>(global_batch_ * io_.terms_per_sample));
   for (int n = end - 1; n >= begin; --n) backward_input(graph_, work, n);
   s.input_grad_done = true;
   --stashed_;
@@ -268,11 +269,10 @@ void PipelineExecutor::backward_weight_action(int stage, int mb) {
 }
 
 double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micro_batch,
-                             int64_t seq_len, int64_t global_batch) {
+                             int64_t global_batch) {
   data_ = &data;
   global_batch_ = global_batch > 0 ? global_batch : schedule_.micro_batches * micro_batch;
   micro_batch_size_ = micro_batch;
-  seq_len_ = seq_len;
   step_ = step;
   loss_sum_ = 0;
   peak_slots_ = 0;
@@ -383,7 +383,7 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
   scalar_.data<float>()[0] = static_cast<float>(loss_sum_);
   pp_.all_reduce(scalar_, ReduceOp::Sum);
   return static_cast<double>(scalar_.data<float>()[0]) /
-         static_cast<double>(global_batch_ * seq_len_);
+         static_cast<double>(global_batch_ * io_.terms_per_sample);
 }
 
 std::vector<Param*> PipelineExecutor::tied_params() const {

@@ -17,16 +17,18 @@ double median(std::vector<double> v) {
 }
 }  // namespace
 
-CostModel profile_costs(const Graph& g, const LmGraph& io, const BatchSource& data,
-                        int64_t micro_batch, int64_t seq_len, int repeats) {
+CostModel profile_costs(const Graph& g, const ModelIO& io, const BatchSource& data,
+                        int64_t micro_batch, int repeats) {
   check(repeats > 0, "profiling needs at least one repeat, got {}", repeats);
   const int n = static_cast<int>(g.nodes().size());
   std::vector<std::vector<double>> f(static_cast<size_t>(n)), i(f), w(f);
   MicroBatch mb(g);
+  std::vector<Tensor> inputs;
   // One untimed pass first: it plans the arena and warms the caches.
   for (int r = -1; r < repeats; ++r) {
-    data.fill(0, 0, micro_batch, seq_len, mb.input(io.tokens).data<int32_t>(),
-              mb.input(io.targets).data<int32_t>());
+    inputs.clear();
+    for (int v : io.inputs) inputs.push_back(mb.input(v));
+    data.fill(0, 0, inputs);
     auto timed = [&](std::vector<std::vector<double>>& into, int node, auto&& run) {
       const auto t0 = Clock::now();
       run();
@@ -35,7 +37,7 @@ CostModel profile_costs(const Graph& g, const LmGraph& io, const BatchSource& da
             std::chrono::duration<double>(Clock::now() - t0).count());
     };
     for (int k = 0; k < n; ++k) timed(f, k, [&] { forward(g, mb, k, k + 1); });
-    mb.seed_grad(io.loss, 1.0f / static_cast<float>(micro_batch * seq_len));
+    mb.seed_grad(io.loss, 1.0f / static_cast<float>(micro_batch * io.terms_per_sample));
     for (int k = n - 1; k >= 0; --k) timed(i, k, [&] { backward_input(g, mb, k); });
     for (int k = n - 1; k >= 0; --k) timed(w, k, [&] { backward_weight(g, mb, k); });
     mb.reset();

@@ -2,6 +2,7 @@
 #include <weft/pipeline.h>
 #include <weft/trainer.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <cmath>
@@ -28,9 +29,46 @@ TokenBatches::TokenBatches(const TokenData& data, int64_t global_batch, int64_t 
   data_.windows(seq_len);  // throws when the data holds no whole window
 }
 
-void TokenBatches::fill(int64_t step, int64_t index, int64_t count, int64_t seq_len,
-                        int32_t* inputs, int32_t* targets) const {
-  data_.fill(step * global_batch_ + index, count, seq_len, inputs, targets);
+void TokenBatches::fill(int64_t step, int64_t index, std::span<const Tensor> inputs) const {
+  check(inputs.size() == 2, "token batches fill two inputs (tokens, targets), the model has {}",
+        inputs.size());
+  for (const Tensor& t : inputs)
+    check(t.dtype() == DType::I32 && t.rank() == 2 && t.shape() == inputs[0].shape(),
+          "token batches fill (count, T) int32 tokens and targets, got {} {} and {} {}",
+          dtype_name(inputs[0].dtype()), inputs[0].shape().str(), dtype_name(inputs[1].dtype()),
+          inputs[1].shape().str());
+  data_.fill(step * global_batch_ + index, inputs[0].dim(0), inputs[0].dim(1),
+             inputs[0].data<int32_t>(), inputs[1].data<int32_t>());
+}
+
+void check_model_io(const ModelIO& io, int64_t micro_batch) {
+  check(io.graph != nullptr, "the model has no graph");
+  const Graph& g = *io.graph;
+  const auto& values = g.values();
+  auto name = [&](int v) { return values[static_cast<size_t>(v)].name; };
+  check(io.loss >= 0 && io.loss < static_cast<int>(values.size()),
+        "the model has no loss: set ModelIO::loss to the graph output that sums the loss");
+  check(values[static_cast<size_t>(io.loss)].producer >= 0 &&
+            values[static_cast<size_t>(io.loss)].shape.numel() == 1,
+        "the loss '{}' must be one element made by a node (a loss layer), got shape {}",
+        name(io.loss), values[static_cast<size_t>(io.loss)].shape.str());
+  check(io.terms_per_sample > 0, "ModelIO::terms_per_sample ({}) must be positive",
+        io.terms_per_sample);
+  for (int v : io.inputs) {
+    const bool known = v >= 0 && v < static_cast<int>(values.size());
+    check(known && values[static_cast<size_t>(v)].producer < 0,
+          "model input {} is not a graph input",
+          known ? fmt::format("'{}'", name(v)) : fmt::format("#{}", v));
+    const Shape& s = values[static_cast<size_t>(v)].shape;
+    check(s.rank >= 1 && s[0] == micro_batch,
+          "input '{}' has shape {}; its first dimension must be the micro-batch size ({})",
+          name(v), s.str(), micro_batch);
+  }
+  for (int v : g.inputs())
+    check(std::find(io.inputs.begin(), io.inputs.end(), v) != io.inputs.end(),
+          "graph input '{}' has no source: list it in ModelIO::inputs for the BatchSource to "
+          "fill",
+          name(v));
 }
 
 namespace {
@@ -48,7 +86,7 @@ int64_t replica_micro_batches(const TrainOptions& opt, const Parallel& par) {
 
 }  // namespace
 
-Trainer::Trainer(LmGraph g, const BatchSource& data, TrainOptions opt, Parallel par)
+Trainer::Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, Parallel par)
     : g_(g),
       opt_(std::move(opt)),
       par_(par),
@@ -56,6 +94,7 @@ Trainer::Trainer(LmGraph g, const BatchSource& data, TrainOptions opt, Parallel 
       data_(data, par_.groups.dp_rank() * (opt_.global_batch / par_.groups.dp_size())),
       mb_(*g.graph, opt_.device) {
   const Graph& graph = *g.graph;
+  check_model_io(g_, opt_.micro_batch);
   if (!opt_.device.is_cpu()) {
     check(par_.pipeline == nullptr && par_.groups.dp_size() == 1 &&
               (par_.groups.tp == nullptr || par_.groups.tp->size() == 1),
@@ -63,8 +102,10 @@ Trainer::Trainer(LmGraph g, const BatchSource& data, TrainOptions opt, Parallel 
           "GPUs are not available yet",
           opt_.device.str());
     place_params(graph.params(), opt_.device);
-    host_tokens_ = Tensor::zeros({opt_.micro_batch, opt_.seq_length}, DType::I32);
-    host_targets_ = Tensor::zeros({opt_.micro_batch, opt_.seq_length}, DType::I32);
+    for (int v : g_.inputs) {
+      const Value& val = graph.values()[static_cast<size_t>(v)];
+      host_inputs_.push_back(Tensor::zeros(val.shape, val.dtype));
+    }
   }
   std::vector<int> nodes;
   std::vector<Param*> params, late, owned;
@@ -84,10 +125,6 @@ Trainer::Trainer(LmGraph g, const BatchSource& data, TrainOptions opt, Parallel 
     for (int n = 0; n < static_cast<int>(graph.nodes().size()); ++n) nodes.push_back(n);
     params = graph.params();
     owned = params;
-    const Shape& ts = graph.values()[static_cast<size_t>(g.tokens)].shape;
-    check(ts[0] == opt_.micro_batch && ts[1] == opt_.seq_length,
-          "the graph was built for micro-batches of {} but training uses ({}, {})", ts.str(),
-          opt_.micro_batch, opt_.seq_length);
   }
   owned_.insert(owned.begin(), owned.end());
   sync_ = std::make_unique<GradSync>(graph, std::move(nodes), std::move(params), std::move(late),
@@ -96,7 +133,7 @@ Trainer::Trainer(LmGraph g, const BatchSource& data, TrainOptions opt, Parallel 
   scalar_ = Tensor::zeros({1});
 }
 
-Trainer::Trainer(LmGraph g, const BatchSource& data, TrainOptions opt, PipelineExecutor& pipeline)
+Trainer::Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, PipelineExecutor& pipeline)
     : Trainer(g, data, std::move(opt), Parallel{{}, &pipeline, {}}) {}
 
 Trainer::~Trainer() {
@@ -107,21 +144,21 @@ double Trainer::compute_gradients(int64_t step) {
   sync_->begin(micro_batches_);
   double loss = 0;
   if (par_.pipeline != nullptr) {
-    loss = par_.pipeline->run(data_, step, opt_.micro_batch, opt_.seq_length, opt_.global_batch);
+    loss = par_.pipeline->run(data_, step, opt_.micro_batch, opt_.global_batch);
   } else {
     const Graph& graph = *g_.graph;
     const int n = static_cast<int>(graph.nodes().size());
-    const float seed = 1.0f / static_cast<float>(opt_.global_batch * opt_.seq_length);
+    const float seed = 1.0f / static_cast<float>(opt_.global_batch * g_.terms_per_sample);
     double loss_sum = 0;
     for (int64_t j = 0; j < micro_batches_; ++j) {
       if (opt_.device.is_cpu()) {  // straight into the arena
-        data_.fill(step, j * opt_.micro_batch, opt_.micro_batch, opt_.seq_length,
-                   mb_.input(g_.tokens).data<int32_t>(), mb_.input(g_.targets).data<int32_t>());
+        inputs_.clear();
+        for (int v : g_.inputs) inputs_.push_back(mb_.input(v));
+        data_.fill(step, j * opt_.micro_batch, inputs_);
       } else {  // on the host, then an asynchronous upload through pinned memory
-        data_.fill(step, j * opt_.micro_batch, opt_.micro_batch, opt_.seq_length,
-                   host_tokens_.data<int32_t>(), host_targets_.data<int32_t>());
-        mb_.input(g_.tokens).copy_from(host_tokens_);
-        mb_.input(g_.targets).copy_from(host_targets_);
+        data_.fill(step, j * opt_.micro_batch, host_inputs_);
+        for (size_t k = 0; k < g_.inputs.size(); ++k)
+          mb_.input(g_.inputs[k]).copy_from(host_inputs_[k]);
       }
       forward(graph, mb_, 0, n);
       loss_sum += static_cast<double>(ops::item(mb_.value(g_.loss)));
@@ -133,7 +170,7 @@ double Trainer::compute_gradients(int64_t step) {
       }
       mb_.reset();
     }
-    loss = loss_sum / static_cast<double>(opt_.global_batch * opt_.seq_length);
+    loss = loss_sum / static_cast<double>(opt_.global_batch * g_.terms_per_sample);
   }
   sync_->finish();
   if (par_.groups.dp_size() > 1) {
@@ -162,7 +199,7 @@ StepRecord Trainer::train_step() {
   ++steps_done_;
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.step_ms = s * 1e3;
-  r.tokens_per_s = static_cast<double>(opt_.global_batch * opt_.seq_length) / s;
+  r.tokens_per_s = static_cast<double>(opt_.global_batch * g_.terms_per_sample) / s;
   return r;
 }
 

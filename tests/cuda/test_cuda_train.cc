@@ -62,7 +62,7 @@ TEST(CudaTrain, SteadyStepsCallNoCudaMalloc) {
   GptModel m = build_gpt(cfg, 4);
   init_gpt(m, 7);
   TrainOptions o;
-  o.micro_batch = 4, o.global_batch = 8, o.seq_length = cfg.seq_length;
+  o.micro_batch = 4, o.global_batch = 8;
   o.lr.lr = 1e-3f;
   o.device = Device::cuda(0);
   Trainer t(m.io, batches, o);
