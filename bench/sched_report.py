@@ -197,7 +197,7 @@ def measure(a, pp, name, m, log):
     records = [json.loads(line) for line in open(jsonl)][a.warmup:]
     step_ms = [r["step_ms"] for r in records]
     # The step whose time is the median one (the upper middle of an even count) is drawn.
-    drawn = sorted(records, key=lambda r: r["step_ms"])[len(records) // 2]["step"] + 1
+    drawn = sorted(records, key=lambda r: r["step_ms"])[len(records) // 2]["step"]
     peaks = ""
     for line in out.splitlines():
         if line.startswith("stashed activations"):

@@ -16,6 +16,7 @@
 #include <weft/profile.h>
 #include <weft/schedule.h>
 #include <weft/threads.h>
+#include <weft/tokenizer.h>
 #include <weft/trainer.h>
 
 #include "models/gpt.h"
@@ -24,6 +25,8 @@
 #include <fmt/core.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -48,7 +51,7 @@ struct Args {
   double clip_grad = 1.0;
   float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
   uint64_t seed = 1234;
-  std::string data_path, init_from, save, load, log_jsonl;
+  std::string data_path, init_from, save, load, log_jsonl, tokenizer;
   int64_t save_interval = 0, log_interval = 1;
   int64_t sample = 0;
   float sample_temperature = 0.8f;
@@ -85,6 +88,14 @@ void set_grad_compression(const Args& a, weft::GradSyncOptions& sync) {
   sync.powersgd_rank = a.powersgd_rank;
   sync.powersgd_start_iter = a.powersgd_start_iter;
   weft::check_grad_sync_options(sync);
+}
+
+// 75 s -> "1m15s"; 4000 s -> "1h06m40s".
+std::string duration(double seconds) {
+  const int64_t s = static_cast<int64_t>(std::llround(std::max(0.0, seconds)));
+  if (s >= 3600) return fmt::format("{}h{:02d}m{:02d}s", s / 3600, s / 60 % 60, s % 60);
+  if (s >= 60) return fmt::format("{}m{:02d}s", s / 60, s % 60);
+  return fmt::format("{}s", s);
 }
 
 // Entropy of the data's token frequencies, in nats: the loss of the best
@@ -254,6 +265,21 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
         "{} holds token id {}, outside --vocab-size ({})", a.data_path, data.max_token() - 1,
         cfg.vocab_size);
 
+  // Token data decodes through an llm.c tokenizer file; it cannot encode, so
+  // a prompt is text data's only.
+  std::optional<Tokenizer> tokenizer;
+  if (!a.tokenizer.empty()) {
+    check(!data.is_text(), "--tokenizer decodes token data; {} is text (bytes need none)",
+          a.data_path);
+    tokenizer = Tokenizer::load(a.tokenizer);
+    check(tokenizer->vocab_size() >= data.max_token(),
+          "--tokenizer {} has {} tokens; {} holds token id {}", a.tokenizer,
+          tokenizer->vocab_size(), a.data_path, data.max_token() - 1);
+  }
+  check(data.is_text() || !app.count("--sample-prompt"),
+        "--sample-prompt needs text data: {} holds token ids, and a tokenizer file only decodes "
+        "(the sample starts from end-of-text)",
+        a.data_path);
   const double entropy = unigram_entropy(data);
   // The logical model; the layout instantiates this rank's part of it.
   GptModel model = build_gpt(cfg, a.micro_batch);
@@ -324,20 +350,29 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   // Step losses are noisy (each reads one stretch of the data): summarise the
   // run by the mean of its last steps.
   constexpr size_t kRecent = 50;
-  std::vector<double> recent;
+  std::vector<double> recent, recent_ms;
+  const auto started = std::chrono::steady_clock::now();
   while (trainer.steps_done() < a.train_iters) {
     StepRecord r = trainer.train_step();
-    if (recent.size() == kRecent) recent.erase(recent.begin());
+    if (recent.size() == kRecent) recent.erase(recent.begin()), recent_ms.erase(recent_ms.begin());
     recent.push_back(r.loss);
+    recent_ms.push_back(r.step_ms);
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    // The remaining steps at the recent steps' mean pace.
+    double mean_ms = 0;
+    for (double ms : recent_ms) mean_ms += ms / static_cast<double>(recent_ms.size());
+    const double eta = mean_ms / 1e3 * static_cast<double>(a.train_iters - trainer.steps_done());
     if (jsonl.is_open()) {
       auto j = r.json();
       j["gflops"] = flops_per_token * r.tokens_per_s / 1e9;
+      j["elapsed_s"] = elapsed;
       jsonl << j.dump() << '\n';
       jsonl.flush();
     }
     if (rank0 && ((r.step + 1) % a.log_interval == 0 || r.step + 1 == a.train_iters))
-      fmt::print("{} | {:.1f} GFLOP/s\n", r.line(a.train_iters),
-                 flops_per_token * r.tokens_per_s / 1e9);
+      fmt::print("{} | {:.1f} GFLOP/s | elapsed {} | eta {}\n", r.line(a.train_iters),
+                 flops_per_token * r.tokens_per_s / 1e9, duration(elapsed), duration(eta));
     std::fflush(stdout);
     if (!a.save.empty() && a.save_interval > 0 && trainer.steps_done() % a.save_interval == 0)
       trainer.save(a.save);
@@ -376,8 +411,9 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     std::vector<int32_t> prompt;
     if (data.is_text()) {
       for (unsigned char ch : a.sample_prompt) prompt.push_back(ch);
-    } else {
-      prompt.push_back(cfg.vocab_size > 50256 ? 50256 : 0);
+    } else {  // token data: start from end-of-text (the tokenizer's, else GPT-2's)
+      const int32_t eot = tokenizer && tokenizer->eot() >= 0 ? tokenizer->eot() : 50256;
+      prompt.push_back(eot < cfg.vocab_size ? eot : 0);
     }
     auto tokens = sample_gpt(cfg, model.params, prompt, a.sample, a.sample_temperature, a.seed);
     fmt::print("--- sample ({} tokens, temperature {}) ---\n", a.sample, a.sample_temperature);
@@ -385,9 +421,13 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
       std::string s(a.sample_prompt);
       for (int32_t t : tokens) s.push_back(static_cast<char>(t));
       fmt::print("{}\n", s);
+    } else if (tokenizer) {
+      std::string s;
+      for (int32_t t : tokens) s += tokenizer->decode(t);
+      fmt::print("{}\n", s);
     } else {
       for (int32_t t : tokens) fmt::print("{} ", t);
-      fmt::print("\n");
+      fmt::print("\n(token ids: give --tokenizer to decode them)\n");
     }
   }
   return 0;
@@ -431,7 +471,9 @@ int main(int argc, char** argv) {
   app.add_option("--log-jsonl", a.log_jsonl, "write one JSON object per step here");
   app.add_option("--sample", a.sample, "generate N tokens at the end");
   app.add_option("--sample-temperature", a.sample_temperature, "0 = greedy");
-  app.add_option("--sample-prompt", a.sample_prompt, "text the sample continues");
+  app.add_option("--sample-prompt", a.sample_prompt, "text the sample continues (text data)");
+  app.add_option("--tokenizer", a.tokenizer,
+                 "llm.c tokenizer file (e.g. gpt2_tokenizer.bin) to decode samples of token data");
   app.add_option("--threads", a.threads, "CPU threads (default: cores / local ranks)");
   app.add_option("--device", a.device,
                  "cpu, cuda, or auto: cuda when a GPU is visible and the job is one process");

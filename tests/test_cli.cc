@@ -115,6 +115,34 @@ TEST_F(Cli, DeviceAndPrecisionFlags) {
   EXPECT_TRUE(testing::contains(r.out, "| threads ")) << r.out;
 }
 
+// Token data samples decode through an llm.c tokenizer file; without one the
+// ids are printed and a prompt (which nothing could encode) is refused.
+TEST_F(Cli, SamplesOfTokenDataDecodeThroughATokenizer) {
+  auto tokenizer = [&](const std::string& name, uint32_t magic, uint32_t vocab) {
+    std::vector<uint32_t> header(256, 0);
+    header[0] = magic, header[1] = 2, header[2] = vocab, header[3] = 0;
+    std::string bytes(reinterpret_cast<const char*>(header.data()), 1024);
+    for (uint32_t i = 0; i < vocab; ++i) {  // token i is the two bytes "<letter>|"
+      bytes.push_back(2);
+      bytes.push_back(static_cast<char>('a' + i % 26));
+      bytes.push_back('|');
+    }
+    write_file(dir_ + "/" + name, bytes);
+    return dir_ + "/" + name;
+  };
+  Result r = run(tiny("--sample 12 --tokenizer " + tokenizer("tok.bin", 20240328, 64)));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string text = r.out.substr(r.out.find('\n', r.out.find("--- sample")) + 1);
+  EXPECT_EQ(std::count(text.begin(), text.end(), '|'), 12) << text;  // 12 decoded tokens
+  r = run(tiny("--sample 4"));
+  EXPECT_TRUE(testing::contains(r.out, "give --tokenizer to decode them")) << r.out;
+  expect_error(tiny("--sample 4 --sample-prompt Hello"), {"--sample-prompt needs text data"});
+  expect_error(tiny("--tokenizer " + tokenizer("bad.bin", 123, 64)),
+               {"bad.bin", "magic 123", "20240328"});
+  expect_error(tiny("--tokenizer " + tokenizer("small.bin", 20240328, 10)),
+               {"small.bin has 10 tokens", "token id 63"});
+}
+
 TEST_F(Cli, MissingDataFile) {
   expect_error(toy("--data-path /nonexistent/corpus.txt"), {"/nonexistent/corpus.txt"});
 }
@@ -211,7 +239,7 @@ TEST_F(Cli, TrainsLogsJsonlResumesAndSamples) {
   for (std::string line; std::getline(lines, line);) full.push_back(nlohmann::json::parse(line));
   ASSERT_EQ(full.size(), 4u);
   for (size_t i = 0; i < full.size(); ++i) {
-    EXPECT_EQ(full[i]["step"].get<int>(), static_cast<int>(i));
+    EXPECT_EQ(full[i]["step"].get<int>(), static_cast<int>(i) + 1);  // as the console counts
     for (const char* key : {"loss", "lr", "grad_norm", "step_ms", "tokens_per_s"})
       EXPECT_TRUE(full[i].contains(key)) << key;
   }

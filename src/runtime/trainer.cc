@@ -10,7 +10,9 @@
 namespace weft {
 
 nlohmann::json StepRecord::json() const {
-  nlohmann::json j = {{"step", step},           {"loss", loss},         {"lr", lr},
+  // One numbering everywhere: step N is the N-th step taken (1-based), as in
+  // the console log, the pipeline trace and checkpoint names.
+  nlohmann::json j = {{"step", step + 1},           {"loss", loss},         {"lr", lr},
                       {"grad_norm", grad_norm}, {"step_ms", step_ms}, {"tokens_per_s", tokens_per_s}};
   if (bubble_frac >= 0) j["bubble_frac"] = bubble_frac;
   if (dp_wait_ms >= 0) j["dp_wait_ms"] = dp_wait_ms;
