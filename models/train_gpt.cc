@@ -16,6 +16,7 @@
 #include <weft/profile.h>
 #include <weft/schedule.h>
 #include <weft/threads.h>
+#include <weft/plot.h>
 #include <weft/tokenizer.h>
 #include <weft/trainer.h>
 
@@ -51,7 +52,11 @@ struct Args {
   double clip_grad = 1.0;
   float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
   uint64_t seed = 1234;
-  std::string data_path, init_from, save, load, log_jsonl, tokenizer;
+  std::string data_path, init_from, save, load, log_jsonl, tokenizer, loss_plot;
+  // Megatron's train/validation/test weights over the data's windows; empty:
+  // every window trains. Validation every eval_interval steps (0: never).
+  std::string split;
+  int64_t eval_interval = 0, eval_iters = 10;
   int64_t save_interval = 0, log_interval = 1;
   int64_t sample = 0;
   float sample_temperature = 0.8f;
@@ -88,6 +93,40 @@ void set_grad_compression(const Args& a, weft::GradSyncOptions& sync) {
   sync.powersgd_rank = a.powersgd_rank;
   sync.powersgd_start_iter = a.powersgd_start_iter;
   weft::check_grad_sync_options(sync);
+}
+
+// The data's windows cut by --split "train,valid,test" weights (Megatron's
+// flag; a test share is set aside and not read): [0, train) trains, [train,
+// train + valid) validates.
+struct DataSplit {
+  int64_t train = 0, valid = 0;  // windows; train 0 = every window (no --split)
+};
+
+DataSplit split_windows(const std::string& split, int64_t windows) {
+  using weft::check;
+  DataSplit s;
+  if (split.empty()) return s;
+  std::vector<double> w;
+  size_t at = 0;
+  while (at <= split.size()) {
+    const size_t comma = std::min(split.find(',', at), split.size());
+    const std::string part = split.substr(at, comma - at);
+    char* end = nullptr;
+    const double v = std::strtod(part.c_str(), &end);
+    check(!part.empty() && end == part.c_str() + part.size() && std::isfinite(v) && v >= 0,
+          "--split '{}': '{}' is not a non-negative number", split, part);
+    w.push_back(v);
+    at = comma + 1;
+  }
+  check(w.size() <= 3, "--split '{}' has {} weights; it takes train,valid,test", split, w.size());
+  w.resize(3, 0.0);
+  const double total = w[0] + w[1] + w[2];
+  check(total > 0, "--split '{}': the weights sum to 0", split);
+  s.train = static_cast<int64_t>(static_cast<double>(windows) * w[0] / total);
+  s.valid = static_cast<int64_t>(static_cast<double>(windows) * w[1] / total);
+  check(s.train > 0, "--split '{}' leaves no window for training (the data has {})", split,
+        windows);
+  return s;
 }
 
 // 75 s -> "1m15s"; 4000 s -> "1h06m40s".
@@ -280,6 +319,14 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
         "--sample-prompt needs text data: {} holds token ids, and a tokenizer file only decodes "
         "(the sample starts from end-of-text)",
         a.data_path);
+  check(a.eval_interval >= 0, "--eval-interval ({}) must be >= 0 (0: no validation)",
+        a.eval_interval);
+  check(a.eval_iters > 0, "--eval-iters ({}) must be positive", a.eval_iters);
+  const DataSplit split = split_windows(a.split, data.windows(cfg.seq_length));
+  check(a.eval_interval == 0 || split.valid > 0,
+        "--eval-interval {} needs validation data: --split '{}' gives it none of the {} windows "
+        "of {} tokens (e.g. --split 98,2,0)",
+        a.eval_interval, a.split, data.windows(cfg.seq_length), cfg.seq_length);
   const double entropy = unigram_entropy(data);
   // The logical model; the layout instantiates this rank's part of it.
   GptModel model = build_gpt(cfg, a.micro_batch);
@@ -301,7 +348,12 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
                 {"vocab_size", cfg.vocab_size},   {"max_positions", cfg.positions()},
                 {"micro_batch_size", a.micro_batch}, {"global_batch_size", global},
                 {"seed", a.seed},                 {"data_path", a.data_path}};
-  TokenBatches batches(data, global, cfg.seq_length);
+  TokenBatches batches(data, global, cfg.seq_length, 0, split.train);
+  std::optional<TokenBatches> validation;
+  if (split.valid > 0) validation.emplace(data, global, cfg.seq_length, split.train, split.valid);
+  if (rank0 && split.train > 0)
+    fmt::print("data split {}: windows [0, {}) train, [{}, {}) validate\n", a.split, split.train,
+               split.train, split.train + split.valid);
   LayoutOptions lo;
   lo.tp = a.tp;
   lo.pp = a.pp;
@@ -351,6 +403,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   // run by the mean of its last steps.
   constexpr size_t kRecent = 50;
   std::vector<double> recent, recent_ms;
+  std::vector<std::pair<double, double>> train_points, val_points;  // (step, loss)
   const auto started = std::chrono::steady_clock::now();
   while (trainer.steps_done() < a.train_iters) {
     StepRecord r = trainer.train_step();
@@ -363,10 +416,21 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     double mean_ms = 0;
     for (double ms : recent_ms) mean_ms += ms / static_cast<double>(recent_ms.size());
     const double eta = mean_ms / 1e3 * static_cast<double>(a.train_iters - trainer.steps_done());
+    std::optional<double> val_loss;
+    if (a.eval_interval > 0 && (trainer.steps_done() % a.eval_interval == 0 ||
+                                trainer.steps_done() == a.train_iters)) {
+      val_loss = trainer.evaluate(*validation, a.eval_iters);
+      val_points.emplace_back(static_cast<double>(trainer.steps_done()), *val_loss);
+      if (rank0)
+        fmt::print("validation loss {:.4f} at step {} ({} batches)\n", *val_loss,
+                   trainer.steps_done(), a.eval_iters);
+    }
+    train_points.emplace_back(static_cast<double>(trainer.steps_done()), r.loss);
     if (jsonl.is_open()) {
       auto j = r.json();
       j["gflops"] = flops_per_token * r.tokens_per_s / 1e9;
       j["elapsed_s"] = elapsed;
+      if (val_loss) j["val_loss"] = *val_loss;
       jsonl << j.dump() << '\n';
       jsonl.flush();
     }
@@ -401,6 +465,12 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     fmt::print("mean loss of the last {} steps: {:.4f} nats ({:.2f} bits per token); unigram "
                "entropy of the data: {:.4f} nats\n",
                recent.size(), mean, mean / std::log(2.0), entropy);
+  }
+  if (rank0 && !a.loss_plot.empty()) {
+    write_loss_plot(a.loss_plot, train_points, val_points,
+                    fmt::format("{} layers x {}, global batch {}", cfg.num_layers, cfg.hidden_size,
+                                global));
+    fmt::print("wrote the loss curve to {}\n", a.loss_plot);
   }
   if (!a.save.empty()) {
     trainer.save(a.save);
@@ -469,6 +539,13 @@ int main(int argc, char** argv) {
   app.add_option("--save-interval", a.save_interval, "save every N steps (0 = only at the end)");
   app.add_option("--log-interval", a.log_interval, "print every N steps");
   app.add_option("--log-jsonl", a.log_jsonl, "write one JSON object per step here");
+  app.add_option("--split", a.split,
+                 "train,valid,test weights over the data's windows, e.g. 98,2,0 (default: all "
+                 "train)");
+  app.add_option("--eval-interval", a.eval_interval,
+                 "validation loss every N steps and at the end (0: never; needs --split)");
+  app.add_option("--eval-iters", a.eval_iters, "global batches per validation");
+  app.add_option("--loss-plot", a.loss_plot, "write the train and validation loss curve (SVG)");
   app.add_option("--sample", a.sample, "generate N tokens at the end");
   app.add_option("--sample-temperature", a.sample_temperature, "0 = greedy");
   app.add_option("--sample-prompt", a.sample_prompt, "text the sample continues (text data)");

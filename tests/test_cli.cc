@@ -143,6 +143,32 @@ TEST_F(Cli, SamplesOfTokenDataDecodeThroughATokenizer) {
                {"small.bin has 10 tokens", "token id 63"});
 }
 
+// --split, --eval-interval and --eval-iters (Megatron's) put a validation
+// loss in the log and the JSONL; --loss-plot draws both curves.
+TEST_F(Cli, ValidationLossAndLossPlot) {
+  Result r = run(toy("--train-iters 6 --split 90,10,0 --eval-interval 3 --eval-iters 2 "
+                     "--log-jsonl " + dir_ + "/v.jsonl --loss-plot " + dir_ + "/loss.svg"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "validation loss")) << r.out;
+  EXPECT_TRUE(testing::contains(r.out, "| elapsed ")) << r.out;
+  EXPECT_TRUE(testing::contains(r.out, "| eta ")) << r.out;
+  std::istringstream lines(read_file(dir_ + "/v.jsonl"));
+  std::vector<int> evaluated;
+  for (std::string line; std::getline(lines, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("val_loss")) evaluated.push_back(j["step"].get<int>());
+  }
+  EXPECT_EQ(evaluated, (std::vector<int>{3, 6}));
+  const std::string svg = read_file(dir_ + "/loss.svg");
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u) << svg.substr(0, 80);
+  EXPECT_EQ(testing::count(svg, "<polyline"), 2) << "train and validation curves";
+  expect_error(toy("--eval-interval 3"), {"--eval-interval 3 needs validation data"});
+  expect_error(toy("--split 90,x"), {"--split '90,x': 'x' is not a non-negative number"});
+  expect_error(toy("--split 0,1,0"), {"--split '0,1,0' leaves no window for training"});
+  expect_error(toy("--split 9,1 --eval-interval 2 --eval-iters 0"),
+               {"--eval-iters (0) must be positive"});
+}
+
 TEST_F(Cli, MissingDataFile) {
   expect_error(toy("--data-path /nonexistent/corpus.txt"), {"/nonexistent/corpus.txt"});
 }

@@ -16,6 +16,8 @@
 #include <weft/runner.h>
 
 #include <atomic>
+#include <mutex>
+#include <tuple>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -340,6 +342,82 @@ TEST(ModelApi, BadModelDefinitionsAreNamed) {
   Param* w = params->create("w", {5, 3}, Init::constant(0));
   EXPECT_TRUE(contains(error_message([&] { g.add1("fc", std::make_unique<Linear>(w, nullptr), {x}); }),
                        "fc (linear): w: input width 4 does not match the weight's input dimension 5"));
+}
+
+
+// --- evaluation: the loss on other data, leaving training untouched ---
+
+// Runs `steps` GPT steps in layout (dp, pp) on threads, evaluating on
+// `valid` before every step when `eval`; returns rank 0's step losses and
+// evaluations.
+struct EvalRun {
+  std::vector<double> losses, evals;
+};
+EvalRun run_with_evaluation(int dp, int pp, bool eval, bool powersgd) {
+  GptConfig cfg;
+  cfg.vocab_size = 256, cfg.num_layers = 2, cfg.hidden_size = 32, cfg.num_heads = 4;
+  cfg.seq_length = 16;
+  std::string text;
+  for (int i = 0; i < 50; ++i) text += "A stitch in time saves nine; look before you leap. ";
+  const TokenData data = TokenData::from_tokens(std::vector<int32_t>(text.begin(), text.end()), 256);
+  const int64_t windows = data.windows(cfg.seq_length);
+  const TokenBatches train(data, 8, cfg.seq_length, 0, windows - 8);
+  const TokenBatches valid(data, 8, cfg.seq_length, windows - 8, 8);
+  EvalRun out;
+  std::mutex mu;
+  auto body = [&](Communicator* world) {
+    GptModel m = build_gpt(cfg, 2);
+    TrainOptions o;
+    o.micro_batch = 2, o.global_batch = 8;
+    o.lr.lr = 3e-3f;
+    LayoutOptions lo;
+    lo.pp = pp;
+    if (powersgd) lo.sync.compression = GradCompression::PowerSgd, lo.sync.powersgd_rank = 2;
+    RankLayout rank(world, m.graph, m.io, train, o, lo, 3);
+    EvalRun r;
+    for (int s = 0; s < 4; ++s) {
+      if (eval) r.evals.push_back(rank.trainer().evaluate(valid, 2));
+      r.losses.push_back(rank.trainer().train_step().loss);
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    if (world == nullptr || world->rank() == 0) out = r;
+  };
+  if (dp * pp == 1)
+    body(nullptr);
+  else
+    run_local(dp * pp, [&](Communicator& world) { body(&world); });
+  return out;
+}
+
+// Evaluating between steps changes no bit of training, on one process and
+// with data parallelism whose PowerSGD state a reduction would move.
+TEST(Evaluate, LeavesTrainingBitForBitUnchanged) {
+  for (auto [dp, pp, powersgd] : {std::tuple{1, 1, false}, std::tuple{2, 1, true},
+                                  std::tuple{1, 2, false}}) {
+    const EvalRun plain = run_with_evaluation(dp, pp, false, powersgd);
+    const EvalRun evaluated = run_with_evaluation(dp, pp, true, powersgd);
+    EXPECT_EQ(plain.losses, evaluated.losses) << "dp " << dp << " pp " << pp;
+    ASSERT_EQ(evaluated.evals.size(), 4u);
+    EXPECT_LT(evaluated.evals.back(), evaluated.evals.front()) << "validation loss falls";
+  }
+}
+
+// The evaluation of a batch is that batch's training loss, before the update.
+TEST(Evaluate, OfTheTrainingBatchIsItsLoss) {
+  GptConfig cfg;
+  cfg.vocab_size = 256, cfg.num_layers = 2, cfg.hidden_size = 32, cfg.num_heads = 4;
+  cfg.seq_length = 16;
+  std::string text(2000, 'x');
+  for (size_t i = 0; i < text.size(); ++i) text[i] = static_cast<char>('a' + (i * 7) % 26);
+  const TokenData data = TokenData::from_tokens(std::vector<int32_t>(text.begin(), text.end()), 256);
+  const TokenBatches batches(data, 4, cfg.seq_length);
+  GptModel m = build_gpt(cfg, 2);
+  init_gpt(m, 9);
+  TrainOptions o;
+  o.micro_batch = 2, o.global_batch = 4;
+  Trainer t(m.io, batches, o);
+  const double eval = t.evaluate(batches, 1);  // step 0's batch
+  EXPECT_EQ(eval, t.train_step().loss);
 }
 
 }  // namespace

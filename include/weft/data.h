@@ -39,8 +39,11 @@ class TokenData {
   int64_t windows(int64_t seq_len) const;
   // Fills inputs and targets (each count*seq_len) with windows
   // first_sequence .. first_sequence+count-1 (modulo windows(seq_len)).
+  // With `num_windows` > 0, only windows [first_window, first_window +
+  // num_windows) are read (a train or validation split), sequence k being
+  // window first_window + k mod num_windows.
   void fill(int64_t first_sequence, int64_t count, int64_t seq_len, int32_t* inputs,
-            int32_t* targets) const;
+            int32_t* targets, int64_t first_window = 0, int64_t num_windows = 0) const;
 
  private:
   std::vector<int32_t> tokens_;

@@ -116,6 +116,10 @@ class GradSync {
 
   const std::vector<Param*>& params() const { return params_; }
   bool distributed() const { return options_.distributed_optimizer && groups_.dp_size() > 1; }
+  // Off: the next steps' gradients are not reduced across replicas (and
+  // PowerSGD's state is left alone): for evaluation, whose gradients are
+  // thrown away. Every replica must agree.
+  void set_reduce(bool reduce) { reduce_ = reduce; }
   int64_t steps() const { return steps_; }
   void set_steps(int64_t s);
 
@@ -167,6 +171,7 @@ class GradSync {
   std::chrono::steady_clock::time_point first_launch_;
   bool launched_any_ = false;
   bool in_finish_ = false;
+  bool reduce_ = true;  // set_reduce
   bool compressing_ = false;  // PowerSGD this step
   Tensor scalar_;
 };

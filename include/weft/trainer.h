@@ -62,12 +62,16 @@ class BatchSource {
 // Fills two inputs: tokens and targets, (count, T) int32 each.
 class TokenBatches final : public BatchSource {
  public:
-  TokenBatches(const TokenData& data, int64_t global_batch, int64_t seq_len);
+  // With num_windows > 0, only windows [first_window, first_window +
+  // num_windows) of the data: a train or validation split.
+  TokenBatches(const TokenData& data, int64_t global_batch, int64_t seq_len,
+               int64_t first_window = 0, int64_t num_windows = 0);
   void fill(int64_t step, int64_t index, std::span<const Tensor> inputs) const override;
 
  private:
   const TokenData& data_;
   int64_t global_batch_;
+  int64_t first_window_, num_windows_;
 };
 
 struct TrainOptions {
@@ -134,6 +138,10 @@ class Trainer {
   // Forward and backward of one global batch without an update: the mean loss,
   // with each parameter's grad holding d(mean loss)/d(param).
   double compute_gradients(int64_t step);
+  // The mean loss over `iters` global batches of `data` (batch k for k = 0 ..
+  // iters - 1), on every layout, without reducing gradients or touching the
+  // optimizer: training continues as if it had not run. Collective.
+  double evaluate(const BatchSource& data, int64_t iters);
 
   int64_t steps_done() const { return steps_done_; }
   GradSync& grad_sync() { return *sync_; }
@@ -153,6 +161,7 @@ class Trainer {
   TrainOptions opt_;
   Parallel par_;
   int64_t micro_batches_ = 0;
+  double run_batch(const BatchSource& data, int64_t step);  // compute_gradients on `data`
   ReplicaBatches data_;
   std::unique_ptr<GradSync> sync_;
   MicroBatch mb_;

@@ -116,13 +116,17 @@ int64_t TokenData::windows(int64_t seq_len) const {
 }
 
 void TokenData::fill(int64_t first_sequence, int64_t count, int64_t seq_len, int32_t* inputs,
-                     int32_t* targets) const {
-  int64_t n = windows(seq_len);
+                     int32_t* targets, int64_t first_window, int64_t num_windows) const {
+  const int64_t all = windows(seq_len);
+  check(first_window >= 0 && num_windows >= 0 && first_window + num_windows <= all,
+        "{}: windows [{}, +{}) are outside the data's {} windows", describe(path_), first_window,
+        num_windows, all);
+  const int64_t n = num_windows > 0 ? num_windows : all;
   check(first_sequence >= 0 && count >= 0, "{}: sequences [{}, +{}) must be non-negative",
         describe(path_), first_sequence, count);
   const size_t t = static_cast<size_t>(seq_len);
   for (int64_t i = 0; i < count; ++i) {
-    int64_t w = (first_sequence + i) % n;
+    int64_t w = first_window + (first_sequence + i) % n;
     const int32_t* src = tokens_.data() + static_cast<size_t>(w) * t;
     std::copy(src, src + t, inputs + static_cast<size_t>(i) * t);
     std::copy(src + 1, src + 1 + t, targets + static_cast<size_t>(i) * t);

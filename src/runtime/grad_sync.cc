@@ -205,13 +205,13 @@ void GradSync::begin(int64_t micro_batches) {
   stats_ = {};
   // Steps before --powersgd-start-iter reduce uncompressed (PyTorch's
   // start_powerSGD_iter): Adam's moments settle on exact gradients first.
-  compressing_ = options_.compression == GradCompression::PowerSgd &&
+  compressing_ = reduce_ && options_.compression == GradCompression::PowerSgd &&
                  steps_ >= options_.powersgd_start_iter;
 }
 
 void GradSync::launch(Bucket& b) {
   b.launched = true;
-  if (groups_.dp_size() <= 1) return;
+  if (groups_.dp_size() <= 1 || !reduce_) return;
   if (!launched_any_) {
     launched_any_ = true;
     first_launch_ = Clock::now();
@@ -292,7 +292,7 @@ void GradSync::finish() {
   in_finish_ = true;
   const auto t0 = Clock::now();
   while (next_launch_ < buckets_.size()) launch(*buckets_[next_launch_++]);
-  if (groups_.dp_size() > 1) {
+  if (groups_.dp_size() > 1 && reduce_) {
     if (compressing_) launch_second_round();
     for (auto& b : buckets_) {
       if (b->request) {

@@ -26,9 +26,13 @@ std::string StepRecord::line(int64_t train_iters) const {
          (bubble_frac >= 0 ? fmt::format(" | bubble {:.1f}%", 100 * bubble_frac) : "");
 }
 
-TokenBatches::TokenBatches(const TokenData& data, int64_t global_batch, int64_t seq_len)
-    : data_(data), global_batch_(global_batch) {
-  data_.windows(seq_len);  // throws when the data holds no whole window
+TokenBatches::TokenBatches(const TokenData& data, int64_t global_batch, int64_t seq_len,
+                           int64_t first_window, int64_t num_windows)
+    : data_(data), global_batch_(global_batch), first_window_(first_window),
+      num_windows_(num_windows) {
+  const int64_t all = data_.windows(seq_len);  // throws when the data holds no whole window
+  check(first_window >= 0 && num_windows >= 0 && first_window + num_windows <= all,
+        "windows [{}, +{}) are outside the data's {} windows", first_window, num_windows, all);
 }
 
 void TokenBatches::fill(int64_t step, int64_t index, std::span<const Tensor> inputs) const {
@@ -40,7 +44,7 @@ void TokenBatches::fill(int64_t step, int64_t index, std::span<const Tensor> inp
           dtype_name(inputs[0].dtype()), inputs[0].shape().str(), dtype_name(inputs[1].dtype()),
           inputs[1].shape().str());
   data_.fill(step * global_batch_ + index, inputs[0].dim(0), inputs[0].dim(1),
-             inputs[0].data<int32_t>(), inputs[1].data<int32_t>());
+             inputs[0].data<int32_t>(), inputs[1].data<int32_t>(), first_window_, num_windows_);
 }
 
 void check_model_io(const ModelIO& io, int64_t micro_batch) {
@@ -142,11 +146,29 @@ Trainer::~Trainer() {
   if (par_.pipeline != nullptr) par_.pipeline->set_grad_sync(nullptr);
 }
 
-double Trainer::compute_gradients(int64_t step) {
+double Trainer::compute_gradients(int64_t step) { return run_batch(data_, step); }
+
+double Trainer::evaluate(const BatchSource& data, int64_t iters) {
+  check(iters > 0, "evaluation needs at least one batch, got {}", iters);
+  const ReplicaBatches replica(data, par_.groups.dp_rank() *
+                                         (opt_.global_batch / par_.groups.dp_size()));
+  sync_->set_reduce(false);
+  double sum = 0;
+  try {
+    for (int64_t k = 0; k < iters; ++k) sum += run_batch(replica, k);
+  } catch (...) {
+    sync_->set_reduce(true);
+    throw;
+  }
+  sync_->set_reduce(true);
+  return sum / static_cast<double>(iters);
+}
+
+double Trainer::run_batch(const BatchSource& batches, int64_t step) {
   sync_->begin(micro_batches_);
   double loss = 0;
   if (par_.pipeline != nullptr) {
-    loss = par_.pipeline->run(data_, step, opt_.micro_batch, opt_.global_batch);
+    loss = par_.pipeline->run(batches, step, opt_.micro_batch, opt_.global_batch);
   } else {
     const Graph& graph = *g_.graph;
     const int n = static_cast<int>(graph.nodes().size());
@@ -156,9 +178,9 @@ double Trainer::compute_gradients(int64_t step) {
       if (opt_.device.is_cpu()) {  // straight into the arena
         inputs_.clear();
         for (int v : g_.inputs) inputs_.push_back(mb_.input(v));
-        data_.fill(step, j * opt_.micro_batch, inputs_);
+        batches.fill(step, j * opt_.micro_batch, inputs_);
       } else {  // on the host, then an asynchronous upload through pinned memory
-        data_.fill(step, j * opt_.micro_batch, host_inputs_);
+        batches.fill(step, j * opt_.micro_batch, host_inputs_);
         for (size_t k = 0; k < g_.inputs.size(); ++k)
           mb_.input(g_.inputs[k]).copy_from(host_inputs_[k]);
       }
