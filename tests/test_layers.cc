@@ -25,6 +25,9 @@
 #include "layers/lm_head.h"
 #include "layers/mse_loss.h"
 #include "layers/residual.h"
+#include "layers/rmsnorm.h"
+#include "layers/rotary.h"
+#include "layers/swiglu.h"
 #include "test_util.h"
 
 namespace weft {
@@ -247,17 +250,81 @@ Case make_case(const std::string& name) {
         s2 += 0.5 * std::pow(at(in[0], i) - at(in[1], i), 2);
       return std::vector<double>{s2};
     };
+  } else if (name == "rmsnorm") {
+    Param* w = make_param(s, "norm.weight", {kC}, 0.2f, 1.0f, 5);
+    c.layer = std::make_unique<RmsNorm>(w, 1e-5f);
+    c.make_inputs = [act](uint64_t seed) {
+      Tensor x = uniform(act, 1000 + seed, -1.0f, 1.0f);
+      for (int64_t i = 0; i < act.rows(); ++i)  // rows of different scales
+        for (int64_t j = 0; j < kC; ++j) x.data<float>()[i * kC + j] *= 0.5f + 0.4f * float(i % 3);
+      return std::vector<Tensor>{x};
+    };
+    c.float_input = {true};
+    c.reference = [w](const std::vector<Tensor>& in) {
+      const int64_t n = in[0].shape().rows();
+      std::vector<double> y(z(n * kC));
+      for (int64_t i = 0; i < n; ++i) {
+        double ss = 0;
+        for (int64_t j = 0; j < kC; ++j) ss += at(in[0], i * kC + j) * at(in[0], i * kC + j);
+        const double r = 1.0 / std::sqrt(ss / kC + 1e-5);
+        for (int64_t j = 0; j < kC; ++j) y[z(i * kC + j)] = at(in[0], i * kC + j) * r * at(w->value, j);
+      }
+      return y;
+    };
+  } else if (name == "swiglu") {
+    c.layer = std::make_unique<SwiGlu>();
+    c.make_inputs = [](uint64_t seed) {
+      return std::vector<Tensor>{uniform({kB, kT, 2 * kC}, 1100 + seed, -3.0f, 3.0f)};
+    };
+    c.float_input = {true};
+    c.reference = [](const std::vector<Tensor>& in) {
+      const int64_t n = in[0].shape().rows();
+      std::vector<double> y(z(n * kC));
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < kC; ++j) {
+          const double g = at(in[0], i * 2 * kC + j), u = at(in[0], i * 2 * kC + kC + j);
+          y[z(i * kC + j)] = g / (1 + std::exp(-g)) * u;
+        }
+      return y;
+    };
+  } else if (name == "rotary") {
+    c.layer = std::make_unique<Rotary>(kHeads, 100.0f);
+    c.make_inputs = [](uint64_t seed) {
+      return std::vector<Tensor>{uniform({kB, kT, 3 * kC}, 1200 + seed)};
+    };
+    c.float_input = {true};
+    // q and k of head h: pairs (i, i + D/2) rotated by t * 100^(-2i/D); v as is.
+    c.reference = [](const std::vector<Tensor>& in) {
+      const int64_t d = kC / kHeads, half = d / 2;
+      std::vector<double> y(z(in[0].numel()));
+      for (int64_t row = 0; row < kB * kT; ++row) {
+        const int64_t t = row % kT;
+        for (int64_t part = 0; part < 3; ++part)
+          for (int64_t h = 0; h < kHeads; ++h)
+            for (int64_t i = 0; i < half; ++i) {
+              const int64_t a = row * 3 * kC + part * kC + h * d + i, b = a + half;
+              if (part == 2) {
+                y[z(a)] = at(in[0], a), y[z(b)] = at(in[0], b);
+                continue;
+              }
+              const double ang = double(t) * std::pow(100.0, -2.0 * double(i) / double(d));
+              y[z(a)] = at(in[0], a) * std::cos(ang) - at(in[0], b) * std::sin(ang);
+              y[z(b)] = at(in[0], b) * std::cos(ang) + at(in[0], a) * std::sin(ang);
+            }
+      }
+      return y;
+    };
   } else {
     ADD_FAILURE() << "unknown layer case " << name;
   }
   return c;
 }
 
-const std::vector<std::string> kAllLayers = {"embedding",     "layernorm", "linear_bias",
-                                             "linear_nobias", "gelu",      "attention",
-                                             "residual",      "lm_head",   "mse"};
-const std::vector<std::string> kParamLayers = {"embedding", "layernorm", "linear_bias",
-                                               "linear_nobias", "lm_head"};
+const std::vector<std::string> kAllLayers = {
+    "embedding", "layernorm", "linear_bias", "linear_nobias", "gelu",    "attention",
+    "residual",  "lm_head",   "mse",         "rmsnorm",       "swiglu", "rotary"};
+const std::vector<std::string> kParamLayers = {"embedding",     "layernorm", "linear_bias",
+                                               "linear_nobias", "lm_head",   "rmsnorm"};
 
 // --- running a layer the way the runner does ---
 

@@ -29,6 +29,9 @@
 #include "layers/lm_head.h"
 #include "layers/mse_loss.h"
 #include "layers/residual.h"
+#include "layers/rmsnorm.h"
+#include "layers/rotary.h"
+#include "layers/swiglu.h"
 #include "models/gpt.h"
 #include "test_util.h"
 
@@ -273,6 +276,26 @@ LayerCase make_case(const std::string& name) {
     c.out_split = kWhole;
     c.loss = true;
     c.parallel_kind = "mse_loss";
+  } else if (name == "rmsnorm") {
+    c.layer = std::make_unique<RmsNorm>(make_param(s, "norm.weight", {kC}));
+    c.in = {x(act, 12)};
+    c.in_split = {kWhole};
+    c.out_split = kWhole;
+    c.parallel_kind = "rmsnorm";
+  } else if (name == "swiglu") {  // on [gate_r | up_r], a column-parallel slice of two blocks
+    c.layer = std::make_unique<SwiGlu>();
+    c.in = {testing::uniform_tensor({kB, kT, 4 * kC}, 13, -3.0f, 3.0f)};
+    c.in_split = {Split{true, 2}};
+    c.out_split = kCols;
+    c.flops_split = true;
+    c.parallel_kind = "swiglu";
+  } else if (name == "rotary") {  // heads split, as attention's
+    c.layer = std::make_unique<Rotary>(kHeads);
+    c.in = {x({kB, kT, 3 * kC}, 14)};
+    c.in_split = {kQkv};
+    c.out_split = kQkv;
+    c.flops_split = true;
+    c.parallel_kind = "rotary";
   } else {
     ADD_FAILURE() << "unknown case " << name;
   }
@@ -283,7 +306,7 @@ LayerCase make_case(const std::string& name) {
 const std::vector<std::string> kLayerCases = {
     "column",    "column_nobias", "column_packed", "row",       "row_nobias", "replicated_linear",
     "attention", "embedding",     "lm_head",       "layernorm", "gelu",       "residual",
-    "mse"};
+    "mse",       "rmsnorm",       "swiglu",        "rotary"};
 
 // What one rank saw; filled on its thread, compared on the main one.
 struct RankRun {

@@ -26,6 +26,30 @@ void layernorm_backward_input(const float* dy, const float* x, const float* w, c
 void layernorm_backward_weight(const float* dy, const float* x, const float* mean,
                                const float* rstd, float* dw, float* db, int64_t n, int64_t c);
 
+// --- RMSNorm over the last dimension (Llama): y = x / sqrt(mean(x^2) + eps) * w ---
+// x, y (N, C); rstd (N)
+void rmsnorm_forward(const float* x, const float* w, float* y, float* rstd, int64_t n, int64_t c,
+                     float eps);
+// dx (N, C) += d/dx
+void rmsnorm_backward_input(const float* dy, const float* x, const float* w, const float* rstd,
+                            float* dx, int64_t n, int64_t c);
+// dw (C) += d/dw
+void rmsnorm_backward_weight(const float* dy, const float* x, const float* rstd, float* dw,
+                             int64_t n, int64_t c);
+
+// --- SwiGLU (Megatron's): x (N, 2H) = [gate | up] -> y (N, H) = silu(gate) * up ---
+void swiglu_forward(const float* x, float* y, int64_t n, int64_t h);
+void swiglu_backward(const float* dy, const float* x, float* dx, int64_t n, int64_t h);  // dx +=
+
+// --- rotary position embedding on a packed qkv (B, T, 3C), heads of D = C/H ---
+// q and k of each head rotated in pairs (i, i + D/2) by angle t * base^(-2i/D)
+// (Llama's rotate-half convention); v copied. y may not alias x.
+void rope_forward(const float* x, float* y, int64_t b, int64_t t, int64_t h, int64_t c,
+                  float base);
+// dx (B, T, 3C) += the inverse rotation of dy.
+void rope_backward(const float* dy, float* dx, int64_t b, int64_t t, int64_t h, int64_t c,
+                   float base);
+
 // --- tanh-approximated GELU, element-wise over n values. ---
 void gelu_forward(const float* x, float* y, int64_t n);
 void gelu_backward(const float* dy, const float* x, float* dx, int64_t n);  // dx += ...

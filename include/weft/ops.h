@@ -70,6 +70,27 @@ void layernorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w
 void layernorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& mean,
                                const Tensor& rstd, const Tensor& dw, const Tensor& db);
 
+// --- RMSNorm over the last dimension (Llama): y = x / sqrt(mean(x^2) + eps) * w ---
+
+// x, y (N, C); w (C); rstd (N)
+void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd,
+                     float eps);
+void rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w,
+                            const Tensor& rstd, const Tensor& dx);  // dx +=
+void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rstd,
+                             const Tensor& dw);  // dw +=
+
+// --- SwiGLU: x (N, 2H) = [gate | up] -> y (N, H) = silu(gate) * up ---
+
+void swiglu_forward(const Tensor& x, const Tensor& y);
+void swiglu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx);  // dx +=
+
+// --- rotary position embedding of q and k in a packed qkv (B, T, 3C) ---
+// Pairs (i, i + D/2) of each head's q and k rotate by t * base^(-2i/D); v is
+// copied. y must not alias qkv.
+void rope_forward(const Tensor& qkv, const Tensor& y, int64_t heads, float base);
+void rope_backward(const Tensor& dy, const Tensor& dqkv, int64_t heads, float base);  // dqkv +=
+
 // --- tanh-approximated GELU ---
 
 void gelu_forward(const Tensor& x, const Tensor& y);

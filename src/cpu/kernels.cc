@@ -87,6 +87,129 @@ void layernorm_backward_weight(const float* dy, const float* x, const float* mea
   }
 }
 
+void rmsnorm_forward(const float* x, const float* w, float* y, float* rstd, int64_t n, int64_t c,
+                     float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float* xi = x + i * c;
+    float* yi = y + i * c;
+    float ss = 0;
+    for (int64_t j = 0; j < c; ++j) ss += xi[j] * xi[j];
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(c) + eps);
+    for (int64_t j = 0; j < c; ++j) yi[j] = xi[j] * r * w[j];
+    rstd[i] = r;
+  }
+}
+
+// y_j = w_j x_j r with r = (mean(x^2) + eps)^(-1/2), dr/dx_k = -r^3 x_k / C:
+// dx_k = r w_k dy_k - x_k r^3 / C * sum_j w_j dy_j x_j
+void rmsnorm_backward_input(const float* dy, const float* x, const float* w, const float* rstd,
+                            float* dx, int64_t n, int64_t c) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float* dyi = dy + i * c;
+    const float* xi = x + i * c;
+    float* dxi = dx + i * c;
+    const float r = rstd[i];
+    float dot = 0;
+    for (int64_t j = 0; j < c; ++j) dot += w[j] * dyi[j] * xi[j];
+    const float k = r * r * r * dot / static_cast<float>(c);
+    for (int64_t j = 0; j < c; ++j) dxi[j] += r * w[j] * dyi[j] - xi[j] * k;
+  }
+}
+
+void rmsnorm_backward_weight(const float* dy, const float* x, const float* rstd, float* dw,
+                             int64_t n, int64_t c) {
+  const int64_t blocks = (c + kColBlock - 1) / kColBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t j0 = blk * kColBlock, j1 = std::min(c, j0 + kColBlock);
+    float sw[kColBlock] = {};
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = j0; j < j1; ++j) sw[j - j0] += dy[i * c + j] * x[i * c + j] * rstd[i];
+    for (int64_t j = j0; j < j1; ++j) dw[j] += sw[j - j0];
+  }
+}
+
+void swiglu_forward(const float* x, float* y, int64_t n, int64_t h) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float* g = x + i * 2 * h;
+    const float* u = g + h;
+    for (int64_t j = 0; j < h; ++j) y[i * h + j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+  }
+}
+
+// silu(g) = g s, s = sigmoid(g); silu'(g) = s (1 + g (1 - s))
+void swiglu_backward(const float* dy, const float* x, float* dx, int64_t n, int64_t h) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float* g = x + i * 2 * h;
+    const float* u = g + h;
+    float* dg = dx + i * 2 * h;
+    float* du = dg + h;
+    for (int64_t j = 0; j < h; ++j) {
+      const float s = 1.0f / (1.0f + std::exp(-g[j]));
+      const float d = dy[i * h + j];
+      dg[j] += d * u[j] * s * (1.0f + g[j] * (1.0f - s));
+      du[j] += d * g[j] * s;
+    }
+  }
+}
+
+namespace {
+// The angle of pair i at position t, computed in double as the reference does.
+float rope_angle(int64_t t, int64_t i, int64_t d, float base) {
+  return static_cast<float>(static_cast<double>(t) *
+                            std::pow(static_cast<double>(base), -2.0 * static_cast<double>(i) /
+                                                                    static_cast<double>(d)));
+}
+}  // namespace
+
+void rope_forward(const float* x, float* y, int64_t b, int64_t t, int64_t h, int64_t c,
+                  float base) {
+  const int64_t d = c / h, half = d / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < b * t; ++row) {
+    const int64_t pos = row % t;
+    const float* xr = x + row * 3 * c;
+    float* yr = y + row * 3 * c;
+    std::copy_n(xr + 2 * c, c, yr + 2 * c);  // v
+    for (int64_t part = 0; part < 2; ++part)  // q, then k
+      for (int64_t hi = 0; hi < h; ++hi) {
+        const float* xs = xr + part * c + hi * d;
+        float* ys = yr + part * c + hi * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = rope_angle(pos, i, d, base), cs = std::cos(a), sn = std::sin(a);
+          ys[i] = xs[i] * cs - xs[i + half] * sn;
+          ys[i + half] = xs[i + half] * cs + xs[i] * sn;
+        }
+      }
+  }
+}
+
+void rope_backward(const float* dy, float* dx, int64_t b, int64_t t, int64_t h, int64_t c,
+                   float base) {
+  const int64_t d = c / h, half = d / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < b * t; ++row) {
+    const int64_t pos = row % t;
+    const float* gr = dy + row * 3 * c;
+    float* dr = dx + row * 3 * c;
+    for (int64_t j = 0; j < c; ++j) dr[2 * c + j] += gr[2 * c + j];  // v
+    for (int64_t part = 0; part < 2; ++part)
+      for (int64_t hi = 0; hi < h; ++hi) {
+        const float* gs = gr + part * c + hi * d;
+        float* ds = dr + part * c + hi * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = rope_angle(pos, i, d, base), cs = std::cos(a), sn = std::sin(a);
+          ds[i] += gs[i] * cs + gs[i + half] * sn;
+          ds[i + half] += gs[i + half] * cs - gs[i] * sn;
+        }
+      }
+  }
+}
+
 namespace {
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluCubic = 0.044715f;

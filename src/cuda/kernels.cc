@@ -39,6 +39,60 @@ void layernorm_backward_weight(Context& ctx, const float* dy, const float* x, co
   WEFT_LAUNCH_CHECK("column_sums (layernorm weight)");
 }
 
+void rmsnorm_forward(Context& ctx, const float* x, const float* w, float* y, float* rstd,
+                     int64_t n, int64_t c, float eps) {
+  if (n == 0) return;
+  launch::rmsnorm_forward(prepare(ctx), x, w, y, rstd, n, c, eps);
+  WEFT_LAUNCH_CHECK("rmsnorm_forward");
+}
+
+void rmsnorm_backward_input(Context& ctx, const float* dy, const float* x, const float* w,
+                            const float* rstd, float* dx, int64_t n, int64_t c) {
+  if (n == 0) return;
+  launch::rmsnorm_backward_input(prepare(ctx), dy, x, w, rstd, dx, n, c);
+  WEFT_LAUNCH_CHECK("rmsnorm_backward_input");
+}
+
+// LayerNorm's column sums with a zero mean: sum_i dy x rstd (its bias sums are dropped).
+void rmsnorm_backward_weight(Context& ctx, const float* dy, const float* x, const float* rstd,
+                             float* dw, int64_t n, int64_t c) {
+  if (n == 0 || c == 0) return;
+  DeviceBuffer<float> zero_mean(ctx, n), unused_db(ctx, c);
+  zero(ctx, zero_mean.data(), zero_mean.bytes());
+  zero(ctx, unused_db.data(), unused_db.bytes());
+  DeviceBuffer<float> partials(ctx, 2 * launch::column_slices(n) * c);
+  launch::column_sums(prepare(ctx), dy, x, zero_mean.data(), rstd, dw, unused_db.data(),
+                      partials.data(), n, c);
+  WEFT_LAUNCH_CHECK("column_sums (rmsnorm weight)");
+}
+
+void swiglu_forward(Context& ctx, const float* x, float* y, int64_t n, int64_t h) {
+  if (n * h == 0) return;
+  launch::swiglu_forward(prepare(ctx), x, y, n, h);
+  WEFT_LAUNCH_CHECK("swiglu_forward");
+}
+
+void swiglu_backward(Context& ctx, const float* dy, const float* x, float* dx, int64_t n,
+                     int64_t h) {
+  if (n * h == 0) return;
+  launch::swiglu_backward(prepare(ctx), dy, x, dx, n, h);
+  WEFT_LAUNCH_CHECK("swiglu_backward");
+}
+
+void rope_forward(Context& ctx, const float* x, float* y, int64_t b, int64_t t, int64_t h,
+                  int64_t c, float base) {
+  if (b * t * c == 0) return;
+  launch::rope(prepare(ctx), false, x, y, b, t, h, c, base);
+  WEFT_LAUNCH_CHECK("rope_forward");
+}
+
+void rope_backward(Context& ctx, const float* dy, float* dx, int64_t b, int64_t t, int64_t h,
+                   int64_t c, float base) {
+  if (b * t * c == 0) return;
+  launch::rope(prepare(ctx), true, dy, dx, b, t, h, c, base);
+  WEFT_LAUNCH_CHECK("rope_backward");
+}
+
 void gelu_forward(Context& ctx, const float* x, float* y, int64_t n) {
   if (n == 0) return;
   launch::gelu_forward(prepare(ctx), x, y, n);

@@ -111,6 +111,98 @@ __global__ void layernorm_backward_input_kernel(const float* dy, const float* x,
   }
 }
 
+// ---------------------------------------------------------------- RMSNorm, SwiGLU, RoPE
+
+// One warp per row. x, y (N, C); rstd (N)
+__global__ void rmsnorm_forward_kernel(const float* x, const float* w, float* y, float* rstd,
+                                       int64_t n, int64_t c, float eps) {
+  const int64_t row = int64_t{blockIdx.x} * (blockDim.x / kWarp) + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (row >= n) return;
+  const float* xr = x + row * c;
+  float ss = 0;
+  for (int64_t j = lane; j < c; j += kWarp) ss += xr[j] * xr[j];
+  const float r = 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(c) + eps);
+  float* yr = y + row * c;
+  for (int64_t j = lane; j < c; j += kWarp) yr[j] = xr[j] * r * w[j];
+  if (lane == 0) rstd[row] = r;
+}
+
+// One warp per row: dx += r w dy - x r^3 / C * sum_j w_j dy_j x_j
+__global__ void rmsnorm_backward_input_kernel(const float* dy, const float* x, const float* w,
+                                              const float* rstd, float* dx, int64_t n,
+                                              int64_t c) {
+  const int64_t row = int64_t{blockIdx.x} * (blockDim.x / kWarp) + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (row >= n) return;
+  const float* dyr = dy + row * c;
+  const float* xr = x + row * c;
+  const float r = rstd[row];
+  float dot = 0;
+  for (int64_t j = lane; j < c; j += kWarp) dot += w[j] * dyr[j] * xr[j];
+  const float k = r * r * r * warp_sum(dot) / static_cast<float>(c);
+  float* dxr = dx + row * c;
+  for (int64_t j = lane; j < c; j += kWarp) dxr[j] += r * w[j] * dyr[j] - xr[j] * k;
+}
+
+// x (N, 2H) = [gate | up] -> y (N, H) = silu(gate) * up
+__global__ void swiglu_forward_kernel(const float* x, float* y, int64_t n, int64_t h) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n * h;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t row = i / h, j = i % h;
+    const float g = x[row * 2 * h + j], u = x[row * 2 * h + h + j];
+    y[i] = g / (1.0f + expf(-g)) * u;
+  }
+}
+
+__global__ void swiglu_backward_kernel(const float* dy, const float* x, float* dx, int64_t n,
+                                       int64_t h) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n * h;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t row = i / h, j = i % h;
+    const float g = x[row * 2 * h + j], u = x[row * 2 * h + h + j];
+    const float s = 1.0f / (1.0f + expf(-g)), d = dy[i];
+    dx[row * 2 * h + j] += d * u * s * (1.0f + g * (1.0f - s));
+    dx[row * 2 * h + h + j] += d * g * s;
+  }
+}
+
+// One thread per (row, part q|k|v, column of the first half of a head); the
+// pair (i, i + D/2) of q and k is rotated by pos * base^(-2i/D), v copied.
+// backward: the inverse rotation, accumulated.
+template <bool backward>
+__global__ void rope_kernel(const float* src, float* dst, int64_t rows, int64_t t, int64_t h,
+                            int64_t c, float base) {
+  const int64_t d = c / h, half = d / 2;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < rows * 3 * h * half;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t p = i % half, hi = i / half % h, part = i / (half * h) % 3,
+                  row = i / (half * h * 3);
+    const int64_t at = row * 3 * c + part * c + hi * d + p;
+    const float a0 = src[at], a1 = src[at + half];
+    if (part == 2) {  // v: no rotation
+      if constexpr (backward) {
+        dst[at] += a0;
+        dst[at + half] += a1;
+      } else {
+        dst[at] = a0;
+        dst[at + half] = a1;
+      }
+      continue;
+    }
+    const float angle = static_cast<float>(
+        static_cast<double>(row % t) * pow(static_cast<double>(base), -2.0 * p / static_cast<double>(d)));
+    const float cs = cosf(angle), sn = sinf(angle);
+    if constexpr (backward) {
+      dst[at] += a0 * cs + a1 * sn;
+      dst[at + half] += a1 * cs - a0 * sn;
+    } else {
+      dst[at] = a0 * cs - a1 * sn;
+      dst[at + half] = a1 * cs + a0 * sn;
+    }
+  }
+}
+
 // Column sums over rows in two deterministic passes. Pass 1: block (32, 8)
 // owns 32 columns and row slice blockIdx.y of `slices`; it writes one partial
 // per column. Pass 2 adds the slices' partials in order into the output.
@@ -428,6 +520,34 @@ void column_sums(cudaStream_t s, const float* dy, const float* x, const float* m
     column_partials_kernel<false><<<grid, block, 0, s>>>(dy, x, mean, rstd, nullptr, part_db, n, c);
   }
   column_finish_kernel<<<blocks_for(c), kThreads, 0, s>>>(part_db, db, slices, c);
+}
+
+void rmsnorm_forward(cudaStream_t s, const float* x, const float* w, float* y, float* rstd,
+                     int64_t n, int64_t c, float eps) {
+  rmsnorm_forward_kernel<<<row_blocks(n), kThreads, 0, s>>>(x, w, y, rstd, n, c, eps);
+}
+
+void rmsnorm_backward_input(cudaStream_t s, const float* dy, const float* x, const float* w,
+                            const float* rstd, float* dx, int64_t n, int64_t c) {
+  rmsnorm_backward_input_kernel<<<row_blocks(n), kThreads, 0, s>>>(dy, x, w, rstd, dx, n, c);
+}
+
+void swiglu_forward(cudaStream_t s, const float* x, float* y, int64_t n, int64_t h) {
+  swiglu_forward_kernel<<<blocks_for(n * h), kThreads, 0, s>>>(x, y, n, h);
+}
+
+void swiglu_backward(cudaStream_t s, const float* dy, const float* x, float* dx, int64_t n,
+                     int64_t h) {
+  swiglu_backward_kernel<<<blocks_for(n * h), kThreads, 0, s>>>(dy, x, dx, n, h);
+}
+
+void rope(cudaStream_t s, bool backward, const float* src, float* dst, int64_t b, int64_t t,
+          int64_t h, int64_t c, float base) {
+  const int64_t work = b * t * 3 * c / 2;
+  if (backward)
+    rope_kernel<true><<<blocks_for(work), kThreads, 0, s>>>(src, dst, b * t, t, h, c, base);
+  else
+    rope_kernel<false><<<blocks_for(work), kThreads, 0, s>>>(src, dst, b * t, t, h, c, base);
 }
 
 void gelu_forward(cudaStream_t s, const float* x, float* y, int64_t n) {

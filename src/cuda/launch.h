@@ -29,6 +29,15 @@ void column_sums(cudaStream_t s, const float* dy, const float* x, const float* m
                  const float* rstd, float* dw, float* db, float* partials, int64_t n, int64_t c);
 
 // --- element-wise ---
+void rmsnorm_forward(cudaStream_t s, const float* x, const float* w, float* y, float* rstd,
+                     int64_t n, int64_t c, float eps);
+void rmsnorm_backward_input(cudaStream_t s, const float* dy, const float* x, const float* w,
+                            const float* rstd, float* dx, int64_t n, int64_t c);
+void swiglu_forward(cudaStream_t s, const float* x, float* y, int64_t n, int64_t h);
+void swiglu_backward(cudaStream_t s, const float* dy, const float* x, float* dx, int64_t n,
+                     int64_t h);
+void rope(cudaStream_t s, bool backward, const float* src, float* dst, int64_t b, int64_t t,
+          int64_t h, int64_t c, float base);
 void gelu_forward(cudaStream_t s, const float* x, float* y, int64_t n);
 void gelu_backward(cudaStream_t s, const float* dy, const float* x, float* dx, int64_t n);
 void add_bias(cudaStream_t s, float* y, const float* bias, int64_t n, int64_t c);

@@ -253,6 +253,79 @@ void layernorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& 
       });
 }
 
+// --- RMSNorm, SwiGLU, rotary embedding ---
+
+void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd,
+                     float eps) {
+  const Device d = common_device("rmsnorm_forward", {&x, &w, &y, &rstd});
+  const int64_t n = x.shape().rows(), c = x.shape().last();
+  check_numel("rmsnorm_forward", "y", y, n * c);
+  check_numel("rmsnorm_forward", "the weight", w, c);
+  on_device(
+      d, "rmsnorm_forward", [&] { cpu::rmsnorm_forward(f(x), f(w), fw(y), fw(rstd), n, c, eps); },
+      [&](auto& cx) { cuda::rmsnorm_forward(cx, f(x), f(w), fw(y), fw(rstd), n, c, eps); });
+}
+
+void rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w,
+                            const Tensor& rstd, const Tensor& dx) {
+  const Device d = common_device("rmsnorm_backward_input", {&dy, &x, &w, &rstd, &dx});
+  const int64_t n = x.shape().rows(), c = x.shape().last();
+  on_device(
+      d, "rmsnorm_backward_input",
+      [&] { cpu::rmsnorm_backward_input(f(dy), f(x), f(w), f(rstd), fw(dx), n, c); },
+      [&](auto& cx) { cuda::rmsnorm_backward_input(cx, f(dy), f(x), f(w), f(rstd), fw(dx), n, c); });
+}
+
+void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rstd,
+                             const Tensor& dw) {
+  const Device d = common_device("rmsnorm_backward_weight", {&dy, &x, &rstd, &dw});
+  const int64_t n = x.shape().rows(), c = x.shape().last();
+  on_device(
+      d, "rmsnorm_backward_weight",
+      [&] { cpu::rmsnorm_backward_weight(f(dy), f(x), f(rstd), fw(dw), n, c); },
+      [&](auto& cx) { cuda::rmsnorm_backward_weight(cx, f(dy), f(x), f(rstd), fw(dw), n, c); });
+}
+
+void swiglu_forward(const Tensor& x, const Tensor& y) {
+  const Device d = common_device("swiglu_forward", {&x, &y});
+  const int64_t n = x.shape().rows(), h = x.shape().last() / 2;
+  check(x.shape().last() % 2 == 0, "swiglu_forward: the input width {} must be even (gate | up)",
+        x.shape().last());
+  check_numel("swiglu_forward", "y", y, n * h);
+  on_device(
+      d, "swiglu_forward", [&] { cpu::swiglu_forward(f(x), fw(y), n, h); },
+      [&](auto& cx) { cuda::swiglu_forward(cx, f(x), fw(y), n, h); });
+}
+
+void swiglu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx) {
+  const Device d = common_device("swiglu_backward", {&dy, &x, &dx});
+  const int64_t n = x.shape().rows(), h = x.shape().last() / 2;
+  check_numel("swiglu_backward", "dx", dx, x.numel());
+  on_device(
+      d, "swiglu_backward", [&] { cpu::swiglu_backward(f(dy), f(x), fw(dx), n, h); },
+      [&](auto& cx) { cuda::swiglu_backward(cx, f(dy), f(x), fw(dx), n, h); });
+}
+
+void rope_forward(const Tensor& qkv, const Tensor& y, int64_t heads, float base) {
+  const Device d = common_device("rope_forward", {&qkv, &y});
+  const int64_t b = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
+  check(heads > 0 && c % heads == 0 && (c / heads) % 2 == 0,
+        "rope: width {} must split into {} heads of an even size", c, heads);
+  check_numel("rope_forward", "y", y, qkv.numel());
+  on_device(
+      d, "rope_forward", [&] { cpu::rope_forward(f(qkv), fw(y), b, t, heads, c, base); },
+      [&](auto& cx) { cuda::rope_forward(cx, f(qkv), fw(y), b, t, heads, c, base); });
+}
+
+void rope_backward(const Tensor& dy, const Tensor& dqkv, int64_t heads, float base) {
+  const Device d = common_device("rope_backward", {&dy, &dqkv});
+  const int64_t b = dqkv.dim(0), t = dqkv.dim(1), c = dqkv.dim(2) / 3;
+  check_numel("rope_backward", "dy", dy, dqkv.numel());
+  on_device(
+      d, "rope_backward", [&] { cpu::rope_backward(f(dy), fw(dqkv), b, t, heads, c, base); },
+      [&](auto& cx) { cuda::rope_backward(cx, f(dy), fw(dqkv), b, t, heads, c, base); });
+}
+
 // --- GELU ---
 
 void gelu_forward(const Tensor& x, const Tensor& y) {

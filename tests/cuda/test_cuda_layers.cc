@@ -25,6 +25,9 @@
 #include "layers/linear.h"
 #include "layers/lm_head.h"
 #include "layers/residual.h"
+#include "layers/rmsnorm.h"
+#include "layers/rotary.h"
+#include "layers/swiglu.h"
 
 #include <weft/local_communicator.h>
 
@@ -151,6 +154,22 @@ TEST(CudaLayers, GeluAndResidual) {
   expect_same_on_both(res_cpu, res_gpu, tw,
                       {uniform_tensor({kB, kT, kC}, 8), uniform_tensor({kB, kT, kC}, 9)},
                       {true, true}, "residual");
+}
+
+// The Llama family's layers.
+TEST(CudaLayers, RmsNormSwiGluAndRotary) {
+  Twin tw;
+  Param* w = tw.add("w", uniform_tensor({kC}, 30, 0.5f, 1.5f));
+  RmsNorm norm_cpu(w), norm_gpu(tw.gpu_of(w));
+  expect_same_on_both(norm_cpu, norm_gpu, tw, {uniform_tensor({kB, kT, kC}, 31)}, {true},
+                      "rmsnorm");
+  Twin none;
+  SwiGlu swiglu_cpu, swiglu_gpu;
+  expect_same_on_both(swiglu_cpu, swiglu_gpu, none,
+                      {uniform_tensor({kB, kT, 2 * kC}, 32, -3.0f, 3.0f)}, {true}, "swiglu");
+  Rotary rope_cpu(kHeads), rope_gpu(kHeads);
+  expect_same_on_both(rope_cpu, rope_gpu, none, {uniform_tensor({kB, kT, 3 * kC}, 33)}, {true},
+                      "rotary");
 }
 
 TEST(CudaLayers, CausalSelfAttention) {

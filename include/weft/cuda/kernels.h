@@ -75,6 +75,21 @@ void layernorm_backward_input(Context& ctx, const float* dy, const float* x, con
 void layernorm_backward_weight(Context& ctx, const float* dy, const float* x, const float* mean,
                                const float* rstd, float* dw, float* db, int64_t n, int64_t c);
 
+// --- RMSNorm, SwiGLU and rotary embedding: cpu_kernels.h's twins ---
+void rmsnorm_forward(Context& ctx, const float* x, const float* w, float* y, float* rstd,
+                     int64_t n, int64_t c, float eps);
+void rmsnorm_backward_input(Context& ctx, const float* dy, const float* x, const float* w,
+                            const float* rstd, float* dx, int64_t n, int64_t c);  // dx +=
+void rmsnorm_backward_weight(Context& ctx, const float* dy, const float* x, const float* rstd,
+                             float* dw, int64_t n, int64_t c);  // dw +=
+void swiglu_forward(Context& ctx, const float* x, float* y, int64_t n, int64_t h);
+void swiglu_backward(Context& ctx, const float* dy, const float* x, float* dx, int64_t n,
+                     int64_t h);  // dx +=
+void rope_forward(Context& ctx, const float* x, float* y, int64_t b, int64_t t, int64_t h,
+                  int64_t c, float base);
+void rope_backward(Context& ctx, const float* dy, float* dx, int64_t b, int64_t t, int64_t h,
+                   int64_t c, float base);  // dx +=
+
 // --- tanh-approximated GELU, element-wise ---
 void gelu_forward(Context& ctx, const float* x, float* y, int64_t n);
 void gelu_backward(Context& ctx, const float* dy, const float* x, float* dx, int64_t n);  // dx +=
