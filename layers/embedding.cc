@@ -16,9 +16,11 @@ struct Ctx : LayerCtx {
 
 Embedding::Embedding(Param* wte, Param* wpe, Communicator* group)
     : group_(group), wte_(wte), wpe_(wpe) {
-  check(wte->value.rank() == 2 && wpe->value.rank() == 2 && wte->value.dim(1) == wpe->value.dim(1),
+  check(wte->value.rank() == 2 &&
+            (wpe == nullptr || (wpe->value.rank() == 2 && wte->value.dim(1) == wpe->value.dim(1))),
         "embedding tables {} {} and {} {} must be 2-D with the same width", wte->name,
-        wte->value.shape().str(), wpe->name, wpe->value.shape().str());
+        wte->value.shape().str(), wpe ? wpe->name : "(none)",
+        wpe ? wpe->value.shape().str() : "");
   check(wte->shard.dim == 0 || !wte->shard.split(),
         "{}: a vocabulary-parallel table is split by rows, not along dimension {}", wte->name,
         wte->shard.dim);
@@ -29,9 +31,9 @@ Embedding::Embedding(Param* wte, Param* wpe, Communicator* group)
 std::vector<Shape> Embedding::output_shapes(std::span<const Shape> in) const {
   check(in.size() == 1 && in[0].rank == 2, "embedding takes tokens (B, T), got {} inputs",
         in.size());
-  check(in[0][1] <= wpe_->value.dim(0),
+  check(wpe_ == nullptr || in[0][1] <= wpe_->value.dim(0),
         "sequence length ({}) must not exceed the position table ({} positions)", in[0][1],
-        wpe_->value.dim(0));
+        wpe_ ? wpe_->value.dim(0) : 0);
   return {Shape{in[0][0], in[0][1], wte_->value.dim(1)}};
 }
 
@@ -39,7 +41,8 @@ std::unique_ptr<Layer> Embedding::tensor_parallel(TpBuild& build) const {
   const int tp = build.group->size();
   check(wte_->value.dim(0) % tp == 0,
         "vocabulary ({}) must be divisible by tensor-parallel size ({})", wte_->value.dim(0), tp);
-  return std::make_unique<Embedding>(build.param(*wte_, 0), build.param(*wpe_, -1), build.group);
+  return std::make_unique<Embedding>(build.param(*wte_, 0), wpe_ ? build.param(*wpe_, -1) : nullptr,
+                                     build.group);
 }
 
 std::unique_ptr<LayerCtx> Embedding::make_ctx() const { return std::make_unique<Ctx>(); }
@@ -49,7 +52,7 @@ void Embedding::forward(LayerCtx& ctx_, Arena&, std::span<const Tensor> in,
                         std::span<const Tensor> out) {
   auto& ctx = static_cast<Ctx&>(ctx_);
   ops::check_token_range(in[0], vocab_, "token");
-  const bool positions = group_ == nullptr || group_->rank() == 0;
+  const bool positions = wpe_ != nullptr && (group_ == nullptr || group_->rank() == 0);
   ops::embedding_forward(in[0], wte_->value, first_, positions ? wpe_->value : Tensor(), out[0]);
   if (group_) reduce_from_tp_forward(*group_, out[0]);
   ctx.tokens = in[0];
@@ -64,7 +67,7 @@ void Embedding::backward_input(LayerCtx& ctx_, Arena&, std::span<const Tensor> g
 // dwte_r[tokens[i] - first] += dy[i] for this rank's tokens; dwpe[t] += sum_b dy[b, t]
 void Embedding::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  ops::embedding_backward(ctx.tokens, ctx.dy, wte_->grad, first_, wpe_->grad);
+  ops::embedding_backward(ctx.tokens, ctx.dy, wte_->grad, first_, wpe_ ? wpe_->grad : Tensor());
 }
 
 }  // namespace weft

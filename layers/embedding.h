@@ -19,11 +19,15 @@ namespace weft {
 class Embedding final : public Layer {
  public:
   // wte (V, C), or this rank's rows (V/tp, C) of it (wte->shard says which);
-  // wpe (P, C) whole. `group`: the tensor-parallel group, or null.
+  // wpe (P, C) whole, or null for a model without learned positions (Llama's
+  // rotary embedding works inside attention). `group`: the tensor-parallel
+  // group, or null.
   Embedding(Param* wte, Param* wpe, Communicator* group = nullptr);
   const char* kind() const override { return group_ ? "vocab_parallel_embedding" : "embedding"; }
   std::vector<Shape> output_shapes(std::span<const Shape> in) const override;
-  std::vector<Param*> params() const override { return {wte_, wpe_}; }
+  std::vector<Param*> params() const override {
+    return wpe_ ? std::vector<Param*>{wte_, wpe_} : std::vector<Param*>{wte_};
+  }
   std::unique_ptr<LayerCtx> make_ctx() const override;
   // The same layer over this rank's rows of wte; the vocabulary must divide
   // by the group size.

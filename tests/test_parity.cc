@@ -1,6 +1,8 @@
 // weft's GPT against golden values from the PyTorch reference
 // (tests/reference/gpt_reference.py; fixtures committed, so no torch here).
 #include <weft/checkpoint.h>
+#include <weft/layout.h>
+#include <weft/local_communicator.h>
 #include <weft/runner.h>
 #include <weft/safetensors.h>
 #include <weft/threads.h>
@@ -9,9 +11,11 @@
 #include <gtest/gtest.h>
 
 #include "models/gpt.h"
+#include "models/llama.h"
 #include "test_util.h"
 
 #include <cmath>
+#include <tuple>
 
 namespace weft {
 namespace {
@@ -188,6 +192,115 @@ TEST(Parity, KeyBiasGradientIsRoundingNoise) {
       key += std::abs(d[c + i]);
     }
     EXPECT_LT(key, 1e-4 * query) << "layer " << layer;
+  }
+}
+
+
+// --- the Llama family against its PyTorch reference
+// (tests/reference/llama_reference.py): RMSNorm, rotary attention, SwiGLU, no
+// biases, an untied head. The same error model as GPT's: fp32 sums in
+// another order, 1e-5 relative. No parameter has an identically zero
+// gradient here (no key bias), so every final weight is compared.
+
+struct LlamaFixture {
+  safetensors::File init = safetensors::File::open(
+      source_path("tests/reference/fixtures/llama_tiny_init.safetensors"));
+  safetensors::File golden = safetensors::File::open(
+      source_path("tests/reference/fixtures/llama_tiny_golden.safetensors"));
+  int64_t meta(const std::string& key) const { return std::stoll(init.metadata().at(key)); }
+  double fmeta(const std::string& key) const { return std::stod(golden.metadata().at(key)); }
+  LlamaConfig config() const {
+    LlamaConfig c;
+    c.vocab_size = meta("vocab_size"), c.num_layers = meta("num_layers");
+    c.hidden_size = meta("hidden_size"), c.num_heads = meta("num_heads");
+    c.ffn_hidden_size = meta("ffn_hidden_size"), c.seq_length = meta("seq_length");
+    c.rope_base = static_cast<float>(std::stod(init.metadata().at("rope_base")));
+    return c;
+  }
+  int64_t batch() const { return meta("batch"); }
+  TrainOptions options(int64_t micro) const {
+    TrainOptions o;
+    o.micro_batch = micro, o.global_batch = batch();
+    o.lr.lr = static_cast<float>(fmeta("lr"));
+    o.adam = {static_cast<float>(fmeta("beta1")), static_cast<float>(fmeta("beta2")),
+              static_cast<float>(fmeta("eps")), static_cast<float>(fmeta("weight_decay"))};
+    o.clip_grad = fmeta("clip_grad");
+    return o;
+  }
+};
+
+TEST(LlamaParity, ForwardLossAndLogits) {
+  LlamaFixture fx;
+  LlamaModel m = build_llama(fx.config(), fx.batch());
+  load_weights(fx.init.path(), m.graph.params());
+  m.head->set_keep_logits(true);
+  FixtureBatches batches(fx.golden.get("tokens"));
+  MicroBatch mb(m.graph);
+  batches.fill(0, 0, std::vector<Tensor>{mb.input(m.tokens), mb.input(m.targets)});
+  const int n = static_cast<int>(m.graph.nodes().size());
+  forward(m.graph, mb, 0, n);
+  const double loss = mb.value(m.io.loss).data<float>()[0] /
+                      static_cast<double>(fx.batch() * fx.config().seq_length);
+  const double want = fx.golden.get("loss0").data<float>()[0];
+  EXPECT_NEAR(loss, want, kTol * want);
+  Tensor golden = fx.golden.get("logits0");
+  EXPECT_LT(rel_error(TiedLmHeadLoss::logits(mb.ctx(n - 1)).data<float>(), golden.data<float>(),
+                      golden.numel()),
+            kTol);
+}
+
+TEST(LlamaParity, EveryParameterGradientAndFiveAdamWSteps) {
+  LlamaFixture fx;
+  LlamaModel m = build_llama(fx.config(), fx.batch() / 2);
+  load_weights(fx.init.path(), m.graph.params());
+  ASSERT_EQ(m.graph.params().size(), fx.init.tensors().size());
+  FixtureBatches batches(fx.golden.get("tokens"));
+  Trainer trainer(m.io, batches, fx.options(fx.batch() / 2));
+  const double loss = trainer.compute_gradients(0);
+  EXPECT_NEAR(loss, fx.golden.get("loss0").data<float>()[0], kTol * loss);
+  for (Param* p : m.graph.params())
+    EXPECT_LT(rel_error(p->grad, fx.golden.get("grad." + p->name)), kTol) << p->name;
+  const float* losses = fx.golden.get("losses").data<float>();
+  const float* norms = fx.golden.get("grad_norms").data<float>();
+  for (int64_t s = 0; s < std::stoll(fx.golden.metadata().at("steps")); ++s) {
+    const StepRecord r = trainer.train_step();
+    EXPECT_NEAR(r.loss, losses[s], kTol * losses[s]) << "step " << s;
+    EXPECT_NEAR(r.grad_norm, norms[s], kTol * norms[s]) << "step " << s;
+  }
+  for (Param* p : m.graph.params())
+    EXPECT_LT(rel_error(p->value, fx.golden.get("final." + p->name)), kTol) << p->name;
+}
+
+// Three (dp, pp, tp) layouts on threads give the single-process losses and
+// gradient norms: the same sums, in another order.
+TEST(LlamaLayouts, MatchOneProcess) {
+  LlamaFixture fx;
+  FixtureBatches batches(fx.golden.get("tokens"));
+  auto run = [&](Communicator* world, int pp, int tp) {
+    LlamaModel m = build_llama(fx.config(), 1);
+    LayoutOptions lo;
+    lo.pp = pp, lo.tp = tp;
+    RankLayout rank(world, m.graph, m.io, batches, fx.options(1), lo, 5);
+    std::vector<std::pair<double, double>> steps;
+    for (int s = 0; s < 4; ++s) {
+      const StepRecord r = rank.trainer().train_step();
+      steps.emplace_back(r.loss, r.grad_norm);
+    }
+    return steps;
+  };
+  const auto one = run(nullptr, 1, 1);
+  for (auto [dp, pp, tp] : {std::tuple{1, 2, 2}, std::tuple{2, 2, 1}, std::tuple{2, 1, 2}}) {
+    std::vector<std::vector<std::pair<double, double>>> ranks(static_cast<size_t>(dp * pp * tp));
+    run_local(dp * pp * tp, [&](Communicator& world) {
+      ranks[static_cast<size_t>(world.rank())] = run(&world, pp, tp);
+    });
+    for (const auto& r : ranks)
+      for (size_t s = 0; s < one.size(); ++s) {
+        EXPECT_NEAR(r[s].first, one[s].first, kTol * one[s].first)
+            << "(dp, pp, tp) = (" << dp << ", " << pp << ", " << tp << ") step " << s + 1;
+        EXPECT_NEAR(r[s].second, one[s].second, kTol * one[s].second)
+            << "(dp, pp, tp) = (" << dp << ", " << pp << ", " << tp << ") step " << s + 1;
+      }
   }
 }
 

@@ -375,8 +375,10 @@ void embedding_backward(const int32_t* tokens, const float* dy, float* dwte, int
     const int64_t j0 = blk * kColBlock, j1 = std::min(c, j0 + kColBlock);
     for (int64_t i = 0; i < b * t; ++i) {
       const float* d = dy + i * c;
-      float* p = dwpe + (i % t) * c;
-      for (int64_t j = j0; j < j1; ++j) p[j] += d[j];
+      if (dwpe != nullptr) {
+        float* p = dwpe + (i % t) * c;
+        for (int64_t j = j0; j < j1; ++j) p[j] += d[j];
+      }
       const int64_t row = tokens[i] - first;
       if (row < 0 || row >= rows) continue;
       float* e = dwte + row * c;

@@ -612,7 +612,8 @@ void embedding_backward(cudaStream_t s, const int32_t* tokens, const float* dy, 
                         int64_t c) {
   embedding_backward_wte_kernel<<<blocks_for(b * t * c), kThreads, 0, s>>>(tokens, dy, dwte, rows,
                                                                            first, b * t, c);
-  embedding_backward_wpe_kernel<<<blocks_for(t * c), kThreads, 0, s>>>(dy, dwpe, b, t, c);
+  if (dwpe != nullptr)
+    embedding_backward_wpe_kernel<<<blocks_for(t * c), kThreads, 0, s>>>(dy, dwpe, b, t, c);
 }
 
 void adamw(cudaStream_t s, float* p, const float* g, float* m, float* v, int64_t n, float beta1,

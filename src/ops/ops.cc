@@ -406,14 +406,12 @@ void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dw
   const Device d = common_device("embedding_backward", {&tokens, &dy, &dwte, &dwpe});
   check_dtype("embedding_backward", "tokens", tokens, DType::I32);
   const int64_t b = tokens.dim(0), t = tokens.dim(1), c = dwte.dim(1), rows = dwte.dim(0);
+  float* pos = dwpe.defined() && dwpe.numel() > 0 ? fw(dwpe) : nullptr;  // none: no positions
   on_device(
       d, "embedding_backward",
-      [&] {
-        cpu::embedding_backward(i32(tokens), f(dy), fw(dwte), rows, first, fw(dwpe), b, t, c);
-      },
+      [&] { cpu::embedding_backward(i32(tokens), f(dy), fw(dwte), rows, first, pos, b, t, c); },
       [&](auto& cx) {
-        cuda::embedding_backward(cx, i32(tokens), f(dy), fw(dwte), fw(dwpe), b, t, c, rows,
-                                 first);
+        cuda::embedding_backward(cx, i32(tokens), f(dy), fw(dwte), pos, b, t, c, rows, first);
       });
 }
 

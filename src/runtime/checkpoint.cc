@@ -37,7 +37,9 @@ void load_named(const safetensors::File& file, const std::map<std::string, Dest>
   std::set<std::string> found;
   for (const auto& info : file.tensors()) {
     std::string name = hf_names ? strip_prefix(info.name) : info.name;
-    if (hf_names && ignored_hf_tensor(name)) continue;
+    // HF GPT-2 buffers and its tied lm_head copy, unless the model has such a
+    // parameter (an untied head, as Llama's).
+    if (hf_names && ignored_hf_tensor(name) && !wanted.count(name)) continue;
     auto it = wanted.find(name);
     check(it != wanted.end(), "{}: {} has tensor '{}', which the model does not have",
           file.path(), what, info.name);
