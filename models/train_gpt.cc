@@ -21,6 +21,7 @@
 #include <weft/trainer.h>
 
 #include "models/gpt.h"
+#include "models/llama.h"
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
@@ -40,6 +41,13 @@ namespace {
 struct Args {
   std::string model;
   weft::GptConfig gpt;
+  // The model family and Megatron's flags that describe it; each must agree
+  // with --arch (llama: RMSNorm, SwiGLU, rope, untied head, no biases).
+  std::string arch = "gpt2";
+  std::string normalization, position_embedding_type;
+  bool swiglu = false, untie = false, disable_bias = false, gqa = false;
+  int64_t num_query_groups = 0, ffn_hidden_size = 0;
+  float rotary_base = 10000.0f;
   int64_t micro_batch = 8;
   int64_t global_batch = 0;  // 0 = micro_batch
   int64_t train_iters = 100;
@@ -231,6 +239,47 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
   return p;
 }
 
+// --arch and the Megatron flags that must agree with it.
+void check_arch(const Args& a, const CLI::App& app) {
+  using weft::check;
+  check(a.arch == "gpt2" || a.arch == "llama", "--arch '{}' must be gpt2 or llama", a.arch);
+  const bool llama = a.arch == "llama";
+  auto agree = [&](const char* flag, bool given, bool llama_value, const std::string& shown) {
+    check(!given || llama_value == llama, "{}{} describes the {} family, but --arch is {}", flag,
+          shown.empty() ? "" : " " + shown, llama_value ? "llama" : "gpt2", a.arch);
+  };
+  if (app.count("--normalization"))
+    check(a.normalization == "LayerNorm" || a.normalization == "RMSNorm",
+          "--normalization '{}' must be LayerNorm or RMSNorm", a.normalization);
+  agree("--normalization", app.count("--normalization") > 0, a.normalization == "RMSNorm",
+        a.normalization);
+  if (app.count("--position-embedding-type"))
+    check(a.position_embedding_type == "learned_absolute" || a.position_embedding_type == "rope",
+          "--position-embedding-type '{}' must be learned_absolute or rope",
+          a.position_embedding_type);
+  agree("--position-embedding-type", app.count("--position-embedding-type") > 0,
+        a.position_embedding_type == "rope", a.position_embedding_type);
+  agree("--swiglu", a.swiglu, true, "");
+  agree("--untie-embeddings-and-output-weights", a.untie, true, "");
+  agree("--disable-bias-linear", a.disable_bias, true, "");
+  check(!a.gqa && a.num_query_groups == 0,
+        "--group-query-attention / --num-query-groups: grouped-query attention is not available "
+        "yet (every head has its own key and value)");
+  check(llama || !app.count("--ffn-hidden-size"),
+        "--ffn-hidden-size sets the llama family's SwiGLU width; GPT-2's MLP is 4 x hidden");
+  check(llama || !app.count("--rotary-base"), "--rotary-base needs --arch llama (rope)");
+  check(!llama || a.sample == 0, "--sample is not available for --arch llama yet");
+}
+
+weft::LlamaConfig llama_config(const Args& a, const weft::GptConfig& cfg) {
+  weft::LlamaConfig l;
+  l.vocab_size = cfg.vocab_size, l.num_layers = cfg.num_layers, l.hidden_size = cfg.hidden_size;
+  l.num_heads = cfg.num_heads, l.seq_length = cfg.seq_length;
+  l.ffn_hidden_size = a.ffn_hidden_size, l.rope_base = a.rotary_base;
+  l.validate();
+  return l;
+}
+
 // The preset, with explicit shape flags overriding it.
 weft::GptConfig resolve_config(const Args& a, const CLI::App& app) {
   weft::GptConfig cfg = a.model.empty() ? a.gpt : weft::gpt_preset(a.model);
@@ -240,29 +289,34 @@ weft::GptConfig resolve_config(const Args& a, const CLI::App& app) {
   if (app.count("--seq-length")) cfg.seq_length = a.gpt.seq_length;
   if (app.count("--max-position-embeddings")) cfg.max_positions = a.gpt.max_positions;
   if (app.count("--vocab-size")) cfg.vocab_size = a.gpt.vocab_size;
-  cfg.validate();
+  check_arch(a, app);
+  if (a.arch == "llama") {
+    llama_config(a, cfg);  // validates the llama shape
+  } else {
+    cfg.validate();
+  }
   return cfg;
 }
 
 // The partitioner's cost model: analytic FLOPs, or with --profile times
 // measured on rank 0 and broadcast, so every rank cuts the model the same way.
-weft::CostModel costs(const Args& a, weft::GptModel& model, const weft::BatchSource& data,
-                      weft::Communicator& world) {
+weft::CostModel costs(const Args& a, weft::Graph& graph, const weft::ModelIO& io,
+                      const weft::BatchSource& data, weft::Communicator& world) {
   using namespace weft;
-  CostModel cost = CostModel::analytic(model.graph);
+  CostModel cost = CostModel::analytic(graph);
   if (a.profile.empty()) return cost;
   const int64_t n = static_cast<int64_t>(cost.nodes.size());
   Tensor t = Tensor::zeros({3 * n});
   float* d = t.data<float>();
   if (world.rank() == 0) {
-    cost = profile_costs(model.graph, model.io, data, a.micro_batch);
+    cost = profile_costs(graph, io, data, a.micro_batch);
     for (int64_t k = 0; k < n; ++k) {
       const NodeCost& c = cost.nodes[static_cast<size_t>(k)];
       d[3 * k] = static_cast<float>(c.f), d[3 * k + 1] = static_cast<float>(c.i);
       d[3 * k + 2] = static_cast<float>(c.w);
     }
     std::ofstream f(a.profile, std::ios::trunc);
-    f << cost_model_json(cost, model.graph).dump(2) << '\n';
+    f << cost_model_json(cost, graph).dump(2) << '\n';
     check(f.good(), "--profile {}: cannot write", a.profile);
   }
   world.broadcast(t, 0);
@@ -329,7 +383,15 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
         a.eval_interval, a.split, data.windows(cfg.seq_length), cfg.seq_length);
   const double entropy = unigram_entropy(data);
   // The logical model; the layout instantiates this rank's part of it.
-  GptModel model = build_gpt(cfg, a.micro_batch);
+  std::optional<GptModel> gpt;
+  std::optional<LlamaModel> llama;
+  if (a.arch == "llama")
+    llama.emplace(build_llama(llama_config(a, cfg), a.micro_batch));
+  else
+    gpt.emplace(build_gpt(cfg, a.micro_batch));
+  Graph& graph = gpt ? gpt->graph : llama->graph;
+  ModelIO io = gpt ? gpt->io : llama->io;
+  io.graph = &graph;
 
   TrainOptions opt;
   opt.micro_batch = a.micro_batch;
@@ -347,7 +409,12 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
                 {"num_heads", cfg.num_heads},     {"seq_length", cfg.seq_length},
                 {"vocab_size", cfg.vocab_size},   {"max_positions", cfg.positions()},
                 {"micro_batch_size", a.micro_batch}, {"global_batch_size", global},
-                {"seed", a.seed},                 {"data_path", a.data_path}};
+                {"seed", a.seed},                 {"data_path", a.data_path},
+                {"arch", a.arch}};
+  if (llama) {
+    opt.config["ffn_hidden_size"] = llama_config(a, cfg).ffn();
+    opt.config["rotary_base"] = a.rotary_base;
+  }
   TokenBatches batches(data, global, cfg.seq_length, 0, split.train);
   std::optional<TokenBatches> validation;
   if (split.valid > 0) validation.emplace(data, global, cfg.seq_length, split.train, split.valid);
@@ -366,8 +433,8 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   lo.sync.overlap = a.overlap_grad_reduce;
   set_grad_compression(a, lo.sync);
   std::optional<CostModel> cost;
-  if (a.pp > 1) cost = costs(a, model, batches, *world);
-  RankLayout layout(world, model.graph, model.io, batches, opt, lo, a.seed,
+  if (a.pp > 1) cost = costs(a, graph, io, batches, *world);
+  RankLayout layout(world, graph, io, batches, opt, lo, a.seed,
                     cost ? &*cost : nullptr);
   if (!a.init_from.empty()) load_weights(a.init_from, layout.graph().params());
   if (rank0 && layout.mesh()) fmt::print("mesh: {}\n", layout.mesh()->layout.describe());
@@ -375,9 +442,9 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   const sched::Schedule& schedule = layout.schedule();
   if (pipeline) {
     // The plan's per-stage sums join the node costs: what weft-sched --costs reads.
-    if (rank0 && !a.profile.empty()) write_profile(a.profile, *cost, layout.plan(), model.graph);
+    if (rank0 && !a.profile.empty()) write_profile(a.profile, *cost, layout.plan(), graph);
     if (rank0) fmt::print("schedule {} over {} stages; partition {}:\n{}", a.schedule,
-                          schedule.stages(), a.partition, layout.plan().describe(model.graph));
+                          schedule.stages(), a.partition, layout.plan().describe(graph));
   }
   Trainer& trainer = layout.trainer();
   if (!a.load.empty()) trainer.load(a.load);
@@ -386,7 +453,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
              "| micro-batch {} x {} = global {} | {} | data {} ({} tokens, unigram entropy "
              "{:.3f} nats)\n",
              cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.seq_length, cfg.vocab_size,
-             model.graph.param_count(), a.micro_batch, global / a.micro_batch, global,
+             graph.param_count(), a.micro_batch, global / a.micro_batch, global,
              setup.device.is_cpu() ? fmt::format("threads {}", get_threads())
                                    : fmt::format("{}{}", setup.device.str(), a.tf32 ? " tf32" : ""),
              a.data_path, data.size(), entropy);
@@ -398,7 +465,11 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     jsonl.open(a.log_jsonl, trainer.steps_done() > 0 ? std::ios::app : std::ios::trunc);
     check(jsonl.good(), "--log-jsonl {}: cannot open for writing", a.log_jsonl);
   }
-  const double flops_per_token = cfg.train_flops_per_token();
+  // 6 x parameters (GPT: without wpe) x tokens + attention's 12 L T C.
+  const double flops_per_token =
+      gpt ? cfg.train_flops_per_token()
+          : 6.0 * static_cast<double>(graph.param_count()) +
+                12.0 * static_cast<double>(cfg.num_layers * cfg.seq_length * cfg.hidden_size);
   // Step losses are noisy (each reads one stretch of the data): summarise the
   // run by the mean of its last steps.
   constexpr size_t kRecent = 50;
@@ -477,7 +548,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     if (rank0) fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
   }
   if (a.sample > 0) {
-    place_params(model.graph.params(), Device::cpu());  // sampling runs on the host
+    place_params(graph.params(), Device::cpu());  // sampling runs on the host
     std::vector<int32_t> prompt;
     if (data.is_text()) {
       for (unsigned char ch : a.sample_prompt) prompt.push_back(ch);
@@ -485,7 +556,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
       const int32_t eot = tokenizer && tokenizer->eot() >= 0 ? tokenizer->eot() : 50256;
       prompt.push_back(eot < cfg.vocab_size ? eot : 0);
     }
-    auto tokens = sample_gpt(cfg, model.params, prompt, a.sample, a.sample_temperature, a.seed);
+    auto tokens = sample_gpt(cfg, gpt->params, prompt, a.sample, a.sample_temperature, a.seed);
     fmt::print("--- sample ({} tokens, temperature {}) ---\n", a.sample, a.sample_temperature);
     if (data.is_text()) {
       std::string s(a.sample_prompt);
@@ -510,6 +581,19 @@ int main(int argc, char** argv) {
   CLI::App app{"train_gpt: train a GPT-2-style model with weft"};
   app.option_defaults()->always_capture_default()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--model", a.model, "shape preset: toy, mini, small, gpt2 (flags override)");
+  app.add_option("--arch", a.arch, "model family: gpt2, or llama (RMSNorm, SwiGLU, rope, untied "
+                                   "head, no biases)");
+  app.add_option("--normalization", a.normalization, "LayerNorm (gpt2) or RMSNorm (llama)");
+  app.add_option("--position-embedding-type", a.position_embedding_type,
+                 "learned_absolute (gpt2) or rope (llama)");
+  app.add_flag("--swiglu", a.swiglu, "SwiGLU MLP (llama)");
+  app.add_flag("--untie-embeddings-and-output-weights", a.untie, "an LM head of its own (llama)");
+  app.add_flag("--disable-bias-linear", a.disable_bias, "linear layers without biases (llama)");
+  app.add_flag("--group-query-attention", a.gqa, "grouped-query attention (not available yet)");
+  app.add_option("--num-query-groups", a.num_query_groups, "key/value groups (not available yet)");
+  app.add_option("--ffn-hidden-size", a.ffn_hidden_size,
+                 "SwiGLU width (llama; default 8 x hidden / 3 rounded up to 64)");
+  app.add_option("--rotary-base", a.rotary_base, "rotary embedding base (llama)");
   app.add_option("--num-layers", a.gpt.num_layers, "transformer blocks");
   app.add_option("--hidden-size", a.gpt.hidden_size, "model width");
   app.add_option("--num-attention-heads", a.gpt.num_heads, "attention heads");

@@ -169,6 +169,22 @@ TEST_F(Cli, ValidationLossAndLossPlot) {
                {"--eval-iters (0) must be positive"});
 }
 
+// --arch and Megatron's family flags: consistent ones run, contradicting
+// ones are one line each.
+TEST_F(Cli, ModelFamilyFlags) {
+  Result r = run(toy("--arch llama --normalization RMSNorm --swiglu --position-embedding-type rope "
+                     "--untie-embeddings-and-output-weights --disable-bias-linear --train-iters 2"));
+  EXPECT_EQ(r.code, 0) << r.err;
+  expect_error(toy("--arch bert"), {"--arch 'bert' must be gpt2 or llama"});
+  expect_error(toy("--swiglu"), {"--swiglu describes the llama family, but --arch is gpt2"});
+  expect_error(toy("--arch llama --normalization LayerNorm"),
+               {"--normalization LayerNorm describes the gpt2 family, but --arch is llama"});
+  expect_error(toy("--arch llama --num-query-groups 2"), {"grouped-query attention is not available"});
+  expect_error(toy("--ffn-hidden-size 64"), {"--ffn-hidden-size sets the llama family's"});
+  expect_error(toy("--arch llama --hidden-size 36 --num-attention-heads 4"),
+               {"head size 9", "must be even for rotary embedding"});
+}
+
 TEST_F(Cli, MissingDataFile) {
   expect_error(toy("--data-path /nonexistent/corpus.txt"), {"/nonexistent/corpus.txt"});
 }

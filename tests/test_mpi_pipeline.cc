@@ -152,5 +152,29 @@ TEST(MpiPipelineErrors, ImpossibleLayoutsFailOnEveryRankBeforeCommunicating) {
   EXPECT_NE(out.find("pipedream"), std::string::npos) << out;
 }
 
+
+// The Llama family under mpiexec with pp 2 and tp 2 gives the single-process
+// losses and norms (the same sums in another order: 1e-5).
+TEST(MpiLlama, Pp2Tp2GivesTheSingleProcessLosses) {
+  const std::string dir = testing::temp_dir("mpi-llama");
+  std::string text;
+  for (int i = 0; i < 60; ++i) text += "Whether 'tis nobler in the mind to suffer the slings. ";
+  testing::write_file(dir + "/text.txt", text);
+  const std::string flags =
+      "--arch llama --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+      "--micro-batch-size 2 --global-batch-size 8 --train-iters 4 --lr 3e-3 --clip-grad 0.5 "
+      "--threads 1 --comm-timeout 60 --data-path " + dir + "/text.txt";
+  const testing::TrainRun one = testing::run_train_gpt(1, flags, dir);
+  ASSERT_TRUE(one.ok) << one.output;
+  const testing::TrainRun four = testing::run_train_gpt(4, flags + " --pp 2 --tp 2", dir);
+  ASSERT_TRUE(four.ok) << four.command << "\n" << four.output;
+  ASSERT_EQ(four.records.size(), one.records.size());
+  for (size_t s = 0; s < one.records.size(); ++s) {
+    const double loss = one.records[s]["loss"], norm = one.records[s]["grad_norm"];
+    EXPECT_NEAR(four.records[s]["loss"].get<double>(), loss, 1e-5 * loss) << "step " << s + 1;
+    EXPECT_NEAR(four.records[s]["grad_norm"].get<double>(), norm, 1e-5 * norm) << "step " << s + 1;
+  }
+}
+
 }  // namespace
 }  // namespace weft
