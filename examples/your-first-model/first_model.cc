@@ -1,9 +1,14 @@
 // Your first model with weft: a new layer, a new model made of it and of
 // weft's layers, trained on two pipeline stages and checked against one
 // process. docs/your-first-model.md walks through this file.
+//
+//   ./first_model                    # one process, then 2 stages on threads
+//   mpiexec -n 4 ./first_model       # 2 stages x 2 tensor-parallel ranks, as processes
 #include <weft/graph.h>
 #include <weft/layout.h>
 #include <weft/local_communicator.h>
+#include <weft/mesh.h>
+#include <weft/mpi_communicator.h>
 #include <weft/ops.h>
 #include <weft/trainer.h>
 
@@ -105,14 +110,15 @@ std::unique_ptr<Model> build_model() {
 // train_gpt does the same under mpiexec). ---
 constexpr int kSteps = 5;
 
-std::vector<double> train(weft::Communicator* world, const weft::BatchSource& data, int pp) {
+std::vector<double> train(weft::Communicator* world, const weft::BatchSource& data, int pp,
+                          int tp = 1) {
   using namespace weft;
   std::unique_ptr<Model> m = build_model();
   TrainOptions opt;
   opt.micro_batch = kMicro, opt.global_batch = kGlobal;
   opt.lr.lr = 1e-2f;
   LayoutOptions lo;
-  lo.pp = pp;
+  lo.pp = pp, lo.tp = tp;
   lo.schedule = "1f1b";
   RankLayout rank(world, m->graph, m->io, data, opt, lo, /*seed=*/42);
   std::vector<double> losses;
@@ -120,14 +126,39 @@ std::vector<double> train(weft::Communicator* world, const weft::BatchSource& da
   return losses;
 }
 
-int main() {
+// fp32 sums in another order: 1e-5 relative is rounding.
+bool agree(const std::vector<double>& one, const std::vector<double>& other) {
+  for (int s = 0; s < kSteps; ++s)
+    if (std::abs(one[s] - other[s]) > 1e-5 * one[s]) return false;
+  return true;
+}
+
+bool report(const std::vector<double>& one, const std::vector<double>& other,
+            const std::string& what) {
+  const bool same = agree(one, other);
+  fmt::print("| step | one process | {} |\n|---:|---:|---:|\n", what);
+  for (int s = 0; s < kSteps; ++s) fmt::print("| {} | {:.6f} | {:.6f} |\n", s + 1, one[s], other[s]);
+  fmt::print("{}\n", same ? what + " train the same model" : "the runs differ beyond rounding");
+  return same;
+}
+
+int main(int argc, char** argv) {
   using namespace weft;
   std::string text;
   for (int i = 0; i < 40; ++i) text += "The quick brown fox jumps over the lazy dog. ";
   const TokenData data = TokenData::from_tokens(std::vector<int32_t>(text.begin(), text.end()), 256);
   TokenBatches batches(data, kGlobal, kSeq);
-
   const std::vector<double> one = train(nullptr, batches, 1);
+
+  const LaunchInfo launch = detect_launch();
+  if (launch.size > 1) {  // under mpiexec: 2 pipeline stages x (ranks / 2) tensor-parallel ranks
+    return mpi_main(argc, argv, [&](Communicator& world) {
+      const int tp = world.size() / 2;
+      const std::vector<double> layout = train(&world, batches, 2, tp);
+      if (world.rank() == 0) report(one, layout, fmt::format("2 stages x {} tp ranks", tp));
+      return agree(one, layout) ? 0 : 1;
+    });
+  }
   std::vector<double> two;
   std::mutex mu;
   run_local(2, [&](Communicator& world) {
@@ -135,15 +166,5 @@ int main() {
     std::lock_guard<std::mutex> lock(mu);
     if (world.rank() == 0) two = l;
   });
-
-  // fp32 sums in another order on two stages: 1e-5 relative is rounding.
-  bool same = true;
-  fmt::print("| step | one process | two stages |\n|---:|---:|---:|\n");
-  for (int s = 0; s < kSteps; ++s) {
-    fmt::print("| {} | {:.6f} | {:.6f} |\n", s + 1, one[s], two[s]);
-    same = same && std::abs(one[s] - two[s]) <= 1e-5 * one[s];
-  }
-  fmt::print("{}\n", same ? "two pipeline stages train the same model"
-                          : "the two runs differ beyond rounding");
-  return same ? 0 : 1;
+  return report(one, two, "two pipeline stages") ? 0 : 1;
 }
