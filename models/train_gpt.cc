@@ -59,7 +59,7 @@ struct Args {
   float weight_decay = 0.1f;
   double clip_grad = 1.0;
   float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
-  uint64_t seed = 1234;
+  int64_t seed = 1234;  // >= 0; read signed so that a negative one is refused, not wrapped
   std::string data_path, init_from, save, load, log_jsonl, tokenizer, loss_plot;
   // Megatron's train/validation/test weights over the data's windows; empty:
   // every window trains. Validation every eval_interval steps (0: never).
@@ -191,8 +191,35 @@ weft::Device resolve_device(const Args& a, int world) {
   return kind == "cuda" ? Device::cuda(0) : Device::cpu();
 }
 
+// Numeric flags outside their range: one line each, before anything runs.
+void check_numbers(const Args& a) {
+  using weft::check;
+  check(a.global_batch >= 0, "--global-batch-size ({}) must be positive (0: one micro-batch)",
+        a.global_batch);
+  check(a.lr_warmup_iters >= 0, "--lr-warmup-iters ({}) must not be negative", a.lr_warmup_iters);
+  check(a.lr_decay_iters >= 0, "--lr-decay-iters ({}) must not be negative (0: --train-iters)",
+        a.lr_decay_iters);
+  check(a.threads >= 0, "--threads ({}) must not be negative (0: cores / local ranks)", a.threads);
+  check(a.seed >= 0, "--seed ({}) must not be negative", a.seed);
+  check(std::isfinite(a.comm_timeout) && a.comm_timeout > 0 && a.comm_timeout <= 86400 * 7,
+        "--comm-timeout ({}) must be a number of seconds in (0, 604800]", a.comm_timeout);
+  check(a.sample >= 0, "--sample ({}) must not be negative", a.sample);
+  check(std::isfinite(a.sample_temperature) && a.sample_temperature >= 0,
+        "--sample-temperature ({}) must be a number >= 0 (0: greedy)", a.sample_temperature);
+  check(std::isfinite(a.weight_decay) && a.weight_decay >= 0,
+        "--weight-decay ({}) must be a number >= 0", a.weight_decay);
+  check(std::isfinite(a.lr), "--lr ({}) must be a number", a.lr);
+  check(std::isfinite(a.clip_grad), "--clip-grad ({}) must be a number", a.clip_grad);
+  check(a.tp > 0 && a.pp > 0, "--tp ({}) and --pp ({}) must be positive", a.tp, a.pp);
+  check(a.virtual_stages >= 0 && a.layers_per_virtual >= 0,
+        "--virtual-stages ({}) and --num-layers-per-virtual-pipeline-stage ({}) must not be "
+        "negative",
+        a.virtual_stages, a.layers_per_virtual);
+}
+
 PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int world, int64_t global) {
   using namespace weft;
+  check_numbers(a);
   MeshLayout layout(world, a.tp, a.pp);
   // Tensor parallelism splits heads, the MLP's columns and the vocabulary.
   check(cfg.num_heads % a.tp == 0,
@@ -434,7 +461,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   set_grad_compression(a, lo.sync);
   std::optional<CostModel> cost;
   if (a.pp > 1) cost = costs(a, graph, io, batches, *world);
-  RankLayout layout(world, graph, io, batches, opt, lo, a.seed,
+  RankLayout layout(world, graph, io, batches, opt, lo, static_cast<uint64_t>(a.seed),
                     cost ? &*cost : nullptr);
   if (!a.init_from.empty()) load_weights(a.init_from, layout.graph().params());
   if (rank0 && layout.mesh()) fmt::print("mesh: {}\n", layout.mesh()->layout.describe());
@@ -556,7 +583,8 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
       const int32_t eot = tokenizer && tokenizer->eot() >= 0 ? tokenizer->eot() : 50256;
       prompt.push_back(eot < cfg.vocab_size ? eot : 0);
     }
-    auto tokens = sample_gpt(cfg, gpt->params, prompt, a.sample, a.sample_temperature, a.seed);
+    auto tokens = sample_gpt(cfg, gpt->params, prompt, a.sample, a.sample_temperature,
+                             static_cast<uint64_t>(a.seed));
     fmt::print("--- sample ({} tokens, temperature {}) ---\n", a.sample, a.sample_temperature);
     if (data.is_text()) {
       std::string s(a.sample_prompt);

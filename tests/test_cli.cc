@@ -185,6 +185,23 @@ TEST_F(Cli, ModelFamilyFlags) {
                {"head size 9", "must be even for rotary embedding"});
 }
 
+// Numeric flags out of range are refused, one line each, never run with.
+TEST_F(Cli, NumericFlagsOutOfRange) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"--global-batch-size -8", "--global-batch-size (-8) must be positive"},
+      {"--lr-warmup-iters -3", "--lr-warmup-iters (-3) must not be negative"},
+      {"--threads -2", "--threads (-2) must not be negative"},
+      {"--seed -1", "--seed (-1) must not be negative"},
+      {"--comm-timeout 0", "--comm-timeout (0) must be a number of seconds"},
+      {"--comm-timeout -1", "--comm-timeout (-1) must be a number of seconds"},
+      {"--comm-timeout nan", "--comm-timeout (nan) must be a number of seconds"},
+      {"--sample-temperature nan", "--sample-temperature (nan) must be a number >= 0"},
+      {"--weight-decay -0.1", "--weight-decay (-0.1) must be a number >= 0"},
+      {"--tp 0", "--tp (0) and --pp (1) must be positive"},
+  };
+  for (const auto& [flags, want] : cases) expect_error(toy(flags), {want});
+}
+
 TEST_F(Cli, MissingDataFile) {
   expect_error(toy("--data-path /nonexistent/corpus.txt"), {"/nonexistent/corpus.txt"});
 }
