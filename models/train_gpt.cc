@@ -570,10 +570,12 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
                                 global));
     fmt::print("wrote the loss curve to {}\n", a.loss_plot);
   }
-  if (!a.save.empty()) {
-    trainer.save(a.save);
-    if (rank0) fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
-  }
+  // The last step is saved once: unless the interval has just saved it.
+  const bool saved = a.save_interval > 0 && trainer.steps_done() % a.save_interval == 0 &&
+                     trainer.steps_done() > 0 && !recent.empty();
+  if (!a.save.empty() && !saved) trainer.save(a.save);
+  if (!a.save.empty() && rank0)
+    fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
   if (a.sample > 0) {
     place_params(graph.params(), Device::cpu());  // sampling runs on the host
     std::vector<int32_t> prompt;

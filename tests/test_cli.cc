@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -200,6 +201,36 @@ TEST_F(Cli, NumericFlagsOutOfRange) {
       {"--tp 0", "--tp (0) and --pp (1) must be positive"},
   };
   for (const auto& [flags, want] : cases) expect_error(toy(flags), {want});
+}
+
+// --load takes a checkpoint directory or one iter_N in it, and a meta.json
+// that lies or is malformed is named with its file and field.
+TEST_F(Cli, LoadChecksTheCheckpointItOpens) {
+  const std::string ckpt = dir_ + "/ckpt";
+  Result r = run(toy("--train-iters 4 --save-interval 2 --save " + ckpt));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(testing::count(r.out, "saved checkpoint"), 1) << r.out;
+  EXPECT_TRUE(std::filesystem::exists(ckpt + "/iter_0000002/meta.json"));
+  r = run(toy("--train-iters 5 --load " + ckpt + "/iter_0000002"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "resumed from " + ckpt + "/iter_0000002 at step 2")) << r.out;
+
+  const std::string meta = ckpt + "/iter_0000004/meta.json";
+  const std::string good = read_file(meta);
+  auto with_step = [&](const std::string& value) {
+    std::string text = good;
+    const size_t at = text.find("\"step\": 4");
+    EXPECT_NE(at, std::string::npos) << text;
+    text.replace(at, std::string("\"step\": 4").size(), "\"step\": " + value);
+    write_file(meta, text);
+  };
+  with_step("\"four\"");
+  expect_error(toy("--train-iters 6 --load " + ckpt), {meta, "'step' must be a non-negative integer"});
+  with_step("999999");
+  expect_error(toy("--train-iters 6 --load " + ckpt),
+               {meta, "says step 999999, but the checkpoint pointer and directory say 4"});
+  write_file(meta, "{ not json");
+  expect_error(toy("--train-iters 6 --load " + ckpt), {meta, "is not valid JSON"});
 }
 
 TEST_F(Cli, MissingDataFile) {

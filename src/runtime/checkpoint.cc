@@ -110,35 +110,65 @@ void save_checkpoint(const std::string& dir, const NamedTensors& model,
                       {"config", meta.config},
                       {"format_version", 1}};
   write_text_atomic((tmp_dir / "meta.json").string(), j.dump(2) + "\n");
-  fs::remove_all(final_dir);
+  // A complete checkpoint of this step (saved again) is set aside, not
+  // deleted, until its replacement is in place.
+  const fs::path old_dir = fs::path(dir) / (iter_name(meta.step) + ".old");
+  fs::remove_all(old_dir);
+  if (fs::exists(final_dir)) fs::rename(final_dir, old_dir);
   fs::rename(tmp_dir, final_dir);
+  fs::remove_all(old_dir);
   write_text_atomic((fs::path(dir) / "latest_checkpointed_iteration.txt").string(),
                     std::to_string(meta.step) + "\n");
 }
 
 Checkpoint open_checkpoint(const std::string& dir) {
-  const fs::path latest = fs::path(dir) / "latest_checkpointed_iteration.txt";
-  std::ifstream lf(latest);
-  check(lf.good(), "--load {}: no checkpoint there ({} is missing)", dir, latest.string());
+  // A checkpoint directory (the newest step its pointer names), or one
+  // iter_N directory itself.
+  fs::path d;
   int64_t step = -1;
-  lf >> step;
-  check(step >= 0, "--load {}: {} does not hold a step number", dir, latest.string());
-  const fs::path d = fs::path(dir) / iter_name(step);
-  std::ifstream mf(d / "meta.json");
-  check(mf.good(), "--load {}: {} is missing", dir, (d / "meta.json").string());
+  if (fs::exists(fs::path(dir) / "meta.json")) {
+    d = dir;
+  } else {
+    const fs::path latest = fs::path(dir) / "latest_checkpointed_iteration.txt";
+    std::ifstream lf(latest);
+    check(lf.good(), "--load {}: no checkpoint there ({} is missing)", dir, latest.string());
+    lf >> step;
+    check(step >= 0, "--load {}: {} does not hold a step number", dir, latest.string());
+    d = fs::path(dir) / iter_name(step);
+    // Interrupted while replacing this step's checkpoint: the complete old one.
+    if (!fs::exists(d / "meta.json") && fs::exists(fs::path(dir) / (iter_name(step) + ".old")))
+      d = fs::path(dir) / (iter_name(step) + ".old");
+  }
+  const std::string meta_path = (d / "meta.json").string();
+  std::ifstream mf(meta_path);
+  check(mf.good(), "--load {}: {} is missing", dir, meta_path);
   nlohmann::json j;
   try {
     mf >> j;
   } catch (const nlohmann::json::exception& e) {
-    throw Error("--load {}: meta.json is not valid JSON: {}", dir, e.what());
+    throw Error("--load {}: {} is not valid JSON: {}", dir, meta_path, e.what());
   }
   Checkpoint c;
+  auto field = [&](const char* key) {
+    check(j.contains(key) && j.at(key).is_number_integer() && j.at(key).get<int64_t>() >= 0,
+          "--load {}: {}: '{}' must be a non-negative integer, got {}", dir, meta_path, key,
+          j.contains(key) ? j.at(key).dump() : "nothing");
+    return j.at(key).get<int64_t>();
+  };
+  c.meta.step = field("step");
+  c.meta.consumed_samples = field("consumed_samples");
+  c.optimizer_steps = field("optimizer_steps");
+  check(j.contains("config") && j.at("config").is_object(), "--load {}: {} has no 'config' object",
+        dir, meta_path);
+  c.meta.config = j.at("config");
+  check(step < 0 || c.meta.step == step,
+        "--load {}: {} says step {}, but the checkpoint pointer and directory say {}", dir,
+        meta_path, c.meta.step, step);
+  const std::string name = d.filename().string();
+  check(name.rfind("iter_", 0) != 0 || name.rfind(iter_name(c.meta.step), 0) == 0,
+        "--load {}: {} says step {}, but its directory is {}", dir, meta_path, c.meta.step, name);
   c.model = safetensors::File::open((d / "model.safetensors").string());
   c.optimizer = safetensors::File::open((d / "optimizer.safetensors").string());
-  c.meta.step = j.at("step").get<int64_t>();
-  c.meta.consumed_samples = j.at("consumed_samples").get<int64_t>();
-  c.meta.config = j.at("config");
-  c.optimizer_steps = j.at("optimizer_steps").get<int64_t>();
   return c;
 }
 
