@@ -158,9 +158,10 @@ Checkpoint open_checkpoint(const std::string& dir) {
   c.meta.step = field("step");
   c.meta.consumed_samples = field("consumed_samples");
   c.optimizer_steps = field("optimizer_steps");
-  check(j.contains("config") && j.at("config").is_object(), "--load {}: {} has no 'config' object",
-        dir, meta_path);
-  c.meta.config = j.at("config");
+  check(!j.contains("config") || j.at("config").is_object() || j.at("config").is_null(),
+        "--load {}: {}: 'config' must be an object, got {}", dir, meta_path,
+        j.contains("config") ? j.at("config").dump() : "");
+  if (j.contains("config")) c.meta.config = j.at("config");
   check(step < 0 || c.meta.step == step,
         "--load {}: {} says step {}, but the checkpoint pointer and directory say {}", dir,
         meta_path, c.meta.step, step);
