@@ -65,7 +65,7 @@ struct Args {
   // every window trains. Validation every eval_interval steps (0: never).
   std::string split;
   int64_t eval_interval = 0, eval_iters = 10;
-  int64_t save_interval = 0, log_interval = 1;
+  int64_t save_interval = 0, log_interval = 1, keep_last = 0;
   int64_t sample = 0;
   float sample_temperature = 0.8f;
   std::string sample_prompt = "\n";
@@ -204,6 +204,8 @@ void check_numbers(const Args& a) {
   check(std::isfinite(a.comm_timeout) && a.comm_timeout > 0 && a.comm_timeout <= 86400 * 7,
         "--comm-timeout ({}) must be a number of seconds in (0, 604800]", a.comm_timeout);
   check(a.sample >= 0, "--sample ({}) must not be negative", a.sample);
+  check(a.keep_last >= 0, "--keep-last-checkpoints ({}) must not be negative (0: keep all)",
+        a.keep_last);
   check(std::isfinite(a.sample_temperature) && a.sample_temperature >= 0,
         "--sample-temperature ({}) must be a number >= 0 (0: greedy)", a.sample_temperature);
   check(std::isfinite(a.weight_decay) && a.weight_decay >= 0,
@@ -474,6 +476,11 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
                           schedule.stages(), a.partition, layout.plan().describe(graph));
   }
   Trainer& trainer = layout.trainer();
+  // What an interrupted save left behind goes first (world rank 0 writes
+  // checkpoints, so it cleans them).
+  if (rank0 && !a.save.empty())
+    for (const std::string& p : clean_stale_checkpoint_files(a.save))
+      fmt::print("removed {}, left by an interrupted save\n", p);
   if (!a.load.empty()) trainer.load(a.load);
 
   if (rank0) fmt::print("weft train_gpt | layers {} | hidden {} | heads {} | seq {} | vocab {} | params {} "
@@ -536,8 +543,10 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
       fmt::print("{} | {:.1f} GFLOP/s | elapsed {} | eta {}\n", r.line(a.train_iters),
                  flops_per_token * r.tokens_per_s / 1e9, duration(elapsed), duration(eta));
     std::fflush(stdout);
-    if (!a.save.empty() && a.save_interval > 0 && trainer.steps_done() % a.save_interval == 0)
+    if (!a.save.empty() && a.save_interval > 0 && trainer.steps_done() % a.save_interval == 0) {
       trainer.save(a.save);
+      if (rank0) prune_checkpoints(a.save, a.keep_last);
+    }
   }
   if (pipeline && !a.trace.empty()) {
     pipeline->write_trace(a.trace);
@@ -573,7 +582,10 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   // The last step is saved once: unless the interval has just saved it.
   const bool saved = a.save_interval > 0 && trainer.steps_done() % a.save_interval == 0 &&
                      trainer.steps_done() > 0 && !recent.empty();
-  if (!a.save.empty() && !saved) trainer.save(a.save);
+  if (!a.save.empty() && !saved) {
+    trainer.save(a.save);
+    if (rank0) prune_checkpoints(a.save, a.keep_last);
+  }
   if (!a.save.empty() && rank0)
     fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
   if (a.sample > 0) {
@@ -651,6 +663,8 @@ int main(int argc, char** argv) {
   app.add_option("--save", a.save, "checkpoint directory to write");
   app.add_option("--load", a.load, "checkpoint directory to resume from");
   app.add_option("--save-interval", a.save_interval, "save every N steps (0 = only at the end)");
+  app.add_option("--keep-last-checkpoints", a.keep_last,
+                 "keep only the newest N checkpoints in --save (0: keep all)");
   app.add_option("--log-interval", a.log_interval, "print every N steps");
   app.add_option("--log-jsonl", a.log_jsonl, "write one JSON object per step here");
   app.add_option("--split", a.split,

@@ -10,6 +10,7 @@
 
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -231,6 +232,24 @@ TEST_F(Cli, LoadChecksTheCheckpointItOpens) {
                {meta, "says step 999999, but the checkpoint pointer and directory say 4"});
   write_file(meta, "{ not json");
   expect_error(toy("--train-iters 6 --load " + ckpt), {meta, "is not valid JSON"});
+}
+
+// --keep-last-checkpoints rotates; what an interrupted save left is removed
+// at start, and said.
+TEST_F(Cli, CheckpointRotationAndStaleTemporaries) {
+  namespace fs = std::filesystem;
+  const std::string ckpt = dir_ + "/ckpt";
+  fs::create_directories(ckpt + "/iter_0000009.tmp");
+  write_file(ckpt + "/iter_0000009.tmp/model.safetensors", "half a file");
+  Result r = run(toy("--train-iters 4 --save-interval 1 --keep-last-checkpoints 2 --save " + ckpt));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "iter_0000009.tmp, left by an interrupted save")) << r.out;
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(ckpt)) left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"iter_0000003", "iter_0000004",
+                                            "latest_checkpointed_iteration.txt"}));
+  expect_error(toy("--keep-last-checkpoints -1"), {"--keep-last-checkpoints (-1) must not be negative"});
 }
 
 TEST_F(Cli, MissingDataFile) {

@@ -41,6 +41,14 @@ using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 // Writes <dir>/iter_<step>/ atomically and points latest at it. `model` and
 // `optimizer` hold full tensors (every layout's pieces put together), so any
 // other layout can load them.
+// Removes all but the newest `keep` complete checkpoints in `dir` (keep <= 0:
+// keeps every one).
+void prune_checkpoints(const std::string& dir, int64_t keep);
+// Removes what an interrupted save leaves behind in `dir`: iter_N.tmp
+// directories, and iter_N.old copies whose replacement iter_N is complete.
+// Returns the removed paths.
+std::vector<std::string> clean_stale_checkpoint_files(const std::string& dir);
+
 void save_checkpoint(const std::string& dir, const NamedTensors& model,
                      const NamedTensors& optimizer, int64_t optimizer_steps,
                      const CheckpointMeta& meta);

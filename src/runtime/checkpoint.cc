@@ -1,9 +1,14 @@
 #include <weft/checkpoint.h>
 #include <weft/safetensors.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <set>
 
 namespace fs = std::filesystem;
@@ -66,6 +71,15 @@ std::map<std::string, Dest> param_dests(const std::vector<Param*>& params) {
   return wanted;
 }
 
+// Makes a written file, or a directory's entries (renames in it), durable.
+void sync_path(const fs::path& p) {
+  const int fd = ::open(p.c_str(), O_RDONLY);
+  check(fd >= 0, "cannot open {} to flush it to disk", p.string());
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  check(rc == 0, "cannot flush {} to disk", p.string());
+}
+
 void write_text_atomic(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp";
   {
@@ -74,7 +88,23 @@ void write_text_atomic(const std::string& path, const std::string& text) {
     f.flush();
     check(f.good(), "cannot write {}", tmp);
   }
+  sync_path(tmp);
   fs::rename(tmp, path);
+  sync_path(fs::path(path).parent_path());
+}
+
+// The complete checkpoints in `dir`: step -> directory.
+std::map<int64_t, fs::path> complete_checkpoints(const std::string& dir) {
+  static const std::regex name("iter_([0-9]{7,})");
+  std::map<int64_t, fs::path> out;
+  if (!fs::is_directory(dir)) return out;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    std::smatch m;
+    const std::string n = e.path().filename().string();
+    if (e.is_directory() && std::regex_match(n, m, name) && fs::exists(e.path() / "meta.json"))
+      out[std::stoll(m[1].str())] = e.path();
+  }
+  return out;
 }
 
 std::string iter_name(int64_t step) { return fmt::format("iter_{:07d}", step); }
@@ -110,12 +140,15 @@ void save_checkpoint(const std::string& dir, const NamedTensors& model,
                       {"config", meta.config},
                       {"format_version", 1}};
   write_text_atomic((tmp_dir / "meta.json").string(), j.dump(2) + "\n");
+  for (const char* f : {"model.safetensors", "optimizer.safetensors"}) sync_path(tmp_dir / f);
+  sync_path(tmp_dir);
   // A complete checkpoint of this step (saved again) is set aside, not
   // deleted, until its replacement is in place.
   const fs::path old_dir = fs::path(dir) / (iter_name(meta.step) + ".old");
   fs::remove_all(old_dir);
   if (fs::exists(final_dir)) fs::rename(final_dir, old_dir);
   fs::rename(tmp_dir, final_dir);
+  sync_path(dir);
   fs::remove_all(old_dir);
   write_text_atomic((fs::path(dir) / "latest_checkpointed_iteration.txt").string(),
                     std::to_string(meta.step) + "\n");
@@ -198,6 +231,33 @@ NamedTensors Checkpoint::read_optimizer(const std::vector<Param*>& params) const
   }
   load_named(optimizer, all, /*hf_names=*/false, "optimizer state");
   return out;
+}
+
+void prune_checkpoints(const std::string& dir, int64_t keep) {
+  if (keep <= 0) return;
+  const auto all = complete_checkpoints(dir);
+  int64_t extra = static_cast<int64_t>(all.size()) - keep;
+  for (const auto& [step, path] : all) {  // oldest first
+    if (extra-- <= 0) break;
+    fs::remove_all(path);
+  }
+}
+
+std::vector<std::string> clean_stale_checkpoint_files(const std::string& dir) {
+  std::vector<std::string> removed;
+  if (!fs::is_directory(dir)) return removed;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string n = e.path().filename().string();
+    const bool tmp = n.size() > 4 && n.compare(n.size() - 4, 4, ".tmp") == 0;
+    const bool old = n.size() > 4 && n.compare(n.size() - 4, 4, ".old") == 0 &&
+                     fs::exists(fs::path(dir) / n.substr(0, n.size() - 4) / "meta.json");
+    if (n.rfind("iter_", 0) == 0 && (tmp || old)) {
+      fs::remove_all(e.path());
+      removed.push_back(e.path().string());
+    }
+  }
+  std::sort(removed.begin(), removed.end());
+  return removed;
 }
 
 }  // namespace weft
