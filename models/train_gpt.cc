@@ -28,8 +28,10 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <optional>
@@ -37,6 +39,40 @@
 #include <string>
 
 namespace {
+
+// Graceful stop (Megatron's exit-signal handling, on whenever --save is set):
+// SIGTERM, SIGINT or SIGUSR1 (Slurm's warning before its time limit) asks
+// every rank to stop after the step in flight and save; a second signal ends
+// the process at once.
+std::atomic<int> g_stop_signal{0};
+
+extern "C" void on_stop_signal(int sig) {
+  if (g_stop_signal.exchange(sig) != 0) {
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+  }
+}
+
+void install_stop_handlers() {
+  for (int sig : {SIGTERM, SIGINT, SIGUSR1}) std::signal(sig, on_stop_signal);
+}
+
+// Whether any rank has been asked to stop: every rank reaches the same
+// answer after the same step (one all-reduce of one number per step).
+bool stop_requested(weft::Communicator* world, weft::Tensor& flag) {
+  flag.data<float>()[0] = static_cast<float>(g_stop_signal.load());
+  if (world != nullptr && world->size() > 1) world->all_reduce(flag, weft::ReduceOp::Max);
+  return flag.data<float>()[0] > 0;
+}
+
+const char* signal_name(int sig) {
+  switch (sig) {
+    case SIGTERM: return "SIGTERM";
+    case SIGINT: return "SIGINT";
+    case SIGUSR1: return "SIGUSR1";
+    default: return "a signal";
+  }
+}
 
 struct Args {
   std::string model;
@@ -510,6 +546,8 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   std::vector<double> recent, recent_ms;
   std::vector<std::pair<double, double>> train_points, val_points;  // (step, loss)
   const auto started = std::chrono::steady_clock::now();
+  Tensor stop_flag = Tensor::zeros({1});
+  if (!a.save.empty()) install_stop_handlers();
   while (trainer.steps_done() < a.train_iters) {
     StepRecord r = trainer.train_step();
     if (recent.size() == kRecent) recent.erase(recent.begin()), recent_ms.erase(recent_ms.begin());
@@ -546,6 +584,21 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     if (!a.save.empty() && a.save_interval > 0 && trainer.steps_done() % a.save_interval == 0) {
       trainer.save(a.save);
       if (rank0) prune_checkpoints(a.save, a.keep_last);
+    }
+    if (!a.save.empty() && trainer.steps_done() < a.train_iters && stop_requested(world, stop_flag)) {
+      const bool saved_now = a.save_interval > 0 && trainer.steps_done() % a.save_interval == 0;
+      if (!saved_now) {
+        trainer.save(a.save);
+        if (rank0) prune_checkpoints(a.save, a.keep_last);
+      }
+      if (rank0)
+        fmt::print("stopping on {} after step {}: saved checkpoint to {}; run again with --load "
+                   "{} to continue\n",
+                   signal_name(g_stop_signal.load() > 0 ? g_stop_signal.load()
+                                                        : static_cast<int>(stop_flag.data<float>()[0])),
+                   trainer.steps_done(), a.save, a.save);
+      std::fflush(stdout);
+      return 0;
     }
   }
   if (pipeline && !a.trace.empty()) {

@@ -252,6 +252,48 @@ TEST_F(Cli, CheckpointRotationAndStaleTemporaries) {
   expect_error(toy("--keep-last-checkpoints -1"), {"--keep-last-checkpoints (-1) must not be negative"});
 }
 
+// SIGTERM mid-run: the job finishes its step, saves, exits 0; run again with
+// --load, it ends with the uninterrupted run's losses bit for bit.
+TEST_F(Cli, SigtermSavesAndTheResumedRunMatchesTheUninterruptedOne) {
+  const char* exe = std::getenv("WEFT_TRAIN_GPT");
+  ASSERT_NE(exe, nullptr);
+  const std::string flags = toy("--device cpu --threads 1 --lr-decay-style constant ");
+  const std::string ckpt = dir_ + "/ckpt", jsonl = dir_ + "/stopped.jsonl";
+  // Signal once three steps are logged; the job may be anywhere in a step.
+  const std::string cmd = "( " + std::string(exe) + " " + flags + "--train-iters 1000000 --save " +
+                          ckpt + " --log-jsonl " + jsonl + " >" + dir_ + "/stopped.out 2>&1 & "
+                          "pid=$!; while [ \"$(cat " + jsonl + " 2>/dev/null | wc -l)\" -lt 3 ]; "
+                          "do sleep 0.05; done; kill -TERM $pid; wait $pid )";
+  const int status = std::system(cmd.c_str());
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_file(dir_ + "/stopped.out");
+  const std::string out = read_file(dir_ + "/stopped.out");
+  EXPECT_TRUE(testing::contains(out, "stopping on SIGTERM after step")) << out;
+  const int stopped = std::stoi(read_file(ckpt + "/latest_checkpointed_iteration.txt"));
+  ASSERT_GE(stopped, 3);
+  const int total = stopped + 4;
+  Result resumed = run(flags + "--train-iters " + std::to_string(total) + " --load " + ckpt +
+                       " --log-jsonl " + dir_ + "/resumed.jsonl");
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  Result full = run(flags + "--train-iters " + std::to_string(total) + " --log-jsonl " + dir_ +
+                    "/full.jsonl");
+  ASSERT_EQ(full.code, 0) << full.err;
+  auto records = [&](const std::string& path) {
+    std::vector<nlohmann::json> v;
+    std::istringstream lines(read_file(path));
+    for (std::string line; std::getline(lines, line);) v.push_back(nlohmann::json::parse(line));
+    return v;
+  };
+  const auto a = records(dir_ + "/resumed.jsonl"), b = records(dir_ + "/full.jsonl");
+  ASSERT_EQ(a.size(), 4u);
+  ASSERT_EQ(b.size(), static_cast<size_t>(total));
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i]["step"], b[static_cast<size_t>(stopped) + i]["step"]);
+    EXPECT_EQ(a[i]["loss"].get<double>(), b[static_cast<size_t>(stopped) + i]["loss"].get<double>());
+    EXPECT_EQ(a[i]["grad_norm"].get<double>(),
+              b[static_cast<size_t>(stopped) + i]["grad_norm"].get<double>());
+  }
+}
+
 TEST_F(Cli, MissingDataFile) {
   expect_error(toy("--data-path /nonexistent/corpus.txt"), {"/nonexistent/corpus.txt"});
 }
