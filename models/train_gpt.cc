@@ -102,6 +102,7 @@ struct Args {
   std::string split;
   int64_t eval_interval = 0, eval_iters = 10;
   int64_t save_interval = 0, log_interval = 1, keep_last = 0;
+  bool no_load = false, overwrite_checkpoints = false;
   int64_t sample = 0;
   float sample_temperature = 0.8f;
   std::string sample_prompt = "\n";
@@ -414,6 +415,16 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   check(a.log_interval > 0, "--log-interval ({}) must be positive", a.log_interval);
   check(a.save_interval >= 0, "--save-interval ({}) must be >= 0", a.save_interval);
   check(!a.data_path.empty(), "--data-path is required (a text file, or an llm.c .bin file)");
+  // Resume: --load, else the newest checkpoint in --save, unless --no-load;
+  // starting over never replaces checkpoints silently.
+  check(!a.no_load || a.load.empty(), "--no-load and --load {} contradict each other", a.load);
+  const int64_t existing = a.save.empty() ? -1 : newest_checkpoint_step(a.save);
+  check(!a.no_load || existing < 0 || a.overwrite_checkpoints,
+        "--save {} already holds checkpoints (the newest is step {}): run without --no-load to "
+        "resume from it, add --overwrite-checkpoints to start over and replace them, or save "
+        "elsewhere",
+        a.save, existing);
+  const std::string load = !a.load.empty() ? a.load : (!a.no_load && existing >= 0 ? a.save : "");
   const PipelineSetup setup = check_parallel(a, cfg, world ? world->size() : 1, global);
   const bool rank0 = world == nullptr || world->rank() == 0;
 
@@ -517,7 +528,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   if (rank0 && !a.save.empty())
     for (const std::string& p : clean_stale_checkpoint_files(a.save))
       fmt::print("removed {}, left by an interrupted save\n", p);
-  if (!a.load.empty()) trainer.load(a.load);
+  if (!load.empty()) trainer.load(load);
 
   if (rank0) fmt::print("weft train_gpt | layers {} | hidden {} | heads {} | seq {} | vocab {} | params {} "
              "| micro-batch {} x {} = global {} | {} | data {} ({} tokens, unigram entropy "
@@ -528,7 +539,8 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
                                    : fmt::format("{}{}", setup.device.str(), a.tf32 ? " tf32" : ""),
              a.data_path, data.size(), entropy);
   if (trainer.steps_done() > 0 && rank0)
-    fmt::print("resumed from {} at step {}\n", a.load, trainer.steps_done());
+    fmt::print("resumed from {} at step {}{}\n", load, trainer.steps_done(),
+               a.load.empty() ? " (automatic: --save holds it; --no-load starts over)" : "");
 
   std::ofstream jsonl;
   if (!a.log_jsonl.empty() && rank0) {
@@ -714,7 +726,12 @@ int main(int argc, char** argv) {
   app.add_option("--data-path", a.data_path, "text file (bytes) or llm.c .bin token file");
   app.add_option("--init-from", a.init_from, "safetensors weights with Hugging Face GPT-2 names");
   app.add_option("--save", a.save, "checkpoint directory to write");
-  app.add_option("--load", a.load, "checkpoint directory to resume from");
+  app.add_option("--load", a.load,
+                 "checkpoint directory (or one iter_N in it) to resume from (default: --save, "
+                 "when it holds one)");
+  app.add_flag("--no-load", a.no_load, "start over even when --save holds checkpoints");
+  app.add_flag("--overwrite-checkpoints", a.overwrite_checkpoints,
+               "with --no-load: let the new run replace the checkpoints in --save");
   app.add_option("--save-interval", a.save_interval, "save every N steps (0 = only at the end)");
   app.add_option("--keep-last-checkpoints", a.keep_last,
                  "keep only the newest N checkpoints in --save (0: keep all)");

@@ -294,6 +294,25 @@ TEST_F(Cli, SigtermSavesAndTheResumedRunMatchesTheUninterruptedOne) {
   }
 }
 
+// A run whose --save holds a checkpoint resumes from it; starting over
+// (--no-load) never replaces checkpoints unless told to.
+TEST_F(Cli, AutomaticResumeAndNoSilentOverwrite) {
+  const std::string ckpt = dir_ + "/ckpt";
+  Result r = run(toy("--train-iters 3 --save " + ckpt));
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = run(toy("--train-iters 5 --save " + ckpt));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "resumed from " + ckpt + " at step 3 (automatic")) << r.out;
+  EXPECT_EQ(read_file(ckpt + "/latest_checkpointed_iteration.txt"), "5\n");
+  expect_error(toy("--train-iters 2 --no-load --save " + ckpt),
+               {"already holds checkpoints (the newest is step 5)", "--overwrite-checkpoints"});
+  r = run(toy("--train-iters 2 --no-load --overwrite-checkpoints --save " + ckpt));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_FALSE(testing::contains(r.out, "resumed")) << r.out;
+  EXPECT_EQ(read_file(ckpt + "/latest_checkpointed_iteration.txt"), "2\n");
+  expect_error(toy("--no-load --load " + ckpt), {"--no-load and --load", "contradict"});
+}
+
 TEST_F(Cli, MissingDataFile) {
   expect_error(toy("--data-path /nonexistent/corpus.txt"), {"/nonexistent/corpus.txt"});
 }

@@ -41,6 +41,10 @@ using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 // Writes <dir>/iter_<step>/ atomically and points latest at it. `model` and
 // `optimizer` hold full tensors (every layout's pieces put together), so any
 // other layout can load them.
+// The step the checkpoint pointer of `dir` names, or -1 when `dir` holds no
+// checkpoint.
+int64_t newest_checkpoint_step(const std::string& dir);
+
 // Removes all but the newest `keep` complete checkpoints in `dir` (keep <= 0:
 // keeps every one).
 void prune_checkpoints(const std::string& dir, int64_t keep);

@@ -233,6 +233,13 @@ NamedTensors Checkpoint::read_optimizer(const std::vector<Param*>& params) const
   return out;
 }
 
+int64_t newest_checkpoint_step(const std::string& dir) {
+  std::ifstream lf(fs::path(dir) / "latest_checkpointed_iteration.txt");
+  int64_t step = -1;
+  if (lf.good()) lf >> step;
+  return lf.fail() ? -1 : step;
+}
+
 void prune_checkpoints(const std::string& dir, int64_t keep) {
   if (keep <= 0) return;
   const auto all = complete_checkpoints(dir);
