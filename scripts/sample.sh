@@ -5,6 +5,8 @@
 # sample.
 # About 3 minutes on 2 cores.
 # Any flag given here is passed on to train_gpt, e.g. --data-path my.txt.
+# Each run trains afresh (--no-load --overwrite-checkpoints); resume a saved
+# run with ./build/train_gpt ... --load data/checkpoints.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -27,4 +29,4 @@ exec ./build/train_gpt --num-layers 4 --hidden-size 128 --num-attention-heads 4 
   --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 30 \
   --split 98,2,0 --eval-interval 200 --eval-iters 10 \
   --log-interval 100 --log-jsonl data/sample.jsonl --loss-plot data/loss.svg \
-  --save data/checkpoints --sample 400 "$@"
+  --save data/checkpoints --no-load --overwrite-checkpoints --sample 400 "$@"
