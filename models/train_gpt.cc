@@ -418,6 +418,15 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   // Resume: --load, else the newest checkpoint in --save, unless --no-load;
   // starting over never replaces checkpoints silently.
   check(!a.no_load || a.load.empty(), "--no-load and --load {} contradict each other", a.load);
+  check(a.no_load || !a.overwrite_checkpoints,
+        "--overwrite-checkpoints only matters with --no-load (a run resumes from --save "
+        "otherwise)");
+  check(!a.save.empty() || a.keep_last == 0,
+        "--keep-last-checkpoints {} needs --save: it rotates the checkpoints written there",
+        a.keep_last);
+  check(a.eval_interval > 0 || !app.count("--eval-iters"),
+        "--eval-iters sets the batches of each validation: it needs --eval-interval");
+  check(a.sample > 0 || a.tokenizer.empty(), "--tokenizer decodes samples: it needs --sample N");
   const int64_t existing = a.save.empty() ? -1 : newest_checkpoint_step(a.save);
   check(!a.no_load || existing < 0 || a.overwrite_checkpoints,
         "--save {} already holds checkpoints (the newest is step {}): run without --no-load to "
@@ -560,6 +569,17 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   const auto started = std::chrono::steady_clock::now();
   Tensor stop_flag = Tensor::zeros({1});
   if (!a.save.empty()) install_stop_handlers();
+  // Every save goes through here: once per step, pruned, and said.
+  int64_t last_saved = trainer.steps_done();  // a resumed run's step is on disk already
+  auto save = [&] {
+    if (a.save.empty() || last_saved == trainer.steps_done()) return;
+    trainer.save(a.save);
+    last_saved = trainer.steps_done();
+    if (rank0) {
+      prune_checkpoints(a.save, a.keep_last);
+      fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
+    }
+  };
   while (trainer.steps_done() < a.train_iters) {
     StepRecord r = trainer.train_step();
     if (recent.size() == kRecent) recent.erase(recent.begin()), recent_ms.erase(recent_ms.begin());
@@ -593,22 +613,14 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
       fmt::print("{} | {:.1f} GFLOP/s | elapsed {} | eta {}\n", r.line(a.train_iters),
                  flops_per_token * r.tokens_per_s / 1e9, duration(elapsed), duration(eta));
     std::fflush(stdout);
-    if (!a.save.empty() && a.save_interval > 0 && trainer.steps_done() % a.save_interval == 0) {
-      trainer.save(a.save);
-      if (rank0) prune_checkpoints(a.save, a.keep_last);
-    }
+    if (a.save_interval > 0 && trainer.steps_done() % a.save_interval == 0) save();
     if (!a.save.empty() && trainer.steps_done() < a.train_iters && stop_requested(world, stop_flag)) {
-      const bool saved_now = a.save_interval > 0 && trainer.steps_done() % a.save_interval == 0;
-      if (!saved_now) {
-        trainer.save(a.save);
-        if (rank0) prune_checkpoints(a.save, a.keep_last);
-      }
+      save();
       if (rank0)
-        fmt::print("stopping on {} after step {}: saved checkpoint to {}; run again with --load "
-                   "{} to continue\n",
+        fmt::print("stopping on {} after step {}; run again with --load {} to continue\n",
                    signal_name(g_stop_signal.load() > 0 ? g_stop_signal.load()
                                                         : static_cast<int>(stop_flag.data<float>()[0])),
-                   trainer.steps_done(), a.save, a.save);
+                   trainer.steps_done(), a.save);
       std::fflush(stdout);
       return 0;
     }
@@ -644,15 +656,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
                                 global));
     fmt::print("wrote the loss curve to {}\n", a.loss_plot);
   }
-  // The last step is saved once: unless the interval has just saved it.
-  const bool saved = a.save_interval > 0 && trainer.steps_done() % a.save_interval == 0 &&
-                     trainer.steps_done() > 0 && !recent.empty();
-  if (!a.save.empty() && !saved) {
-    trainer.save(a.save);
-    if (rank0) prune_checkpoints(a.save, a.keep_last);
-  }
-  if (!a.save.empty() && rank0)
-    fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
+  save();  // the last step, once (unless the interval has just saved it)
   if (a.sample > 0) {
     place_params(graph.params(), Device::cpu());  // sampling runs on the host
     std::vector<int32_t> prompt;

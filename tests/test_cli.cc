@@ -139,9 +139,9 @@ TEST_F(Cli, SamplesOfTokenDataDecodeThroughATokenizer) {
   r = run(tiny("--sample 4"));
   EXPECT_TRUE(testing::contains(r.out, "give --tokenizer to decode them")) << r.out;
   expect_error(tiny("--sample 4 --sample-prompt Hello"), {"--sample-prompt needs text data"});
-  expect_error(tiny("--tokenizer " + tokenizer("bad.bin", 123, 64)),
+  expect_error(tiny("--sample 4 --tokenizer " + tokenizer("bad.bin", 123, 64)),
                {"bad.bin", "magic 123", "20240328"});
-  expect_error(tiny("--tokenizer " + tokenizer("small.bin", 20240328, 10)),
+  expect_error(tiny("--sample 4 --tokenizer " + tokenizer("small.bin", 20240328, 10)),
                {"small.bin has 10 tokens", "token id 63"});
 }
 
@@ -210,7 +210,8 @@ TEST_F(Cli, LoadChecksTheCheckpointItOpens) {
   const std::string ckpt = dir_ + "/ckpt";
   Result r = run(toy("--train-iters 4 --save-interval 2 --save " + ckpt));
   ASSERT_EQ(r.code, 0) << r.err;
-  EXPECT_EQ(testing::count(r.out, "saved checkpoint"), 1) << r.out;
+  // Saved at steps 2 and 4; the final step, just saved by the interval, not again.
+  EXPECT_EQ(testing::count(r.out, "saved checkpoint at step"), 2) << r.out;
   EXPECT_TRUE(std::filesystem::exists(ckpt + "/iter_0000002/meta.json"));
   r = run(toy("--train-iters 5 --load " + ckpt + "/iter_0000002"));
   ASSERT_EQ(r.code, 0) << r.err;
@@ -249,7 +250,13 @@ TEST_F(Cli, CheckpointRotationAndStaleTemporaries) {
   std::sort(left.begin(), left.end());
   EXPECT_EQ(left, (std::vector<std::string>{"iter_0000003", "iter_0000004",
                                             "latest_checkpointed_iteration.txt"}));
-  expect_error(toy("--keep-last-checkpoints -1"), {"--keep-last-checkpoints (-1) must not be negative"});
+  expect_error(toy("--keep-last-checkpoints -1 --save " + ckpt),
+               {"--keep-last-checkpoints (-1) must not be negative"});
+  // Flags that would change nothing are refused.
+  expect_error(toy("--keep-last-checkpoints 2"), {"--keep-last-checkpoints 2 needs --save"});
+  expect_error(toy("--overwrite-checkpoints --save " + ckpt), {"only matters with --no-load"});
+  expect_error(toy("--eval-iters 3"), {"--eval-iters sets the batches", "needs --eval-interval"});
+  expect_error(tiny("--tokenizer " + dir_ + "/t.bin"), {"--tokenizer decodes samples: it needs --sample"});
 }
 
 // SIGTERM mid-run: the job finishes its step, saves, exits 0; run again with
