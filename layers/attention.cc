@@ -7,27 +7,30 @@ namespace weft {
 
 namespace {
 struct Ctx : LayerCtx {
-  Tensor qkv;    // (B, T, 3C)
+  Tensor qkv;    // (B, T, (H + 2G) D)
   Tensor probs;  // (B, H, T, T)
 };
 }  // namespace
 
-CausalSelfAttention::CausalSelfAttention(int64_t heads) : heads_(heads) {
+CausalSelfAttention::CausalSelfAttention(int64_t heads, int64_t groups)
+    : heads_(heads), groups_(groups) {
   check(heads > 0, "attention heads ({}) must be positive", heads);
+  check(groups > 0 && heads % groups == 0,
+        "attention query groups ({}) must divide the attention heads ({})", groups, heads);
 }
 
 std::vector<Shape> CausalSelfAttention::output_shapes(std::span<const Shape> in) const {
-  check(in.size() == 1 && in[0].rank == 3 && in[0][2] % 3 == 0,
-        "attention takes qkv (B, T, 3C), got {}", in.empty() ? "nothing" : in[0].str());
-  const int64_t c = in[0][2] / 3;
-  check(c % heads_ == 0, "attention heads ({}) must divide the hidden size ({})", heads_, c);
-  return {Shape{in[0][0], in[0][1], c}};
+  const int64_t n = heads_ + 2 * groups_;
+  check(in.size() == 1 && in[0].rank == 3 && in[0][2] % n == 0,
+        "attention with {} heads and {} key/value groups takes qkv (B, T, {} x head size), got {}",
+        heads_, groups_, n, in.empty() ? "nothing" : in[0].str());
+  return {Shape{in[0][0], in[0][1], in[0][2] / n * heads_}};
 }
 
 double CausalSelfAttention::flops(std::span<const Shape> in) const {
-  // q k^T and p v, full T x T (the causal half is computed and masked).
+  // q k^T and p v per query head, full T x T (the causal half is computed and masked).
   const double b = static_cast<double>(in[0][0]), t = static_cast<double>(in[0][1]);
-  const double c = static_cast<double>(in[0][2]) / 3.0;
+  const double c = static_cast<double>(in[0][2] / (heads_ + 2 * groups_) * heads_);
   return 4.0 * b * t * t * c;
 }
 
@@ -35,7 +38,9 @@ std::unique_ptr<Layer> CausalSelfAttention::tensor_parallel(TpBuild& build) cons
   const int tp = build.group->size();
   check(heads_ % tp == 0, "attention heads ({}) must be divisible by tensor-parallel size ({})",
         heads_, tp);
-  return std::make_unique<CausalSelfAttention>(heads_ / tp);
+  check(groups_ % tp == 0,
+        "attention query groups ({}) must be divisible by tensor-parallel size ({})", groups_, tp);
+  return std::make_unique<CausalSelfAttention>(heads_ / tp, groups_ / tp);
 }
 
 std::unique_ptr<LayerCtx> CausalSelfAttention::make_ctx() const {
@@ -48,7 +53,7 @@ void CausalSelfAttention::forward(LayerCtx& ctx_, Arena& arena, std::span<const 
   const int64_t b = in[0].dim(0), t = in[0].dim(1);
   ctx.qkv = in[0];
   ctx.probs = arena.alloc({b, heads_, t, t});
-  ops::attention_forward(in[0], out[0], ctx.probs, heads_);
+  ops::attention_forward(in[0], out[0], ctx.probs, heads_, groups_);
 }
 
 void CausalSelfAttention::backward_input(LayerCtx& ctx_, Arena& arena,
@@ -58,7 +63,7 @@ void CausalSelfAttention::backward_input(LayerCtx& ctx_, Arena& arena,
   if (!grad_in[0].defined()) return;
   const int64_t b = ctx.qkv.dim(0), t = ctx.qkv.dim(1);
   Tensor scratch = arena.alloc({b, heads_, t, t});
-  ops::attention_backward(grad_out[0], ctx.qkv, ctx.probs, grad_in[0], scratch, heads_);
+  ops::attention_backward(grad_out[0], ctx.qkv, ctx.probs, grad_in[0], scratch, heads_, groups_);
 }
 
 }  // namespace weft

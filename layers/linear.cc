@@ -3,6 +3,8 @@
 #include <weft/ops.h>
 #include <weft/tensor_parallel.h>
 
+#include <fmt/ranges.h>
+
 #include "layers/tp_linear.h"
 
 namespace weft {
@@ -14,13 +16,32 @@ struct Ctx : LayerCtx {
 };
 }  // namespace
 
+namespace {
+std::vector<int64_t> equal_out_blocks(const Param* w, int count) {
+  check(w->value.rank() == 2, "{}: a linear weight must be 2-D (in, out), got {}", w->name,
+        w->value.shape().str());
+  check(count > 0 && w->value.dim(1) % count == 0, "{}: the output width {} must be {} equal blocks",
+        w->name, w->value.dim(1), count);
+  return equal_blocks(w->value.dim(1), count);
+}
+}  // namespace
+
 Linear::Linear(Param* weight, Param* bias, ParallelRole role, int out_blocks)
-    : w_(weight), b_(bias), role_(role), out_blocks_(out_blocks) {
+    : Linear(weight, bias, role, equal_out_blocks(weight, out_blocks)) {}
+
+Linear::Linear(Param* weight, Param* bias, ParallelRole role, std::vector<int64_t> out_blocks)
+    : w_(weight), b_(bias), role_(role), out_blocks_(std::move(out_blocks)) {
   check(w_->value.rank() == 2, "{}: a linear weight must be 2-D (in, out), got {}", w_->name,
         w_->value.shape().str());
-  check(out_blocks_ > 0 && w_->value.dim(1) % out_blocks_ == 0,
-        "{}: the output width {} must be {} equal blocks", w_->name, w_->value.dim(1),
-        out_blocks_);
+  int64_t sum = 0;
+  bool positive = true;
+  for (int64_t width : out_blocks_) {
+    sum += width;
+    positive = positive && width > 0;
+  }
+  check(!out_blocks_.empty() && positive && sum == w_->value.dim(1),
+        "{}: the output width {} must be the total of its blocks' positive widths ({})", w_->name,
+        w_->value.dim(1), fmt::join(out_blocks_, " + "));
   check(b_ == nullptr || b_->value.numel() == w_->value.dim(1),
         "{}: bias length {} does not match the output width {}", b_ ? b_->name : "",
         b_ ? b_->value.numel() : 0, w_->value.dim(1));
@@ -71,7 +92,7 @@ void Linear::backward_weight(LayerCtx& ctx_, Arena&) {
   if (b_) ops::sum_rows(ctx.dy, b_->grad);
 }
 
-// Column: W (in, out) and b (out) split by columns, in out_blocks blocks.
+// Column: W (in, out) and b (out) split by columns, in each of the out_blocks.
 // Row: W split by rows; b whole, added once after the reduction.
 // None: a replicated copy.
 std::unique_ptr<Layer> Linear::tensor_parallel(TpBuild& build) const {

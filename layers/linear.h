@@ -4,9 +4,10 @@
 // The graph stays logical: `role` records which half of a Megatron pair this
 // is (Column splits W's columns across the tensor-parallel group, Row splits
 // its rows), so a stage can instantiate the right parallel form per rank
-// (layers/tp_linear.h). `out_blocks` says that the output is that many packed
-// equal blocks (3 for GPT's q|k|v projection): a column split then gives each
-// rank its piece of every block, so its slice keeps the packed layout.
+// (layers/tp_linear.h). `out_blocks` says that the output is packed blocks:
+// a count of equal ones (3 for GPT's q|k|v projection), or their widths
+// ({H D, G D, G D} for grouped-query attention's). A column split then gives
+// each rank its piece of every block, so its slice keeps the packed layout.
 #pragma once
 
 #include <weft/layer.h>
@@ -19,13 +20,15 @@ class Linear final : public Layer {
  public:
   // bias may be null
   Linear(Param* weight, Param* bias, ParallelRole role = ParallelRole::None, int out_blocks = 1);
+  Linear(Param* weight, Param* bias, ParallelRole role, std::vector<int64_t> out_blocks);
   const char* kind() const override { return "linear"; }
   std::vector<Shape> output_shapes(std::span<const Shape> in) const override;
   std::vector<Param*> params() const override;
   double flops(std::span<const Shape> in) const override;
   std::unique_ptr<LayerCtx> make_ctx() const override;
   ParallelRole role() const { return role_; }
-  int out_blocks() const { return out_blocks_; }
+  // The widths of the output's packed blocks.
+  const std::vector<int64_t>& out_blocks() const { return out_blocks_; }
   std::unique_ptr<Layer> tensor_parallel(TpBuild& build) const override;
 
   void forward(LayerCtx& ctx, Arena& arena, std::span<const Tensor> in,
@@ -38,7 +41,7 @@ class Linear final : public Layer {
   Param* w_;
   Param* b_;
   ParallelRole role_;
-  int out_blocks_;
+  std::vector<int64_t> out_blocks_;
 };
 
 }  // namespace weft

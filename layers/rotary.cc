@@ -6,36 +6,41 @@
 
 namespace weft {
 
-Rotary::Rotary(int64_t heads, float base) : heads_(heads), base_(base) {
+Rotary::Rotary(int64_t heads, int64_t groups, float base)
+    : heads_(heads), groups_(groups), base_(base) {
   check(heads > 0 && base > 0, "rotary: heads ({}) and base ({}) must be positive", heads, base);
+  check(groups > 0 && heads % groups == 0,
+        "rotary: query groups ({}) must divide the attention heads ({})", groups, heads);
 }
 
 std::vector<Shape> Rotary::output_shapes(std::span<const Shape> in) const {
-  check(in.size() == 1 && in[0].rank == 3 && in[0][2] % 3 == 0,
-        "rotary takes a packed qkv (B, T, 3C), got {}", in.empty() ? "nothing" : in[0].str());
-  const int64_t c = in[0][2] / 3;
-  check(c % heads_ == 0 && (c / heads_) % 2 == 0,
-        "rotary: width {} must split into {} heads of an even size", c, heads_);
+  const int64_t n = heads_ + 2 * groups_;
+  check(in.size() == 1 && in[0].rank == 3 && in[0][2] % n == 0,
+        "rotary with {} heads and {} key/value groups takes a packed qkv (B, T, {} x head "
+        "size), got {}",
+        heads_, groups_, n, in.empty() ? "nothing" : in[0].str());
+  check((in[0][2] / n) % 2 == 0, "rotary: the head size {} must be even", in[0][2] / n);
   return {in[0]};
 }
 
 std::unique_ptr<Layer> Rotary::tensor_parallel(TpBuild& build) const {
   const int tp = build.group->size();
-  check(heads_ % tp == 0, "rotary heads ({}) must be divisible by tensor-parallel size ({})",
-        heads_, tp);
-  return std::make_unique<Rotary>(heads_ / tp, base_);
+  check(heads_ % tp == 0 && groups_ % tp == 0,
+        "rotary heads ({}) and query groups ({}) must be divisible by tensor-parallel size ({})",
+        heads_, groups_, tp);
+  return std::make_unique<Rotary>(heads_ / tp, groups_ / tp, base_);
 }
 
-// y (B, T, 3C) = [rotate(q), rotate(k), v]
+// y = [rotate(q), rotate(k), v]
 void Rotary::forward(LayerCtx&, Arena&, std::span<const Tensor> in, std::span<const Tensor> out) {
-  ops::rope_forward(in[0], out[0], heads_, base_);
+  ops::rope_forward(in[0], out[0], heads_, groups_, base_);
 }
 
 // dx += [rotate^-1(dq), rotate^-1(dk), dv]: a rotation's inverse is its transpose.
 void Rotary::backward_input(LayerCtx&, Arena&, std::span<const Tensor> grad_out,
                             std::span<const Tensor> grad_in) {
   if (!grad_in[0].defined()) return;
-  ops::rope_backward(grad_out[0], grad_in[0], heads_, base_);
+  ops::rope_backward(grad_out[0], grad_in[0], heads_, groups_, base_);
 }
 
 }  // namespace weft

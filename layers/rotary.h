@@ -1,5 +1,6 @@
 // Rotary position embedding (RoPE, Llama's): applied to a packed
-// qkv (B, T, 3C) before attention. Each head's q and k (head size D) rotate
+// qkv (B, T, (H + 2G) D) before attention (the layout of layers/attention.h:
+// H query, G key and G value heads). Each query and key head (size D) rotates
 // in pairs (i, i + D/2) by the angle t * base^(-2i/D), t the position in the
 // sequence; v passes through. Relative positions then enter q.k directly.
 #pragma once
@@ -10,11 +11,12 @@ namespace weft {
 
 class Rotary final : public Layer {
  public:
-  explicit Rotary(int64_t heads, float base = 10000.0f);
+  // `heads` query heads and `groups` key/value heads (= heads without grouped-query attention).
+  Rotary(int64_t heads, int64_t groups, float base);
   const char* kind() const override { return "rotary"; }
   std::vector<Shape> output_shapes(std::span<const Shape> in) const override;
   double flops(std::span<const Shape> in) const override { return 2.0 * in[0].numel(); }
-  // Heads are split across tensor-parallel ranks, as attention's are.
+  // Query and key/value heads are split across tensor-parallel ranks, as attention's are.
   std::unique_ptr<Layer> tensor_parallel(TpBuild& build) const override;
   void forward(LayerCtx& ctx, Arena& arena, std::span<const Tensor> in,
                std::span<const Tensor> out) override;
@@ -22,7 +24,7 @@ class Rotary final : public Layer {
                       std::span<const Tensor> grad_in) override;
 
  private:
-  int64_t heads_;
+  int64_t heads_, groups_;
   float base_;
 };
 

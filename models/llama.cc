@@ -31,6 +31,9 @@ void LlamaConfig::validate() const {
         "the head size {} (--hidden-size / --num-attention-heads) must be even for rotary "
         "embedding",
         hidden_size / num_heads);
+  check(num_query_groups >= 0, "--num-query-groups ({}) must not be negative", num_query_groups);
+  check(num_heads % groups() == 0,
+        "--num-query-groups ({}) must divide --num-attention-heads ({})", groups(), num_heads);
   check(seq_length > 0, "--seq-length ({}) must be positive", seq_length);
   check(ffn_hidden_size >= 0, "--ffn-hidden-size ({}) must not be negative", ffn_hidden_size);
   check(rope_base > 0, "--rotary-base ({}) must be positive", rope_base);
@@ -42,15 +45,18 @@ LlamaModel build_llama(const LlamaConfig& cfg, int64_t micro_batch) {
   auto params = std::make_shared<ParamStore>();
   ParamStore& ps = *params;
   const int64_t c = cfg.hidden_size, f = cfg.ffn(), L = cfg.num_layers;
+  const int64_t heads = cfg.num_heads, groups = cfg.groups(), kv = groups * (c / heads);
   const float proj_std = 0.02f / std::sqrt(2.0f * static_cast<float>(L));
   auto norm = [&](const std::string& name) {
     return std::make_unique<RmsNorm>(ps.create(name + ".weight", {c}, Init::constant(1)),
                                      cfg.norm_eps);
   };
-  auto linear = [&](const std::string& name, int64_t in, int64_t out, float std,
-                    ParallelRole role, int blocks = 1) {
+  auto linear = [&](const std::string& name, int64_t in, std::vector<int64_t> out_blocks,
+                    float std, ParallelRole role) {
+    int64_t out = 0;
+    for (int64_t w : out_blocks) out += w;
     return std::make_unique<Linear>(ps.create(name + ".weight", {in, out}, Init::normal(std)),
-                                    nullptr, role, blocks);
+                                    nullptr, role, std::move(out_blocks));
   };
 
   LlamaModel m{params, Graph(params), {}, -1, -1, nullptr};
@@ -63,17 +69,17 @@ LlamaModel build_llama(const LlamaConfig& cfg, int64_t micro_batch) {
   for (int64_t i = 0; i < L; ++i) {
     const std::string h = fmt::format("h.{}", i);
     int a = g.add1(h + ".input_norm", norm(h + ".input_norm"), {x});
-    a = g.add1(h + ".attn.qkv", linear(h + ".attn.qkv", c, 3 * c, 0.02f, ParallelRole::Column, 3),
-               {a});
-    a = g.add1(h + ".attn.rotary", std::make_unique<Rotary>(cfg.num_heads, cfg.rope_base), {a});
-    a = g.add1(h + ".attn.core", std::make_unique<CausalSelfAttention>(cfg.num_heads), {a});
-    a = g.add1(h + ".attn.o", linear(h + ".attn.o", c, c, proj_std, ParallelRole::Row), {a});
+    a = g.add1(h + ".attn.qkv",
+               linear(h + ".attn.qkv", c, {c, kv, kv}, 0.02f, ParallelRole::Column), {a});
+    a = g.add1(h + ".attn.rotary", std::make_unique<Rotary>(heads, groups, cfg.rope_base), {a});
+    a = g.add1(h + ".attn.core", std::make_unique<CausalSelfAttention>(heads, groups), {a});
+    a = g.add1(h + ".attn.o", linear(h + ".attn.o", c, {c}, proj_std, ParallelRole::Row), {a});
     x = g.add1(h + ".res_1", std::make_unique<Residual>(), {x, a});
     int y = g.add1(h + ".post_attn_norm", norm(h + ".post_attn_norm"), {x});
     y = g.add1(h + ".mlp.gate_up",
-               linear(h + ".mlp.gate_up", c, 2 * f, 0.02f, ParallelRole::Column, 2), {y});
+               linear(h + ".mlp.gate_up", c, {f, f}, 0.02f, ParallelRole::Column), {y});
     y = g.add1(h + ".mlp.swiglu", std::make_unique<SwiGlu>(), {y});
-    y = g.add1(h + ".mlp.down", linear(h + ".mlp.down", f, c, proj_std, ParallelRole::Row), {y});
+    y = g.add1(h + ".mlp.down", linear(h + ".mlp.down", f, {c}, proj_std, ParallelRole::Row), {y});
     x = g.add1(h + ".res_2", std::make_unique<Residual>(), {x, y});
   }
   x = g.add1("norm", norm("norm"), {x});

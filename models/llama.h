@@ -8,11 +8,13 @@
 //   loss = cross-entropy(rmsnorm(x) lm_head^T, targets)
 //
 // Parameter names: wte.weight (V, C); h.{i}.input_norm.weight (C);
-// h.{i}.attn.qkv.weight (C, 3C); h.{i}.attn.o.weight (C, C);
+// h.{i}.attn.qkv.weight (C, C + 2 G D); h.{i}.attn.o.weight (C, C);
 // h.{i}.post_attn_norm.weight (C); h.{i}.mlp.gate_up.weight (C, 2F);
 // h.{i}.mlp.down.weight (F, C); norm.weight (C); lm_head.weight (V, C).
-// Linear weights are [in, out], as weft's GPT's. Grouped-query attention is
-// not built yet: every head has its own key and value.
+// Linear weights are [in, out], as weft's GPT's. The qkv projection packs
+// [q (C) | k (G D) | v (G D)] for H heads of size D = C / H and G key/value
+// heads (grouped-query attention, Megatron's --num-query-groups: query head i
+// reads key/value head i / (H / G); G = H without it).
 #pragma once
 
 #include <weft/graph.h>
@@ -27,12 +29,14 @@ struct LlamaConfig {
   int64_t num_layers = 4;
   int64_t hidden_size = 128;
   int64_t num_heads = 4;
+  int64_t num_query_groups = 0;  // 0: as many as heads (no grouped-query attention)
   int64_t ffn_hidden_size = 0;  // 0: Llama's rounding of 8C/3 up to a multiple of 64
   int64_t seq_length = 64;
   float rope_base = 10000.0f;
   float norm_eps = 1e-5f;
 
   int64_t ffn() const;
+  int64_t groups() const { return num_query_groups > 0 ? num_query_groups : num_heads; }
   // Throws Error naming the value and the rule it breaks.
   void validate() const;
 };

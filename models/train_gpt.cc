@@ -328,9 +328,13 @@ void check_arch(const Args& a, const CLI::App& app) {
   agree("--swiglu", a.swiglu, true, "");
   agree("--untie-embeddings-and-output-weights", a.untie, true, "");
   agree("--disable-bias-linear", a.disable_bias, true, "");
-  check(!a.gqa && a.num_query_groups == 0,
-        "--group-query-attention / --num-query-groups: grouped-query attention is not available "
-        "yet (every head has its own key and value)");
+  agree("--group-query-attention", a.gqa, true, "");
+  check(a.gqa || !app.count("--num-query-groups"),
+        "--num-query-groups {} needs --group-query-attention (without it every head has its own "
+        "key and value)",
+        a.num_query_groups);
+  check(!app.count("--num-query-groups") || a.num_query_groups >= 1,
+        "--num-query-groups ({}) must be >= 1", a.num_query_groups);
   check(llama || !app.count("--ffn-hidden-size"),
         "--ffn-hidden-size sets the llama family's SwiGLU width; GPT-2's MLP is 4 x hidden");
   check(llama || !app.count("--rotary-base"), "--rotary-base needs --arch llama (rope)");
@@ -342,6 +346,8 @@ weft::LlamaConfig llama_config(const Args& a, const weft::GptConfig& cfg) {
   l.vocab_size = cfg.vocab_size, l.num_layers = cfg.num_layers, l.hidden_size = cfg.hidden_size;
   l.num_heads = cfg.num_heads, l.seq_length = cfg.seq_length;
   l.ffn_hidden_size = a.ffn_hidden_size, l.rope_base = a.rotary_base;
+  // Megatron's default: --group-query-attention alone shares one key/value head.
+  if (a.gqa) l.num_query_groups = a.num_query_groups > 0 ? a.num_query_groups : 1;
   l.validate();
   return l;
 }
@@ -700,8 +706,11 @@ int main(int argc, char** argv) {
   app.add_flag("--swiglu", a.swiglu, "SwiGLU MLP (llama)");
   app.add_flag("--untie-embeddings-and-output-weights", a.untie, "an LM head of its own (llama)");
   app.add_flag("--disable-bias-linear", a.disable_bias, "linear layers without biases (llama)");
-  app.add_flag("--group-query-attention", a.gqa, "grouped-query attention (not available yet)");
-  app.add_option("--num-query-groups", a.num_query_groups, "key/value groups (not available yet)");
+  app.add_flag("--group-query-attention", a.gqa,
+               "grouped-query attention: query heads share key/value heads (llama)");
+  app.add_option("--num-query-groups", a.num_query_groups,
+                 "key/value heads with --group-query-attention (default 1); must divide "
+                 "--num-attention-heads and be divisible by --tp");
   app.add_option("--ffn-hidden-size", a.ffn_hidden_size,
                  "SwiGLU width (llama; default 8 x hidden / 3 rounded up to 64)");
   app.add_option("--rotary-base", a.rotary_base, "rotary embedding base (llama)");

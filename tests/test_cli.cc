@@ -181,7 +181,16 @@ TEST_F(Cli, ModelFamilyFlags) {
   expect_error(toy("--swiglu"), {"--swiglu describes the llama family, but --arch is gpt2"});
   expect_error(toy("--arch llama --normalization LayerNorm"),
                {"--normalization LayerNorm describes the gpt2 family, but --arch is llama"});
-  expect_error(toy("--arch llama --num-query-groups 2"), {"grouped-query attention is not available"});
+  r = run(toy("--arch llama --group-query-attention --num-query-groups 2 --train-iters 2"));
+  EXPECT_EQ(r.code, 0) << r.err;
+  expect_error(toy("--arch llama --num-query-groups 2"),
+               {"--num-query-groups 2 needs --group-query-attention"});
+  expect_error(toy("--group-query-attention"),
+               {"--group-query-attention describes the llama family, but --arch is gpt2"});
+  expect_error(toy("--arch llama --group-query-attention --num-query-groups 3"),
+               {"--num-query-groups (3) must divide --num-attention-heads (4)"});
+  expect_error(toy("--arch llama --group-query-attention --num-query-groups 0"),
+               {"--num-query-groups (0) must be >= 1"});
   expect_error(toy("--ffn-hidden-size 64"), {"--ffn-hidden-size sets the llama family's"});
   expect_error(toy("--arch llama --hidden-size 36 --num-attention-heads 4"),
                {"head size 9", "must be even for rotary embedding"});

@@ -315,21 +315,23 @@ struct AttnRef {
   DVec out, probs;
 };
 
-// Naive causal multi-head attention, one head at a time, in double.
-AttnRef attention_ref(const Vec& qkv, int64_t b, int64_t t, int64_t h, int64_t c) {
-  const int64_t d = c / h;
+// Naive causal attention, one query head at a time, in double: qkv (B, T, (H + 2G) D),
+// query head hi reading key/value head hi / (H / G).
+AttnRef attention_ref(const Vec& qkv, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d) {
+  const int64_t c = h * d, w = (h + 2 * g) * d;
   AttnRef r{DVec(z(b * t * c)), DVec(z(b * h * t * t))};
   auto at = [&](int64_t bi, int64_t ti, int64_t col) -> double {
-    return qkv[z((bi * t + ti) * 3 * c + col)];
+    return qkv[z((bi * t + ti) * w + col)];
   };
   for (int64_t bi = 0; bi < b; ++bi)
-    for (int64_t hi = 0; hi < h; ++hi)
+    for (int64_t hi = 0; hi < h; ++hi) {
+      const int64_t k0 = c + hi / (h / g) * d, v0 = k0 + g * d;
       for (int64_t i = 0; i < t; ++i) {
         DVec s(z(i + 1));
         double mx = -1e300;
         for (int64_t j = 0; j <= i; ++j) {
           double dot = 0;
-          for (int64_t e = 0; e < d; ++e) dot += at(bi, i, hi * d + e) * at(bi, j, c + hi * d + e);
+          for (int64_t e = 0; e < d; ++e) dot += at(bi, i, hi * d + e) * at(bi, j, k0 + e);
           s[z(j)] = dot / std::sqrt(static_cast<double>(d));
           mx = std::max(mx, s[z(j)]);
         }
@@ -339,64 +341,79 @@ AttnRef attention_ref(const Vec& qkv, int64_t b, int64_t t, int64_t h, int64_t c
           const double p = s[z(j)] / sum;
           r.probs[z(((bi * h + hi) * t + i) * t + j)] = p;
           for (int64_t e = 0; e < d; ++e)
-            r.out[z((bi * t + i) * c + hi * d + e)] += p * at(bi, j, 2 * c + hi * d + e);
+            r.out[z((bi * t + i) * c + hi * d + e)] += p * at(bi, j, v0 + e);
         }
       }
+    }
   return r;
 }
 
+// Multi-head (G = H) and grouped-query (G < H) attention.
+struct AttnShape {
+  int64_t b, t, h, g, d;
+};
+
 TEST(Attention, ForwardMatchesNaiveCausalSoftmax) {
-  const int64_t b = 2, t = 7, h = 3, c = 12;
-  const Vec qkv = testing::uniform(b * t * 3 * c, 51, -2.0f, 2.0f);
-  Vec out(z(b * t * c), std::nanf("")), probs(z(b * h * t * t), std::nanf(""));
-  cpu::attention_forward(qkv.data(), out.data(), probs.data(), b, t, h, c);
-  const AttnRef r = attention_ref(qkv, b, t, h, c);
-  expect_close(out, r.out, 1e-5, 1e-5, "out");
-  expect_close(probs, r.probs, 1e-6, 1e-5, "probs");
-  // The masked upper triangle is exactly zero and every row is a distribution.
-  for (int64_t bh = 0; bh < b * h; ++bh)
-    for (int64_t i = 0; i < t; ++i) {
-      double sum = 0;
-      for (int64_t j = 0; j < t; ++j) {
-        const float p = probs[z((bh * t + i) * t + j)];
-        if (j > i) {
-          EXPECT_EQ(p, 0.0f);
+  for (const AttnShape& sh : {AttnShape{2, 7, 3, 3, 4}, AttnShape{2, 7, 4, 2, 4},
+                              AttnShape{1, 5, 3, 1, 6}}) {
+    const int64_t b = sh.b, t = sh.t, h = sh.h, g = sh.g, d = sh.d, c = h * d;
+    SCOPED_TRACE(::testing::Message() << "H " << h << " G " << g);
+    const Vec qkv = testing::uniform(b * t * (h + 2 * g) * d, 51, -2.0f, 2.0f);
+    Vec out(z(b * t * c), std::nanf("")), probs(z(b * h * t * t), std::nanf(""));
+    cpu::attention_forward(qkv.data(), out.data(), probs.data(), b, t, h, g, d);
+    const AttnRef r = attention_ref(qkv, b, t, h, g, d);
+    expect_close(out, r.out, 1e-5, 1e-5, "out");
+    expect_close(probs, r.probs, 1e-6, 1e-5, "probs");
+    // The masked upper triangle is exactly zero and every row is a distribution.
+    for (int64_t bh = 0; bh < b * h; ++bh)
+      for (int64_t i = 0; i < t; ++i) {
+        double sum = 0;
+        for (int64_t j = 0; j < t; ++j) {
+          const float p = probs[z((bh * t + i) * t + j)];
+          if (j > i) {
+            EXPECT_EQ(p, 0.0f);
+          }
+          sum += p;
         }
-        sum += p;
+        EXPECT_NEAR(sum, 1.0, 1e-6);
       }
-      EXPECT_NEAR(sum, 1.0, 1e-6);
-    }
+  }
 }
 
 TEST(Attention, BackwardMatchesFiniteDifferencesOfReference) {
   // dqkv from the kernel against central differences of the double reference: an
   // independent check of the kernel's algebra (the layer tests check it in fp32).
-  const int64_t b = 1, t = 4, h = 2, c = 4;
-  const Vec qkv = testing::uniform(b * t * 3 * c, 52, -1.5f, 1.5f);
-  const Vec dout = testing::uniform(b * t * c, 53);
-  Vec out(z(b * t * c)), probs(z(b * h * t * t)), scratch(z(b * h * t * t));
-  cpu::attention_forward(qkv.data(), out.data(), probs.data(), b, t, h, c);
-  const Vec dqkv0 = testing::uniform(b * t * 3 * c, 54);
-  Vec dqkv = dqkv0;
-  cpu::attention_backward(dout.data(), qkv.data(), probs.data(), dqkv.data(), scratch.data(), b, t,
-                          h, c);
-  DVec want(qkv.size());
-  for (size_t i = 0; i < qkv.size(); ++i) {
-    // The reference is double, so a small step is both accurate and unaffected by rounding.
-    const double eps = 1e-3;
-    Vec xp = qkv, xm = qkv;
-    xp[i] += static_cast<float>(eps);
-    xm[i] -= static_cast<float>(eps);
-    const double hstep = static_cast<double>(xp[i]) - xm[i];
-    const AttnRef rp = attention_ref(xp, b, t, h, c), rm = attention_ref(xm, b, t, h, c);
-    double lp = 0, lm = 0;
-    for (size_t k = 0; k < dout.size(); ++k) {
-      lp += dout[k] * rp.out[k];
-      lm += dout[k] * rm.out[k];
+  // With G < H, a key/value head's gradient sums over its group's query heads.
+  for (const AttnShape& sh : {AttnShape{1, 4, 2, 2, 2}, AttnShape{2, 4, 4, 2, 2}}) {
+    const int64_t b = sh.b, t = sh.t, h = sh.h, g = sh.g, d = sh.d, c = h * d;
+    const int64_t w = (h + 2 * g) * d;
+    SCOPED_TRACE(::testing::Message() << "H " << h << " G " << g);
+    const Vec qkv = testing::uniform(b * t * w, 52, -1.5f, 1.5f);
+    const Vec dout = testing::uniform(b * t * c, 53);
+    Vec out(z(b * t * c)), probs(z(b * h * t * t)), scratch(z(b * h * t * t));
+    cpu::attention_forward(qkv.data(), out.data(), probs.data(), b, t, h, g, d);
+    const Vec dqkv0 = testing::uniform(b * t * w, 54);
+    Vec dqkv = dqkv0;
+    cpu::attention_backward(dout.data(), qkv.data(), probs.data(), dqkv.data(), scratch.data(), b,
+                            t, h, g, d);
+    DVec want(qkv.size());
+    for (size_t i = 0; i < qkv.size(); ++i) {
+      // The reference is double, so a small step is both accurate and unaffected by rounding.
+      const double eps = 1e-3;
+      Vec xp = qkv, xm = qkv;
+      xp[i] += static_cast<float>(eps);
+      xm[i] -= static_cast<float>(eps);
+      const double hstep = static_cast<double>(xp[i]) - xm[i];
+      const AttnRef rp = attention_ref(xp, b, t, h, g, d), rm = attention_ref(xm, b, t, h, g, d);
+      double lp = 0, lm = 0;
+      for (size_t k = 0; k < dout.size(); ++k) {
+        lp += dout[k] * rp.out[k];
+        lm += dout[k] * rm.out[k];
+      }
+      want[i] = dqkv0[i] + (lp - lm) / hstep;
     }
-    want[i] = dqkv0[i] + (lp - lm) / hstep;
+    expect_close(dqkv, want, 1e-4, 1e-3, "dqkv");
   }
-  expect_close(dqkv, want, 1e-4, 1e-3, "dqkv");
 }
 
 // --- softmax cross-entropy ---

@@ -98,28 +98,52 @@ std::vector<double> layernorm_ref(const Tensor& x, const Param* w, const Param* 
   return y;
 }
 
-std::vector<double> attention_ref(const Tensor& qkv, int64_t h) {
-  const int64_t b = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3, d = c / h;
+// qkv (B, T, (H + 2G) D): query head hi reads key/value head hi / (H / G).
+std::vector<double> attention_ref(const Tensor& qkv, int64_t h, int64_t g) {
+  const int64_t b = qkv.dim(0), t = qkv.dim(1), w = qkv.dim(2), d = w / (h + 2 * g), c = h * d;
   std::vector<double> out(z(b * t * c), 0.0);
-  auto q = [&](int64_t bi, int64_t ti, int64_t col) {
-    return at(qkv, (bi * t + ti) * 3 * c + col);
-  };
+  auto q = [&](int64_t bi, int64_t ti, int64_t col) { return at(qkv, (bi * t + ti) * w + col); };
   for (int64_t bi = 0; bi < b; ++bi)
-    for (int64_t hi = 0; hi < h; ++hi)
+    for (int64_t hi = 0; hi < h; ++hi) {
+      const int64_t k0 = c + hi / (h / g) * d, v0 = k0 + g * d;
       for (int64_t i = 0; i < t; ++i) {
         std::vector<double> s(z(i + 1));
         double mx = -std::numeric_limits<double>::infinity(), sum = 0;
         for (int64_t j = 0; j <= i; ++j) {
           for (int64_t e = 0; e < d; ++e)
-            s[z(j)] += q(bi, i, hi * d + e) * q(bi, j, c + hi * d + e) / std::sqrt(double(d));
+            s[z(j)] += q(bi, i, hi * d + e) * q(bi, j, k0 + e) / std::sqrt(double(d));
           mx = std::max(mx, s[z(j)]);
         }
         for (double& v : s) sum += (v = std::exp(v - mx));
         for (int64_t j = 0; j <= i; ++j)
           for (int64_t e = 0; e < d; ++e)
-            out[z((bi * t + i) * c + hi * d + e)] += s[z(j)] / sum * q(bi, j, 2 * c + hi * d + e);
+            out[z((bi * t + i) * c + hi * d + e)] += s[z(j)] / sum * q(bi, j, v0 + e);
       }
+    }
   return out;
+}
+
+// Rotary embedding of qkv (B, T, (H + 2G) D) in double: the H query and G key
+// heads' pairs (i, i + D/2) rotated by t * base^(-2i/D); the values as they are.
+std::vector<double> rotary_ref(const Tensor& qkv, int64_t h, int64_t g, double base) {
+  const int64_t rows = qkv.shape().rows(), t_len = qkv.dim(1), w = qkv.dim(2);
+  const int64_t d = w / (h + 2 * g), half = d / 2;
+  std::vector<double> y(z(qkv.numel()));
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t t = row % t_len;
+    for (int64_t head = 0; head < h + 2 * g; ++head)
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t a = row * w + head * d + i, b = a + half;
+        if (head >= h + g) {
+          y[z(a)] = at(qkv, a), y[z(b)] = at(qkv, b);
+          continue;
+        }
+        const double ang = double(t) * std::pow(base, -2.0 * double(i) / double(d));
+        y[z(a)] = at(qkv, a) * std::cos(ang) - at(qkv, b) * std::sin(ang);
+        y[z(b)] = at(qkv, b) * std::cos(ang) + at(qkv, a) * std::sin(ang);
+      }
+  }
+  return y;
 }
 
 // Sum over tokens of -log softmax(x wte^T)[target], in double.
@@ -213,7 +237,14 @@ Case make_case(const std::string& name) {
       return std::vector<Tensor>{uniform({kB, kT, 3 * kC}, 400 + seed, -1.5f, 1.5f)};
     };
     c.float_input = {true};
-    c.reference = [](const std::vector<Tensor>& in) { return attention_ref(in[0], kHeads); };
+    c.reference = [](const std::vector<Tensor>& in) { return attention_ref(in[0], kHeads, kHeads); };
+  } else if (name == "attention_gqa") {  // both query heads share one key/value head
+    c.layer = std::make_unique<CausalSelfAttention>(kHeads, 1);
+    c.make_inputs = [](uint64_t seed) {
+      return std::vector<Tensor>{uniform({kB, kT, kC + 2 * kC / kHeads}, 450 + seed, -1.5f, 1.5f)};
+    };
+    c.float_input = {true};
+    c.reference = [](const std::vector<Tensor>& in) { return attention_ref(in[0], kHeads, 1); };
   } else if (name == "residual") {
     c.layer = std::make_unique<Residual>();
     c.make_inputs = [act](uint64_t seed) {
@@ -288,32 +319,21 @@ Case make_case(const std::string& name) {
       return y;
     };
   } else if (name == "rotary") {
-    c.layer = std::make_unique<Rotary>(kHeads, 100.0f);
+    c.layer = std::make_unique<Rotary>(kHeads, kHeads, 100.0f);
     c.make_inputs = [](uint64_t seed) {
       return std::vector<Tensor>{uniform({kB, kT, 3 * kC}, 1200 + seed)};
     };
     c.float_input = {true};
-    // q and k of head h: pairs (i, i + D/2) rotated by t * 100^(-2i/D); v as is.
     c.reference = [](const std::vector<Tensor>& in) {
-      const int64_t d = kC / kHeads, half = d / 2;
-      std::vector<double> y(z(in[0].numel()));
-      for (int64_t row = 0; row < kB * kT; ++row) {
-        const int64_t t = row % kT;
-        for (int64_t part = 0; part < 3; ++part)
-          for (int64_t h = 0; h < kHeads; ++h)
-            for (int64_t i = 0; i < half; ++i) {
-              const int64_t a = row * 3 * kC + part * kC + h * d + i, b = a + half;
-              if (part == 2) {
-                y[z(a)] = at(in[0], a), y[z(b)] = at(in[0], b);
-                continue;
-              }
-              const double ang = double(t) * std::pow(100.0, -2.0 * double(i) / double(d));
-              y[z(a)] = at(in[0], a) * std::cos(ang) - at(in[0], b) * std::sin(ang);
-              y[z(b)] = at(in[0], b) * std::cos(ang) + at(in[0], a) * std::sin(ang);
-            }
-      }
-      return y;
+      return rotary_ref(in[0], kHeads, kHeads, 100.0);
     };
+  } else if (name == "rotary_gqa") {
+    c.layer = std::make_unique<Rotary>(kHeads, 1, 100.0f);
+    c.make_inputs = [](uint64_t seed) {
+      return std::vector<Tensor>{uniform({kB, kT, kC + 2 * kC / kHeads}, 1300 + seed)};
+    };
+    c.float_input = {true};
+    c.reference = [](const std::vector<Tensor>& in) { return rotary_ref(in[0], kHeads, 1, 100.0); };
   } else {
     ADD_FAILURE() << "unknown layer case " << name;
   }
@@ -321,8 +341,9 @@ Case make_case(const std::string& name) {
 }
 
 const std::vector<std::string> kAllLayers = {
-    "embedding", "layernorm", "linear_bias", "linear_nobias", "gelu",    "attention",
-    "residual",  "lm_head",   "mse",         "rmsnorm",       "swiglu", "rotary"};
+    "embedding", "layernorm", "linear_bias", "linear_nobias", "gelu",   "attention",
+    "residual",  "lm_head",   "mse",         "rmsnorm",       "swiglu", "rotary",
+    "attention_gqa", "rotary_gqa"};
 const std::vector<std::string> kParamLayers = {"embedding",     "layernorm", "linear_bias",
                                                "linear_nobias", "lm_head",   "rmsnorm"};
 

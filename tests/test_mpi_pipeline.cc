@@ -154,7 +154,10 @@ TEST(MpiPipelineErrors, ImpossibleLayoutsFailOnEveryRankBeforeCommunicating) {
 
 
 // The Llama family under mpiexec with pp 2 and tp 2 gives the single-process
-// losses and norms (the same sums in another order: 1e-5).
+// losses and norms (the same sums in another order: 1e-5). With grouped-query
+// attention (4 query heads, 2 key/value heads), so each tensor-parallel rank
+// holds unequal q|k|v blocks; multi-head Llama's layouts are checked on
+// threads (test_parity).
 TEST(MpiLlama, Pp2Tp2GivesTheSingleProcessLosses) {
   const std::string dir = testing::temp_dir("mpi-llama");
   std::string text;
@@ -162,6 +165,7 @@ TEST(MpiLlama, Pp2Tp2GivesTheSingleProcessLosses) {
   testing::write_file(dir + "/text.txt", text);
   const std::string flags =
       "--arch llama --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+      "--group-query-attention --num-query-groups 2 "
       "--micro-batch-size 2 --global-batch-size 8 --train-iters 4 --lr 3e-3 --clip-grad 0.5 "
       "--threads 1 --comm-timeout 60 --data-path " + dir + "/text.txt";
   const testing::TrainRun one = testing::run_train_gpt(1, flags, dir);

@@ -198,15 +198,19 @@ TEST(Parity, KeyBiasGradientIsRoundingNoise) {
 
 // --- the Llama family against its PyTorch reference
 // (tests/reference/llama_reference.py): RMSNorm, rotary attention, SwiGLU, no
-// biases, an untied head. The same error model as GPT's: fp32 sums in
-// another order, 1e-5 relative. No parameter has an identically zero
-// gradient here (no key bias), so every final weight is compared.
+// biases, an untied head; llama_tiny with multi-head attention, llama_gqa
+// with grouped-query attention (4 query heads, 2 key/value heads). The same
+// error model as GPT's: fp32 sums in another order, 1e-5 relative. No
+// parameter has an identically zero gradient here (no key bias), so every
+// final weight is compared.
 
 struct LlamaFixture {
-  safetensors::File init = safetensors::File::open(
-      source_path("tests/reference/fixtures/llama_tiny_init.safetensors"));
-  safetensors::File golden = safetensors::File::open(
-      source_path("tests/reference/fixtures/llama_tiny_golden.safetensors"));
+  explicit LlamaFixture(const std::string& name)
+      : init(safetensors::File::open(
+            source_path("tests/reference/fixtures/" + name + "_init.safetensors"))),
+        golden(safetensors::File::open(
+            source_path("tests/reference/fixtures/" + name + "_golden.safetensors"))) {}
+  safetensors::File init, golden;
   int64_t meta(const std::string& key) const { return std::stoll(init.metadata().at(key)); }
   double fmeta(const std::string& key) const { return std::stod(golden.metadata().at(key)); }
   LlamaConfig config() const {
@@ -215,6 +219,7 @@ struct LlamaFixture {
     c.hidden_size = meta("hidden_size"), c.num_heads = meta("num_heads");
     c.ffn_hidden_size = meta("ffn_hidden_size"), c.seq_length = meta("seq_length");
     c.rope_base = static_cast<float>(std::stod(init.metadata().at("rope_base")));
+    if (init.metadata().count("num_query_groups")) c.num_query_groups = meta("num_query_groups");
     return c;
   }
   int64_t batch() const { return meta("batch"); }
@@ -229,8 +234,10 @@ struct LlamaFixture {
   }
 };
 
-TEST(LlamaParity, ForwardLossAndLogits) {
-  LlamaFixture fx;
+class LlamaParity : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(LlamaParity, ForwardLossAndLogits) {
+  LlamaFixture fx(GetParam());
   LlamaModel m = build_llama(fx.config(), fx.batch());
   load_weights(fx.init.path(), m.graph.params());
   m.head->set_keep_logits(true);
@@ -249,8 +256,8 @@ TEST(LlamaParity, ForwardLossAndLogits) {
             kTol);
 }
 
-TEST(LlamaParity, EveryParameterGradientAndFiveAdamWSteps) {
-  LlamaFixture fx;
+TEST_P(LlamaParity, EveryParameterGradientAndFiveAdamWSteps) {
+  LlamaFixture fx(GetParam());
   LlamaModel m = build_llama(fx.config(), fx.batch() / 2);
   load_weights(fx.init.path(), m.graph.params());
   ASSERT_EQ(m.graph.params().size(), fx.init.tensors().size());
@@ -273,8 +280,8 @@ TEST(LlamaParity, EveryParameterGradientAndFiveAdamWSteps) {
 
 // Three (dp, pp, tp) layouts on threads give the single-process losses and
 // gradient norms: the same sums, in another order.
-TEST(LlamaLayouts, MatchOneProcess) {
-  LlamaFixture fx;
+TEST_P(LlamaParity, LayoutsMatchOneProcess) {
+  LlamaFixture fx(GetParam());
   FixtureBatches batches(fx.golden.get("tokens"));
   auto run = [&](Communicator* world, int pp, int tp) {
     LlamaModel m = build_llama(fx.config(), 1);
@@ -303,6 +310,8 @@ TEST(LlamaLayouts, MatchOneProcess) {
       }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaParity, ::testing::Values("llama_tiny", "llama_gqa"));
 
 }  // namespace
 }  // namespace weft

@@ -33,6 +33,7 @@
 #include "layers/rotary.h"
 #include "layers/swiglu.h"
 #include "models/gpt.h"
+#include "models/llama.h"
 #include "test_util.h"
 
 namespace weft {
@@ -68,20 +69,24 @@ bool same_bits(const Tensor& a, const Tensor& b) {
 
 // How a rank's activation relates to the serial one: whole on every rank, or split along
 // the last dimension (in `blocks` packed blocks, as c_attn's q|k|v).
+// `widths`, when given, are unequal blocks (grouped-query attention's q|k|v).
 struct Split {
   bool split = false;
   int blocks = 1;
+  std::vector<int64_t> widths = {};
 };
-constexpr Split kWhole{};
-constexpr Split kCols{true, 1};
-constexpr Split kQkv{true, 3};
+const Split kWhole{};
+const Split kCols{true, 1};
+const Split kQkv{true, 3};
 
-Shard act_shard(const Shape& full, Split s, int tp, int rank) {
-  return Shard{s.split ? full.rank - 1 : -1, tp, rank, s.blocks, full};
+Shard act_shard(const Shape& full, const Split& s, int tp, int rank) {
+  if (!s.split) return Shard{-1, tp, rank, {}, full};
+  return Shard{full.rank - 1, tp, rank,
+               s.widths.empty() ? equal_blocks(full.last(), s.blocks) : s.widths, full};
 }
 
 // Rank `rank`'s piece of a serial tensor (int tensors are always whole).
-Tensor piece(const Tensor& full, Split s, int tp, int rank) {
+Tensor piece(const Tensor& full, const Split& s, int tp, int rank) {
   if (full.dtype() != DType::F32 || !s.split) return full.clone();
   const Shard sh = act_shard(full.shape(), s, tp, rank);
   Tensor part = Tensor::empty(sh.local());
@@ -230,6 +235,22 @@ LayerCase make_case(const std::string& name) {
     c.out_split = kCols;
     c.flops_split = true;
     c.parallel_kind = "attention";
+  } else if (name == "attention_gqa") {  // 8 query heads of 2 in 4 groups: q|k|v of C, C/2, C/2
+    c.layer = std::make_unique<CausalSelfAttention>(8, 4);
+    c.in = {testing::uniform_tensor({kB, kT, 2 * kC}, 4, -1.5f, 1.5f)};
+    c.in_split = {Split{true, 3, {kC, kC / 2, kC / 2}}};
+    c.out_split = kCols;
+    c.flops_split = true;
+    c.parallel_kind = "attention";
+  } else if (name == "column_gqa") {  // grouped-query attention's q|k|v projection
+    Param* w = make_param(s, "qkv.weight", {kC, 2 * kC});
+    c.layer = std::make_unique<Linear>(w, nullptr, ParallelRole::Column,
+                                       std::vector<int64_t>{kC, kC / 2, kC / 2});
+    c.in = {x(act, 15)};
+    c.in_split = {kWhole};
+    c.out_split = {true, 3, {kC, kC / 2, kC / 2}};
+    c.flops_split = true;
+    c.parallel_kind = "column_parallel_linear";
   } else if (name == "embedding") {
     Param* wte = make_param(s, "wte", {kV, kC});
     Param* wpe = make_param(s, "wpe", {kPos, kC});
@@ -290,10 +311,18 @@ LayerCase make_case(const std::string& name) {
     c.flops_split = true;
     c.parallel_kind = "swiglu";
   } else if (name == "rotary") {  // heads split, as attention's
-    c.layer = std::make_unique<Rotary>(kHeads);
+    c.layer = std::make_unique<Rotary>(kHeads, kHeads, 10000.0f);
     c.in = {x({kB, kT, 3 * kC}, 14)};
     c.in_split = {kQkv};
     c.out_split = kQkv;
+    c.flops_split = true;
+    c.parallel_kind = "rotary";
+  } else if (name == "rotary_gqa") {
+    c.layer = std::make_unique<Rotary>(8, 4, 10000.0f);
+    c.in = {x({kB, kT, 2 * kC}, 16)};
+    const Split gqa{true, 3, {kC, kC / 2, kC / 2}};
+    c.in_split = {gqa};
+    c.out_split = gqa;
     c.flops_split = true;
     c.parallel_kind = "rotary";
   } else {
@@ -306,7 +335,8 @@ LayerCase make_case(const std::string& name) {
 const std::vector<std::string> kLayerCases = {
     "column",    "column_nobias", "column_packed", "row",       "row_nobias", "replicated_linear",
     "attention", "embedding",     "lm_head",       "layernorm", "gelu",       "residual",
-    "mse",       "rmsnorm",       "swiglu",        "rotary"};
+    "mse",       "rmsnorm",       "swiglu",        "rotary",    "attention_gqa", "column_gqa",
+    "rotary_gqa"};
 
 // What one rank saw; filled on its thread, compared on the main one.
 struct RankRun {
@@ -407,7 +437,7 @@ TEST_P(TpLayers, MatchSerialTwin) {
       parts.push_back(TiedLmHeadLoss::logits(*rr.run->ctx));
       EXPECT_EQ(parts.back().shape(), (Shape{kB * kT, kV / tp}));
     }
-    expect_close(assemble(parts, Shard{1, tp, 0, 1, {kB * kT, kV}}, "logits"),
+    expect_close(assemble(parts, Shard{1, tp, 0, {}, {kB * kT, kV}}, "logits"),
                  TiedLmHeadLoss::logits(*serial->ctx), "lm_head logits");
   }
 }
@@ -579,7 +609,8 @@ TEST(TpGpt, ParametersAreSplitMegatronStyle) {
     const Param* p = store->find(l.name);
     ASSERT_NE(p, nullptr) << l.name;
     EXPECT_EQ(p->shard.dim, l.dim) << l.name;
-    EXPECT_EQ(p->shard.blocks, l.blocks) << l.name;
+    EXPECT_EQ(std::max<size_t>(p->shard.blocks.size(), 1), static_cast<size_t>(l.blocks))
+        << l.name;
     EXPECT_EQ(p->shard.index, 1) << l.name;
     EXPECT_EQ(p->shard.parts, 2) << l.name;
     EXPECT_TRUE(p->init.kind == m.params->find(l.name)->init.kind) << l.name;
@@ -644,6 +675,26 @@ TEST(TpErrors, HeadsNotDivisible) {
       << msg;
   EXPECT_TRUE(contains(msg, "h.0.attn.core")) << msg;
   EXPECT_EQ(tp_graph_error(cfg, 2), "");
+}
+
+// Megatron's rule: each tensor-parallel rank holds whole key/value groups.
+TEST(TpErrors, QueryGroupsNotDivisible) {
+  LlamaConfig cfg;
+  cfg.vocab_size = 64, cfg.num_layers = 1, cfg.hidden_size = 32, cfg.num_heads = 4;
+  cfg.num_query_groups = 1, cfg.seq_length = 8;
+  LlamaModel m = build_llama(cfg, 1);
+  auto world = make_local_world(2);
+  const std::string msg = error_message(
+      [&] { (void)tensor_parallel_graph(m.graph, *world[0], std::make_shared<ParamStore>()); });
+  EXPECT_TRUE(contains(msg, "query groups (1) must be divisible by tensor-parallel size (2)"))
+      << msg;
+  EXPECT_TRUE(contains(msg, "h.0.attn")) << msg;
+  cfg.num_query_groups = 2;
+  LlamaModel ok = build_llama(cfg, 1);
+  EXPECT_EQ(error_message([&] {
+              (void)tensor_parallel_graph(ok.graph, *world[0], std::make_shared<ParamStore>());
+            }),
+            "");
 }
 
 TEST(TpErrors, VocabularyNotDivisible) {

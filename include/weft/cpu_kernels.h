@@ -41,14 +41,16 @@ void rmsnorm_backward_weight(const float* dy, const float* x, const float* rstd,
 void swiglu_forward(const float* x, float* y, int64_t n, int64_t h);
 void swiglu_backward(const float* dy, const float* x, float* dx, int64_t n, int64_t h);  // dx +=
 
-// --- rotary position embedding on a packed qkv (B, T, 3C), heads of D = C/H ---
-// q and k of each head rotated in pairs (i, i + D/2) by angle t * base^(-2i/D)
-// (Llama's rotate-half convention); v copied. y may not alias x.
-void rope_forward(const float* x, float* y, int64_t b, int64_t t, int64_t h, int64_t c,
-                  float base);
-// dx (B, T, 3C) += the inverse rotation of dy.
-void rope_backward(const float* dy, float* dx, int64_t b, int64_t t, int64_t h, int64_t c,
-                   float base);
+// --- rotary position embedding on a packed qkv (B, T, (H + 2G) D) ---
+// The layout of layers/attention.h: H query heads, then G key heads, then G
+// value heads, each D wide. q and k heads rotate in pairs (i, i + D/2) by
+// angle t * base^(-2i/D) (Llama's rotate-half convention); v is copied.
+// y may not alias x.
+void rope_forward(const float* x, float* y, int64_t b, int64_t t, int64_t h, int64_t g,
+                  int64_t d, float base);
+// dx += the inverse rotation of dy.
+void rope_backward(const float* dy, float* dx, int64_t b, int64_t t, int64_t h, int64_t g,
+                   int64_t d, float base);
 
 // --- tanh-approximated GELU, element-wise over n values. ---
 void gelu_forward(const float* x, float* y, int64_t n);
@@ -61,13 +63,15 @@ void sum_rows(const float* dy, float* db, int64_t n, int64_t c);        // db (C
 void add_inplace(float* y, const float* x, int64_t n);                  // y += x
 void scale_inplace(float* y, float s, int64_t n);                       // y *= s
 
-// --- causal multi-head attention on a packed qkv (B, T, 3C) -> out (B, T, C). ---
+// --- causal attention on a packed qkv (B, T, (H + 2G) D) -> out (B, T, H D) ---
+// H query heads share G key/value heads (G divides H; G = H is multi-head
+// attention): query head i reads key/value head i / (H / G).
 // probs (B, H, T, T) keeps the softmax for backward (upper triangle zero).
 void attention_forward(const float* qkv, float* out, float* probs, int64_t b, int64_t t,
-                       int64_t h, int64_t c);
-// dqkv (B, T, 3C) += gradient; scratch needs B*H*T*T floats.
+                       int64_t h, int64_t g, int64_t d);
+// dqkv += gradient; scratch needs B*H*T*T floats.
 void attention_backward(const float* dout, const float* qkv, const float* probs, float* dqkv,
-                        float* scratch, int64_t b, int64_t t, int64_t h, int64_t c);
+                        float* scratch, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d);
 
 // --- softmax cross-entropy over logits (N, V), in place ---
 // On return logits hold the probabilities; losses[i] = -log p[i][target[i]].

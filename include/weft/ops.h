@@ -85,24 +85,28 @@ void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rs
 void swiglu_forward(const Tensor& x, const Tensor& y);
 void swiglu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx);  // dx +=
 
-// --- rotary position embedding of q and k in a packed qkv (B, T, 3C) ---
-// Pairs (i, i + D/2) of each head's q and k rotate by t * base^(-2i/D); v is
-// copied. y must not alias qkv.
-void rope_forward(const Tensor& qkv, const Tensor& y, int64_t heads, float base);
-void rope_backward(const Tensor& dy, const Tensor& dqkv, int64_t heads, float base);  // dqkv +=
+// --- rotary position embedding of q and k in a packed qkv (B, T, (H + 2G) D) ---
+// `heads` query heads, then `groups` key and `groups` value heads (see
+// layers/attention.h). Pairs (i, i + D/2) of each q and k head rotate by
+// t * base^(-2i/D); v is copied. y must not alias qkv.
+void rope_forward(const Tensor& qkv, const Tensor& y, int64_t heads, int64_t groups, float base);
+void rope_backward(const Tensor& dy, const Tensor& dqkv, int64_t heads, int64_t groups,
+                   float base);  // dqkv +=
 
 // --- tanh-approximated GELU ---
 
 void gelu_forward(const Tensor& x, const Tensor& y);
 void gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx);  // dx +=
 
-// --- causal self-attention on a packed qkv (B, T, 3C) -> out (B, T, C) ---
+// --- causal self-attention on a packed qkv (B, T, (H + 2G) D) -> out (B, T, H D) ---
+// H = heads query heads share G = groups key/value heads (G = H: multi-head).
 
 // probs (B, H, T, T) keeps the softmax for backward.
-void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t heads);
-// dqkv (B, T, 3C) += gradient; scratch holds B*H*T*T floats.
+void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t heads,
+                       int64_t groups);
+// dqkv += gradient; scratch holds B*H*T*T floats.
 void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
-                        const Tensor& dqkv, const Tensor& scratch, int64_t heads);
+                        const Tensor& dqkv, const Tensor& scratch, int64_t heads, int64_t groups);
 
 // --- token and position embedding over a vocabulary slice ---
 // wte holds the rows of tokens [first, first + wte.rows); a token outside

@@ -24,21 +24,28 @@ struct Init {
 };
 
 // How the tensor a rank holds relates to the full parameter under tensor
-// parallelism. Dimension `dim` of the full tensor is `blocks` equal blocks
-// (3 for a packed q|k|v projection), and each block is cut into `parts` equal
-// pieces; this rank holds piece `index` of every block, concatenated in block
-// order. dim = -1 means the whole tensor (replicated across the group).
+// parallelism. Dimension `dim` of the full tensor is packed blocks of the
+// widths `blocks` (empty: one block, the whole dimension; {C, C, C} for GPT's
+// q|k|v projection, {H D, G D, G D} for grouped-query attention's), and each
+// block is cut into `parts` equal pieces; this rank holds piece `index` of
+// every block, concatenated in block order. dim = -1 means the whole tensor
+// (replicated across the group).
 struct Shard {
   int dim = -1;
   int parts = 1;
   int index = 0;
-  int blocks = 1;
+  std::vector<int64_t> blocks;
   Shape full;  // the full tensor's shape (set for every parameter)
 
   bool split() const { return dim >= 0 && parts > 1; }
+  // The widths of the blocks along dim (one block when `blocks` is empty).
+  std::vector<int64_t> block_widths() const;
   // The shape this rank holds.
   Shape local() const;
 };
+
+// `count` equal blocks of a dimension `extent` wide (count must divide it).
+std::vector<int64_t> equal_blocks(int64_t extent, int count);
 
 struct Param {
   std::string name;

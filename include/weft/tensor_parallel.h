@@ -32,14 +32,17 @@ struct TpBuild {
   Communicator* group = nullptr;  // the tensor-parallel group (any size >= 1)
   ParamStore* store = nullptr;    // this rank's parameters
 
-  // This rank's parameter for `logical`: its piece along `dim` (in `blocks`
-  // equal blocks, see Shard), or the whole tensor for dim = -1 (a replica:
+  // This rank's parameter for `logical`: its piece along `dim` (of each of
+  // the packed blocks of widths `blocks`, one block when empty; see Shard),
+  // or the whole tensor for dim = -1 (a replica:
   // its Shard still records the group size and rank). Created
   // (zero-filled, with the logical parameter's name and Init) on first use;
   // later calls for the same name return the same Param, so tied weights stay
   // tied. Throws Error naming the parameter, the dimension and the group size
   // when the dimension does not divide.
-  Param* param(const Param& logical, int dim, int blocks = 1);
+  Param* param(const Param& logical, int dim, std::vector<int64_t> blocks = {});
+  // The same, the dimension being `equal_blocks` blocks of one width.
+  Param* param(const Param& logical, int dim, int equal_blocks);
 };
 
 // The graph rank `tp.rank()` runs. Parameters are created in `store` (pass an

@@ -1,5 +1,6 @@
-// Causal multi-head attention on packed qkv, one (batch, head) pair per
-// OpenMP iteration. Inside the parallel region OpenBLAS (OpenMP build) runs
+// Causal attention on packed qkv (multi-head, or grouped-query when several
+// query heads share a key/value head), one (batch, head) pair per OpenMP
+// iteration. Inside the parallel region OpenBLAS (OpenMP build) runs
 // each small GEMM on the calling thread, so the heads themselves are the
 // parallelism.
 #include <weft/cpu_kernels.h>
@@ -27,18 +28,19 @@ void causal_softmax_rows(float* p, int64_t t) {
 }
 }  // namespace
 
-// qkv (B, T, 3C): q, k, v blocks of C columns; head h owns columns h*D..h*D+D-1
-// of each block. out (B, T, C). probs (B, H, T, T).
+// qkv (B, T, (H + 2G) D): H query heads, G key heads, G value heads, each D
+// columns; query head i reads key/value head i / (H / G). out (B, T, H D).
+// probs (B, H, T, T).
 void attention_forward(const float* qkv, float* out, float* probs, int64_t b, int64_t t,
-                       int64_t h, int64_t c) {
-  const int64_t d = c / h, ld = 3 * c;
+                       int64_t h, int64_t g, int64_t d) {
+  const int64_t c = h * d, ld = (h + 2 * g) * d, per_group = h / g;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
 #pragma omp parallel for schedule(static)
   for (int64_t bh = 0; bh < b * h; ++bh) {
-    const int64_t bi = bh / h, hi = bh % h;
+    const int64_t bi = bh / h, hi = bh % h, gi = hi / per_group;
     const float* q = qkv + bi * t * ld + hi * d;
-    const float* k = q + c;
-    const float* v = q + 2 * c;
+    const float* k = qkv + bi * t * ld + c + gi * d;
+    const float* v = k + g * d;
     float* p = probs + bh * t * t;
     gemm(false, true, t, t, d, scale, q, ld, k, ld, 0.0f, p, t);
     causal_softmax_rows(p, t);
@@ -46,33 +48,39 @@ void attention_forward(const float* qkv, float* out, float* probs, int64_t b, in
   }
 }
 
+// One (batch, key/value head) pair per iteration: its query heads run in
+// order, so their dK and dV sums need no atomics and do not depend on the
+// thread count.
 void attention_backward(const float* dout, const float* qkv, const float* probs, float* dqkv,
-                        float* scratch, int64_t b, int64_t t, int64_t h, int64_t c) {
-  const int64_t d = c / h, ld = 3 * c;
+                        float* scratch, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d) {
+  const int64_t c = h * d, ld = (h + 2 * g) * d, per_group = h / g;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
 #pragma omp parallel for schedule(static)
-  for (int64_t bh = 0; bh < b * h; ++bh) {
-    const int64_t bi = bh / h, hi = bh % h;
-    const float* q = qkv + bi * t * ld + hi * d;
-    const float* k = q + c;
-    const float* v = q + 2 * c;
-    float* dq = dqkv + bi * t * ld + hi * d;
-    float* dk = dq + c;
-    float* dv = dq + 2 * c;
-    const float* p = probs + bh * t * t;
-    const float* dO = dout + bi * t * c + hi * d;
-    float* ds = scratch + bh * t * t;
-    gemm(false, true, t, t, d, 1.0f, dO, c, v, ld, 0.0f, ds, t);  // dP = dO V^T
-    gemm(true, false, t, d, t, 1.0f, p, t, dO, c, 1.0f, dv, ld);  // dV += P^T dO
-    for (int64_t i = 0; i < t; ++i) {  // dS = P * (dP - sum_j P dP), causal part only
-      CRowMap pr(p + i * t, i + 1);
-      RowMap sr(ds + i * t, i + 1);
-      const float dot = (pr * sr).sum();
-      sr = pr * (sr - dot);
-      std::fill(ds + i * t + i + 1, ds + (i + 1) * t, 0.0f);
+  for (int64_t bg = 0; bg < b * g; ++bg) {
+    const int64_t bi = bg / g, gi = bg % g;
+    const float* k = qkv + bi * t * ld + c + gi * d;
+    const float* v = k + g * d;
+    float* dk = dqkv + bi * t * ld + c + gi * d;
+    float* dv = dk + g * d;
+    for (int64_t hi = gi * per_group; hi < (gi + 1) * per_group; ++hi) {
+      const int64_t bh = bi * h + hi;
+      const float* q = qkv + bi * t * ld + hi * d;
+      float* dq = dqkv + bi * t * ld + hi * d;
+      const float* p = probs + bh * t * t;
+      const float* dO = dout + bi * t * c + hi * d;
+      float* ds = scratch + bh * t * t;
+      gemm(false, true, t, t, d, 1.0f, dO, c, v, ld, 0.0f, ds, t);  // dP = dO V^T
+      gemm(true, false, t, d, t, 1.0f, p, t, dO, c, 1.0f, dv, ld);  // dV += P^T dO
+      for (int64_t i = 0; i < t; ++i) {  // dS = P * (dP - sum_j P dP), causal part only
+        CRowMap pr(p + i * t, i + 1);
+        RowMap sr(ds + i * t, i + 1);
+        const float dot = (pr * sr).sum();
+        sr = pr * (sr - dot);
+        std::fill(ds + i * t + i + 1, ds + (i + 1) * t, 0.0f);
+      }
+      gemm(false, false, t, d, t, scale, ds, t, k, ld, 1.0f, dq, ld);  // dQ += s dS K
+      gemm(true, false, t, d, t, scale, ds, t, q, ld, 1.0f, dk, ld);   // dK += s dS^T Q
     }
-    gemm(false, false, t, d, t, scale, ds, t, k, ld, 1.0f, dq, ld);  // dQ += s dS K
-    gemm(true, false, t, d, t, scale, ds, t, q, ld, 1.0f, dk, ld);   // dK += s dS^T Q
   }
 }
 

@@ -166,47 +166,45 @@ float rope_angle(int64_t t, int64_t i, int64_t d, float base) {
 }
 }  // namespace
 
-void rope_forward(const float* x, float* y, int64_t b, int64_t t, int64_t h, int64_t c,
-                  float base) {
-  const int64_t d = c / h, half = d / 2;
+void rope_forward(const float* x, float* y, int64_t b, int64_t t, int64_t h, int64_t g,
+                  int64_t d, float base) {
+  const int64_t half = d / 2, w = (h + 2 * g) * d, rotated = (h + g) * d;
 #pragma omp parallel for schedule(static)
   for (int64_t row = 0; row < b * t; ++row) {
     const int64_t pos = row % t;
-    const float* xr = x + row * 3 * c;
-    float* yr = y + row * 3 * c;
-    std::copy_n(xr + 2 * c, c, yr + 2 * c);  // v
-    for (int64_t part = 0; part < 2; ++part)  // q, then k
-      for (int64_t hi = 0; hi < h; ++hi) {
-        const float* xs = xr + part * c + hi * d;
-        float* ys = yr + part * c + hi * d;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = rope_angle(pos, i, d, base), cs = std::cos(a), sn = std::sin(a);
-          ys[i] = xs[i] * cs - xs[i + half] * sn;
-          ys[i + half] = xs[i + half] * cs + xs[i] * sn;
-        }
+    const float* xr = x + row * w;
+    float* yr = y + row * w;
+    std::copy_n(xr + rotated, g * d, yr + rotated);  // v
+    for (int64_t hi = 0; hi < h + g; ++hi) {  // q heads, then k heads
+      const float* xs = xr + hi * d;
+      float* ys = yr + hi * d;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = rope_angle(pos, i, d, base), cs = std::cos(a), sn = std::sin(a);
+        ys[i] = xs[i] * cs - xs[i + half] * sn;
+        ys[i + half] = xs[i + half] * cs + xs[i] * sn;
       }
+    }
   }
 }
 
-void rope_backward(const float* dy, float* dx, int64_t b, int64_t t, int64_t h, int64_t c,
-                   float base) {
-  const int64_t d = c / h, half = d / 2;
+void rope_backward(const float* dy, float* dx, int64_t b, int64_t t, int64_t h, int64_t g,
+                   int64_t d, float base) {
+  const int64_t half = d / 2, w = (h + 2 * g) * d, rotated = (h + g) * d;
 #pragma omp parallel for schedule(static)
   for (int64_t row = 0; row < b * t; ++row) {
     const int64_t pos = row % t;
-    const float* gr = dy + row * 3 * c;
-    float* dr = dx + row * 3 * c;
-    for (int64_t j = 0; j < c; ++j) dr[2 * c + j] += gr[2 * c + j];  // v
-    for (int64_t part = 0; part < 2; ++part)
-      for (int64_t hi = 0; hi < h; ++hi) {
-        const float* gs = gr + part * c + hi * d;
-        float* ds = dr + part * c + hi * d;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = rope_angle(pos, i, d, base), cs = std::cos(a), sn = std::sin(a);
-          ds[i] += gs[i] * cs + gs[i + half] * sn;
-          ds[i + half] += gs[i + half] * cs - gs[i] * sn;
-        }
+    const float* gr = dy + row * w;
+    float* dr = dx + row * w;
+    for (int64_t j = rotated; j < w; ++j) dr[j] += gr[j];  // v
+    for (int64_t hi = 0; hi < h + g; ++hi) {
+      const float* gs = gr + hi * d;
+      float* ds = dr + hi * d;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = rope_angle(pos, i, d, base), cs = std::cos(a), sn = std::sin(a);
+        ds[i] += gs[i] * cs + gs[i + half] * sn;
+        ds[i + half] += gs[i + half] * cs - gs[i] * sn;
       }
+    }
   }
 }
 

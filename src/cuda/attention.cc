@@ -1,7 +1,8 @@
-// Causal multi-head attention: the device twin of src/cpu/attention.cc.
+// Causal attention: the device twin of src/cpu/attention.cc.
 //
-// The packed qkv (B, T, 3C) is first split into per-head q, k, v (B, H, T, D)
-// so that every (batch, head) pair is one matrix of a strided batched cuBLAS
+// The packed qkv (B, T, (H + 2G) D) is first split into per-head q, k, v
+// (B, H, T, D), a shared key/value head copied to each query head of its
+// group, so that every (batch, head) pair is one matrix of a strided batched cuBLAS
 // GEMM; the scores are materialised (B, H, T, T) exactly as the CPU layer keeps
 // them, which makes the two paths comparable element by element and the
 // backward pass a plain sequence of GEMMs. (A fused flash-style kernel, e.g.
@@ -22,9 +23,10 @@ namespace weft::cuda {
 
 namespace {
 
-void check_shape(int64_t b, int64_t t, int64_t h, int64_t c) {
-  check(b > 0 && t > 0 && h > 0 && c > 0 && c % h == 0,
-        "attention: heads ({}) must divide the hidden size ({}); B {} T {}", h, c, b, t);
+void check_shape(int64_t b, int64_t t, int64_t h, int64_t g, int64_t d) {
+  check(b > 0 && t > 0 && h > 0 && g > 0 && d > 0 && h % g == 0,
+        "attention: {} query heads must be a multiple of {} key/value heads; B {} T {} D {}", h,
+        g, b, t, d);
   check(b * h * t / 8 < int64_t{0x7fffffff}, "attention: B*H*T ({}) rows exceed the grid",
         b * h * t);
 }
@@ -32,14 +34,14 @@ void check_shape(int64_t b, int64_t t, int64_t h, int64_t c) {
 }  // namespace
 
 void attention_forward(Context& ctx, MathMode mode, const float* qkv, float* out, float* probs,
-                       int64_t b, int64_t t, int64_t h, int64_t c) {
-  check_shape(b, t, h, c);
+                       int64_t b, int64_t t, int64_t h, int64_t g, int64_t d) {
+  check_shape(b, t, h, g, d);
   ctx.make_current();
-  const int64_t d = c / h, bh = b * h, n = b * t * c;
+  const int64_t bh = b * h, n = b * t * h * d;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   cudaStream_t s = ctx.compute_stream();
   DeviceBuffer<float> q(ctx, n), k(ctx, n), v(ctx, n), o(ctx, n);
-  launch::split_qkv(s, qkv, q.data(), k.data(), v.data(), b, t, h, d);
+  launch::split_qkv(s, qkv, q.data(), k.data(), v.data(), b, t, h, g, d);
   WEFT_LAUNCH_CHECK("split_qkv");
   // S (T, T) = scale q k^T, per (batch, head)
   gemm_strided_batched(ctx, mode, false, true, t, t, d, scale, q.data(), d, t * d, k.data(), d,
@@ -55,15 +57,15 @@ void attention_forward(Context& ctx, MathMode mode, const float* qkv, float* out
 
 void attention_backward(Context& ctx, MathMode mode, const float* dout, const float* qkv,
                         const float* probs, float* dqkv, float* scratch, int64_t b, int64_t t,
-                        int64_t h, int64_t c) {
-  check_shape(b, t, h, c);
+                        int64_t h, int64_t g, int64_t d) {
+  check_shape(b, t, h, g, d);
   ctx.make_current();
-  const int64_t d = c / h, bh = b * h, n = b * t * c;
+  const int64_t bh = b * h, n = b * t * h * d;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   cudaStream_t s = ctx.compute_stream();
   DeviceBuffer<float> q(ctx, n), k(ctx, n), v(ctx, n), dout_h(ctx, n);
   DeviceBuffer<float> dq(ctx, n), dk(ctx, n), dv(ctx, n);
-  launch::split_qkv(s, qkv, q.data(), k.data(), v.data(), b, t, h, d);
+  launch::split_qkv(s, qkv, q.data(), k.data(), v.data(), b, t, h, g, d);
   WEFT_LAUNCH_CHECK("split_qkv");
   launch::permute_heads(s, dout, dout_h.data(), b, t, h, d, false);
   WEFT_LAUNCH_CHECK("permute_heads");
@@ -81,7 +83,7 @@ void attention_backward(Context& ctx, MathMode mode, const float* dout, const fl
                        0.0f, dq.data(), d, t * d, bh);
   gemm_strided_batched(ctx, mode, true, false, t, d, t, scale, ds, t, t * t, q.data(), d, t * d,
                        0.0f, dk.data(), d, t * d, bh);
-  launch::accumulate_qkv(s, dq.data(), dk.data(), dv.data(), dqkv, b, t, h, d);
+  launch::accumulate_qkv(s, dq.data(), dk.data(), dv.data(), dqkv, b, t, h, g, d);
   WEFT_LAUNCH_CHECK("accumulate_qkv");
 }
 

@@ -18,17 +18,19 @@ unsigned blocks_for(int64_t n) {
                                                    int64_t{1} << 16));
 }
 
-// qkv (B, T, 3, H, D) -> q, k, v, each (B, H, T, D).
+// qkv (B, T, (H + 2G) D) -> q, k, v, each (B, H, T, D): one thread per
+// element of the outputs, so a key/value head shared by H / G query heads is
+// copied to each of them.
 __global__ void split_qkv_kernel(const float* qkv, float* q, float* k, float* v, int64_t b,
-                                 int64_t t, int64_t h, int64_t d) {
-  const int64_t c = h * d, total = b * t * 3 * c;
+                                 int64_t t, int64_t h, int64_t g, int64_t d) {
+  const int64_t per_head = t * d, total = b * h * per_head, w = (h + 2 * g) * d;
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t col = i % (3 * c), row = i / (3 * c);  // row = bi * t + ti
-    const int64_t which = col / c, hi = (col % c) / d, di = col % d;
-    const int64_t bi = row / t, ti = row % t;
-    float* dst = which == 0 ? q : (which == 1 ? k : v);
-    dst[((bi * h + hi) * t + ti) * d + di] = qkv[i];
+    const int64_t di = i % d, ti = i / d % t, hi = i / per_head % h, bi = i / (per_head * h);
+    const int64_t row = (bi * t + ti) * w, kv = h * d + hi / (h / g) * d + di;
+    q[i] = qkv[row + hi * d + di];
+    k[i] = qkv[row + kv];
+    v[i] = qkv[row + kv + g * d];
   }
 }
 
@@ -48,17 +50,28 @@ __global__ void permute_heads_kernel(const float* src, float* dst, int64_t b, in
   }
 }
 
-// dqkv (B, T, 3C) += dq, dk, dv (B, H, T, D), the inverse of split_qkv.
+// dqkv (B, T, (H + 2G) D) += dq, dk, dv (B, H, T, D), the inverse of
+// split_qkv: one thread per element of dqkv, a key or value element summing
+// the gradients of its group's query heads in order.
 __global__ void accumulate_qkv_kernel(const float* dq, const float* dk, const float* dv,
-                                      float* dqkv, int64_t b, int64_t t, int64_t h, int64_t d) {
-  const int64_t c = h * d, total = b * t * 3 * c;
+                                      float* dqkv, int64_t b, int64_t t, int64_t h, int64_t g,
+                                      int64_t d) {
+  const int64_t w = (h + 2 * g) * d, total = b * t * w, per_group = h / g;
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t col = i % (3 * c), row = i / (3 * c);
-    const int64_t which = col / c, hi = (col % c) / d, di = col % d;
-    const int64_t bi = row / t, ti = row % t;
-    const float* src = which == 0 ? dq : (which == 1 ? dk : dv);
-    dqkv[i] += src[((bi * h + hi) * t + ti) * d + di];
+    const int64_t col = i % w, row = i / w;  // row = bi * t + ti
+    const int64_t bi = row / t, ti = row % t, head = col / d, di = col % d;
+    auto at = [&](int64_t hi) { return ((bi * h + hi) * t + ti) * d + di; };
+    if (head < h) {
+      dqkv[i] += dq[at(head)];
+      continue;
+    }
+    const bool key = head < h + g;
+    const int64_t gi = key ? head - h : head - h - g;
+    const float* src = key ? dk : dv;
+    float sum = 0.0f;
+    for (int64_t hi = gi * per_group; hi < (gi + 1) * per_group; ++hi) sum += src[at(hi)];
+    dqkv[i] += sum;
   }
 }
 
@@ -111,8 +124,8 @@ unsigned warp_row_blocks(int64_t rows) {
 }  // namespace
 
 void split_qkv(cudaStream_t s, const float* qkv, float* q, float* k, float* v, int64_t b,
-               int64_t t, int64_t h, int64_t d) {
-  split_qkv_kernel<<<blocks_for(b * t * 3 * h * d), kThreads, 0, s>>>(qkv, q, k, v, b, t, h, d);
+               int64_t t, int64_t h, int64_t g, int64_t d) {
+  split_qkv_kernel<<<blocks_for(b * t * h * d), kThreads, 0, s>>>(qkv, q, k, v, b, t, h, g, d);
 }
 
 void permute_heads(cudaStream_t s, const float* src, float* dst, int64_t b, int64_t t, int64_t h,
@@ -122,9 +135,9 @@ void permute_heads(cudaStream_t s, const float* src, float* dst, int64_t b, int6
 }
 
 void accumulate_qkv(cudaStream_t s, const float* dq, const float* dk, const float* dv,
-                    float* dqkv, int64_t b, int64_t t, int64_t h, int64_t d) {
-  accumulate_qkv_kernel<<<blocks_for(b * t * 3 * h * d), kThreads, 0, s>>>(dq, dk, dv, dqkv, b, t,
-                                                                           h, d);
+                    float* dqkv, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d) {
+  accumulate_qkv_kernel<<<blocks_for(b * t * (h + 2 * g) * d), kThreads, 0, s>>>(dq, dk, dv, dqkv,
+                                                                                 b, t, h, g, d);
 }
 
 void causal_softmax(cudaStream_t s, float* p, int64_t rows, int64_t t) {

@@ -80,16 +80,16 @@ void swiglu_backward(Context& ctx, const float* dy, const float* x, float* dx, i
 }
 
 void rope_forward(Context& ctx, const float* x, float* y, int64_t b, int64_t t, int64_t h,
-                  int64_t c, float base) {
-  if (b * t * c == 0) return;
-  launch::rope(prepare(ctx), false, x, y, b, t, h, c, base);
+                  int64_t g, int64_t d, float base) {
+  if (b * t * d == 0) return;
+  launch::rope(prepare(ctx), false, x, y, b, t, h, g, d, base);
   WEFT_LAUNCH_CHECK("rope_forward");
 }
 
 void rope_backward(Context& ctx, const float* dy, float* dx, int64_t b, int64_t t, int64_t h,
-                   int64_t c, float base) {
-  if (b * t * c == 0) return;
-  launch::rope(prepare(ctx), true, dy, dx, b, t, h, c, base);
+                   int64_t g, int64_t d, float base) {
+  if (b * t * d == 0) return;
+  launch::rope(prepare(ctx), true, dy, dx, b, t, h, g, d, base);
   WEFT_LAUNCH_CHECK("rope_backward");
 }
 

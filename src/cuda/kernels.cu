@@ -167,20 +167,20 @@ __global__ void swiglu_backward_kernel(const float* dy, const float* x, float* d
   }
 }
 
-// One thread per (row, part q|k|v, column of the first half of a head); the
-// pair (i, i + D/2) of q and k is rotated by pos * base^(-2i/D), v copied.
+// One thread per (row, head of q|k|v, column of the first half of a head) of
+// qkv (rows, (H + 2G) D); the pair (i, i + D/2) of the H query and G key heads
+// is rotated by pos * base^(-2i/D), the G value heads copied.
 // backward: the inverse rotation, accumulated.
 template <bool backward>
 __global__ void rope_kernel(const float* src, float* dst, int64_t rows, int64_t t, int64_t h,
-                            int64_t c, float base) {
-  const int64_t d = c / h, half = d / 2;
-  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < rows * 3 * h * half;
+                            int64_t g, int64_t d, float base) {
+  const int64_t half = d / 2, n = h + 2 * g;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < rows * n * half;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t p = i % half, hi = i / half % h, part = i / (half * h) % 3,
-                  row = i / (half * h * 3);
-    const int64_t at = row * 3 * c + part * c + hi * d + p;
+    const int64_t p = i % half, hi = i / half % n, row = i / (half * n);
+    const int64_t at = row * n * d + hi * d + p;
     const float a0 = src[at], a1 = src[at + half];
-    if (part == 2) {  // v: no rotation
+    if (hi >= h + g) {  // v: no rotation
       if constexpr (backward) {
         dst[at] += a0;
         dst[at + half] += a1;
@@ -542,12 +542,12 @@ void swiglu_backward(cudaStream_t s, const float* dy, const float* x, float* dx,
 }
 
 void rope(cudaStream_t s, bool backward, const float* src, float* dst, int64_t b, int64_t t,
-          int64_t h, int64_t c, float base) {
-  const int64_t work = b * t * 3 * c / 2;
+          int64_t h, int64_t g, int64_t d, float base) {
+  const int64_t work = b * t * (h + 2 * g) * d / 2;
   if (backward)
-    rope_kernel<true><<<blocks_for(work), kThreads, 0, s>>>(src, dst, b * t, t, h, c, base);
+    rope_kernel<true><<<blocks_for(work), kThreads, 0, s>>>(src, dst, b * t, t, h, g, d, base);
   else
-    rope_kernel<false><<<blocks_for(work), kThreads, 0, s>>>(src, dst, b * t, t, h, c, base);
+    rope_kernel<false><<<blocks_for(work), kThreads, 0, s>>>(src, dst, b * t, t, h, g, d, base);
 }
 
 void gelu_forward(cudaStream_t s, const float* x, float* y, int64_t n) {

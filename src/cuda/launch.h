@@ -36,8 +36,9 @@ void rmsnorm_backward_input(cudaStream_t s, const float* dy, const float* x, con
 void swiglu_forward(cudaStream_t s, const float* x, float* y, int64_t n, int64_t h);
 void swiglu_backward(cudaStream_t s, const float* dy, const float* x, float* dx, int64_t n,
                      int64_t h);
+// qkv (B, T, (H + 2G) D): rotates the H query and G key heads, copies the values.
 void rope(cudaStream_t s, bool backward, const float* src, float* dst, int64_t b, int64_t t,
-          int64_t h, int64_t c, float base);
+          int64_t h, int64_t g, int64_t d, float base);
 void gelu_forward(cudaStream_t s, const float* x, float* y, int64_t n);
 void gelu_backward(cudaStream_t s, const float* dy, const float* x, float* dx, int64_t n);
 void add_bias(cudaStream_t s, float* y, const float* bias, int64_t n, int64_t c);
@@ -77,15 +78,17 @@ void to_bf16(cudaStream_t s, const float* x, uint16_t* y, int64_t n);
 void to_float(cudaStream_t s, const uint16_t* x, float* y, int64_t n);
 
 // --- attention pieces (src/cuda/attention.cu) ---
-// qkv (B, T, 3C) -> q, k, v (B, H, T, D)
+// qkv (B, T, (H + 2G) D) -> q, k, v (B, H, T, D): query head i gets key/value
+// head i / (H / G), repeated for each query head of its group.
 void split_qkv(cudaStream_t s, const float* qkv, float* q, float* k, float* v, int64_t b,
-               int64_t t, int64_t h, int64_t d);
+               int64_t t, int64_t h, int64_t g, int64_t d);
 // (B, H, T, D) -> (B, T, C) when to_rows, else (B, T, C) -> (B, H, T, D)
 void permute_heads(cudaStream_t s, const float* src, float* dst, int64_t b, int64_t t, int64_t h,
                    int64_t d, bool to_rows);
-// dqkv (B, T, 3C) += dq, dk, dv (B, H, T, D)
+// dqkv (B, T, (H + 2G) D) += dq, dk, dv (B, H, T, D): the inverse of split_qkv,
+// each key/value head summing its query heads' gradients in order.
 void accumulate_qkv(cudaStream_t s, const float* dq, const float* dk, const float* dv,
-                    float* dqkv, int64_t b, int64_t t, int64_t h, int64_t d);
+                    float* dqkv, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d);
 // Rows of stacked T x T score matrices: row r keeps columns 0 .. r % T.
 void causal_softmax(cudaStream_t s, float* p, int64_t rows, int64_t t);
 void softmax_backward(cudaStream_t s, const float* p, float* ds, int64_t rows, int64_t t);

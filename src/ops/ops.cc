@@ -306,24 +306,41 @@ void swiglu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx) {
       [&](auto& cx) { cuda::swiglu_backward(cx, f(dy), f(x), fw(dx), n, h); });
 }
 
-void rope_forward(const Tensor& qkv, const Tensor& y, int64_t heads, float base) {
+namespace {
+// The head size of a packed qkv (B, T, (H + 2G) D), checked.
+int64_t qkv_head_size(const char* op, const Tensor& qkv, int64_t heads, int64_t groups) {
+  check(qkv.rank() == 3, "{}: qkv must be (B, T, (H + 2G) D), got {}", op, qkv.shape().str());
+  check(heads > 0 && groups > 0 && heads % groups == 0,
+        "{}: {} query heads must be a multiple of {} key/value groups", op, heads, groups);
+  const int64_t w = qkv.dim(2), n = heads + 2 * groups;
+  check(w % n == 0, "{}: width {} must be {} heads ({} query + 2 x {} key/value) of equal size",
+        op, w, n, heads, groups);
+  return w / n;
+}
+}  // namespace
+
+void rope_forward(const Tensor& qkv, const Tensor& y, int64_t heads, int64_t groups, float base) {
   const Device d = common_device("rope_forward", {&qkv, &y});
-  const int64_t b = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
-  check(heads > 0 && c % heads == 0 && (c / heads) % 2 == 0,
-        "rope: width {} must split into {} heads of an even size", c, heads);
+  const int64_t hd = qkv_head_size("rope_forward", qkv, heads, groups);
+  const int64_t b = qkv.dim(0), t = qkv.dim(1);
+  check(hd % 2 == 0, "rope: the head size {} must be even", hd);
   check_numel("rope_forward", "y", y, qkv.numel());
   on_device(
-      d, "rope_forward", [&] { cpu::rope_forward(f(qkv), fw(y), b, t, heads, c, base); },
-      [&](auto& cx) { cuda::rope_forward(cx, f(qkv), fw(y), b, t, heads, c, base); });
+      d, "rope_forward",
+      [&] { cpu::rope_forward(f(qkv), fw(y), b, t, heads, groups, hd, base); },
+      [&](auto& cx) { cuda::rope_forward(cx, f(qkv), fw(y), b, t, heads, groups, hd, base); });
 }
 
-void rope_backward(const Tensor& dy, const Tensor& dqkv, int64_t heads, float base) {
+void rope_backward(const Tensor& dy, const Tensor& dqkv, int64_t heads, int64_t groups,
+                   float base) {
   const Device d = common_device("rope_backward", {&dy, &dqkv});
-  const int64_t b = dqkv.dim(0), t = dqkv.dim(1), c = dqkv.dim(2) / 3;
+  const int64_t hd = qkv_head_size("rope_backward", dqkv, heads, groups);
+  const int64_t b = dqkv.dim(0), t = dqkv.dim(1);
   check_numel("rope_backward", "dy", dy, dqkv.numel());
   on_device(
-      d, "rope_backward", [&] { cpu::rope_backward(f(dy), fw(dqkv), b, t, heads, c, base); },
-      [&](auto& cx) { cuda::rope_backward(cx, f(dy), fw(dqkv), b, t, heads, c, base); });
+      d, "rope_backward",
+      [&] { cpu::rope_backward(f(dy), fw(dqkv), b, t, heads, groups, hd, base); },
+      [&](auto& cx) { cuda::rope_backward(cx, f(dy), fw(dqkv), b, t, heads, groups, hd, base); });
 }
 
 // --- GELU ---
@@ -346,32 +363,40 @@ void gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx) {
 
 // --- attention ---
 
-void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t heads) {
+void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t heads,
+                       int64_t groups) {
   const Device d = common_device("attention_forward", {&qkv, &out, &probs});
-  const int64_t b = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
+  const int64_t hd = qkv_head_size("attention_forward", qkv, heads, groups);
+  const int64_t b = qkv.dim(0), t = qkv.dim(1);
+  check_numel("attention_forward", "out", out, b * t * heads * hd);
   check_numel("attention_forward", "probs", probs, b * heads * t * t);
   on_device(
       d, "attention_forward",
-      [&] { cpu::attention_forward(f(qkv), fw(out), fw(probs), b, t, heads, c); },
+      [&] { cpu::attention_forward(f(qkv), fw(out), fw(probs), b, t, heads, groups, hd); },
       [&](auto& cx) {
-        cuda::attention_forward(cx, math_mode(d), f(qkv), fw(out), fw(probs), b, t, heads, c);
+        cuda::attention_forward(cx, math_mode(d), f(qkv), fw(out), fw(probs), b, t, heads, groups,
+                                hd);
       });
 }
 
 void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
-                        const Tensor& dqkv, const Tensor& scratch, int64_t heads) {
+                        const Tensor& dqkv, const Tensor& scratch, int64_t heads, int64_t groups) {
   const Device d = common_device("attention_backward", {&dout, &qkv, &probs, &dqkv, &scratch});
-  const int64_t b = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
+  const int64_t hd = qkv_head_size("attention_backward", qkv, heads, groups);
+  const int64_t b = qkv.dim(0), t = qkv.dim(1);
+  check_numel("attention_backward", "dout", dout, b * t * heads * hd);
+  check_numel("attention_backward", "dqkv", dqkv, qkv.numel());
   check(scratch.numel() >= b * heads * t * t, "attention_backward: scratch holds {} floats, needs {}",
         scratch.numel(), b * heads * t * t);
   on_device(
       d, "attention_backward",
       [&] {
-        cpu::attention_backward(f(dout), f(qkv), f(probs), fw(dqkv), fw(scratch), b, t, heads, c);
+        cpu::attention_backward(f(dout), f(qkv), f(probs), fw(dqkv), fw(scratch), b, t, heads,
+                                groups, hd);
       },
       [&](auto& cx) {
         cuda::attention_backward(cx, math_mode(d), f(dout), f(qkv), f(probs), fw(dqkv),
-                                 fw(scratch), b, t, heads, c);
+                                 fw(scratch), b, t, heads, groups, hd);
       });
 }
 

@@ -1,12 +1,24 @@
 #include <weft/tensor_parallel.h>
 
+#include <fmt/ranges.h>
+
+#include <algorithm>
+
 namespace weft {
 
 std::unique_ptr<Layer> Layer::tensor_parallel(TpBuild&) const {
   throw Error("layers of kind '{}' have no tensor-parallel form", kind());
 }
 
-Param* TpBuild::param(const Param& logical, int dim, int blocks) {
+Param* TpBuild::param(const Param& logical, int dim, int equal_blocks) {
+  if (dim < 0 || equal_blocks == 1) return param(logical, dim, std::vector<int64_t>{});
+  const int64_t extent = dim < logical.value.rank() ? logical.value.dim(dim) : 0;
+  check(equal_blocks > 1 && extent % equal_blocks == 0,
+        "{}: dimension {} ({}) is not {} equal blocks", logical.name, dim, extent, equal_blocks);
+  return param(logical, dim, weft::equal_blocks(extent, equal_blocks));
+}
+
+Param* TpBuild::param(const Param& logical, int dim, std::vector<int64_t> blocks) {
   check(group != nullptr && store != nullptr, "{}: TpBuild needs a group and a parameter store",
         logical.name);
   const Shape full = logical.value.shape();
@@ -14,14 +26,30 @@ Param* TpBuild::param(const Param& logical, int dim, int blocks) {
         logical.name, full.str(), logical.shard.full.str());
   check(dim >= -1 && dim < full.rank, "{}: dimension {} is out of range for shape {}", logical.name,
         dim, full.str());
-  check(blocks >= 1, "{}: {} blocks", logical.name, blocks);
   const int tp = group->size();
-  if (dim >= 0)
-    check(full[dim] % (static_cast<int64_t>(blocks) * tp) == 0,
-          "{}: dimension {} ({}) must be divisible by tensor-parallel size ({}){}", logical.name,
-          dim, full[dim], tp,
-          blocks > 1 ? fmt::format(" in each of its {} blocks", blocks) : std::string());
-  const Shard shard{dim, tp, group->rank(), dim >= 0 ? blocks : 1, full};
+  if (dim < 0) blocks.clear();
+  if (!blocks.empty()) {
+    int64_t sum = 0;
+    for (int64_t w : blocks) {
+      check(w > 0, "{}: block widths {} must be positive", logical.name, fmt::join(blocks, ", "));
+      sum += w;
+    }
+    check(sum == full[dim], "{}: dimension {} ({}) is not its blocks' total width ({})",
+          logical.name, dim, full[dim], fmt::join(blocks, " + "));
+    if (blocks.size() == 1) blocks.clear();
+  }
+  if (dim >= 0) {
+    if (blocks.empty())
+      check(full[dim] % tp == 0,
+            "{}: dimension {} ({}) must be divisible by tensor-parallel size ({})", logical.name,
+            dim, full[dim], tp);
+    for (int64_t w : blocks)
+      check(w % tp == 0,
+            "{}: dimension {} ({}) must be divisible by tensor-parallel size ({}) in each of its "
+            "{} blocks (of widths {})",
+            logical.name, dim, full[dim], tp, blocks.size(), fmt::join(blocks, ", "));
+  }
+  const Shard shard{dim, tp, group->rank(), blocks, full};
   if (Param* p = store->find(logical.name)) {
     // Tied weights: a second user must want the same piece.
     check(p->shard.dim == shard.dim && p->shard.blocks == shard.blocks &&
@@ -29,7 +57,8 @@ Param* TpBuild::param(const Param& logical, int dim, int blocks) {
               p->shard.full == full,
           "{}: tensor-parallel piece along dimension {} ({} blocks) requested, but it is "
           "already held along dimension {} ({} blocks)",
-          logical.name, dim, shard.blocks, p->shard.dim, p->shard.blocks);
+          logical.name, dim, std::max<size_t>(shard.blocks.size(), 1), p->shard.dim,
+          std::max<size_t>(p->shard.blocks.size(), 1));
     return p;
   }
   return store->create_shard(logical.name, shard, logical.init);

@@ -16,13 +16,30 @@ Param* ParamStore::create(const std::string& name, Shape shape, Init init) {
   return &p;
 }
 
+std::vector<int64_t> equal_blocks(int64_t extent, int count) {
+  check(count > 0 && extent % count == 0, "a width of {} is not {} equal blocks", extent, count);
+  return std::vector<int64_t>(static_cast<size_t>(count), extent / count);
+}
+
+std::vector<int64_t> Shard::block_widths() const {
+  if (dim < 0) return {};
+  if (blocks.empty()) return {full[dim]};
+  return blocks;
+}
+
 Shape Shard::local() const {
   Shape s = full;
   if (dim >= 0) {
     check(dim < full.rank, "shard dimension {} is out of range for shape {}", dim, full.str());
-    check(full[dim] % (static_cast<int64_t>(blocks) * parts) == 0,
-          "dimension {} of {} ({}) must be divisible by {} blocks x {} parts", dim, full.str(),
-          full[dim], blocks, parts);
+    int64_t sum = 0;
+    for (int64_t w : block_widths()) {
+      check(w > 0 && w % parts == 0,
+            "dimension {} of {}: a block of width {} must be divisible by {} parts", dim,
+            full.str(), w, parts);
+      sum += w;
+    }
+    check(sum == full[dim], "dimension {} of {} ({}) is not its blocks' total width {}", dim,
+          full.str(), full[dim], sum);
     s[dim] = full[dim] / parts;
   }
   return s;
@@ -91,8 +108,8 @@ void normal_fill(float* out, int64_t n, uint64_t seed, const std::string& name, 
 namespace {
 
 // Visits the contiguous runs that make up a rank's part: the full tensor is
-// (outer, dim extent, inner); the part keeps, of each outer row, `blocks`
-// runs of (extent / blocks / parts) x inner elements.
+// (outer, dim extent, inner); the part keeps, of each outer row and each
+// block, the run of (width / parts) x inner elements at piece `index`.
 template <typename F>
 void for_each_run(const Shard& s, F&& f) {
   if (s.dim < 0) {
@@ -103,14 +120,17 @@ void for_each_run(const Shard& s, F&& f) {
   for (int i = 0; i < s.dim; ++i) outer *= s.full[i];
   for (int i = s.dim + 1; i < s.full.rank; ++i) inner *= s.full[i];
   const int64_t extent = s.full[s.dim];
-  const int64_t block = extent / s.blocks, piece = block / s.parts;
+  const std::vector<int64_t> widths = s.block_widths();
   int64_t part_off = 0;
-  for (int64_t o = 0; o < outer; ++o)
-    for (int64_t b = 0; b < s.blocks; ++b) {
-      const int64_t full_off = (o * extent + b * block + s.index * piece) * inner;
-      f(full_off, part_off, piece * inner);
+  for (int64_t o = 0; o < outer; ++o) {
+    int64_t start = 0;
+    for (int64_t w : widths) {
+      const int64_t piece = w / s.parts;
+      f((o * extent + start + s.index * piece) * inner, part_off, piece * inner);
       part_off += piece * inner;
+      start += w;
     }
+  }
 }
 
 void check_shard_pair(const Tensor& full, const Shard& s, const Tensor& part) {

@@ -241,18 +241,21 @@ TEST(CudaHelpers, BiasRowSumsAddAndScaleMatchCpu) {
 
 // ---------------------------------------------------------------- attention
 
-void check_attention(int64_t b, int64_t t, int64_t h, int64_t c, MathMode mode, double tol) {
-  const std::vector<float> qkv = uniform(b * t * 3 * c, 61, -2.0f, 2.0f),
-                           dout = uniform(b * t * c, 62);
+// g key/value heads shared by h query heads (g = h: multi-head), head size d.
+void check_attention(int64_t b, int64_t t, int64_t h, int64_t c, MathMode mode, double tol,
+                     int64_t g = 0) {
+  g = g > 0 ? g : h;
+  const int64_t d = c / h, w = (h + 2 * g) * d;
+  const std::vector<float> qkv = uniform(b * t * w, 61, -2.0f, 2.0f), dout = uniform(b * t * c, 62);
   std::vector<float> out(b * t * c), probs(b * h * t * t), scratch(b * h * t * t);
-  std::vector<float> dqkv = uniform(b * t * 3 * c, 63);
+  std::vector<float> dqkv = uniform(b * t * w, 63);
   Dev<float> gqkv(qkv), gout(out), gprobs(probs), gdout(dout), gdqkv(dqkv), gscratch(scratch);
-  cpu::attention_forward(qkv.data(), out.data(), probs.data(), b, t, h, c);
+  cpu::attention_forward(qkv.data(), out.data(), probs.data(), b, t, h, g, d);
   cpu::attention_backward(dout.data(), qkv.data(), probs.data(), dqkv.data(), scratch.data(), b, t,
-                          h, c);
-  attention_forward(ctx(), mode, gqkv.p(), gout.p(), gprobs.p(), b, t, h, c);
+                          h, g, d);
+  attention_forward(ctx(), mode, gqkv.p(), gout.p(), gprobs.p(), b, t, h, g, d);
   attention_backward(ctx(), mode, gdout.p(), gqkv.p(), gprobs.p(), gdqkv.p(), gscratch.p(), b, t,
-                     h, c);
+                     h, g, d);
   const std::vector<float> got_probs = gprobs.host();
   EXPECT_LT(rel(gout.host(), out), tol) << "T " << t;
   EXPECT_LT(rel(got_probs, probs), tol) << "T " << t;
@@ -276,6 +279,8 @@ TEST(CudaAttention, Fp32MatchesCpuOnRaggedShapes) {
   check_attention(2, 37, 3, 48, MathMode::FP32, kFp32);
   check_attention(1, 1, 2, 8, MathMode::FP32, kFp32);  // a single position
   check_attention(2, 128, 4, 256, MathMode::FP32, kFp32);
+  check_attention(2, 37, 6, 48, MathMode::FP32, kFp32, 2);  // grouped-query: 3 heads a group
+  check_attention(1, 16, 4, 32, MathMode::FP32, kFp32, 1);  // one key/value head
 }
 
 TEST(CudaAttention, Tf32AndBf16AreClose) {

@@ -167,15 +167,24 @@ TEST(CudaLayers, RmsNormSwiGluAndRotary) {
   SwiGlu swiglu_cpu, swiglu_gpu;
   expect_same_on_both(swiglu_cpu, swiglu_gpu, none,
                       {uniform_tensor({kB, kT, 2 * kC}, 32, -3.0f, 3.0f)}, {true}, "swiglu");
-  Rotary rope_cpu(kHeads), rope_gpu(kHeads);
+  Rotary rope_cpu(kHeads, kHeads, 10000.0f), rope_gpu(kHeads, kHeads, 10000.0f);
   expect_same_on_both(rope_cpu, rope_gpu, none, {uniform_tensor({kB, kT, 3 * kC}, 33)}, {true},
                       "rotary");
+  // Grouped-query: kHeads query heads, one key/value head.
+  const int64_t d = kC / kHeads;
+  Rotary gqa_cpu(kHeads, 1, 10000.0f), gqa_gpu(kHeads, 1, 10000.0f);
+  expect_same_on_both(gqa_cpu, gqa_gpu, none, {uniform_tensor({kB, kT, kC + 2 * d}, 34)}, {true},
+                      "rotary (grouped-query)");
 }
 
 TEST(CudaLayers, CausalSelfAttention) {
   Twin tw;
   CausalSelfAttention cpu(kHeads), gpu(kHeads);
   expect_same_on_both(cpu, gpu, tw, {uniform_tensor({kB, kT, 3 * kC}, 10)}, {true}, "attention");
+  const int64_t d = kC / kHeads;
+  CausalSelfAttention gqa_cpu(kHeads, 1), gqa_gpu(kHeads, 1);
+  expect_same_on_both(gqa_cpu, gqa_gpu, tw, {uniform_tensor({kB, kT, kC + 2 * d}, 11)}, {true},
+                      "attention (grouped-query)");
 }
 
 Tensor tokens(int64_t n, uint64_t seed) {

@@ -2,14 +2,18 @@
 """Reference Llama-style decoder in plain PyTorch, and the golden fixtures.
 
 The C++ tests compare weft's Llama family (models/llama.cc) against the files
-this script writes into tests/reference/fixtures/ (llama_tiny_*). Running it
-needs PyTorch and numpy; the tests only read the committed files.
+this script writes into tests/reference/fixtures/: llama_tiny_* (multi-head
+attention) and llama_gqa_* (grouped-query attention, 4 query heads sharing 2
+key/value heads). Running it needs PyTorch and numpy; the tests only read the
+committed files.
 
     python3 tests/reference/llama_reference.py
 
 The model, with weft's parameter names and [in, out] linear weights:
   * token embedding wte [V, C], no learned positions
   * L pre-RMSNorm blocks: x = x + o(attn(rope(qkv(norm(x)))));
+    qkv packs [q (H D) | k (G D) | v (G D)], query head i reading key/value
+    head i // (H / G) (G = H without grouped-query attention)
                           x = x + down(silu(gate) * up), [gate | up] = gate_up(norm(x))
   * rotary embedding on q and k: pairs (i, i + D/2) of each head rotated by
     t * base^(-2i/D) (the rotate-half convention); no biases anywhere
@@ -32,8 +36,6 @@ from gpt_reference import param_groups, read_safetensors, to_np, write_safetenso
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "fixtures")
-INIT_PATH = os.path.join(FIXTURES, "llama_tiny_init.safetensors")
-GOLDEN_PATH = os.path.join(FIXTURES, "llama_tiny_golden.safetensors")
 
 
 @dataclass
@@ -42,6 +44,7 @@ class LlamaConfig:
     num_layers: int = 2
     hidden_size: int = 32
     num_heads: int = 4
+    num_query_groups: int = 0  # 0: one key/value head per query head
     ffn_hidden_size: int = 48
     rope_base: float = 10000.0
     eps: float = 1e-5
@@ -90,16 +93,22 @@ class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.qkv = Linear(cfg.hidden_size, 3 * cfg.hidden_size)
-        self.o = Linear(cfg.hidden_size, cfg.hidden_size)
+        C, H = cfg.hidden_size, cfg.num_heads
+        self.groups = cfg.num_query_groups or H
+        self.qkv = Linear(C, C + 2 * self.groups * (C // H))
+        self.o = Linear(C, C)
 
     def forward(self, x):
         B, T, C = x.shape
-        H = self.cfg.num_heads
-        q, k, v = self.qkv(x).split(C, dim=-1)
-        q, k = rope(q, H, self.cfg.rope_base), rope(k, H, self.cfg.rope_base)
-        q, k, v = (z.view(B, T, H, C // H).transpose(1, 2) for z in (q, k, v))
-        s = (q @ k.transpose(-2, -1)) / math.sqrt(C // H)
+        H, G = self.cfg.num_heads, self.groups
+        D = C // H
+        q, k, v = self.qkv(x).split([C, G * D, G * D], dim=-1)
+        q, k = rope(q, H, self.cfg.rope_base), rope(k, G, self.cfg.rope_base)
+        q = q.view(B, T, H, D).transpose(1, 2)
+        # Each key/value head serves H / G consecutive query heads.
+        k, v = (z.view(B, T, G, D).repeat_interleave(H // G, dim=2).transpose(1, 2)
+                for z in (k, v))
+        s = (q @ k.transpose(-2, -1)) / math.sqrt(D)
         mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
         p = F.softmax(s.masked_fill(mask, float("-inf")), dim=-1)
         return self.o((p @ v).transpose(1, 2).reshape(B, T, C))
@@ -157,7 +166,7 @@ def init_weights(model, std=0.02):
             p.normal_(0.0, std)
 
 
-CFG = LlamaConfig()
+CASES = {"llama_tiny": LlamaConfig(), "llama_gqa": LlamaConfig(num_query_groups=2)}
 SEQ_LENGTH = 12
 BATCH = 4
 STEPS = 5
@@ -173,13 +182,14 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long())
 
 
-def main():
-    torch.set_num_threads(1)
+def write_case(name, cfg):
+    init_path = os.path.join(FIXTURES, name + "_init.safetensors")
+    golden_path = os.path.join(FIXTURES, name + "_golden.safetensors")
     torch.manual_seed(SEED)
-    model = Llama(CFG)
+    model = Llama(cfg)
     init_weights(model)
     init_params = [(n, to_np(p).copy()) for n, p in model.named_parameters()]
-    T, G, V = SEQ_LENGTH, BATCH, CFG.vocab_size
+    T, G, V = SEQ_LENGTH, BATCH, cfg.vocab_size
     tokens = torch.randint(0, V, (STEPS, G, T + 1), dtype=torch.int32)
     opt = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS)
     losses, norms = [], []
@@ -198,11 +208,12 @@ def main():
         print(f"step {s}: loss {losses[-1]:.6f} grad_norm {norms[-1]:.6f}")
         opt.step()
     assert norms[0] > CLIP_GRAD, "clipping must act"
-    meta = {"vocab_size": V, "num_layers": CFG.num_layers, "hidden_size": CFG.hidden_size,
-            "num_heads": CFG.num_heads, "ffn_hidden_size": CFG.ffn_hidden_size,
-            "rope_base": repr(CFG.rope_base), "seq_length": T, "batch": G}
+    meta = {"vocab_size": V, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+            "num_heads": cfg.num_heads, "ffn_hidden_size": cfg.ffn_hidden_size,
+            **({"num_query_groups": cfg.num_query_groups} if cfg.num_query_groups else {}),
+            "rope_base": repr(cfg.rope_base), "seq_length": T, "batch": G}
     os.makedirs(FIXTURES, exist_ok=True)
-    write_safetensors(INIT_PATH, init_params, meta)
+    write_safetensors(init_path, init_params, meta)
     golden = [("tokens", to_np(tokens)), ("loss0", np.array([loss0], dtype=np.float32)),
               ("logits0", logits0)]
     golden += [("grad." + n, g) for n, g in grads0]
@@ -212,13 +223,19 @@ def main():
     train = {"lr": repr(LR), "beta1": repr(BETAS[0]), "beta2": repr(BETAS[1]), "eps": repr(EPS),
              "weight_decay": repr(WEIGHT_DECAY), "clip_grad": repr(CLIP_GRAD), "steps": STEPS,
              "seed": SEED, "torch_version": torch.__version__}
-    write_safetensors(GOLDEN_PATH, golden, {**meta, **train})
-    for path, written in ((INIT_PATH, init_params), (GOLDEN_PATH, golden)):
+    write_safetensors(golden_path, golden, {**meta, **train})
+    for path, written in ((init_path, init_params), (golden_path, golden)):
         order, read, _ = read_safetensors(path)
         assert order == [n for n, _ in written], path
         for n, arr in written:
             assert np.array_equal(read[n], arr), f"{path}:{n}"
-    print(f"wrote {INIT_PATH} and {GOLDEN_PATH}")
+    print(f"wrote {init_path} and {golden_path}")
+
+
+def main():
+    torch.set_num_threads(1)
+    for name, cfg in CASES.items():
+        write_case(name, cfg)
 
 
 if __name__ == "__main__":

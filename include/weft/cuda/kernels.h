@@ -85,10 +85,11 @@ void rmsnorm_backward_weight(Context& ctx, const float* dy, const float* x, cons
 void swiglu_forward(Context& ctx, const float* x, float* y, int64_t n, int64_t h);
 void swiglu_backward(Context& ctx, const float* dy, const float* x, float* dx, int64_t n,
                      int64_t h);  // dx +=
+// qkv (B, T, (H + 2G) D), as cpu::rope_forward.
 void rope_forward(Context& ctx, const float* x, float* y, int64_t b, int64_t t, int64_t h,
-                  int64_t c, float base);
+                  int64_t g, int64_t d, float base);
 void rope_backward(Context& ctx, const float* dy, float* dx, int64_t b, int64_t t, int64_t h,
-                   int64_t c, float base);  // dx +=
+                   int64_t g, int64_t d, float base);  // dx +=
 
 // --- tanh-approximated GELU, element-wise ---
 void gelu_forward(Context& ctx, const float* x, float* y, int64_t n);
@@ -100,16 +101,17 @@ void sum_rows(Context& ctx, const float* dy, float* db, int64_t n, int64_t c);  
 void add_inplace(Context& ctx, float* y, const float* x, int64_t n);             // y += x
 void scale_inplace(Context& ctx, float* y, float s, int64_t n);                  // y *= s
 
-// --- causal multi-head attention on a packed qkv (B, T, 3C) -> out (B, T, C) ---
-// The layout of layers/attention.h: q, k, v are C-wide column blocks, head h
-// owns columns h*D .. h*D+D-1 of each. probs (B, H, T, T) keeps the softmax
-// (upper triangle zero). The score and value GEMMs use `mode`.
+// --- causal attention on a packed qkv (B, T, (H + 2G) D) -> out (B, T, H D) ---
+// The layout of layers/attention.h: H query heads, then G key heads, then G
+// value heads, D columns each; query head i reads key/value head i / (H / G).
+// probs (B, H, T, T) keeps the softmax (upper triangle zero). The score and
+// value GEMMs use `mode`.
 void attention_forward(Context& ctx, MathMode mode, const float* qkv, float* out, float* probs,
-                       int64_t b, int64_t t, int64_t h, int64_t c);
-// dqkv (B, T, 3C) += gradient; scratch holds B*H*T*T floats.
+                       int64_t b, int64_t t, int64_t h, int64_t g, int64_t d);
+// dqkv += gradient; scratch holds B*H*T*T floats.
 void attention_backward(Context& ctx, MathMode mode, const float* dout, const float* qkv,
                         const float* probs, float* dqkv, float* scratch, int64_t b, int64_t t,
-                        int64_t h, int64_t c);
+                        int64_t h, int64_t g, int64_t d);
 
 // --- softmax cross-entropy over logits (N, V) ---
 // In place: logits become the probabilities; losses[i] = -log p[i][target[i]].
