@@ -57,12 +57,20 @@ void install_stop_handlers() {
   for (int sig : {SIGTERM, SIGINT, SIGUSR1}) std::signal(sig, on_stop_signal);
 }
 
-// Whether any rank has been asked to stop: every rank reaches the same
-// answer after the same step (one all-reduce of one number per step).
-bool stop_requested(weft::Communicator* world, weft::Tensor& flag) {
-  flag.data<float>()[0] = static_cast<float>(g_stop_signal.load());
-  if (world != nullptr && world->size() > 1) world->all_reduce(flag, weft::ReduceOp::Max);
-  return flag.data<float>()[0] > 0;
+// Why a run stops before --train-iters: every rank reaches the same answer
+// after the same step (one all-reduce of two numbers per step): a signal any
+// rank received, or --exit-duration-in-mins passed on any rank's clock.
+struct StopReason {
+  int signal = 0;
+  bool out_of_time = false;
+  bool any() const { return signal > 0 || out_of_time; }
+};
+
+StopReason stop_requested(weft::Communicator* world, weft::Tensor& flags, bool out_of_time) {
+  flags.data<float>()[0] = static_cast<float>(g_stop_signal.load());
+  flags.data<float>()[1] = out_of_time ? 1.0f : 0.0f;
+  if (world != nullptr && world->size() > 1) world->all_reduce(flags, weft::ReduceOp::Max);
+  return {static_cast<int>(flags.data<float>()[0]), flags.data<float>()[1] > 0};
 }
 
 const char* signal_name(int sig) {
@@ -102,6 +110,8 @@ struct Args {
   std::string split;
   int64_t eval_interval = 0, eval_iters = 10;
   int64_t save_interval = 0, log_interval = 1, keep_last = 0;
+  int64_t exit_interval = 0;       // Megatron's: stop after a step divisible by it
+  double exit_duration_mins = 0;   // Megatron's: stop once training has run this long
   bool no_load = false, overwrite_checkpoints = false;
   int64_t sample = 0;
   float sample_temperature = 0.8f;
@@ -420,6 +430,9 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   check(a.clip_grad >= 0, "--clip-grad ({}) must be >= 0 (0 turns clipping off)", a.clip_grad);
   check(a.log_interval > 0, "--log-interval ({}) must be positive", a.log_interval);
   check(a.save_interval >= 0, "--save-interval ({}) must be >= 0", a.save_interval);
+  check(a.exit_interval >= 0, "--exit-interval ({}) must be >= 0", a.exit_interval);
+  check(std::isfinite(a.exit_duration_mins) && a.exit_duration_mins >= 0,
+        "--exit-duration-in-mins ({}) must be a number of minutes >= 0", a.exit_duration_mins);
   check(!a.data_path.empty(), "--data-path is required (a text file, or an llm.c .bin file)");
   // Resume: --load, else the newest checkpoint in --save, unless --no-load;
   // starting over never replaces checkpoints silently.
@@ -573,8 +586,10 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   std::vector<double> recent, recent_ms;
   std::vector<std::pair<double, double>> train_points, val_points;  // (step, loss)
   const auto started = std::chrono::steady_clock::now();
-  Tensor stop_flag = Tensor::zeros({1});
+  Tensor stop_flags = Tensor::zeros({2});
   if (!a.save.empty()) install_stop_handlers();
+  // Signals are caught with --save; a time limit is checked whenever it is set.
+  const bool check_stop = !a.save.empty() || a.exit_duration_mins > 0;
   // Every save goes through here: once per step, pruned, and said.
   int64_t last_saved = trainer.steps_done();  // a resumed run's step is on disk already
   auto save = [&] {
@@ -620,13 +635,24 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
                  flops_per_token * r.tokens_per_s / 1e9, duration(elapsed), duration(eta));
     std::fflush(stdout);
     if (a.save_interval > 0 && trainer.steps_done() % a.save_interval == 0) save();
-    if (!a.save.empty() && trainer.steps_done() < a.train_iters && stop_requested(world, stop_flag)) {
+    if (trainer.steps_done() >= a.train_iters) continue;
+    const StopReason stop =
+        check_stop ? stop_requested(world, stop_flags,
+                                    a.exit_duration_mins > 0 && elapsed >= a.exit_duration_mins * 60)
+                   : StopReason{};
+    const bool at_exit_interval = a.exit_interval > 0 && trainer.steps_done() % a.exit_interval == 0;
+    if (stop.any() || at_exit_interval) {
       save();
-      if (rank0)
-        fmt::print("stopping on {} after step {}; run again with --load {} to continue\n",
-                   signal_name(g_stop_signal.load() > 0 ? g_stop_signal.load()
-                                                        : static_cast<int>(stop_flag.data<float>()[0])),
-                   trainer.steps_done(), a.save);
+      if (rank0) {
+        const std::string why =
+            stop.signal > 0 ? fmt::format("on {}", signal_name(stop.signal))
+            : stop.out_of_time
+                ? fmt::format("after {:g} minutes (--exit-duration-in-mins)", a.exit_duration_mins)
+                : fmt::format("at --exit-interval {}", a.exit_interval);
+        fmt::print("stopping {} after step {}; {}\n", why, trainer.steps_done(),
+                   a.save.empty() ? std::string("nothing was saved (no --save)")
+                                  : fmt::format("run again with --load {} to continue", a.save));
+      }
       std::fflush(stdout);
       return 0;
     }
@@ -746,6 +772,11 @@ int main(int argc, char** argv) {
   app.add_flag("--overwrite-checkpoints", a.overwrite_checkpoints,
                "with --no-load: let the new run replace the checkpoints in --save");
   app.add_option("--save-interval", a.save_interval, "save every N steps (0 = only at the end)");
+  app.add_option("--exit-interval", a.exit_interval,
+                 "stop (saving with --save) after a step divisible by N (0: never)");
+  app.add_option("--exit-duration-in-mins", a.exit_duration_mins,
+                 "stop (saving with --save) after the step that ends this many minutes into "
+                 "training (0: never)");
   app.add_option("--keep-last-checkpoints", a.keep_last,
                  "keep only the newest N checkpoints in --save (0: keep all)");
   app.add_option("--log-interval", a.log_interval, "print every N steps");

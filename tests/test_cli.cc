@@ -329,6 +329,53 @@ TEST_F(Cli, AutomaticResumeAndNoSilentOverwrite) {
   expect_error(toy("--no-load --load " + ckpt), {"--no-load and --load", "contradict"});
 }
 
+// Megatron's --exit-interval and --exit-duration-in-mins: the run saves (with
+// --save), says why it stopped and exits 0; running the same command again
+// continues with the uninterrupted run's losses, bit for bit.
+TEST_F(Cli, ExitIntervalAndDurationStopCleanly) {
+  const std::string flags = toy("--threads 1 --train-iters 6 ");
+  const std::string ckpt = dir_ + "/ckpt";
+  const std::string job = flags + "--exit-interval 4 --save " + ckpt + " --log-jsonl " + dir_;
+  Result r = run(job + "/first.jsonl");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(
+      r.out, "stopping at --exit-interval 4 after step 4; run again with --load " + ckpt))
+      << r.out;
+  EXPECT_EQ(read_file(ckpt + "/latest_checkpointed_iteration.txt"), "4\n");
+  r = run(job + "/second.jsonl");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_FALSE(testing::contains(r.out, "stopping")) << r.out;
+  r = run(flags + "--log-jsonl " + dir_ + "/full.jsonl");
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto records = [&](const std::string& name) {
+    std::vector<nlohmann::json> v;
+    std::istringstream lines(read_file(dir_ + "/" + name));
+    for (std::string line; std::getline(lines, line);) v.push_back(nlohmann::json::parse(line));
+    return v;
+  };
+  const auto first = records("first.jsonl"), second = records("second.jsonl"),
+             full = records("full.jsonl");
+  ASSERT_EQ(first.size(), 4u);
+  ASSERT_EQ(second.size(), 2u);
+  ASSERT_EQ(full.size(), 6u);
+  for (size_t i = 0; i < 6; ++i) {
+    const nlohmann::json& got = i < 4 ? first[i] : second[i - 4];
+    EXPECT_EQ(got["step"], full[i]["step"]);
+    EXPECT_EQ(got["loss"].get<double>(), full[i]["loss"].get<double>()) << "step " << i + 1;
+  }
+
+  // A time limit already passed stops after the first step; without --save,
+  // it says that nothing was saved.
+  r = run(toy("--train-iters 50 --exit-duration-in-mins 1e-9"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "stopping after 1e-09 minutes (--exit-duration-in-mins) "
+                                       "after step 1; nothing was saved (no --save)"))
+      << r.out;
+  expect_error(toy("--exit-interval -2"), {"--exit-interval (-2) must be >= 0"});
+  expect_error(toy("--exit-duration-in-mins nan"),
+               {"--exit-duration-in-mins (nan) must be a number of minutes >= 0"});
+}
+
 TEST_F(Cli, MissingDataFile) {
   expect_error(toy("--data-path /nonexistent/corpus.txt"), {"/nonexistent/corpus.txt"});
 }
