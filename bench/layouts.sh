@@ -40,7 +40,7 @@ run() {
 median() {
   python3 - "$work/$2.jsonl" "$1" <<'EOF'
 import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1])][2:]
+rows = [r for r in map(json.loads, open(sys.argv[1])) if "step" in r][2:]
 vals = [r[sys.argv[2]] for r in rows if sys.argv[2] in r]
 print(f"{statistics.median(vals):.1f}" if vals else "-")
 EOF
@@ -79,7 +79,8 @@ echo "|---|---:|---:|"
 for mode in no-overlap-grad-reduce overlap-grad-reduce; do
   python3 - "$mode" "$work"/dp-"$mode"-*.jsonl <<'EOF'
 import json, statistics, sys
-rows = [r for f in sys.argv[2:] for r in [json.loads(l) for l in open(f)][2:]]
+rows = [r for f in sys.argv[2:]
+        for r in [r for r in map(json.loads, open(f)) if "step" in r][2:]]
 step = statistics.median(r["step_ms"] for r in rows)
 wait = statistics.median(r["dp_wait_ms"] for r in rows)
 print(f"| {sys.argv[1]} | {step:.1f} | {wait:.1f} |")

@@ -194,7 +194,7 @@ def measure(a, pp, name, m, log):
     out, others = quiet_run(a, train_cmd(a, pp, name, m, "--train-iters", str(steps),
                                          "--log-interval", str(steps), "--log-jsonl", jsonl,
                                          "--trace", trace, "--profile", costs), log)
-    records = [json.loads(line) for line in open(jsonl)][a.warmup:]
+    records = [r for r in map(json.loads, open(jsonl)) if "step" in r][a.warmup:]
     step_ms = [r["step_ms"] for r in records]
     # The step whose time is the median one (the upper middle of an even count) is drawn.
     drawn = sorted(records, key=lambda r: r["step_ms"])[len(records) // 2]["step"]

@@ -23,6 +23,8 @@
 #include "models/gpt.h"
 #include "models/llama.h"
 
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
 #include <fmt/ranges.h>
@@ -80,6 +82,41 @@ const char* signal_name(int sig) {
     case SIGUSR1: return "SIGUSR1";
     default: return "a signal";
   }
+}
+
+// Which process is which rank: host, PID and device of every rank, gathered
+// at start-up so that a rank that dies later can be named (rank 0 prints it,
+// writes it as the JSONL's first line and, for scripts/weft-run, to the file
+// $WEFT_RANK_TABLE).
+nlohmann::json rank_table(weft::Communicator* world, const weft::Device& device) {
+  constexpr int64_t kHost = 64, kDevice = 16, kRecord = 1 + kHost + kDevice;
+  char host[kHost] = {};
+  gethostname(host, kHost - 1);
+  const std::string dev = device.str();
+  weft::Tensor mine = weft::Tensor::zeros({kRecord}, weft::DType::I32);
+  int32_t* m = mine.data<int32_t>();
+  m[0] = static_cast<int32_t>(getpid());
+  for (int64_t i = 0; i < kHost && host[i] != 0; ++i) m[1 + i] = static_cast<unsigned char>(host[i]);
+  for (size_t i = 0; i < dev.size() && i < static_cast<size_t>(kDevice); ++i)
+    m[1 + kHost + static_cast<int64_t>(i)] = static_cast<unsigned char>(dev[i]);
+  const int n = world != nullptr ? world->size() : 1;
+  weft::Tensor all = weft::Tensor::zeros({n * kRecord}, weft::DType::I32);
+  if (world != nullptr && n > 1)
+    world->all_gather(mine, all);
+  else
+    all.copy_from(mine);
+  auto text = [](const int32_t* p, int64_t len) {
+    std::string t;
+    for (int64_t i = 0; i < len && p[i] != 0; ++i) t.push_back(static_cast<char>(p[i]));
+    return t;
+  };
+  nlohmann::json ranks = nlohmann::json::array();
+  for (int r = 0; r < n; ++r) {
+    const int32_t* p = all.data<int32_t>() + r * kRecord;
+    ranks.push_back({{"rank", r}, {"host", text(p + 1, kHost)}, {"pid", p[0]},
+                     {"device", text(p + 1 + kHost, kDevice)}});
+  }
+  return ranks;
 }
 
 struct Args {
@@ -455,6 +492,18 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   const std::string load = !a.load.empty() ? a.load : (!a.no_load && existing >= 0 ? a.save : "");
   const PipelineSetup setup = check_parallel(a, cfg, world ? world->size() : 1, global);
   const bool rank0 = world == nullptr || world->rank() == 0;
+  const nlohmann::json ranks = rank_table(world, setup.device);
+  if (rank0) {
+    for (const auto& r : ranks)
+      fmt::print("rank {} | host {} | pid {} | {}\n", r["rank"].get<int>(),
+                 r["host"].get<std::string>(), r["pid"].get<int>(), r["device"].get<std::string>());
+    if (const char* path = std::getenv("WEFT_RANK_TABLE"); path != nullptr && *path != 0) {
+      const std::string tmp = std::string(path) + ".tmp";
+      std::ofstream(tmp) << nlohmann::json{{"ranks", ranks}}.dump() << '\n';
+      check(std::rename(tmp.c_str(), path) == 0, "WEFT_RANK_TABLE {}: cannot write it", path);
+    }
+    std::fflush(stdout);
+  }
 
   set_threads(a.threads > 0 ? a.threads : default_threads());
   TokenData data = TokenData::load(a.data_path);
@@ -574,6 +623,9 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   if (!a.log_jsonl.empty() && rank0) {
     jsonl.open(a.log_jsonl, trainer.steps_done() > 0 ? std::ios::app : std::ios::trunc);
     check(jsonl.good(), "--log-jsonl {}: cannot open for writing", a.log_jsonl);
+    // A header line for every start (a resumed run appends one): step records
+    // are the lines with a "step".
+    jsonl << nlohmann::json{{"start_step", trainer.steps_done()}, {"ranks", ranks}}.dump() << '\n';
   }
   // 6 x parameters (GPT: without wpe) x tokens + attention's 12 L T C.
   const double flops_per_token =

@@ -3,6 +3,7 @@
 #include <weft/device.h>
 #include <weft/safetensors.h>
 
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -154,12 +155,9 @@ TEST_F(Cli, ValidationLossAndLossPlot) {
   EXPECT_TRUE(testing::contains(r.out, "validation loss")) << r.out;
   EXPECT_TRUE(testing::contains(r.out, "| elapsed ")) << r.out;
   EXPECT_TRUE(testing::contains(r.out, "| eta ")) << r.out;
-  std::istringstream lines(read_file(dir_ + "/v.jsonl"));
   std::vector<int> evaluated;
-  for (std::string line; std::getline(lines, line);) {
-    const auto j = nlohmann::json::parse(line);
+  for (const auto& j : testing::jsonl_steps(dir_ + "/v.jsonl"))
     if (j.contains("val_loss")) evaluated.push_back(j["step"].get<int>());
-  }
   EXPECT_EQ(evaluated, (std::vector<int>{3, 6}));
   const std::string svg = read_file(dir_ + "/loss.svg");
   EXPECT_EQ(svg.rfind("<svg", 0), 0u) << svg.substr(0, 80);
@@ -278,7 +276,7 @@ TEST_F(Cli, SigtermSavesAndTheResumedRunMatchesTheUninterruptedOne) {
   // Signal once three steps are logged; the job may be anywhere in a step.
   const std::string cmd = "( " + std::string(exe) + " " + flags + "--train-iters 1000000 --save " +
                           ckpt + " --log-jsonl " + jsonl + " >" + dir_ + "/stopped.out 2>&1 & "
-                          "pid=$!; while [ \"$(cat " + jsonl + " 2>/dev/null | wc -l)\" -lt 3 ]; "
+                          "pid=$!; while [ \"$(cat " + jsonl + " 2>/dev/null | grep -c step)\" -lt 3 ]; "
                           "do sleep 0.05; done; kill -TERM $pid; wait $pid )";
   const int status = std::system(cmd.c_str());
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_file(dir_ + "/stopped.out");
@@ -293,13 +291,8 @@ TEST_F(Cli, SigtermSavesAndTheResumedRunMatchesTheUninterruptedOne) {
   Result full = run(flags + "--train-iters " + std::to_string(total) + " --log-jsonl " + dir_ +
                     "/full.jsonl");
   ASSERT_EQ(full.code, 0) << full.err;
-  auto records = [&](const std::string& path) {
-    std::vector<nlohmann::json> v;
-    std::istringstream lines(read_file(path));
-    for (std::string line; std::getline(lines, line);) v.push_back(nlohmann::json::parse(line));
-    return v;
-  };
-  const auto a = records(dir_ + "/resumed.jsonl"), b = records(dir_ + "/full.jsonl");
+  const auto a = testing::jsonl_steps(dir_ + "/resumed.jsonl"),
+             b = testing::jsonl_steps(dir_ + "/full.jsonl");
   ASSERT_EQ(a.size(), 4u);
   ASSERT_EQ(b.size(), static_cast<size_t>(total));
   for (size_t i = 0; i < a.size(); ++i) {
@@ -347,12 +340,7 @@ TEST_F(Cli, ExitIntervalAndDurationStopCleanly) {
   EXPECT_FALSE(testing::contains(r.out, "stopping")) << r.out;
   r = run(flags + "--log-jsonl " + dir_ + "/full.jsonl");
   ASSERT_EQ(r.code, 0) << r.err;
-  auto records = [&](const std::string& name) {
-    std::vector<nlohmann::json> v;
-    std::istringstream lines(read_file(dir_ + "/" + name));
-    for (std::string line; std::getline(lines, line);) v.push_back(nlohmann::json::parse(line));
-    return v;
-  };
+  auto records = [&](const std::string& name) { return testing::jsonl_steps(dir_ + "/" + name); };
   const auto first = records("first.jsonl"), second = records("second.jsonl"),
              full = records("full.jsonl");
   ASSERT_EQ(first.size(), 4u);
@@ -467,10 +455,22 @@ TEST_F(Cli, TrainsLogsJsonlResumesAndSamples) {
   Result a = run(toy("--train-iters 4 --log-jsonl " + dir_ + "/a.jsonl"));
   ASSERT_EQ(a.code, 0) << a.err;
   EXPECT_NE(a.out.find("step     4/4"), std::string::npos) << a.out;
-  std::vector<nlohmann::json> full;
-  std::istringstream lines(read_file(dir_ + "/a.jsonl"));
-  for (std::string line; std::getline(lines, line);) full.push_back(nlohmann::json::parse(line));
+  const std::vector<nlohmann::json> full = testing::jsonl_steps(dir_ + "/a.jsonl");
   ASSERT_EQ(full.size(), 4u);
+  // The header: where the run started and which process is which rank.
+  const auto headers = testing::jsonl_headers(dir_ + "/a.jsonl");
+  ASSERT_EQ(headers.size(), 1u);
+  EXPECT_EQ(headers[0]["start_step"], 0);
+  ASSERT_EQ(headers[0]["ranks"].size(), 1u);
+  const auto& rank = headers[0]["ranks"][0];
+  EXPECT_EQ(rank["rank"], 0);
+  EXPECT_GT(rank["pid"].get<int>(), 0);
+  EXPECT_FALSE(rank["host"].get<std::string>().empty());
+  EXPECT_EQ(rank["device"], "cpu");
+  EXPECT_TRUE(testing::contains(
+      a.out, fmt::format("rank 0 | host {} | pid {} | cpu", rank["host"].get<std::string>(),
+                         rank["pid"].get<int>())))
+      << a.out;
   for (size_t i = 0; i < full.size(); ++i) {
     EXPECT_EQ(full[i]["step"].get<int>(), static_cast<int>(i) + 1);  // as the console counts
     for (const char* key : {"loss", "lr", "grad_norm", "step_ms", "tokens_per_s"})
@@ -484,10 +484,9 @@ TEST_F(Cli, TrainsLogsJsonlResumesAndSamples) {
                      "/c.jsonl --sample 40 --sample-prompt To"));
   ASSERT_EQ(c.code, 0) << c.err;
   EXPECT_NE(c.out.find("resumed from"), std::string::npos);
-  std::vector<nlohmann::json> tail;
-  std::istringstream lines_c(read_file(dir_ + "/c.jsonl"));
-  for (std::string line; std::getline(lines_c, line);) tail.push_back(nlohmann::json::parse(line));
+  const std::vector<nlohmann::json> tail = testing::jsonl_steps(dir_ + "/c.jsonl");
   ASSERT_EQ(tail.size(), 2u);
+  EXPECT_EQ(testing::jsonl_headers(dir_ + "/c.jsonl").at(0)["start_step"], 2);
   for (size_t i = 0; i < 2; ++i) {
     EXPECT_EQ(tail[i]["step"], full[i + 2]["step"]);
     EXPECT_EQ(tail[i]["loss"].get<double>(), full[i + 2]["loss"].get<double>());

@@ -89,9 +89,25 @@ TrainRun run_train_gpt(int ranks, const std::string& args, const std::string& di
   const int status = std::system((r.command + " >" + out + " 2>&1").c_str());
   r.ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
   r.output = read_file(out);
-  std::istringstream lines(read_file(jsonl));
-  for (std::string line; std::getline(lines, line);) r.records.push_back(nlohmann::json::parse(line));
+  r.records = jsonl_steps(jsonl);
   return r;
+}
+
+namespace {
+std::vector<nlohmann::json> jsonl_lines(const std::string& path, bool steps) {
+  std::vector<nlohmann::json> v;
+  std::istringstream lines(read_file(path));
+  for (std::string line; std::getline(lines, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("step") == steps) v.push_back(std::move(j));
+  }
+  return v;
+}
+}  // namespace
+
+std::vector<nlohmann::json> jsonl_steps(const std::string& path) { return jsonl_lines(path, true); }
+std::vector<nlohmann::json> jsonl_headers(const std::string& path) {
+  return jsonl_lines(path, false);
 }
 
 }  // namespace weft::testing

@@ -27,6 +27,10 @@ double rel_error(const Tensor& a, const Tensor& b);
 // Writes a file with these bytes.
 void write_file(const std::string& path, const std::string& bytes);
 std::string read_file(const std::string& path);
+// The lines of a --log-jsonl file: its step records (the lines with a "step"),
+// or its headers (one per start: "start_step" and the rank table "ranks").
+std::vector<nlohmann::json> jsonl_steps(const std::string& path);
+std::vector<nlohmann::json> jsonl_headers(const std::string& path);
 
 // Runs train_gpt ($WEFT_TRAIN_GPT) with `args` plus --log-jsonl, under
 // `$WEFT_MPIEXEC -n ranks` when ranks > 1, its output going to dir/out.txt.
