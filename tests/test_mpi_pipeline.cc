@@ -5,12 +5,16 @@
 
 #include "test_util.h"
 
+#include <signal.h>
 #include <sys/wait.h>
 
+#include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <set>
 #include <sstream>
+#include <thread>
 
 namespace weft {
 namespace {
@@ -177,6 +181,115 @@ TEST(MpiLlama, Pp2Tp2GivesTheSingleProcessLosses) {
     const double loss = one.records[s]["loss"], norm = one.records[s]["grad_norm"];
     EXPECT_NEAR(four.records[s]["loss"].get<double>(), loss, 1e-5 * loss) << "step " << s + 1;
     EXPECT_NEAR(four.records[s]["grad_norm"].get<double>(), norm, 1e-5 * norm) << "step " << s + 1;
+  }
+}
+
+// kill -9 of a rank under scripts/weft-run, as a machine failure would: the
+// job runs in the background, and once three steps are logged, rank 1 (its
+// PID from train_gpt's rank table) is killed. Returns the wrapper's output.
+struct KilledJob {
+  std::string out, rc, jsonl;
+  int pid = 0;
+};
+
+KilledJob run_and_kill_rank1(const std::string& dir, const std::string& wrapper_flags,
+                             const std::string& flags) {
+  KilledJob k;
+  k.jsonl = dir + "/job.jsonl";
+  const std::string rc = dir + "/job.rc";
+  std::filesystem::remove(k.jsonl);
+  std::filesystem::remove(rc);
+  std::filesystem::remove_all(dir + "/ckpt");
+  const std::string job = "WEFT_MPIEXEC='" + std::string(std::getenv("WEFT_MPIEXEC")) + "' " +
+                          testing::source_path("scripts/weft-run") + " " + wrapper_flags +
+                          " -- " + std::getenv("WEFT_TRAIN_GPT") + " " + flags + " --save " +
+                          dir + "/ckpt --log-jsonl " + k.jsonl;
+  EXPECT_EQ(std::system(("( " + job + " >" + dir + "/job.out 2>&1; echo $? >" + rc + " ) &").c_str()),
+            0);
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::seconds(120);
+  auto wait_for = [&](auto done) {
+    while (!done() && Clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    return done();
+  };
+  if (wait_for([&] {
+        return std::filesystem::exists(k.jsonl) && testing::jsonl_steps(k.jsonl).size() >= 3;
+      })) {
+    k.pid = testing::jsonl_headers(k.jsonl).at(0)["ranks"].at(1)["pid"].get<int>();
+    EXPECT_EQ(::kill(k.pid, SIGKILL), 0);
+  }
+  EXPECT_TRUE(wait_for([&] { return !read_file(rc).empty(); })) << "weft-run did not finish";
+  k.out = read_file(dir + "/job.out");
+  k.rc = read_file(rc);
+  return k;
+}
+
+std::string restart_flags(const std::string& dir) {
+  return "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+         "--micro-batch-size 2 --global-batch-size 4 --train-iters 60 --lr 3e-3 --threads 1 "
+         "--comm-timeout 60 --device cpu --save-interval 1 --data-path " + dir + "/text.txt";
+}
+
+std::string restart_dir() {
+  const std::string dir = testing::temp_dir("mpi-restart");
+  std::string text;
+  for (int i = 0; i < 60; ++i) text += "It was the best of times, it was the worst of times. ";
+  testing::write_file(dir + "/text.txt", text);
+  return dir;
+}
+
+// The wrapper names the rank that died, restarts the job, which resumes from
+// its newest checkpoint, and the run ends with the uninterrupted run's
+// losses, bit for bit (the same layout, the same sums).
+TEST(MpiRestart, KilledRankIsNamedAndTheJobResumesBitExactly) {
+  const std::string dir = restart_dir(), flags = restart_flags(dir);
+  const testing::TrainRun full = testing::run_train_gpt(2, flags, dir);
+  ASSERT_TRUE(full.ok) << full.output;
+  ASSERT_EQ(full.records.size(), 60u);
+  const KilledJob k = run_and_kill_rank1(dir, "-n 2 --backoff 0", flags);
+  ASSERT_GT(k.pid, 0) << k.out;
+  EXPECT_EQ(k.rc, "0\n") << k.out;
+  EXPECT_TRUE(testing::contains(k.out, "weft-run: rank 1 (host ") &&
+              testing::contains(k.out, "pid " + std::to_string(k.pid) + ", cpu) died first"))
+      << k.out;
+  EXPECT_TRUE(testing::contains(k.out, "weft-run: restarting from the newest checkpoint")) << k.out;
+  EXPECT_TRUE(testing::contains(k.out, "resumed from " + dir + "/ckpt at step")) << k.out;
+  // Steps run again after the restart are logged twice: the last record counts.
+  std::map<int, double> loss;
+  for (const auto& r : testing::jsonl_steps(k.jsonl)) loss[r["step"].get<int>()] = r["loss"];
+  ASSERT_EQ(loss.size(), 60u);
+  for (const auto& r : full.records)
+    EXPECT_EQ(loss.at(r["step"].get<int>()), r["loss"].get<double>()) << "step " << r["step"];
+  EXPECT_GE(testing::jsonl_headers(k.jsonl).size(), 2u) << "a header for each start";
+
+  // What weft-run cannot restart is refused before anything runs.
+  const std::string bare = testing::source_path("scripts/weft-run") + " -n 2 -- " +
+                           std::getenv("WEFT_TRAIN_GPT") + " " + flags;
+  const int status = std::system((bare + " >" + dir + "/bad.out 2>&1").c_str());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2);
+  EXPECT_TRUE(testing::contains(read_file(dir + "/bad.out"), "the job has no --save DIR"))
+      << read_file(dir + "/bad.out");
+}
+
+// --min-ranks: the restart leaves out the failed data-parallel replica and
+// goes on with one rank, from the same checkpoint; one replica computes the
+// same sums in another order, so the losses agree to 1e-5.
+TEST(MpiRestart, MinRanksRestartsWithoutTheFailedReplica) {
+  const std::string dir = restart_dir(), flags = restart_flags(dir);
+  const testing::TrainRun full = testing::run_train_gpt(2, flags, dir);
+  ASSERT_TRUE(full.ok) << full.output;
+  const KilledJob k = run_and_kill_rank1(dir, "-n 2 --backoff 0 --min-ranks 1", flags);
+  ASSERT_GT(k.pid, 0) << k.out;
+  EXPECT_EQ(k.rc, "0\n") << k.out;
+  EXPECT_TRUE(testing::contains(k.out, "1 ranks from now on (--min-ranks 1)")) << k.out;
+  EXPECT_TRUE(testing::contains(k.out, "weft-run: starting 1 rank: ")) << k.out;
+  std::map<int, double> loss;
+  for (const auto& r : testing::jsonl_steps(k.jsonl)) loss[r["step"].get<int>()] = r["loss"];
+  ASSERT_EQ(loss.size(), 60u);
+  for (const auto& r : full.records) {
+    const double want = r["loss"].get<double>();
+    EXPECT_NEAR(loss.at(r["step"].get<int>()), want, 1e-5 * want) << "step " << r["step"];
   }
 }
 
