@@ -8,6 +8,7 @@
 #include <weft/checkpoint.h>
 #include <weft/error.h>
 #include <weft/layout.h>
+#include <weft/link_check.h>
 #include <weft/mesh.h>
 #include <weft/mpi_communicator.h>
 #include <weft/ops.h>
@@ -119,6 +120,31 @@ nlohmann::json rank_table(weft::Communicator* world, const weft::Device& device)
   return ranks;
 }
 
+// --check-links: every pair of ranks measured; rank 0 lists the links,
+// slowest first, and marks those below half the median bandwidth.
+int run_link_check(int64_t mib, weft::Communicator& world) {
+  const nlohmann::json ranks = rank_table(&world, weft::Device::cpu());
+  constexpr int kReps = 5;
+  std::vector<weft::LinkResult> links = weft::check_links(world, mib << 20, kReps);
+  if (world.rank() != 0) return 0;
+  std::sort(links.begin(), links.end(),
+            [](const auto& x, const auto& y) { return x.gb_per_s < y.gb_per_s; });
+  std::vector<double> bw;
+  for (const auto& l : links) bw.push_back(l.gb_per_s);
+  const double median = bw[bw.size() / 2];
+  auto host = [&](int r) { return ranks[static_cast<size_t>(r)]["host"].get<std::string>(); };
+  fmt::print("links between {} ranks ({} MiB messages; one way, from the median of {} round "
+             "trips), slowest first:\n",
+             world.size(), mib, kReps);
+  for (const auto& l : links)
+    fmt::print("rank {} ({}) <-> rank {} ({}): {:.2f} GB/s, latency {:.1f} us{}\n", l.a, host(l.a),
+               l.b, host(l.b), l.gb_per_s, l.latency_us,
+               l.gb_per_s < median / 2 ? "  <- below half the median" : "");
+  fmt::print("median {:.2f} GB/s over {} links; slowest {:.2f} GB/s (rank {} <-> rank {})\n",
+             median, links.size(), links.front().gb_per_s, links.front().a, links.front().b);
+  return 0;
+}
+
 struct Args {
   std::string model;
   weft::GptConfig gpt;
@@ -147,6 +173,8 @@ struct Args {
   std::string split;
   int64_t eval_interval = 0, eval_iters = 10;
   int64_t save_interval = 0, log_interval = 1, keep_last = 0;
+  bool check_links = false;        // measure every link between ranks, then exit
+  int64_t check_links_mib = 16;
   int64_t exit_interval = 0;       // Megatron's: stop after a step divisible by it
   double exit_duration_mins = 0;   // Megatron's: stop once training has run this long
   bool no_load = false, overwrite_checkpoints = false;
@@ -824,6 +852,11 @@ int main(int argc, char** argv) {
   app.add_flag("--overwrite-checkpoints", a.overwrite_checkpoints,
                "with --no-load: let the new run replace the checkpoints in --save");
   app.add_option("--save-interval", a.save_interval, "save every N steps (0 = only at the end)");
+  app.add_flag("--check-links", a.check_links,
+               "measure every link between the ranks (bandwidth and latency, by rank and host), "
+               "print them slowest first and exit: a check of a new cluster");
+  app.add_option("--check-links-mib", a.check_links_mib,
+                 "message size of --check-links, in MiB");
   app.add_option("--exit-interval", a.exit_interval,
                  "stop (saving with --save) after a step divisible by N (0: never)");
   app.add_option("--exit-duration-in-mins", a.exit_duration_mins,
@@ -887,6 +920,22 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   const weft::LaunchInfo launch = weft::detect_launch();
+  if (a.check_links) {
+    if (a.check_links_mib < 1 || a.check_links_mib > 4096) {
+      fmt::print(stderr, "train_gpt: error: --check-links-mib ({}) must be in [1, 4096]\n",
+                 a.check_links_mib);
+      return 1;
+    }
+    if (launch.size == 1) {
+      fmt::print("--check-links: one rank, so no link to check (run it under mpiexec or srun)\n");
+      return 0;
+    }
+    weft::CommOptions comm;
+    comm.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.comm_timeout * 1000));
+    return weft::mpi_main(
+        argc, argv, [&](weft::Communicator& world) { return run_link_check(a.check_links_mib, world); },
+        comm);
+  }
   if (launch.size == 1) {
     try {
       return run(a, app, nullptr);

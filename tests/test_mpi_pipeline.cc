@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <map>
@@ -291,6 +292,33 @@ TEST(MpiRestart, MinRanksRestartsWithoutTheFailedReplica) {
     const double want = r["loss"].get<double>();
     EXPECT_NEAR(loss.at(r["step"].get<int>()), want, 1e-5 * want) << "step " << r["step"];
   }
+}
+
+// --check-links measures each of the N (N - 1) / 2 links once, with 5 ranks
+// (an odd count: every round leaves one rank out), and lists them all.
+TEST(MpiCheckLinks, EveryPairOnce) {
+  const std::string dir = testing::temp_dir("mpi-links");
+  const std::string cmd = std::string(std::getenv("WEFT_MPIEXEC")) + " -n 5 " +
+                          std::getenv("WEFT_TRAIN_GPT") + " --check-links --check-links-mib 1 >" +
+                          dir + "/out.txt 2>&1";
+  const int status = std::system(cmd.c_str());
+  const std::string out = read_file(dir + "/out.txt");
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << out;
+  std::set<std::pair<int, int>> pairs;
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);) {
+    int a = -1, b = -1;
+    double gb = 0;
+    char host_a[64] = {}, host_b[64] = {};
+    if (std::sscanf(line.c_str(), "rank %d (%63[^)]) <-> rank %d (%63[^)]): %lf GB/s", &a, host_a,
+                    &b, host_b, &gb) == 5) {
+      EXPECT_LT(a, b) << line;
+      EXPECT_GT(gb, 0.0) << line;
+      EXPECT_TRUE(pairs.insert({a, b}).second) << "measured twice: " << line;
+    }
+  }
+  EXPECT_EQ(pairs.size(), 10u) << out;
+  EXPECT_TRUE(testing::contains(out, "over 10 links; slowest")) << out;
 }
 
 }  // namespace
