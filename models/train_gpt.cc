@@ -36,8 +36,11 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 
@@ -178,6 +181,16 @@ struct Args {
   int64_t exit_interval = 0;       // Megatron's: stop after a step divisible by it
   double exit_duration_mins = 0;   // Megatron's: stop once training has run this long
   bool no_load = false, overwrite_checkpoints = false;
+  // Megatron's: load weights only and start at step 0; or let flags that
+  // contradict the checkpoint's meta.json win.
+  bool finetune = false, override_checkpoint_args = false;
+  // Settled before the run by adopt_checkpoint_args: the checkpoint it loads
+  // ("" for none), whether only its weights, the flags taken from its
+  // meta.json (--use-checkpoint-args, Megatron's, always on) and what to say.
+  std::string resume_from;
+  bool weights_only = false;
+  std::set<std::string> from_checkpoint;
+  std::string adopted_note;
   int64_t sample = 0;
   float sample_temperature = 0.8f;
   std::string sample_prompt = "\n";
@@ -428,14 +441,127 @@ weft::LlamaConfig llama_config(const Args& a, const weft::GptConfig& cfg) {
 }
 
 // The preset, with explicit shape flags overriding it.
-weft::GptConfig resolve_config(const Args& a, const CLI::App& app) {
+// The shape the flags describe: the preset, with explicit shape flags (and
+// those taken from the checkpoint) overriding it. Not validated.
+weft::GptConfig flag_config(const Args& a, const CLI::App& app) {
+  auto given = [&](const char* flag) {
+    return app.count(flag) > 0 || a.from_checkpoint.count(flag) > 0;
+  };
   weft::GptConfig cfg = a.model.empty() ? a.gpt : weft::gpt_preset(a.model);
-  if (app.count("--num-layers")) cfg.num_layers = a.gpt.num_layers;
-  if (app.count("--hidden-size")) cfg.hidden_size = a.gpt.hidden_size;
-  if (app.count("--num-attention-heads")) cfg.num_heads = a.gpt.num_heads;
-  if (app.count("--seq-length")) cfg.seq_length = a.gpt.seq_length;
-  if (app.count("--max-position-embeddings")) cfg.max_positions = a.gpt.max_positions;
-  if (app.count("--vocab-size")) cfg.vocab_size = a.gpt.vocab_size;
+  if (given("--num-layers")) cfg.num_layers = a.gpt.num_layers;
+  if (given("--hidden-size")) cfg.hidden_size = a.gpt.hidden_size;
+  if (given("--num-attention-heads")) cfg.num_heads = a.gpt.num_heads;
+  if (given("--seq-length")) cfg.seq_length = a.gpt.seq_length;
+  if (given("--max-position-embeddings")) cfg.max_positions = a.gpt.max_positions;
+  if (given("--vocab-size")) cfg.vocab_size = a.gpt.vocab_size;
+  return cfg;
+}
+
+// Which checkpoint the run loads, and Megatron's --use-checkpoint-args (always
+// on): a shape, data or batch flag left out is taken from the checkpoint's
+// meta.json; one that contradicts it is an error naming both values, unless
+// --override-checkpoint-args (the flags win) or --finetune (weights only, from
+// step 0) is given. Run before anything else, on every rank.
+void adopt_checkpoint_args(Args& a, const CLI::App& app) {
+  using weft::check;
+  check(!a.no_load || a.load.empty(), "--no-load and --load {} contradict each other", a.load);
+  check(a.no_load || !a.overwrite_checkpoints,
+        "--overwrite-checkpoints only matters with --no-load (a run resumes from --save "
+        "otherwise)");
+  check(!a.finetune || !a.load.empty(),
+        "--finetune starts from the weights of --load DIR: give the checkpoint to start from");
+  check(!a.finetune || !a.no_load, "--finetune loads --load {}; --no-load contradicts it", a.load);
+  const int64_t existing = a.save.empty() ? -1 : weft::newest_checkpoint_step(a.save);
+  check(!a.no_load || existing < 0 || a.overwrite_checkpoints,
+        "--save {} already holds checkpoints (the newest is step {}): run without --no-load to "
+        "resume from it, add --overwrite-checkpoints to start over and replace them, or save "
+        "elsewhere",
+        a.save, existing);
+  // Resume: --load, else the newest checkpoint in --save, unless --no-load. A
+  // fine-tune that has saved already (a restarted job) resumes its own checkpoints.
+  if (a.finetune && existing >= 0) {
+    a.resume_from = a.save;
+  } else {
+    a.resume_from = !a.load.empty() ? a.load : (!a.no_load && existing >= 0 ? a.save : "");
+    a.weights_only = a.finetune;
+  }
+  if (a.resume_from.empty()) return;
+  const weft::Checkpoint ckpt = weft::open_checkpoint(a.resume_from);
+  const nlohmann::json& saved = ckpt.meta.config;
+  const std::string where =
+      (std::filesystem::path(ckpt.model.path()).parent_path() / "meta.json").string();
+  const bool free = a.override_checkpoint_args || a.weights_only;
+  std::vector<std::string> adopted;
+  // One field: `key` in meta.json, `flag` on the command line. `given` says
+  // whether the flags set it; `ours` is the value they give; `take` adopts
+  // the checkpoint's.
+  auto field = [&](const char* key, const char* flag, bool given, const nlohmann::json& ours,
+                   const std::function<void(const nlohmann::json&)>& take, bool must_agree = true) {
+    if (!saved.contains(key)) return;
+    const nlohmann::json& theirs = saved[key];
+    if (given) {
+      // Paths agree when they name the same file.
+      const bool same = ours == theirs || (ours.is_string() && theirs.is_string() &&
+                                           std::filesystem::weakly_canonical(ours.get<std::string>()) ==
+                                               std::filesystem::weakly_canonical(theirs.get<std::string>()));
+      check(!must_agree || free || same,
+            "{} {} contradicts the checkpoint's {} {} ({}): drop the flag to use the "
+            "checkpoint's, or add --override-checkpoint-args (or --finetune: its weights only, "
+            "from step 0)",
+            flag, ours.dump(), key, theirs.dump(), where);
+      return;
+    }
+    take(theirs);
+    a.from_checkpoint.insert(flag);
+    adopted.push_back(fmt::format("{} {}", flag,
+                                  theirs.is_string() ? theirs.get<std::string>() : theirs.dump()));
+  };
+  const weft::GptConfig flags = flag_config(a, app);
+  const bool preset = !a.model.empty();
+  auto shape = [&](const char* key, const char* flag, int64_t ours, int64_t& dest) {
+    field(key, flag, preset || app.count(flag) > 0, ours,
+          [&](const nlohmann::json& v) { dest = v.get<int64_t>(); });
+  };
+  field("arch", "--arch", app.count("--arch") > 0, a.arch,
+        [&](const nlohmann::json& v) { a.arch = v.get<std::string>(); });
+  shape("num_layers", "--num-layers", flags.num_layers, a.gpt.num_layers);
+  shape("hidden_size", "--hidden-size", flags.hidden_size, a.gpt.hidden_size);
+  shape("num_heads", "--num-attention-heads", flags.num_heads, a.gpt.num_heads);
+  shape("seq_length", "--seq-length", flags.seq_length, a.gpt.seq_length);
+  shape("vocab_size", "--vocab-size", flags.vocab_size, a.gpt.vocab_size);
+  if (a.arch == "gpt2")
+    shape("max_positions", "--max-position-embeddings", flags.positions(), a.gpt.max_positions);
+  if (a.arch == "llama") {
+    field("ffn_hidden_size", "--ffn-hidden-size", app.count("--ffn-hidden-size") > 0,
+          a.ffn_hidden_size, [&](const nlohmann::json& v) { a.ffn_hidden_size = v.get<int64_t>(); });
+    field("rotary_base", "--rotary-base", app.count("--rotary-base") > 0, a.rotary_base,
+          [&](const nlohmann::json& v) { a.rotary_base = v.get<float>(); });
+    const bool gqa_given = app.count("--group-query-attention") || app.count("--num-query-groups");
+    const int64_t heads = flag_config(a, app).num_heads;  // the checkpoint's, when taken
+    field("num_query_groups", "--num-query-groups", gqa_given,
+          a.gqa ? (a.num_query_groups > 0 ? a.num_query_groups : 1) : heads,
+          [&](const nlohmann::json& v) {
+            if (v.get<int64_t>() == heads) return;  // one per head: no grouped-query attention
+            a.gqa = true;
+            a.num_query_groups = v.get<int64_t>();
+          });
+  }
+  field("data_path", "--data-path", !a.data_path.empty(), a.data_path,
+        [&](const nlohmann::json& v) { a.data_path = v.get<std::string>(); });
+  field("micro_batch_size", "--micro-batch-size", app.count("--micro-batch-size") > 0,
+        a.micro_batch, [&](const nlohmann::json& v) { a.micro_batch = v.get<int64_t>(); },
+        /*must_agree=*/false);
+  field("global_batch_size", "--global-batch-size", app.count("--global-batch-size") > 0,
+        a.global_batch > 0 ? a.global_batch : a.micro_batch,
+        [&](const nlohmann::json& v) { a.global_batch = v.get<int64_t>(); });
+  field("seed", "--seed", app.count("--seed") > 0, a.seed,
+        [&](const nlohmann::json& v) { a.seed = v.get<int64_t>(); });
+  if (!adopted.empty())
+    a.adopted_note = fmt::format("from the checkpoint ({}): {}", where, fmt::join(adopted, " "));
+}
+
+weft::GptConfig resolve_config(const Args& a, const CLI::App& app) {
+  weft::GptConfig cfg = flag_config(a, app);
   check_arch(a, app);
   if (a.arch == "llama") {
     llama_config(a, cfg);  // validates the llama shape
@@ -499,25 +625,13 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   check(std::isfinite(a.exit_duration_mins) && a.exit_duration_mins >= 0,
         "--exit-duration-in-mins ({}) must be a number of minutes >= 0", a.exit_duration_mins);
   check(!a.data_path.empty(), "--data-path is required (a text file, or an llm.c .bin file)");
-  // Resume: --load, else the newest checkpoint in --save, unless --no-load;
-  // starting over never replaces checkpoints silently.
-  check(!a.no_load || a.load.empty(), "--no-load and --load {} contradict each other", a.load);
-  check(a.no_load || !a.overwrite_checkpoints,
-        "--overwrite-checkpoints only matters with --no-load (a run resumes from --save "
-        "otherwise)");
   check(!a.save.empty() || a.keep_last == 0,
         "--keep-last-checkpoints {} needs --save: it rotates the checkpoints written there",
         a.keep_last);
   check(a.eval_interval > 0 || !app.count("--eval-iters"),
         "--eval-iters sets the batches of each validation: it needs --eval-interval");
   check(a.sample > 0 || a.tokenizer.empty(), "--tokenizer decodes samples: it needs --sample N");
-  const int64_t existing = a.save.empty() ? -1 : newest_checkpoint_step(a.save);
-  check(!a.no_load || existing < 0 || a.overwrite_checkpoints,
-        "--save {} already holds checkpoints (the newest is step {}): run without --no-load to "
-        "resume from it, add --overwrite-checkpoints to start over and replace them, or save "
-        "elsewhere",
-        a.save, existing);
-  const std::string load = !a.load.empty() ? a.load : (!a.no_load && existing >= 0 ? a.save : "");
+  const std::string& load = a.resume_from;
   const PipelineSetup setup = check_parallel(a, cfg, world ? world->size() : 1, global);
   const bool rank0 = world == nullptr || world->rank() == 0;
   const nlohmann::json ranks = rank_table(world, setup.device);
@@ -590,11 +704,13 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
                 {"num_heads", cfg.num_heads},     {"seq_length", cfg.seq_length},
                 {"vocab_size", cfg.vocab_size},   {"max_positions", cfg.positions()},
                 {"micro_batch_size", a.micro_batch}, {"global_batch_size", global},
-                {"seed", a.seed},                 {"data_path", a.data_path},
+                {"seed", a.seed},
+                {"data_path", std::filesystem::absolute(a.data_path).string()},
                 {"arch", a.arch}};
   if (llama) {
     opt.config["ffn_hidden_size"] = llama_config(a, cfg).ffn();
     opt.config["rotary_base"] = a.rotary_base;
+    opt.config["num_query_groups"] = llama_config(a, cfg).groups();
   }
   TokenBatches batches(data, global, cfg.seq_length, 0, split.train);
   std::optional<TokenBatches> validation;
@@ -633,7 +749,11 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   if (rank0 && !a.save.empty())
     for (const std::string& p : clean_stale_checkpoint_files(a.save))
       fmt::print("removed {}, left by an interrupted save\n", p);
-  if (!load.empty()) trainer.load(load);
+  if (!load.empty() && a.weights_only) {
+    open_checkpoint(load).read_model(layout.graph().params());  // --finetune: from step 0
+  } else if (!load.empty()) {
+    trainer.load(load);
+  }
 
   if (rank0) fmt::print("weft train_gpt | layers {} | hidden {} | heads {} | seq {} | vocab {} | params {} "
              "| micro-batch {} x {} = global {} | {} | data {} ({} tokens, unigram entropy "
@@ -643,9 +763,14 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
              setup.device.is_cpu() ? fmt::format("threads {}", get_threads())
                                    : fmt::format("{}{}", setup.device.str(), a.tf32 ? " tf32" : ""),
              a.data_path, data.size(), entropy);
+  if (rank0 && !a.adopted_note.empty()) fmt::print("{}\n", a.adopted_note);
   if (trainer.steps_done() > 0 && rank0)
     fmt::print("resumed from {} at step {}{}\n", load, trainer.steps_done(),
-               a.load.empty() ? " (automatic: --save holds it; --no-load starts over)" : "");
+               a.load.empty() || a.finetune ? " (automatic: --save holds it; --no-load starts over)"
+                                            : "");
+  if (a.weights_only && rank0)
+    fmt::print("fine-tuning from the weights of {} (--finetune: no optimizer state, step 0)\n",
+               load);
 
   std::ofstream jsonl;
   if (!a.log_jsonl.empty() && rank0) {
@@ -849,6 +974,12 @@ int main(int argc, char** argv) {
                  "checkpoint directory (or one iter_N in it) to resume from (default: --save, "
                  "when it holds one)");
   app.add_flag("--no-load", a.no_load, "start over even when --save holds checkpoints");
+  app.add_flag("--finetune", a.finetune,
+               "start from the weights of --load only: no optimizer state, step 0, and flags may "
+               "differ from its meta.json");
+  app.add_flag("--override-checkpoint-args", a.override_checkpoint_args,
+               "let flags that contradict the checkpoint's meta.json win (shape, data path, "
+               "global batch, seed); flags left out still come from it");
   app.add_flag("--overwrite-checkpoints", a.overwrite_checkpoints,
                "with --no-load: let the new run replace the checkpoints in --save");
   app.add_option("--save-interval", a.save_interval, "save every N steps (0 = only at the end)");
@@ -920,6 +1051,14 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   const weft::LaunchInfo launch = weft::detect_launch();
+  if (!a.check_links) {
+    try {
+      adopt_checkpoint_args(a, app);
+    } catch (const std::exception& e) {
+      if (launch.rank == 0) fmt::print(stderr, "train_gpt: error: {}\n", e.what());
+      return 1;
+    }
+  }
   if (a.check_links) {
     if (a.check_links_mib < 1 || a.check_links_mib > 4096) {
       fmt::print(stderr, "train_gpt: error: --check-links-mib ({}) must be in [1, 4096]\n",

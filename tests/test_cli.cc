@@ -364,6 +364,62 @@ TEST_F(Cli, ExitIntervalAndDurationStopCleanly) {
                {"--exit-duration-in-mins (nan) must be a number of minutes >= 0"});
 }
 
+// Megatron's --use-checkpoint-args, always on: a resumed run takes the
+// flags it leaves out from the checkpoint's meta.json; a flag that
+// contradicts it is refused naming both values, unless
+// --override-checkpoint-args or --finetune says otherwise.
+TEST_F(Cli, FlagsLeftOutComeFromTheCheckpointAndContradictionsAreRefused) {
+  const std::string ckpt = dir_ + "/ckpt";
+  Result r = run(toy("--threads 1 --train-iters 3 --save " + ckpt));
+  ASSERT_EQ(r.code, 0) << r.err;
+  // Only what changes: no shape, no data path, no batch.
+  r = run("--threads 1 --lr 1e-2 --train-iters 5 --save " + ckpt + " --log-jsonl " + dir_ +
+          "/resumed.jsonl");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "from the checkpoint (" + ckpt + "/iter_0000003/meta.json): ") &&
+              testing::contains(r.out, "--num-layers 2 --hidden-size 32") &&
+              testing::contains(r.out, "--global-batch-size 4"))
+      << r.out;
+  Result full = run(toy("--threads 1 --train-iters 5 --log-jsonl " + dir_ + "/full.jsonl"));
+  ASSERT_EQ(full.code, 0) << full.err;
+  const auto resumed = testing::jsonl_steps(dir_ + "/resumed.jsonl"),
+             whole = testing::jsonl_steps(dir_ + "/full.jsonl");
+  ASSERT_EQ(resumed.size(), 2u);
+  ASSERT_EQ(whole.size(), 5u);
+  for (size_t i = 0; i < 2; ++i)
+    EXPECT_EQ(resumed[i]["loss"].get<double>(), whole[i + 3]["loss"].get<double>());
+
+  expect_error(toy("--train-iters 6 --num-layers 3 --save " + ckpt),
+               {"--num-layers 3 contradicts the checkpoint's num_layers 2",
+                ckpt + "/iter_0000005/meta.json", "--override-checkpoint-args"});
+  expect_error(toy("--train-iters 6 --global-batch-size 8 --save " + ckpt),
+               {"--global-batch-size 8 contradicts the checkpoint's global_batch_size 4"});
+  expect_error(toy("--train-iters 6 --seed 9 --save " + ckpt),
+               {"--seed 9 contradicts the checkpoint's seed 1234"});
+  // The same file under another name agrees.
+  r = run(toy("--train-iters 6 --save " + ckpt + " --data-path " + dir_ + "/../" +
+              std::filesystem::path(dir_).filename().string() + "/text.txt"));
+  EXPECT_EQ(r.code, 0) << r.err;
+  r = run(toy("--train-iters 7 --global-batch-size 8 --override-checkpoint-args --save " + ckpt));
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "resumed from " + ckpt + " at step 6")) << r.out;
+
+  // --finetune: the weights only, from step 0, with other data settings allowed.
+  Result fresh = run(toy("--train-iters 1 --seed 9 --log-jsonl " + dir_ + "/fresh.jsonl"));
+  ASSERT_EQ(fresh.code, 0) << fresh.err;
+  r = run(toy("--train-iters 1 --seed 9 --finetune --load " + ckpt + " --save " + dir_ +
+              "/ft --log-jsonl " + dir_ + "/ft.jsonl"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "fine-tuning from the weights of " + ckpt)) << r.out;
+  const auto ft = testing::jsonl_steps(dir_ + "/ft.jsonl");
+  ASSERT_EQ(ft.size(), 1u);
+  EXPECT_EQ(ft[0]["step"], 1);
+  // Seven steps on this repetitive text have lowered the loss well below a fresh model's.
+  EXPECT_LT(ft[0]["loss"].get<double>(),
+            0.8 * testing::jsonl_steps(dir_ + "/fresh.jsonl").at(0)["loss"].get<double>());
+  expect_error(toy("--finetune"), {"--finetune starts from the weights of --load DIR"});
+}
+
 TEST_F(Cli, MissingDataFile) {
   expect_error(toy("--data-path /nonexistent/corpus.txt"), {"/nonexistent/corpus.txt"});
 }
