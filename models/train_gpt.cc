@@ -743,6 +743,32 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     if (rank0) fmt::print("schedule {} over {} stages; partition {}:\n{}", a.schedule,
                           schedule.stages(), a.partition, layout.plan().describe(graph));
   }
+  // Before the first step: the memory a micro-batch needs at the least. The
+  // sum of every node's outputs (the activations kept for the backward) over
+  // pp x tp ranks, and each rank's share of the weights, gradients and AdamW
+  // moments, times the ranks on this host. A shape far too large for the
+  // machine is refused here rather than found by the kernel's OOM killer.
+  if (setup.device.is_cpu()) {
+    const CostModel analytic = CostModel::analytic(graph);
+    double outputs = 0;
+    for (const NodeCost& c : analytic.nodes) outputs += c.output_bytes;
+    const double shards = static_cast<double>(a.pp * a.tp);
+    const double dp = static_cast<double>((world ? world->size() : 1) / (a.pp * a.tp));
+    const double state = 4.0 * static_cast<double>(graph.param_count()) / shards *
+                         (2.0 + 2.0 / (a.distributed_optimizer ? dp : 1.0));
+    char host[64] = {};
+    gethostname(host, sizeof host - 1);
+    int here = 0;
+    for (const auto& r : ranks) here += r["host"].get<std::string>() == host;
+    const double need = (outputs / shards + state) * here;
+    const double avail = static_cast<double>(host_memory_available());
+    check(need <= avail,
+          "out of host memory: this run needs at least {} on {} ({} rank{} x ({} of activations "
+          "per micro-batch + {} of weights, gradients and AdamW state)), and {} are available: use "
+          "a smaller --micro-batch-size or --seq-length, or more --pp or --tp ranks",
+          format_bytes(need), host, here, here == 1 ? "" : "s", format_bytes(outputs / shards),
+          format_bytes(state), format_bytes(avail));
+  }
   Trainer& trainer = layout.trainer();
   // What an interrupted save left behind goes first (world rank 0 writes
   // checkpoints, so it cleans them).

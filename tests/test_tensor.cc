@@ -1,6 +1,7 @@
 // Shape, Tensor, Arena and the deterministic parameter initialisation.
 #include <gtest/gtest.h>
 #include <weft/arena.h>
+#include <weft/device.h>
 #include <weft/param.h>
 #include <weft/tensor.h>
 
@@ -81,6 +82,20 @@ TEST(Shape, RankAboveFourThrows) {
 }
 
 // --- Tensor ---
+
+// A host allocation larger than the memory left is refused with both sizes,
+// not left to the kernel's OOM killer.
+TEST(HostMemory, AnAllocationBeyondWhatIsAvailableIsRefused) {
+  const size_t avail = host_memory_available();
+  ASSERT_GT(avail, size_t{0});
+  if (avail > (size_t{1} << 50)) GTEST_SKIP() << "no memory figure on this machine";
+  const std::string msg =
+      testing::error_message([&] { (void)device_alloc(avail + (size_t{1} << 30), Device::cpu()); });
+  EXPECT_TRUE(testing::contains(msg, "out of host memory: an allocation needs")) << msg;
+  EXPECT_TRUE(testing::contains(msg, "GiB are available")) << msg;
+  EXPECT_EQ(format_bytes(1.5 * double(1 << 30)), "1.5 GiB");
+  EXPECT_EQ(format_bytes(640.0 * double(1 << 20)), "640 MiB");
+}
 
 TEST(Tensor, DefaultIsUndefined) {
   Tensor t;

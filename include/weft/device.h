@@ -24,8 +24,16 @@ struct Device {
 };
 
 // Raw allocation on a device. CPU memory is 64-byte aligned.
+// Host allocations of 64 MiB or more are refused when the machine has less
+// memory available ("needs N GiB, M GiB available") instead of being killed
+// later by the kernel's out-of-memory killer.
 void* device_alloc(size_t bytes, Device device);
 void device_free(void* p, Device device);
+// Bytes of host memory this process can still take: MemAvailable, bounded by
+// a cgroup (v2) memory limit when one is set; SIZE_MAX when unknown.
+size_t host_memory_available();
+// "1.5 GiB", "640 MiB".
+std::string format_bytes(double bytes);
 
 // True when weft was built with the CUDA backend.
 bool cuda_built();

@@ -42,6 +42,19 @@ void Arena::release_blocks() {
 
 void Arena::add_block(size_t min_bytes) {
   size_t size = std::max(min_bytes, std::max(kMinBlock, capacity()));
+  if (device_.is_cpu() && size >= (size_t{64} << 20)) {
+    // Blocks already taken but not yet written are not in use by the
+    // system's count: they are this arena's to fill.
+    const size_t unwritten = capacity() - std::min(capacity(), used_);
+    const size_t sys = host_memory_available();
+    const size_t avail = sys > unwritten ? sys - unwritten : 0;
+    check(min_bytes <= avail,
+          "out of host memory: the activations of one step need more than {} (taken so far) + "
+          "{} (the next tensor), and {} are available: use a smaller micro-batch or sequence, or "
+          "more pipeline or tensor-parallel ranks",
+          format_bytes(double(used_)), format_bytes(double(min_bytes)), format_bytes(double(avail)));
+    if (size > avail) size = std::max(min_bytes, kMinBlock);  // no doubling past what is there
+  }
   char* p = static_cast<char*>(device_alloc(size, device_));
   ++system_allocations_;
   blocks_.push_back(Block{p, size, 0});
