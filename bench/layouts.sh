@@ -58,7 +58,8 @@ for layout in "2 2 2" "1 2 4" "2 4 1" "4 1 2" "8 1 1" "1 8 1" "1 1 8"; do
   for schedule in 1f1b zb-h1; do
     ((pp == 1)) && [[ $schedule != 1f1b ]] && continue
     name="l${dp}${pp}${tp}$schedule"
-    run "$name" 8 --tp "$tp" --pp "$pp" --schedule "$schedule" --threads 1
+    # shellcheck disable=SC2046
+    run "$name" 8 --tp "$tp" --pp "$pp" $( ((pp > 1)) && echo --schedule "$schedule") --threads 1
     tps=$(median tokens_per_s "$name")
     ratio=$(python3 -c "print(f'{$tps / $base:.2f}')")
     echo "| ($dp, $pp, $tp) | $( ((pp > 1)) && echo "$schedule" || echo -) | $tps | $ratio | $(median step_ms "$name") |"

@@ -560,7 +560,42 @@ void adopt_checkpoint_args(Args& a, const CLI::App& app) {
     a.adopted_note = fmt::format("from the checkpoint ({}): {}", where, fmt::join(adopted, " "));
 }
 
+// Pipeline flags that would change nothing are refused: every accepted flag
+// does something.
+void check_pipeline_flags(const Args& a, const CLI::App& app) {
+  using weft::check;
+  const std::vector<std::string> names = weft::sched::schedule_names();
+  check(std::find(names.begin(), names.end(), a.schedule) != names.end(),
+        "--schedule '{}' is not a schedule (one of: {})", a.schedule, fmt::join(names, ", "));
+  if (a.pp == 1) {
+    for (const char* flag : {"--schedule", "--virtual-stages", "--num-layers-per-virtual-pipeline-stage",
+                             "--partition", "--profile", "--recompute"})
+      check(app.count(flag) == 0,
+            "{} shapes the pipeline, and there is none: it needs --pp > 1 (--pp is 1)", flag);
+    return;
+  }
+  const bool chunked = a.schedule == "interleaved-1f1b" || a.schedule == "zb-v";
+  if (app.count("--virtual-stages") || app.count("--num-layers-per-virtual-pipeline-stage")) {
+    const char* flag = app.count("--virtual-stages") ? "--virtual-stages"
+                                                     : "--num-layers-per-virtual-pipeline-stage";
+    check(chunked || (app.count("--virtual-stages") && a.virtual_stages == 1),
+          "{} gives each rank several model chunks, which only interleaved-1f1b and zb-v run; "
+          "--schedule {} runs one per rank",
+          flag, a.schedule);
+    check(a.schedule != "zb-v" || !app.count("--virtual-stages") || a.virtual_stages == 2,
+          "--virtual-stages {}: zb-v runs exactly 2 chunks per rank (its V shape)",
+          a.virtual_stages);
+  }
+  // Recompute folds each W into its I, which turns a zero-bubble order into 1F1B's.
+  check(!a.recompute || (a.schedule != "zb-h1" && a.schedule != "zb-v"),
+        "--recompute with --schedule {} would not be zero-bubble: recomputation folds the "
+        "weight-gradient step into the input-gradient step (use 1f1b or interleaved-1f1b, or "
+        "drop --recompute)",
+        a.schedule);
+}
+
 weft::GptConfig resolve_config(const Args& a, const CLI::App& app) {
+  check_pipeline_flags(a, app);
   weft::GptConfig cfg = flag_config(a, app);
   check_arch(a, app);
   if (a.arch == "llama") {

@@ -194,6 +194,21 @@ TEST_F(Cli, ModelFamilyFlags) {
                {"head size 9", "must be even for rotary embedding"});
 }
 
+// Pipeline flags that would change nothing are refused (#16: every accepted
+// flag changes something).
+TEST_F(Cli, PipelineFlagsThatWouldDoNothingAreRefused) {
+  expect_error(toy("--schedule zbh1"), {"--schedule 'zbh1' is not a schedule (one of: gpipe, 1f1b"});
+  for (const char* flag : {"--schedule 1f1b", "--virtual-stages 2", "--partition time",
+                           "--profile costs.json", "--recompute"})
+    expect_error(toy(flag), {"shapes the pipeline, and there is none: it needs --pp > 1"});
+  expect_error(toy("--pp 2 --schedule 1f1b --virtual-stages 2"),
+               {"--virtual-stages gives each rank several model chunks", "--schedule 1f1b runs one"});
+  expect_error(toy("--pp 2 --schedule zb-v --virtual-stages 3"),
+               {"--virtual-stages 3: zb-v runs exactly 2 chunks per rank"});
+  expect_error(toy("--pp 2 --schedule zb-h1 --recompute"),
+               {"--recompute with --schedule zb-h1 would not be zero-bubble"});
+}
+
 // Numeric flags out of range are refused, one line each, never run with.
 TEST_F(Cli, NumericFlagsOutOfRange) {
   const std::pair<const char*, const char*> cases[] = {
