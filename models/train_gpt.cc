@@ -207,6 +207,7 @@ struct Args {
   std::string profile;  // write measured per-node costs here (JSON) and partition by them
   std::string trace;    // Chrome trace of every action on every rank
   bool recompute = false;
+  std::string memory_budget;  // per pipeline rank for the partitioner: "2GiB", "512MiB", bytes
   double comm_timeout = 300;  // seconds
   // Data parallelism.
   bool distributed_optimizer = false;
@@ -560,6 +561,28 @@ void adopt_checkpoint_args(Args& a, const CLI::App& app) {
     a.adopted_note = fmt::format("from the checkpoint ({}): {}", where, fmt::join(adopted, " "));
 }
 
+// "2GiB", "512MiB", "64KiB" or a number of bytes; throws naming the flag.
+double parse_bytes(const std::string& flag, const std::string& text) {
+  size_t end = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &end);
+  } catch (const std::exception&) {
+    end = 0;
+  }
+  const std::string unit = text.substr(end);
+  const double scale = unit.empty() || unit == "B" ? 1.0
+                       : unit == "KiB"             ? 1024.0
+                       : unit == "MiB"             ? 1024.0 * 1024
+                       : unit == "GiB"             ? 1024.0 * 1024 * 1024
+                       : unit == "TiB"             ? 1024.0 * 1024 * 1024 * 1024
+                                                   : -1;
+  weft::check(end > 0 && scale > 0 && std::isfinite(v) && v > 0,
+              "{} '{}' must be a positive size: bytes, or a number with KiB, MiB, GiB or TiB", flag,
+              text);
+  return v * scale;
+}
+
 // Pipeline flags that would change nothing are refused: every accepted flag
 // does something.
 void check_pipeline_flags(const Args& a, const CLI::App& app) {
@@ -569,11 +592,12 @@ void check_pipeline_flags(const Args& a, const CLI::App& app) {
         "--schedule '{}' is not a schedule (one of: {})", a.schedule, fmt::join(names, ", "));
   if (a.pp == 1) {
     for (const char* flag : {"--schedule", "--virtual-stages", "--num-layers-per-virtual-pipeline-stage",
-                             "--partition", "--profile", "--recompute"})
+                             "--partition", "--profile", "--recompute", "--memory-budget"})
       check(app.count(flag) == 0,
             "{} shapes the pipeline, and there is none: it needs --pp > 1 (--pp is 1)", flag);
     return;
   }
+  if (!a.memory_budget.empty()) parse_bytes("--memory-budget", a.memory_budget);
   const bool chunked = a.schedule == "interleaved-1f1b" || a.schedule == "zb-v";
   if (app.count("--virtual-stages") || app.count("--num-layers-per-virtual-pipeline-stage")) {
     const char* flag = app.count("--virtual-stages") ? "--virtual-stages"
@@ -760,6 +784,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   lo.chunks = setup.chunks;
   lo.partition = parse_partition_method(a.partition);
   lo.pipeline = PipelineOptions{a.recompute, !a.trace.empty()};
+  if (!a.memory_budget.empty()) lo.memory_budget = parse_bytes("--memory-budget", a.memory_budget);
   lo.sync.distributed_optimizer = a.distributed_optimizer;
   lo.sync.bucket_elements = a.ddp_bucket_size;
   lo.sync.overlap = a.overlap_grad_reduce;
@@ -1085,6 +1110,10 @@ int main(int argc, char** argv) {
                  "layers per chunk (sets the virtual stages as Megatron does)");
   app.add_option("--partition", a.partition, "stage partition: uniform, parameters, time");
   app.add_flag("--recompute", a.recompute, "recompute activations in the backward pass");
+  app.add_option("--memory-budget", a.memory_budget,
+                 "per pipeline rank, for the partitioner (e.g. 2GiB): stages are cut so that each "
+                 "rank's weights, optimizer state and stashed activations fit, or the run is "
+                 "refused naming the least any cut needs");
   app.add_option("--trace", a.trace,
                  "write a Chrome trace (Perfetto) of every pipeline action on every rank");
   app.add_option("--profile", a.profile,

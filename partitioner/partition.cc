@@ -151,13 +151,13 @@ std::string least_peak_text(const Graph& g, const CostModel& cost, const Partiti
   const std::string budget = bytes_text(opt.memory_budget);
   if (proven)
     throw Error(
-        "no plan fits the memory budget of {} per rank: the smallest peak rank memory any cut "
-        "into {} stages reaches {}",
+        "no plan fits the memory budget of {} per rank: the least peak rank memory of any cut "
+        "into {} stages {}",
         budget, t.l.stages, least);
   throw Error(
       "no plan within the memory budget of {} per rank was found in {} search steps (with {} "
-      "chunks per rank the exact search can grow exponentially); the smallest peak rank memory "
-      "any cut into {} stages reaches {}",
+      "chunks per rank the exact search can grow exponentially); the least peak rank memory of "
+      "any cut into {} stages {}",
       budget, kMaxSearchSteps, t.l.chunks, t.l.stages, least);
 }
 

@@ -199,12 +199,14 @@ TEST_F(Cli, ModelFamilyFlags) {
 TEST_F(Cli, PipelineFlagsThatWouldDoNothingAreRefused) {
   expect_error(toy("--schedule zbh1"), {"--schedule 'zbh1' is not a schedule (one of: gpipe, 1f1b"});
   for (const char* flag : {"--schedule 1f1b", "--virtual-stages 2", "--partition time",
-                           "--profile costs.json", "--recompute"})
+                           "--profile costs.json", "--recompute", "--memory-budget 1GiB"})
     expect_error(toy(flag), {"shapes the pipeline, and there is none: it needs --pp > 1"});
   expect_error(toy("--pp 2 --schedule 1f1b --virtual-stages 2"),
                {"--virtual-stages gives each rank several model chunks", "--schedule 1f1b runs one"});
   expect_error(toy("--pp 2 --schedule zb-v --virtual-stages 3"),
                {"--virtual-stages 3: zb-v runs exactly 2 chunks per rank"});
+  expect_error(toy("--pp 2 --memory-budget 2XB"),
+               {"--memory-budget '2XB' must be a positive size: bytes, or a number with KiB"});
   expect_error(toy("--pp 2 --schedule zb-h1 --recompute"),
                {"--recompute with --schedule zb-h1 would not be zero-bubble"});
 }

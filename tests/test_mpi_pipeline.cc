@@ -294,6 +294,28 @@ TEST(MpiRestart, MinRanksRestartsWithoutTheFailedReplica) {
   }
 }
 
+// --memory-budget reaches the partitioner: a budget no cut fits is refused
+// with the least any cut needs; a roomy one runs.
+TEST(MpiMemoryBudget, ReachesThePartitioner) {
+  const std::string dir = testing::temp_dir("mpi-budget");
+  std::string text;
+  for (int i = 0; i < 40; ++i) text += "Happy families are all alike; every unhappy family is. ";
+  testing::write_file(dir + "/text.txt", text);
+  const std::string flags =
+      "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+      "--micro-batch-size 2 --global-batch-size 4 --train-iters 1 --threads 1 --pp 2 "
+      "--partition time --data-path " + dir + "/text.txt --memory-budget ";
+  testing::TrainRun tight = testing::run_train_gpt(2, flags + "1KiB", dir);
+  EXPECT_FALSE(tight.ok);
+  EXPECT_TRUE(testing::contains(tight.output, "no plan fits the memory budget of 1024 bytes per "
+                                              "rank: the least peak rank memory of any cut into 2 "
+                                              "stages is"))
+      << tight.output;
+  testing::TrainRun roomy = testing::run_train_gpt(2, flags + "2GiB", dir);
+  EXPECT_TRUE(roomy.ok) << roomy.output;
+  EXPECT_TRUE(testing::contains(roomy.output, "time plan: 2 stages")) << roomy.output;
+}
+
 // --check-links measures each of the N (N - 1) / 2 links once, with 5 ranks
 // (an odd count: every round leaves one rank out), and lists them all.
 TEST(MpiCheckLinks, EveryPairOnce) {

@@ -230,7 +230,7 @@ TEST(Partition, AnImpossibleBudgetNamesTheLeastPeakMemory) {
     opt.memory_budget = least - 1;
     const std::string msg = error_message([&] { partition(c->graph, cost, opt); });
     EXPECT_TRUE(contains(msg, fmt::format("budget of {:.0f} bytes", least - 1))) << msg;
-    EXPECT_TRUE(contains(msg, fmt::format("reaches is {:.0f} bytes", least))) << msg;
+    EXPECT_TRUE(contains(msg, fmt::format("stages is {:.0f} bytes", least))) << msg;
     opt.memory_budget = least;  // just enough
     EXPECT_EQ(peak(partition(c->graph, cost, opt)), least) << chunks;
   }
