@@ -1123,8 +1123,13 @@ int main(int argc, char** argv) {
                "shard AdamW's state across data-parallel replicas (ZeRO-1)");
   app.add_option("--ddp-bucket-size", a.ddp_bucket_size,
                  "gradient elements per data-parallel reduction bucket");
-  app.add_flag("--overlap-grad-reduce,!--no-overlap-grad-reduce", a.overlap_grad_reduce,
-               "start each bucket's reduction as soon as its gradients are final");
+  // Two flags, so that --help shows the real default (a negated alias would print {false}).
+  app.add_flag("--overlap-grad-reduce", a.overlap_grad_reduce,
+               "start each bucket's reduction as soon as its gradients are final (default on)")
+      ->default_str("");
+  app.add_flag_callback(
+      "--no-overlap-grad-reduce", [&a] { a.overlap_grad_reduce = false; },
+      "reduce every bucket after the backward instead");
   app.add_option("--grad-reduce-dtype", a.grad_reduce_dtype,
                  "data-parallel gradient reduction: fp32, or bf16 (rounded; half the bytes)");
   app.add_option("--grad-compression", a.grad_compression,

@@ -1,6 +1,6 @@
 // weft/trainer.h — the single-process training loop for a language-model graph.
 //
-// One step reads the global batch in DESIGN.md's order, runs it as
+// One step reads the global batch in docs/design.md's order, runs it as
 // global/micro micro-batches (forward, then backward, gradients accumulating),
 // takes the mean loss over all its tokens, clips by global norm and applies
 // AdamW. It allocates nothing after the first step.
@@ -58,7 +58,7 @@ class BatchSource {
   virtual void fill(int64_t step, int64_t index, std::span<const Tensor> inputs) const = 0;
 };
 
-// DESIGN.md's order over a token file: step s reads windows s*G .. s*G+G-1.
+// docs/design.md's order over a token file: step s reads windows s*G .. s*G+G-1.
 // Fills two inputs: tokens and targets, (count, T) int32 each.
 class TokenBatches final : public BatchSource {
  public:
