@@ -16,8 +16,10 @@ time of a message already sent when its receive starts, and how much slower
 F, I and W run when the ranks compute at once than when rank 0 profiles them
 alone (`--compute-scale`).
 
-It writes docs/schedules.md and the SVG timelines next to it, and renders
-one of them to PNG with rsvg-convert (librsvg2-bin) when that is installed.
+It writes schedules.md and the SVG timelines next to it into --docs (by
+default build/schedules; bench/schedules.sh --out docs updates the tracked
+page), and renders one of them to PNG with rsvg-convert (librsvg2-bin) when
+that is installed.
 Only python3's standard library is needed.
 """
 import argparse
@@ -263,7 +265,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--build", default="build")
-    p.add_argument("--docs", default="docs")
+    p.add_argument("--docs", default="build/schedules",
+                   help="where schedules.md and the timelines go (docs: the tracked page)")
     p.add_argument("--work", required=True)
     p.add_argument("--model", default="mini")
     p.add_argument("--layers", type=int, default=8)
@@ -350,7 +353,7 @@ def write_report(a, rows, seconds, png):
     profiles = ", ".join(f"{n} at pp {pp} x {v} chunks"
                          for (pp, v), n in sorted(a.profiles.items()))
     out = [
-        "<!-- written by bench/schedules.sh: change the script, then run it again -->",
+        "<!-- written by bench/schedules.sh --out docs: change the script, then run it again -->",
         "# Pipeline schedules: measured against simulated\n",
         *([f"![ZB-H1 on two ranks, measured: forward blue, input gradient green, weight "
            f"gradient orange, idle white]({png})\n"] if png else []),

@@ -3,11 +3,14 @@
 # from a traced run, then for every schedule at pp 2 and 4 and a few
 # micro-batch counts runs train_gpt under mpiexec (--trace, --log-jsonl,
 # --profile) and `weft-sched simulate --costs` on that run's profile, and
-# writes docs/schedules.md with the table and the SVG timelines
-# (docs/sched-*.svg), plus one PNG when rsvg-convert is installed
-# (apt-get install librsvg2-bin). Details: bench/sched_report.py.
+# writes schedules.md with the table and the SVG timelines (sched-*.svg),
+# plus one PNG when rsvg-convert is installed (apt-get install
+# librsvg2-bin), into OUT. Details: bench/sched_report.py.
 #
-#   bench/schedules.sh [build-dir]      (default: build; about 5 minutes idle)
+#   bench/schedules.sh [build-dir] [--out DIR]   (default: build, and
+#                                                  build-dir/schedules; about 5 minutes idle)
+#
+# The tracked page in docs/ is updated only on purpose: --out docs.
 #
 # PP2 and PP4 choose the micro-batch counts (PP4= skips pp 4), e.g.
 #   PP2=4 PP4= bench/schedules.sh build
@@ -16,7 +19,16 @@
 # time during it, and reports their share.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-build=${1:-build}
+build=build
+out=
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --out) out=${2:?--out needs a directory}; shift 2 ;;
+    --out=*) out=${1#--out=}; shift ;;
+    *) build=$1; shift ;;
+  esac
+done
+out=${out:-$build/schedules}
 for exe in train_gpt weft-sched; do
   if [[ ! -x "$build/$exe" ]]; then
     echo "schedules.sh: $build/$exe not found; build first:" \
@@ -28,6 +40,6 @@ work=$(mktemp -d /tmp/weft-schedules.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 # One thread per rank; idle OpenMP threads sleep; a hung job ends.
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE MPIEXEC_TIMEOUT=600
-python3 bench/sched_report.py --build "$build" --docs docs --work "$work" \
+python3 bench/sched_report.py --build "$build" --docs "$out" --work "$work" \
   --pp2 "${PP2-2,4,8}" --pp4 "${PP4-4,8}"
-echo "wrote docs/schedules.md"
+echo "wrote $out/schedules.md"
