@@ -294,6 +294,56 @@ TEST(MpiRestart, MinRanksRestartsWithoutTheFailedReplica) {
   }
 }
 
+// SIGTERM to mpiexec (what a scheduler sends at its time limit) reaches every
+// rank: they agree on the step, save once and exit 0; running the same
+// command again continues with the uninterrupted run's losses, bit for bit.
+TEST(MpiSigterm, EveryRankStopsAtTheSameStepAndTheJobResumesBitExactly) {
+  const std::string dir = restart_dir(), flags = restart_flags(dir);
+  const testing::TrainRun full = testing::run_train_gpt(2, flags + " --pp 2", dir);
+  ASSERT_TRUE(full.ok) << full.output;
+  const std::string jsonl = dir + "/job.jsonl", rc = dir + "/job.rc";
+  std::filesystem::remove(jsonl);
+  std::filesystem::remove_all(dir + "/ckpt");
+  const std::string job = std::string(std::getenv("WEFT_MPIEXEC")) + " -n 2 " +
+                          std::getenv("WEFT_TRAIN_GPT") + " " + flags +
+                          " --pp 2 --save-interval 0 --save " + dir + "/ckpt --log-jsonl " + jsonl;
+  // The launcher in the background; its PID is $!.
+  ASSERT_EQ(std::system(("( " + job + " >" + dir + "/job.out 2>&1 & echo $! >" + dir +
+                         "/job.pid; wait $!; echo $? >" + rc + " ) &")
+                            .c_str()),
+            0);
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::seconds(120);
+  auto wait_for = [&](auto done) {
+    while (!done() && Clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    return done();
+  };
+  ASSERT_TRUE(wait_for([&] {
+    return std::filesystem::exists(jsonl) && testing::jsonl_steps(jsonl).size() >= 3;
+  })) << read_file(dir + "/job.out");
+  ASSERT_EQ(::kill(std::stoi(read_file(dir + "/job.pid")), SIGTERM), 0);
+  ASSERT_TRUE(wait_for([&] { return !read_file(rc).empty(); })) << "the job did not stop";
+  const std::string out = read_file(dir + "/job.out");
+  ASSERT_EQ(read_file(rc), "0\n") << out;
+  EXPECT_TRUE(testing::contains(out, "stopping on SIGTERM after step")) << out;
+  const int stopped = std::stoi(read_file(dir + "/ckpt/latest_checkpointed_iteration.txt"));
+  ASSERT_GE(stopped, 3);
+  ASSERT_LT(stopped, 60) << "the job ended before the signal";
+  // The same command again: it resumes by itself and finishes.
+  const testing::TrainRun rest = testing::run_train_gpt(
+      2, flags + " --pp 2 --save-interval 0 --save " + dir + "/ckpt", dir);
+  ASSERT_TRUE(rest.ok) << rest.output;
+  EXPECT_TRUE(testing::contains(rest.output, "resumed from " + dir + "/ckpt at step " +
+                                                 std::to_string(stopped)))
+      << rest.output;
+  ASSERT_EQ(rest.records.size(), full.records.size() - static_cast<size_t>(stopped));
+  for (size_t i = 0; i < rest.records.size(); ++i)
+    EXPECT_EQ(rest.records[i]["loss"].get<double>(),
+              full.records[static_cast<size_t>(stopped) + i]["loss"].get<double>())
+        << "step " << stopped + static_cast<int>(i) + 1;
+}
+
 // --memory-budget reaches the partitioner: a budget no cut fits is refused
 // with the least any cut needs; a roomy one runs.
 TEST(MpiMemoryBudget, ReachesThePartitioner) {
