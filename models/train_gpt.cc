@@ -176,6 +176,9 @@ struct Args {
   std::string split;
   int64_t eval_interval = 0, eval_iters = 10;
   int64_t save_interval = 0, log_interval = 1, keep_last = 0;
+  bool check_spiky_loss = false;   // Megatron's: skip the update of a step whose loss spikes
+  double spiky_loss_factor = 10;
+  int64_t max_skipped_steps = 10;
   bool check_links = false;        // measure every link between ranks, then exit
   int64_t check_links_mib = 16;
   int64_t exit_interval = 0;       // Megatron's: stop after a step divisible by it
@@ -687,6 +690,12 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   check(!a.save.empty() || a.keep_last == 0,
         "--keep-last-checkpoints {} needs --save: it rotates the checkpoints written there",
         a.keep_last);
+  check(a.check_spiky_loss || (!app.count("--spiky-loss-factor") && !app.count("--max-skipped-steps")),
+        "--spiky-loss-factor and --max-skipped-steps set the loss-spike check: they need "
+        "--check-for-spiky-loss");
+  check(std::isfinite(a.spiky_loss_factor) && a.spiky_loss_factor > 1,
+        "--spiky-loss-factor ({}) must be a number > 1", a.spiky_loss_factor);
+  check(a.max_skipped_steps >= 0, "--max-skipped-steps ({}) must be >= 0", a.max_skipped_steps);
   check(a.eval_interval > 0 || !app.count("--eval-iters"),
         "--eval-iters sets the batches of each validation: it needs --eval-interval");
   check(a.sample > 0 || a.tokenizer.empty(), "--tokenizer decodes samples: it needs --sample N");
@@ -758,6 +767,9 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   opt.adam = {a.beta1, a.beta2, a.eps, a.weight_decay};
   opt.clip_grad = a.clip_grad;
   opt.device = setup.device;
+  opt.spike.enabled = a.check_spiky_loss;
+  opt.spike.factor = a.spiky_loss_factor;
+  opt.spike.max_skipped = a.max_skipped_steps;
   if (a.tf32) ops::set_matmul_precision(setup.device, ops::MatmulPrecision::Tf32);
   opt.config = {{"num_layers", cfg.num_layers},   {"hidden_size", cfg.hidden_size},
                 {"num_heads", cfg.num_heads},     {"seq_length", cfg.seq_length},
@@ -921,7 +933,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
       jsonl << j.dump() << '\n';
       jsonl.flush();
     }
-    if (rank0 && ((r.step + 1) % a.log_interval == 0 || r.step + 1 == a.train_iters))
+    if (rank0 && ((r.step + 1) % a.log_interval == 0 || r.step + 1 == a.train_iters || r.skipped))
       fmt::print("{} | {:.1f} GFLOP/s | elapsed {} | eta {}\n", r.line(a.train_iters),
                  flops_per_token * r.tokens_per_s / 1e9, duration(elapsed), duration(eta));
     std::fflush(stdout);
@@ -1069,6 +1081,13 @@ int main(int argc, char** argv) {
   app.add_flag("--overwrite-checkpoints", a.overwrite_checkpoints,
                "with --no-load: let the new run replace the checkpoints in --save");
   app.add_option("--save-interval", a.save_interval, "save every N steps (0 = only at the end)");
+  app.add_flag("--check-for-spiky-loss", a.check_spiky_loss,
+               "skip the update of a step whose loss is over --spiky-loss-factor x the mean of the "
+               "last 10 updated steps, and log it");
+  app.add_option("--spiky-loss-factor", a.spiky_loss_factor,
+                 "with --check-for-spiky-loss: how far over the recent mean a loss spikes");
+  app.add_option("--max-skipped-steps", a.max_skipped_steps,
+                 "with --check-for-spiky-loss: stop with an error after this many skipped steps");
   app.add_flag("--check-links", a.check_links,
                "measure every link between the ranks (bandwidth and latency, by rank and host), "
                "print them slowest first and exit: a check of a new cluster");

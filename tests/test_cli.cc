@@ -442,6 +442,36 @@ TEST_F(Cli, FlagsLeftOutComeFromTheCheckpointAndContradictionsAreRefused) {
   expect_error(toy("--finetune"), {"--finetune starts from the weights of --load DIR"});
 }
 
+// --check-for-spiky-loss: the batch of step 13 is random bytes, which the
+// model, trained on one repeated line, predicts badly; its update is skipped
+// and logged, and the run goes on.
+TEST_F(Cli, SpikyLossIsSkippedAndLogged) {
+  std::string text;
+  for (int i = 0; i < 100; ++i) text += "To be, or not to be, that is the question.\n";
+  uint32_t x = 7;
+  for (size_t i = 12 * 64; i <= 13 * 64; ++i) text[i] = static_cast<char>((x = x * 1664525u + 1013904223u) >> 24);
+  write_file(dir_ + "/spiky.txt", text);
+  const std::string flags = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+                            "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --train-iters 16 "
+                            "--log-interval 100 --data-path " + dir_ + "/spiky.txt ";
+  Result r = run(flags + "--check-for-spiky-loss --spiky-loss-factor 1.5 --log-jsonl " + dir_ +
+                 "/s.jsonl");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "step    13/16") &&
+              testing::contains(r.out, "| skipped: a loss spike (recent mean"))
+      << r.out;
+  std::vector<int> skipped;
+  for (const auto& j : testing::jsonl_steps(dir_ + "/s.jsonl"))
+    if (j.value("skipped", false)) skipped.push_back(j["step"].get<int>());
+  EXPECT_EQ(skipped, (std::vector<int>{13}));
+  expect_error(flags + "--check-for-spiky-loss --spiky-loss-factor 1.5 --max-skipped-steps 0",
+               {"step 13: loss", "more than --max-skipped-steps 0: training stopped"});
+  expect_error(flags + "--spiky-loss-factor 3",
+               {"--spiky-loss-factor and --max-skipped-steps set the loss-spike check"});
+  expect_error(flags + "--check-for-spiky-loss --spiky-loss-factor 0.5",
+               {"--spiky-loss-factor (0.5) must be a number > 1"});
+}
+
 TEST_F(Cli, MissingDataFile) {
   expect_error(toy("--data-path /nonexistent/corpus.txt"), {"/nonexistent/corpus.txt"});
 }

@@ -175,6 +175,90 @@ TEST(Train, NonFiniteLossStopsNamingTheStep) {
   }
 }
 
+// Megatron's --check-for-spiky-loss: the windows of the steps in `spikes` are
+// random bytes, which a model trained on repetitive text predicts badly.
+TokenData spiky_data(std::initializer_list<int64_t> spikes, int64_t global, int64_t t) {
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += "the quick brown fox jumps over the lazy dog. ";
+  std::vector<int32_t> tokens(text.begin(), text.end());
+  uint32_t x = 12345;
+  for (int64_t s : spikes)
+    for (int64_t i = s * global * t; i <= (s + 1) * global * t; ++i) {
+      x = x * 1664525u + 1013904223u;
+      tokens[static_cast<size_t>(i)] = static_cast<int32_t>(x >> 24);
+    }
+  return TokenData::from_tokens(std::move(tokens), 256);
+}
+
+TEST(Train, ALossSpikeSkipsItsUpdateAndTooManyStopTheRun) {
+  const int64_t spike = 20, global = 4, t = small_config().seq_length;
+  TokenData data = spiky_data({spike, spike + 4}, global, t);
+  TokenBatches batches(data, global, t);
+  GptModel m = build_gpt(small_config(), 2);
+  init_gpt(m, 1);
+  TrainOptions o = train_options(2, global);
+  o.spike.enabled = true;
+  o.spike.factor = 1.5;  // this text's losses fall smoothly; random bytes cost several times more
+  o.spike.max_skipped = 1;
+  Trainer trainer(m.io, batches, o);
+  for (int64_t s = 0; s < spike; ++s) ASSERT_FALSE(trainer.train_step().skipped) << "step " << s;
+  std::vector<Tensor> before;
+  for (Param* p : m.graph.params()) before.push_back(p->value.clone());
+  const StepRecord r = trainer.train_step();
+  EXPECT_TRUE(r.skipped);
+  EXPECT_GT(r.loss, 1.5 * r.spike_mean);
+  EXPECT_EQ(r.json().value("skipped", false), true);
+  EXPECT_TRUE(testing::contains(r.line(100), "skipped: a loss spike")) << r.line(100);
+  // Nothing moved: the spike's gradients were dropped.
+  for (size_t i = 0; i < before.size(); ++i)
+    EXPECT_EQ(std::memcmp(before[i].raw(), m.graph.params()[i]->value.raw(), before[i].nbytes()), 0)
+        << m.graph.params()[i]->name;
+  EXPECT_EQ(trainer.steps_done(), spike + 1);  // its data is consumed
+  for (int64_t s = spike + 1; s < spike + 4; ++s) EXPECT_FALSE(trainer.train_step().skipped);
+  // The second spike is one more than --max-skipped-steps 1 allows.
+  const std::string msg = testing::error_message([&] { trainer.train_step(); });
+  EXPECT_TRUE(testing::contains(msg, "step 25: loss") &&
+              testing::contains(msg, "more than --max-skipped-steps 1: training stopped"))
+      << msg;
+
+  // The same data without the check: the spike is applied.
+  GptModel plain = build_gpt(small_config(), 2);
+  init_gpt(plain, 1);
+  Trainer unchecked(plain.io, batches, train_options(2, global));
+  for (int64_t s = 0; s <= spike; ++s) EXPECT_FALSE(unchecked.train_step().skipped);
+}
+
+// The check's state travels with a checkpoint: a run resumed just before a
+// spike skips it as the uninterrupted run does.
+TEST(Train, TheLossSpikeStateResumes) {
+  const int64_t spike = 14, global = 4, t = small_config().seq_length;
+  TokenData data = spiky_data({spike}, global, t);
+  TokenBatches batches(data, global, t);
+  TrainOptions o = train_options(2, global);
+  o.spike.enabled = true;
+  o.spike.factor = 1.5;
+  // (Each model built in place: its ModelIO points at its graph.)
+  GptModel whole_model = build_gpt(small_config(), 2), first_model = build_gpt(small_config(), 2),
+           second_model = build_gpt(small_config(), 2);
+  for (GptModel* m : {&whole_model, &first_model, &second_model}) init_gpt(*m, 1);
+  Trainer whole(whole_model.io, batches, o);
+  std::vector<StepRecord> want;
+  for (int s = 0; s < spike + 2; ++s) want.push_back(whole.train_step());
+  ASSERT_TRUE(want[spike].skipped);
+
+  const std::string dir = testing::temp_dir("spike-resume");
+  Trainer first(first_model.io, batches, o);
+  for (int s = 0; s < spike - 1; ++s) first.train_step();
+  first.save(dir);
+  Trainer second(second_model.io, batches, o);
+  second.load(dir);
+  for (int s = spike - 1; s < spike + 2; ++s) {
+    const StepRecord r = second.train_step();
+    EXPECT_EQ(r.skipped, want[static_cast<size_t>(s)].skipped) << "step " << s;
+    EXPECT_EQ(r.loss, want[static_cast<size_t>(s)].loss) << "step " << s;
+  }
+}
+
 TEST(Train, SteadyStateStepAllocatesNothing) {
   TokenData data = text_data();
   TokenBatches batches(data, 4, small_config().seq_length);

@@ -34,6 +34,7 @@ struct CheckpointMeta {
   int64_t step = 0;              // steps completed
   int64_t consumed_samples = 0;  // sequences read
   nlohmann::json config;         // what the run was started with
+  nlohmann::json trainer;        // the trainer's own state (the loss-spike check); may be null
 };
 
 using NamedTensors = std::vector<std::pair<std::string, Tensor>>;

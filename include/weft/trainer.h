@@ -15,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <deque>
 #include <memory>
 #include <set>
 #include <span>
@@ -85,6 +86,16 @@ struct TrainOptions {
   // layers run that device's kernels (weft/ops.h). Parameters are placed
   // there when the Trainer is made. A GPU runs one process for now.
   Device device = Device::cpu();
+  // Megatron's --check-for-spiky-loss: a step whose loss exceeds `factor`
+  // times the mean of the last `window` updated steps' losses updates nothing
+  // (its gradients are dropped; its data is consumed). Past `max_skipped`
+  // such steps, train_step throws. Checked once `window` losses are known.
+  struct SpikeCheck {
+    bool enabled = false;
+    double factor = 10.0;
+    int64_t max_skipped = 10;
+    int64_t window = 10;
+  } spike;
 };
 
 struct StepRecord {
@@ -96,6 +107,8 @@ struct StepRecord {
   double tokens_per_s = 0;
   double bubble_frac = -1;  // pipeline idle share of the step; -1 on one process
   double dp_wait_ms = -1;   // data-parallel reduction not hidden by the backward; -1 without dp
+  bool skipped = false;     // a loss spike: the update was not applied (TrainOptions::spike)
+  double spike_mean = 0;    // the recent mean it was compared with
 
   nlohmann::json json() const;
   std::string line(int64_t train_iters) const;  // the one-line human log
@@ -148,6 +161,10 @@ class Trainer {
   const std::vector<Param*>& params() const { return sync_->params(); }
   MicroBatch& micro_batch_state() { return mb_; }
   // Micro-batches of micro_batch sequences each replica runs per step.
+  // The loss-spike check's state (recent losses, steps skipped), kept in
+  // checkpoints so that a resumed run decides as the uninterrupted one would.
+  nlohmann::json spike_state() const;
+  void set_spike_state(const nlohmann::json& state);
   int64_t micro_batches() const { return micro_batches_; }
 
   // Collective over every rank: a checkpoint of full tensors that any other
@@ -170,6 +187,8 @@ class Trainer {
   int64_t steps_done_ = 0;
   std::set<const Param*> owned_;  // counted and saved by this rank (its pipeline share)
   Tensor scalar_;
+  std::deque<double> recent_losses_;  // the loss-spike check's window (updated steps only)
+  int64_t skipped_ = 0;               // steps whose update a loss spike skipped
 };
 
 }  // namespace weft

@@ -139,6 +139,7 @@ void save_checkpoint(const std::string& dir, const NamedTensors& model,
                       {"optimizer_steps", optimizer_steps},
                       {"config", meta.config},
                       {"format_version", 1}};
+  if (!meta.trainer.is_null()) j["trainer"] = meta.trainer;
   write_text_atomic((tmp_dir / "meta.json").string(), j.dump(2) + "\n");
   for (const char* f : {"model.safetensors", "optimizer.safetensors"}) sync_path(tmp_dir / f);
   sync_path(tmp_dir);
@@ -195,6 +196,7 @@ Checkpoint open_checkpoint(const std::string& dir) {
         "--load {}: {}: 'config' must be an object, got {}", dir, meta_path,
         j.contains("config") ? j.at("config").dump() : "");
   if (j.contains("config")) c.meta.config = j.at("config");
+  if (j.contains("trainer")) c.meta.trainer = j.at("trainer");
   check(step < 0 || c.meta.step == step,
         "--load {}: {} says step {}, but the checkpoint pointer and directory say {}", dir,
         meta_path, c.meta.step, step);

@@ -16,6 +16,7 @@ nlohmann::json StepRecord::json() const {
                       {"grad_norm", grad_norm}, {"step_ms", step_ms}, {"tokens_per_s", tokens_per_s}};
   if (bubble_frac >= 0) j["bubble_frac"] = bubble_frac;
   if (dp_wait_ms >= 0) j["dp_wait_ms"] = dp_wait_ms;
+  if (skipped) j["skipped"] = true;
   return j;
 }
 
@@ -23,7 +24,8 @@ std::string StepRecord::line(int64_t train_iters) const {
   return fmt::format("step {:>5}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.0f} ms | "
                      "{:.0f} tok/s",
                      step + 1, train_iters, loss, lr, grad_norm, step_ms, tokens_per_s) +
-         (bubble_frac >= 0 ? fmt::format(" | bubble {:.1f}%", 100 * bubble_frac) : "");
+         (bubble_frac >= 0 ? fmt::format(" | bubble {:.1f}%", 100 * bubble_frac) : "") +
+         (skipped ? fmt::format(" | skipped: a loss spike (recent mean {:.4f})", spike_mean) : "");
 }
 
 TokenBatches::TokenBatches(const TokenData& data, int64_t global_batch, int64_t seq_len,
@@ -101,6 +103,12 @@ Trainer::Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, Parallel 
       mb_(*g.graph, opt_.device) {
   const Graph& graph = *g.graph;
   check_model_io(g_, opt_.micro_batch);
+  if (opt_.spike.enabled)
+    check(std::isfinite(opt_.spike.factor) && opt_.spike.factor > 1 && opt_.spike.window >= 1 &&
+              opt_.spike.max_skipped >= 0,
+          "the loss-spike check needs a factor > 1 (--spiky-loss-factor {}), a window >= 1 ({}) "
+          "and --max-skipped-steps >= 0 ({})",
+          opt_.spike.factor, opt_.spike.window, opt_.spike.max_skipped);
   if (!opt_.device.is_cpu()) {
     check(par_.pipeline == nullptr && par_.groups.dp_size() == 1 &&
               (par_.groups.tp == nullptr || par_.groups.tp->size() == 1),
@@ -217,9 +225,31 @@ StepRecord Trainer::train_step() {
         "step {}: loss is {} and gradient norm is {}; training diverged (try a lower --lr or "
         "--clip-grad)",
         steps_done_ + 1, r.loss, r.grad_norm);
-  sync_->clip(opt_.clip_grad, r.grad_norm);
   r.lr = opt_.lr.at(steps_done_);
-  sync_->step(static_cast<float>(r.lr));
+  const TrainOptions::SpikeCheck& spike = opt_.spike;
+  if (spike.enabled && static_cast<int64_t>(recent_losses_.size()) == spike.window) {
+    double mean = 0;
+    for (double l : recent_losses_) mean += l / static_cast<double>(recent_losses_.size());
+    // Every rank holds the same loss, so every rank decides alike.
+    if (r.loss > spike.factor * mean) {
+      r.skipped = true;
+      r.spike_mean = mean;
+      ++skipped_;
+      check(skipped_ <= spike.max_skipped,
+            "step {}: loss {:.4f} is over {} x the recent mean {:.4f}, and {} steps have now been "
+            "skipped for loss spikes, more than --max-skipped-steps {}: training stopped; look at "
+            "the data of the skipped steps, or lower --lr",
+            steps_done_ + 1, r.loss, spike.factor, mean, skipped_, spike.max_skipped);
+    }
+  }
+  if (!r.skipped) {
+    sync_->clip(opt_.clip_grad, r.grad_norm);
+    sync_->step(static_cast<float>(r.lr));
+    if (spike.enabled) {
+      recent_losses_.push_back(r.loss);
+      if (static_cast<int64_t>(recent_losses_.size()) > spike.window) recent_losses_.pop_front();
+    }
+  }
   ++steps_done_;
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.step_ms = s * 1e3;
@@ -268,11 +298,24 @@ void Trainer::save(const std::string& dir) {
     meta.step = steps_done_;
     meta.consumed_samples = steps_done_ * opt_.global_batch;
     meta.config = opt_.config;
+    if (opt_.spike.enabled) meta.trainer = {{"spike", spike_state()}};
     save_checkpoint(dir, model, optimizer, sync_->steps(), meta);
   }
   // Nobody returns before the checkpoint is complete.
   for (Communicator* c : {par_.groups.tp, par_.groups.pp, par_.groups.dp})
     if (c) c->barrier();
+}
+
+nlohmann::json Trainer::spike_state() const {
+  return {{"recent_losses", std::vector<double>(recent_losses_.begin(), recent_losses_.end())},
+          {"skipped", skipped_}};
+}
+
+void Trainer::set_spike_state(const nlohmann::json& state) {
+  const auto& losses = state.at("recent_losses");
+  recent_losses_.assign(losses.begin(), losses.end());
+  skipped_ = state.at("skipped").get<int64_t>();
+  while (static_cast<int64_t>(recent_losses_.size()) > opt_.spike.window) recent_losses_.pop_front();
 }
 
 void Trainer::load(const std::string& dir) {
@@ -281,6 +324,13 @@ void Trainer::load(const std::string& dir) {
   sync_->load_optimizer_state(c.read_optimizer(sync_->params()));
   sync_->set_steps(c.optimizer_steps);
   steps_done_ = c.meta.step;
+  if (c.meta.trainer.is_object() && c.meta.trainer.contains("spike")) {
+    try {
+      set_spike_state(c.meta.trainer.at("spike"));
+    } catch (const nlohmann::json::exception& e) {
+      throw Error("--load {}: meta.json's trainer.spike is malformed: {}", dir, e.what());
+    }
+  }
 }
 
 }  // namespace weft
