@@ -427,13 +427,21 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   check(a.eval_interval > 0 || !app.count("--eval-iters"),
         "--eval-iters sets the batches of each validation: it needs --eval-interval");
   check(a.sample > 0 || a.tokenizer.empty(), "--tokenizer decodes samples: it needs --sample N");
-  const int64_t existing = a.save.empty() ? -1 : newest_checkpoint_step(a.save);
-  check(!a.no_load || existing < 0 || a.overwrite_checkpoints,
-        "--save {} already holds checkpoints (the newest is step {}): run without --no-load to "
-        "resume from it, add --overwrite-checkpoints to start over and replace them, or save "
-        "elsewhere",
-        a.save, existing);
-  const std::string load = !a.load.empty() ? a.load : (!a.no_load && existing >= 0 ? a.save : "");
+  // The checkpoint a resume from --save would read: the newest that verifies.
+  const CheckpointSource existing = a.save.empty() ? CheckpointSource{} : scan_checkpoints(a.save);
+  const bool holds = existing.step >= 0 || !existing.skipped.empty();
+  check(!a.no_load || !holds || a.overwrite_checkpoints,
+        "--save {} already holds checkpoints ({}): run without --no-load to resume from it, add "
+        "--overwrite-checkpoints to start over and replace them, or save elsewhere",
+        a.save,
+        existing.step >= 0 ? fmt::format("the newest is step {}", existing.step)
+                           : "none of them verifies");
+  check(a.no_load || !a.load.empty() || existing.step >= 0 || existing.skipped.empty(),
+        "--save {} holds checkpoints, but none of them verifies ({}): resume from a good copy "
+        "with --load, or start over with --no-load --overwrite-checkpoints",
+        a.save, existing.skipped.empty() ? "" : existing.skipped.front().second);
+  const std::string load =
+      !a.load.empty() ? a.load : (!a.no_load && existing.step >= 0 ? a.save : "");
   const PipelineSetup setup = check_parallel(a, cfg, world ? world->size() : 1, global);
   const bool rank0 = world == nullptr || world->rank() == 0;
 
@@ -535,9 +543,20 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   // What an interrupted save left behind goes first (world rank 0 writes
   // checkpoints, so it cleans them).
   if (rank0 && !a.save.empty())
-    for (const std::string& p : clean_stale_checkpoint_files(a.save))
-      fmt::print("removed {}, left by an interrupted save\n", p);
-  if (!load.empty()) trainer.load(load);
+    for (const std::string& line : clean_stale_checkpoint_files(a.save)) fmt::print("{}\n", line);
+  // Nobody reads before the cleaning is done; the disk bounds this wait.
+  if (world != nullptr && !a.save.empty()) world->barrier_without_deadline();
+  if (!load.empty()) {
+    const CheckpointSource source = trainer.load(load);
+    if (rank0) {
+      for (const auto& [folder, why] : source.skipped)
+        fmt::print("warning: skipped {}, which does not verify: {}\n", folder, why);
+      if (!source.verified)
+        fmt::print("note: {} has no manifest.json (saved before checkpoints had one): loaded "
+                   "unverified\n",
+                   source.path);
+    }
+  }
 
   if (rank0) fmt::print("weft train_gpt | layers {} | hidden {} | heads {} | seq {} | vocab {} | params {} "
              "| micro-batch {} x {} = global {} | {} | data {} ({} tokens, unigram entropy "

@@ -153,8 +153,10 @@ class Trainer {
   // Collective over every rank: a checkpoint of full tensors that any other
   // layout can load (weft/checkpoint.h), written by world rank 0.
   void save(const std::string& dir);
-  // Every rank reads its own pieces of the latest checkpoint in `dir`.
-  void load(const std::string& dir);
+  // Every rank reads its own pieces of the newest checkpoint in `dir` that
+  // verifies, or of the one iter_N folder `dir` names (weft/checkpoint.h);
+  // returns which one, and the newer ones it skipped.
+  CheckpointSource load(const std::string& dir);
 
  private:
   ModelIO g_;

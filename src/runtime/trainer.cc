@@ -275,12 +275,13 @@ void Trainer::save(const std::string& dir) {
     if (c) c->barrier();
 }
 
-void Trainer::load(const std::string& dir) {
+CheckpointSource Trainer::load(const std::string& dir) {
   Checkpoint c = open_checkpoint(dir);
   c.read_model(g_.graph->params());
   sync_->load_optimizer_state(c.read_optimizer(sync_->params()));
   sync_->set_steps(c.optimizer_steps);
   steps_done_ = c.meta.step;
+  return c.source;
 }
 
 }  // namespace weft
