@@ -427,6 +427,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   check(a.eval_interval > 0 || !app.count("--eval-iters"),
         "--eval-iters sets the batches of each validation: it needs --eval-interval");
   check(a.sample > 0 || a.tokenizer.empty(), "--tokenizer decodes samples: it needs --sample N");
+  if (!a.save.empty()) check_fault_injection();
   // The checkpoint a resume from --save would read: the newest that verifies.
   const CheckpointSource existing = a.save.empty() ? CheckpointSource{} : scan_checkpoints(a.save);
   const bool holds = existing.step >= 0 || !existing.skipped.empty();

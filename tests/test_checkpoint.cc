@@ -1,7 +1,9 @@
 // Checkpoints that cannot be lost. The manifest lists every file (size,
 // checksum) and every tensor (dtype, shape, checksum). The loader picks the
 // newest checkpoint that verifies, names the file and tensor of each one it
-// skips, and refuses one named explicitly that does not verify.
+// skips, and refuses one named explicitly that does not verify. train_gpt
+// killed (WEFT_FAULT_INJECT) at every phase of a save resumes from the newest
+// complete checkpoint with the uninterrupted run's losses bit for bit.
 #include <weft/checkpoint.h>
 #include <weft/safetensors.h>
 
@@ -20,6 +22,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <ostream>
 #include <sstream>
 
 namespace weft {
@@ -34,6 +37,20 @@ using testing::write_file;
 std::string hex(uint64_t h) { return fmt::format("{:016x}", h); }
 std::string xxh3(const void* p, size_t n) { return hex(XXH3_64bits(p, n)); }
 std::string xxh3(const std::string& bytes) { return xxh3(bytes.data(), bytes.size()); }
+
+// Sets an environment variable for one scope.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    ::setenv(name, value.c_str(), 1);
+  }
+  ~ScopedEnv() { ::unsetenv(name_); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+};
 
 std::vector<std::string> entries(const std::string& dir) {
   std::vector<std::string> names;
@@ -389,6 +406,25 @@ TEST(Loader, AnInterruptedReplacementIsReadAndRestored) {
                                       "/iter_0000004.old, left by an interrupted save"}));
 }
 
+TEST(FaultInjection, ValuesAreCheckedUpFront) {
+  for (const char* good : {"writing-tensors", "before-fsync@3", "between-renames@0",
+                           "pointer-update", "slow-save:250"}) {
+    ScopedEnv env("WEFT_FAULT_INJECT", good);
+    EXPECT_NO_THROW(check_fault_injection()) << good;
+  }
+  for (const char* bad : {"before-sync", "pointer-update@", "pointer-update@-1",
+                          "writing-tensors@2x", "slow-save:", "slow-save:fast"}) {
+    ScopedEnv env("WEFT_FAULT_INJECT", bad);
+    const std::string msg = error_message([] { check_fault_injection(); });
+    EXPECT_TRUE(contains(msg, std::string("WEFT_FAULT_INJECT '") + bad + "'")) << msg;
+  }
+  // A bad value fails a save before it writes anything.
+  ScopedEnv env("WEFT_FAULT_INJECT", "everything");
+  const std::string dir = testing::temp_dir("bad-fault");
+  EXPECT_TRUE(contains(error_message([&] { save_step(dir, 1); }), "must be one of"));
+  EXPECT_TRUE(entries(dir).empty());
+}
+
 // --- train_gpt: corrupt bytes, old checkpoints, and kill -9 during saves ---
 
 struct TrainRun {
@@ -429,13 +465,14 @@ class TrainGpt : public ::testing::Test {
            *data_dir_ + "/text.txt ";
   }
 
-  // Runs train_gpt with `args`.
-  TrainRun train(const std::string& args) const {
+  // Runs train_gpt with `args`, WEFT_FAULT_INJECT=`fault` when given.
+  TrainRun train(const std::string& args, const std::string& fault = "") const {
     const char* exe = std::getenv("WEFT_TRAIN_GPT");
     EXPECT_NE(exe, nullptr) << "WEFT_TRAIN_GPT is set by meson test";
     const std::string jsonl = dir_ + "/run.jsonl", out = dir_ + "/out.txt";
     fs::remove(jsonl);
-    const std::string cmd = std::string(exe ? exe : "train_gpt") + " " + flags() + args +
+    const std::string cmd = (fault.empty() ? "" : "WEFT_FAULT_INJECT=" + fault + " ") +
+                            std::string(exe ? exe : "train_gpt") + " " + flags() + args +
                             " --log-jsonl " + jsonl + " >" + out + " 2>&1";
     const int status = std::system(cmd.c_str());
     TrainRun r;
@@ -551,6 +588,105 @@ TEST_F(TrainGpt, ACheckpointWithoutManifestResumesWithANote) {
   expect_reference_steps(r.records, 3);
   EXPECT_TRUE(scan_checkpoints(ckpt_).verified);  // step 6, saved with one
 }
+
+// kill -9 at every phase of a save: during a save at the interval, during
+// the final step's save, and during a save of a step that exists (a run
+// rewound to step 2 saving step 4 again). A plain re-run resumes from the
+// newest complete checkpoint and ends with the uninterrupted run's losses.
+enum class When { Interval, Final, Resave };
+
+struct KillCase {
+  std::string phase;
+  When when;
+  int resumes_at;  // the step the re-run resumes from
+};
+
+// gtest names a failing case by its phase and moment.
+void PrintTo(const KillCase& k, std::ostream* os) {
+  *os << k.phase << (k.when == When::Interval ? " at the interval"
+                     : k.when == When::Final  ? " at the final step"
+                                              : " saving a step again");
+}
+
+class KilledSave : public TrainGpt, public ::testing::WithParamInterface<KillCase> {};
+
+TEST_P(KilledSave, ResumesFromTheNewestCompleteCheckpointWithTheSameLosses) {
+  const KillCase& k = GetParam();
+  const int killed_at = k.when == When::Final ? 6 : 4;  // the step whose save is killed
+  std::string args = "--train-iters 6 --save-interval 2 --save " + ckpt_;
+  if (k.when == When::Resave) {
+    const TrainRun first = train("--train-iters 4 --save-interval 2 --save " + ckpt_);
+    ASSERT_EQ(first.code, 0) << first.out;
+    args += " --load " + ckpt_ + "/iter_0000002";
+  }
+  const TrainRun killed = train(args, k.phase + "@" + std::to_string(killed_at));
+  ASSERT_TRUE(killed.killed) << "code " << killed.code << ":\n" << killed.out;
+  EXPECT_TRUE(contains(killed.out, "WEFT_FAULT_INJECT: SIGKILL at " + k.phase +
+                                       " of the save of step " + std::to_string(killed_at)))
+      << killed.out;
+  // Every step up to the killed save ran (and was logged) as in the uninterrupted run.
+  const int started = k.when == When::Resave ? 2 : 0;
+  ASSERT_EQ(killed.records.size(), static_cast<size_t>(killed_at - started));
+  EXPECT_EQ(killed.records.back()["loss"].get<double>(),
+            reference(*this)[static_cast<size_t>(killed_at - 1)]["loss"].get<double>());
+
+  // What the kill left where.
+  const std::string f = fmt::format("{}/iter_{:07d}", ckpt_, killed_at);
+  if (k.phase == "writing-tensors") {
+    EXPECT_TRUE(fs::exists(f + ".tmp/model.safetensors.tmp"));
+    EXPECT_FALSE(fs::exists(f + ".tmp/manifest.json"));
+  } else if (k.phase == "before-fsync") {
+    EXPECT_TRUE(fs::exists(f + ".tmp/manifest.json"));
+  } else if (k.phase == "between-renames") {
+    EXPECT_TRUE(fs::exists(f + ".tmp/manifest.json"));
+    EXPECT_FALSE(fs::exists(f));
+    EXPECT_EQ(fs::exists(f + ".old"), k.when == When::Resave);
+  } else {
+    EXPECT_TRUE(fs::exists(f + "/manifest.json"));
+    EXPECT_EQ(read_file(ckpt_ + "/latest_checkpointed_iteration.txt.tmp"),
+              std::to_string(killed_at) + "\n");
+  }
+  EXPECT_EQ(newest_checkpoint_step(ckpt_), k.resumes_at);
+
+  const TrainRun resumed = train("--train-iters 6 --save-interval 2 --save " + ckpt_);
+  ASSERT_EQ(resumed.code, 0) << resumed.out;
+  EXPECT_TRUE(contains(resumed.out, "resumed from " + ckpt_ + " at step " +
+                                        std::to_string(k.resumes_at) + " (automatic"))
+      << resumed.out;
+  EXPECT_TRUE(contains(resumed.out, "left by an interrupted save") ||
+              contains(resumed.out, "which an interrupted save had set aside"))
+      << resumed.out;
+  expect_reference_steps(resumed.records, k.resumes_at);
+  // Every step saved, each verifying; nothing left over.
+  EXPECT_EQ(entries(ckpt_), (std::vector<std::string>{"iter_0000002", "iter_0000004",
+                                                      "iter_0000006",
+                                                      "latest_checkpointed_iteration.txt"}));
+  EXPECT_EQ(read_file(ckpt_ + "/latest_checkpointed_iteration.txt"), "6\n");
+  for (int step : {2, 4, 6})
+    EXPECT_TRUE(open_checkpoint(fmt::format("{}/iter_{:07d}", ckpt_, step)).source.verified);
+}
+
+std::vector<KillCase> kill_cases() {
+  std::vector<KillCase> cases;
+  for (const char* phase :
+       {"writing-tensors", "before-fsync", "between-renames", "pointer-update"}) {
+    const bool in_place = std::string(phase) == "pointer-update";  // iter_N renamed in
+    cases.push_back({phase, When::Interval, in_place ? 4 : 2});
+    cases.push_back({phase, When::Final, in_place ? 6 : 4});
+    cases.push_back({phase, When::Resave, 4});  // the old step 4, or the new one
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryPhase, KilledSave, ::testing::ValuesIn(kill_cases()),
+                         [](const ::testing::TestParamInfo<KillCase>& param_info) {
+                           std::string n = param_info.param.phase;
+                           std::replace(n.begin(), n.end(), '-', '_');
+                           const When w = param_info.param.when;
+                           return n + (w == When::Interval ? "_interval"
+                                       : w == When::Final  ? "_final_step"
+                                                           : "_resave");
+                         });
 
 }  // namespace
 }  // namespace weft

@@ -33,6 +33,17 @@
 // file and tensor at fault. One iter_N folder named explicitly must verify,
 // or loading fails naming them. A folder without manifest.json (saved before
 // checkpoints had manifests) loads unverified, and says so.
+//
+// Fault injection, for tests of interrupted saves: WEFT_FAULT_INJECT=PHASE
+// kills the saving process with SIGKILL at that phase of a save, or of the
+// save of step S with PHASE@S:
+//   writing-tensors   model.safetensors partly written (its first tensor)
+//   before-fsync      every file of iter_N.tmp written, the manifest too; the folder
+//                     not yet flushed to disk, nothing renamed
+//   between-renames   an existing iter_N moved to iter_N.old, iter_N.tmp not yet renamed
+//   pointer-update    iter_N in place; the new pointer written but not yet renamed
+// WEFT_FAULT_INJECT=slow-save:MS makes the writer sleep MS milliseconds first.
+// check_fault_injection() refuses any other value up front.
 #pragma once
 
 #include <weft/optimizer.h>
@@ -69,6 +80,11 @@ using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 void save_checkpoint(const std::string& dir, const NamedTensors& model,
                      const NamedTensors& optimizer, int64_t optimizer_steps,
                      const CheckpointMeta& meta);
+
+// Throws Error naming WEFT_FAULT_INJECT's value when it is set to something
+// other than the forms above (a save reads it too; this says so before the
+// first one).
+void check_fault_injection();
 
 // Which checkpoint a load reads, and what it passed over.
 struct CheckpointSource {

@@ -5,17 +5,23 @@
 #include <xxhash.h>
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <regex>
 #include <set>
+#include <thread>
 
 namespace fs = std::filesystem;
 
@@ -86,8 +92,10 @@ void sync_path(const fs::path& p) {
   check(rc == 0, "cannot flush {} to disk", p.string());
 }
 
-// Writes `text` to path.tmp, flushes it, then renames it over `path`.
-void write_text_atomic(const std::string& path, const std::string& text) {
+// Writes `text` to path.tmp, flushes it, runs `before_rename` (a fault
+// injection point), then renames it over `path`.
+void write_text_atomic(const std::string& path, const std::string& text,
+                       const std::function<void()>& before_rename = {}) {
   const std::string tmp = path + ".tmp";
   {
     std::ofstream f(tmp, std::ios::trunc);
@@ -96,6 +104,7 @@ void write_text_atomic(const std::string& path, const std::string& text) {
     check(f.good(), "cannot write {}", tmp);
   }
   sync_path(tmp);
+  if (before_rename) before_rename();
   fs::rename(tmp, path);
   sync_path(fs::path(path).parent_path());
 }
@@ -319,6 +328,52 @@ void verify_file_sum(const fs::path& path, const ManifestFile& listed, const cha
         path.string(), what, hex(listed.xxh3), hex(sum.xxh3));
 }
 
+// --- fault injection (weft/checkpoint.h) ---
+
+constexpr const char* kFaultPhases[] = {"writing-tensors", "before-fsync", "between-renames",
+                                        "pointer-update"};
+
+struct FaultInjection {
+  std::string phase;    // one of kFaultPhases, or empty
+  int64_t step = -1;    // only the save of this step; -1: any
+  int64_t slow_ms = 0;  // slow-save:MS
+
+  static FaultInjection from_env() {
+    FaultInjection f;
+    const char* env = std::getenv("WEFT_FAULT_INJECT");
+    if (env == nullptr || *env == '\0') return f;
+    const std::string v = env;
+    auto number = [](const std::string& text, int64_t& out) {
+      const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), out);
+      return !text.empty() && ec == std::errc() && end == text.data() + text.size() && out >= 0;
+    };
+    const std::string slow = "slow-save:";
+    if (v.rfind(slow, 0) == 0) {
+      check(number(v.substr(slow.size()), f.slow_ms),
+            "WEFT_FAULT_INJECT '{}': slow-save needs milliseconds >= 0 (slow-save:2000)", v);
+      return f;
+    }
+    const size_t at = v.find('@');
+    f.phase = v.substr(0, at);
+    const bool known = std::find(std::begin(kFaultPhases), std::end(kFaultPhases), f.phase) !=
+                       std::end(kFaultPhases);
+    check(known && (at == std::string::npos || number(v.substr(at + 1), f.step)),
+          "WEFT_FAULT_INJECT '{}' must be one of {} (each optionally @STEP: only the save of "
+          "that step), or slow-save:MILLISECONDS",
+          v, fmt::join(kFaultPhases, ", "));
+    return f;
+  }
+
+  // Ends the process as kill -9 would, at `here` of the save of `save_step`.
+  void at(const char* here, int64_t save_step) const {
+    if (phase != here || (step >= 0 && step != save_step)) return;
+    fmt::print(stderr, "WEFT_FAULT_INJECT: SIGKILL at {} of the save of step {}\n", here,
+               save_step);
+    std::fflush(stderr);
+    ::kill(::getpid(), SIGKILL);
+  }
+};
+
 // --- loading ---
 
 // Reads one checkpoint folder and verifies it against its manifest; throws
@@ -436,16 +491,23 @@ void save_weights(const std::string& path, const std::vector<Param*>& params,
   safetensors::save(path, t, metadata);
 }
 
+void check_fault_injection() { FaultInjection::from_env(); }
+
 void save_checkpoint(const std::string& dir, const NamedTensors& model,
                      const NamedTensors& optimizer, int64_t optimizer_steps,
                      const CheckpointMeta& meta) {
+  const FaultInjection fault = FaultInjection::from_env();
   const int64_t step = meta.step;
   fs::create_directories(dir);
   const fs::path final_dir = fs::path(dir) / iter_name(step);
   const fs::path tmp_dir = fs::path(dir) / (iter_name(step) + ".tmp");
   fs::remove_all(tmp_dir);
   fs::create_directories(tmp_dir);
-  safetensors::save((tmp_dir / "model.safetensors").string(), model, {{"format", "weft"}});
+  if (fault.slow_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(fault.slow_ms));
+  safetensors::save((tmp_dir / "model.safetensors").string(), model, {{"format", "weft"}},
+                    [&](size_t i) {
+                      if (i == 0) fault.at("writing-tensors", step);
+                    });
   safetensors::save((tmp_dir / "optimizer.safetensors").string(), optimizer,
                     {{"optimizer", "adamw"}, {"steps", std::to_string(optimizer_steps)}});
   nlohmann::json j = {{"step", step},
@@ -460,6 +522,7 @@ void save_checkpoint(const std::string& dir, const NamedTensors& model,
       file_entry(tmp_dir, "optimizer.safetensors", &optimizer),
       file_entry(tmp_dir, "meta.json", nullptr)};
   write_text_atomic((tmp_dir / kManifest).string(), manifest_text(step, files));
+  fault.at("before-fsync", step);
   for (const char* f : {"model.safetensors", "optimizer.safetensors", "meta.json", kManifest})
     sync_path(tmp_dir / f);
   sync_path(tmp_dir);
@@ -468,6 +531,7 @@ void save_checkpoint(const std::string& dir, const NamedTensors& model,
   const fs::path old_dir = fs::path(dir) / (iter_name(step) + ".old");
   fs::remove_all(old_dir);
   if (fs::exists(final_dir)) fs::rename(final_dir, old_dir);
+  fault.at("between-renames", step);
   fs::rename(tmp_dir, final_dir);
   sync_path(dir);
   fs::remove_all(old_dir);
@@ -476,7 +540,7 @@ void save_checkpoint(const std::string& dir, const NamedTensors& model,
   for (const fs::path& folder : checkpoint_folders(dir))
     if (folder_step(folder) > step) fs::remove_all(folder);
   write_text_atomic((fs::path(dir) / "latest_checkpointed_iteration.txt").string(),
-                    std::to_string(step) + "\n");
+                    std::to_string(step) + "\n", [&] { fault.at("pointer-update", step); });
 }
 
 Checkpoint open_checkpoint(const std::string& dir) {
