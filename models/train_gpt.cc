@@ -593,12 +593,9 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   int64_t last_saved = trainer.steps_done();  // a resumed run's step is on disk already
   auto save = [&] {
     if (a.save.empty() || last_saved == trainer.steps_done()) return;
-    trainer.save(a.save);
+    trainer.save(a.save, a.keep_last);
     last_saved = trainer.steps_done();
-    if (rank0) {
-      prune_checkpoints(a.save, a.keep_last);
-      fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
-    }
+    if (rank0) fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
   };
   while (trainer.steps_done() < a.train_iters) {
     StepRecord r = trainer.train_step();

@@ -3,14 +3,18 @@
 // newest checkpoint that verifies, names the file and tensor of each one it
 // skips, and refuses one named explicitly that does not verify. train_gpt
 // killed (WEFT_FAULT_INJECT) at every phase of a save resumes from the newest
-// complete checkpoint with the uninterrupted run's losses bit for bit.
+// complete checkpoint with the uninterrupted run's losses bit for bit. A save
+// slower than the communicators' deadline is no failure.
 #include <weft/checkpoint.h>
+#include <weft/layout.h>
+#include <weft/local_communicator.h>
 #include <weft/safetensors.h>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <xxhash.h>
 
+#include "models/gpt.h"
 #include "test_util.h"
 
 #include <signal.h>
@@ -423,6 +427,60 @@ TEST(FaultInjection, ValuesAreCheckedUpFront) {
   const std::string dir = testing::temp_dir("bad-fault");
   EXPECT_TRUE(contains(error_message([&] { save_step(dir, 1); }), "must be one of"));
   EXPECT_TRUE(entries(dir).empty());
+}
+
+// --- the barrier after a save, on threads ---
+
+const TokenData& text_data() {
+  static const TokenData data = [] {
+    std::string text;
+    for (int i = 0; i < 40; ++i) text += "It was the best of times, it was the worst of times. ";
+    return TokenData::from_tokens(std::vector<int32_t>(text.begin(), text.end()), 256);
+  }();
+  return data;
+}
+
+// Two data-parallel ranks; rank 0 writes the checkpoint (slowly, with
+// WEFT_FAULT_INJECT) while rank 1 waits. The save of step 1 is written whole
+// and both ranks go on training after it.
+void train_and_save_on_threads(const std::string& dir, CommOptions comm) {
+  GptConfig cfg;
+  cfg.vocab_size = 256, cfg.num_layers = 1, cfg.hidden_size = 16, cfg.num_heads = 2;
+  cfg.seq_length = 8;
+  run_local(2, [&](Communicator& world) {
+    TokenBatches batches(text_data(), 4, cfg.seq_length);
+    GptModel model = build_gpt(cfg, 2);
+    TrainOptions opt;
+    opt.micro_batch = 2;
+    opt.global_batch = 4;
+    RankLayout rank(&world, model.graph, model.io, batches, opt, LayoutOptions{}, 7);
+    rank.trainer().train_step();
+    rank.trainer().save(dir);
+    rank.trainer().train_step();
+  }, comm);
+}
+
+TEST(SlowSave, OutlastsTheCommTimeoutOnThreads) {
+  const std::string dir = testing::temp_dir("slow-threads");
+  ScopedEnv slow("WEFT_FAULT_INJECT", "slow-save:2500");
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_NO_THROW(train_and_save_on_threads(dir, CommOptions{std::chrono::milliseconds(1000)}));
+  EXPECT_GE(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 2.5);
+  const CheckpointSource scan = scan_checkpoints(dir);
+  EXPECT_EQ(scan.step, 1);
+  EXPECT_TRUE(scan.verified);
+}
+
+// A writer that fails still ends the rank that waits for it.
+TEST(SlowSave, AWriterThatFailsEndsTheJob) {
+  const std::string dir = testing::temp_dir("failed-writer") + "/a-file";
+  write_file(dir, "not a directory");
+  const auto start = std::chrono::steady_clock::now();
+  const std::string msg =
+      error_message([&] { train_and_save_on_threads(dir, CommOptions{std::chrono::seconds(60)}); });
+  EXPECT_TRUE(contains(msg, "rank 0: ")) << msg;
+  EXPECT_TRUE(contains(msg, dir)) << msg;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30.0);
 }
 
 // --- train_gpt: corrupt bytes, old checkpoints, and kill -9 during saves ---

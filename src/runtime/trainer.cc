@@ -232,7 +232,7 @@ StepRecord Trainer::train_step() {
 // every tensor-parallel rank for a split tensor, tensor-parallel rank 0 for a
 // whole one) and summed over the tensor- and pipeline-parallel groups of
 // data-parallel replica 0, which holds world rank 0.
-void Trainer::save(const std::string& dir) {
+void Trainer::save(const std::string& dir, int64_t keep_last) {
   const Graph& graph = *g_.graph;
   NamedTensors state = sync_->optimizer_state();  // collective over dp
   std::map<std::string, Tensor> moments(state.begin(), state.end());
@@ -269,10 +269,13 @@ void Trainer::save(const std::string& dir) {
     meta.consumed_samples = steps_done_ * opt_.global_batch;
     meta.config = opt_.config;
     save_checkpoint(dir, model, optimizer, sync_->steps(), meta);
+    prune_checkpoints(dir, keep_last);
   }
-  // Nobody returns before the checkpoint is complete.
+  // Nobody returns before the checkpoint is complete: one barrier per group,
+  // in turn, is a barrier of the world. The writer's disk, not the network,
+  // bounds this wait, so --comm-timeout does not: a slow save is no failure.
   for (Communicator* c : {par_.groups.tp, par_.groups.pp, par_.groups.dp})
-    if (c) c->barrier();
+    if (c) c->barrier_without_deadline();
 }
 
 CheckpointSource Trainer::load(const std::string& dir) {
