@@ -475,25 +475,43 @@ void adopt_checkpoint_args(Args& a, const CLI::App& app) {
   check(!a.finetune || !a.load.empty(),
         "--finetune starts from the weights of --load DIR: give the checkpoint to start from");
   check(!a.finetune || !a.no_load, "--finetune loads --load {}; --no-load contradicts it", a.load);
-  const int64_t existing = a.save.empty() ? -1 : weft::newest_checkpoint_step(a.save);
-  check(!a.no_load || existing < 0 || a.overwrite_checkpoints,
-        "--save {} already holds checkpoints (the newest is step {}): run without --no-load to "
-        "resume from it, add --overwrite-checkpoints to start over and replace them, or save "
-        "elsewhere",
-        a.save, existing);
+  if (!a.save.empty()) weft::check_fault_injection();
+  // The checkpoint a resume from --save would read: the newest that verifies.
+  const weft::CheckpointSource existing =
+      a.save.empty() ? weft::CheckpointSource{} : weft::scan_checkpoints(a.save);
+  const bool holds = existing.step >= 0 || !existing.skipped.empty();
+  check(!a.no_load || !holds || a.overwrite_checkpoints,
+        "--save {} already holds checkpoints ({}): run without --no-load to resume from it, add "
+        "--overwrite-checkpoints to start over and replace them, or save elsewhere",
+        a.save,
+        existing.step >= 0 ? fmt::format("the newest is step {}", existing.step)
+                           : "none of them verifies");
+  check(a.no_load || !a.load.empty() || existing.step >= 0 || existing.skipped.empty(),
+        "--save {} holds checkpoints, but none of them verifies ({}): resume from a good copy "
+        "with --load, or start over with --no-load --overwrite-checkpoints",
+        a.save, existing.skipped.empty() ? "" : existing.skipped.front().second);
   // Resume: --load, else the newest checkpoint in --save, unless --no-load. A
   // fine-tune that has saved already (a restarted job) resumes its own checkpoints.
-  if (a.finetune && existing >= 0) {
+  if (a.finetune && existing.step >= 0) {
     a.resume_from = a.save;
   } else {
-    a.resume_from = !a.load.empty() ? a.load : (!a.no_load && existing >= 0 ? a.save : "");
+    a.resume_from = !a.load.empty() ? a.load : (!a.no_load && existing.step >= 0 ? a.save : "");
     a.weights_only = a.finetune;
   }
   if (a.resume_from.empty()) return;
-  const weft::Checkpoint ckpt = weft::open_checkpoint(a.resume_from);
-  const nlohmann::json& saved = ckpt.meta.config;
-  const std::string where =
-      (std::filesystem::path(ckpt.model.path()).parent_path() / "meta.json").string();
+  // Its meta.json: the scan of --save has verified that folder already.
+  const std::string folder =
+      a.resume_from == a.save ? existing.path : weft::open_checkpoint(a.resume_from).source.path;
+  const std::string where = (std::filesystem::path(folder) / "meta.json").string();
+  nlohmann::json meta;
+  try {
+    std::ifstream(where) >> meta;
+  } catch (const nlohmann::json::exception& e) {
+    throw weft::Error("--load {}: {} is not valid JSON: {}", a.resume_from, where, e.what());
+  }
+  const nlohmann::json saved = meta.contains("config") && meta["config"].is_object()
+                                   ? meta["config"]
+                                   : nlohmann::json::object();
   const bool free = a.override_checkpoint_args || a.weights_only;
   std::vector<std::string> adopted;
   // One field: `key` in meta.json, `flag` on the command line. `given` says
@@ -845,12 +863,21 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   // What an interrupted save left behind goes first (world rank 0 writes
   // checkpoints, so it cleans them).
   if (rank0 && !a.save.empty())
-    for (const std::string& p : clean_stale_checkpoint_files(a.save))
-      fmt::print("removed {}, left by an interrupted save\n", p);
+    for (const std::string& line : clean_stale_checkpoint_files(a.save)) fmt::print("{}\n", line);
+  // Nobody reads before the cleaning is done; the disk bounds this wait.
+  if (world != nullptr && !a.save.empty()) world->barrier_without_deadline();
   if (!load.empty() && a.weights_only) {
     open_checkpoint(load).read_model(layout.graph().params());  // --finetune: from step 0
   } else if (!load.empty()) {
-    trainer.load(load);
+    const CheckpointSource source = trainer.load(load);
+    if (rank0) {
+      for (const auto& [folder, why] : source.skipped)
+        fmt::print("warning: skipped {}, which does not verify: {}\n", folder, why);
+      if (!source.verified)
+        fmt::print("note: {} has no manifest.json (saved before checkpoints had one): loaded "
+                   "unverified\n",
+                   source.path);
+    }
   }
 
   if (rank0) fmt::print("weft train_gpt | layers {} | hidden {} | heads {} | seq {} | vocab {} | params {} "
@@ -897,12 +924,9 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   int64_t last_saved = trainer.steps_done();  // a resumed run's step is on disk already
   auto save = [&] {
     if (a.save.empty() || last_saved == trainer.steps_done()) return;
-    trainer.save(a.save);
+    trainer.save(a.save, a.keep_last);
     last_saved = trainer.steps_done();
-    if (rank0) {
-      prune_checkpoints(a.save, a.keep_last);
-      fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
-    }
+    if (rank0) fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
   };
   while (trainer.steps_done() < a.train_iters) {
     StepRecord r = trainer.train_step();

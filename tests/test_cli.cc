@@ -233,8 +233,10 @@ TEST_F(Cli, NumericFlagsOutOfRange) {
                 "are available: use a smaller --micro-batch-size"});
 }
 
-// --load takes a checkpoint directory or one iter_N in it, and a meta.json
-// that lies or is malformed is named with its file and field.
+// --load takes a checkpoint directory or one iter_N in it. An edited
+// meta.json no longer matches the manifest; in a folder without one (saved
+// before manifests), a meta.json that lies or is malformed is named with its
+// file and field.
 TEST_F(Cli, LoadChecksTheCheckpointItOpens) {
   const std::string ckpt = dir_ + "/ckpt";
   Result r = run(toy("--train-iters 4 --save-interval 2 --save " + ckpt));
@@ -246,7 +248,7 @@ TEST_F(Cli, LoadChecksTheCheckpointItOpens) {
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_TRUE(testing::contains(r.out, "resumed from " + ckpt + "/iter_0000002 at step 2")) << r.out;
 
-  const std::string meta = ckpt + "/iter_0000004/meta.json";
+  const std::string folder = ckpt + "/iter_0000004", meta = folder + "/meta.json";
   const std::string good = read_file(meta);
   auto with_step = [&](const std::string& value) {
     std::string text = good;
@@ -255,13 +257,18 @@ TEST_F(Cli, LoadChecksTheCheckpointItOpens) {
     text.replace(at, std::string("\"step\": 4").size(), "\"step\": " + value);
     write_file(meta, text);
   };
+  with_step("5");  // as long as the original: only the checksum tells
+  expect_error(toy("--train-iters 6 --load " + folder),
+               {"--load " + folder + ": " + meta + ": checksum mismatch (stored "});
+  std::filesystem::remove(folder + "/manifest.json");
   with_step("\"four\"");
-  expect_error(toy("--train-iters 6 --load " + ckpt), {meta, "'step' must be a non-negative integer"});
+  expect_error(toy("--train-iters 6 --load " + folder),
+               {meta, "'step' must be a non-negative integer"});
   with_step("999999");
-  expect_error(toy("--train-iters 6 --load " + ckpt),
-               {meta, "says step 999999, but the checkpoint pointer and directory say 4"});
+  expect_error(toy("--train-iters 6 --load " + folder),
+               {meta, "says step 999999, but its folder is iter_0000004"});
   write_file(meta, "{ not json");
-  expect_error(toy("--train-iters 6 --load " + ckpt), {meta, "is not valid JSON"});
+  expect_error(toy("--train-iters 6 --load " + folder), {meta, "is not valid JSON"});
 }
 
 // --keep-last-checkpoints rotates; what an interrupted save left is removed

@@ -455,6 +455,50 @@ TEST(LocalErrors, ARankThatTimedOutHasLeftTheCollective) {
   EXPECT_TRUE(contains(rank1, "all_reduce sum #0 (ranks [0] have not arrived) in world")) << rank1;
 }
 
+// The barrier after a checkpoint: one rank is busy (writing) longer than the
+// deadline; the others wait for it without one, and keep their deadline for
+// every later wait.
+TEST(LocalErrors, BarrierWithoutDeadlineOutlastsTheTimeout) {
+  const auto start = Clock::now();
+  EXPECT_NO_THROW(run_local(2, [](Communicator& comm) {
+    if (comm.rank() == 0) std::this_thread::sleep_for(600ms);
+    comm.barrier_without_deadline();
+  }, CommOptions{150ms}));
+  EXPECT_GE(seconds_since(start), 0.59);
+  // Where a plain barrier gives up.
+  EXPECT_THROW(run_local(2, [](Communicator& comm) {
+    if (comm.rank() == 0) std::this_thread::sleep_for(600ms);
+    comm.barrier();
+  }, CommOptions{150ms}), CommTimeout);
+  // The deadline is back afterwards.
+  auto world = make_local_world(2, CommOptions{150ms});
+  std::thread late([&] {
+    std::this_thread::sleep_for(300ms);
+    world[0]->barrier();
+  });
+  world[1]->barrier_without_deadline();
+  late.join();
+  EXPECT_EQ(world[1]->options().timeout, 150ms);
+  Tensor in = Tensor::zeros({1});
+  EXPECT_THROW(world[1]->recv(in, 0, tag(0)), CommTimeout);
+}
+
+// A rank that fails while the others wait without a deadline still ends them.
+TEST(LocalErrors, BarrierWithoutDeadlineEndsWhenARankFails) {
+  const auto start = Clock::now();
+  const std::string msg = error_message([] {
+    run_local(2, [](Communicator& comm) {
+      if (comm.rank() == 0) {
+        std::this_thread::sleep_for(50ms);
+        throw Error("disk full");
+      }
+      comm.barrier_without_deadline();
+    }, CommOptions{30s});
+  });
+  EXPECT_EQ(msg, "rank 0: disk full");
+  EXPECT_LT(seconds_since(start), 2.0);
+}
+
 TEST(LocalErrors, CollectiveCountMismatchNamesBothCountsAndRanks) {
   const std::string msg = error_message([] {
     run_local(2, [](Communicator& comm) {

@@ -182,6 +182,24 @@ TEST(Safetensors, SaveReplacesExistingFileAndLeavesNoTemporary) {
   EXPECT_FALSE(fs::exists(path + ".tmp"));
 }
 
+// after_tensor(i) runs with tensors 0..i written to the temporary file and
+// nothing renamed yet: where an interrupted save is simulated.
+TEST(Safetensors, AfterTensorRunsWithTheFilePartlyWritten) {
+  std::string path = temp_dir("st-after") + "/x.safetensors";
+  const std::vector<std::pair<std::string, Tensor>> tensors = {{"a", iota_f32({3}, 1.0f)},
+                                                               {"b", iota_f32({5}, 2.0f)}};
+  std::vector<uintmax_t> sizes;
+  safetensors::save(path, tensors, {}, [&](size_t i) {
+    EXPECT_EQ(i, sizes.size());
+    EXPECT_FALSE(fs::exists(path));
+    sizes.push_back(fs::file_size(path + ".tmp"));
+  });
+  ASSERT_EQ(sizes.size(), 2u);
+  const uintmax_t total = fs::file_size(path);
+  EXPECT_EQ(sizes[1], total);
+  EXPECT_EQ(sizes[0], total - 5 * sizeof(float));  // b is not written yet
+}
+
 TEST(Safetensors, SaveIntoMissingDirectoryNamesThePath) {
   std::string path = temp_dir("st-nodir") + "/no/such/dir/x.safetensors";
   try {

@@ -4,10 +4,46 @@
 //   <dir>/iter_0000020/model.safetensors      parameters, full shapes, HF names
 //   <dir>/iter_0000020/optimizer.safetensors  "<name>.exp_avg", "<name>.exp_avg_sq"
 //   <dir>/iter_0000020/meta.json              step, consumed samples, config
-//   <dir>/latest_checkpointed_iteration.txt   "20"
-// Each folder is written under a temporary name and renamed when complete,
-// and the pointer file is replaced atomically, so a crash mid-save leaves the
-// previous checkpoint intact.
+//   <dir>/iter_0000020/manifest.json          what the folder must hold (below)
+//   <dir>/latest_checkpointed_iteration.txt   "20", for Megatron's tools; weft never reads it
+//
+// The manifest lists every file of the folder with its size in bytes and its
+// XXH3-64 checksum (xxHash), and every tensor of the safetensors files with
+// its dtype, shape and the checksum of its bytes:
+//   {"format": "weft checkpoint manifest", "version": 1, "checksum": "xxh3_64",
+//    "step": 20, "files": [{"name": "model.safetensors", "size": 1234,
+//    "xxh3_64": "3f0c...", "tensors": [{"name": "wte.weight", "dtype": "F32",
+//    "shape": [256, 64], "xxh3_64": "9a1e..."}, ...]}, ..., {"name": "meta.json", ...}]}
+//
+// Saving: the folder is written as iter_N.tmp, the manifest last, fsynced,
+// then renamed to iter_N. A step saved again keeps its complete old folder
+// as iter_N.old until the new one is in place. A save makes its step the
+// newest: folders of later steps (abandoned by a run rewound to an earlier
+// checkpoint) are removed once it is in place. The pointer file is replaced
+// atomically last. A process killed at any point of a save leaves every
+// earlier checkpoint intact; clean_stale_checkpoint_files tidies what it
+// left.
+//
+// Loading trusts no pointer. A checkpoint directory's checkpoint is its newest
+// iter_N (or iter_N.old, left by an interrupted replacement) that verifies:
+// - every file has the manifest's size and checksum;
+// - every tensor has its name, dtype, shape and checksum;
+// - meta.json parses.
+// Newer folders that do not verify are skipped, and each is reported with the
+// file and tensor at fault. One iter_N folder named explicitly must verify,
+// or loading fails naming them. A folder without manifest.json (saved before
+// checkpoints had manifests) loads unverified, and says so.
+//
+// Fault injection, for tests of interrupted saves: WEFT_FAULT_INJECT=PHASE
+// kills the saving process with SIGKILL at that phase of a save, or of the
+// save of step S with PHASE@S:
+//   writing-tensors   model.safetensors partly written (its first tensor)
+//   before-fsync      every file of iter_N.tmp written, the manifest too; the folder
+//                     not yet flushed to disk, nothing renamed
+//   between-renames   an existing iter_N moved to iter_N.old, iter_N.tmp not yet renamed
+//   pointer-update    iter_N in place; the new pointer written but not yet renamed
+// WEFT_FAULT_INJECT=slow-save:MS makes the writer sleep MS milliseconds first.
+// check_fault_injection() refuses any other value up front.
 #pragma once
 
 #include <weft/optimizer.h>
@@ -39,27 +75,50 @@ struct CheckpointMeta {
 
 using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 
-// Writes <dir>/iter_<step>/ atomically and points latest at it. `model` and
-// `optimizer` hold full tensors (every layout's pieces put together), so any
-// other layout can load them.
-// The step the checkpoint pointer of `dir` names, or -1 when `dir` holds no
-// checkpoint.
+// Writes <dir>/iter_<step>/ with its manifest atomically and points latest
+// at it. `model` and `optimizer` hold full tensors (every layout's pieces put
+// together), so any other layout can load them.
+void save_checkpoint(const std::string& dir, const NamedTensors& model,
+                     const NamedTensors& optimizer, int64_t optimizer_steps,
+                     const CheckpointMeta& meta);
+
+// Throws Error naming WEFT_FAULT_INJECT's value when it is set to something
+// other than the forms above (a save reads it too; this says so before the
+// first one).
+void check_fault_injection();
+
+// Which checkpoint a load reads, and what it passed over.
+struct CheckpointSource {
+  std::string path;       // the iter_N folder; empty when none verifies
+  int64_t step = -1;      // its step; -1 when none verifies
+  bool verified = false;  // its manifest matched; false: it has none (saved before manifests)
+  // Newer folders that do not verify, newest first: (folder, why), where
+  // `why` names the file and the tensor at fault.
+  std::vector<std::pair<std::string, std::string>> skipped;
+};
+
+// The checkpoint open_checkpoint(dir) reads, found the same way (each folder
+// read and verified, newest first, until one verifies); a folder that does
+// not verify is listed in `skipped`, not thrown. step is -1 when none
+// verifies, or when `dir` does not exist.
+CheckpointSource scan_checkpoints(const std::string& dir);
+// scan_checkpoints(dir).step: the step a run resuming from `dir` starts after.
 int64_t newest_checkpoint_step(const std::string& dir);
 
 // Removes all but the newest `keep` complete checkpoints in `dir` (keep <= 0:
 // keeps every one).
 void prune_checkpoints(const std::string& dir, int64_t keep);
-// Removes what an interrupted save leaves behind in `dir`: iter_N.tmp
-// directories, and iter_N.old copies whose replacement iter_N is complete.
-// Returns the removed paths.
+// Tidies what an interrupted save leaves behind in `dir`: removes iter_N.tmp
+// folders, the pointer's temporary file, and iter_N.old copies whose
+// replacement iter_N is in place; renames an iter_N.old whose replacement
+// never arrived back to iter_N; points the pointer file at the newest
+// complete iter_N. Returns one line per thing done ("removed <path>, left by
+// an interrupted save").
 std::vector<std::string> clean_stale_checkpoint_files(const std::string& dir);
 
-void save_checkpoint(const std::string& dir, const NamedTensors& model,
-                     const NamedTensors& optimizer, int64_t optimizer_steps,
-                     const CheckpointMeta& meta);
-
-// The latest checkpoint of a directory, opened.
+// One checkpoint, opened and verified.
 struct Checkpoint {
+  CheckpointSource source;
   CheckpointMeta meta;
   int64_t optimizer_steps = 0;
   safetensors::File model, optimizer;
@@ -72,6 +131,9 @@ struct Checkpoint {
   // sliced), named "<param>.exp_avg" and "<param>.exp_avg_sq".
   NamedTensors read_optimizer(const std::vector<Param*>& params) const;
 };
+// `dir` is a checkpoint directory (its newest checkpoint that verifies; throws
+// Error saying why each failed when none does) or one iter_N folder (which
+// must verify; throws Error naming the file and the tensor at fault).
 Checkpoint open_checkpoint(const std::string& dir);
 
 }  // namespace weft

@@ -117,6 +117,11 @@ class Communicator {
   virtual void reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op) = 0;
   virtual void broadcast(const Tensor& t, int root) = 0;
   virtual void barrier() = 0;
+  // A barrier without the deadline, for a wait that the disk bounds rather
+  // than the network: the ranks that wait while one of them writes a
+  // checkpoint. A failed rank still ends it (PeerFailed on threads; under
+  // mpiexec the launcher ends the job).
+  void barrier_without_deadline();
 
   // Non-blocking forms, for communication that overlaps compute (the
   // data-parallel gradient buckets). Members post them in the same order as

@@ -9,6 +9,7 @@
 
 #include <weft/tensor.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -51,8 +52,11 @@ class File {
 };
 
 // Writes tensors (CPU, contiguous) in the given order. Atomic: the bytes go to
-// `path + ".tmp"`, are flushed, then renamed over `path`.
+// `path + ".tmp"`, are flushed, then renamed over `path`. `after_tensor(i)`,
+// when given, runs once tensor i's bytes are written and the file is still
+// partial (weft/checkpoint.h's fault injection stops a save there).
 void save(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
-          const std::map<std::string, std::string>& metadata = {});
+          const std::map<std::string, std::string>& metadata = {},
+          const std::function<void(size_t)>& after_tensor = {});
 
 }  // namespace weft::safetensors

@@ -168,10 +168,14 @@ class Trainer {
   int64_t micro_batches() const { return micro_batches_; }
 
   // Collective over every rank: a checkpoint of full tensors that any other
-  // layout can load (weft/checkpoint.h), written by world rank 0.
-  void save(const std::string& dir);
-  // Every rank reads its own pieces of the latest checkpoint in `dir`.
-  void load(const std::string& dir);
+  // layout can load (weft/checkpoint.h), written by world rank 0, which then
+  // keeps only the newest `keep_last` (0: all). The ranks wait for the writer
+  // without the communicators' deadline.
+  void save(const std::string& dir, int64_t keep_last = 0);
+  // Every rank reads its own pieces of the newest checkpoint in `dir` that
+  // verifies, or of the one iter_N folder `dir` names (weft/checkpoint.h);
+  // returns which one, and the newer ones it skipped.
+  CheckpointSource load(const std::string& dir);
 
  private:
   ModelIO g_;

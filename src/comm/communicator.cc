@@ -68,6 +68,21 @@ void wait_all(std::vector<RequestPtr>& requests) {
     if (r) r->wait();
 }
 
+void Communicator::barrier_without_deadline() {
+  // A century: far enough never to pass, near enough that every transport's
+  // `now + timeout` stays within its clock's range.
+  constexpr std::chrono::milliseconds kCentury = std::chrono::hours(24 * 365 * 100);
+  const std::chrono::milliseconds timeout = options_.timeout;
+  options_.timeout = kCentury;
+  try {
+    barrier();
+  } catch (...) {
+    options_.timeout = timeout;
+    throw;
+  }
+  options_.timeout = timeout;
+}
+
 std::string Communicator::waiting_for(const std::string& operation) const {
   std::string s = fmt::format("rank {} (world rank {}) timed out after {} ms waiting for {} in {}",
                               rank(), world_rank(rank()), options_.timeout.count(), operation,

@@ -240,7 +240,8 @@ class Writer {
 }  // namespace
 
 void save(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
-          const std::map<std::string, std::string>& metadata) {
+          const std::map<std::string, std::string>& metadata,
+          const std::function<void(size_t)>& after_tensor) {
   Json header = Json::object();
   if (!metadata.empty()) {
     Json meta = Json::object();
@@ -275,8 +276,11 @@ void save(const std::string& path, const std::vector<std::pair<std::string, Tens
     Writer w(tmp);
     w.write(len_bytes, sizeof(len_bytes));
     w.write(text.data(), text.size());
-    for (const auto& entry : tensors)
-      if (entry.second.nbytes()) w.write(entry.second.raw(), entry.second.nbytes());
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const Tensor& t = tensors[i].second;
+      if (t.nbytes()) w.write(t.raw(), t.nbytes());
+      if (after_tensor) after_tensor(i);
+    }
     w.finish();
   } catch (const Error&) {
     std::remove(tmp.c_str());

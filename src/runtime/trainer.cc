@@ -262,7 +262,7 @@ StepRecord Trainer::train_step() {
 // every tensor-parallel rank for a split tensor, tensor-parallel rank 0 for a
 // whole one) and summed over the tensor- and pipeline-parallel groups of
 // data-parallel replica 0, which holds world rank 0.
-void Trainer::save(const std::string& dir) {
+void Trainer::save(const std::string& dir, int64_t keep_last) {
   const Graph& graph = *g_.graph;
   NamedTensors state = sync_->optimizer_state();  // collective over dp
   std::map<std::string, Tensor> moments(state.begin(), state.end());
@@ -300,10 +300,13 @@ void Trainer::save(const std::string& dir) {
     meta.config = opt_.config;
     if (opt_.spike.enabled) meta.trainer = {{"spike", spike_state()}};
     save_checkpoint(dir, model, optimizer, sync_->steps(), meta);
+    prune_checkpoints(dir, keep_last);
   }
-  // Nobody returns before the checkpoint is complete.
+  // Nobody returns before the checkpoint is complete: one barrier per group,
+  // in turn, is a barrier of the world. The writer's disk, not the network,
+  // bounds this wait, so --comm-timeout does not: a slow save is no failure.
   for (Communicator* c : {par_.groups.tp, par_.groups.pp, par_.groups.dp})
-    if (c) c->barrier();
+    if (c) c->barrier_without_deadline();
 }
 
 nlohmann::json Trainer::spike_state() const {
@@ -318,7 +321,7 @@ void Trainer::set_spike_state(const nlohmann::json& state) {
   while (static_cast<int64_t>(recent_losses_.size()) > opt_.spike.window) recent_losses_.pop_front();
 }
 
-void Trainer::load(const std::string& dir) {
+CheckpointSource Trainer::load(const std::string& dir) {
   Checkpoint c = open_checkpoint(dir);
   c.read_model(g_.graph->params());
   sync_->load_optimizer_state(c.read_optimizer(sync_->params()));
@@ -331,6 +334,7 @@ void Trainer::load(const std::string& dir) {
       throw Error("--load {}: meta.json's trainer.spike is malformed: {}", dir, e.what());
     }
   }
+  return c.source;
 }
 
 }  // namespace weft

@@ -1,0 +1,748 @@
+// Checkpoints that cannot be lost. The manifest lists every file (size,
+// checksum) and every tensor (dtype, shape, checksum). The loader picks the
+// newest checkpoint that verifies, names the file and tensor of each one it
+// skips, and refuses one named explicitly that does not verify. train_gpt
+// killed (WEFT_FAULT_INJECT) at every phase of a save resumes from the newest
+// complete checkpoint with the uninterrupted run's losses bit for bit. A save
+// slower than the communicators' deadline is no failure.
+#include <weft/checkpoint.h>
+#include <weft/layout.h>
+#include <weft/local_communicator.h>
+#include <weft/safetensors.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <xxhash.h>
+
+#include "models/gpt.h"
+#include "test_util.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <ostream>
+#include <sstream>
+
+namespace weft {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::contains;
+using testing::error_message;
+using testing::read_file;
+using testing::write_file;
+
+std::string hex(uint64_t h) { return fmt::format("{:016x}", h); }
+std::string xxh3(const void* p, size_t n) { return hex(XXH3_64bits(p, n)); }
+std::string xxh3(const std::string& bytes) { return xxh3(bytes.data(), bytes.size()); }
+
+// Sets an environment variable for one scope.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    ::setenv(name, value.c_str(), 1);
+  }
+  ~ScopedEnv() { ::unsetenv(name_); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+};
+
+std::vector<std::string> entries(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// Where tensor `name`'s bytes are in the safetensors file `path`: (offset, bytes).
+std::pair<size_t, size_t> tensor_bytes(const std::string& path, const std::string& name) {
+  const std::string bytes = read_file(path);
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), sizeof(n));  // little-endian, as the host
+  const auto header = nlohmann::json::parse(bytes.substr(8, n));
+  const auto& offsets = header.at(name).at("data_offsets");
+  const auto begin = offsets[0].get<size_t>(), end = offsets[1].get<size_t>();
+  return {8 + n + begin, end - begin};
+}
+
+// Overwrites the first `count` floats of a tensor with finite garbage (0.5):
+// a file that still parses, with every value a number.
+void overwrite_floats(const std::string& path, const std::string& name, size_t count) {
+  const auto [offset, size] = tensor_bytes(path, name);
+  ASSERT_LE(count * sizeof(float), size);
+  std::string bytes = read_file(path);
+  const float garbage = 0.5f;
+  for (size_t i = 0; i < count; ++i)
+    std::memcpy(bytes.data() + offset + i * sizeof(float), &garbage, sizeof(float));
+  write_file(path, bytes);
+}
+
+// Replaces the first `from` in a file with `to`.
+void edit_file(const std::string& path, const std::string& from, const std::string& to) {
+  std::string text = read_file(path);
+  const size_t at = text.find(from);
+  ASSERT_NE(at, std::string::npos) << "'" << from << "' not in " << path;
+  text.replace(at, from.size(), to);
+  write_file(path, text);
+}
+
+// --- the library: save_checkpoint, open_checkpoint, scan_checkpoints ---
+
+// A small checkpoint whose values depend on the step.
+NamedTensors model_tensors(int64_t step) {
+  const auto seed = static_cast<uint64_t>(step);
+  return {{"a.weight", testing::uniform_tensor({3, 4}, seed)},
+          {"b.bias", testing::uniform_tensor({5}, seed + 100)}};
+}
+
+NamedTensors optimizer_tensors(int64_t step) {
+  NamedTensors out;
+  uint64_t seed = static_cast<uint64_t>(step) * 10;
+  for (const auto& [name, t] : model_tensors(step))
+    for (const char* suffix : {".exp_avg", ".exp_avg_sq"})
+      out.emplace_back(name + suffix, testing::uniform_tensor(t.shape(), ++seed));
+  return out;
+}
+
+void save_step(const std::string& dir, int64_t step) {
+  CheckpointMeta meta;
+  meta.step = step;
+  meta.consumed_samples = step * 4;
+  meta.config = {{"seed", 1}};
+  save_checkpoint(dir, model_tensors(step), optimizer_tensors(step), step, meta);
+}
+
+std::string folder(const std::string& dir, int64_t step) {
+  return fmt::format("{}/iter_{:07d}", dir, step);
+}
+
+TEST(Manifest, ListsEveryFileWithItsSizeAndEveryTensorWithItsChecksum) {
+  const std::string dir = testing::temp_dir("manifest");
+  save_step(dir, 7);
+  const std::string f = folder(dir, 7);
+  EXPECT_EQ(entries(f), (std::vector<std::string>{"manifest.json", "meta.json",
+                                                  "model.safetensors", "optimizer.safetensors"}));
+  const auto m = nlohmann::json::parse(read_file(f + "/manifest.json"));
+  EXPECT_EQ(m["format"], "weft checkpoint manifest");
+  EXPECT_EQ(m["version"], 1);
+  EXPECT_EQ(m["checksum"], "xxh3_64");
+  EXPECT_EQ(m["step"], 7);
+  ASSERT_EQ(m["files"].size(), 3u);
+  std::vector<std::string> names;
+  for (const auto& file : m["files"]) {
+    const std::string name = file["name"];
+    names.push_back(name);
+    const std::string bytes = read_file(f + "/" + name);
+    EXPECT_EQ(file["size"].get<size_t>(), bytes.size()) << name;
+    EXPECT_EQ(file["xxh3_64"], xxh3(bytes)) << name;
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"model.safetensors", "optimizer.safetensors",
+                                             "meta.json"}));
+  // Every tensor, in the order saved, with its dtype, shape and the checksum
+  // of its bytes as they are in the file.
+  auto expect_tensors = [&](const nlohmann::json& file, const NamedTensors& saved) {
+    const std::string path = f + "/" + file["name"].get<std::string>();
+    const std::string bytes = read_file(path);
+    ASSERT_EQ(file["tensors"].size(), saved.size());
+    for (size_t i = 0; i < saved.size(); ++i) {
+      const auto& listed = file["tensors"][i];
+      const auto& [name, t] = saved[i];
+      EXPECT_EQ(listed["name"], name);
+      EXPECT_EQ(listed["dtype"], "F32");
+      EXPECT_EQ(listed["shape"].get<std::vector<int64_t>>(),
+                std::vector<int64_t>(t.shape().dims.begin(), t.shape().dims.begin() + t.rank()));
+      EXPECT_EQ(listed["xxh3_64"], xxh3(t.raw(), t.nbytes())) << name;
+      const auto [offset, size] = tensor_bytes(path, name);
+      EXPECT_EQ(listed["xxh3_64"], xxh3(bytes.data() + offset, size)) << name;
+    }
+  };
+  expect_tensors(m["files"][0], model_tensors(7));
+  expect_tensors(m["files"][1], optimizer_tensors(7));
+  EXPECT_FALSE(m["files"][2].contains("tensors"));
+
+  const Checkpoint c = open_checkpoint(f);
+  EXPECT_TRUE(c.source.verified);
+  EXPECT_EQ(c.source.step, 7);
+  EXPECT_EQ(c.source.path, f);
+  EXPECT_TRUE(c.source.skipped.empty());
+  EXPECT_EQ(c.meta.consumed_samples, 28);
+}
+
+// Each way a folder can differ from its manifest, named with the file (and
+// the tensor) when the folder is loaded explicitly, and a reason to skip it
+// when its directory is loaded.
+TEST(Manifest, EveryMismatchIsNamedWithItsFileAndTensor) {
+  struct Case {
+    std::string what;
+    std::function<void(const std::string&)> corrupt;  // the folder
+    std::function<std::vector<std::string>(const std::string&)> fragments;
+  };
+  const std::vector<Case> cases = {
+      {"finite garbage in a weight",
+       [](const std::string& f) { overwrite_floats(f + "/model.safetensors", "b.bias", 2); },
+       [](const std::string& f) {
+         const auto m = nlohmann::json::parse(read_file(f + "/manifest.json"));
+         const std::string stored = m["files"][0]["tensors"][1]["xxh3_64"];
+         const auto [offset, size] = tensor_bytes(f + "/model.safetensors", "b.bias");
+         const std::string bytes = read_file(f + "/model.safetensors");
+         return std::vector<std::string>{
+             f + "/model.safetensors: tensor 'b.bias' checksum mismatch (stored " + stored +
+             ", computed " + xxh3(bytes.data() + offset, size) + ")"};
+       }},
+      {"a truncated file",
+       [](const std::string& f) {
+         const std::string bytes = read_file(f + "/optimizer.safetensors");
+         write_file(f + "/optimizer.safetensors", bytes.substr(0, bytes.size() - 4));
+       },
+       [](const std::string& f) {
+         const auto size = fs::file_size(f + "/optimizer.safetensors");
+         return std::vector<std::string>{fmt::format(
+             "{}/optimizer.safetensors: {} bytes, the manifest says {}", f, size, size + 4)};
+       }},
+      {"a missing file", [](const std::string& f) { fs::remove(f + "/model.safetensors"); },
+       [](const std::string& f) {
+         return std::vector<std::string>{f + "/model.safetensors is missing (the manifest lists it)"};
+       }},
+      {"meta.json edited, same length",
+       [](const std::string& f) {
+         edit_file(f + "/meta.json", "\"consumed_samples\": 8", "\"consumed_samples\": 9");
+       },
+       [](const std::string& f) {
+         return std::vector<std::string>{f + "/meta.json: checksum mismatch (stored "};
+       }},
+      {"a safetensors header edited, same length",
+       [](const std::string& f) { edit_file(f + "/optimizer.safetensors", "adamw", "adamx"); },
+       [](const std::string& f) {
+         return std::vector<std::string>{f +
+                                         "/optimizer.safetensors: checksum mismatch outside the "
+                                         "tensors (stored "};
+       }},
+      {"a tensor's dtype in the manifest",
+       [](const std::string& f) {
+         edit_file(f + "/manifest.json", "\"name\":\"a.weight\",\"dtype\":\"F32\"",
+                   "\"name\":\"a.weight\",\"dtype\":\"I32\"");
+       },
+       [](const std::string& f) {
+         return std::vector<std::string>{
+             f + "/model.safetensors: tensor 'a.weight' has dtype F32, the manifest says I32"};
+       }},
+      {"a tensor's shape in the manifest",
+       [](const std::string& f) {
+         edit_file(f + "/manifest.json", "\"shape\":[3,4]", "\"shape\":[4,3]");
+       },
+       [](const std::string& f) {
+         return std::vector<std::string>{f +
+                                         "/model.safetensors: tensor 'a.weight' has shape [3, 4], "
+                                         "the manifest says [4, 3]"};
+       }},
+      {"a tensor renamed in the manifest",
+       [](const std::string& f) {
+         edit_file(f + "/manifest.json", "{\"name\":\"b.bias\"", "{\"name\":\"c.bias\"");
+       },
+       [](const std::string& f) {
+         return std::vector<std::string>{
+             f + "/model.safetensors: tensor 'c.bias' is missing (the manifest lists it)"};
+       }},
+      {"a manifest that is not JSON",
+       [](const std::string& f) { write_file(f + "/manifest.json", "{ not json"); },
+       [](const std::string& f) {
+         return std::vector<std::string>{f + "/manifest.json is not valid JSON"};
+       }},
+      {"a manifest pointing outside its folder",
+       [](const std::string& f) {
+         edit_file(f + "/manifest.json", "{\"name\":\"meta.json\"", "{\"name\":\"../meta.json\"");
+       },
+       [](const std::string& f) {
+         return std::vector<std::string>{
+             f + "/manifest.json: '../meta.json' is not the name of a file of the checkpoint"};
+       }},
+      {"a checksum that is not hex",
+       [](const std::string& f) {
+         const auto m = nlohmann::json::parse(read_file(f + "/manifest.json"));
+         edit_file(f + "/manifest.json", m["files"][2]["xxh3_64"].get<std::string>(),
+                   "not-a-checksum!!");
+       },
+       [](const std::string& f) {
+         return std::vector<std::string>{
+             f + "/manifest.json: the checksum of meta.json must be 16 hex digits, got "
+                 "'not-a-checksum!!'"};
+       }},
+  };
+  int n = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const std::string dir = testing::temp_dir("mismatch-" + std::to_string(n++));
+    save_step(dir, 2);
+    const std::string f = folder(dir, 2);
+    c.corrupt(f);
+    const std::vector<std::string> fragments = c.fragments(f);
+    const std::string msg = error_message([&] { open_checkpoint(f); });
+    EXPECT_TRUE(contains(msg, "--load " + f + ": ")) << msg;
+    for (const std::string& part : fragments)
+      EXPECT_TRUE(contains(msg, part)) << "missing '" << part << "' in: " << msg;
+    const CheckpointSource scan = scan_checkpoints(dir);
+    EXPECT_EQ(scan.step, -1);
+    ASSERT_EQ(scan.skipped.size(), 1u);
+    EXPECT_EQ(scan.skipped[0].first, f);
+    for (const std::string& part : fragments) EXPECT_TRUE(contains(scan.skipped[0].second, part));
+  }
+}
+
+// A folder saved before manifests loads, unverified, and says so through
+// its source.
+TEST(Manifest, AFolderWithoutOneLoadsUnverified) {
+  const std::string dir = testing::temp_dir("no-manifest");
+  save_step(dir, 3);
+  fs::remove(folder(dir, 3) + "/manifest.json");
+  const Checkpoint c = open_checkpoint(dir);
+  EXPECT_FALSE(c.source.verified);
+  EXPECT_EQ(c.source.step, 3);
+  EXPECT_EQ(c.meta.step, 3);
+  // Its meta.json is still checked.
+  edit_file(folder(dir, 3) + "/meta.json", "\"step\": 3", "\"step\": -3");
+  EXPECT_TRUE(contains(error_message([&] { open_checkpoint(folder(dir, 3)); }),
+                       "'step' must be a non-negative integer, got -3"));
+}
+
+// A directory's checkpoint is its newest folder that verifies, whatever the
+// pointer file says; the newer ones are skipped with their reasons.
+TEST(Loader, PicksTheNewestThatVerifiesAndTrustsNoPointer) {
+  const std::string dir = testing::temp_dir("loader");
+  EXPECT_TRUE(contains(error_message([&] { open_checkpoint(dir); }),
+                       "--load " + dir + ": no checkpoint there"));
+  EXPECT_EQ(newest_checkpoint_step(dir), -1);
+  EXPECT_EQ(newest_checkpoint_step(dir + "/absent"), -1);
+  for (int64_t step : {1, 2, 3}) save_step(dir, step);
+  EXPECT_EQ(read_file(dir + "/latest_checkpointed_iteration.txt"), "3\n");
+  write_file(dir + "/latest_checkpointed_iteration.txt", "1\n");
+  EXPECT_EQ(open_checkpoint(dir).meta.step, 3);
+
+  overwrite_floats(folder(dir, 3) + "/model.safetensors", "a.weight", 1);
+  CheckpointSource scan = scan_checkpoints(dir);
+  EXPECT_EQ(scan.step, 2);
+  EXPECT_EQ(scan.path, folder(dir, 2));
+  EXPECT_TRUE(scan.verified);
+  ASSERT_EQ(scan.skipped.size(), 1u);
+  EXPECT_EQ(scan.skipped[0].first, folder(dir, 3));
+  EXPECT_TRUE(contains(scan.skipped[0].second, folder(dir, 3) +
+                                                   "/model.safetensors: tensor 'a.weight' "
+                                                   "checksum mismatch"))
+      << scan.skipped[0].second;
+  EXPECT_EQ(newest_checkpoint_step(dir), 2);
+  const Checkpoint c = open_checkpoint(dir);
+  EXPECT_EQ(c.meta.step, 2);
+  EXPECT_EQ(c.source.skipped, scan.skipped);
+  // Loaded tensors are step 2's.
+  const Tensor b = c.model.get("b.bias");
+  const Tensor want = model_tensors(2)[1].second;
+  EXPECT_EQ(std::memcmp(b.raw(), want.raw(), want.nbytes()), 0);
+
+  edit_file(folder(dir, 2) + "/meta.json", "\"step\": 2", "\"step\": 7");
+  EXPECT_EQ(newest_checkpoint_step(dir), 1);
+  EXPECT_EQ(scan_checkpoints(dir).skipped.size(), 2u);
+  fs::remove(folder(dir, 1) + "/optimizer.safetensors");
+  scan = scan_checkpoints(dir);
+  EXPECT_EQ(scan.step, -1);
+  EXPECT_EQ(scan.skipped.size(), 3u);
+  const std::string msg = error_message([&] { open_checkpoint(dir); });
+  EXPECT_TRUE(contains(msg, "--load " + dir + ": none of its 3 checkpoint folders verifies: ")) << msg;
+  for (int64_t step : {1, 2, 3}) EXPECT_TRUE(contains(msg, folder(dir, step) + "/")) << msg;
+}
+
+// A save of a step that exists sets the old folder aside until the new one is
+// in place, and removes the folders of later steps (a rewound run's).
+TEST(Loader, ASaveReplacesItsStepAndRemovesLaterOnes) {
+  const std::string dir = testing::temp_dir("resave");
+  for (int64_t step : {2, 4, 6}) save_step(dir, step);
+  save_step(dir, 4);
+  EXPECT_EQ(entries(dir), (std::vector<std::string>{"iter_0000002", "iter_0000004",
+                                                    "latest_checkpointed_iteration.txt"}));
+  EXPECT_EQ(read_file(dir + "/latest_checkpointed_iteration.txt"), "4\n");
+  EXPECT_EQ(newest_checkpoint_step(dir), 4);
+}
+
+// What a save killed between its renames leaves: the step's old folder as
+// iter_N.old, the new one as iter_N.tmp. The loader reads the .old; the
+// cleaner puts it back.
+TEST(Loader, AnInterruptedReplacementIsReadAndRestored) {
+  const std::string dir = testing::temp_dir("old");
+  save_step(dir, 2);
+  save_step(dir, 4);
+  fs::rename(folder(dir, 4), folder(dir, 4) + ".old");
+  fs::create_directories(folder(dir, 4) + ".tmp");
+  write_file(folder(dir, 4) + ".tmp/model.safetensors.tmp", "half a file");
+  write_file(dir + "/latest_checkpointed_iteration.txt.tmp", "4\n");
+  write_file(dir + "/latest_checkpointed_iteration.txt", "2\n");
+  const CheckpointSource scan = scan_checkpoints(dir);
+  EXPECT_EQ(scan.step, 4);
+  EXPECT_EQ(scan.path, folder(dir, 4) + ".old");
+  EXPECT_TRUE(scan.skipped.empty());
+
+  const std::vector<std::string> lines = clean_stale_checkpoint_files(dir);
+  EXPECT_EQ(lines, (std::vector<std::string>{
+                       "restored " + dir + "/iter_0000004 from " + dir +
+                           "/iter_0000004.old, which an interrupted save had set aside",
+                       "removed " + dir + "/iter_0000004.tmp, left by an interrupted save",
+                       "removed " + dir +
+                           "/latest_checkpointed_iteration.txt.tmp, left by an interrupted save",
+                       "pointed " + dir +
+                           "/latest_checkpointed_iteration.txt at step 4, the newest complete "
+                           "checkpoint"}));
+  EXPECT_EQ(entries(dir), (std::vector<std::string>{"iter_0000002", "iter_0000004",
+                                                    "latest_checkpointed_iteration.txt"}));
+  EXPECT_EQ(read_file(dir + "/latest_checkpointed_iteration.txt"), "4\n");
+  EXPECT_EQ(scan_checkpoints(dir).path, folder(dir, 4));
+  EXPECT_TRUE(clean_stale_checkpoint_files(dir).empty());
+
+  // Killed after the new folder's rename: the .old copy goes.
+  fs::copy(folder(dir, 4), folder(dir, 4) + ".old");
+  EXPECT_EQ(clean_stale_checkpoint_files(dir),
+            (std::vector<std::string>{"removed " + dir +
+                                      "/iter_0000004.old, left by an interrupted save"}));
+}
+
+TEST(FaultInjection, ValuesAreCheckedUpFront) {
+  for (const char* good : {"writing-tensors", "before-fsync@3", "between-renames@0",
+                           "pointer-update", "slow-save:250"}) {
+    ScopedEnv env("WEFT_FAULT_INJECT", good);
+    EXPECT_NO_THROW(check_fault_injection()) << good;
+  }
+  for (const char* bad : {"before-sync", "pointer-update@", "pointer-update@-1",
+                          "writing-tensors@2x", "slow-save:", "slow-save:fast"}) {
+    ScopedEnv env("WEFT_FAULT_INJECT", bad);
+    const std::string msg = error_message([] { check_fault_injection(); });
+    EXPECT_TRUE(contains(msg, std::string("WEFT_FAULT_INJECT '") + bad + "'")) << msg;
+  }
+  // A bad value fails a save before it writes anything.
+  ScopedEnv env("WEFT_FAULT_INJECT", "everything");
+  const std::string dir = testing::temp_dir("bad-fault");
+  EXPECT_TRUE(contains(error_message([&] { save_step(dir, 1); }), "must be one of"));
+  EXPECT_TRUE(entries(dir).empty());
+}
+
+// --- the barrier after a save, on threads ---
+
+const TokenData& text_data() {
+  static const TokenData data = [] {
+    std::string text;
+    for (int i = 0; i < 40; ++i) text += "It was the best of times, it was the worst of times. ";
+    return TokenData::from_tokens(std::vector<int32_t>(text.begin(), text.end()), 256);
+  }();
+  return data;
+}
+
+// Two data-parallel ranks; rank 0 writes the checkpoint (slowly, with
+// WEFT_FAULT_INJECT) while rank 1 waits. The save of step 1 is written whole
+// and both ranks go on training after it.
+void train_and_save_on_threads(const std::string& dir, CommOptions comm) {
+  GptConfig cfg;
+  cfg.vocab_size = 256, cfg.num_layers = 1, cfg.hidden_size = 16, cfg.num_heads = 2;
+  cfg.seq_length = 8;
+  run_local(2, [&](Communicator& world) {
+    TokenBatches batches(text_data(), 4, cfg.seq_length);
+    GptModel model = build_gpt(cfg, 2);
+    TrainOptions opt;
+    opt.micro_batch = 2;
+    opt.global_batch = 4;
+    RankLayout rank(&world, model.graph, model.io, batches, opt, LayoutOptions{}, 7);
+    rank.trainer().train_step();
+    rank.trainer().save(dir);
+    rank.trainer().train_step();
+  }, comm);
+}
+
+TEST(SlowSave, OutlastsTheCommTimeoutOnThreads) {
+  const std::string dir = testing::temp_dir("slow-threads");
+  ScopedEnv slow("WEFT_FAULT_INJECT", "slow-save:2500");
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_NO_THROW(train_and_save_on_threads(dir, CommOptions{std::chrono::milliseconds(1000)}));
+  EXPECT_GE(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 2.5);
+  const CheckpointSource scan = scan_checkpoints(dir);
+  EXPECT_EQ(scan.step, 1);
+  EXPECT_TRUE(scan.verified);
+}
+
+// A writer that fails still ends the rank that waits for it.
+TEST(SlowSave, AWriterThatFailsEndsTheJob) {
+  const std::string dir = testing::temp_dir("failed-writer") + "/a-file";
+  write_file(dir, "not a directory");
+  const auto start = std::chrono::steady_clock::now();
+  const std::string msg =
+      error_message([&] { train_and_save_on_threads(dir, CommOptions{std::chrono::seconds(60)}); });
+  EXPECT_TRUE(contains(msg, "rank 0: ")) << msg;
+  EXPECT_TRUE(contains(msg, dir)) << msg;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30.0);
+}
+
+// --- train_gpt: corrupt bytes, old checkpoints, and kill -9 during saves ---
+
+struct TrainRun {
+  int code = -1;        // exit status; -1 when killed
+  bool killed = false;  // by SIGKILL
+  std::string out;      // stdout and stderr
+  std::vector<nlohmann::json> records;  // the JSONL log, one per step
+};
+
+class TrainGpt : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    data_dir_ = new std::string(testing::temp_dir("ckpt-data"));
+    std::string text;
+    for (int i = 0; i < 60; ++i) text += "Call me Ishmael. Some years ago, never mind how long. ";
+    write_file(*data_dir_ + "/text.txt", text);
+  }
+  static void TearDownTestSuite() {
+    delete data_dir_;
+    data_dir_ = nullptr;
+  }
+
+  void SetUp() override {
+    std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::replace(name.begin(), name.end(), '/', '_');  // a parameterised test's name has one
+    dir_ = testing::temp_dir(name);
+    ckpt_ = dir_ + "/ckpt";
+  }
+
+  // A tiny GPT whose learning rate depends on the step (warmup, cosine), so
+  // a resumed run must know where it is; the same schedule whatever
+  // --train-iters a run stops at.
+  static std::string flags() {
+    return "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+           "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --min-lr 1e-3 "
+           "--lr-decay-style cosine --lr-warmup-iters 2 --lr-decay-iters 6 --threads 1 "
+           "--device cpu --data-path " +
+           *data_dir_ + "/text.txt ";
+  }
+
+  // Runs train_gpt with `args`, WEFT_FAULT_INJECT=`fault` when given.
+  TrainRun train(const std::string& args, const std::string& fault = "") const {
+    const char* exe = std::getenv("WEFT_TRAIN_GPT");
+    EXPECT_NE(exe, nullptr) << "WEFT_TRAIN_GPT is set by meson test";
+    const std::string jsonl = dir_ + "/run.jsonl", out = dir_ + "/out.txt";
+    fs::remove(jsonl);
+    const std::string cmd = (fault.empty() ? "" : "WEFT_FAULT_INJECT=" + fault + " ") +
+                            std::string(exe ? exe : "train_gpt") + " " + flags() + args +
+                            " --log-jsonl " + jsonl + " >" + out + " 2>&1";
+    const int status = std::system(cmd.c_str());
+    TrainRun r;
+    // The shell reports a child killed by a signal as 128 + the signal.
+    r.killed = (WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) ||
+               (WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGKILL);
+    r.code = WIFEXITED(status) && !r.killed ? WEXITSTATUS(status) : -1;
+    r.out = read_file(out);
+    if (fs::exists(jsonl)) r.records = testing::jsonl_steps(jsonl);  // not the header lines
+    return r;
+  }
+
+  // The uninterrupted run's records, steps 1..6, computed once.
+  static const std::vector<nlohmann::json>& reference(const TrainGpt& t) {
+    static const std::vector<nlohmann::json> records = [&] {
+      const TrainRun r = t.train("--train-iters 6");
+      EXPECT_EQ(r.code, 0) << r.out;
+      return r.records;
+    }();
+    return records;
+  }
+
+  // The records are the uninterrupted run's steps first+1.. bit for bit.
+  void expect_reference_steps(const std::vector<nlohmann::json>& records, int first) const {
+    const auto& ref = reference(*this);
+    ASSERT_EQ(ref.size(), 6u);
+    ASSERT_EQ(records.size(), ref.size() - static_cast<size_t>(first));
+    for (size_t i = 0; i < records.size(); ++i) {
+      const auto& want = ref[static_cast<size_t>(first) + i];
+      EXPECT_EQ(records[i]["step"], want["step"]);
+      EXPECT_EQ(records[i]["loss"].get<double>(), want["loss"].get<double>())
+          << "step " << want["step"];
+      EXPECT_EQ(records[i]["grad_norm"].get<double>(), want["grad_norm"].get<double>())
+          << "step " << want["step"];
+    }
+  }
+
+  static std::string* data_dir_;
+  std::string dir_, ckpt_;
+};
+
+std::string* TrainGpt::data_dir_ = nullptr;
+
+// Finite garbage over some weights of the newest checkpoint: the automatic
+// resume skips it, saying which file and tensor, and trains on from the one
+// before with the uninterrupted run's losses; loading it by name fails.
+TEST_F(TrainGpt, CorruptWeightsAreSkippedOnResumeAndRefusedWhenNamed) {
+  TrainRun r = train("--train-iters 4 --save-interval 2 --save " + ckpt_);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string newest = ckpt_ + "/iter_0000004";
+  overwrite_floats(newest + "/model.safetensors", "h.0.attn.c_attn.weight", 16);
+
+  r = train("--train-iters 6 --load " + newest);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(r.records.empty());
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
+  for (const std::string& part :
+       {"train_gpt: error: --load " + newest + ": " + newest +
+            "/model.safetensors: tensor 'h.0.attn.c_attn.weight' checksum mismatch (stored ",
+        std::string(", computed ")})
+    EXPECT_TRUE(contains(r.out, part)) << "missing '" << part << "' in: " << r.out;
+
+  r = train("--train-iters 6 --save-interval 2 --save " + ckpt_);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "warning: skipped " + newest + ", which does not verify: " +
+                                  newest +
+                                  "/model.safetensors: tensor 'h.0.attn.c_attn.weight' checksum "
+                                  "mismatch (stored "))
+      << r.out;
+  EXPECT_TRUE(contains(r.out, "resumed from " + ckpt_ + " at step 2 (automatic")) << r.out;
+  expect_reference_steps(r.records, 2);
+  // Saved again: step 4 verifies now.
+  const CheckpointSource scan = scan_checkpoints(ckpt_);
+  EXPECT_EQ(scan.step, 6);
+  EXPECT_TRUE(scan.skipped.empty());
+  EXPECT_NO_THROW(open_checkpoint(newest));
+}
+
+// When every checkpoint in --save is corrupt, the run neither starts over
+// nor resumes: it says so, and --no-load --overwrite-checkpoints starts over.
+TEST_F(TrainGpt, NoCheckpointThatVerifiesIsAnError) {
+  TrainRun r = train("--train-iters 2 --save " + ckpt_);
+  ASSERT_EQ(r.code, 0) << r.out;
+  overwrite_floats(ckpt_ + "/iter_0000002/optimizer.safetensors", "wte.weight.exp_avg", 1);
+  r = train("--train-iters 4 --save " + ckpt_);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "--save " + ckpt_ + " holds checkpoints, but none of them verifies (" +
+                                  ckpt_ + "/iter_0000002/optimizer.safetensors: tensor "
+                                          "'wte.weight.exp_avg' checksum mismatch"))
+      << r.out;
+  r = train("--train-iters 4 --no-load --save " + ckpt_);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "already holds checkpoints (none of them verifies)")) << r.out;
+  r = train("--train-iters 4 --no-load --overwrite-checkpoints --save " + ckpt_);
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(newest_checkpoint_step(ckpt_), 4);
+}
+
+// A checkpoint saved before manifests existed resumes, with one note.
+TEST_F(TrainGpt, ACheckpointWithoutManifestResumesWithANote) {
+  TrainRun r = train("--train-iters 3 --save " + ckpt_);
+  ASSERT_EQ(r.code, 0) << r.out;
+  fs::remove(ckpt_ + "/iter_0000003/manifest.json");
+  r = train("--train-iters 6 --save " + ckpt_);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(testing::count(r.out, "note: "), 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "note: " + ckpt_ +
+                                  "/iter_0000003 has no manifest.json (saved before checkpoints "
+                                  "had one): loaded unverified\n"))
+      << r.out;
+  expect_reference_steps(r.records, 3);
+  EXPECT_TRUE(scan_checkpoints(ckpt_).verified);  // step 6, saved with one
+}
+
+// kill -9 at every phase of a save: during a save at the interval, during
+// the final step's save, and during a save of a step that exists (a run
+// rewound to step 2 saving step 4 again). A plain re-run resumes from the
+// newest complete checkpoint and ends with the uninterrupted run's losses.
+enum class When { Interval, Final, Resave };
+
+struct KillCase {
+  std::string phase;
+  When when;
+  int resumes_at;  // the step the re-run resumes from
+};
+
+// gtest names a failing case by its phase and moment.
+void PrintTo(const KillCase& k, std::ostream* os) {
+  *os << k.phase << (k.when == When::Interval ? " at the interval"
+                     : k.when == When::Final  ? " at the final step"
+                                              : " saving a step again");
+}
+
+class KilledSave : public TrainGpt, public ::testing::WithParamInterface<KillCase> {};
+
+TEST_P(KilledSave, ResumesFromTheNewestCompleteCheckpointWithTheSameLosses) {
+  const KillCase& k = GetParam();
+  const int killed_at = k.when == When::Final ? 6 : 4;  // the step whose save is killed
+  std::string args = "--train-iters 6 --save-interval 2 --save " + ckpt_;
+  if (k.when == When::Resave) {
+    const TrainRun first = train("--train-iters 4 --save-interval 2 --save " + ckpt_);
+    ASSERT_EQ(first.code, 0) << first.out;
+    args += " --load " + ckpt_ + "/iter_0000002";
+  }
+  const TrainRun killed = train(args, k.phase + "@" + std::to_string(killed_at));
+  ASSERT_TRUE(killed.killed) << "code " << killed.code << ":\n" << killed.out;
+  EXPECT_TRUE(contains(killed.out, "WEFT_FAULT_INJECT: SIGKILL at " + k.phase +
+                                       " of the save of step " + std::to_string(killed_at)))
+      << killed.out;
+  // Every step up to the killed save ran (and was logged) as in the uninterrupted run.
+  const int started = k.when == When::Resave ? 2 : 0;
+  ASSERT_EQ(killed.records.size(), static_cast<size_t>(killed_at - started));
+  EXPECT_EQ(killed.records.back()["loss"].get<double>(),
+            reference(*this)[static_cast<size_t>(killed_at - 1)]["loss"].get<double>());
+
+  // What the kill left where.
+  const std::string f = fmt::format("{}/iter_{:07d}", ckpt_, killed_at);
+  if (k.phase == "writing-tensors") {
+    EXPECT_TRUE(fs::exists(f + ".tmp/model.safetensors.tmp"));
+    EXPECT_FALSE(fs::exists(f + ".tmp/manifest.json"));
+  } else if (k.phase == "before-fsync") {
+    EXPECT_TRUE(fs::exists(f + ".tmp/manifest.json"));
+  } else if (k.phase == "between-renames") {
+    EXPECT_TRUE(fs::exists(f + ".tmp/manifest.json"));
+    EXPECT_FALSE(fs::exists(f));
+    EXPECT_EQ(fs::exists(f + ".old"), k.when == When::Resave);
+  } else {
+    EXPECT_TRUE(fs::exists(f + "/manifest.json"));
+    EXPECT_EQ(read_file(ckpt_ + "/latest_checkpointed_iteration.txt.tmp"),
+              std::to_string(killed_at) + "\n");
+  }
+  EXPECT_EQ(newest_checkpoint_step(ckpt_), k.resumes_at);
+
+  const TrainRun resumed = train("--train-iters 6 --save-interval 2 --save " + ckpt_);
+  ASSERT_EQ(resumed.code, 0) << resumed.out;
+  EXPECT_TRUE(contains(resumed.out, "resumed from " + ckpt_ + " at step " +
+                                        std::to_string(k.resumes_at) + " (automatic"))
+      << resumed.out;
+  EXPECT_TRUE(contains(resumed.out, "left by an interrupted save") ||
+              contains(resumed.out, "which an interrupted save had set aside"))
+      << resumed.out;
+  expect_reference_steps(resumed.records, k.resumes_at);
+  // Every step saved, each verifying; nothing left over.
+  EXPECT_EQ(entries(ckpt_), (std::vector<std::string>{"iter_0000002", "iter_0000004",
+                                                      "iter_0000006",
+                                                      "latest_checkpointed_iteration.txt"}));
+  EXPECT_EQ(read_file(ckpt_ + "/latest_checkpointed_iteration.txt"), "6\n");
+  for (int step : {2, 4, 6})
+    EXPECT_TRUE(open_checkpoint(fmt::format("{}/iter_{:07d}", ckpt_, step)).source.verified);
+}
+
+std::vector<KillCase> kill_cases() {
+  std::vector<KillCase> cases;
+  for (const char* phase :
+       {"writing-tensors", "before-fsync", "between-renames", "pointer-update"}) {
+    const bool in_place = std::string(phase) == "pointer-update";  // iter_N renamed in
+    cases.push_back({phase, When::Interval, in_place ? 4 : 2});
+    cases.push_back({phase, When::Final, in_place ? 6 : 4});
+    cases.push_back({phase, When::Resave, 4});  // the old step 4, or the new one
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryPhase, KilledSave, ::testing::ValuesIn(kill_cases()),
+                         [](const ::testing::TestParamInfo<KillCase>& param_info) {
+                           std::string n = param_info.param.phase;
+                           std::replace(n.begin(), n.end(), '-', '_');
+                           const When w = param_info.param.when;
+                           return n + (w == When::Interval ? "_interval"
+                                       : w == When::Final  ? "_final_step"
+                                                           : "_resave");
+                         });
+
+}  // namespace
+}  // namespace weft

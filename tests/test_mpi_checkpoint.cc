@@ -1,0 +1,45 @@
+// train_gpt under mpiexec: rank 0 writes every checkpoint while the other
+// ranks wait for it, and that wait is bounded by the disk, not by
+// --comm-timeout: a healthy job whose saves are slower than the deadline
+// trains on and ends well.
+#include <weft/checkpoint.h>
+
+#include <gtest/gtest.h>
+
+#include "test_util.h"
+
+#include <chrono>
+#include <cstdlib>
+
+namespace weft {
+namespace {
+
+TEST(MpiCheckpoint, SavesSlowerThanTheCommTimeoutAreNoFailure) {
+  ASSERT_NE(std::getenv("WEFT_MPIEXEC"), nullptr) << "meson test sets WEFT_MPIEXEC";
+  const std::string dir = testing::temp_dir("mpi-slow-save");
+  std::string text;
+  for (int i = 0; i < 60; ++i) text += "Call me Ishmael. Some years ago, never mind how long. ";
+  testing::write_file(dir + "/text.txt", text);
+  // Each save sleeps twice the deadline before it writes.
+  ::setenv("WEFT_FAULT_INJECT", "slow-save:4000", 1);
+  const auto start = std::chrono::steady_clock::now();
+  const testing::TrainRun run = testing::run_train_gpt(
+      2,
+      "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+      "--micro-batch-size 2 --global-batch-size 8 --threads 1 --comm-timeout 2 "
+      "--train-iters 3 --save-interval 2 --save " + dir + "/ckpt --data-path " + dir + "/text.txt",
+      dir);
+  ::unsetenv("WEFT_FAULT_INJECT");
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_TRUE(run.ok) << run.command << "\n" << run.output;
+  EXPECT_GE(seconds, 8.0) << "two saves of 4 s each";
+  EXPECT_EQ(testing::count(run.output, "saved checkpoint at step"), 2) << run.output;
+  EXPECT_EQ(run.records.size(), 3u) << run.output;  // step 3 trained after the first save
+  const CheckpointSource scan = scan_checkpoints(dir + "/ckpt");
+  EXPECT_EQ(scan.step, 3);
+  EXPECT_TRUE(scan.verified);
+}
+
+}  // namespace
+}  // namespace weft
