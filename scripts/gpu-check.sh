@@ -11,6 +11,10 @@
 #   scripts/gpu-check.sh --dry-run   # anywhere with nvcc: the same build, and
 #                                    # every GPU test must SKIP cleanly (exit 77)
 #
+# The GPU machine has no xxHash package: carry third_party/ (make it here with
+# `mkdir -p third_party/xxhash && cp /usr/include/xxhash.h third_party/xxhash/`),
+# and the build uses that header alone.
+#
 # Environment: WEFT_GPU_BUILD (build directory, default build-gpu),
 # WEFT_GPU_ARCH (default: the first GPU's compute capability, else 90),
 # WEFT_BENCH_ARGS (extra bench_cuda flags, e.g. "--batch 8 --modes tf32").
@@ -36,6 +40,10 @@ for dir in /usr/local/cuda/bin /opt/torch/.venv/bin; do
 done
 # Open MPI (the GPU machine's MPI) refuses root unless told.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+if ! pkg-config --exists libxxhash 2>/dev/null && ! [ -f third_party/xxhash/xxhash.h ]; then
+  echo "gpu-check: no xxHash here: carry third_party/ (see the top of this script)" >&2
+  exit 1
+fi
 for tool in meson ninja nvcc; do
   if ! command -v "$tool" >/dev/null && ! [ -x "/usr/local/cuda/bin/$tool" ]; then
     echo "gpu-check: $tool not found (nvcc is expected in PATH or /usr/local/cuda/bin)" >&2
