@@ -176,6 +176,11 @@ struct Args {
   std::string split;
   int64_t eval_interval = 0, eval_iters = 10;
   int64_t save_interval = 0, log_interval = 1, keep_last = 0;
+  std::string optimizer = "adam";  // Megatron's --optimizer adam|sgd
+  float sgd_momentum = 0;
+  int64_t local_steps = 0;         // local SGD / DiLoCo: average replicas every N steps
+  std::string outer_optimizer = "none";
+  float outer_lr = 0.7f, outer_momentum = 0.9f;
   bool check_spiky_loss = false;   // Megatron's: skip the update of a step whose loss spikes
   double spiky_loss_factor = 10;
   int64_t max_skipped_steps = 10;
@@ -225,6 +230,8 @@ struct Args {
 // --grad-reduce-dtype, --grad-compression and --powersgd-* into `sync`
 // (which holds the other data-parallel flags), checked against them.
 void set_grad_compression(const Args& a, weft::GradSyncOptions& sync) {
+  sync.optimizer = weft::parse_optimizer(a.optimizer);
+  sync.sgd = {a.sgd_momentum, a.weight_decay};
   sync.reduce_dtype = weft::parse_grad_reduce_dtype(a.grad_reduce_dtype);
   sync.compression = weft::parse_grad_compression(a.grad_compression);
   sync.powersgd_rank = a.powersgd_rank;
@@ -568,6 +575,9 @@ void adopt_checkpoint_args(Args& a, const CLI::App& app) {
             a.num_query_groups = v.get<int64_t>();
           });
   }
+  field("optimizer", "--optimizer", app.count("--optimizer") > 0,
+        weft::optimizer_name(weft::parse_optimizer(a.optimizer)),
+        [&](const nlohmann::json& v) { a.optimizer = v.get<std::string>() == "sgd" ? "sgd" : "adam"; });
   field("data_path", "--data-path", !a.data_path.empty(), a.data_path,
         [&](const nlohmann::json& v) { a.data_path = v.get<std::string>(); });
   field("micro_batch_size", "--micro-batch-size", app.count("--micro-batch-size") > 0,
@@ -717,6 +727,26 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   check(a.eval_interval > 0 || !app.count("--eval-iters"),
         "--eval-iters sets the batches of each validation: it needs --eval-interval");
   check(a.sample > 0 || a.tokenizer.empty(), "--tokenizer decodes samples: it needs --sample N");
+  // Local SGD / DiLoCo: the replicas agree only every --local-steps steps, so
+  // the run saves and stops there.
+  check(a.optimizer == "sgd" || !app.count("--sgd-momentum"),
+        "--sgd-momentum sets SGD's momentum: it needs --optimizer sgd");
+  check(a.local_steps >= 0, "--local-steps ({}) must be >= 0", a.local_steps);
+  check(a.outer_optimizer == "none" || a.outer_optimizer == "nesterov",
+        "--outer-optimizer '{}' must be none or nesterov", a.outer_optimizer);
+  check(a.local_steps > 0 || !app.count("--outer-optimizer"),
+        "--outer-optimizer steps the average of local SGD: it needs --local-steps");
+  check(a.outer_optimizer == "nesterov" || (!app.count("--outer-lr") && !app.count("--outer-momentum")),
+        "--outer-lr and --outer-momentum set DiLoCo's outer step: they need --outer-optimizer "
+        "nesterov");
+  if (a.local_steps > 0)
+    for (const auto& [flag, n] : {std::pair<const char*, int64_t>{"--train-iters", a.train_iters},
+                                  {"--save-interval", a.save_interval},
+                                  {"--exit-interval", a.exit_interval}})
+      check(n % a.local_steps == 0,
+            "{} ({}) must be a multiple of --local-steps ({}): the replicas agree, and the run "
+            "can save or stop, only after such steps",
+            flag, n, a.local_steps);
   const std::string& load = a.resume_from;
   const PipelineSetup setup = check_parallel(a, cfg, world ? world->size() : 1, global);
   const bool rank0 = world == nullptr || world->rank() == 0;
@@ -785,6 +815,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   opt.adam = {a.beta1, a.beta2, a.eps, a.weight_decay};
   opt.clip_grad = a.clip_grad;
   opt.device = setup.device;
+  opt.local = {a.local_steps, a.outer_optimizer == "nesterov", a.outer_lr, a.outer_momentum};
   opt.spike.enabled = a.check_spiky_loss;
   opt.spike.factor = a.spiky_loss_factor;
   opt.spike.max_skipped = a.max_skipped_steps;
@@ -795,7 +826,8 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
                 {"micro_batch_size", a.micro_batch}, {"global_batch_size", global},
                 {"seed", a.seed},
                 {"data_path", std::filesystem::absolute(a.data_path).string()},
-                {"arch", a.arch}};
+                {"arch", a.arch},
+                {"optimizer", weft::optimizer_name(weft::parse_optimizer(a.optimizer))}};
   if (llama) {
     opt.config["ffn_hidden_size"] = llama_config(a, cfg).ffn();
     opt.config["rotary_base"] = a.rotary_base;
@@ -963,8 +995,10 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     std::fflush(stdout);
     if (a.save_interval > 0 && trainer.steps_done() % a.save_interval == 0) save();
     if (trainer.steps_done() >= a.train_iters) continue;
+    // With --local-steps, the replicas agree (and can save) only every H steps.
+    const bool can_stop = a.local_steps == 0 || trainer.steps_done() % a.local_steps == 0;
     const StopReason stop =
-        check_stop ? stop_requested(world, stop_flags,
+        check_stop && can_stop ? stop_requested(world, stop_flags,
                                     a.exit_duration_mins > 0 && elapsed >= a.exit_duration_mins * 60)
                    : StopReason{};
     const bool at_exit_interval = a.exit_interval > 0 && trainer.steps_done() % a.exit_interval == 0;
@@ -1105,6 +1139,17 @@ int main(int argc, char** argv) {
   app.add_flag("--overwrite-checkpoints", a.overwrite_checkpoints,
                "with --no-load: let the new run replace the checkpoints in --save");
   app.add_option("--save-interval", a.save_interval, "save every N steps (0 = only at the end)");
+  app.add_option("--optimizer", a.optimizer,
+                 "adam (AdamW, the default) or sgd (torch.optim.SGD; --weight-decay as L2)");
+  app.add_option("--sgd-momentum", a.sgd_momentum, "SGD's momentum (with --optimizer sgd)");
+  app.add_option("--local-steps", a.local_steps,
+                 "local SGD: each data-parallel replica updates alone from its own gradients, "
+                 "and the replicas' parameters are averaged every N steps (0: reduce every step)");
+  app.add_option("--outer-optimizer", a.outer_optimizer,
+                 "with --local-steps: none (take the average) or nesterov (DiLoCo's outer step "
+                 "on start - average)");
+  app.add_option("--outer-lr", a.outer_lr, "DiLoCo's outer learning rate");
+  app.add_option("--outer-momentum", a.outer_momentum, "DiLoCo's outer Nesterov momentum");
   app.add_flag("--check-for-spiky-loss", a.check_spiky_loss,
                "skip the update of a step whose loss is over --spiky-loss-factor x the mean of the "
                "last 10 updated steps, and log it");

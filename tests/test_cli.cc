@@ -479,6 +479,30 @@ TEST_F(Cli, SpikyLossIsSkippedAndLogged) {
                {"--spiky-loss-factor (0.5) must be a number > 1"});
 }
 
+// Local SGD / DiLoCo flags that cannot work are refused, one line each.
+TEST_F(Cli, LocalSgdFlagsAreChecked) {
+  expect_error(toy("--optimizer lion"), {"--optimizer 'lion' must be adam or sgd"});
+  expect_error(toy("--sgd-momentum 0.9"), {"--sgd-momentum sets SGD's momentum: it needs --optimizer sgd"});
+  expect_error(toy("--optimizer sgd --sgd-momentum 1"), {"--sgd-momentum (1) must be in [0, 1)"});
+  expect_error(toy("--local-steps -1"), {"--local-steps (-1) must be >= 0"});
+  expect_error(toy("--outer-optimizer nesterov"), {"--outer-optimizer steps the average of local SGD: it needs --local-steps"});
+  expect_error(toy("--local-steps 2 --outer-lr 0.5"), {"--outer-lr and --outer-momentum set DiLoCo's outer step"});
+  expect_error(toy("--local-steps 4 --train-iters 6"),
+               {"--train-iters (6) must be a multiple of --local-steps (4)"});
+  expect_error(toy("--local-steps 2 --train-iters 4 --use-distributed-optimizer"),
+               {"cannot be combined with --use-distributed-optimizer"});
+  expect_error(toy("--optimizer sgd --use-distributed-optimizer"),
+               {"--use-distributed-optimizer shards AdamW's moments; it cannot be combined with --optimizer sgd"});
+  // A checkpoint records its optimizer: resuming with the other one is refused.
+  Result r = run(toy("--optimizer sgd --train-iters 2 --save " + dir_ + "/sgd"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_error(toy("--optimizer adam --train-iters 3 --save " + dir_ + "/sgd"),
+               {"--optimizer \"adamw\" contradicts the checkpoint's optimizer \"sgd\""});
+  r = run(toy("--train-iters 3 --save " + dir_ + "/sgd"));
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "--optimizer sgd")) << r.out;
+}
+
 TEST_F(Cli, MissingDataFile) {
   expect_error(toy("--data-path /nonexistent/corpus.txt"), {"/nonexistent/corpus.txt"});
 }

@@ -344,6 +344,33 @@ TEST(MpiSigterm, EveryRankStopsAtTheSameStepAndTheJobResumesBitExactly) {
         << "step " << stopped + static_cast<int>(i) + 1;
 }
 
+// Local SGD under mpiexec: with --optimizer sgd and --local-steps 1 the two
+// replicas average their parameters every step, which gives synchronous data
+// parallelism's losses to 1e-5 (the same sums in another order; SGD is
+// linear in the gradient).
+TEST(MpiLocalSgd, OneLocalStepGivesSynchronousLosses) {
+  const std::string dir = restart_dir();
+  const std::string flags = restart_flags(dir) +
+                            " --optimizer sgd --sgd-momentum 0.9 --clip-grad 0 --lr 0.05 "
+                            "--train-iters 6 --global-batch-size 8";
+  const testing::TrainRun sync = testing::run_train_gpt(2, flags, dir);
+  ASSERT_TRUE(sync.ok) << sync.output;
+  const testing::TrainRun local = testing::run_train_gpt(2, flags + " --local-steps 1", dir);
+  ASSERT_TRUE(local.ok) << local.output;
+  ASSERT_EQ(local.records.size(), sync.records.size());
+  for (size_t s = 0; s < sync.records.size(); ++s) {
+    const double want = sync.records[s]["loss"];
+    EXPECT_NEAR(local.records[s]["loss"].get<double>(), want, 1e-5 * want) << "step " << s + 1;
+  }
+  // DiLoCo runs, and its checkpoints fall on the averages.
+  const testing::TrainRun diloco = testing::run_train_gpt(
+      2, flags + " --local-steps 3 --outer-optimizer nesterov --save-interval 3 --save " + dir +
+             "/diloco",
+      dir);
+  ASSERT_TRUE(diloco.ok) << diloco.output;
+  EXPECT_TRUE(testing::contains(diloco.output, "saved checkpoint at step 3")) << diloco.output;
+}
+
 // --memory-budget reaches the partitioner: a budget no cut fits is refused
 // with the least any cut needs; a roomy one runs.
 TEST(MpiMemoryBudget, ReachesThePartitioner) {

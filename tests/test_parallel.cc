@@ -677,5 +677,91 @@ TEST(ConfigErrors, HeadsErrorOnAWorldOfThreads) {
       << msg;
 }
 
+// --- local SGD and DiLoCo ---
+//
+// SGD (momentum 0.9, no clipping) on every replica's own gradients, its
+// parameters averaged every H steps. With H = 1 this is synchronous data
+// parallelism: every step averages (p - lr g_r) over the replicas where the
+// synchronous run steps with the average of g_r; SGD's update is linear in
+// the gradient, so the two differ only by the order of float sums, and by
+// 1e-5 relative at most over six steps (the parity tests' bound). AdamW's
+// moments are not linear, so that equality is not claimed for it.
+struct LocalRun {
+  int dp = 2, pp = 1, tp = 1;
+  int64_t local_steps = 0;
+  bool nesterov = false;
+  float outer_lr = 1.0f, outer_momentum = 0.0f;
+};
+
+std::vector<double> local_sgd_losses(const LocalRun& r, int steps, const RankHook& before = {},
+                                     const RankHook& after = {}) {
+  TrainOptions o = options();
+  o.clip_grad = 0;
+  o.lr = LrSchedule{};
+  o.lr.lr = 0.05f;
+  o.local = {r.local_steps, r.nesterov, r.outer_lr, r.outer_momentum};
+  LayoutOptions lo;
+  lo.tp = r.tp, lo.pp = r.pp;
+  lo.sync.optimizer = OptimizerKind::Sgd;
+  lo.sync.sgd = {0.9f, 0.0f};
+  std::vector<std::vector<double>> losses(z(r.dp * r.pp * r.tp));
+  run_local(r.dp * r.pp * r.tp, [&](Communicator& world) {
+    TokenBatches batches(text_data(), kGlobal, tiny().seq_length);
+    GptModel model = build_gpt(tiny(), kMicro);
+    RankLayout rank(&world, model.graph, model.io, batches, o, lo, kSeed);
+    if (before) before(rank);
+    for (int s = 0; s < steps; ++s)
+      losses[z(world.rank())].push_back(rank.trainer().train_step().loss);
+    if (after) after(rank);
+  });
+  for (const auto& l : losses) EXPECT_EQ(l, losses[0]) << "every rank reports the same loss";
+  return losses[0];
+}
+
+TEST(LocalSgd, OneLocalStepIsSynchronousDataParallelismWithSgd) {
+  for (const LocalRun& layout : {LocalRun{2, 1, 1}, LocalRun{2, 2, 1}, LocalRun{2, 1, 2}}) {
+    LocalRun sync = layout, local = layout;
+    local.local_steps = 1;
+    const std::vector<double> want = local_sgd_losses(sync, 6), got = local_sgd_losses(local, 6);
+    for (size_t s = 0; s < want.size(); ++s)
+      EXPECT_NEAR(got[s], want[s], kTol * want[s])
+          << "(dp, pp, tp) = (" << layout.dp << ", " << layout.pp << ", " << layout.tp
+          << ") step " << s + 1;
+  }
+}
+
+TEST(LocalSgd, ReplicasDivergeBetweenAveragesAndDiLoCoWithUnitOuterStepIsTheAverage) {
+  LocalRun sync, local, diloco;
+  local.local_steps = diloco.local_steps = 3;
+  diloco.nesterov = true;  // outer lr 1, momentum 0: start - (start - average) = average
+  const std::vector<double> s = local_sgd_losses(sync, 6), l = local_sgd_losses(local, 6),
+                            d = local_sgd_losses(diloco, 6);
+  double most = 0;
+  for (size_t i = 0; i < s.size(); ++i) most = std::max(most, std::abs(l[i] - s[i]) / s[i]);
+  EXPECT_GT(most, 1e-4) << "three local steps train differently from synchronous ones";
+  for (size_t i = 0; i < l.size(); ++i) EXPECT_NEAR(d[i], l[i], kTol * l[i]) << "step " << i + 1;
+}
+
+// A checkpoint after an average holds DiLoCo's outer momentum: resuming there
+// gives the uninterrupted run's losses bit for bit.
+TEST(LocalSgd, DiLoCoResumesBitExactly) {
+  LocalRun r;
+  r.local_steps = 2, r.nesterov = true, r.outer_lr = 0.7f, r.outer_momentum = 0.9f;
+  const std::vector<double> whole = local_sgd_losses(r, 6);
+  const std::string dir = testing::temp_dir("diloco-resume");
+  const std::vector<double> first =
+      local_sgd_losses(r, 4, {}, [&](RankLayout& rank) { rank.trainer().save(dir); });
+  const std::vector<double> rest =
+      local_sgd_losses(r, 2, [&](RankLayout& rank) { rank.trainer().load(dir); });
+  ASSERT_EQ(rest.size(), 2u);
+  EXPECT_EQ(rest[0], whole[4]);
+  EXPECT_EQ(rest[1], whole[5]);
+  // Between averages the replicas differ: no checkpoint there.
+  const std::string msg = error_message(
+      [&] { local_sgd_losses(r, 3, {}, [&](RankLayout& rank) { rank.trainer().save(dir); }); });
+  EXPECT_TRUE(contains(msg, "with --local-steps 2, a checkpoint is taken when the replicas agree"))
+      << msg;
+}
+
 }  // namespace
 }  // namespace weft

@@ -127,9 +127,12 @@ struct Checkpoint {
   // full tensor). Throws Error naming the tensor and both shapes when the
   // checkpoint does not fit, or a tensor that is missing or extra.
   void read_model(const std::vector<Param*>& params) const;
-  // Adam's moments of these parameters, shaped like their values (pieces
-  // sliced), named "<param>.exp_avg" and "<param>.exp_avg_sq".
-  NamedTensors read_optimizer(const std::vector<Param*>& params) const;
+  // The optimizer state of these parameters, shaped like their values
+  // (pieces sliced), named "<param><suffix>": Adam's ".exp_avg" and
+  // ".exp_avg_sq" by default (weft/optimizer.h, optimizer_state_suffixes).
+  NamedTensors read_optimizer(const std::vector<Param*>& params,
+                              const std::vector<std::string>& suffixes = {".exp_avg",
+                                                                          ".exp_avg_sq"}) const;
 };
 // `dir` is a checkpoint directory (its newest checkpoint that verifies; throws
 // Error saying why each failed when none does) or one iter_N folder (which

@@ -114,6 +114,12 @@ void mse_backward(const float* p, const float* t, float g, float* d, int64_t n);
 void adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
            float beta2, float eps, float weight_decay, int64_t step);
 
+// --- SGD with momentum, PyTorch semantics (L2 decay, no dampening). ---
+// d = g + weight_decay p; buf = momentum buf + d (buf starts at zero, so the
+// first step's buf is d, as PyTorch's); p -= lr (momentum > 0 ? buf : d).
+void sgd(float* p, const float* g, float* buf, int64_t n, float lr, float momentum,
+         float weight_decay);
+
 // Sum of squares in double.
 double sum_squares(const float* x, int64_t n);
 

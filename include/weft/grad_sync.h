@@ -63,6 +63,10 @@ struct GradSyncOptions {
   GradCompression compression = GradCompression::None;
   int powersgd_rank = 4;
   int64_t powersgd_start_iter = 0;
+  // --optimizer: AdamW (the adam config), or SGD with these settings. The
+  // distributed optimizer shards AdamW only.
+  OptimizerKind optimizer = OptimizerKind::Adam;
+  SgdConfig sgd;
 };
 
 // "fp32" -> F32, "bf16" -> BF16; throws Error naming the value and the choices.
@@ -166,7 +170,7 @@ class GradSync {
   std::vector<int> nodes_per_param_;
   size_t next_launch_ = 0;
   int64_t steps_ = 0;
-  std::unique_ptr<AdamW> plain_;  // when not distributed
+  std::unique_ptr<Optimizer> plain_;  // when not distributed
   Stats stats_;
   std::chrono::steady_clock::time_point first_launch_;
   bool launched_any_ = false;

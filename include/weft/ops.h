@@ -162,4 +162,9 @@ struct AdamWStep {
 // p, g, m, v: the same element count; p, m, v are updated.
 void adamw(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v, const AdamWStep& s);
 
+// --- SGD with momentum, PyTorch semantics (L2 weight decay, no dampening) ---
+// p, g, buf: the same element count; p and the momentum buffer are updated.
+void sgd(const Tensor& p, const Tensor& g, const Tensor& buf, float lr, float momentum,
+         float weight_decay);
+
 }  // namespace weft::ops

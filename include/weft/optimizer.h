@@ -1,5 +1,5 @@
-// weft/optimizer.h — AdamW (PyTorch semantics), gradient norm and clipping,
-// and the learning-rate schedule.
+// weft/optimizer.h — AdamW and SGD (PyTorch semantics), gradient norm and
+// clipping, and the learning-rate schedule.
 #pragma once
 
 #include <weft/param.h>
@@ -17,23 +17,62 @@ struct AdamWConfig {
   float weight_decay = 0.0f;  // applied to parameters of rank >= 2 only
 };
 
-class AdamW {
+// Megatron's --optimizer adam|sgd (weft's adam is AdamW).
+enum class OptimizerKind : uint8_t { Adam, Sgd };
+// "adam" -> Adam, "sgd" -> Sgd; throws Error naming the value.
+OptimizerKind parse_optimizer(const std::string& name);
+const char* optimizer_name(OptimizerKind kind);  // "adamw", "sgd": as checkpoints record it
+// The suffixes of a kind's state tensors per parameter ("<param><suffix>").
+std::vector<std::string> optimizer_state_suffixes(OptimizerKind kind);
+
+struct SgdConfig {
+  float momentum = 0.0f;      // --sgd-momentum
+  float weight_decay = 0.0f;  // L2, on parameters of rank >= 2 only
+};
+
+// One update per step of every parameter from its gradient.
+class Optimizer {
+ public:
+  explicit Optimizer(std::vector<Param*> params) : params_(std::move(params)) {}
+  virtual ~Optimizer() = default;
+  virtual void step(float lr) = 0;
+  // State tensors, named "<param><suffix>" (optimizer_state_suffixes).
+  virtual std::vector<std::pair<std::string, Tensor>> state() = 0;
+  int64_t steps() const { return steps_; }
+  void set_steps(int64_t s) { steps_ = s; }
+  const std::vector<Param*>& params() const { return params_; }
+
+ protected:
+  std::vector<Param*> params_;
+  int64_t steps_ = 0;
+};
+
+class AdamW final : public Optimizer {
  public:
   AdamW(std::vector<Param*> params, AdamWConfig config);
   // One update from each parameter's grad: decoupled decay p *= 1 - lr*wd,
   // moments, bias correction, p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps).
-  void step(float lr);
-  int64_t steps() const { return steps_; }
-  void set_steps(int64_t s) { steps_ = s; }
-  const std::vector<Param*>& params() const { return params_; }
-  // State tensors, named "<param>.exp_avg" and "<param>.exp_avg_sq".
-  std::vector<std::pair<std::string, Tensor>> state();
+  void step(float lr) override;
+  // "<param>.exp_avg" and "<param>.exp_avg_sq".
+  std::vector<std::pair<std::string, Tensor>> state() override;
 
  private:
-  std::vector<Param*> params_;
   AdamWConfig config_;
   std::vector<Tensor> m_, v_;
-  int64_t steps_ = 0;
+};
+
+// torch.optim.SGD: d = g + wd p; buf = momentum buf + d; p -= lr buf (or d
+// without momentum).
+class Sgd final : public Optimizer {
+ public:
+  Sgd(std::vector<Param*> params, SgdConfig config);
+  void step(float lr) override;
+  // "<param>.momentum_buffer".
+  std::vector<std::pair<std::string, Tensor>> state() override;
+
+ private:
+  SgdConfig config_;
+  std::vector<Tensor> buf_;
 };
 
 // Total L2 norm of all gradients (each parameter once), in double.

@@ -96,6 +96,21 @@ struct TrainOptions {
     int64_t max_skipped = 10;
     int64_t window = 10;
   } spike;
+  // Local SGD and DiLoCo (--local-steps H): each data-parallel replica
+  // updates alone from its own gradients, which are not reduced; after every
+  // H steps the replicas' parameters, and their optimizer states, are
+  // averaged. With `nesterov` (DiLoCo's
+  // outer optimizer), the average is not taken as it is: the outer gradient
+  // delta = start - average (start: the parameters the H steps began from)
+  // takes a Nesterov step, buf = momentum buf + delta,
+  // parameters = start - outer_lr (delta + momentum buf). steps = 0: off
+  // (gradients are reduced every step).
+  struct LocalSgd {
+    int64_t steps = 0;
+    bool nesterov = false;
+    float outer_lr = 0.7f;
+    float outer_momentum = 0.9f;
+  } local;
 };
 
 struct StepRecord {
@@ -191,6 +206,9 @@ class Trainer {
   int64_t steps_done_ = 0;
   std::set<const Param*> owned_;  // counted and saved by this rank (its pipeline share)
   Tensor scalar_;
+  void average_replicas();  // local SGD's synchronisation (TrainOptions::local)
+  bool local() const { return opt_.local.steps > 0; }
+  std::vector<Tensor> outer_start_, outer_buf_;  // DiLoCo: the period's start, the momentum
   std::deque<double> recent_losses_;  // the loss-spike check's window (updated steps only)
   int64_t skipped_ = 0;               // steps whose update a loss spike skipped
 };

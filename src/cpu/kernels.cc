@@ -404,6 +404,17 @@ void adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr, fl
   }
 }
 
+void sgd(float* p, const float* g, float* buf, int64_t n, float lr, float momentum,
+         float weight_decay) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float d = g[i] + weight_decay * p[i];
+    const float b = momentum * buf[i] + d;
+    buf[i] = b;
+    p[i] -= lr * (momentum > 0.0f ? b : d);
+  }
+}
+
 double mse_loss(const float* p, const float* t, int64_t n) {
   double s = 0;
   for (int64_t i = 0; i < n; ++i) s += 0.5 * double(p[i] - t[i]) * double(p[i] - t[i]);

@@ -200,6 +200,13 @@ void embedding_backward(Context& ctx, const int32_t* tokens, const float* dy, fl
   WEFT_LAUNCH_CHECK("embedding_backward");
 }
 
+void sgd(Context& ctx, float* p, const float* g, float* buf, int64_t n, float lr, float momentum,
+         float weight_decay) {
+  if (n == 0) return;
+  launch::sgd(prepare(ctx), p, g, buf, n, lr, momentum, weight_decay);
+  WEFT_LAUNCH_CHECK("sgd");
+}
+
 void adamw(Context& ctx, float* p, const float* g, float* m, float* v, int64_t n, float lr,
            float beta1, float beta2, float eps, float weight_decay, int64_t step) {
   if (n == 0) return;

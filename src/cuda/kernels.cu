@@ -436,6 +436,19 @@ __global__ void adamw_kernel(float* p, const float* g, float* m, float* v, int64
   }
 }
 
+// ---------------------------------------------------------------- SGD
+
+__global__ void sgd_kernel(float* p, const float* g, float* buf, int64_t n, float lr,
+                           float momentum, float weight_decay) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const float d = g[i] + weight_decay * p[i];
+    const float b = momentum * buf[i] + d;
+    buf[i] = b;
+    p[i] -= lr * (momentum > 0.0f ? b : d);
+  }
+}
+
 // ---------------------------------------------------------------- reductions
 
 constexpr int kReduceBlocks = 1024;
@@ -620,6 +633,11 @@ void adamw(cudaStream_t s, float* p, const float* g, float* m, float* v, int64_t
            float beta2, float eps, float step_size, float bc2_sqrt, float decay) {
   adamw_kernel<<<blocks_for(n), kThreads, 0, s>>>(p, g, m, v, n, beta1, beta2, eps, step_size,
                                                   bc2_sqrt, decay);
+}
+
+void sgd(cudaStream_t s, float* p, const float* g, float* buf, int64_t n, float lr,
+         float momentum, float weight_decay) {
+  sgd_kernel<<<blocks_for(n), kThreads, 0, s>>>(p, g, buf, n, lr, momentum, weight_decay);
 }
 
 int64_t reduce_blocks(int64_t n) { return std::min<int64_t>(blocks_for(n), kReduceBlocks); }

@@ -65,6 +65,10 @@ void embedding_backward(cudaStream_t s, const int32_t* tokens, const float* dy, 
                         int64_t rows, int64_t first, float* dwpe, int64_t b, int64_t t,
                         int64_t c);
 
+// --- SGD with momentum, as cpu::sgd ---
+void sgd(cudaStream_t s, float* p, const float* g, float* buf, int64_t n, float lr,
+         float momentum, float weight_decay);
+
 // --- AdamW with the host-computed scalars of cpu::adamw ---
 void adamw(cudaStream_t s, float* p, const float* g, float* m, float* v, int64_t n, float beta1,
            float beta2, float eps, float step_size, float bc2_sqrt, float decay);

@@ -528,6 +528,17 @@ void mse_backward(const Tensor& pred, const Tensor& target, float g, const Tenso
 
 // --- AdamW ---
 
+void sgd(const Tensor& p, const Tensor& g, const Tensor& buf, float lr, float momentum,
+         float weight_decay) {
+  const Device d = common_device("sgd", {&p, &g, &buf});
+  const int64_t n = p.numel();
+  check_numel("sgd", "the gradient", g, n);
+  check_numel("sgd", "the momentum buffer", buf, n);
+  on_device(
+      d, "sgd", [&] { cpu::sgd(fw(p), f(g), fw(buf), n, lr, momentum, weight_decay); },
+      [&](auto& cx) { cuda::sgd(cx, fw(p), f(g), fw(buf), n, lr, momentum, weight_decay); });
+}
+
 void adamw(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v,
            const AdamWStep& s) {
   const Device d = common_device("adamw", {&p, &g, &m, &v});

@@ -510,7 +510,10 @@ void save_checkpoint(const std::string& dir, const NamedTensors& model,
                       if (i == 0) fault.at("writing-tensors", step);
                     });
   safetensors::save((tmp_dir / "optimizer.safetensors").string(), optimizer,
-                    {{"optimizer", "adamw"}, {"steps", std::to_string(optimizer_steps)}});
+                    {{"optimizer", meta.config.is_object() && meta.config.contains("optimizer")
+                                       ? meta.config["optimizer"].get<std::string>()
+                                       : std::string("adamw")},
+                     {"steps", std::to_string(optimizer_steps)}});
   nlohmann::json j = {{"step", step},
                       {"consumed_samples", meta.consumed_samples},
                       {"optimizer_steps", optimizer_steps},
@@ -570,11 +573,12 @@ void Checkpoint::read_model(const std::vector<Param*>& params) const {
   load_named(model, param_dests(params), /*hf_names=*/false, "checkpoint");
 }
 
-NamedTensors Checkpoint::read_optimizer(const std::vector<Param*>& params) const {
+NamedTensors Checkpoint::read_optimizer(const std::vector<Param*>& params,
+                                        const std::vector<std::string>& suffixes) const {
   NamedTensors out;
   std::map<std::string, Dest> wanted;
   for (Param* p : params)
-    for (const char* suffix : {".exp_avg", ".exp_avg_sq"}) {
+    for (const std::string& suffix : suffixes) {
       Tensor t = Tensor::zeros(p->value.shape());
       out.emplace_back(p->name + suffix, t);
       wanted.emplace(p->name + suffix, Dest{t, p->shard});

@@ -61,6 +61,11 @@ void check_grad_sync_options(const GradSyncOptions& o) {
   check(o.powersgd_rank >= 1, "--powersgd-rank ({}) must be at least 1", o.powersgd_rank);
   check(o.powersgd_start_iter >= 0, "--powersgd-start-iter ({}) must not be negative",
         o.powersgd_start_iter);
+  check(o.optimizer != OptimizerKind::Sgd || !o.distributed_optimizer,
+        "--use-distributed-optimizer shards AdamW's moments; it cannot be combined with "
+        "--optimizer sgd");
+  check(std::isfinite(o.sgd.momentum) && o.sgd.momentum >= 0 && o.sgd.momentum < 1,
+        "--sgd-momentum ({}) must be in [0, 1)", o.sgd.momentum);
   if (o.compression != GradCompression::PowerSgd) return;
   check(!o.distributed_optimizer,
         "--grad-compression powersgd compresses the all-reduce of plain data parallelism; it "
@@ -177,7 +182,10 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
       }
     }
   }
-  if (!distributed()) plain_ = std::make_unique<AdamW>(params_, adam_);
+  if (!distributed() && options_.optimizer == OptimizerKind::Sgd)
+    plain_ = std::make_unique<Sgd>(params_, options_.sgd);
+  else if (!distributed())
+    plain_ = std::make_unique<AdamW>(params_, adam_);
   remaining_.assign(np, 0);
   scalar_ = Tensor::zeros({1});
 }

@@ -6,8 +6,44 @@
 
 namespace weft {
 
+OptimizerKind parse_optimizer(const std::string& name) {
+  if (name == "adam") return OptimizerKind::Adam;
+  if (name == "sgd") return OptimizerKind::Sgd;
+  throw Error("--optimizer '{}' must be adam or sgd", name);
+}
+
+const char* optimizer_name(OptimizerKind kind) {
+  return kind == OptimizerKind::Sgd ? "sgd" : "adamw";
+}
+
+std::vector<std::string> optimizer_state_suffixes(OptimizerKind kind) {
+  if (kind == OptimizerKind::Sgd) return {".momentum_buffer"};
+  return {".exp_avg", ".exp_avg_sq"};
+}
+
+Sgd::Sgd(std::vector<Param*> params, SgdConfig config)
+    : Optimizer(std::move(params)), config_(config) {
+  for (Param* p : params_) buf_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
+}
+
+void Sgd::step(float lr) {
+  ++steps_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param* p = params_[i];
+    ops::sgd(p->value, p->grad, buf_[i], lr, config_.momentum,
+             p->weight_decay() ? config_.weight_decay : 0.0f);
+  }
+}
+
+std::vector<std::pair<std::string, Tensor>> Sgd::state() {
+  std::vector<std::pair<std::string, Tensor>> s;
+  for (size_t i = 0; i < params_.size(); ++i)
+    s.emplace_back(params_[i]->name + ".momentum_buffer", buf_[i]);
+  return s;
+}
+
 AdamW::AdamW(std::vector<Param*> params, AdamWConfig config)
-    : params_(std::move(params)), config_(config) {
+    : Optimizer(std::move(params)), config_(config) {
   for (Param* p : params_) {
     m_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
     v_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));

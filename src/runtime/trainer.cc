@@ -145,6 +145,22 @@ Trainer::Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, Parallel 
                                      std::move(owned), par_.groups, opt_.adam, par_.sync);
   if (par_.pipeline != nullptr) par_.pipeline->set_grad_sync(sync_.get());
   scalar_ = Tensor::zeros({1});
+  if (local()) {
+    check(!par_.sync.distributed_optimizer,
+          "--local-steps {}: each replica keeps its whole optimizer state, so it cannot be "
+          "combined with --use-distributed-optimizer",
+          opt_.local.steps);
+    check(par_.sync.compression == GradCompression::None && par_.sync.reduce_dtype == DType::F32,
+          "--local-steps {} reduces no gradient, so --grad-compression and --grad-reduce-dtype "
+          "would change nothing",
+          opt_.local.steps);
+    check(std::isfinite(opt_.local.outer_lr) && opt_.local.outer_lr > 0 &&
+              std::isfinite(opt_.local.outer_momentum) && opt_.local.outer_momentum >= 0 &&
+              opt_.local.outer_momentum < 1,
+          "DiLoCo's outer step needs --outer-lr > 0 ({}) and --outer-momentum in [0, 1) ({})",
+          opt_.local.outer_lr, opt_.local.outer_momentum);
+    sync_->set_reduce(false);
+  }
 }
 
 Trainer::Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, PipelineExecutor& pipeline)
@@ -165,10 +181,10 @@ double Trainer::evaluate(const BatchSource& data, int64_t iters) {
   try {
     for (int64_t k = 0; k < iters; ++k) sum += run_batch(replica, k);
   } catch (...) {
-    sync_->set_reduce(true);
+    sync_->set_reduce(!local());
     throw;
   }
-  sync_->set_reduce(true);
+  sync_->set_reduce(!local());
   return sum / static_cast<double>(iters);
 }
 
@@ -217,7 +233,21 @@ StepRecord Trainer::train_step() {
   const auto t0 = std::chrono::steady_clock::now();
   StepRecord r;
   r.step = steps_done_;
+  // DiLoCo: the parameters each period starts from (the same on every replica).
+  if (local() && opt_.local.nesterov && steps_done_ % opt_.local.steps == 0) {
+    const std::vector<Param*>& ps = sync_->params();
+    if (outer_start_.empty())
+      for (Param* p : ps) {
+        outer_start_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
+        outer_buf_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
+      }
+    for (size_t i = 0; i < ps.size(); ++i) outer_start_[i].copy_from(ps[i]->value);
+  }
   r.loss = compute_gradients(steps_done_);
+  // Local SGD: this replica's gradients, unreduced, are (1 / dp) of its own
+  // mean gradient (the loss is seeded for the global batch).
+  if (local() && par_.groups.dp_size() > 1)
+    for (Param* p : sync_->params()) ops::scale(p->grad, static_cast<float>(par_.groups.dp_size()));
   r.grad_norm = sync_->grad_norm();
   if (par_.pipeline != nullptr) r.bubble_frac = par_.pipeline->bubble_fraction();
   if (par_.groups.dp_size() > 1) r.dp_wait_ms = sync_->stats().wait_ms;
@@ -251,6 +281,7 @@ StepRecord Trainer::train_step() {
     }
   }
   ++steps_done_;
+  if (local() && steps_done_ % opt_.local.steps == 0) average_replicas();
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.step_ms = s * 1e3;
   r.tokens_per_s = static_cast<double>(opt_.global_batch * g_.terms_per_sample) / s;
@@ -264,7 +295,16 @@ StepRecord Trainer::train_step() {
 // data-parallel replica 0, which holds world rank 0.
 void Trainer::save(const std::string& dir, int64_t keep_last) {
   const Graph& graph = *g_.graph;
+  check(!local() || steps_done_ % opt_.local.steps == 0,
+        "with --local-steps {}, a checkpoint is taken when the replicas agree, after a step "
+        "divisible by {}; this is step {}",
+        opt_.local.steps, opt_.local.steps, steps_done_);
   NamedTensors state = sync_->optimizer_state();  // collective over dp
+  // DiLoCo's outer momentum (the same on every replica).
+  for (size_t i = 0; i < outer_buf_.size(); ++i)
+    state.emplace_back(sync_->params()[i]->name + ".outer_momentum", outer_buf_[i]);
+  std::vector<std::string> suffixes = optimizer_state_suffixes(par_.sync.optimizer);
+  if (local() && opt_.local.nesterov) suffixes.push_back(".outer_momentum");
   std::map<std::string, Tensor> moments(state.begin(), state.end());
   NamedTensors model, optimizer;
   const bool writer_replica = par_.groups.dp_rank() == 0;
@@ -284,7 +324,7 @@ void Trainer::save(const std::string& dir, int64_t keep_last) {
     for (Param* p : graph.params()) {
       const bool owner = owned_.count(p) > 0;
       model.emplace_back(p->name, gather(*p, &p->value, owner));
-      for (const char* suffix : {".exp_avg", ".exp_avg_sq"}) {
+      for (const std::string& suffix : suffixes) {
         auto it = moments.find(p->name + suffix);
         optimizer.emplace_back(p->name + suffix,
                                gather(*p, it == moments.end() ? nullptr : &it->second, owner));
@@ -309,6 +349,37 @@ void Trainer::save(const std::string& dir, int64_t keep_last) {
     if (c) c->barrier_without_deadline();
 }
 
+void Trainer::average_replicas() {
+  Communicator* dp = par_.groups.dp;
+  const std::vector<Param*>& ps = sync_->params();
+  const float inv = 1.0f / static_cast<float>(par_.groups.dp_size());
+  auto average = [&](const Tensor& t) {
+    if (dp != nullptr && dp->size() > 1) dp->all_reduce(t, ReduceOp::Sum);
+    ops::scale(t, inv);
+  };
+  for (Param* p : ps) average(p->value);
+  // The inner optimizer's state too (SGD's momentum, Adam's moments): after an
+  // average every replica is the same, so one replica's checkpoint is the
+  // whole run's, and any number of replicas can resume it.
+  for (auto& [name, t] : sync_->optimizer_state()) average(t);
+  if (!opt_.local.nesterov) return;
+  const float mu = opt_.local.outer_momentum, lr = opt_.local.outer_lr;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    // delta = start - average; buf = mu buf + delta; p = start - lr (delta + mu buf)
+    Tensor delta = ps[i]->value.clone();
+    ops::scale(delta, -1.0f);
+    ops::add(delta, outer_start_[i]);
+    ops::scale(outer_buf_[i], mu);
+    ops::add(outer_buf_[i], delta);
+    Tensor step = outer_buf_[i].clone();
+    ops::scale(step, mu);
+    ops::add(step, delta);
+    ops::scale(step, -lr);
+    ops::add(step, outer_start_[i]);
+    ps[i]->value.copy_from(step);
+  }
+}
+
 nlohmann::json Trainer::spike_state() const {
   return {{"recent_losses", std::vector<double>(recent_losses_.begin(), recent_losses_.end())},
           {"skipped", skipped_}};
@@ -324,7 +395,23 @@ void Trainer::set_spike_state(const nlohmann::json& state) {
 CheckpointSource Trainer::load(const std::string& dir) {
   Checkpoint c = open_checkpoint(dir);
   c.read_model(g_.graph->params());
-  sync_->load_optimizer_state(c.read_optimizer(sync_->params()));
+  const bool diloco = local() && opt_.local.nesterov;
+  std::vector<std::string> suffixes = optimizer_state_suffixes(par_.sync.optimizer);
+  if (diloco) suffixes.push_back(".outer_momentum");
+  NamedTensors state = c.read_optimizer(sync_->params(), suffixes);
+  if (diloco) {
+    outer_start_.clear();
+    outer_buf_.clear();
+    for (Param* p : sync_->params()) {
+      outer_start_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
+      outer_buf_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
+    }
+    std::map<std::string, const Tensor*> by_name;
+    for (const auto& [name, t] : state) by_name[name] = &t;
+    for (size_t i = 0; i < outer_buf_.size(); ++i)
+      outer_buf_[i].copy_from(*by_name.at(sync_->params()[i]->name + ".outer_momentum"));
+  }
+  sync_->load_optimizer_state(state);
   sync_->set_steps(c.optimizer_steps);
   steps_done_ = c.meta.step;
   if (c.meta.trainer.is_object() && c.meta.trainer.contains("spike")) {

@@ -156,6 +156,10 @@ void embedding_backward(Context& ctx, const int32_t* tokens, const float* dy, fl
 void adamw(Context& ctx, float* p, const float* g, float* m, float* v, int64_t n, float lr,
            float beta1, float beta2, float eps, float weight_decay, int64_t step);
 
+// --- SGD with momentum, PyTorch semantics, as cpu::sgd ---
+void sgd(Context& ctx, float* p, const float* g, float* buf, int64_t n, float lr, float momentum,
+         float weight_decay);
+
 // --- reductions into one double on the device (deterministic two-pass trees) ---
 void sum(Context& ctx, const float* x, int64_t n, double* out);          // *out = sum x
 void sum_squares(Context& ctx, const float* x, int64_t n, double* out);  // *out = sum x^2
