@@ -522,6 +522,27 @@ TEST(AdamW, ThreeStepsMatchTorchSemantics) {
   }
 }
 
+// torch.optim.SGD(momentum, weight_decay), step by step in double:
+// d = g + wd p; buf = momentum buf + d (buf = d at the first step); p -= lr buf.
+TEST(Sgd, ThreeStepsMatchTorchSemantics) {
+  const int64_t n = 41;
+  const float lr = 0.05f, wd = 0.1f;
+  for (const float mu : {0.0f, 0.9f}) {
+    Vec p = testing::uniform(n, 73, -2.0f, 2.0f), buf(z(n), 0.0f);
+    DVec rp(p.begin(), p.end()), rb(z(n), 0.0);
+    for (int step = 1; step <= 3; ++step) {
+      const Vec g = testing::uniform(n, 74 + static_cast<uint64_t>(step));
+      for (int64_t i = 0; i < n; ++i) {
+        const double d = g[z(i)] + double(wd) * rp[z(i)];
+        rb[z(i)] = step == 1 ? d : double(mu) * rb[z(i)] + d;
+        rp[z(i)] -= double(lr) * (mu > 0 ? rb[z(i)] : d);
+      }
+      cpu::sgd(p.data(), g.data(), buf.data(), n, lr, mu, wd);
+      expect_close(p, rp, 1e-6, 1e-6, "p after step " + std::to_string(step));
+    }
+  }
+}
+
 // --- thread-count independence ---
 
 TEST(Determinism, WeightReductionsAreBitwiseIdenticalAcrossThreadCounts) {

@@ -398,6 +398,20 @@ TEST(CudaAdamW, ThreeStepsMatchCpu) {
   EXPECT_LT(rel(gv.host(), v), kFp32);
 }
 
+TEST(CudaSgd, ThreeStepsMatchCpu) {
+  const int64_t n = 5001;
+  std::vector<float> p = uniform(n, 93), buf(n, 0.0f);
+  Dev<float> gp(p), gb(buf);
+  for (int64_t step = 1; step <= 3; ++step) {
+    const std::vector<float> g = uniform(n, 94 + static_cast<uint64_t>(step));
+    Dev<float> gg(g);
+    cpu::sgd(p.data(), g.data(), buf.data(), n, 0.05f, 0.9f, 0.1f);
+    sgd(ctx(), gp.p(), gg.p(), gb.p(), n, 0.05f, 0.9f, 0.1f);
+  }
+  EXPECT_LT(rel(gp.host(), p), kFp32);
+  EXPECT_LT(rel(gb.host(), buf), kFp32);
+}
+
 TEST(CudaReduce, SumsInDoubleMatchCpu) {
   for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{3000017}}) {
     const std::vector<float> x = uniform(n, 101);
