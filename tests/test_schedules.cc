@@ -389,6 +389,34 @@ TEST(Registry, NamesAndErrors) {
   EXPECT_EQ(make_schedule("1f1b", 2, 4, 3).chunks, 1);
 }
 
+// The chunk counts weft-sched and train_gpt accept: the default is one the
+// generator builds, and every count the rule lets through builds with
+// exactly that many chunks.
+TEST(Registry, ChunksPerRank) {
+  const std::map<std::string, int> defaults = {
+      {"gpipe", 1}, {"1f1b", 1}, {"interleaved-1f1b", 2}, {"zb-h1", 1}, {"zb-v", 2}};
+  for (const std::string& name : schedule_names()) {
+    EXPECT_EQ(default_chunks(name), defaults.at(name)) << name;
+    EXPECT_EQ(chunks_rule(name, default_chunks(name)), "") << name;
+    EXPECT_EQ(chunks_rule(name, 0), "a rank runs at least 1 chunk") << name;
+    for (int v = 1; v <= 4; ++v) {
+      if (chunks_rule(name, v).empty()) {
+        EXPECT_EQ(make_schedule(name, 2, 4, v).chunks, v) << name << " v=" << v;
+      }
+    }
+  }
+  EXPECT_EQ(chunks_rule("zb-v", 3), "zb-v runs exactly 2 chunks per rank (its V shape)");
+  EXPECT_EQ(chunks_rule("zb-v", 1), "zb-v runs exactly 2 chunks per rank (its V shape)");
+  EXPECT_EQ(chunks_rule("interleaved-1f1b", 3), "");
+  EXPECT_TRUE(contains(chunks_rule("interleaved-1f1b", 1), "at least 2 chunks per rank"));
+  for (const char* name : {"gpipe", "1f1b", "zb-h1"})
+    EXPECT_EQ(chunks_rule(name, 2),
+              fmt::format("{} runs one chunk per rank; only interleaved-1f1b and zb-v run several",
+                          name));
+  EXPECT_TRUE(contains(error_message([] { default_chunks("zb-h3"); }), "unknown schedule 'zb-h3'"));
+  EXPECT_TRUE(contains(error_message([] { chunks_rule("zb-h3", 1); }), "unknown schedule 'zb-h3'"));
+}
+
 // --- unit-time bubbles ---
 
 // Step time with F = I = W = 1 and B = 2 per full stage (a chunk of v costs
