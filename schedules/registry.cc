@@ -43,7 +43,7 @@ int default_chunks(const std::string& name) {
 
 std::string chunks_rule(const std::string& name, int chunks) {
   check_known(name);
-  if (chunks < 1) return "a rank runs at least 1 chunk";
+  if (chunks < 1) return "chunks per rank must be at least 1";
   if (name == "zb-v")
     return chunks == 2 ? "" : "zb-v runs exactly 2 chunks per rank (its V shape)";
   if (name == "interleaved-1f1b")

@@ -2,11 +2,11 @@
 //
 //   weft-sched list
 //   weft-sched show --schedule zb-v --pp 4 --micro-batches 8 [--lowered]
-//   weft-sched validate --schedule interleaved-1f1b --pp 4 --micro-batches 8 --chunks 2
+//   weft-sched validate --schedule interleaved-1f1b --pp 4 --micro-batches 8 --virtual-stages 3
 //   weft-sched csv --schedule 1f1b --pp 4 --micro-batches 8 > 1f1b.csv
 //   weft-sched simulate --schedule zb-h1 --pp 4 --micro-batches 8 [--cost-comm 0.1]
 //       [--json] [--trace zb-h1.json] [--svg zb-h1.svg]
-//   weft-sched compare --pp 4 --micro-batches 8 [--chunks 2] [--cost-f 1 --cost-w 0.5 ...]
+//   weft-sched compare --pp 4 --micro-batches 8 [--virtual-stages 3] [--cost-f 1 --cost-w 0.5 ...]
 //   weft-sched simulate --schedule 1f1b --pp 2 --micro-batches 8 --costs costs.json
 //   weft-sched timeline --from-trace run.json [--step 5] --svg run.svg
 //
@@ -16,6 +16,12 @@
 // `train_gpt --pp P --profile FILE` measured for its plan, in milliseconds.
 // timeline summarises one step of a measured trace (train_gpt --trace) the
 // way simulate summarises a simulated one, and draws it.
+//
+// Flags that train_gpt also has mean what they mean there: --schedule,
+// --pp (--pipeline-model-parallel-size), --virtual-stages (model chunks per
+// rank; --chunks and -v are its older names), --trace. Without
+// --virtual-stages a schedule runs its default chunk count, train_gpt's: 2
+// for interleaved-1f1b and zb-v, 1 for the others.
 //
 // Errors print one line naming the value and the rule it broke, and exit 1.
 #include <weft/error.h>
@@ -43,9 +49,9 @@ using namespace weft::sched;
 
 struct Request {
   std::string schedule;
-  int pp = 1;
+  std::optional<int> pp;  // simulate and compare may take it from --costs
   int micro_batches = 1;
-  int chunks = 1;
+  std::optional<int> chunks;  // --virtual-stages; unset: the schedule's default
   bool lowered = false;
 };
 
@@ -70,11 +76,17 @@ struct SimOptions {
   std::string trace, svg;
 };
 
-void add_size_options(CLI::App* cmd, Request& r) {
-  cmd->add_option("--pp,--pipeline-model-parallel-size", r.pp, "pipeline ranks")->required();
+// `pp_required` false: simulate and compare, where a --costs file may say it.
+void add_size_options(CLI::App* cmd, Request& r, bool pp_required, const char* chunks_help) {
+  CLI::Option* pp = cmd->add_option("--pp,--pipeline-model-parallel-size", r.pp, "pipeline ranks");
+  if (pp_required) pp->required();
   cmd->add_option("--micro-batches,-m", r.micro_batches, "micro-batches per step")->required();
-  cmd->add_option("--chunks,-v", r.chunks, "model chunks per rank (interleaved-1f1b)");
+  cmd->add_option("--virtual-stages,--chunks,-v", r.chunks, chunks_help);
 }
+
+constexpr const char* kChunksHelp =
+    "model chunks per rank, as train_gpt --virtual-stages (default: 2 for interleaved-1f1b and "
+    "zb-v, 1 for the others; zb-v runs exactly 2)";
 
 void add_cost_options(CLI::App* cmd, Costs& c) {
   CLI::Option* file = cmd->add_option(
@@ -100,13 +112,22 @@ CLI::App* add_schedule_command(CLI::App& app, const std::string& name,
                                const std::string& description, Request& r) {
   CLI::App* cmd = app.add_subcommand(name, description);
   cmd->add_option("--schedule,-s", r.schedule, "schedule name (see `weft-sched list`)")->required();
-  add_size_options(cmd, r);
+  add_size_options(cmd, r, true, kChunksHelp);
   cmd->add_flag("--lowered", r.lowered, "add the sends and receives");
   return cmd;
 }
 
+// The chunk count --virtual-stages asks for, or the schedule's default; a
+// count the schedule does not run is refused.
+int chunks_of(const Request& r) {
+  if (!r.chunks) return default_chunks(r.schedule);
+  const std::string rule = chunks_rule(r.schedule, *r.chunks);
+  weft::check(rule.empty(), "--virtual-stages {}: {}", *r.chunks, rule);
+  return *r.chunks;
+}
+
 Schedule build(const Request& r) {
-  Schedule s = make_schedule(r.schedule, r.pp, r.micro_batches, r.chunks);
+  Schedule s = make_schedule(r.schedule, *r.pp, r.micro_batches, chunks_of(r));
   return r.lowered ? lower(s) : s;
 }
 
@@ -269,20 +290,24 @@ std::optional<StageCosts> stage_costs(const Costs& c) {
 
 int simulate_command(const Request& r, const Costs& c, const SimOptions& o) {
   const std::optional<StageCosts> profiled = stage_costs(c);
-  const Schedule s = lower(make_schedule(r.schedule, r.pp, r.micro_batches, r.chunks));
+  const Schedule s = lower(build(r));
   report(s, time_schedule(s, c, profiled), o, profiled.has_value());
   return 0;
 }
 
 // Every schedule at the same sizes; one that cannot be built at them (or
 // that the --costs file's stages do not fit) says why in its row instead of
-// failing the rest.
+// failing the rest. --virtual-stages is the chunk count of the schedules
+// that run several; the others run their one.
 int compare_command(const Request& r, const Costs& c) {
   const std::optional<StageCosts> profiled = stage_costs(c);
   print_header();
   for (const std::string& name : schedule_names()) {
     try {
-      const Schedule s = lower(make_schedule(name, r.pp, r.micro_batches, r.chunks));
+      Request row = r;
+      row.schedule = name;
+      if (default_chunks(name) == 1) row.chunks = 1;
+      const Schedule s = lower(build(row));
       print_row(s, time_schedule(s, c, profiled));
     } catch (const weft::Error& e) {
       fmt::print("{:<18} {}\n", name, e.what());
@@ -419,16 +444,16 @@ int main(int argc, char** argv) {
   CLI::App* sim = app.add_subcommand("simulate", "time a schedule: step, bubble, memory");
   sim->add_option("--schedule,-s", r.schedule, "schedule name (see `weft-sched list`)")
       ->required();
-  add_size_options(sim, r);
+  add_size_options(sim, r, true, kChunksHelp);
   add_cost_options(sim, costs);
   sim->add_flag("--json", o.json, "print one JSON object instead of the table");
   sim->add_option("--trace", o.trace, "write a Chrome trace (Perfetto) to this file");
   sim->add_option("--svg", o.svg, "write an SVG timeline to this file");
-  // interleaved-1f1b needs two chunks at least; the others ignore the count.
   Request cr;
-  cr.chunks = 2;
   CLI::App* compare = app.add_subcommand("compare", "time every schedule at the same sizes");
-  add_size_options(compare, cr);
+  add_size_options(compare, cr, true,
+                   "model chunks per rank of interleaved-1f1b and zb-v, as train_gpt "
+                   "--virtual-stages (default 2; zb-v runs exactly 2); the others run one");
   add_cost_options(compare, costs);
   TimelineRequest t;
   CLI::App* timeline = app.add_subcommand(

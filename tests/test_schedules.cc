@@ -398,7 +398,7 @@ TEST(Registry, ChunksPerRank) {
   for (const std::string& name : schedule_names()) {
     EXPECT_EQ(default_chunks(name), defaults.at(name)) << name;
     EXPECT_EQ(chunks_rule(name, default_chunks(name)), "") << name;
-    EXPECT_EQ(chunks_rule(name, 0), "a rank runs at least 1 chunk") << name;
+    EXPECT_EQ(chunks_rule(name, 0), "chunks per rank must be at least 1") << name;
     for (int v = 1; v <= 4; ++v) {
       if (chunks_rule(name, v).empty()) {
         EXPECT_EQ(make_schedule(name, 2, 4, v).chunks, v) << name << " v=" << v;

@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <map>
+#include <sstream>
 
 namespace weft {
 namespace {
@@ -68,6 +70,96 @@ TEST(WeftSched, BadNameIsOneErrorLine) {
   EXPECT_EQ(o.code, 1);
   EXPECT_EQ(std::count(o.err.begin(), o.err.end(), '\n'), 1) << o.err;
   EXPECT_NE(o.err.find("'nope'"), std::string::npos) << o.err;
+}
+
+// --- train_gpt's vocabulary: --virtual-stages and its defaults ---
+
+nlohmann::json sim_json(const std::string& args) {
+  Out o = run("simulate --json " + args);
+  EXPECT_EQ(o.code, 0) << args << "\n" << o.err;
+  return o.code == 0 ? nlohmann::json::parse(o.out) : nlohmann::json::object();
+}
+
+bool one_error_line(const Out& o, const std::string& text) {
+  return o.code == 1 && std::count(o.err.begin(), o.err.end(), '\n') == 1 &&
+         o.err.find(text) != std::string::npos;
+}
+
+// --virtual-stages is train_gpt's name; --chunks and -v still work.
+TEST(WeftSched, VirtualStagesAndItsAliases) {
+  const std::string base = "--schedule interleaved-1f1b --pp 2 --micro-batches 4 ";
+  for (const char* flag : {"--virtual-stages 3", "--chunks 3", "-v 3"}) {
+    const auto j = sim_json(base + flag);
+    EXPECT_EQ(j["chunks"], 3) << flag;
+    Out csv = run("csv " + base + flag);
+    ASSERT_EQ(csv.code, 0) << csv.err;
+    EXPECT_NE(csv.out.find("5F0"), std::string::npos) << flag << ": stage 5 is chunk 2 of rank 1";
+  }
+  EXPECT_EQ(sim_json("-s 1f1b --pipeline-model-parallel-size 4 -m 8")["pp"], 4);
+  Out v = run("validate " + base + "--virtual-stages 3");
+  EXPECT_EQ(v.code, 0) << v.err;
+  EXPECT_NE(v.out.find("chunks 3"), std::string::npos) << v.out;
+}
+
+// Without --virtual-stages every command runs train_gpt's default: 2 chunks
+// for interleaved-1f1b and zb-v, 1 for the others.
+TEST(WeftSched, DefaultChunksAreTrainGptsEverywhere) {
+  const std::map<std::string, int> chunks = {
+      {"gpipe", 1}, {"1f1b", 1}, {"interleaved-1f1b", 2}, {"zb-h1", 1}, {"zb-v", 2}};
+  Out compare = run("compare --pp 4 --micro-batches 8");
+  ASSERT_EQ(compare.code, 0) << compare.err;
+  for (const auto& [name, v] : chunks) {
+    EXPECT_EQ(sim_json("--schedule " + name + " --pp 4 --micro-batches 8")["chunks"], v) << name;
+    Out check = run("validate --schedule " + name + " --pp 4 --micro-batches 8");
+    EXPECT_EQ(check.code, 0) << check.err;
+    EXPECT_NE(check.out.find(fmt::format("chunks {},", v)), std::string::npos) << check.out;
+    // The compare row: the name, then its chunk count and a step time.
+    const size_t row = compare.out.find("\n" + name + " ");
+    ASSERT_NE(row, std::string::npos) << compare.out;
+    std::istringstream cells(compare.out.substr(row + 1));
+    std::string cell_name;
+    int cell_chunks = 0;
+    cells >> cell_name >> cell_chunks;
+    EXPECT_EQ(cell_chunks, v) << compare.out;
+  }
+  // The same row from simulate and from compare.
+  const auto sim = sim_json("--schedule interleaved-1f1b --pp 4 --micro-batches 8");
+  EXPECT_NE(compare.out.find(fmt::format("{:.3f}", sim["step_time"].get<double>())),
+            std::string::npos)
+      << compare.out;
+  // compare --virtual-stages sets the chunks of the schedules that run several.
+  Out three = run("compare --pp 4 --micro-batches 8 --virtual-stages 3");
+  ASSERT_EQ(three.code, 0) << three.err;
+  EXPECT_NE(three.out.find("interleaved-1f1b        3"), std::string::npos) << three.out;
+  EXPECT_NE(three.out.find("1f1b                    1"), std::string::npos) << three.out;
+  EXPECT_NE(three.out.find("zb-v               --virtual-stages 3: zb-v runs exactly 2 chunks"),
+            std::string::npos)
+      << three.out;
+}
+
+TEST(WeftSched, ChunkCountsAScheduleDoesNotRunAreOneErrorLine) {
+  for (const char* cmd : {"simulate", "show", "validate", "csv"}) {
+    const std::string base = std::string(cmd) + " --pp 2 --micro-batches 4 --schedule ";
+    EXPECT_TRUE(one_error_line(run(base + "zb-v --virtual-stages 3"),
+                               "--virtual-stages 3: zb-v runs exactly 2 chunks per rank (its V "
+                               "shape)"))
+        << cmd;
+    EXPECT_TRUE(one_error_line(run(base + "zb-v -v 1"), "--virtual-stages 1: zb-v runs exactly 2"))
+        << cmd;
+    for (const char* name : {"gpipe", "1f1b", "zb-h1"}) {
+      EXPECT_TRUE(one_error_line(run(base + name + " --chunks 2"),
+                                 fmt::format("--virtual-stages 2: {} runs one chunk per rank",
+                                             name)))
+          << cmd << " " << name;
+      EXPECT_EQ(run(base + name + " --virtual-stages 1").code, 0) << cmd << " " << name;
+    }
+    EXPECT_TRUE(one_error_line(run(base + "interleaved-1f1b -v 1"),
+                               "--virtual-stages 1: interleaved-1f1b runs at least 2 chunks"))
+        << cmd;
+    EXPECT_TRUE(one_error_line(run(base + "interleaved-1f1b -v 0"),
+                               "--virtual-stages 0: chunks per rank must be at least 1"))
+        << cmd;
+  }
 }
 
 // --- --costs: per-stage costs as train_gpt --profile writes them ---
@@ -287,7 +379,7 @@ TEST(WeftSched, BadCostsAreOneErrorLine) {
 TEST(WeftSched, TimelineOfATraceGivesItsStepAndBubble) {
   const std::string dir = testing::temp_dir("weft-sched-timeline");
   for (const char* name : {"zb-h1", "zb-v", "interleaved-1f1b"}) {
-    Out sim = run(fmt::format("simulate --schedule {} --pp 2 --micro-batches 4 --chunks 2 "
+    Out sim = run(fmt::format("simulate --schedule {} --pp 2 --micro-batches 4 "
                               "--cost-f 1 --cost-i 1.5 --cost-w 0.5 --cost-comm 0.25 --json "
                               "--trace {}/t.json",
                               name, dir));
