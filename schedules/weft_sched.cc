@@ -63,9 +63,11 @@ struct Costs {
 };
 
 // A --costs file: per-stage costs of one micro-batch, as train_gpt --profile
-// writes them (seconds there, milliseconds here) for the plan it chose.
+// writes them (seconds there, milliseconds here) for the plan it chose, and
+// the layout it was profiled at (absent from a file written by hand).
 struct StageCosts {
   std::string path;
+  std::optional<int> pp, chunks;
   std::vector<double> f, i, w, update;  // ms
   std::vector<double> boundary_bytes, stash_bytes;
   size_t stages() const { return f.size(); }
@@ -91,7 +93,8 @@ constexpr const char* kChunksHelp =
 void add_cost_options(CLI::App* cmd, Costs& c) {
   CLI::Option* file = cmd->add_option(
       "--costs", c.file,
-      "per-stage costs that `train_gpt --pp P --profile FILE` measured; times are then in ms");
+      "per-stage costs that `train_gpt --pp P --profile FILE` measured; times are then in ms, "
+      "and --pp and --virtual-stages default to the file's");
   for (CLI::Option* o :
        {cmd->add_option("--cost-f", c.f, "forward time of a rank's share of the model"),
         cmd->add_option("--cost-i", c.i, "input-gradient time of a rank's share"),
@@ -163,6 +166,17 @@ double stage_number(const StageCosts& c, const nlohmann::json& stage, size_t ind
   return v;
 }
 
+// The file's "pp" or "chunks", a whole number at least 1 where it is there.
+std::optional<int> layout_count(const nlohmann::json& j, const std::string& path,
+                                const char* key) {
+  const auto it = j.find(key);
+  if (it == j.end()) return std::nullopt;
+  weft::check(it->is_number_integer() && it->get<int64_t>() >= 1 &&
+                  it->get<int64_t>() <= std::numeric_limits<int>::max(),
+              "--costs {}: \"{}\" is {}, not a whole number at least 1", path, key, it->dump());
+  return it->get<int>();
+}
+
 StageCosts read_stage_costs(const std::string& path) {
   StageCosts c;
   c.path = path;
@@ -171,6 +185,12 @@ StageCosts read_stage_costs(const std::string& path) {
   weft::check(stages != j.end() && stages->is_array() && !stages->empty(),
               "--costs {}: no \"stages\" list; `train_gpt --pp P --profile FILE` writes one",
               path);
+  c.pp = layout_count(j, path, "pp");
+  c.chunks = layout_count(j, path, "chunks");
+  if (c.pp && c.chunks)
+    weft::check(stages->size() == static_cast<size_t>(*c.pp) * static_cast<size_t>(*c.chunks),
+                "--costs {}: {} stages, but its pp x chunks = {} x {} = {}", path, stages->size(),
+                *c.pp, *c.chunks, *c.pp * *c.chunks);
   for (size_t k = 0; k < stages->size(); ++k) {
     const nlohmann::json& st = (*stages)[k];
     weft::check(st.is_object(), "--costs {}: stages[{}] is not an object", path, k);
@@ -182,6 +202,40 @@ StageCosts read_stage_costs(const std::string& path) {
     c.stash_bytes.push_back(stage_number(c, st, k, "stash_bytes", false));
   }
   return c;
+}
+
+// --pp, or the pipeline ranks the --costs file was profiled at; given both,
+// they must agree.
+int pipeline_ranks(const Request& r, const std::optional<StageCosts>& p) {
+  if (r.pp && p && p->pp)
+    weft::check(*r.pp == *p->pp, "--pp {} contradicts --costs {}, which was profiled at pp {}",
+                *r.pp, p->path, *p->pp);
+  if (r.pp) return *r.pp;
+  weft::check(p.has_value(), "--pp (--pipeline-model-parallel-size) is required without --costs");
+  weft::check(p->pp.has_value(), "--pp is required: --costs {} does not say the pp it was "
+              "profiled at", p->path);
+  return *p->pp;
+}
+
+// The sizes to simulate: --pp and --virtual-stages, or what the --costs file
+// was profiled at where they are not given; a flag that contradicts the file
+// is an error naming both.
+Request with_profiled_sizes(Request r, const std::optional<StageCosts>& p) {
+  r.pp = pipeline_ranks(r, p);
+  if (!p || !p->chunks) return r;
+  if (r.chunks) {
+    chunks_of(r);  // first, whether the schedule runs that count at all
+    weft::check(*r.chunks == *p->chunks,
+                "--virtual-stages {} contradicts --costs {}, which was profiled at {} chunks "
+                "per rank",
+                *r.chunks, p->path, *p->chunks);
+  } else {
+    const std::string rule = chunks_rule(r.schedule, *p->chunks);
+    weft::check(rule.empty(), "--costs {} was profiled at {} chunks per rank: {}", p->path,
+                *p->chunks, rule);
+    r.chunks = p->chunks;
+  }
+  return r;
 }
 
 // The profiled stages are the schedule's stages, in order: their count must match.
@@ -290,23 +344,35 @@ std::optional<StageCosts> stage_costs(const Costs& c) {
 
 int simulate_command(const Request& r, const Costs& c, const SimOptions& o) {
   const std::optional<StageCosts> profiled = stage_costs(c);
-  const Schedule s = lower(build(r));
+  const Schedule s = lower(build(with_profiled_sizes(r, profiled)));
   report(s, time_schedule(s, c, profiled), o, profiled.has_value());
   return 0;
 }
 
 // Every schedule at the same sizes; one that cannot be built at them (or
 // that the --costs file's stages do not fit) says why in its row instead of
-// failing the rest. --virtual-stages is the chunk count of the schedules
-// that run several; the others run their one.
+// failing the rest. --virtual-stages, or else the --costs file's chunk
+// count where a schedule runs it, is the chunk count of the schedules that
+// run several; the others run their one.
 int compare_command(const Request& r, const Costs& c) {
   const std::optional<StageCosts> profiled = stage_costs(c);
+  Request sizes = r;
+  sizes.pp = pipeline_ranks(r, profiled);
+  if (r.chunks && profiled && profiled->chunks)
+    weft::check(*r.chunks == *profiled->chunks,
+                "--virtual-stages {} contradicts --costs {}, which was profiled at {} chunks "
+                "per rank",
+                *r.chunks, profiled->path, *profiled->chunks);
   print_header();
   for (const std::string& name : schedule_names()) {
     try {
-      Request row = r;
+      Request row = sizes;
       row.schedule = name;
-      if (default_chunks(name) == 1) row.chunks = 1;
+      if (default_chunks(name) == 1)
+        row.chunks = 1;
+      else if (!row.chunks && profiled && profiled->chunks &&
+               chunks_rule(name, *profiled->chunks).empty())
+        row.chunks = profiled->chunks;
       const Schedule s = lower(build(row));
       print_row(s, time_schedule(s, c, profiled));
     } catch (const weft::Error& e) {
@@ -444,14 +510,14 @@ int main(int argc, char** argv) {
   CLI::App* sim = app.add_subcommand("simulate", "time a schedule: step, bubble, memory");
   sim->add_option("--schedule,-s", r.schedule, "schedule name (see `weft-sched list`)")
       ->required();
-  add_size_options(sim, r, true, kChunksHelp);
+  add_size_options(sim, r, false, kChunksHelp);
   add_cost_options(sim, costs);
   sim->add_flag("--json", o.json, "print one JSON object instead of the table");
   sim->add_option("--trace", o.trace, "write a Chrome trace (Perfetto) to this file");
   sim->add_option("--svg", o.svg, "write an SVG timeline to this file");
   Request cr;
   CLI::App* compare = app.add_subcommand("compare", "time every schedule at the same sizes");
-  add_size_options(compare, cr, true,
+  add_size_options(compare, cr, false,
                    "model chunks per rank of interleaved-1f1b and zb-v, as train_gpt "
                    "--virtual-stages (default 2; zb-v runs exactly 2); the others run one");
   add_cost_options(compare, costs);

@@ -360,17 +360,110 @@ TEST(WeftSched, BadCostsAreOneErrorLine) {
     EXPECT_NE(o.err.find(file), std::string::npos) << o.err;
     EXPECT_NE(o.err.find(rule), std::string::npos) << o.err;
   }
-  // Two stages do not fit four.
-  Out o = run("simulate --schedule 1f1b --pp 4 --micro-batches 4 --costs " + p.path);
-  EXPECT_EQ(o.code, 1);
-  EXPECT_EQ(std::count(o.err.begin(), o.err.end(), '\n'), 1) << o.err;
-  EXPECT_NE(o.err.find("2 stages, but 1f1b at --pp 4 runs pp x chunks = 4 x 1 = 4"),
-            std::string::npos)
+  // Two stages do not fit four: a file that does not say its layout.
+  stages = p.stages;
+  stages.erase("pp");
+  stages.erase("chunks");
+  testing::write_file(dir + "/no-layout.json", stages.dump());
+  Out o = run("simulate --schedule 1f1b --pp 4 --micro-batches 4 --costs " + dir +
+              "/no-layout.json");
+  EXPECT_TRUE(one_error_line(o, "2 stages, but 1f1b at --pp 4 runs pp x chunks = 4 x 1 = 4"))
       << o.err;
+  // Nor can a file whose layout is not its stage count.
+  stages = p.stages;
+  stages["chunks"] = 2;
+  testing::write_file(dir + "/two-chunks.json", stages.dump());
+  o = run("simulate --schedule 1f1b --pp 2 --micro-batches 4 --costs " + dir + "/two-chunks.json");
+  EXPECT_TRUE(one_error_line(o, "2 stages, but its pp x chunks = 2 x 2 = 4")) << o.err;
+  stages["chunks"] = 0;
+  testing::write_file(dir + "/zero-chunks.json", stages.dump());
+  o = run("simulate --schedule 1f1b --pp 2 --micro-batches 4 --costs " + dir + "/zero-chunks.json");
+  EXPECT_TRUE(one_error_line(o, "\"chunks\" is 0, not a whole number at least 1")) << o.err;
   // Uniform costs and a profile cannot both say what F costs.
   EXPECT_NE(run("simulate --schedule 1f1b --pp 2 --micro-batches 4 --cost-f 2 --costs " + p.path)
                 .code,
             0);
+}
+
+// The plan's two stages, repeated to the stages of `pp` ranks x `chunks`,
+// as a --costs file that says its layout. Stage k's F is k + 1 ms, so a
+// schedule built at other sizes would not take the same time.
+std::string costs_file(const ProfiledPlan& p, int pp, int chunks) {
+  nlohmann::json file = p.stages;
+  file["pp"] = pp;
+  file["chunks"] = chunks;
+  file["stages"] = nlohmann::json::array();
+  for (int k = 0; k < pp * chunks; ++k) {
+    nlohmann::json stage = p.stages["stages"][static_cast<size_t>(k % 2)];
+    stage["f"] = 1e-3 * (k + 1);
+    file["stages"].push_back(stage);
+  }
+  const std::string path =
+      testing::temp_dir(fmt::format("weft-sched-pp{}-v{}", pp, chunks)) + "/costs.json";
+  testing::write_file(path, file.dump());
+  return path;
+}
+
+// Without --pp and --virtual-stages, simulate and compare run the layout the
+// costs were profiled at: 3 chunks is not interleaved-1f1b's default.
+TEST(WeftSched, CostsFileGivesPpAndChunks) {
+  const ProfiledPlan p = profiled_plan();
+  const std::string three = costs_file(p, 2, 3);
+  const auto j = sim_json("--schedule interleaved-1f1b --micro-batches 4 --costs " + three);
+  EXPECT_EQ(j["pp"], 2);
+  EXPECT_EQ(j["chunks"], 3);
+  // The same as naming the layout, and the file's stage times are in it.
+  const auto named =
+      sim_json("--schedule interleaved-1f1b --pp 2 -v 3 --micro-batches 4 --costs " + three);
+  EXPECT_EQ(j["step_time"], named["step_time"]);
+  EXPECT_GT(j["step_time"].get<double>(), 4 * (1.0 + 2 + 3 + 4 + 5 + 6) / 2);
+  // zb-v's two chunks from a file at pp 4.
+  const auto v = sim_json("--schedule zb-v --micro-batches 8 --costs " + costs_file(p, 4, 2));
+  EXPECT_EQ(v["pp"], 4);
+  EXPECT_EQ(v["chunks"], 2);
+
+  Out compare = run("compare --micro-batches 4 --costs " + three);
+  ASSERT_EQ(compare.code, 0) << compare.err;
+  EXPECT_NE(compare.out.find(fmt::format("interleaved-1f1b        3 {:>10.3f}",
+                                         j["step_time"].get<double>())),
+            std::string::npos)
+      << compare.out;
+  EXPECT_NE(compare.out.find("6 stages, but 1f1b at --pp 2 runs pp x chunks = 2 x 1 = 2"),
+            std::string::npos)
+      << compare.out;
+}
+
+// A flag that contradicts the file is one error line naming both values.
+TEST(WeftSched, CostsFileAndFlagsThatDisagree) {
+  const ProfiledPlan p = profiled_plan();
+  const std::string three = costs_file(p, 2, 3);
+  const std::string base = " --micro-batches 4 --costs " + three;
+  for (const char* cmd : {"simulate --schedule interleaved-1f1b", "compare"}) {
+    EXPECT_TRUE(one_error_line(run(cmd + base + " --virtual-stages 2"),
+                               "--virtual-stages 2 contradicts --costs " + three +
+                                   ", which was profiled at 3 chunks per rank"))
+        << cmd;
+    EXPECT_TRUE(one_error_line(run(cmd + base + " --pp 4"),
+                               "--pp 4 contradicts --costs " + three +
+                                   ", which was profiled at pp 2"))
+        << cmd;
+  }
+  EXPECT_TRUE(one_error_line(run("simulate --schedule 1f1b" + base),
+                             "--costs " + three +
+                                 " was profiled at 3 chunks per rank: 1f1b runs one chunk per "
+                                 "rank"));
+  EXPECT_TRUE(one_error_line(run("simulate --schedule zb-v" + base + " -v 3"),
+                             "--virtual-stages 3: zb-v runs exactly 2 chunks per rank"));
+  // Without --costs, or with a file that does not say its pp, --pp is needed.
+  EXPECT_TRUE(one_error_line(run("simulate --schedule 1f1b --micro-batches 4"),
+                             "--pp (--pipeline-model-parallel-size) is required without --costs"));
+  nlohmann::json bare = p.stages;
+  bare.erase("pp");
+  const std::string path = testing::temp_dir("weft-sched-bare") + "/costs.json";
+  testing::write_file(path, bare.dump());
+  EXPECT_TRUE(one_error_line(run("simulate --schedule 1f1b --micro-batches 4 --costs " + path),
+                             "--pp is required: --costs " + path + " does not say the pp"));
+  EXPECT_EQ(run("simulate --schedule 1f1b --pp 2 --micro-batches 4 --costs " + path).code, 0);
 }
 
 // --- timeline: a trace read back ---
