@@ -481,7 +481,7 @@ int run(CLI::App& app, const Commands& cmd, const Request& r, const Request& cr,
     return 0;
   }
   const Schedule s = build(r);
-  if (cmd.show->parsed()) fmt::print("{}", render_grid(s));
+  if (cmd.show->parsed()) fmt::print("{}\n{}", render_grid(s), render_legend(s));
   if (cmd.csv->parsed()) fmt::print("{}", to_csv(s));
   if (cmd.validate->parsed()) {
     const ValidationResult v = validate(s);

@@ -364,6 +364,35 @@ TEST(Validate, RenderGridMarksOneAction) {
   EXPECT_TRUE(contains(g, "rank 1: 1F0 1B0 [1F1] 1B1  <-- ERROR HERE\n")) << g;
 }
 
+// The key printed under the grid names the kinds that appear, and only those.
+TEST(Validate, RenderLegendNamesTheKindsThatAppear) {
+  const std::string plain = render_legend(one_f_one_b(2, 2));
+  EXPECT_TRUE(contains(plain, "2F0 = stage 2 (of pp x chunks, from 0), kind F, micro-batch 0"))
+      << plain;
+  EXPECT_TRUE(contains(plain, "\n  F  forward\n  B  full backward (I then W)\n")) << plain;
+  for (const char* absent : {"  I ", "  W ", "SEND", "RECV"})
+    EXPECT_FALSE(contains(plain, absent)) << absent << "\n" << plain;
+
+  const std::string v = render_legend(lower(zb_v(2, 2)));
+  for (const char* line :
+       {"\n  F       forward\n", "\n  I       backward for the input (the activation gradient)\n",
+        "\n  W       backward for the weights\n",
+        "\n  SEND_F  send the stage's output to the next stage's rank\n",
+        "\n  RECV_F  receive the stage's input from the previous stage's rank\n",
+        "\n  SEND_B  send the stage's input gradient to the previous stage's rank\n",
+        "\n  RECV_B  receive the stage's output gradient from the next stage's rank\n"})
+    EXPECT_TRUE(contains(v, line)) << line << "\n" << v;
+  EXPECT_FALSE(contains(v, "  B ")) << v;
+
+  // The names line up under the longest one used.
+  Schedule s = empty_schedule("by hand", 1, 1);
+  s.actions[0] = {Action::parse("0F0"), Action::parse("0REDUCE_GRAD"), Action::parse("STEP")};
+  const std::string wide = render_legend(s);
+  EXPECT_TRUE(contains(wide, "\n  F            forward\n")) << wide;
+  EXPECT_TRUE(contains(wide, "\n  STEP         optimizer step\n")) << wide;
+  EXPECT_TRUE(contains(wide, "\n  REDUCE_GRAD  reduce")) << wide;
+}
+
 // --- make_schedule ---
 
 TEST(Registry, NamesAndErrors) {

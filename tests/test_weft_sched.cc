@@ -162,6 +162,23 @@ TEST(WeftSched, ChunkCountsAScheduleDoesNotRunAreOneErrorLine) {
   }
 }
 
+// show prints the grid, then what its notation means.
+TEST(WeftSched, ShowPrintsALegendUnderTheGrid) {
+  Out o = run("show --schedule zb-h1 --pp 2 --micro-batches 2");
+  ASSERT_EQ(o.code, 0) << o.err;
+  const size_t grid = o.out.find("rank 1: "), legend = o.out.find("\n\n2F0 = stage 2");
+  ASSERT_NE(legend, std::string::npos) << o.out;
+  EXPECT_LT(grid, legend) << o.out;
+  for (const char* line : {"  F  forward\n", "  I  backward for the input", "  W  backward for"})
+    EXPECT_NE(o.out.find(line, legend), std::string::npos) << line << "\n" << o.out;
+  EXPECT_EQ(o.out.find("SEND_F", legend), std::string::npos) << o.out;
+  Out lowered = run("show --schedule 1f1b --pp 2 --micro-batches 2 --lowered");
+  ASSERT_EQ(lowered.code, 0) << lowered.err;
+  for (const char* kind : {"B ", "SEND_F", "RECV_F", "SEND_B", "RECV_B"})
+    EXPECT_NE(lowered.out.find(std::string("\n  ") + kind), std::string::npos)
+        << kind << "\n" << lowered.out;
+}
+
 // --- --costs: per-stage costs as train_gpt --profile writes them ---
 
 // A 2-layer GPT whose embedding skips to the end, cut after block 0 into an

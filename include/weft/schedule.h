@@ -118,6 +118,9 @@ ValidationResult validate(const Schedule& s);
 
 // The rank x step grid, one row per rank: "rank 0: 0F0 0F1 ... ".
 std::string render_grid(const Schedule& s, int mark_rank = -1, int mark_index = -1);
+// The key to that grid: what "2F0" means, then one line for each action
+// kind that appears in s ("F       forward", "SEND_F  send the stage's ...").
+std::string render_legend(const Schedule& s);
 // CSV: one line per rank, actions separated by commas. Round-trips.
 std::string to_csv(const Schedule& s);
 // Parses actions per rank; stage_rank, pp, chunks and micro-batches are
