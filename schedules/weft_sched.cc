@@ -36,6 +36,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <numeric>
@@ -273,7 +274,22 @@ std::string per_rank(const std::vector<T>& v, const char* spec = "{}") {
   return out;
 }
 
-constexpr const char* kRowFormat = "{:<18} {:>6} {:>10} {:>8} {:>20} {:>10}\n";
+// A size as people read it: "512 B", "176.0 MiB", "1.5 GiB". The text
+// tables print these; --json keeps the exact numbers.
+std::string human_bytes(double bytes) {
+  if (bytes < 1024) return fmt::format("{:g} B", bytes);
+  constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
+  double value = bytes / 1024;
+  size_t unit = 0;
+  // 1023.96 KiB would print as "1024.0 KiB": that is 1.0 MiB.
+  while (value >= 1023.95 && unit + 1 < std::size(kUnits)) {
+    value /= 1024;
+    ++unit;
+  }
+  return fmt::format("{:.1f} {}", value, kUnits[unit]);
+}
+
+constexpr const char* kRowFormat = "{:<18} {:>6} {:>10} {:>8} {:>20} {:>11}\n";
 
 void print_header() {
   fmt::print(kRowFormat, "schedule", "chunks", "step", "bubble", "peak act per rank",
@@ -284,16 +300,16 @@ void print_row(const Schedule& s, const SimResult& r) {
   const double sent = std::accumulate(r.bytes_sent.begin(), r.bytes_sent.end(), 0.0);
   fmt::print(kRowFormat, s.name, s.chunks, fmt::format("{:.3f}", r.step_time),
              fmt::format("{:.1f}%", 100 * r.bubble_fraction), per_rank(r.peak_activations),
-             fmt::format("{:g}", sent));
+             human_bytes(sent));
 }
 
 void print_ranks(const SimResult& r) {
-  fmt::print("\n{:>4} {:>10} {:>8} {:>10} {:>9} {:>11} {:>10}\n", "rank", "busy", "bubble",
+  fmt::print("\n{:>4} {:>10} {:>8} {:>10} {:>9} {:>11} {:>11}\n", "rank", "busy", "bubble",
              "update", "peak act", "peak bytes", "bytes sent");
   for (size_t rank = 0; rank < r.busy.size(); ++rank)
-    fmt::print("{:>4} {:>10.3f} {:>7.1f}% {:>10.3f} {:>9} {:>11g} {:>10g}\n", rank, r.busy[rank],
+    fmt::print("{:>4} {:>10.3f} {:>7.1f}% {:>10.3f} {:>9} {:>11} {:>11}\n", rank, r.busy[rank],
                100 * r.rank_bubble[rank], r.update[rank], r.peak_activations[rank],
-               r.peak_activation_bytes[rank], r.bytes_sent[rank]);
+               human_bytes(r.peak_activation_bytes[rank]), human_bytes(r.bytes_sent[rank]));
 }
 
 // One JSON object. `unit` is what times are in: "ms" (profiled costs, a

@@ -162,6 +162,60 @@ TEST(WeftSched, ChunkCountsAScheduleDoesNotRunAreOneErrorLine) {
   }
 }
 
+// The tables print sizes as people read them; --json keeps exact numbers.
+// At 1F1B, pp 2: rank 0 holds 2 micro-batches at most, rank 1 one, and each
+// rank sends one message per micro-batch.
+TEST(WeftSched, TablesPrintReadableSizes) {
+  auto lines = [](const Out& o) {
+    std::vector<std::string> out;
+    std::istringstream in(o.out);
+    for (std::string line; std::getline(in, line);) out.push_back(line);
+    return out;
+  };
+  auto cells = [](const std::string& line) {
+    std::vector<std::string> out;
+    std::istringstream in(line);
+    for (std::string cell; in >> cell;) out.push_back(cell);
+    return out;
+  };
+  struct Case {
+    int m;
+    double bytes;
+    std::string total, peak0, peak1, sent;
+  };
+  const double mib = 1 << 20;
+  for (const Case& c : {Case{4, 88 * mib, "704.0 MiB", "176.0 MiB", "88.0 MiB", "352.0 MiB"},
+                        Case{8, 96 * mib, "1.5 GiB", "192.0 MiB", "96.0 MiB", "768.0 MiB"},
+                        Case{4, 64, "512 B", "128 B", "64 B", "256 B"},
+                        Case{4, 0.5 * 1024, "4.0 KiB", "1.0 KiB", "512 B", "2.0 KiB"}}) {
+    const std::string args =
+        fmt::format("simulate --schedule 1f1b --pp 2 --micro-batches {} --bytes {}", c.m, c.bytes);
+    Out o = run(args);
+    ASSERT_EQ(o.code, 0) << o.err;
+    EXPECT_EQ(o.out.find("e+"), std::string::npos) << o.out;
+    const std::vector<std::string> l = lines(o);
+    ASSERT_GE(l.size(), 6u) << o.out;
+    // "1f1b 1 <step> <bubble> 2/1 <total>", then the ranks:
+    // "<rank> <busy> <bubble> <update> <peak act> <peak bytes> <bytes sent>".
+    const auto row = cells(l[1]), rank0 = cells(l[4]), rank1 = cells(l[5]);
+    ASSERT_EQ(row.size(), 7u) << l[1];
+    EXPECT_EQ(row[5] + " " + row[6], c.total) << o.out;
+    ASSERT_EQ(rank0.size(), 9u) << l[4];
+    ASSERT_EQ(rank1.size(), 9u) << l[5];
+    EXPECT_EQ(rank0[5] + " " + rank0[6], c.peak0) << o.out;
+    EXPECT_EQ(rank1[5] + " " + rank1[6], c.peak1) << o.out;
+    EXPECT_EQ(rank0[7] + " " + rank0[8], c.sent) << o.out;
+    // The JSON is exact.
+    const auto j = sim_json(args.substr(std::string("simulate ").size()));
+    EXPECT_EQ(j["peak_activation_bytes"], nlohmann::json({2 * c.bytes, c.bytes})) << args;
+    EXPECT_EQ(j["bytes_sent"], nlohmann::json({c.m * c.bytes, c.m * c.bytes})) << args;
+  }
+  // compare's column too.
+  Out compare = run(fmt::format("compare --pp 2 --micro-batches 4 --bytes {}", 88 * mib));
+  ASSERT_EQ(compare.code, 0) << compare.err;
+  EXPECT_NE(compare.out.find("2/1   704.0 MiB\n"), std::string::npos) << compare.out;
+}
+
 // show prints the grid, then what its notation means.
 TEST(WeftSched, ShowPrintsALegendUnderTheGrid) {
   Out o = run("show --schedule zb-h1 --pp 2 --micro-batches 2");
