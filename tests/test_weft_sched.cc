@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <regex>
 #include <sstream>
 
 namespace weft {
@@ -63,6 +64,56 @@ TEST(WeftSched, WritesATraceAndAnSvg) {
   const std::string svg = testing::read_file(dir + "/t.svg");
   EXPECT_EQ(svg.rfind("<svg", 0), 0u);
   EXPECT_NE(svg.find("</svg>"), std::string::npos);
+}
+
+// Every box of a timeline carries its action as a tooltip and as text that
+// fits inside it, at sizes people read: at pp 2 and 4 with 8 micro-batches
+// (bench/sched_report.py's drawings), 7 px at least even for ZB-V's and
+// interleaved 1F1B's half-size chunk boxes.
+TEST(WeftSched, EverySvgBoxHasAVisibleLabel) {
+  // A box, its tooltip, then its text: x, width, the tooltip's action, the
+  // text's x, its font size and its text.
+  const std::regex box(
+      R"re(<rect class="action [^"]*" x="([0-9.]+)" y="[0-9.]+" width="([0-9.]+)"[^>]*>)re"
+      R"re(<title>(\w+) \[[^<]*</title></rect>\n)re"
+      R"re(<text class="label" x="([0-9.]+)" y="[0-9.]+" font-size="([0-9.]+)"[^>]*>)re"
+      R"re((\w+)</text>)re");
+  const std::string dir = testing::temp_dir("weft-sched-labels");
+  // Boxes per (stage, micro-batch): F, I and W, or F and B.
+  for (const auto& [name, kinds] :
+       {std::pair<std::string, int>{"zb-v", 3}, {"interleaved-1f1b", 2}, {"zb-h1", 3},
+        {"1f1b", 2}})
+    for (int pp : {2, 4}) {
+      const std::string at = fmt::format("{} pp {}", name, pp);
+      Out o =
+          run(fmt::format("simulate --schedule {} --pp {} -m 8 --svg {}/t.svg", name, pp, dir));
+      ASSERT_EQ(o.code, 0) << o.err;
+      const std::string svg = testing::read_file(dir + "/t.svg");
+      const int stages = pp * (name == "zb-v" || name == "interleaved-1f1b" ? 2 : 1);
+      const size_t boxes = static_cast<size_t>(8 * stages * kinds);
+      size_t rects = 0, labelled = 0;
+      for (size_t at_rect = svg.find("<rect"); at_rect != std::string::npos;
+           at_rect = svg.find("<rect", at_rect + 1))
+        ++rects;
+      EXPECT_EQ(rects, boxes) << at;
+      const auto end = std::sregex_iterator();
+      for (auto it = std::sregex_iterator(svg.begin(), svg.end(), box); it != end; ++it) {
+        const std::smatch& m = *it;
+        const double x = std::stod(m[1]), width = std::stod(m[2]), text_x = std::stod(m[4]);
+        const double font = std::stod(m[5]);
+        const std::string action = m[3], label = m[6];
+        EXPECT_EQ(label, action) << at;
+        EXPECT_GE(font, 7.0) << at << " " << action;
+        EXPECT_LE(font, 10.0) << at << " " << action;
+        // Sans-serif glyphs: W 0.95 em, digits and other capitals at most 0.62 em.
+        double ems = 0;
+        for (char ch : label) ems += ch == 'W' ? 0.95 : 0.62;
+        EXPECT_LE(font * ems, width) << at << " " << action << " does not fit its box";
+        EXPECT_NEAR(text_x, x + width / 2, 0.02) << at << " " << action;
+        ++labelled;
+      }
+      EXPECT_EQ(labelled, boxes) << at;
+    }
 }
 
 TEST(WeftSched, BadNameIsOneErrorLine) {
