@@ -7,13 +7,17 @@
 //   weft-sched simulate --schedule zb-h1 --pp 4 --micro-batches 8 [--cost-comm 0.1]
 //       [--json] [--trace zb-h1.json] [--svg zb-h1.svg]
 //   weft-sched compare --pp 4 --micro-batches 8 [--virtual-stages 3] [--cost-f 1 --cost-w 0.5 ...]
-//   weft-sched simulate --schedule 1f1b --pp 2 --micro-batches 8 --costs costs.json
+//   weft-sched simulate --schedule 1f1b --micro-batches 8 --costs costs.json  # pp from the file
 //   weft-sched timeline --from-trace run.json [--step 5] --svg run.svg
 //
 // simulate and compare time the lowered schedule with F, I and W costs per
 // rank's share of the model (a chunk gets its share of that) and a fixed
 // time per message; or, with --costs, with the per-stage costs that
-// `train_gpt --pp P --profile FILE` measured for its plan, in milliseconds.
+// `train_gpt --pp P --profile FILE` measured for its plan, in milliseconds,
+// at the pp and chunk count the file names where --pp or --virtual-stages
+// is not given (a flag that disagrees with the file is an error). Text
+// tables print sizes as "176.0 MiB"; --json keeps the exact numbers. show
+// prints a legend of the notation under the grid.
 // timeline summarises one step of a measured trace (train_gpt --trace) the
 // way simulate summarises a simulated one, and draws it.
 //
