@@ -83,6 +83,10 @@ struct SimOptions {
   std::string trace, svg;
 };
 
+constexpr const char* kChunksHelp =
+    "model chunks per rank, as train_gpt --virtual-stages (default: 2 for interleaved-1f1b and "
+    "zb-v, 1 for the others; zb-v runs exactly 2)";
+
 // `pp_required` false: simulate and compare, where a --costs file may say it.
 void add_size_options(CLI::App* cmd, Request& r, bool pp_required, const char* chunks_help) {
   CLI::Option* pp = cmd->add_option("--pp,--pipeline-model-parallel-size", r.pp, "pipeline ranks");
@@ -90,10 +94,6 @@ void add_size_options(CLI::App* cmd, Request& r, bool pp_required, const char* c
   cmd->add_option("--micro-batches,-m", r.micro_batches, "micro-batches per step")->required();
   cmd->add_option("--virtual-stages,--chunks,-v", r.chunks, chunks_help);
 }
-
-constexpr const char* kChunksHelp =
-    "model chunks per rank, as train_gpt --virtual-stages (default: 2 for interleaved-1f1b and "
-    "zb-v, 1 for the others; zb-v runs exactly 2)";
 
 void add_cost_options(CLI::App* cmd, Costs& c) {
   CLI::Option* file = cmd->add_option(
