@@ -212,7 +212,7 @@ def measure(a, pp, name, m, log):
 
 def simulate(a, pp, name, m, costs, svg, log):
     cmd = [a.weft_sched, "simulate", "--schedule", name, "--pp", str(pp), "--micro-batches",
-           str(m), "--chunks", str(chunks_of(name)), "--costs", costs, "--cost-comm",
+           str(m), "--virtual-stages", str(chunks_of(name)), "--costs", costs, "--cost-comm",
            f"{a.link_ms:.6f}", "--compute-scale", f"{a.scale:.4f}", "--json", "--svg", svg]
     return json.loads(run(cmd, log))
 

@@ -4,6 +4,9 @@
 #include <weft/error.h>
 #include <weft/schedule.h>
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <array>
 #include <cctype>
 #include <charconv>
@@ -14,20 +17,22 @@ namespace {
 struct KindName {
   ActionKind kind;
   std::string_view name;
+  std::string_view meaning;  // the legend's line
 };
 
 constexpr std::array<KindName, 11> kKindNames = {{
-    {ActionKind::F, "F"},
-    {ActionKind::B, "B"},
-    {ActionKind::I, "I"},
-    {ActionKind::W, "W"},
-    {ActionKind::SEND_F, "SEND_F"},
-    {ActionKind::RECV_F, "RECV_F"},
-    {ActionKind::SEND_B, "SEND_B"},
-    {ActionKind::RECV_B, "RECV_B"},
-    {ActionKind::REDUCE_GRAD, "REDUCE_GRAD"},
-    {ActionKind::REDUCE_TIED, "REDUCE_TIED"},
-    {ActionKind::STEP, "STEP"},
+    {ActionKind::F, "F", "forward"},
+    {ActionKind::B, "B", "full backward (I then W)"},
+    {ActionKind::I, "I", "backward for the input (the activation gradient)"},
+    {ActionKind::W, "W", "backward for the weights"},
+    {ActionKind::SEND_F, "SEND_F", "send the stage's output to the next stage's rank"},
+    {ActionKind::RECV_F, "RECV_F", "receive the stage's input from the previous stage's rank"},
+    {ActionKind::SEND_B, "SEND_B", "send the stage's input gradient to the previous stage's rank"},
+    {ActionKind::RECV_B, "RECV_B",
+     "receive the stage's output gradient from the next stage's rank"},
+    {ActionKind::REDUCE_GRAD, "REDUCE_GRAD", "reduce the stage's gradients across replicas"},
+    {ActionKind::REDUCE_TIED, "REDUCE_TIED", "sum tied-weight gradients across their stages"},
+    {ActionKind::STEP, "STEP", "optimizer step"},
 }};
 
 std::string_view kind_name(ActionKind kind) {
@@ -64,6 +69,25 @@ std::string Action::str() const {
   if (has_stage(kind)) out += std::to_string(stage);
   out += kind_name(kind);
   if (has_micro_batch(kind)) out += std::to_string(micro_batch);
+  return out;
+}
+
+std::string render_legend(const Schedule& s) {
+  auto appears = [&](ActionKind kind) {
+    return std::any_of(s.actions.begin(), s.actions.end(), [&](const std::vector<Action>& list) {
+      return std::any_of(list.begin(), list.end(), [&](const Action& a) { return a.kind == kind; });
+    });
+  };
+  std::vector<const KindName*> used;
+  size_t width = 0;
+  for (const KindName& k : kKindNames) {
+    if (!appears(k.kind)) continue;
+    used.push_back(&k);
+    width = std::max(width, k.name.size());
+  }
+  std::string out = "2F0 = stage 2 (of pp x chunks, from 0), kind F, micro-batch 0; the kinds:\n";
+  for (const KindName* k : used)
+    out += fmt::format("  {:<{}}  {}\n", k->name, width, k->meaning);
   return out;
 }
 

@@ -2,20 +2,30 @@
 //
 //   weft-sched list
 //   weft-sched show --schedule zb-v --pp 4 --micro-batches 8 [--lowered]
-//   weft-sched validate --schedule interleaved-1f1b --pp 4 --micro-batches 8 --chunks 2
+//   weft-sched validate --schedule interleaved-1f1b --pp 4 --micro-batches 8 --virtual-stages 3
 //   weft-sched csv --schedule 1f1b --pp 4 --micro-batches 8 > 1f1b.csv
 //   weft-sched simulate --schedule zb-h1 --pp 4 --micro-batches 8 [--cost-comm 0.1]
 //       [--json] [--trace zb-h1.json] [--svg zb-h1.svg]
-//   weft-sched compare --pp 4 --micro-batches 8 [--chunks 2] [--cost-f 1 --cost-w 0.5 ...]
-//   weft-sched simulate --schedule 1f1b --pp 2 --micro-batches 8 --costs costs.json
+//   weft-sched compare --pp 4 --micro-batches 8 [--virtual-stages 3] [--cost-f 1 --cost-w 0.5 ...]
+//   weft-sched simulate --schedule 1f1b --micro-batches 8 --costs costs.json  # pp from the file
 //   weft-sched timeline --from-trace run.json [--step 5] --svg run.svg
 //
 // simulate and compare time the lowered schedule with F, I and W costs per
 // rank's share of the model (a chunk gets its share of that) and a fixed
 // time per message; or, with --costs, with the per-stage costs that
-// `train_gpt --pp P --profile FILE` measured for its plan, in milliseconds.
+// `train_gpt --pp P --profile FILE` measured for its plan, in milliseconds,
+// at the pp and chunk count the file names where --pp or --virtual-stages
+// is not given (a flag that disagrees with the file is an error). Text
+// tables print sizes as "176.0 MiB"; --json keeps the exact numbers. show
+// prints a legend of the notation under the grid.
 // timeline summarises one step of a measured trace (train_gpt --trace) the
 // way simulate summarises a simulated one, and draws it.
+//
+// Flags that train_gpt also has mean what they mean there: --schedule,
+// --pp (--pipeline-model-parallel-size), --virtual-stages (model chunks per
+// rank; --chunks and -v are its older names), --trace. Without
+// --virtual-stages a schedule runs its default chunk count, train_gpt's: 2
+// for interleaved-1f1b and zb-v, 1 for the others.
 //
 // Errors print one line naming the value and the rule it broke, and exit 1.
 #include <weft/error.h>
@@ -30,6 +40,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <numeric>
@@ -43,9 +54,9 @@ using namespace weft::sched;
 
 struct Request {
   std::string schedule;
-  int pp = 1;
+  std::optional<int> pp;  // simulate and compare may take it from --costs
   int micro_batches = 1;
-  int chunks = 1;
+  std::optional<int> chunks;  // --virtual-stages; unset: the schedule's default
   bool lowered = false;
 };
 
@@ -57,9 +68,11 @@ struct Costs {
 };
 
 // A --costs file: per-stage costs of one micro-batch, as train_gpt --profile
-// writes them (seconds there, milliseconds here) for the plan it chose.
+// writes them (seconds there, milliseconds here) for the plan it chose, and
+// the layout it was profiled at (absent from a file written by hand).
 struct StageCosts {
   std::string path;
+  std::optional<int> pp, chunks;
   std::vector<double> f, i, w, update;  // ms
   std::vector<double> boundary_bytes, stash_bytes;
   size_t stages() const { return f.size(); }
@@ -70,16 +83,23 @@ struct SimOptions {
   std::string trace, svg;
 };
 
-void add_size_options(CLI::App* cmd, Request& r) {
-  cmd->add_option("--pp,--pipeline-model-parallel-size", r.pp, "pipeline ranks")->required();
+constexpr const char* kChunksHelp =
+    "model chunks per rank, as train_gpt --virtual-stages (default: 2 for interleaved-1f1b and "
+    "zb-v, 1 for the others; zb-v runs exactly 2)";
+
+// `pp_required` false: simulate and compare, where a --costs file may say it.
+void add_size_options(CLI::App* cmd, Request& r, bool pp_required, const char* chunks_help) {
+  CLI::Option* pp = cmd->add_option("--pp,--pipeline-model-parallel-size", r.pp, "pipeline ranks");
+  if (pp_required) pp->required();
   cmd->add_option("--micro-batches,-m", r.micro_batches, "micro-batches per step")->required();
-  cmd->add_option("--chunks,-v", r.chunks, "model chunks per rank (interleaved-1f1b)");
+  cmd->add_option("--virtual-stages,--chunks,-v", r.chunks, chunks_help);
 }
 
 void add_cost_options(CLI::App* cmd, Costs& c) {
   CLI::Option* file = cmd->add_option(
       "--costs", c.file,
-      "per-stage costs that `train_gpt --pp P --profile FILE` measured; times are then in ms");
+      "per-stage costs that `train_gpt --pp P --profile FILE` measured; times are then in ms, "
+      "and --pp and --virtual-stages default to the file's");
   for (CLI::Option* o :
        {cmd->add_option("--cost-f", c.f, "forward time of a rank's share of the model"),
         cmd->add_option("--cost-i", c.i, "input-gradient time of a rank's share"),
@@ -100,13 +120,22 @@ CLI::App* add_schedule_command(CLI::App& app, const std::string& name,
                                const std::string& description, Request& r) {
   CLI::App* cmd = app.add_subcommand(name, description);
   cmd->add_option("--schedule,-s", r.schedule, "schedule name (see `weft-sched list`)")->required();
-  add_size_options(cmd, r);
+  add_size_options(cmd, r, true, kChunksHelp);
   cmd->add_flag("--lowered", r.lowered, "add the sends and receives");
   return cmd;
 }
 
+// The chunk count --virtual-stages asks for, or the schedule's default; a
+// count the schedule does not run is refused.
+int chunks_of(const Request& r) {
+  if (!r.chunks) return default_chunks(r.schedule);
+  const std::string rule = chunks_rule(r.schedule, *r.chunks);
+  weft::check(rule.empty(), "--virtual-stages {}: {}", *r.chunks, rule);
+  return *r.chunks;
+}
+
 Schedule build(const Request& r) {
-  Schedule s = make_schedule(r.schedule, r.pp, r.micro_batches, r.chunks);
+  Schedule s = make_schedule(r.schedule, *r.pp, r.micro_batches, chunks_of(r));
   return r.lowered ? lower(s) : s;
 }
 
@@ -142,6 +171,17 @@ double stage_number(const StageCosts& c, const nlohmann::json& stage, size_t ind
   return v;
 }
 
+// The file's "pp" or "chunks", a whole number at least 1 where it is there.
+std::optional<int> layout_count(const nlohmann::json& j, const std::string& path,
+                                const char* key) {
+  const auto it = j.find(key);
+  if (it == j.end()) return std::nullopt;
+  weft::check(it->is_number_integer() && it->get<int64_t>() >= 1 &&
+                  it->get<int64_t>() <= std::numeric_limits<int>::max(),
+              "--costs {}: \"{}\" is {}, not a whole number at least 1", path, key, it->dump());
+  return it->get<int>();
+}
+
 StageCosts read_stage_costs(const std::string& path) {
   StageCosts c;
   c.path = path;
@@ -150,6 +190,12 @@ StageCosts read_stage_costs(const std::string& path) {
   weft::check(stages != j.end() && stages->is_array() && !stages->empty(),
               "--costs {}: no \"stages\" list; `train_gpt --pp P --profile FILE` writes one",
               path);
+  c.pp = layout_count(j, path, "pp");
+  c.chunks = layout_count(j, path, "chunks");
+  if (c.pp && c.chunks)
+    weft::check(stages->size() == static_cast<size_t>(*c.pp) * static_cast<size_t>(*c.chunks),
+                "--costs {}: {} stages, but its pp x chunks = {} x {} = {}", path, stages->size(),
+                *c.pp, *c.chunks, *c.pp * *c.chunks);
   for (size_t k = 0; k < stages->size(); ++k) {
     const nlohmann::json& st = (*stages)[k];
     weft::check(st.is_object(), "--costs {}: stages[{}] is not an object", path, k);
@@ -161,6 +207,40 @@ StageCosts read_stage_costs(const std::string& path) {
     c.stash_bytes.push_back(stage_number(c, st, k, "stash_bytes", false));
   }
   return c;
+}
+
+// --pp, or the pipeline ranks the --costs file was profiled at; given both,
+// they must agree.
+int pipeline_ranks(const Request& r, const std::optional<StageCosts>& p) {
+  if (r.pp && p && p->pp)
+    weft::check(*r.pp == *p->pp, "--pp {} contradicts --costs {}, which was profiled at pp {}",
+                *r.pp, p->path, *p->pp);
+  if (r.pp) return *r.pp;
+  weft::check(p.has_value(), "--pp (--pipeline-model-parallel-size) is required without --costs");
+  weft::check(p->pp.has_value(), "--pp is required: --costs {} does not say the pp it was "
+              "profiled at", p->path);
+  return *p->pp;
+}
+
+// The sizes to simulate: --pp and --virtual-stages, or what the --costs file
+// was profiled at where they are not given; a flag that contradicts the file
+// is an error naming both.
+Request with_profiled_sizes(Request r, const std::optional<StageCosts>& p) {
+  r.pp = pipeline_ranks(r, p);
+  if (!p || !p->chunks) return r;
+  if (r.chunks) {
+    chunks_of(r);  // first, whether the schedule runs that count at all
+    weft::check(*r.chunks == *p->chunks,
+                "--virtual-stages {} contradicts --costs {}, which was profiled at {} chunks "
+                "per rank",
+                *r.chunks, p->path, *p->chunks);
+  } else {
+    const std::string rule = chunks_rule(r.schedule, *p->chunks);
+    weft::check(rule.empty(), "--costs {} was profiled at {} chunks per rank: {}", p->path,
+                *p->chunks, rule);
+    r.chunks = p->chunks;
+  }
+  return r;
 }
 
 // The profiled stages are the schedule's stages, in order: their count must match.
@@ -198,7 +278,22 @@ std::string per_rank(const std::vector<T>& v, const char* spec = "{}") {
   return out;
 }
 
-constexpr const char* kRowFormat = "{:<18} {:>6} {:>10} {:>8} {:>20} {:>10}\n";
+// A size as people read it: "512 B", "176.0 MiB", "1.5 GiB". The text
+// tables print these; --json keeps the exact numbers.
+std::string human_bytes(double bytes) {
+  if (bytes < 1024) return fmt::format("{:g} B", bytes);
+  constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
+  double value = bytes / 1024;
+  size_t unit = 0;
+  // 1023.96 KiB would print as "1024.0 KiB": that is 1.0 MiB.
+  while (value >= 1023.95 && unit + 1 < std::size(kUnits)) {
+    value /= 1024;
+    ++unit;
+  }
+  return fmt::format("{:.1f} {}", value, kUnits[unit]);
+}
+
+constexpr const char* kRowFormat = "{:<18} {:>6} {:>10} {:>8} {:>20} {:>11}\n";
 
 void print_header() {
   fmt::print(kRowFormat, "schedule", "chunks", "step", "bubble", "peak act per rank",
@@ -209,16 +304,16 @@ void print_row(const Schedule& s, const SimResult& r) {
   const double sent = std::accumulate(r.bytes_sent.begin(), r.bytes_sent.end(), 0.0);
   fmt::print(kRowFormat, s.name, s.chunks, fmt::format("{:.3f}", r.step_time),
              fmt::format("{:.1f}%", 100 * r.bubble_fraction), per_rank(r.peak_activations),
-             fmt::format("{:g}", sent));
+             human_bytes(sent));
 }
 
 void print_ranks(const SimResult& r) {
-  fmt::print("\n{:>4} {:>10} {:>8} {:>10} {:>9} {:>11} {:>10}\n", "rank", "busy", "bubble",
+  fmt::print("\n{:>4} {:>10} {:>8} {:>10} {:>9} {:>11} {:>11}\n", "rank", "busy", "bubble",
              "update", "peak act", "peak bytes", "bytes sent");
   for (size_t rank = 0; rank < r.busy.size(); ++rank)
-    fmt::print("{:>4} {:>10.3f} {:>7.1f}% {:>10.3f} {:>9} {:>11g} {:>10g}\n", rank, r.busy[rank],
+    fmt::print("{:>4} {:>10.3f} {:>7.1f}% {:>10.3f} {:>9} {:>11} {:>11}\n", rank, r.busy[rank],
                100 * r.rank_bubble[rank], r.update[rank], r.peak_activations[rank],
-               r.peak_activation_bytes[rank], r.bytes_sent[rank]);
+               human_bytes(r.peak_activation_bytes[rank]), human_bytes(r.bytes_sent[rank]));
 }
 
 // One JSON object. `unit` is what times are in: "ms" (profiled costs, a
@@ -269,20 +364,36 @@ std::optional<StageCosts> stage_costs(const Costs& c) {
 
 int simulate_command(const Request& r, const Costs& c, const SimOptions& o) {
   const std::optional<StageCosts> profiled = stage_costs(c);
-  const Schedule s = lower(make_schedule(r.schedule, r.pp, r.micro_batches, r.chunks));
+  const Schedule s = lower(build(with_profiled_sizes(r, profiled)));
   report(s, time_schedule(s, c, profiled), o, profiled.has_value());
   return 0;
 }
 
 // Every schedule at the same sizes; one that cannot be built at them (or
 // that the --costs file's stages do not fit) says why in its row instead of
-// failing the rest.
+// failing the rest. --virtual-stages, or else the --costs file's chunk
+// count where a schedule runs it, is the chunk count of the schedules that
+// run several; the others run their one.
 int compare_command(const Request& r, const Costs& c) {
   const std::optional<StageCosts> profiled = stage_costs(c);
+  Request sizes = r;
+  sizes.pp = pipeline_ranks(r, profiled);
+  if (r.chunks && profiled && profiled->chunks)
+    weft::check(*r.chunks == *profiled->chunks,
+                "--virtual-stages {} contradicts --costs {}, which was profiled at {} chunks "
+                "per rank",
+                *r.chunks, profiled->path, *profiled->chunks);
   print_header();
   for (const std::string& name : schedule_names()) {
     try {
-      const Schedule s = lower(make_schedule(name, r.pp, r.micro_batches, r.chunks));
+      Request row = sizes;
+      row.schedule = name;
+      if (default_chunks(name) == 1)
+        row.chunks = 1;
+      else if (!row.chunks && profiled && profiled->chunks &&
+               chunks_rule(name, *profiled->chunks).empty())
+        row.chunks = profiled->chunks;
+      const Schedule s = lower(build(row));
       print_row(s, time_schedule(s, c, profiled));
     } catch (const weft::Error& e) {
       fmt::print("{:<18} {}\n", name, e.what());
@@ -390,7 +501,7 @@ int run(CLI::App& app, const Commands& cmd, const Request& r, const Request& cr,
     return 0;
   }
   const Schedule s = build(r);
-  if (cmd.show->parsed()) fmt::print("{}", render_grid(s));
+  if (cmd.show->parsed()) fmt::print("{}\n{}", render_grid(s), render_legend(s));
   if (cmd.csv->parsed()) fmt::print("{}", to_csv(s));
   if (cmd.validate->parsed()) {
     const ValidationResult v = validate(s);
@@ -419,16 +530,16 @@ int main(int argc, char** argv) {
   CLI::App* sim = app.add_subcommand("simulate", "time a schedule: step, bubble, memory");
   sim->add_option("--schedule,-s", r.schedule, "schedule name (see `weft-sched list`)")
       ->required();
-  add_size_options(sim, r);
+  add_size_options(sim, r, false, kChunksHelp);
   add_cost_options(sim, costs);
   sim->add_flag("--json", o.json, "print one JSON object instead of the table");
   sim->add_option("--trace", o.trace, "write a Chrome trace (Perfetto) to this file");
   sim->add_option("--svg", o.svg, "write an SVG timeline to this file");
-  // interleaved-1f1b needs two chunks at least; the others ignore the count.
   Request cr;
-  cr.chunks = 2;
   CLI::App* compare = app.add_subcommand("compare", "time every schedule at the same sizes");
-  add_size_options(compare, cr);
+  add_size_options(compare, cr, false,
+                   "model chunks per rank of interleaved-1f1b and zb-v, as train_gpt "
+                   "--virtual-stages (default 2; zb-v runs exactly 2); the others run one");
   add_cost_options(compare, costs);
   TimelineRequest t;
   CLI::App* timeline = app.add_subcommand(

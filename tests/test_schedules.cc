@@ -364,6 +364,35 @@ TEST(Validate, RenderGridMarksOneAction) {
   EXPECT_TRUE(contains(g, "rank 1: 1F0 1B0 [1F1] 1B1  <-- ERROR HERE\n")) << g;
 }
 
+// The key printed under the grid names the kinds that appear, and only those.
+TEST(Validate, RenderLegendNamesTheKindsThatAppear) {
+  const std::string plain = render_legend(one_f_one_b(2, 2));
+  EXPECT_TRUE(contains(plain, "2F0 = stage 2 (of pp x chunks, from 0), kind F, micro-batch 0"))
+      << plain;
+  EXPECT_TRUE(contains(plain, "\n  F  forward\n  B  full backward (I then W)\n")) << plain;
+  for (const char* absent : {"  I ", "  W ", "SEND", "RECV"})
+    EXPECT_FALSE(contains(plain, absent)) << absent << "\n" << plain;
+
+  const std::string v = render_legend(lower(zb_v(2, 2)));
+  for (const char* line :
+       {"\n  F       forward\n", "\n  I       backward for the input (the activation gradient)\n",
+        "\n  W       backward for the weights\n",
+        "\n  SEND_F  send the stage's output to the next stage's rank\n",
+        "\n  RECV_F  receive the stage's input from the previous stage's rank\n",
+        "\n  SEND_B  send the stage's input gradient to the previous stage's rank\n",
+        "\n  RECV_B  receive the stage's output gradient from the next stage's rank\n"})
+    EXPECT_TRUE(contains(v, line)) << line << "\n" << v;
+  EXPECT_FALSE(contains(v, "  B ")) << v;
+
+  // The names line up under the longest one used.
+  Schedule s = empty_schedule("by hand", 1, 1);
+  s.actions[0] = {Action::parse("0F0"), Action::parse("0REDUCE_GRAD"), Action::parse("STEP")};
+  const std::string wide = render_legend(s);
+  EXPECT_TRUE(contains(wide, "\n  F            forward\n")) << wide;
+  EXPECT_TRUE(contains(wide, "\n  STEP         optimizer step\n")) << wide;
+  EXPECT_TRUE(contains(wide, "\n  REDUCE_GRAD  reduce")) << wide;
+}
+
 // --- make_schedule ---
 
 TEST(Registry, NamesAndErrors) {
@@ -387,6 +416,34 @@ TEST(Registry, NamesAndErrors) {
   // Schedules with a fixed number of chunks ignore the argument.
   EXPECT_EQ(make_schedule("zb-v", 2, 4, 5).chunks, 2);
   EXPECT_EQ(make_schedule("1f1b", 2, 4, 3).chunks, 1);
+}
+
+// The chunk counts weft-sched and train_gpt accept: the default is one the
+// generator builds, and every count the rule lets through builds with
+// exactly that many chunks.
+TEST(Registry, ChunksPerRank) {
+  const std::map<std::string, int> defaults = {
+      {"gpipe", 1}, {"1f1b", 1}, {"interleaved-1f1b", 2}, {"zb-h1", 1}, {"zb-v", 2}};
+  for (const std::string& name : schedule_names()) {
+    EXPECT_EQ(default_chunks(name), defaults.at(name)) << name;
+    EXPECT_EQ(chunks_rule(name, default_chunks(name)), "") << name;
+    EXPECT_EQ(chunks_rule(name, 0), "chunks per rank must be at least 1") << name;
+    for (int v = 1; v <= 4; ++v) {
+      if (chunks_rule(name, v).empty()) {
+        EXPECT_EQ(make_schedule(name, 2, 4, v).chunks, v) << name << " v=" << v;
+      }
+    }
+  }
+  EXPECT_EQ(chunks_rule("zb-v", 3), "zb-v runs exactly 2 chunks per rank (its V shape)");
+  EXPECT_EQ(chunks_rule("zb-v", 1), "zb-v runs exactly 2 chunks per rank (its V shape)");
+  EXPECT_EQ(chunks_rule("interleaved-1f1b", 3), "");
+  EXPECT_TRUE(contains(chunks_rule("interleaved-1f1b", 1), "at least 2 chunks per rank"));
+  for (const char* name : {"gpipe", "1f1b", "zb-h1"})
+    EXPECT_EQ(chunks_rule(name, 2),
+              fmt::format("{} runs one chunk per rank; only interleaved-1f1b and zb-v run several",
+                          name));
+  EXPECT_TRUE(contains(error_message([] { default_chunks("zb-h3"); }), "unknown schedule 'zb-h3'"));
+  EXPECT_TRUE(contains(error_message([] { chunks_rule("zb-h3", 1); }), "unknown schedule 'zb-h3'"));
 }
 
 // --- unit-time bubbles ---

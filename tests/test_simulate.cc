@@ -285,6 +285,7 @@ TEST(Trace, SvgHasOneBoxPerComputeAction) {
     EXPECT_TRUE(svg.ends_with("</svg>\n")) << name;
     EXPECT_EQ(count(svg, "<rect"), compute) << name;
     EXPECT_EQ(count(svg, "<rect"), count(svg, "</rect>")) << name;
+    EXPECT_EQ(count(svg, "<text class=\"label\""), compute) << name << ": a label per box";
     EXPECT_TRUE(contains(svg, "rank 3")) << name;
   }
 }

@@ -15,6 +15,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <map>
+#include <regex>
+#include <sstream>
 
 namespace weft {
 namespace {
@@ -63,11 +66,222 @@ TEST(WeftSched, WritesATraceAndAnSvg) {
   EXPECT_NE(svg.find("</svg>"), std::string::npos);
 }
 
+// Every box of a timeline carries its action as a tooltip and as text that
+// fits inside it, at sizes people read: at pp 2 and 4 with 8 micro-batches
+// (bench/sched_report.py's drawings), 7 px at least even for ZB-V's and
+// interleaved 1F1B's half-size chunk boxes.
+TEST(WeftSched, EverySvgBoxHasAVisibleLabel) {
+  // A box, its tooltip, then its text: x, width, the tooltip's action, the
+  // text's x, its font size and its text.
+  const std::regex box(
+      R"re(<rect class="action [^"]*" x="([0-9.]+)" y="[0-9.]+" width="([0-9.]+)"[^>]*>)re"
+      R"re(<title>(\w+) \[[^<]*</title></rect>\n)re"
+      R"re(<text class="label" x="([0-9.]+)" y="[0-9.]+" font-size="([0-9.]+)"[^>]*>)re"
+      R"re((\w+)</text>)re");
+  const std::string dir = testing::temp_dir("weft-sched-labels");
+  // Boxes per (stage, micro-batch): F, I and W, or F and B.
+  for (const auto& [name, kinds] :
+       {std::pair<std::string, int>{"zb-v", 3}, {"interleaved-1f1b", 2}, {"zb-h1", 3},
+        {"1f1b", 2}})
+    for (int pp : {2, 4}) {
+      const std::string at = fmt::format("{} pp {}", name, pp);
+      Out o =
+          run(fmt::format("simulate --schedule {} --pp {} -m 8 --svg {}/t.svg", name, pp, dir));
+      ASSERT_EQ(o.code, 0) << o.err;
+      const std::string svg = testing::read_file(dir + "/t.svg");
+      const int stages = pp * (name == "zb-v" || name == "interleaved-1f1b" ? 2 : 1);
+      const size_t boxes = static_cast<size_t>(8 * stages * kinds);
+      size_t rects = 0, labelled = 0;
+      for (size_t at_rect = svg.find("<rect"); at_rect != std::string::npos;
+           at_rect = svg.find("<rect", at_rect + 1))
+        ++rects;
+      EXPECT_EQ(rects, boxes) << at;
+      const auto end = std::sregex_iterator();
+      for (auto it = std::sregex_iterator(svg.begin(), svg.end(), box); it != end; ++it) {
+        const std::smatch& m = *it;
+        const double x = std::stod(m[1]), width = std::stod(m[2]), text_x = std::stod(m[4]);
+        const double font = std::stod(m[5]);
+        const std::string action = m[3], label = m[6];
+        EXPECT_EQ(label, action) << at;
+        EXPECT_GE(font, 7.0) << at << " " << action;
+        EXPECT_LE(font, 10.0) << at << " " << action;
+        // Sans-serif glyphs: W 0.95 em, digits and other capitals at most 0.62 em.
+        double ems = 0;
+        for (char ch : label) ems += ch == 'W' ? 0.95 : 0.62;
+        EXPECT_LE(font * ems, width) << at << " " << action << " does not fit its box";
+        EXPECT_NEAR(text_x, x + width / 2, 0.02) << at << " " << action;
+        ++labelled;
+      }
+      EXPECT_EQ(labelled, boxes) << at;
+    }
+}
+
 TEST(WeftSched, BadNameIsOneErrorLine) {
   Out o = run("simulate --schedule nope --pp 4 --micro-batches 8");
   EXPECT_EQ(o.code, 1);
   EXPECT_EQ(std::count(o.err.begin(), o.err.end(), '\n'), 1) << o.err;
   EXPECT_NE(o.err.find("'nope'"), std::string::npos) << o.err;
+}
+
+// --- train_gpt's vocabulary: --virtual-stages and its defaults ---
+
+nlohmann::json sim_json(const std::string& args) {
+  Out o = run("simulate --json " + args);
+  EXPECT_EQ(o.code, 0) << args << "\n" << o.err;
+  return o.code == 0 ? nlohmann::json::parse(o.out) : nlohmann::json::object();
+}
+
+bool one_error_line(const Out& o, const std::string& text) {
+  return o.code == 1 && std::count(o.err.begin(), o.err.end(), '\n') == 1 &&
+         o.err.find(text) != std::string::npos;
+}
+
+// --virtual-stages is train_gpt's name; --chunks and -v still work.
+TEST(WeftSched, VirtualStagesAndItsAliases) {
+  const std::string base = "--schedule interleaved-1f1b --pp 2 --micro-batches 4 ";
+  for (const char* flag : {"--virtual-stages 3", "--chunks 3", "-v 3"}) {
+    const auto j = sim_json(base + flag);
+    EXPECT_EQ(j["chunks"], 3) << flag;
+    Out csv = run("csv " + base + flag);
+    ASSERT_EQ(csv.code, 0) << csv.err;
+    EXPECT_NE(csv.out.find("5F0"), std::string::npos) << flag << ": stage 5 is chunk 2 of rank 1";
+  }
+  EXPECT_EQ(sim_json("-s 1f1b --pipeline-model-parallel-size 4 -m 8")["pp"], 4);
+  Out v = run("validate " + base + "--virtual-stages 3");
+  EXPECT_EQ(v.code, 0) << v.err;
+  EXPECT_NE(v.out.find("chunks 3"), std::string::npos) << v.out;
+}
+
+// Without --virtual-stages every command runs train_gpt's default: 2 chunks
+// for interleaved-1f1b and zb-v, 1 for the others.
+TEST(WeftSched, DefaultChunksAreTrainGptsEverywhere) {
+  const std::map<std::string, int> chunks = {
+      {"gpipe", 1}, {"1f1b", 1}, {"interleaved-1f1b", 2}, {"zb-h1", 1}, {"zb-v", 2}};
+  Out compare = run("compare --pp 4 --micro-batches 8");
+  ASSERT_EQ(compare.code, 0) << compare.err;
+  for (const auto& [name, v] : chunks) {
+    EXPECT_EQ(sim_json("--schedule " + name + " --pp 4 --micro-batches 8")["chunks"], v) << name;
+    Out check = run("validate --schedule " + name + " --pp 4 --micro-batches 8");
+    EXPECT_EQ(check.code, 0) << check.err;
+    EXPECT_NE(check.out.find(fmt::format("chunks {},", v)), std::string::npos) << check.out;
+    // The compare row: the name, then its chunk count and a step time.
+    const size_t row = compare.out.find("\n" + name + " ");
+    ASSERT_NE(row, std::string::npos) << compare.out;
+    std::istringstream cells(compare.out.substr(row + 1));
+    std::string cell_name;
+    int cell_chunks = 0;
+    cells >> cell_name >> cell_chunks;
+    EXPECT_EQ(cell_chunks, v) << compare.out;
+  }
+  // The same row from simulate and from compare.
+  const auto sim = sim_json("--schedule interleaved-1f1b --pp 4 --micro-batches 8");
+  EXPECT_NE(compare.out.find(fmt::format("{:.3f}", sim["step_time"].get<double>())),
+            std::string::npos)
+      << compare.out;
+  // compare --virtual-stages sets the chunks of the schedules that run several.
+  Out three = run("compare --pp 4 --micro-batches 8 --virtual-stages 3");
+  ASSERT_EQ(three.code, 0) << three.err;
+  EXPECT_NE(three.out.find("interleaved-1f1b        3"), std::string::npos) << three.out;
+  EXPECT_NE(three.out.find("1f1b                    1"), std::string::npos) << three.out;
+  EXPECT_NE(three.out.find("zb-v               --virtual-stages 3: zb-v runs exactly 2 chunks"),
+            std::string::npos)
+      << three.out;
+}
+
+TEST(WeftSched, ChunkCountsAScheduleDoesNotRunAreOneErrorLine) {
+  for (const char* cmd : {"simulate", "show", "validate", "csv"}) {
+    const std::string base = std::string(cmd) + " --pp 2 --micro-batches 4 --schedule ";
+    EXPECT_TRUE(one_error_line(run(base + "zb-v --virtual-stages 3"),
+                               "--virtual-stages 3: zb-v runs exactly 2 chunks per rank (its V "
+                               "shape)"))
+        << cmd;
+    EXPECT_TRUE(one_error_line(run(base + "zb-v -v 1"), "--virtual-stages 1: zb-v runs exactly 2"))
+        << cmd;
+    for (const char* name : {"gpipe", "1f1b", "zb-h1"}) {
+      EXPECT_TRUE(one_error_line(run(base + name + " --chunks 2"),
+                                 fmt::format("--virtual-stages 2: {} runs one chunk per rank",
+                                             name)))
+          << cmd << " " << name;
+      EXPECT_EQ(run(base + name + " --virtual-stages 1").code, 0) << cmd << " " << name;
+    }
+    EXPECT_TRUE(one_error_line(run(base + "interleaved-1f1b -v 1"),
+                               "--virtual-stages 1: interleaved-1f1b runs at least 2 chunks"))
+        << cmd;
+    EXPECT_TRUE(one_error_line(run(base + "interleaved-1f1b -v 0"),
+                               "--virtual-stages 0: chunks per rank must be at least 1"))
+        << cmd;
+  }
+}
+
+// The tables print sizes as people read them; --json keeps exact numbers.
+// At 1F1B, pp 2: rank 0 holds 2 micro-batches at most, rank 1 one, and each
+// rank sends one message per micro-batch.
+TEST(WeftSched, TablesPrintReadableSizes) {
+  auto lines = [](const Out& o) {
+    std::vector<std::string> out;
+    std::istringstream in(o.out);
+    for (std::string line; std::getline(in, line);) out.push_back(line);
+    return out;
+  };
+  auto cells = [](const std::string& line) {
+    std::vector<std::string> out;
+    std::istringstream in(line);
+    for (std::string cell; in >> cell;) out.push_back(cell);
+    return out;
+  };
+  struct Case {
+    int m;
+    double bytes;
+    std::string total, peak0, peak1, sent;
+  };
+  const double mib = 1 << 20;
+  for (const Case& c : {Case{4, 88 * mib, "704.0 MiB", "176.0 MiB", "88.0 MiB", "352.0 MiB"},
+                        Case{8, 96 * mib, "1.5 GiB", "192.0 MiB", "96.0 MiB", "768.0 MiB"},
+                        Case{4, 64, "512 B", "128 B", "64 B", "256 B"},
+                        Case{4, 0.5 * 1024, "4.0 KiB", "1.0 KiB", "512 B", "2.0 KiB"}}) {
+    const std::string args =
+        fmt::format("simulate --schedule 1f1b --pp 2 --micro-batches {} --bytes {}", c.m, c.bytes);
+    Out o = run(args);
+    ASSERT_EQ(o.code, 0) << o.err;
+    EXPECT_EQ(o.out.find("e+"), std::string::npos) << o.out;
+    const std::vector<std::string> l = lines(o);
+    ASSERT_GE(l.size(), 6u) << o.out;
+    // "1f1b 1 <step> <bubble> 2/1 <total>", then the ranks:
+    // "<rank> <busy> <bubble> <update> <peak act> <peak bytes> <bytes sent>".
+    const auto row = cells(l[1]), rank0 = cells(l[4]), rank1 = cells(l[5]);
+    ASSERT_EQ(row.size(), 7u) << l[1];
+    EXPECT_EQ(row[5] + " " + row[6], c.total) << o.out;
+    ASSERT_EQ(rank0.size(), 9u) << l[4];
+    ASSERT_EQ(rank1.size(), 9u) << l[5];
+    EXPECT_EQ(rank0[5] + " " + rank0[6], c.peak0) << o.out;
+    EXPECT_EQ(rank1[5] + " " + rank1[6], c.peak1) << o.out;
+    EXPECT_EQ(rank0[7] + " " + rank0[8], c.sent) << o.out;
+    // The JSON is exact.
+    const auto j = sim_json(args.substr(std::string("simulate ").size()));
+    EXPECT_EQ(j["peak_activation_bytes"], nlohmann::json({2 * c.bytes, c.bytes})) << args;
+    EXPECT_EQ(j["bytes_sent"], nlohmann::json({c.m * c.bytes, c.m * c.bytes})) << args;
+  }
+  // compare's column too.
+  Out compare = run(fmt::format("compare --pp 2 --micro-batches 4 --bytes {}", 88 * mib));
+  ASSERT_EQ(compare.code, 0) << compare.err;
+  EXPECT_NE(compare.out.find("2/1   704.0 MiB\n"), std::string::npos) << compare.out;
+}
+
+// show prints the grid, then what its notation means.
+TEST(WeftSched, ShowPrintsALegendUnderTheGrid) {
+  Out o = run("show --schedule zb-h1 --pp 2 --micro-batches 2");
+  ASSERT_EQ(o.code, 0) << o.err;
+  const size_t grid = o.out.find("rank 1: "), legend = o.out.find("\n\n2F0 = stage 2");
+  ASSERT_NE(legend, std::string::npos) << o.out;
+  EXPECT_LT(grid, legend) << o.out;
+  for (const char* line : {"  F  forward\n", "  I  backward for the input", "  W  backward for"})
+    EXPECT_NE(o.out.find(line, legend), std::string::npos) << line << "\n" << o.out;
+  EXPECT_EQ(o.out.find("SEND_F", legend), std::string::npos) << o.out;
+  Out lowered = run("show --schedule 1f1b --pp 2 --micro-batches 2 --lowered");
+  ASSERT_EQ(lowered.code, 0) << lowered.err;
+  for (const char* kind : {"B ", "SEND_F", "RECV_F", "SEND_B", "RECV_B"})
+    EXPECT_NE(lowered.out.find(std::string("\n  ") + kind), std::string::npos)
+        << kind << "\n" << lowered.out;
 }
 
 // --- --costs: per-stage costs as train_gpt --profile writes them ---
@@ -268,17 +482,110 @@ TEST(WeftSched, BadCostsAreOneErrorLine) {
     EXPECT_NE(o.err.find(file), std::string::npos) << o.err;
     EXPECT_NE(o.err.find(rule), std::string::npos) << o.err;
   }
-  // Two stages do not fit four.
-  Out o = run("simulate --schedule 1f1b --pp 4 --micro-batches 4 --costs " + p.path);
-  EXPECT_EQ(o.code, 1);
-  EXPECT_EQ(std::count(o.err.begin(), o.err.end(), '\n'), 1) << o.err;
-  EXPECT_NE(o.err.find("2 stages, but 1f1b at --pp 4 runs pp x chunks = 4 x 1 = 4"),
-            std::string::npos)
+  // Two stages do not fit four: a file that does not say its layout.
+  stages = p.stages;
+  stages.erase("pp");
+  stages.erase("chunks");
+  testing::write_file(dir + "/no-layout.json", stages.dump());
+  Out o = run("simulate --schedule 1f1b --pp 4 --micro-batches 4 --costs " + dir +
+              "/no-layout.json");
+  EXPECT_TRUE(one_error_line(o, "2 stages, but 1f1b at --pp 4 runs pp x chunks = 4 x 1 = 4"))
       << o.err;
+  // Nor can a file whose layout is not its stage count.
+  stages = p.stages;
+  stages["chunks"] = 2;
+  testing::write_file(dir + "/two-chunks.json", stages.dump());
+  o = run("simulate --schedule 1f1b --pp 2 --micro-batches 4 --costs " + dir + "/two-chunks.json");
+  EXPECT_TRUE(one_error_line(o, "2 stages, but its pp x chunks = 2 x 2 = 4")) << o.err;
+  stages["chunks"] = 0;
+  testing::write_file(dir + "/zero-chunks.json", stages.dump());
+  o = run("simulate --schedule 1f1b --pp 2 --micro-batches 4 --costs " + dir + "/zero-chunks.json");
+  EXPECT_TRUE(one_error_line(o, "\"chunks\" is 0, not a whole number at least 1")) << o.err;
   // Uniform costs and a profile cannot both say what F costs.
   EXPECT_NE(run("simulate --schedule 1f1b --pp 2 --micro-batches 4 --cost-f 2 --costs " + p.path)
                 .code,
             0);
+}
+
+// The plan's two stages, repeated to the stages of `pp` ranks x `chunks`,
+// as a --costs file that says its layout. Stage k's F is k + 1 ms, so a
+// schedule built at other sizes would not take the same time.
+std::string costs_file(const ProfiledPlan& p, int pp, int chunks) {
+  nlohmann::json file = p.stages;
+  file["pp"] = pp;
+  file["chunks"] = chunks;
+  file["stages"] = nlohmann::json::array();
+  for (int k = 0; k < pp * chunks; ++k) {
+    nlohmann::json stage = p.stages["stages"][static_cast<size_t>(k % 2)];
+    stage["f"] = 1e-3 * (k + 1);
+    file["stages"].push_back(stage);
+  }
+  const std::string path =
+      testing::temp_dir(fmt::format("weft-sched-pp{}-v{}", pp, chunks)) + "/costs.json";
+  testing::write_file(path, file.dump());
+  return path;
+}
+
+// Without --pp and --virtual-stages, simulate and compare run the layout the
+// costs were profiled at: 3 chunks is not interleaved-1f1b's default.
+TEST(WeftSched, CostsFileGivesPpAndChunks) {
+  const ProfiledPlan p = profiled_plan();
+  const std::string three = costs_file(p, 2, 3);
+  const auto j = sim_json("--schedule interleaved-1f1b --micro-batches 4 --costs " + three);
+  EXPECT_EQ(j["pp"], 2);
+  EXPECT_EQ(j["chunks"], 3);
+  // The same as naming the layout, and the file's stage times are in it.
+  const auto named =
+      sim_json("--schedule interleaved-1f1b --pp 2 -v 3 --micro-batches 4 --costs " + three);
+  EXPECT_EQ(j["step_time"], named["step_time"]);
+  EXPECT_GT(j["step_time"].get<double>(), 4 * (1.0 + 2 + 3 + 4 + 5 + 6) / 2);
+  // zb-v's two chunks from a file at pp 4.
+  const auto v = sim_json("--schedule zb-v --micro-batches 8 --costs " + costs_file(p, 4, 2));
+  EXPECT_EQ(v["pp"], 4);
+  EXPECT_EQ(v["chunks"], 2);
+
+  Out compare = run("compare --micro-batches 4 --costs " + three);
+  ASSERT_EQ(compare.code, 0) << compare.err;
+  EXPECT_NE(compare.out.find(fmt::format("interleaved-1f1b        3 {:>10.3f}",
+                                         j["step_time"].get<double>())),
+            std::string::npos)
+      << compare.out;
+  EXPECT_NE(compare.out.find("6 stages, but 1f1b at --pp 2 runs pp x chunks = 2 x 1 = 2"),
+            std::string::npos)
+      << compare.out;
+}
+
+// A flag that contradicts the file is one error line naming both values.
+TEST(WeftSched, CostsFileAndFlagsThatDisagree) {
+  const ProfiledPlan p = profiled_plan();
+  const std::string three = costs_file(p, 2, 3);
+  const std::string base = " --micro-batches 4 --costs " + three;
+  for (const char* cmd : {"simulate --schedule interleaved-1f1b", "compare"}) {
+    EXPECT_TRUE(one_error_line(run(cmd + base + " --virtual-stages 2"),
+                               "--virtual-stages 2 contradicts --costs " + three +
+                                   ", which was profiled at 3 chunks per rank"))
+        << cmd;
+    EXPECT_TRUE(one_error_line(run(cmd + base + " --pp 4"),
+                               "--pp 4 contradicts --costs " + three +
+                                   ", which was profiled at pp 2"))
+        << cmd;
+  }
+  EXPECT_TRUE(one_error_line(run("simulate --schedule 1f1b" + base),
+                             "--costs " + three +
+                                 " was profiled at 3 chunks per rank: 1f1b runs one chunk per "
+                                 "rank"));
+  EXPECT_TRUE(one_error_line(run("simulate --schedule zb-v" + base + " -v 3"),
+                             "--virtual-stages 3: zb-v runs exactly 2 chunks per rank"));
+  // Without --costs, or with a file that does not say its pp, --pp is needed.
+  EXPECT_TRUE(one_error_line(run("simulate --schedule 1f1b --micro-batches 4"),
+                             "--pp (--pipeline-model-parallel-size) is required without --costs"));
+  nlohmann::json bare = p.stages;
+  bare.erase("pp");
+  const std::string path = testing::temp_dir("weft-sched-bare") + "/costs.json";
+  testing::write_file(path, bare.dump());
+  EXPECT_TRUE(one_error_line(run("simulate --schedule 1f1b --micro-batches 4 --costs " + path),
+                             "--pp is required: --costs " + path + " does not say the pp"));
+  EXPECT_EQ(run("simulate --schedule 1f1b --pp 2 --micro-batches 4 --costs " + path).code, 0);
 }
 
 // --- timeline: a trace read back ---
@@ -287,7 +594,7 @@ TEST(WeftSched, BadCostsAreOneErrorLine) {
 TEST(WeftSched, TimelineOfATraceGivesItsStepAndBubble) {
   const std::string dir = testing::temp_dir("weft-sched-timeline");
   for (const char* name : {"zb-h1", "zb-v", "interleaved-1f1b"}) {
-    Out sim = run(fmt::format("simulate --schedule {} --pp 2 --micro-batches 4 --chunks 2 "
+    Out sim = run(fmt::format("simulate --schedule {} --pp 2 --micro-batches 4 "
                               "--cost-f 1 --cost-i 1.5 --cost-w 0.5 --cost-comm 0.25 --json "
                               "--trace {}/t.json",
                               name, dir));

@@ -87,6 +87,14 @@ std::vector<std::string> schedule_names();
 // micro-batches fewer than the schedule needs, chunks a schedule does not
 // support, ...). chunks is ignored by schedules with a fixed number.
 Schedule make_schedule(const std::string& name, int pp, int micro_batches, int chunks = 1);
+// Model chunks per rank (virtual stages): the count a schedule runs when
+// none is asked for, as train_gpt --virtual-stages defaults it (2 for
+// interleaved-1f1b and zb-v, 1 for the schedules that run one chunk per
+// rank); and the rule a count breaks for a schedule ("zb-v runs exactly 2
+// chunks per rank (its V shape)"), empty when it runs that count. Both throw
+// weft::Error on an unknown name.
+int default_chunks(const std::string& name);
+std::string chunks_rule(const std::string& name, int chunks);
 
 // --- lowering, validation, text ---
 // Inserts SEND_F/RECV_F/SEND_B/RECV_B for every stage boundary that crosses
@@ -110,6 +118,9 @@ ValidationResult validate(const Schedule& s);
 
 // The rank x step grid, one row per rank: "rank 0: 0F0 0F1 ... ".
 std::string render_grid(const Schedule& s, int mark_rank = -1, int mark_index = -1);
+// The key to that grid: what "2F0" means, then one line for each action
+// kind that appears in s ("F       forward", "SEND_F  send the stage's ...").
+std::string render_legend(const Schedule& s);
 // CSV: one line per rank, actions separated by commas. Round-trips.
 std::string to_csv(const Schedule& s);
 // Parses actions per rank; stage_rank, pp, chunks and micro-batches are
