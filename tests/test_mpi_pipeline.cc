@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <set>
 #include <sstream>
@@ -185,6 +186,24 @@ TEST(MpiLlama, Pp2Tp2GivesTheSingleProcessLosses) {
   }
 }
 
+// Polls `done` every 20 ms for up to two minutes; its last answer.
+bool wait_for(const std::function<bool()>& done) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!done() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  return done();
+}
+
+// Step records a running job has written to its JSONL so far (0 while the
+// file is missing or a line is half written).
+size_t logged_steps(const std::string& jsonl) {
+  try {
+    return std::filesystem::exists(jsonl) ? testing::jsonl_steps(jsonl).size() : 0;
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
 // kill -9 of a rank under scripts/weft-run, as a machine failure would: the
 // job runs in the background, and once three steps are logged, rank 1 (its
 // PID from train_gpt's rank table) is killed. Returns the wrapper's output.
@@ -207,16 +226,7 @@ KilledJob run_and_kill_rank1(const std::string& dir, const std::string& wrapper_
                           dir + "/ckpt --log-jsonl " + k.jsonl;
   EXPECT_EQ(std::system(("( " + job + " >" + dir + "/job.out 2>&1; echo $? >" + rc + " ) &").c_str()),
             0);
-  using Clock = std::chrono::steady_clock;
-  const auto deadline = Clock::now() + std::chrono::seconds(120);
-  auto wait_for = [&](auto done) {
-    while (!done() && Clock::now() < deadline)
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    return done();
-  };
-  if (wait_for([&] {
-        return std::filesystem::exists(k.jsonl) && testing::jsonl_steps(k.jsonl).size() >= 3;
-      })) {
+  if (wait_for([&] { return logged_steps(k.jsonl) >= 3; })) {
     k.pid = testing::jsonl_headers(k.jsonl).at(0)["ranks"].at(1)["pid"].get<int>();
     EXPECT_EQ(::kill(k.pid, SIGKILL), 0);
   }
@@ -312,16 +322,7 @@ TEST(MpiSigterm, EveryRankStopsAtTheSameStepAndTheJobResumesBitExactly) {
                          "/job.pid; wait $!; echo $? >" + rc + " ) &")
                             .c_str()),
             0);
-  using Clock = std::chrono::steady_clock;
-  const auto deadline = Clock::now() + std::chrono::seconds(120);
-  auto wait_for = [&](auto done) {
-    while (!done() && Clock::now() < deadline)
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    return done();
-  };
-  ASSERT_TRUE(wait_for([&] {
-    return std::filesystem::exists(jsonl) && testing::jsonl_steps(jsonl).size() >= 3;
-  })) << read_file(dir + "/job.out");
+  ASSERT_TRUE(wait_for([&] { return logged_steps(jsonl) >= 3; })) << read_file(dir + "/job.out");
   ASSERT_EQ(::kill(std::stoi(read_file(dir + "/job.pid")), SIGTERM), 0);
   ASSERT_TRUE(wait_for([&] { return !read_file(rc).empty(); })) << "the job did not stop";
   const std::string out = read_file(dir + "/job.out");
