@@ -693,8 +693,8 @@ struct LocalRun {
   float outer_lr = 1.0f, outer_momentum = 0.0f;
 };
 
-std::vector<double> local_sgd_losses(const LocalRun& r, int steps, const RankHook& before = {},
-                                     const RankHook& after = {}) {
+std::vector<StepRecord> local_sgd_steps(const LocalRun& r, int steps, const RankHook& before = {},
+                                        const RankHook& after = {}) {
   TrainOptions o = options();
   o.clip_grad = 0;
   o.lr = LrSchedule{};
@@ -704,18 +704,26 @@ std::vector<double> local_sgd_losses(const LocalRun& r, int steps, const RankHoo
   lo.tp = r.tp, lo.pp = r.pp;
   lo.sync.optimizer = OptimizerKind::Sgd;
   lo.sync.sgd = {0.9f, 0.0f};
-  std::vector<std::vector<double>> losses(z(r.dp * r.pp * r.tp));
+  std::vector<std::vector<StepRecord>> records(z(r.dp * r.pp * r.tp));
   run_local(r.dp * r.pp * r.tp, [&](Communicator& world) {
     TokenBatches batches(text_data(), kGlobal, tiny().seq_length);
     GptModel model = build_gpt(tiny(), kMicro);
     RankLayout rank(&world, model.graph, model.io, batches, o, lo, kSeed);
     if (before) before(rank);
-    for (int s = 0; s < steps; ++s)
-      losses[z(world.rank())].push_back(rank.trainer().train_step().loss);
+    for (int s = 0; s < steps; ++s) records[z(world.rank())].push_back(rank.trainer().train_step());
     if (after) after(rank);
   });
-  for (const auto& l : losses) EXPECT_EQ(l, losses[0]) << "every rank reports the same loss";
-  return losses[0];
+  for (const auto& rec : records)
+    for (size_t s = 0; s < rec.size(); ++s)
+      EXPECT_EQ(rec[s].loss, records[0][s].loss) << "every rank reports the same loss";
+  return records[0];
+}
+
+std::vector<double> local_sgd_losses(const LocalRun& r, int steps, const RankHook& before = {},
+                                     const RankHook& after = {}) {
+  std::vector<double> losses;
+  for (const StepRecord& rec : local_sgd_steps(r, steps, before, after)) losses.push_back(rec.loss);
+  return losses;
 }
 
 TEST(LocalSgd, OneLocalStepIsSynchronousDataParallelismWithSgd) {
@@ -728,6 +736,20 @@ TEST(LocalSgd, OneLocalStepIsSynchronousDataParallelismWithSgd) {
           << "(dp, pp, tp) = (" << layout.dp << ", " << layout.pp << ", " << layout.tp
           << ") step " << s + 1;
   }
+}
+
+// dp_bytes: the gradients' all-reduce every step synchronously; with local
+// steps nothing between averages, and at an average the parameters and the
+// momentum (SGD's state is one tensor per parameter): the same bytes as a
+// gradient reduction for each.
+TEST(LocalSgd, BytesAreSentOnlyAtTheAverages) {
+  LocalRun sync, local;
+  local.local_steps = 3;
+  const std::vector<StepRecord> s = local_sgd_steps(sync, 3), l = local_sgd_steps(local, 3);
+  ASSERT_GT(s[0].dp_bytes, 0);
+  EXPECT_EQ(l[0].dp_bytes, 0);
+  EXPECT_EQ(l[1].dp_bytes, 0);
+  EXPECT_EQ(l[2].dp_bytes, 2 * s[0].dp_bytes);
 }
 
 TEST(LocalSgd, ReplicasDivergeBetweenAveragesAndDiLoCoWithUnitOuterStepIsTheAverage) {

@@ -122,6 +122,10 @@ struct StepRecord {
   double tokens_per_s = 0;
   double bubble_frac = -1;  // pipeline idle share of the step; -1 on one process
   double dp_wait_ms = -1;   // data-parallel reduction not hidden by the backward; -1 without dp
+  // This rank's share of the data-parallel bytes of the step (a ring
+  // all-reduce sends 2 (dp - 1) / dp of its buffer): the gradients', or local
+  // SGD's averages; -1 without dp.
+  double dp_bytes = -1;
   bool skipped = false;     // a loss spike: the update was not applied (TrainOptions::spike)
   double spike_mean = 0;    // the recent mean it was compared with
 
@@ -206,7 +210,7 @@ class Trainer {
   int64_t steps_done_ = 0;
   std::set<const Param*> owned_;  // counted and saved by this rank (its pipeline share)
   Tensor scalar_;
-  void average_replicas();  // local SGD's synchronisation (TrainOptions::local)
+  double average_replicas();  // local SGD's synchronisation; returns its bytes (as dp_bytes)
   bool local() const { return opt_.local.steps > 0; }
   std::vector<Tensor> outer_start_, outer_buf_;  // DiLoCo: the period's start, the momentum
   std::deque<double> recent_losses_;  // the loss-spike check's window (updated steps only)

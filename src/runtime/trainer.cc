@@ -16,6 +16,7 @@ nlohmann::json StepRecord::json() const {
                       {"grad_norm", grad_norm}, {"step_ms", step_ms}, {"tokens_per_s", tokens_per_s}};
   if (bubble_frac >= 0) j["bubble_frac"] = bubble_frac;
   if (dp_wait_ms >= 0) j["dp_wait_ms"] = dp_wait_ms;
+  if (dp_bytes >= 0) j["dp_bytes"] = dp_bytes;
   if (skipped) j["skipped"] = true;
   return j;
 }
@@ -250,7 +251,10 @@ StepRecord Trainer::train_step() {
     for (Param* p : sync_->params()) ops::scale(p->grad, static_cast<float>(par_.groups.dp_size()));
   r.grad_norm = sync_->grad_norm();
   if (par_.pipeline != nullptr) r.bubble_frac = par_.pipeline->bubble_fraction();
-  if (par_.groups.dp_size() > 1) r.dp_wait_ms = sync_->stats().wait_ms;
+  if (par_.groups.dp_size() > 1) {
+    r.dp_wait_ms = sync_->stats().wait_ms;
+    r.dp_bytes = sync_->stats().bytes_sent;
+  }
   check(std::isfinite(r.loss) && std::isfinite(r.grad_norm),
         "step {}: loss is {} and gradient norm is {}; training diverged (try a lower --lr or "
         "--clip-grad)",
@@ -281,7 +285,10 @@ StepRecord Trainer::train_step() {
     }
   }
   ++steps_done_;
-  if (local() && steps_done_ % opt_.local.steps == 0) average_replicas();
+  if (local() && steps_done_ % opt_.local.steps == 0) {
+    const double bytes = average_replicas();
+    if (r.dp_bytes >= 0) r.dp_bytes += bytes;
+  }
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.step_ms = s * 1e3;
   r.tokens_per_s = static_cast<double>(opt_.global_batch * g_.terms_per_sample) / s;
@@ -349,12 +356,17 @@ void Trainer::save(const std::string& dir, int64_t keep_last) {
     if (c) c->barrier_without_deadline();
 }
 
-void Trainer::average_replicas() {
+double Trainer::average_replicas() {
   Communicator* dp = par_.groups.dp;
   const std::vector<Param*>& ps = sync_->params();
-  const float inv = 1.0f / static_cast<float>(par_.groups.dp_size());
+  const double n = static_cast<double>(par_.groups.dp_size());
+  const float inv = 1.0f / static_cast<float>(n);
+  double bytes = 0;
   auto average = [&](const Tensor& t) {
-    if (dp != nullptr && dp->size() > 1) dp->all_reduce(t, ReduceOp::Sum);
+    if (dp != nullptr && dp->size() > 1) {
+      dp->all_reduce(t, ReduceOp::Sum);
+      bytes += 2.0 * static_cast<double>(t.nbytes()) * (n - 1) / n;
+    }
     ops::scale(t, inv);
   };
   for (Param* p : ps) average(p->value);
@@ -362,7 +374,7 @@ void Trainer::average_replicas() {
   // average every replica is the same, so one replica's checkpoint is the
   // whole run's, and any number of replicas can resume it.
   for (auto& [name, t] : sync_->optimizer_state()) average(t);
-  if (!opt_.local.nesterov) return;
+  if (!opt_.local.nesterov) return bytes;
   const float mu = opt_.local.outer_momentum, lr = opt_.local.outer_lr;
   for (size_t i = 0; i < ps.size(); ++i) {
     // delta = start - average; buf = mu buf + delta; p = start - lr (delta + mu buf)
@@ -378,6 +390,7 @@ void Trainer::average_replicas() {
     ops::add(step, outer_start_[i]);
     ps[i]->value.copy_from(step);
   }
+  return bytes;
 }
 
 nlohmann::json Trainer::spike_state() const {
