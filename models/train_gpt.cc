@@ -377,8 +377,8 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
     p.chunks = static_cast<int>(cfg.num_layers / (a.pp * a.layers_per_virtual));
   } else if (a.virtual_stages > 0) {
     p.chunks = a.virtual_stages;
-  } else if (a.schedule == "interleaved-1f1b" || a.schedule == "zb-v") {
-    p.chunks = 2;
+  } else {
+    p.chunks = sched::default_chunks(a.schedule);
   }
   check(cfg.num_layers >= a.pp * p.chunks,
         "--num-layers ({}) must be at least --pp ({}) x virtual stages ({}): every stage needs a "
@@ -629,18 +629,16 @@ void check_pipeline_flags(const Args& a, const CLI::App& app) {
     return;
   }
   if (!a.memory_budget.empty()) parse_bytes("--memory-budget", a.memory_budget);
-  const bool chunked = a.schedule == "interleaved-1f1b" || a.schedule == "zb-v";
-  if (app.count("--virtual-stages") || app.count("--num-layers-per-virtual-pipeline-stage")) {
-    const char* flag = app.count("--virtual-stages") ? "--virtual-stages"
-                                                     : "--num-layers-per-virtual-pipeline-stage";
-    check(chunked || (app.count("--virtual-stages") && a.virtual_stages == 1),
-          "{} gives each rank several model chunks, which only interleaved-1f1b and zb-v run; "
-          "--schedule {} runs one per rank",
-          flag, a.schedule);
-    check(a.schedule != "zb-v" || !app.count("--virtual-stages") || a.virtual_stages == 2,
-          "--virtual-stages {}: zb-v runs exactly 2 chunks per rank (its V shape)",
-          a.virtual_stages);
+  // The chunk counts each schedule runs, as weft-sched checks them.
+  if (app.count("--virtual-stages")) {
+    const std::string rule = weft::sched::chunks_rule(a.schedule, a.virtual_stages);
+    check(rule.empty(), "--virtual-stages {}: {}", a.virtual_stages, rule);
   }
+  check(!app.count("--num-layers-per-virtual-pipeline-stage") ||
+            weft::sched::default_chunks(a.schedule) > 1,
+        "--num-layers-per-virtual-pipeline-stage gives each rank several model chunks, which "
+        "only interleaved-1f1b and zb-v run; --schedule {} runs one per rank",
+        a.schedule);
   // Recompute folds each W into its I, which turns a zero-bubble order into 1F1B's.
   check(!a.recompute || (a.schedule != "zb-h1" && a.schedule != "zb-v"),
         "--recompute with --schedule {} would not be zero-bubble: recomputation folds the "

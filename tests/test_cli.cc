@@ -202,7 +202,10 @@ TEST_F(Cli, PipelineFlagsThatWouldDoNothingAreRefused) {
                            "--profile costs.json", "--recompute", "--memory-budget 1GiB"})
     expect_error(toy(flag), {"shapes the pipeline, and there is none: it needs --pp > 1"});
   expect_error(toy("--pp 2 --schedule 1f1b --virtual-stages 2"),
-               {"--virtual-stages gives each rank several model chunks", "--schedule 1f1b runs one"});
+               {"--virtual-stages 2: 1f1b runs one chunk per rank; only interleaved-1f1b and zb-v "
+                "run several"});
+  expect_error(toy("--pp 2 --schedule 1f1b --num-layers-per-virtual-pipeline-stage 1"),
+               {"--num-layers-per-virtual-pipeline-stage gives each rank several model chunks"});
   expect_error(toy("--pp 2 --schedule zb-v --virtual-stages 3"),
                {"--virtual-stages 3: zb-v runs exactly 2 chunks per rank"});
   expect_error(toy("--pp 2 --memory-budget 2XB"),
