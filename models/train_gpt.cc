@@ -20,6 +20,7 @@
 #include <weft/plot.h>
 #include <weft/tokenizer.h>
 #include <weft/trainer.h>
+#include <weft/units.h>
 
 #include "models/gpt.h"
 #include "models/llama.h"

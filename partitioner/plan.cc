@@ -2,6 +2,7 @@
 #include "partitioner/pricing.h"
 
 #include <weft/error.h>
+#include <weft/units.h>
 
 #include <algorithm>
 #include <cmath>
@@ -123,23 +124,13 @@ double StagePlan::max_stage_cost() const {
   return stage_cost.empty() ? 0 : *std::max_element(stage_cost.begin(), stage_cost.end());
 }
 
-namespace {
-
-std::string human_bytes(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (bytes >= 1024 && u < 4) bytes /= 1024, ++u;
-  return fmt::format("{:.1f} {}", bytes, units[u]);
-}
-
-}  // namespace
 
 std::string StagePlan::describe(const Graph& g) const {
   double peak = 0;
   for (double m : rank_memory) peak = std::max(peak, m);
   std::string s = fmt::format(
       "{} plan: {} stages (pp {} x {} chunks), max stage cost {:.4g}, peak rank memory {}\n",
-      method, stages(), pp, chunks, max_stage_cost(), human_bytes(peak));
+      method, stages(), pp, chunks, max_stage_cost(), weft::format_bytes(peak));
   s += fmt::format("{:>5} {:>4}  {:<11} {:<40} {:>11} {:>12}\n", "stage", "rank", "nodes",
                    "first .. last", "cost", "rank memory");
   for (int st = 0; st + 1 < static_cast<int>(begin.size()); ++st) {
@@ -150,7 +141,7 @@ std::string StagePlan::describe(const Graph& g) const {
     const double cost = static_cast<size_t>(st) < stage_cost.size() ? at(stage_cost, st) : 0;
     const double mem = static_cast<size_t>(r) < rank_memory.size() ? at(rank_memory, r) : 0;
     s += fmt::format("{:>5} {:>4}  {:<11} {:<40} {:>11.4g} {:>12}\n", st, r,
-                     fmt::format("{}-{}", a, b - 1), names, cost, human_bytes(mem));
+                     fmt::format("{}-{}", a, b - 1), names, cost, weft::format_bytes(mem));
   }
   return s;
 }

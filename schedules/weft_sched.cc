@@ -31,6 +31,7 @@
 #include <weft/error.h>
 #include <weft/schedule.h>
 #include <weft/simulate.h>
+#include <weft/units.h>
 
 #include <fmt/core.h>
 #include <fmt/format.h>
@@ -278,21 +279,6 @@ std::string per_rank(const std::vector<T>& v, const char* spec = "{}") {
   return out;
 }
 
-// A size as people read it: "512 B", "176.0 MiB", "1.5 GiB". The text
-// tables print these; --json keeps the exact numbers.
-std::string human_bytes(double bytes) {
-  if (bytes < 1024) return fmt::format("{:g} B", bytes);
-  constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
-  double value = bytes / 1024;
-  size_t unit = 0;
-  // 1023.96 KiB would print as "1024.0 KiB": that is 1.0 MiB.
-  while (value >= 1023.95 && unit + 1 < std::size(kUnits)) {
-    value /= 1024;
-    ++unit;
-  }
-  return fmt::format("{:.1f} {}", value, kUnits[unit]);
-}
-
 constexpr const char* kRowFormat = "{:<18} {:>6} {:>10} {:>8} {:>20} {:>11}\n";
 
 void print_header() {
@@ -304,7 +290,7 @@ void print_row(const Schedule& s, const SimResult& r) {
   const double sent = std::accumulate(r.bytes_sent.begin(), r.bytes_sent.end(), 0.0);
   fmt::print(kRowFormat, s.name, s.chunks, fmt::format("{:.3f}", r.step_time),
              fmt::format("{:.1f}%", 100 * r.bubble_fraction), per_rank(r.peak_activations),
-             human_bytes(sent));
+             weft::format_bytes(sent));
 }
 
 void print_ranks(const SimResult& r) {
@@ -313,7 +299,7 @@ void print_ranks(const SimResult& r) {
   for (size_t rank = 0; rank < r.busy.size(); ++rank)
     fmt::print("{:>4} {:>10.3f} {:>7.1f}% {:>10.3f} {:>9} {:>11} {:>11}\n", rank, r.busy[rank],
                100 * r.rank_bubble[rank], r.update[rank], r.peak_activations[rank],
-               human_bytes(r.peak_activation_bytes[rank]), human_bytes(r.bytes_sent[rank]));
+               weft::format_bytes(r.peak_activation_bytes[rank]), weft::format_bytes(r.bytes_sent[rank]));
 }
 
 // One JSON object. `unit` is what times are in: "ms" (profiled costs, a

@@ -229,10 +229,11 @@ TEST_F(Cli, NumericFlagsOutOfRange) {
       {"--tp 0", "--tp (0) and --pp (1) must be positive"},
   };
   for (const auto& [flags, want] : cases) expect_error(toy(flags), {want});
-  // A micro-batch whose activations alone need thousands of GiB: refused before the
-  // first step, with what it needs and what there is.
+  // A micro-batch whose activations alone need terabytes: refused before the
+  // first step, with what it needs (in weft::format_bytes's largest unit) and
+  // what there is.
   expect_error(toy("--micro-batch-size 100000000 --global-batch-size 100000000"),
-               {"out of host memory: this run needs at least", "GiB of activations per micro-batch",
+               {"out of host memory: this run needs at least", "TiB of activations per micro-batch",
                 "are available: use a smaller --micro-batch-size"});
 }
 

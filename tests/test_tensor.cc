@@ -4,6 +4,7 @@
 #include <weft/device.h>
 #include <weft/param.h>
 #include <weft/tensor.h>
+#include <weft/units.h>
 
 #include <cmath>
 #include <cstdint>
@@ -94,7 +95,8 @@ TEST(HostMemory, AnAllocationBeyondWhatIsAvailableIsRefused) {
   EXPECT_TRUE(testing::contains(msg, "out of host memory: an allocation needs")) << msg;
   EXPECT_TRUE(testing::contains(msg, "GiB are available")) << msg;
   EXPECT_EQ(format_bytes(1.5 * double(1 << 30)), "1.5 GiB");
-  EXPECT_EQ(format_bytes(640.0 * double(1 << 20)), "640 MiB");
+  EXPECT_EQ(format_bytes(640.0 * double(1 << 20)), "640.0 MiB");
+  EXPECT_EQ(format_bytes(512), "512 B");
 }
 
 TEST(Tensor, DefaultIsUndefined) {

@@ -32,8 +32,7 @@ void device_free(void* p, Device device);
 // Bytes of host memory this process can still take: MemAvailable, bounded by
 // a cgroup (v2) memory limit when one is set; SIZE_MAX when unknown.
 size_t host_memory_available();
-// "1.5 GiB", "640 MiB".
-std::string format_bytes(double bytes);
+
 
 // True when weft was built with the CUDA backend.
 bool cuda_built();

@@ -1,4 +1,5 @@
 #include <weft/arena.h>
+#include <weft/units.h>
 
 #include <algorithm>
 #include <cstring>

@@ -1,5 +1,6 @@
 #include <weft/device.h>
 #include <weft/error.h>
+#include <weft/units.h>
 
 #include "weft_config.h"
 
@@ -63,11 +64,6 @@ size_t host_memory_available() {
   return avail;
 }
 
-std::string format_bytes(double bytes) {
-  if (bytes >= double(1 << 30)) return fmt::format("{:.1f} GiB", bytes / double(1 << 30));
-  if (bytes >= double(1 << 20)) return fmt::format("{:.0f} MiB", bytes / double(1 << 20));
-  return fmt::format("{:.0f} KiB", bytes / 1024.0);
-}
 
 void* device_alloc(size_t bytes, Device device) {
   if (device.is_cpu()) {
