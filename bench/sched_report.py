@@ -3,7 +3,7 @@
 
 bench/schedules.sh is the entry point. For every (pp, schedule, micro-batches)
 it runs train_gpt under mpiexec with --trace, --log-jsonl and --profile (the
-median step after warm-up, the stash peaks, and the per-stage F, I, W and
+median step after warm-up, the memory peaks, and the per-stage F, I, W and
 update costs of that run's plan). Then it pools the profiles: per stage
 layout (pp, chunks), the median over every run with that layout. One profile
 alone is off by up to 20% on this shared VM (a whole run's speed drifts from
@@ -188,7 +188,7 @@ def pool_profiles(a, runs):
 
 
 def measure(a, pp, name, m, log):
-    """One traced and profiled run: median step and bubble after warm-up, stash peaks."""
+    """One traced and profiled run: median step and bubble after warm-up, memory peaks."""
     tag = f"{name}-pp{pp}-m{m}"
     jsonl, trace, costs = (os.path.join(a.work, f"{tag}.{ext}")
                            for ext in ("jsonl", "trace.json", "costs.json"))
@@ -202,8 +202,8 @@ def measure(a, pp, name, m, log):
     drawn = sorted(records, key=lambda r: r["step_ms"])[len(records) // 2]["step"]
     peaks = ""
     for line in out.splitlines():
-        if line.startswith("stashed activations"):
-            peaks = line.split("[", 1)[1].split("]", 1)[0].replace(" ", "")
+        if line.startswith("activation memory, peak per pipeline rank"):
+            peaks = line.split("[", 1)[1].split("]", 1)[0].replace(", ", ",")
     return {"others": others, "step_ms": statistics.median(step_ms),
             "spread": (min(step_ms), max(step_ms)),
             "bubble": statistics.median(r["bubble_frac"] for r in records), "peaks": peaks,
@@ -223,12 +223,22 @@ def timeline(a, trace, step, svg, log):
     return json.loads(run(cmd, log))
 
 
-def mib(x):
-    return x / (1 << 20)
+def format_bytes(b):
+    """As weft::format_bytes prints sizes (weft/units.h)."""
+    if b < 1024:
+        return f"{b:g} B"
+    units, value, unit = ["KiB", "MiB", "GiB", "TiB", "PiB"], b / 1024, 0
+    while value >= 1023.95 and unit + 1 < len(units):
+        value, unit = value / 1024, unit + 1
+    return f"{value:.1f} {units[unit]}"
+
+
+def sim_held(sim):
+    return ",".join(format_bytes(b) for b in sim["peak_activation_bytes"])
 
 
 HEADER = ["pp", "schedule", "m", "step ms", "sim ms", "error", "span ms", "sim span", "error",
-          "bubble", "sim bubble", "stash", "sim stash", "sim MiB", "actions", "others"]
+          "bubble", "sim bubble", "held", "sim held", "sim stash", "actions", "others"]
 
 
 def pct(x):
@@ -251,8 +261,8 @@ def row_markdown(r):
         cells[4] = f"{sim['step_time']:.0f}"
         cells[7] = f"{sim['pipeline_time']:.0f}"
         cells[10] = f"{100 * sim['bubble_fraction']:.1f}%"
-        cells[12] = ",".join(str(p) for p in sim["peak_activations"])
-        cells[13] = ",".join(f"{mib(b):.0f}" for b in sim["peak_activation_bytes"])
+        cells[12] = sim_held(sim)
+        cells[13] = ",".join(str(p) for p in sim["peak_activations"])
     if "error" in r:
         cells[5] = pct(r["error"])
         cells[6] = f"{r['span']:.0f}"
@@ -381,9 +391,10 @@ def write_report(a, rows, seconds, png):
         "**span** the pipeline alone, first action to last, in the trace of the median step "
         "(`weft-sched timeline`), and **sim span** the simulator's; each **error** is "
         "simulated against measured. **bubble**: idle share of all ranks during the "
-        "pipeline (measured: the median `bubble_frac` of the JSONL). **stash**: the most "
-        "micro-batch activations each rank held at once (measured: the executor's count; "
-        "simulated: the count and MiB). **actions**: the median F, I, W or B of the run "
+        "pipeline (measured: the median `bubble_frac` of the JSONL). **held**: the most "
+        "activation bytes each rank's arenas held at once (measured by the executor), and "
+        "**sim held** the simulator's, from the bytes each action added in the profile; "
+        "**sim stash**: the most micro-batch stages each rank holds at once. **actions**: the median F, I, W or B of the run "
         "against its profiled time (what `--compute-scale` would have to be for this row). "
         "**others**: the share of the machine's CPU time "
         "that other processes used during the run (the script waits for a quiet machine "
@@ -399,15 +410,14 @@ def write_report(a, rows, seconds, png):
         out.append(f"pp {pp}: mean |error| {100 * statistics.mean(errs):.1f}%, worst "
                    f"{100 * max(errs):.1f}%, {sum(e <= 0.10 for e in errs)} of {len(errs)} "
                    f"measured rows within 10%.\n")
-    stash_ok = sum(r["meas"]["peaks"] == ",".join(str(p) for p in r["sim"]["peak_activations"])
-                   for r in ok)
+    stash_ok = sum(r["meas"]["peaks"] == sim_held(r["sim"]) for r in ok)
     out.append("## Reading the numbers\n")
     out.append(
         "- At pp 2 every rank has a core of its own, as the simulator assumes: these rows "
         "test the model.")
     out.append(
-        f"- The stash counts agree in {stash_ok} of {len(ok)} rows: the simulator and the "
-        f"executor walk the same schedule.")
+        f"- The held bytes agree in {stash_ok} of {len(ok)} rows: the simulator and the "
+        f"executor free a micro-batch's memory at the same action.")
     if any(r["pp"] > os.cpu_count() for r in ok):
         out.append(
             f"- pp 4 runs four ranks on {os.cpu_count()} cores. The simulator gives every rank "

@@ -860,7 +860,14 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   const sched::Schedule& schedule = layout.schedule();
   if (pipeline) {
     // The plan's per-stage sums join the node costs: what weft-sched --costs reads.
-    if (rank0 && !a.profile.empty()) write_profile(a.profile, *cost, layout.plan(), graph);
+    // With the whole model's layers on this process (tp 1), it also measures
+    // what each stage's actions add to memory, for weft-sched's memory figures.
+    if (rank0 && !a.profile.empty())
+      write_profile(a.profile, *cost, layout.plan(), graph,
+                    a.tp == 1 ? measure_stage_bytes(graph, io, layout.plan(), batches,
+                                                    a.micro_batch, a.recompute)
+                              : std::vector<sched::StageBytes>{},
+                    a.recompute);
     if (rank0) fmt::print("schedule {} over {} stages; partition {}:\n{}", a.schedule,
                           schedule.stages(), a.partition, layout.plan().describe(graph));
   }
@@ -1022,17 +1029,28 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     if (rank0) fmt::print("wrote the trace of every action to {}\n", a.trace);
   }
   if (pipeline) {
-    // Each rank reports the most micro-batches it held at once.
-    Tensor peaks = Tensor::zeros({a.pp}, DType::I32);
-    Tensor mine = Tensor::zeros({1}, DType::I32);
-    mine.data<int32_t>()[0] = pipeline->peak_stashed();
-    pipeline->group().all_gather(mine, peaks);
-    std::vector<int> promised = sched::peak_in_flight(schedule);
-    if (rank0)
-      fmt::print("stashed activations, peak per pipeline rank: [{}] micro-batch stages ({} "
-                 "promises [{}])\n",
-                 fmt::join(std::span(peaks.data<int32_t>(), static_cast<size_t>(a.pp)), ", "),
-                 a.schedule, fmt::join(promised, ", "));
+    // Each rank's peak of activation memory in the last step, measured (arena
+    // bytes) and as the schedule's model composes it from what this rank's
+    // actions added (sched::memory_use): the two agree exactly.
+    const int me = pipeline->group().rank();
+    const double model =
+        sched::memory_use(schedule, pipeline->stage_bytes(), a.recompute).peak[static_cast<size_t>(me)];
+    Tensor all = Tensor::zeros({2 * a.pp}), mine = Tensor::zeros({2});
+    mine.data<float>()[0] = static_cast<float>(pipeline->peak_bytes());
+    mine.data<float>()[1] = static_cast<float>(model);
+    pipeline->group().all_gather(mine, all);
+    const std::vector<int> promised = sched::peak_in_flight(schedule, a.recompute);
+    if (rank0) {
+      std::vector<std::string> measured, modelled;
+      for (int r = 0; r < a.pp; ++r) {
+        measured.push_back(format_bytes(all.data<float>()[2 * r]));
+        modelled.push_back(format_bytes(all.data<float>()[2 * r + 1]));
+      }
+      fmt::print("activation memory, peak per pipeline rank: [{}] held, [{}] by {}'s model; "
+                 "[{}] micro-batch stages\n",
+                 fmt::join(measured, ", "), fmt::join(modelled, ", "), a.schedule,
+                 fmt::join(promised, ", "));
+    }
   }
   if (!recent.empty() && rank0) {
     double mean = 0;

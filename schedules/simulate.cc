@@ -70,6 +70,8 @@ void check_costs(const Schedule& s, const SimCost& c) {
   check(c.link_latency >= 0 && std::isfinite(c.link_latency),
         "simulate: link_latency ({}) must be finite and not negative", c.link_latency);
   check(c.bandwidth > 0, "simulate: bandwidth ({}) must be positive", c.bandwidth);
+  check(c.memory.empty() || c.memory.size() == n,
+        "simulate: cost memory has {} entries, not one per stage ({})", c.memory.size(), n);
 }
 
 // Stages and micro-batches index the simulator's tables: refuse what is out
@@ -280,25 +282,16 @@ void summarize_time(const Schedule& s, const SimCost& c, SimResult& r) {
 }
 
 void summarize_memory(const Schedule& s, const SimCost& c, SimResult& r) {
-  const std::vector<double>& stash = c.stash_bytes.empty() ? c.activation_bytes : c.stash_bytes;
-  for (const auto& list : s.actions) {
-    int held = 0, peak = 0;
-    double held_bytes = 0, peak_bytes = 0;
-    for (const Action& a : list) {
-      if (a.kind != ActionKind::F && !is_backward_input(a.kind)) continue;
-      const double b = stash.empty() ? 0 : stash[static_cast<size_t>(a.stage)];
-      if (a.kind == ActionKind::F) {
-        peak = std::max(peak, ++held);
-        peak_bytes = std::max(peak_bytes, held_bytes += b);
-      }
-      if (is_backward_input(a.kind)) {
-        --held;
-        held_bytes -= b;
-      }
-    }
-    r.peak_activations.push_back(peak);
-    r.peak_activation_bytes.push_back(peak_bytes);
+  r.peak_activations = peak_in_flight(s, c.recompute);
+  if (!c.memory.empty()) {
+    r.peak_activation_bytes = memory_use(s, c.memory, c.recompute).peak;
+    return;
   }
+  // Only a stash per stage: it is what F adds, held as long as the slot.
+  const std::vector<double>& stash = c.stash_bytes.empty() ? c.activation_bytes : c.stash_bytes;
+  std::vector<StageBytes> bytes(static_cast<size_t>(s.stages()));
+  for (size_t st = 0; st < stash.size() && st < bytes.size(); ++st) bytes[st].f = stash[st];
+  r.peak_activation_bytes = memory_use(s, bytes, c.recompute).peak;
 }
 
 }  // namespace

@@ -76,6 +76,9 @@ struct StageCosts {
   std::optional<int> pp, chunks;
   std::vector<double> f, i, w, update;  // ms
   std::vector<double> boundary_bytes, stash_bytes;
+  // What each action adds to memory, per stage ("memory"), when measured.
+  std::vector<StageBytes> memory;
+  bool recompute = false;
   size_t stages() const { return f.size(); }
 };
 
@@ -206,6 +209,25 @@ StageCosts read_stage_costs(const std::string& path) {
     c.update.push_back(1e3 * stage_number(c, st, k, "update", false));
     c.boundary_bytes.push_back(stage_number(c, st, k, "boundary_bytes", false));
     c.stash_bytes.push_back(stage_number(c, st, k, "stash_bytes", false));
+    const auto mem = st.find("memory");
+    const bool first_has = (*stages)[0].contains("memory");
+    weft::check((mem != st.end()) == first_has,
+                "--costs {}: stages[{}] {} \"memory\" and stages[0] {}: the bytes each action "
+                "adds are given for every stage or for none",
+                path, k, mem != st.end() ? "has" : "has no", first_has ? "has" : "has not");
+    if (mem == st.end()) continue;
+    weft::check(mem->is_object(), "--costs {}: stages[{}].memory is not an object", path, k);
+    StageBytes b;
+    for (auto [key, field] : {std::pair{"recv_f", &b.recv_f}, {"f", &b.f}, {"recv_b", &b.recv_b},
+                              {"i", &b.i}, {"w", &b.w}, {"f_work", &b.f_work},
+                              {"i_work", &b.i_work}, {"i_keep", &b.i_keep}})
+      *field = stage_number(c, *mem, k, key, false);
+    c.memory.push_back(b);
+  }
+  if (const auto rc = j.find("recompute"); rc != j.end()) {
+    weft::check(rc->is_boolean(), "--costs {}: \"recompute\" is {}, not true or false", path,
+                rc->dump());
+    c.recompute = rc->get<bool>();
   }
   return c;
 }
@@ -256,6 +278,8 @@ SimCost profiled_cost(const Schedule& s, const StageCosts& p) {
   cost.update = p.update;
   cost.activation_bytes = p.boundary_bytes;
   cost.stash_bytes = p.stash_bytes;
+  cost.memory = p.memory;
+  cost.recompute = p.recompute;
   return cost;
 }
 

@@ -1,7 +1,9 @@
 // weft-sched as a user runs it: the JSON, the comparison table, the trace and
 // the SVG it writes, one error line for a bad name; per-stage costs from a
 // profile (--costs) and the timeline of a trace read back.
+#include <weft/local_communicator.h>
 #include <weft/partition.h>
+#include <weft/pipeline.h>
 #include <weft/profile.h>
 
 #include <gtest/gtest.h>
@@ -362,6 +364,53 @@ TEST(WeftSched, ProfilingTheUpdateChangesNoParameter) {
     EXPECT_TRUE(std::equal(before[k].begin(), before[k].end(), params[k]->value.data<float>()))
         << params[k]->name;
     EXPECT_EQ(params[k]->grad.data<float>()[0], 0.0f) << params[k]->name;
+  }
+}
+
+// The memory a --costs file's "memory" gives (the bytes each action of each
+// stage added, measured on one process) is the memory the executor holds
+// under any schedule: weft-sched's peak per rank equals the arena bytes two
+// pipeline threads held at their peak, byte for byte. ZB-H1 keeps each
+// micro-batch until its W, so its rank 1 holds as much as rank 0.
+TEST(WeftSched, MemoryFromAProfileIsWhatTheExecutorHolds) {
+  GptConfig cfg;
+  cfg.num_layers = 4, cfg.hidden_size = 32, cfg.num_heads = 4, cfg.seq_length = 16;
+  const int64_t micro = 2, m = 4;
+  std::string text;
+  for (int i = 0; i < 40; ++i) text += "It was the best of times, it was the worst of times. ";
+  const TokenData data =
+      TokenData::from_tokens(std::vector<int32_t>(text.begin(), text.end()), 256);
+  TokenBatches batches(data, micro * m, cfg.seq_length);
+  GptModel model = build_gpt(cfg, micro);
+  init_gpt(model, 3);
+  PartitionOptions po;
+  po.pp = 2;
+  const StagePlan plan = partition(model.graph, CostModel::analytic(model.graph), po);
+  const std::vector<sched::StageBytes> memory =
+      measure_stage_bytes(model.graph, model.io, plan, batches, micro, false);
+  nlohmann::json file = cost_model_json(CostModel::analytic(model.graph), model.graph);
+  file.update(stage_costs_json(CostModel::analytic(model.graph), plan, model.graph, {}, memory));
+  const std::string path = testing::temp_dir("weft-sched-memory") + "/costs.json";
+  testing::write_file(path, file.dump());
+  for (const char* name : {"gpipe", "1f1b", "zb-h1"}) {
+    Out o = run(fmt::format("simulate --schedule {} --micro-batches {} --costs {} --json", name,
+                            m, path));
+    ASSERT_EQ(o.code, 0) << o.err;
+    const std::vector<double> simulated = nlohmann::json::parse(o.out)["peak_activation_bytes"];
+    std::vector<double> held(2);
+    const sched::Schedule s = sched::lower(sched::make_schedule(name, 2, static_cast<int>(m)));
+    run_local(2, [&](Communicator& comm) {
+      GptModel mine = build_gpt(cfg, micro);
+      init_gpt(mine, 3);
+      TokenBatches b(data, micro * m, cfg.seq_length);
+      PipelineExecutor exec(mine.graph, mine.io, plan, s, comm);
+      exec.run(b, 0, micro);
+      held[static_cast<size_t>(comm.rank())] = exec.peak_bytes();
+    });
+    EXPECT_EQ(simulated, held) << name;
+    if (std::string(name) == "zb-h1") {
+      EXPECT_GT(held[1], 1.5 * memory[1].f) << "two held on rank 1";
+    }
   }
 }
 

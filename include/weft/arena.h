@@ -33,6 +33,9 @@ class Arena {
   // Frees everything handed out; keeps (and coalesces) the memory.
   void reset();
 
+  // What alloc(shape, dtype) adds to used(): the tensor's bytes, rounded up
+  // to the alignment.
+  static size_t bytes_for(Shape shape, DType dtype = DType::F32);
   size_t used() const { return used_; }
   size_t high_water() const { return high_water_; }
   size_t capacity() const;

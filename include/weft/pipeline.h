@@ -78,13 +78,21 @@ class PipelineExecutor {
   // Told of every node's W action (data-parallel buckets start from it).
   void set_grad_sync(GradSync* sync) { sync_ = sync; }
 
-  // The most micro-batch stages whose forward activations were held at once
-  // (F done, I or B not yet) during the last run: what the schedule promises.
+  // The most micro-batch stages whose activations were held at once during
+  // the last run (from F until both I and W are done, as
+  // sched::peak_in_flight counts them).
   int peak_stashed() const { return peak_stashed_; }
-  // The most (stage, micro-batch) slots alive at once: also counts slots that
-  // wait only for their W action. A slot keeps its whole arena until then,
-  // so with split backward this, not peak_stashed, bounds the memory today.
+  // The most (stage, micro-batch) slots alive at once; a slot lives from its
+  // RECV_F or F until its I and W are done and its SEND_B is posted.
   int peak_slots() const { return peak_slots_; }
+  // The most arena bytes the live slots (and, with recompute, the work area)
+  // held at once during the last run: what sched::memory_use predicts from
+  // stage_bytes(). A slot whose sends are still in flight when it is freed
+  // keeps its arena until they complete; that is not counted.
+  double peak_bytes() const { return peak_bytes_; }
+  // Per stage (zeros for other ranks' stages): the bytes each action of this
+  // rank's stages added to its slot in the last run (sched::StageBytes).
+  const std::vector<sched::StageBytes>& stage_bytes() const { return stage_bytes_; }
   const std::vector<int>& local_stages() const { return local_stages_; }
 
   // Idle share of all pipeline ranks' time during the last run: 1 - (compute
@@ -108,6 +116,8 @@ class PipelineExecutor {
   void share_inputs(MicroBatch& from, MicroBatch& to, int stage) const;
   void reduce_tied();
   void set_step(int64_t step, size_t index, const sched::Action& a);
+  void note_memory();
+  void backward_part_done(Slot& s);
 
   const Graph& graph_;
   ModelIO io_;
@@ -130,6 +140,8 @@ class PipelineExecutor {
   double loss_sum_ = 0;
   int peak_slots_ = 0, slots_in_use_ = 0;
   int peak_stashed_ = 0, stashed_ = 0;
+  double peak_bytes_ = 0;
+  std::vector<sched::StageBytes> stage_bytes_;
   mutable Tensor scalar_;  // for the loss and norm reductions
   // Clocks: each rank's zero is taken right after a barrier at construction.
   std::chrono::steady_clock::time_point epoch_;
@@ -138,5 +150,16 @@ class PipelineExecutor {
   std::unique_ptr<MicroBatch> work_;  // with recompute: where a stage's activations live
   std::vector<int> keep_buf_;
 };
+
+// What each action of each stage of `plan` adds to memory (its slot's arena
+// bytes), measured by running every stage on this process for one
+// micro-batch: F for stages 0..S-1, then B for S-1..0, with no schedule and no
+// messages. sched::memory_use composes these into any schedule's memory per
+// rank, which the executor then holds exactly. Leaves the parameters as they
+// were; their gradients hold one micro-batch's (zero them before a step, as
+// every step does).
+std::vector<sched::StageBytes> measure_stage_bytes(const Graph& graph, const ModelIO& io,
+                                                   StagePlan plan, const BatchSource& data,
+                                                   int64_t micro_batch, bool recompute);
 
 }  // namespace weft

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <weft/partition.h>
+#include <weft/schedule.h>
 #include <weft/trainer.h>
 
 #include <nlohmann/json.hpp>
@@ -39,13 +40,19 @@ std::vector<double> profile_updates(const Graph& g, const StagePlan& plan, int r
 // given); boundary_bytes is what the stage sends forward (every value
 // produced up to its end and read after it, as the executor sends them; the
 // gradient back is as large); stash_bytes sums its nodes' activation_bytes,
-// held from F to I.
+// held from F until I and W. With `memory` (measure_stage_bytes, one per
+// stage) each stage also gets "memory": {"recv_f", "f", "recv_b", "i", "w",
+// "f_work", "i_work", "i_keep"}, the bytes each action adds, and the object
+// gets "recompute".
 nlohmann::json stage_costs_json(const CostModel& cost, const StagePlan& plan, const Graph& g,
-                                const std::vector<double>& update = {});
+                                const std::vector<double>& update = {},
+                                const std::vector<sched::StageBytes>& memory = {},
+                                bool recompute = false);
 
 // Times the updates (profile_updates), then writes cost_model_json and
 // stage_costs_json in one object to `path`.
 void write_profile(const std::string& path, const CostModel& cost, const StagePlan& plan,
-                   const Graph& g);
+                   const Graph& g, const std::vector<sched::StageBytes>& memory = {},
+                   bool recompute = false);
 
 }  // namespace weft

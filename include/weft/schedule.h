@@ -127,9 +127,49 @@ std::string to_csv(const Schedule& s);
 // inferred (pp = lines); throws weft::Error naming the line and cell.
 Schedule from_csv(std::string_view csv, const std::string& name = "csv");
 
-// The most micro-batches whose activations a rank holds at once (F done,
-// I/B not yet), walking its actions in order: what the executor's stash
-// will hold. GPipe: m; 1F1B: pp - rank (capped by m).
-std::vector<int> peak_in_flight(const Schedule& s);
+// The most micro-batches whose activations a rank holds at once, walking
+// its actions in order: a (stage, micro-batch) counts from its F until both
+// its input gradient (I, or B) and its weight gradient (W, or B) are done,
+// since W still reads what F saved. GPipe: m; 1F1B: pp - rank (capped by m);
+// ZB-H1 and ZB-V more than the count up to I alone, by the W they defer.
+// With recompute, I runs W as well and ends it.
+std::vector<int> peak_in_flight(const Schedule& s, bool recompute = false);
+
+// What one (stage, micro-batch) adds to its rank's memory, by action (bytes,
+// as the executor's arenas count them). A rank's memory is the sum over its
+// live (stage, micro-batch) slots; a slot is freed once its I and W are done
+// and, when the previous stage is on another rank, its SEND_B has been
+// posted.
+struct StageBytes {
+  double recv_f = 0;  // the stage's inputs from stage s-1: at RECV_F, or at F
+                      // when s-1 is on the same rank (a copy) or the schedule
+                      // is not lowered
+  double f = 0;       // what F keeps (with recompute: only the outputs it sends)
+  double recv_b = 0;  // the gradient of the stage's outputs: at RECV_B, or added
+                      // by I of stage s+1 on the same rank, or at I when not lowered
+  double i = 0;       // what I adds (with recompute, 0: see below)
+  double w = 0;       // what W adds
+  // With recompute, F and I run in one shared work area freed at the end of
+  // the action: they add f_work and i_work for the action's duration only.
+  // When stage s-1 is on another rank, I then keeps in the slot a copy of
+  // the gradient it sends back (i_keep: recv_b of stage s-1, less what
+  // already lives in the slot, a gradient relayed through the stage).
+  double f_work = 0, i_work = 0, i_keep = 0;
+  bool operator==(const StageBytes&) const = default;
+};
+
+struct MemoryUse {
+  std::vector<double> peak;                // per rank: the most bytes held at once
+  std::vector<int> peak_slots;             // per rank: the most slots alive at once
+  std::vector<std::vector<double>> held;   // per rank, parallel to its actions: bytes after each
+};
+
+// Plays each rank's actions in order against `bytes` (one per stage). A
+// rank's memory changes only through its own actions, so this needs no
+// timing: it is what the executor measures, exactly. Throws weft::Error when
+// `bytes` does not have one entry per stage or holds a negative or
+// non-finite number.
+MemoryUse memory_use(const Schedule& s, const std::vector<StageBytes>& bytes,
+                     bool recompute = false);
 
 }  // namespace weft::sched

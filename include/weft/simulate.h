@@ -34,10 +34,16 @@ struct SimCost {
   // to the next stage (forward, and the gradient back) and what a stash of it
   // holds. Empty means zero.
   std::vector<double> activation_bytes;
-  // Per stage: bytes a (stage, micro-batch) keeps from its F to its I/B, when
-  // that differs from the boundary (a profiled stage stashes all its layers'
-  // activations). Empty means activation_bytes.
+  // Per stage: bytes a (stage, micro-batch) keeps from its F until its I and
+  // W are done, when that differs from the boundary (a profiled stage
+  // stashes all its layers' activations). Empty means activation_bytes.
   std::vector<double> stash_bytes;
+  // Per stage: what each action adds to its rank's memory, as the executor
+  // measures it (PipelineExecutor::stage_bytes, or a --costs file). When
+  // given, the memory figures come from sched::memory_use and stash_bytes is
+  // not used. `recompute` as the run's --recompute.
+  std::vector<StageBytes> memory;
+  bool recompute = false;
   // Per stage: time to update its parameters once the pipeline has drained
   // (gradient norm, clipping, the optimizer step). A rank updates its stages
   // after the last rank has finished, all ranks at once. Empty means zero.
@@ -82,8 +88,10 @@ struct SimResult {
   // update): per rank and over all ranks.
   std::vector<double> rank_bubble;
   double bubble_fraction = 0;
-  // Most (stage, micro-batch) stashes held at once (F done, I/B not yet),
-  // the same count as peak_in_flight(), and the most bytes they held at once.
+  // Most (stage, micro-batch) stashes held at once (F done, I and W not
+  // both), the same count as peak_in_flight(), and the most bytes held at
+  // once: memory_use() of SimCost::memory, or else stash bytes over the
+  // same lifetimes.
   std::vector<int> peak_activations;
   std::vector<double> peak_activation_bytes;
   std::vector<double> bytes_sent;  // per rank

@@ -1,3 +1,4 @@
+#include <weft/local_communicator.h>
 #include <weft/pipeline.h>
 
 #include <algorithm>
@@ -90,6 +91,7 @@ PipelineExecutor::PipelineExecutor(const Graph& graph, ModelIO io, StagePlan pla
     tied_.push_back(std::move(t));
   }
   live_.assign(static_cast<size_t>(stages * schedule_.micro_batches), nullptr);
+  stage_bytes_.assign(static_cast<size_t>(stages), {});
   scalar_ = Tensor::zeros({1});
   pp_.barrier();
   epoch_ = std::chrono::steady_clock::now();
@@ -106,6 +108,24 @@ void PipelineExecutor::set_step(int64_t step, size_t index, const sched::Action&
 }
 
 PipelineExecutor::~PipelineExecutor() = default;
+
+namespace {
+double used(MicroBatch& mb) { return static_cast<double>(mb.arena().used()); }
+}  // namespace
+
+// Called where an action's memory is at its most: after its allocations and
+// before anything is freed (a released slot, recompute's work area).
+void PipelineExecutor::note_memory() {
+  double held = work_ ? used(*work_) : 0;
+  for (auto& p : pool_)
+    if (p->stage >= 0) held += used(p->mb);
+  peak_bytes_ = std::max(peak_bytes_, held);
+}
+
+// A (stage, micro-batch) leaves the stash once both its I and its W are done.
+void PipelineExecutor::backward_part_done(Slot& s) {
+  if (s.input_grad_done && s.weight_done) --stashed_;
+}
 
 PipelineExecutor::Slot& PipelineExecutor::slot(int stage, int mb, bool create) {
   Slot*& s = live_[static_cast<size_t>(stage * schedule_.micro_batches + mb)];
@@ -197,9 +217,14 @@ void PipelineExecutor::share_inputs(MicroBatch& from, MicroBatch& to, int stage)
 void PipelineExecutor::forward_action(int stage, int mb, int64_t step) {
   Slot& s = slot(stage, mb, true);
   peak_stashed_ = std::max(peak_stashed_, ++stashed_);
-  if (stage > 0 && schedule_.stage_rank[static_cast<size_t>(stage) - 1] == pp_.rank())
+  sched::StageBytes& bytes = stage_bytes_[static_cast<size_t>(stage)];
+  if (stage > 0 && schedule_.stage_rank[static_cast<size_t>(stage) - 1] == pp_.rank()) {
+    const double before = used(s.mb);
     copy_local(boundary_[static_cast<size_t>(stage) - 1].values, slot(stage - 1, mb, false).mb,
                s.mb, graph_, false);
+    bytes.recv_f = used(s.mb) - before;
+  }
+  const double before = used(s.mb);
   fill_inputs(s, stage, mb, step);
   const int begin = plan_.begin[static_cast<size_t>(stage)];
   const int end = plan_.begin[static_cast<size_t>(stage) + 1];
@@ -208,17 +233,25 @@ void PipelineExecutor::forward_action(int stage, int mb, int64_t step) {
   forward(graph_, work, begin, end);
   if (stage == schedule_.stages() - 1)
     loss_sum_ += static_cast<double>(work.value(io_.loss).data<float>()[0]);
-  if (!options_.recompute) return;
+  if (!options_.recompute) {
+    bytes.f = used(s.mb) - before;
+    note_memory();
+    return;
+  }
   std::vector<int>& keep = keep_buf_;  // this stage's outputs that cross its edge
   keep.clear();
   for (int v : boundary_[static_cast<size_t>(stage)].values)
     if (graph_.values()[static_cast<size_t>(v)].producer >= begin) keep.push_back(v);
   copy_local(keep, work, s.mb, graph_, false);
+  bytes.f = used(s.mb) - before;
+  bytes.f_work = used(work);
+  note_memory();
   work.reset();
 }
 
 void PipelineExecutor::backward_input_action(int stage, int mb) {
   Slot& s = slot(stage, mb, false);
+  const double before = used(s.mb);
   const int begin = plan_.begin[static_cast<size_t>(stage)];
   const int end = plan_.begin[static_cast<size_t>(stage) + 1];
   MicroBatch& work = options_.recompute ? *work_ : s.mb;
@@ -232,7 +265,6 @@ void PipelineExecutor::backward_input_action(int stage, int mb) {
     work.seed_grad(io_.loss, 1.0f / static_cast<float>(global_batch_ * io_.terms_per_sample));
   for (int n = end - 1; n >= begin; --n) backward_input(graph_, work, n);
   s.input_grad_done = true;
-  --stashed_;
   if (options_.recompute) {
     // The work area is needed for the next stage's forward: finish W now.
     for (int n = end - 1; n >= begin; --n) {
@@ -241,19 +273,40 @@ void PipelineExecutor::backward_input_action(int stage, int mb) {
     }
     s.weight_done = true;
   }
+  backward_part_done(s);
+  sched::StageBytes& bytes = stage_bytes_[static_cast<size_t>(stage)];
+  bytes.i = used(s.mb) - before;
   if (stage > 0) {
     const auto& edge = boundary_[static_cast<size_t>(stage) - 1].values;
-    if (schedule_.stage_rank[static_cast<size_t>(stage) - 1] == pp_.rank())
-      copy_local(edge, work, slot(stage - 1, mb, false).mb, graph_, true);
-    else if (options_.recompute)
+    // With recompute, what the slot must keep of the gradient it sends back:
+    // each edge gradient that does not already live in it (a relayed one).
+    double keep = 0;
+    if (options_.recompute)
+      for (int v : edge)
+        if (work.grad(v).defined() && work.grad(v).raw() != s.mb.grad(v).raw())
+          keep += static_cast<double>(Arena::bytes_for(work.grad(v).shape()));
+    bytes.i_keep = keep;
+    if (schedule_.stage_rank[static_cast<size_t>(stage) - 1] == pp_.rank()) {
+      Slot& prev = slot(stage - 1, mb, false);
+      const double at = used(prev.mb);
+      copy_local(edge, work, prev.mb, graph_, true);
+      stage_bytes_[static_cast<size_t>(stage) - 1].recv_b = used(prev.mb) - at;
+    } else if (options_.recompute) {
       for (int v : edge)  // keep what SEND_B sends, unless it already lives in the slot
         if (work.grad(v).defined() && work.grad(v).raw() != s.mb.grad(v).raw()) {
           Tensor t = s.mb.arena().alloc(work.grad(v).shape());
           t.copy_from(work.grad(v));
           s.mb.grad(v) = t;
         }
+    }
   }
-  if (options_.recompute) work.reset();
+  if (options_.recompute) {
+    bytes.i_work = used(work);
+    note_memory();
+    work.reset();
+  } else {
+    note_memory();
+  }
 }
 
 void PipelineExecutor::backward_weight_action(int stage, int mb) {
@@ -261,11 +314,15 @@ void PipelineExecutor::backward_weight_action(int stage, int mb) {
   if (s.weight_done) return;
   const int begin = plan_.begin[static_cast<size_t>(stage)];
   const int end = plan_.begin[static_cast<size_t>(stage) + 1];
+  const double before = used(s.mb);
   for (int n = end - 1; n >= begin; --n) {
     backward_weight(graph_, s.mb, n);
     if (sync_) sync_->weight_done(n);
   }
   s.weight_done = true;
+  backward_part_done(s);
+  stage_bytes_[static_cast<size_t>(stage)].w = used(s.mb) - before;
+  note_memory();
 }
 
 double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micro_batch,
@@ -277,6 +334,7 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
   loss_sum_ = 0;
   peak_slots_ = 0;
   peak_stashed_ = 0;
+  peak_bytes_ = 0;
   zero_grads(params_);
   const auto& mine = schedule_.actions[static_cast<size_t>(pp_.rank())];
   using Clock = std::chrono::steady_clock;
@@ -316,6 +374,7 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
       }
       case ActionKind::RECV_F: {
         Slot& s = slot(st, mb, true);
+        const double before = used(s.mb);
         const auto& vals = boundary_[static_cast<size_t>(st) - 1].values;
         const int peer = schedule_.stage_rank[static_cast<size_t>(st) - 1];
         for (size_t k = 0; k < vals.size(); ++k) {
@@ -324,6 +383,8 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
           pp_.recv(t, peer, {MessageTag::Kind::Activation, mb, st - 1, static_cast<int>(k)});
           s.mb.value(vals[k]) = t;
         }
+        stage_bytes_[static_cast<size_t>(st)].recv_f = used(s.mb) - before;
+        note_memory();
         break;
       }
       case ActionKind::SEND_B: {
@@ -341,6 +402,7 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
       }
       case ActionKind::RECV_B: {
         Slot& s = slot(st, mb, false);
+        const double before = used(s.mb);
         const auto& vals = boundary_[static_cast<size_t>(st)].values;
         const int peer = schedule_.stage_rank[static_cast<size_t>(st) + 1];
         for (size_t k = 0; k < vals.size(); ++k) {
@@ -350,6 +412,8 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
           pp_.recv(t, peer, {MessageTag::Kind::Gradient, mb, st + 1, static_cast<int>(k)});
           s.mb.grad(vals[k]) = t;
         }
+        stage_bytes_[static_cast<size_t>(st)].recv_b = used(s.mb) - before;
+        note_memory();
         break;
       }
       case ActionKind::REDUCE_GRAD:
@@ -476,6 +540,25 @@ double PipelineExecutor::grad_norm() const {
   scalar_.data<float>()[0] = static_cast<float>(local);
   pp_.all_reduce(scalar_, ReduceOp::Sum);
   return std::sqrt(static_cast<double>(scalar_.data<float>()[0]));
+}
+
+std::vector<sched::StageBytes> measure_stage_bytes(const Graph& graph, const ModelIO& io,
+                                                   StagePlan plan, const BatchSource& data,
+                                                   int64_t micro_batch, bool recompute) {
+  const int stages = plan.stages();
+  plan.pp = 1;
+  plan.chunks = stages;
+  plan.stage_rank.assign(static_cast<size_t>(stages), 0);
+  sched::Schedule one = sched::empty_schedule("one-rank", 1, 1, stages);
+  for (int st = 0; st < stages; ++st) one.actions[0].push_back({ActionKind::F, st, 0});
+  for (int st = stages - 1; st >= 0; --st) one.actions[0].push_back({ActionKind::B, st, 0});
+  std::vector<sched::StageBytes> bytes;
+  run_local(1, [&](Communicator& self) {
+    PipelineExecutor exec(graph, io, plan, one, self, {recompute});
+    exec.run(data, 0, micro_batch);
+    bytes = exec.stage_bytes();
+  });
+  return bytes;
 }
 
 }  // namespace weft

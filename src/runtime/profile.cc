@@ -103,13 +103,16 @@ std::vector<double> profile_updates(const Graph& g, const StagePlan& plan, int r
 }
 
 nlohmann::json stage_costs_json(const CostModel& cost, const StagePlan& plan, const Graph& g,
-                                const std::vector<double>& update) {
+                                const std::vector<double>& update,
+                                const std::vector<sched::StageBytes>& memory, bool recompute) {
   const size_t n = g.nodes().size();
   check(cost.nodes.size() == n, "stage costs: the cost model has {} nodes, the graph {}",
         cost.nodes.size(), n);
   check_plan(plan, g);
   check(update.empty() || update.size() == static_cast<size_t>(plan.stages()),
         "stage costs: {} update times for {} stages", update.size(), plan.stages());
+  check(memory.empty() || memory.size() == static_cast<size_t>(plan.stages()),
+        "stage costs: {} stage byte counts for {} stages", memory.size(), plan.stages());
   nlohmann::json stages = nlohmann::json::array();
   for (int s = 0; s < plan.stages(); ++s) {
     const int begin = plan.begin[static_cast<size_t>(s)];
@@ -136,15 +139,22 @@ nlohmann::json stage_costs_json(const CostModel& cost, const StagePlan& plan, co
                       {"update", update.empty() ? 0.0 : update[static_cast<size_t>(s)]},
                       {"boundary_bytes", boundary},
                       {"stash_bytes", stash}});
+    if (memory.empty()) continue;
+    const sched::StageBytes& b = memory[static_cast<size_t>(s)];
+    stages.back()["memory"] = {{"recv_f", b.recv_f}, {"f", b.f},           {"recv_b", b.recv_b},
+                               {"i", b.i},           {"w", b.w},           {"f_work", b.f_work},
+                               {"i_work", b.i_work}, {"i_keep", b.i_keep}};
   }
-  return {{"pp", plan.pp}, {"chunks", plan.chunks}, {"partition", plan.method},
-          {"stages", stages}};
+  nlohmann::json j = {{"pp", plan.pp}, {"chunks", plan.chunks}, {"partition", plan.method},
+                      {"stages", stages}};
+  if (!memory.empty()) j["recompute"] = recompute;
+  return j;
 }
 
 void write_profile(const std::string& path, const CostModel& cost, const StagePlan& plan,
-                   const Graph& g) {
+                   const Graph& g, const std::vector<sched::StageBytes>& memory, bool recompute) {
   nlohmann::json j = cost_model_json(cost, g);
-  j.update(stage_costs_json(cost, plan, g, profile_updates(g, plan)));
+  j.update(stage_costs_json(cost, plan, g, profile_updates(g, plan), memory, recompute));
   std::ofstream f(path, std::ios::trunc);
   f << j.dump(2) << '\n';
   check(f.good(), "--profile {}: cannot write", path);

@@ -67,8 +67,12 @@ size_t Arena::capacity() const {
   return c;
 }
 
+size_t Arena::bytes_for(Shape shape, DType dtype) {
+  return round_up(static_cast<size_t>(shape.numel()) * dtype_size(dtype));
+}
+
 Tensor Arena::alloc(Shape shape, DType dtype) {
-  size_t bytes = round_up(static_cast<size_t>(shape.numel()) * dtype_size(dtype));
+  const size_t bytes = bytes_for(shape, dtype);
   if (blocks_.empty() || blocks_.back().top + bytes > blocks_.back().size) add_block(bytes);
   Block& b = blocks_.back();
   void* p = b.data + b.top;
