@@ -9,6 +9,7 @@
 // every rank exits with the same status.
 #include <weft/bf16.h>
 #include <weft/mpi_communicator.h>
+#include <weft/staged_communicator.h>
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -18,6 +19,7 @@
 #include <chrono>
 #include <cstdio>
 #include <numeric>
+#include <string_view>
 #include <thread>
 
 namespace weft {
@@ -537,14 +539,21 @@ class FailurePrinter : public ::testing::EmptyTestEventListener {
 }  // namespace
 }  // namespace weft
 
+// With --staged, every test runs through HostStagedCommunicator with all
+// tensors staged in host buffers over MPI, as device tensors travel when ranks
+// share a GPU.
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
+  bool staged = false;
+  for (int i = 1; i < argc; ++i) staged |= std::string_view(argv[i]) == "--staged";
   weft::CommOptions options;
   // Far below MPIEXEC_TIMEOUT, so a hang ends with a message naming the wait.
   options.timeout = std::chrono::seconds(30);
   return weft::mpi_main(
       argc, argv,
-      [](weft::Communicator& world) {
+      [staged](weft::Communicator& mpi) {
+        weft::HostStagedCommunicator wrapped(mpi, weft::HostStagedCommunicator::Stage::All);
+        weft::Communicator& world = staged ? static_cast<weft::Communicator&>(wrapped) : mpi;
         weft::g_world = &world;
         auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
         if (world.rank() != 0) {

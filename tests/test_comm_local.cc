@@ -1,6 +1,7 @@
 // LocalCommunicator: tag matching, collectives, groups, deadlines and failure.
 #include <gtest/gtest.h>
 #include <weft/local_communicator.h>
+#include <weft/staged_communicator.h>
 
 #include <algorithm>
 #include <atomic>
@@ -11,6 +12,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "test_util.h"
@@ -89,10 +91,22 @@ TEST(MessageTag, OutOfRangeFieldsThrowNamingTheField) {
 
 // --- Per world size ---
 
-class LocalWorld : public ::testing::TestWithParam<int> {
+// Every test of a world runs twice: on the threads' transport itself, and
+// with every tensor staged through HostStagedCommunicator's host buffers over
+// it (as device tensors travel when ranks share a GPU): the same results.
+class LocalWorld : public ::testing::TestWithParam<std::tuple<int, bool>> {
  protected:
-  int n() const { return GetParam(); }
-  void run(const std::function<void(Communicator&)>& fn) { run_local(n(), fn, kQuick); }
+  int n() const { return std::get<0>(GetParam()); }
+  void run(const std::function<void(Communicator&)>& fn) {
+    run_local(
+        n(),
+        [&](Communicator& comm) {
+          if (!std::get<1>(GetParam())) return fn(comm);
+          HostStagedCommunicator staged(comm, HostStagedCommunicator::Stage::All);
+          fn(staged);
+        },
+        kQuick);
+  }
 };
 
 TEST_P(LocalWorld, RanksAndDescription) {
@@ -359,10 +373,93 @@ TEST_P(LocalWorld, SplitOfASplit) {
   });
 }
 
-std::string size_name(const ::testing::TestParamInfo<int>& p) {
-  return fmt::format("n{}", p.param);
+std::string size_name(const ::testing::TestParamInfo<std::tuple<int, bool>>& p) {
+  return fmt::format("n{}{}", std::get<0>(p.param), std::get<1>(p.param) ? "_staged" : "");
 }
-INSTANTIATE_TEST_SUITE_P(Sizes, LocalWorld, ::testing::Range(1, 9), size_name);
+INSTANTIATE_TEST_SUITE_P(Sizes, LocalWorld,
+                         ::testing::Combine(::testing::Range(1, 9), ::testing::Bool()),
+                         size_name);
+
+// --- Host staging ---
+
+// Staging buffers are reused: after the first round of a step's operations
+// (sends, receives, blocking and non-blocking collectives, in a group from
+// split() too), more rounds take no more host memory.
+TEST(HostStaged, BuffersAreReusedAcrossRounds) {
+  run_local(
+      2,
+      [](Communicator& world) {
+        HostStagedCommunicator comm(world, HostStagedCommunicator::Stage::All);
+        auto group = comm.split({{0, 1}}, "pair");
+        size_t after_first = 0;
+        for (int round = 0; round < 4; ++round) {
+          const int peer = 1 - comm.rank();
+          Tensor out = filled({64}, [&](int64_t i) { return static_cast<float>(round + i); });
+          Tensor in = Tensor::zeros({64});
+          RequestPtr r = comm.irecv(in, peer, tag(round));
+          RequestPtr s = comm.isend(out, peer, tag(round));
+          s->wait();
+          r->wait();
+          EXPECT_EQ(values(in), values(out));
+          Tensor grads = filled({300}, [&](int64_t i) { return static_cast<float>(i); });
+          RequestPtr ar = group->iall_reduce(grads, ReduceOp::Sum);
+          Tensor shard = Tensor::zeros({150});
+          Tensor full = filled({300}, [&](int64_t i) { return static_cast<float>(i); });
+          RequestPtr rs = comm.ireduce_scatter(full, shard, ReduceOp::Sum);
+          ar->wait();
+          rs->wait();
+          EXPECT_EQ(grads.data<float>()[299], 2 * 299.0f);
+          EXPECT_EQ(shard.data<float>()[1], 2 * (150.0f * comm.rank() + 1));
+          if (round == 0) after_first = comm.staging_bytes();
+          EXPECT_EQ(comm.staging_bytes(), after_first) << "round " << round;
+        }
+        EXPECT_GT(after_first, 0u);
+      },
+      kQuick);
+}
+
+// A receive writes its tensor only when the request completes, and a send
+// copies its tensor out when posted, so the sender may overwrite it at once.
+TEST(HostStaged, ReceivesLandOnCompletionAndSendsCopyWhenPosted) {
+  auto world = make_local_world(2, kQuick);
+  HostStagedCommunicator a(*world[0], HostStagedCommunicator::Stage::All);
+  HostStagedCommunicator b(*world[1], HostStagedCommunicator::Stage::All);
+  Tensor in = Tensor::zeros({3});
+  RequestPtr r = b.irecv(in, 0, tag(5));
+  Tensor out = filled({3}, [](int64_t i) { return static_cast<float>(7 + i); });
+  RequestPtr s = a.isend(out, 1, tag(5));
+  out.zero_();
+  s->wait();
+  EXPECT_EQ(values(in), (std::vector<float>{0, 0, 0}));  // not yet completed here
+  EXPECT_TRUE(r->test());
+  EXPECT_EQ(values(in), (std::vector<float>{7, 8, 9}));
+}
+
+// Errors are the transport's, naming what arrived and what was posted.
+TEST(HostStaged, ShapeMismatchNamesBothShapes) {
+  auto world = make_local_world(2, kQuick);
+  HostStagedCommunicator a(*world[0], HostStagedCommunicator::Stage::All);
+  HostStagedCommunicator b(*world[1], HostStagedCommunicator::Stage::All);
+  a.send(Tensor::zeros({2, 3}), 1, tag(1));
+  Tensor posted = Tensor::zeros({3, 2});
+  const std::string msg = error_message([&] { b.recv(posted, 0, tag(1)); });
+  EXPECT_TRUE(contains(msg, "[2, 3]")) << msg;
+  EXPECT_TRUE(contains(msg, "[3, 2]")) << msg;
+}
+
+// Staging device tensors only, host tensors go straight to the transport.
+TEST(HostStaged, HostTensorsPassStraightThroughWhenOnlyDevicesAreStaged) {
+  run_local(
+      2,
+      [](Communicator& world) {
+        HostStagedCommunicator comm(world);
+        Tensor t = filled({100}, [](int64_t i) { return static_cast<float>(i); });
+        comm.all_reduce(t, ReduceOp::Sum);
+        EXPECT_EQ(t.data<float>()[99], 198.0f);
+        EXPECT_EQ(comm.staging_bytes(), 0u);
+      },
+      kQuick);
+}
 
 // --- Errors ---
 

@@ -6,6 +6,7 @@
 // resumed by another, and config errors raised before any communication.
 #include <weft/layout.h>
 #include <weft/local_communicator.h>
+#include <weft/staged_communicator.h>
 
 #include <gtest/gtest.h>
 
@@ -126,6 +127,9 @@ struct Layout {
   bool recompute = false;
   int64_t bucket_elements = int64_t{1} << 20;
   bool overlap = true;
+  // Every tensor travels through HostStagedCommunicator's host buffers, as
+  // device tensors do when ranks share a GPU.
+  bool staged = false;
 
   int world() const { return dp * pp * tp; }
   LayoutOptions options() const {
@@ -143,6 +147,7 @@ struct Layout {
     if (pp > 1) n += "_" + schedule + (chunks > 1 ? "_v" + std::to_string(chunks) : "");
     if (distributed) n += "_zero1";
     if (recompute) n += "_recompute";
+    if (staged) n += "_staged";
     for (char& ch : n)
       if (ch == '-') ch = '_';
     return n;
@@ -201,7 +206,11 @@ std::vector<RankRun> run_layout(const Layout& l, int steps, const RankHook& befo
   if (l.world() == 1) {
     body(nullptr);
   } else {
-    run_local(l.world(), [&](Communicator& world) { body(&world); });
+    run_local(l.world(), [&](Communicator& world) {
+      if (!l.staged) return body(&world);
+      HostStagedCommunicator staged(world, HostStagedCommunicator::Stage::All);
+      body(&staged);
+    });
   }
   return runs;
 }
@@ -313,6 +322,13 @@ std::vector<Layout> layouts() {
   v.push_back({2, 4, 1, "1f1b", 1, true});
   // Recomputation, with every axis.
   v.push_back({2, 2, 2, "1f1b", 1, false, true});
+  // Staged through host buffers: pipeline messages, tensor-parallel
+  // collectives and data-parallel buckets (plain and ZeRO-1).
+  Layout staged{2, 2, 2, "zb-h1"};
+  staged.staged = true;
+  v.push_back(staged);
+  staged.schedule = "1f1b", staged.distributed = true;
+  v.push_back(staged);
   return v;
 }
 
