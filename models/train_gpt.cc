@@ -12,6 +12,7 @@
 #include <weft/mesh.h>
 #include <weft/mpi_communicator.h>
 #include <weft/ops.h>
+#include <weft/staged_communicator.h>
 #include <weft/partition.h>
 #include <weft/pipeline.h>
 #include <weft/profile.h>
@@ -206,6 +207,7 @@ struct Args {
   int threads = 0;
   // Device and precision (Megatron's names).
   std::string device = "auto";
+  std::string comm_backend = "auto";
   bool tf32 = false, bf16 = false, fp16 = false;
   // Parallelism (Megatron's names; dp = world / (tp x pp)).
   int tp = 1, pp = 1;
@@ -300,32 +302,52 @@ struct PipelineSetup {
   int chunks = 1;
   int64_t micro_batches = 1;
   weft::Device device;
+  bool staged = false;  // device tensors travel through the host (HostStagedCommunicator)
 };
 
-// --device and the precision flags. auto is cuda when a GPU is visible and
-// the job is one process (several processes on GPUs are not available yet).
-weft::Device resolve_device(const Args& a, int world) {
+// --device, --comm-backend and the precision flags. auto is cuda when a GPU
+// is visible. Each rank takes the GPU of its local rank (the launcher's
+// variables, weft/launcher.h) modulo the GPUs visible; when ranks share a
+// GPU, NCCL cannot carry their tensors, and they travel through the host.
+weft::Device resolve_device(const Args& a, int world, bool& staged) {
   using namespace weft;
   check(!(a.bf16 && a.fp16), "--bf16 and --fp16 are mutually exclusive: choose one");
   check(a.device == "auto" || a.device == "cpu" || a.device == "cuda",
         "--device '{}' must be cpu, cuda or auto", a.device);
+  check(a.comm_backend == "auto" || a.comm_backend == "mpi" || a.comm_backend == "nccl",
+        "--comm-backend '{}' must be auto, mpi or nccl", a.comm_backend);
   const int gpus = cuda_device_count();
-  const std::string kind = a.device == "auto" ? (gpus > 0 && world == 1 ? "cuda" : "cpu") : a.device;
-  if (kind == "cuda") {
+  const std::string kind = a.device == "auto" ? (gpus > 0 ? "cuda" : "cpu") : a.device;
+  check(kind == "cuda" || a.comm_backend != "nccl",
+        "--comm-backend nccl carries GPU tensors: it needs --device cuda");
+  check(world > 1 || a.comm_backend == "auto",
+        "--comm-backend {} chooses how ranks talk, but the job is one process", a.comm_backend);
+  staged = false;
+  if (kind != "cuda") {
+    check(!a.tf32, "--tf32 needs --device cuda: the CPU computes in fp32");
+  } else {
     check(cuda_built(), "--device cuda: weft was built without CUDA (meson setup -Dcuda=enabled)");
     check(gpus > 0, "--device cuda: no CUDA device is visible (see nvidia-smi and "
                     "CUDA_VISIBLE_DEVICES)");
-    check(world == 1,
-          "--device cuda with {} ranks is not available yet: the GPU engine runs one process "
-          "(use --device cpu for several ranks)",
-          world);
   }
-  check(!a.tf32 || kind == "cuda", "--tf32 needs --device cuda: the CPU computes in fp32");
   check(!a.bf16 && !a.fp16,
         "--{} is not available yet: the engine computes in fp32 (--tf32 on a GPU for tensor "
         "cores)",
         a.bf16 ? "bf16" : "fp16");
-  return kind == "cuda" ? Device::cuda(0) : Device::cpu();
+  if (kind != "cuda") return Device::cpu();
+  const LaunchInfo launch = detect_launch();
+  if (world > 1) {
+    const bool sharing = launch.local_size > gpus;
+    check(a.comm_backend != "nccl" || !sharing,
+          "--comm-backend nccl: {} ranks on this node share {} GPU{}, and NCCL refuses two "
+          "ranks on one GPU; use --comm-backend mpi, which stages tensors through the host",
+          launch.local_size, gpus, gpus == 1 ? "" : "s");
+    check(a.comm_backend != "nccl",
+          "--comm-backend nccl is not available yet: NCCL carries only its own tests so far; use "
+          "--comm-backend mpi, which stages tensors through the host");
+    staged = true;
+  }
+  return Device::cuda(launch.local_rank % gpus);
 }
 
 // Numeric flags outside their range: one line each, before anything runs.
@@ -369,7 +391,7 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
         "is split across tensor-parallel ranks)",
         cfg.vocab_size, a.tp);
   PipelineSetup p;
-  p.device = resolve_device(a, world);
+  p.device = resolve_device(a, world, p.staged);
   if (a.layers_per_virtual > 0) {
     check(cfg.num_layers % (a.pp * a.layers_per_virtual) == 0,
           "--num-layers ({}) must be divisible by --pp ({}) x "
@@ -748,6 +770,8 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
             flag, n, a.local_steps);
   const std::string& load = a.resume_from;
   const PipelineSetup setup = check_parallel(a, cfg, world ? world->size() : 1, global);
+  std::optional<HostStagedCommunicator> staged_world;
+  if (setup.staged) world = &staged_world.emplace(*world);
   const bool rank0 = world == nullptr || world->rank() == 0;
   const nlohmann::json ranks = rank_table(world, setup.device);
   if (rank0) {
@@ -1202,7 +1226,11 @@ int main(int argc, char** argv) {
                  "llm.c tokenizer file (e.g. gpt2_tokenizer.bin) to decode samples of token data");
   app.add_option("--threads", a.threads, "CPU threads (default: cores / local ranks)");
   app.add_option("--device", a.device,
-                 "cpu, cuda, or auto: cuda when a GPU is visible and the job is one process");
+                 "cpu, cuda, or auto: cuda when a GPU is visible; each rank takes the GPU of "
+                 "its local rank");
+  app.add_option("--comm-backend", a.comm_backend,
+                 "auto, mpi or nccl: how ranks on GPUs exchange tensors (mpi: staged through "
+                 "host memory, which works when ranks share a GPU)");
   app.add_flag("--tf32", a.tf32, "GEMMs on tensor cores with TF32 inputs (--device cuda)");
   app.add_flag("--bf16", a.bf16, "bf16 compute with fp32 master weights (not available yet)");
   app.add_flag("--fp16", a.fp16, "fp16 compute with a dynamic loss scale (not available yet)");

@@ -81,8 +81,8 @@ if [ "$setup_rc" != 0 ]; then
   exit 1
 fi
 targets=(tests/test_nccl tests/cuda/test_cuda_allocator tests/cuda/test_cuda_kernels
-         tests/cuda/test_cuda_layers tests/cuda/test_cuda_train tests/test_parity train_gpt
-         bench/bench_cuda)
+         tests/cuda/test_cuda_layers tests/cuda/test_cuda_train tests/cuda/test_cuda_mpi
+         tests/test_parity train_gpt bench/bench_cuda)
 build_limit=$([ "$dry_run" = 1 ] && echo 3600 || echo 360)
 if ! timeout "$build_limit" ninja -C "$build" -j"$(nproc)" "${targets[@]}" >>"$log" 2>&1; then
   tail -n 40 "$log"
@@ -95,6 +95,9 @@ results+=("build (-Dcuda=enabled, sm_$arch, $(nproc) cores)|ok|$(( $(date +%s) -
 # allocator's host-side test, which runs without a GPU ---
 export WEFT_SOURCE_DIR="$PWD" OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 export WEFT_TRAIN_GPT="$PWD/$build/train_gpt"
+# The launcher of the MPI the build links (meson writes it), for ranks that
+# share the GPU; Open MPI needs oversubscription for 8 ranks on fewer slots.
+export WEFT_MPIEXEC="$PWD/$build/bench/mpiexec" OMPI_MCA_rmaps_base_oversubscribe=1
 run_test() {  # name binary needs_gpu
   local name=$1 bin=$2 needs_gpu=$3 want=0 rc=0 t0 ms
   t0=$(date +%s%N)
@@ -121,6 +124,7 @@ run_test cuda_allocator tests/cuda/test_cuda_allocator 0
 run_test cuda_kernels tests/cuda/test_cuda_kernels 1
 run_test cuda_layers tests/cuda/test_cuda_layers 1
 run_test cuda_train tests/cuda/test_cuda_train 1
+run_test cuda_mpi tests/cuda/test_cuda_mpi 1   # several ranks sharing the GPU (host-staged)
 run_test parity tests/test_parity 0   # its cuda cases run where a GPU is visible
 
 # --- the sample job on the GPU (scripts/sample.sh's model and flags), when

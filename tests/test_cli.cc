@@ -109,6 +109,11 @@ TEST_F(Cli, DeviceAndPrecisionFlags) {
   expect_error(toy("--device tpu"), {"--device 'tpu' must be cpu, cuda or auto"});
   expect_error(toy("--device cpu --tf32"), {"--tf32 needs --device cuda"});
   expect_error(toy("--device cpu --bf16"), {"--bf16 is not available yet"});
+  expect_error(toy("--comm-backend gloo"), {"--comm-backend 'gloo' must be auto, mpi or nccl"});
+  expect_error(toy("--device cpu --comm-backend nccl"),
+               {"--comm-backend nccl carries GPU tensors: it needs --device cuda"});
+  expect_error(toy("--device cpu --comm-backend mpi"),
+               {"--comm-backend mpi chooses how ranks talk, but the job is one process"});
   if (cuda_device_count() > 0) GTEST_SKIP() << "a GPU is visible: --device cuda can run here";
   expect_error(toy("--device cuda"), {cuda_built() ? "--device cuda: no CUDA device is visible"
                                                    : "--device cuda: weft was built without CUDA"});

@@ -99,15 +99,39 @@ TEST(Launch, ReadsTheLauncherEnvironment) {
   EXPECT_EQ(s.rank, 3);
   EXPECT_EQ(s.size, 8);
   EXPECT_EQ(s.local_size, 4);
-  ::setenv("PMI_RANK", "1", 1);  // hydra wins when both are present (srun --mpi=pmi2)
-  ::setenv("PMI_SIZE", "2", 1);
-  ::setenv("MPI_LOCALNRANKS", "2", 1);
+  EXPECT_EQ(s.local_rank, 0);
+  // Without the per-node count, Slurm's step layout "3(x2),2": 3 on this node.
+  ::unsetenv("SLURM_NTASKS_PER_NODE");
+  ::setenv("SLURM_STEP_TASKS_PER_NODE", "3(x2),2", 1);
+  ::setenv("SLURM_LOCALID", "2", 1);
+  s = detect_launch();
+  EXPECT_EQ(s.local_size, 3);
+  EXPECT_EQ(s.local_rank, 2);
+  ::setenv("PMI_RANK", "5", 1);  // hydra wins when both are present (srun --mpi=pmi2)
+  ::setenv("PMI_SIZE", "8", 1);
+  ::setenv("MPI_LOCALNRANKS", "4", 1);
+  ::setenv("MPI_LOCALRANKID", "1", 1);
   LaunchInfo h = detect_launch();
   EXPECT_EQ(h.launcher, "mpiexec");
-  EXPECT_EQ(h.rank, 1);
-  EXPECT_EQ(h.size, 2);
-  for (const char* v : {"PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS", "SLURM_PROCID", "SLURM_NTASKS",
-                        "SLURM_NTASKS_PER_NODE"})
+  EXPECT_EQ(h.rank, 5);
+  EXPECT_EQ(h.size, 8);
+  EXPECT_EQ(h.local_rank, 1);
+  EXPECT_EQ(h.local_size, 4);
+  for (const char* v : {"PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS", "MPI_LOCALRANKID",
+                        "SLURM_PROCID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE",
+                        "SLURM_STEP_TASKS_PER_NODE", "SLURM_LOCALID"})
+    ::unsetenv(v);
+  ::setenv("OMPI_COMM_WORLD_RANK", "3", 1);
+  ::setenv("OMPI_COMM_WORLD_SIZE", "4", 1);
+  ::setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1", 1);
+  ::setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2", 1);
+  LaunchInfo o = detect_launch();
+  EXPECT_EQ(o.launcher, "mpiexec");
+  EXPECT_EQ(o.rank, 3);
+  EXPECT_EQ(o.local_rank, 1);
+  EXPECT_EQ(o.local_size, 2);
+  for (const char* v : {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                        "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"})
     ::unsetenv(v);
 }
 

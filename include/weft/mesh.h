@@ -57,12 +57,14 @@ struct Mesh {
   static Mesh build(Communicator& world, int tp, int pp);
 };
 
-// How this process was launched: rank, size and ranks on this node, from the
-// launcher's environment (MPICH/hydra PMI_*, Open MPI OMPI_COMM_WORLD_*,
-// Slurm SLURM_*); a lone process is rank 0 of 1.
+// How this process was launched: rank, size, and its rank among the ranks on
+// this node (which picks its GPU, as LOCAL_RANK does for torchrun), from the
+// launcher's environment (MPICH/hydra PMI_* and MPI_LOCAL*, Open MPI
+// OMPI_COMM_WORLD_*, Slurm SLURM_*); a lone process is rank 0 of 1.
 struct LaunchInfo {
   int rank = 0;
   int size = 1;
+  int local_rank = 0;
   int local_size = 1;
   std::string launcher = "none";  // "mpiexec", "srun", "none"
 };

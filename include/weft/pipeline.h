@@ -35,6 +35,10 @@ struct PipelineOptions {
   // Record every action's start and end (for write_trace); off, a step
   // records only its compute time.
   bool trace = false;
+  // Where activations, received tensors and gradients live (the parameters'
+  // device). Tokens are filled on the host and copied up. Device tensors
+  // need a communicator that carries them (HostStagedCommunicator).
+  Device device = Device::cpu();
 };
 
 // One action as it ran: microseconds since the pipeline's common start.
@@ -63,10 +67,9 @@ class PipelineExecutor {
   double run(const BatchSource& data, int64_t step, int64_t micro_batch,
              int64_t global_batch = 0);
 
-  // Parameters this rank updates, and the total gradient norm over the whole
-  // model counting each parameter once (collective over the pp group).
+  // Parameters this rank updates (GradSync takes the norm over the whole
+  // model, counting each parameter once).
   const std::vector<Param*>& params() const { return params_; }
-  double grad_norm() const;
   // Of params(): the ones this rank counts in a norm (their first holder),
   // and the ones tied with another pipeline rank (summed at the end of run).
   const std::vector<Param*>& norm_params() const { return norm_params_; }
@@ -136,7 +139,8 @@ class PipelineExecutor {
   const BatchSource* data_ = nullptr;
   GradSync* sync_ = nullptr;
   int64_t micro_batch_size_ = 0, step_ = 0, global_batch_ = 0;
-  std::vector<Tensor> inputs_;  // the data inputs being filled, reused
+  std::vector<Tensor> inputs_;       // the data inputs being filled, reused
+  std::vector<Tensor> host_inputs_;  // on a device: filled here, then copied up
   double loss_sum_ = 0;
   int peak_slots_ = 0, slots_in_use_ = 0;
   int peak_stashed_ = 0, stashed_ = 0;

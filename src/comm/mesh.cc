@@ -70,12 +70,15 @@ Mesh Mesh::build(Communicator& world, int tp, int pp) {
 }
 
 namespace {
-int env_int(const char* name, int fallback) {
+// The variable's number; `fallback` when unset or not one. With `leading`,
+// only its leading number counts: Slurm writes tasks per node as "4(x2),3".
+int env_int(const char* name, int fallback, bool leading = false) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return fallback;
   char* end = nullptr;
   long n = std::strtol(v, &end, 10);
-  return (end && *end == '\0' && n >= 0) ? static_cast<int>(n) : fallback;
+  return (end && end != v && (leading || *end == '\0') && n >= 0) ? static_cast<int>(n)
+                                                                  : fallback;
 }
 }  // namespace
 
@@ -84,17 +87,22 @@ LaunchInfo detect_launch() {
   if (std::getenv("PMI_RANK") != nullptr) {  // MPICH hydra
     info.rank = env_int("PMI_RANK", 0);
     info.size = env_int("PMI_SIZE", 1);
+    info.local_rank = env_int("MPI_LOCALRANKID", info.rank);
     info.local_size = env_int("MPI_LOCALNRANKS", info.size);
     info.launcher = "mpiexec";
   } else if (std::getenv("OMPI_COMM_WORLD_RANK") != nullptr) {
     info.rank = env_int("OMPI_COMM_WORLD_RANK", 0);
     info.size = env_int("OMPI_COMM_WORLD_SIZE", 1);
+    info.local_rank = env_int("OMPI_COMM_WORLD_LOCAL_RANK", info.rank);
     info.local_size = env_int("OMPI_COMM_WORLD_LOCAL_SIZE", info.size);
     info.launcher = "mpiexec";
   } else if (std::getenv("SLURM_PROCID") != nullptr) {
     info.rank = env_int("SLURM_PROCID", 0);
     info.size = env_int("SLURM_NTASKS", 1);
-    info.local_size = env_int("SLURM_NTASKS_PER_NODE", env_int("SLURM_TASKS_PER_NODE", 1));
+    info.local_rank = env_int("SLURM_LOCALID", 0);
+    info.local_size = env_int("SLURM_NTASKS_PER_NODE",
+                              env_int("SLURM_STEP_TASKS_PER_NODE",
+                                      env_int("SLURM_TASKS_PER_NODE", 1, true), true));
     info.launcher = "srun";
   }
   return info;

@@ -143,8 +143,14 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
   for (const Param* p : params_)
     check(p->value.device() == device, "{} is on {} but {} is on {}: one device per rank",
           p->name, p->value.device().str(), params_[0]->name, device.str());
-  check(device.is_cpu() || dp == 1,
-        "data parallelism on {} is not available yet: its gradient reduction runs on host memory",
+  // The distributed optimizer's shards and the compressed reductions work on
+  // host memory; the plain bucketed reduction runs on any device.
+  check(device.is_cpu() || dp == 1 ||
+            (!distributed() && options_.reduce_dtype == DType::F32 &&
+             options_.compression == GradCompression::None),
+        "on {}, data parallelism reduces fp32 gradients with the plain optimizer: "
+        "--use-distributed-optimizer, --grad-reduce-dtype bf16 and --grad-compression powersgd "
+        "are not available on a GPU yet",
         device.str());
   for (auto& bp : buckets_) {
     Bucket& b = *bp;

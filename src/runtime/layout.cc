@@ -39,11 +39,12 @@ RankLayout::RankLayout(Communicator* world, Graph& logical, ModelIO io, const Ba
     po.pp = lo_.pp;
     po.chunks = schedule_.chunks;
     po.stage_rank = schedule_.stage_rank;
-    po.in_flight = sched::peak_in_flight(schedule_);
+    po.in_flight = sched::peak_in_flight(schedule_, lo_.pipeline.recompute);
     po.memory_budget = lo_.memory_budget;
     // The plan is cut on the logical graph: the tensor-parallel form has the
     // same nodes in the same order.
     plan_ = partition(logical_, cost ? *cost : CostModel::analytic(logical_), po);
+    lo_.pipeline.device = opt.device;  // activations live with the parameters
     pipeline_ = std::make_unique<PipelineExecutor>(graph(), io_, plan_, schedule_, *mesh_->pp,
                                                    lo_.pipeline);
     par.pipeline = pipeline_.get();

@@ -1,4 +1,5 @@
 #include <weft/local_communicator.h>
+#include <weft/ops.h>
 #include <weft/pipeline.h>
 
 #include <algorithm>
@@ -22,7 +23,7 @@ constexpr int kRetiring = -2;  // Slot::stage of a slot whose sends are in fligh
 }  // namespace
 
 struct PipelineExecutor::Slot {
-  explicit Slot(const Graph& g) : mb(g) {}
+  Slot(const Graph& g, Device device) : mb(g, device) {}
   MicroBatch mb;
   int stage = -1, micro = -1;
   bool input_grad_done = false, weight_done = false, grads_sent = false;
@@ -95,7 +96,12 @@ PipelineExecutor::PipelineExecutor(const Graph& graph, ModelIO io, StagePlan pla
   scalar_ = Tensor::zeros({1});
   pp_.barrier();
   epoch_ = std::chrono::steady_clock::now();
-  if (options_.recompute) work_ = std::make_unique<MicroBatch>(graph_);
+  if (options_.recompute) work_ = std::make_unique<MicroBatch>(graph_, options_.device);
+  if (!options_.device.is_cpu())
+    for (int v : io_.inputs) {
+      const Value& val = graph_.values()[static_cast<size_t>(v)];
+      host_inputs_.push_back(Tensor::zeros(val.shape, val.dtype));
+    }
   keep_buf_.reserve(graph_.values().size());
 }
 
@@ -139,7 +145,7 @@ PipelineExecutor::Slot& PipelineExecutor::slot(int stage, int mb, bool create) {
         break;
       }
     if (s == nullptr) {
-      pool_.push_back(std::make_unique<Slot>(graph_));
+      pool_.push_back(std::make_unique<Slot>(graph_, options_.device));
       s = pool_.back().get();
     }
     s->stage = stage;
@@ -180,9 +186,14 @@ void PipelineExecutor::fill_inputs(Slot& s, int stage, int mb, int64_t step) {
   for (int v : io_.inputs)
     for (int c : graph_.values()[static_cast<size_t>(v)].consumers) needs_data |= c >= begin && c < end;
   if (!needs_data) return;
-  inputs_.clear();
-  for (int v : io_.inputs) inputs_.push_back(s.mb.input(v));
-  data_->fill(step, mb * micro_batch_size_, inputs_);
+  if (options_.device.is_cpu()) {  // straight into the arena
+    inputs_.clear();
+    for (int v : io_.inputs) inputs_.push_back(s.mb.input(v));
+    data_->fill(step, mb * micro_batch_size_, inputs_);
+    return;
+  }
+  data_->fill(step, mb * micro_batch_size_, host_inputs_);
+  for (size_t k = 0; k < io_.inputs.size(); ++k) s.mb.input(io_.inputs[k]).copy_from(host_inputs_[k]);
 }
 
 // Copies `values` (and their gradients when `grads`) from one slot to another
@@ -232,7 +243,7 @@ void PipelineExecutor::forward_action(int stage, int mb, int64_t step) {
   if (options_.recompute) share_inputs(s.mb, work, stage);
   forward(graph_, work, begin, end);
   if (stage == schedule_.stages() - 1)
-    loss_sum_ += static_cast<double>(work.value(io_.loss).data<float>()[0]);
+    loss_sum_ += static_cast<double>(ops::item(work.value(io_.loss)));
   if (!options_.recompute) {
     bytes.f = used(s.mb) - before;
     note_memory();
@@ -529,17 +540,6 @@ void PipelineExecutor::write_trace(const std::string& path) const {
   std::ofstream f(path, std::ios::trunc);
   f << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() << '\n';
   check(f.good(), "--trace {}: cannot write", path);
-}
-
-double PipelineExecutor::grad_norm() const {
-  double local = 0;
-  for (Param* p : norm_params_) {
-    const float* g = p->grad.data<float>();
-    for (int64_t i = 0; i < p->grad.numel(); ++i) local += static_cast<double>(g[i]) * g[i];
-  }
-  scalar_.data<float>()[0] = static_cast<float>(local);
-  pp_.all_reduce(scalar_, ReduceOp::Sum);
-  return std::sqrt(static_cast<double>(scalar_.data<float>()[0]));
 }
 
 std::vector<sched::StageBytes> measure_stage_bytes(const Graph& graph, const ModelIO& io,

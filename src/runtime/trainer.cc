@@ -111,12 +111,8 @@ Trainer::Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, Parallel 
           "and --max-skipped-steps >= 0 ({})",
           opt_.spike.factor, opt_.spike.window, opt_.spike.max_skipped);
   if (!opt_.device.is_cpu()) {
-    check(par_.pipeline == nullptr && par_.groups.dp_size() == 1 &&
-              (par_.groups.tp == nullptr || par_.groups.tp->size() == 1),
-          "training on {} runs one process for now: pipeline, tensor and data parallelism on "
-          "GPUs are not available yet",
-          opt_.device.str());
-    place_params(graph.params(), opt_.device);
+    // A pipeline rank places only the parameters of its own stages.
+    place_params(par_.pipeline ? par_.pipeline->params() : graph.params(), opt_.device);
     for (int v : g_.inputs) {
       const Value& val = graph.values()[static_cast<size_t>(v)];
       host_inputs_.push_back(Tensor::zeros(val.shape, val.dtype));
