@@ -91,10 +91,6 @@ std::vector<int> parameters_cut(const StageTables& t) {
       n, stages, [&](int, int a, int b) { return t.params(a, b) <= least ? t.time(a, b) : kInf; });
 }
 
-bool all_fit(const std::vector<double>& bytes, double budget) {
-  return std::all_of(bytes.begin(), bytes.end(), [&](double b) { return fits(b, budget); });
-}
-
 // With several stages per rank the exact search may grow exponentially (a rank's memory
 // sums non-adjacent ranges, so no cut-position DP is exact); it stops after this many
 // partial cuts, a few seconds, and says so rather than claim what it did not prove. The
@@ -105,21 +101,77 @@ constexpr long kMaxMessageSteps = kMaxSearchSteps / 4;
 struct TimeCut {
   std::vector<int> cut;  // empty when no cut fits the budget
   bool proven = true;    // false: the step limit ended the search before it proved optimality
+  double floor = 0;      // no cut's largest rank time is lower
 };
 
-// Least largest stage time within the budget. With one stage per rank a stage's memory
-// is its rank's, so the DP over cuts is exact. With several, the DP's per-stage check is
-// only necessary: its cut is optimal if its ranks fit, and otherwise the exact search
-// takes over.
+// A cut's rank times, its largest first then the sum of their squares: moving a cut
+// point that leaves the busiest rank as busy can still even out the others.
+struct Balance {
+  double most = 0, squares = 0;
+  bool operator<(const Balance& o) const {
+    return most < o.most || (most == o.most && squares < o.squares);
+  }
+};
+Balance balance_of(const StageTables& t, const std::vector<int>& cut) {
+  std::vector<double> load(static_cast<size_t>(t.l.pp), 0.0);
+  for (int s = 0; s < t.l.stages; ++s)
+    at(load, at(t.l.rank, s)) += t.time(at(cut, s), at(cut, s + 1));
+  Balance b;
+  for (double x : load) b.most = std::max(b.most, x), b.squares += x * x;
+  return b;
+}
+
+// The branch and bound's first cut to beat, when rank times sum several chunks: from
+// `cut` (which fits), cut points move one way or the other by halving steps while that
+// evens the ranks' times and every rank still fits.
+std::vector<int> balanced(const StageTables& t, std::vector<int> cut) {
+  const int n = t.p.nodes;
+  auto fits_all = [&](const std::vector<int>& c) {
+    for (double b : rank_memory(t.p, t.l, c))
+      if (!fits(b, t.l.budget)) return false;
+    return true;
+  };
+  if (!fits_all(cut)) return {};
+  Balance best = balance_of(t, cut);
+  for (int step = std::max(1, n / (2 * t.l.stages)); step >= 1; step /= 2) {
+    for (bool moved = true; moved;) {
+      moved = false;
+      for (int s = 1; s < t.l.stages; ++s)
+        for (int dir : {-1, 1}) {
+          std::vector<int> c = cut;
+          at(c, s) += dir * step;
+          if (at(c, s) <= at(c, s - 1) || at(c, s) >= at(c, s + 1)) continue;
+          const Balance b = balance_of(t, c);
+          if (!(b < best) || !fits_all(c)) continue;
+          best = b;
+          cut = std::move(c);
+          moved = true;
+        }
+    }
+  }
+  return cut;
+}
+
+// Least largest rank time within the budget. With one stage per rank a rank's time and
+// memory are its stage's, so the DP over cuts is exact. With several (interleaved, ZB-V)
+// a rank's time sums its chunks, which no cut-position DP sees: the exact search runs,
+// starting from the DP's least largest stage time when its ranks fit.
 TimeCut time_cut(const StageTables& t) {
   const Layout& l = t.l;
   std::vector<int> cut = min_max_cut(t.p.nodes, l.stages, [&](int s, int a, int b) {
     return fits(t.memory(s, a, b), l.budget) ? t.time(a, b) : kInf;
   });
-  if (cut.empty() || l.chunks == 1 || l.budget <= 0) return {cut, true};
-  if (all_fit(rank_memory(t.p, l, cut), l.budget)) return {cut, true};
-  SearchResult found = branch_and_bound(t, Goal::Time, kMaxSearchSteps);
-  return {std::move(found.cut), found.proven};
+  if (cut.empty() || l.chunks == 1) return {cut, true};
+  // A cut that fits to start from: the DP's, or the least largest stage time over cuts
+  // whose ranks fit.
+  std::vector<int> start = balanced(t, cut);
+  if (start.empty()) {
+    SearchResult first = branch_and_bound(t, Goal::StageTime, kMaxSearchSteps);
+    if (first.cut.empty()) return {{}, first.proven};
+    start = balanced(t, first.cut);
+  }
+  SearchResult found = branch_and_bound(t, Goal::Time, kMaxSearchSteps, start);
+  return {std::move(found.cut), found.proven, found.floor};
 }
 
 double peak(const StagePlan& plan, int* rank = nullptr) {
@@ -185,8 +237,15 @@ StagePlan partition(const Graph& g, const CostModel& cost, const PartitionOption
     const StageTables t(p, l);
     TimeCut found = time_cut(t);
     if (found.cut.empty()) no_cut_fits(g, cost, opt, t, found.proven);
-    // A plan that fits but is not proven optimal says so wherever it is described.
-    if (!found.proven) method = "time (best found: the search stopped before proving it optimal)";
+    // A plan that fits but is not proven optimal says so, and how far from optimal it
+    // may be, wherever it is described.
+    if (!found.proven) {
+      const double most = evaluate_plan(g, cost, opt, found.cut, method).max_rank_cost();
+      method = fmt::format(
+          "time (best found, at most {:.1f}% slower than optimal: the search stopped before "
+          "proving it)",
+          found.floor > 0 ? 100 * (most / found.floor - 1) : 100.0);
+    }
     cut = std::move(found.cut);
   }
   StagePlan plan = evaluate_plan(g, cost, opt, std::move(cut), method);

@@ -108,6 +108,8 @@ StagePlan evaluate_plan(const Graph& g, const CostModel& cost, const PartitionOp
   plan.method = std::move(method);
   for (int s = 0; s < l.stages; ++s)
     plan.stage_cost.push_back(p.time(at(begin, s), at(begin, s + 1)));
+  plan.rank_cost.assign(static_cast<size_t>(l.pp), 0.0);
+  for (int s = 0; s < l.stages; ++s) at(plan.rank_cost, at(l.rank, s)) += at(plan.stage_cost, s);
   plan.rank_memory = rank_memory(p, l, begin);
   plan.stage_rank = l.rank;
   plan.begin = std::move(begin);
@@ -124,13 +126,19 @@ double StagePlan::max_stage_cost() const {
   return stage_cost.empty() ? 0 : *std::max_element(stage_cost.begin(), stage_cost.end());
 }
 
+double StagePlan::max_rank_cost() const {
+  return rank_cost.empty() ? 0 : *std::max_element(rank_cost.begin(), rank_cost.end());
+}
+
 
 std::string StagePlan::describe(const Graph& g) const {
   double peak = 0;
   for (double m : rank_memory) peak = std::max(peak, m);
   std::string s = fmt::format(
-      "{} plan: {} stages (pp {} x {} chunks), max stage cost {:.4g}, peak rank memory {}\n",
-      method, stages(), pp, chunks, max_stage_cost(), weft::format_bytes(peak));
+      "{} plan: {} stages (pp {} x {} chunks), max stage cost {:.4g}{}, peak rank memory {}\n",
+      method, stages(), pp, chunks, max_stage_cost(),
+      chunks > 1 ? fmt::format(", max rank cost {:.4g}", max_rank_cost()) : "",
+      weft::format_bytes(peak));
   s += fmt::format("{:>5} {:>4}  {:<11} {:<40} {:>11} {:>12}\n", "stage", "rank", "nodes",
                    "first .. last", "cost", "rank memory");
   for (int st = 0; st + 1 < static_cast<int>(begin.size()); ++st) {

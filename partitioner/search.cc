@@ -290,15 +290,30 @@ class BranchAndBound {
         goal_(goal),
         steps_left_(max_steps),
         bounds_(t),
-        ranks_(static_cast<size_t>(l_.pp), RankMemory(t.p)) {
+        ranks_(static_cast<size_t>(l_.pp), RankMemory(t.p)),
+        load_(static_cast<size_t>(l_.pp), 0.0) {
+    auto allowed = [&](int s, int a, int b) {
+      return goal_ == Goal::Memory || fits(t_.memory(s, a, b), l_.budget);
+    };
     time_left_ = min_max_suffix(n_, l_.stages, [&](int s, int a, int b) {
-      return goal_ == Goal::Time && !fits(t_.memory(s, a, b), l_.budget) ? kInf : t_.time(a, b);
+      return allowed(s, a, b) ? t_.time(a, b) : kInf;
     });
     const std::vector<double> none(static_cast<size_t>(l_.pp), 0);
-    floor_ = goal_ == Goal::Time ? time_left_[0][0] : bounds_.peak_at_least(-1, 0, none);
+    floor_ = goal_ == Goal::Memory ? bounds_.peak_at_least(-1, 0, none) : time_left_[0][0];
+    if (goal_ != Goal::Time) return;
+    // The least time each rank's own stages still add, the others taking any nodes.
+    for (int q = 0; q < l_.pp; ++q) {
+      more_.push_back(min_sum_suffix(n_, l_.stages, [&, q](int s, int a, int b) {
+        if (at(l_.rank, s) != q) return 0.0;
+        return allowed(s, a, b) ? t_.time(a, b) : kInf;
+      }));
+      floor_ = std::max(floor_, kBelow * more_.back()[0][0]);
+    }
+    floor_ = std::max(floor_, kBelow * t_.p.work(0, n_) / l_.pp);
   }
 
-  SearchResult run() {
+  SearchResult run(const std::vector<int>& start) {
+    if (goal_ == Goal::Time && !start.empty()) beat(start);
     cut_ = {0};
     if (floor_ < kInf) search(0, 0);
     return {best_cut_, steps_left_ >= 0, floor_};
@@ -324,12 +339,26 @@ class BranchAndBound {
                std::vector<int>& memo) const {
     const double peak = bounds_.peak_at_least(s, b, bytes);
     if (!(peak <= cap())) return kInf;
-    const double key = goal_ == Goal::Memory
-                           ? peak
-                           : std::max({cmax_, t_.time(a, b), at(at(time_left_, s + 1), b)});
-    if (key >= best_) return kInf;  // checked before the dearer memory tests
     const int r = at(l_.rank, s);
+    const double key = goal_ == Goal::Memory ? peak : time_bound(s, r, a, b);
+    if (key >= best_) return kInf;  // checked before the dearer memory tests
     return bounds_.could_fit(s, b, r, ranks_, bytes, cap(), memo) ? key : kInf;
+  }
+
+  // The least largest rank time of any finish once stage s (on rank r) ends at b: no
+  // stage is shorter than the longest to come, each rank still adds its own stages' least,
+  // and the busiest rank carries at least the mean of all the work. The last two sum in
+  // another order than the ranks will, so they are taken a hair low.
+  double time_bound(int s, int r, int a, int b) const {
+    const double stage = t_.time(a, b);
+    double key = std::max({cmax_, stage, at(at(time_left_, s + 1), b)}), total = 0;
+    if (goal_ == Goal::StageTime) return key;
+    for (int q = 0; q < l_.pp; ++q) {
+      const double load = at(load_, q) + (q == r ? stage : 0.0);
+      total += load;
+      key = std::max(key, kBelow * (load + at(at(at(more_, q), s + 1), b)));
+    }
+    return std::max(key, kBelow * (total + t_.p.work(b, n_)) / l_.pp);
   }
 
   // The ends stage s may take, best bound first. Grows rank r's memory node by node and
@@ -370,27 +399,41 @@ class BranchAndBound {
       RankMemory& m = at(ranks_, r);
       const RankMemory::Totals before = m.totals();
       for (int i = a; i < c.end; ++i) m.add(i);
-      const double cmax = cmax_;
+      const double cmax = cmax_, load = at(load_, r);
       cmax_ = std::max(cmax_, t_.time(a, c.end));
+      at(load_, r) += t_.time(a, c.end);
       cut_.push_back(c.end);
       search(s + 1, c.end);
       cut_.pop_back();
       cmax_ = cmax;
+      at(load_, r) = load;
       m.remove(a, c.end, before);
     }
   }
 
   void record() {
-    double value = cmax_;
-    if (goal_ == Goal::Memory) {
-      value = -kInf;
-      for (int r = 0; r < l_.pp; ++r) value = std::max(value, rank_bytes(r));
-    }
+    double value = goal_ == Goal::StageTime ? cmax_ : -kInf;
+    if (goal_ != Goal::StageTime)
+      for (int r = 0; r < l_.pp; ++r)
+        value = std::max(value, goal_ == Goal::Memory ? rank_bytes(r) : at(load_, r));
     if (value < best_) {
       best_ = value;
       best_cut_ = cut_;
     }
   }
+
+  // Takes `cut` as the best so far when every rank fits: its ranks' times summed in stage
+  // order, as record() and evaluate_plan sum them.
+  void beat(const std::vector<int>& cut) {
+    for (double b : rank_memory(t_.p, l_, cut))
+      if (!fits(b, l_.budget)) return;
+    std::vector<double> load(static_cast<size_t>(l_.pp), 0.0);
+    for (int s = 0; s < l_.stages; ++s) at(load, at(l_.rank, s)) += t_.time(at(cut, s), at(cut, s + 1));
+    best_ = *std::max_element(load.begin(), load.end());
+    best_cut_ = cut;
+  }
+
+  static constexpr double kBelow = 1 - 1e-9;
 
   const StageTables& t_;
   const Layout& l_;
@@ -399,6 +442,8 @@ class BranchAndBound {
   long steps_left_;
   MemoryBounds bounds_;
   std::vector<RankMemory> ranks_;
+  std::vector<double> load_;  // per rank: the time of its stages so far
+  std::vector<Grid> more_;    // per rank: the least time its stages add from (stage, node) on
   Grid time_left_;       // least largest stage time from (stage, node) on
   double floor_ = kInf;  // no cut does better: stop when the best reaches it
   double cmax_ = -kInf;  // largest stage time so far
@@ -408,8 +453,9 @@ class BranchAndBound {
 
 }  // namespace
 
-SearchResult branch_and_bound(const StageTables& t, Goal goal, long max_steps) {
-  return BranchAndBound(t, goal, max_steps).run();
+SearchResult branch_and_bound(const StageTables& t, Goal goal, long max_steps,
+                              const std::vector<int>& start) {
+  return BranchAndBound(t, goal, max_steps).run(start);
 }
 
 }  // namespace weft::partition_detail

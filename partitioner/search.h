@@ -55,15 +55,20 @@ std::vector<int> min_max_cut(int n, int stages, const RangePrice& price);
 // Exact searches for when a rank runs several stages (chunks > 1), so its memory is
 // the sum over non-adjacent ranges and no cut-position DP is exact.
 enum class Goal {
-  Time,    // least largest stage time with every rank's memory within the budget
-  Memory,  // least largest rank memory
+  Time,       // least largest rank time (its stages' times summed) with every rank's
+              // memory within the budget
+  StageTime,  // least largest stage time, every rank within the budget: faster to prove,
+              // it gives Time a cut to start from
+  Memory,     // least largest rank memory
 };
 struct SearchResult {
   std::vector<int> cut;  // the best cut found; empty when none meets the budget (Goal::Time)
   bool proven = true;    // false when the step limit ended the search first
   double floor = 0;      // no cut does better (a lower bound on the goal)
 };
-// Explores at most `max_steps` partial cuts.
-SearchResult branch_and_bound(const StageTables& t, Goal goal, long max_steps);
+// Explores at most `max_steps` partial cuts. `start`, when given and within the
+// budget, is the cut to beat (Goal::Time): of equal cuts it wins.
+SearchResult branch_and_bound(const StageTables& t, Goal goal, long max_steps,
+                              const std::vector<int>& start = {});
 
 }  // namespace weft::partition_detail

@@ -11,15 +11,16 @@
 //               nodes after the last block to the last stage. Graphs without
 //               blocks split their nodes evenly.
 //   parameters  balances parameter bytes (DeepSpeed's "parameters").
-//   time        optimal: minimises the largest stage cost by dynamic
-//               programming over cut positions, where a stage costs the F, I
-//               and W time of its nodes plus the time to send its boundary,
+//   time        optimal: minimises the largest rank cost, where a stage
+//               costs the F, I and W time of its nodes plus the time to send
+//               its boundary and a rank the sum of its stages (its chunks),
 //               subject to each rank's memory (parameters, gradients and
 //               optimizer state, plus the activations its schedule keeps in
-//               flight) fitting the budget. With several stages per rank and
-//               a binding budget an exact branch and bound takes over; past
-//               its step limit it returns the best plan found and says so in
-//               StagePlan::method.
+//               flight) fitting the budget. With one stage per rank, dynamic
+//               programming over cut positions is exact. With several, an
+//               exact branch and bound runs from an evened-out cut; past its
+//               step limit it returns the best plan found and says so in
+//               StagePlan::method, with how far from optimal it can be.
 #pragma once
 
 #include <weft/graph.h>
@@ -68,12 +69,16 @@ struct StagePlan {
   std::vector<int> begin;            // size stages + 1; begin.front() = 0, back() = nodes
   std::vector<int> stage_rank;       // stage -> rank
   std::vector<double> stage_cost;    // per stage, by the cost model
+  std::vector<double> rank_cost;     // per rank: its stages' costs summed, in stage order
   std::vector<double> rank_memory;   // per rank, bytes
   std::string method;
 
   int stages() const { return pp * chunks; }
   int stage_of(int node) const;
   double max_stage_cost() const;
+  // What `time` minimises: the busiest rank's work per micro-batch. With one
+  // chunk per rank it is max_stage_cost().
+  double max_rank_cost() const;
   std::string describe(const Graph& g) const;  // a table: stage, rank, nodes, cost, memory
 };
 
