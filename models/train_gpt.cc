@@ -224,6 +224,7 @@ struct Args {
   bool distributed_optimizer = false;
   int64_t ddp_bucket_size = int64_t{1} << 20;  // elements
   bool overlap_grad_reduce = true;
+  bool overlap_p2p_comm = false;  // post pipeline receives ahead
   std::string grad_reduce_dtype = "fp32";
   std::string grad_compression = "none";
   int powersgd_rank = 4;
@@ -646,7 +647,8 @@ void check_pipeline_flags(const Args& a, const CLI::App& app) {
         "--schedule '{}' is not a schedule (one of: {})", a.schedule, fmt::join(names, ", "));
   if (a.pp == 1) {
     for (const char* flag : {"--schedule", "--virtual-stages", "--num-layers-per-virtual-pipeline-stage",
-                             "--partition", "--profile", "--recompute", "--memory-budget"})
+                             "--partition", "--profile", "--recompute", "--memory-budget",
+                             "--overlap-p2p-comm"})
       check(app.count(flag) == 0,
             "{} shapes the pipeline, and there is none: it needs --pp > 1 (--pp is 1)", flag);
     return;
@@ -868,7 +870,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   lo.schedule = a.schedule;
   lo.chunks = setup.chunks;
   lo.partition = parse_partition_method(a.partition);
-  lo.pipeline = PipelineOptions{a.recompute, !a.trace.empty()};
+  lo.pipeline = PipelineOptions{a.recompute, !a.trace.empty(), a.overlap_p2p_comm};
   if (!a.memory_budget.empty()) lo.memory_budget = parse_bytes("--memory-budget", a.memory_budget);
   lo.sync.distributed_optimizer = a.distributed_optimizer;
   lo.sync.bucket_elements = a.ddp_bucket_size;
@@ -1058,7 +1060,8 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     // actions added (sched::memory_use): the two agree exactly.
     const int me = pipeline->group().rank();
     const double model =
-        sched::memory_use(schedule, pipeline->stage_bytes(), a.recompute).peak[static_cast<size_t>(me)];
+        sched::memory_use(schedule, pipeline->stage_bytes(), a.recompute, a.overlap_p2p_comm)
+            .peak[static_cast<size_t>(me)];
     Tensor all = Tensor::zeros({2 * a.pp}), mine = Tensor::zeros({2});
     mine.data<float>()[0] = static_cast<float>(pipeline->peak_bytes());
     mine.data<float>()[1] = static_cast<float>(model);
@@ -1263,6 +1266,10 @@ int main(int argc, char** argv) {
   app.add_flag_callback(
       "--no-overlap-grad-reduce", [&a] { a.overlap_grad_reduce = false; },
       "reduce every bucket after the backward instead");
+  app.add_flag("--overlap-p2p-comm", a.overlap_p2p_comm,
+               "post each pipeline receive before the compute action ahead of it, so the "
+               "message arrives while that computes (default off: each receive is posted "
+               "when its action comes)");
   app.add_option("--grad-reduce-dtype", a.grad_reduce_dtype,
                  "data-parallel gradient reduction: fp32, or bf16 (rounded; half the bytes)");
   app.add_option("--grad-compression", a.grad_compression,

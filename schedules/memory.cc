@@ -51,7 +51,8 @@ void check_bytes(const Schedule& s, const std::vector<StageBytes>& bytes) {
 
 }  // namespace
 
-MemoryUse memory_use(const Schedule& s, const std::vector<StageBytes>& bytes, bool recompute) {
+MemoryUse memory_use(const Schedule& s, const std::vector<StageBytes>& bytes, bool recompute,
+                     bool receives_ahead) {
   check_bytes(s, bytes);
   const bool with_messages = lowered(s);
   const int m = s.micro_batches;
@@ -107,17 +108,38 @@ MemoryUse memory_use(const Schedule& s, const std::vector<StageBytes>& bytes, bo
       sl.weight = true;
       peak = std::max(peak, held);
     };
+    auto receive = [&](const Action& a) {
+      Slot& sl = slot(a.stage, a.micro_batch);
+      const StageBytes& b = bytes[static_cast<size_t>(a.stage)];
+      if (a.kind == ActionKind::RECV_F) {
+        add(sl, b.recv_f);
+        sl.inputs = true;
+      } else {
+        add(sl, b.recv_b);
+        sl.grads = true;
+      }
+      peak = std::max(peak, held);
+    };
+    const std::vector<Action>& list = s.actions[r];
+    std::vector<bool> posted(list.size(), false);
     std::vector<double> after;
-    for (const Action& a : s.actions[r]) {
+    for (size_t i = 0; i < list.size(); ++i) {
+      const Action& a = list[i];
       const int st = a.stage, mb = a.micro_batch;
+      // The receives up to the next compute action are posted before this one.
+      if (receives_ahead && is_compute(a.kind))
+        for (size_t j = i + 1; j < list.size() && !is_compute(list[j].kind); ++j)
+          if ((list[j].kind == ActionKind::RECV_F || list[j].kind == ActionKind::RECV_B) &&
+              !posted[j]) {
+            receive(list[j]);
+            posted[j] = true;
+          }
       switch (a.kind) {
-        case ActionKind::RECV_F: {
-          Slot& sl = slot(st, mb);
-          add(sl, bytes[static_cast<size_t>(st)].recv_f);
-          sl.inputs = true;
-          peak = std::max(peak, held);
+        case ActionKind::RECV_F:
+        case ActionKind::RECV_B:
+          if (!posted[i]) receive(a);
+          posted[i] = true;
           break;
-        }
         case ActionKind::F: {
           const StageBytes& b = bytes[static_cast<size_t>(st)];
           Slot& sl = slot(st, mb);
@@ -125,13 +147,6 @@ MemoryUse memory_use(const Schedule& s, const std::vector<StageBytes>& bytes, bo
           sl.inputs = true;
           add(sl, b.f);
           peak = std::max(peak, held + (recompute ? b.f_work : 0));
-          break;
-        }
-        case ActionKind::RECV_B: {
-          Slot& sl = slot(st, mb);
-          add(sl, bytes[static_cast<size_t>(st)].recv_b);
-          sl.grads = true;
-          peak = std::max(peak, held);
           break;
         }
         case ActionKind::I:

@@ -29,9 +29,6 @@ bool is_message(ActionKind k) {
 bool is_send(ActionKind k) { return k == ActionKind::SEND_F || k == ActionKind::SEND_B; }
 bool is_recv(ActionKind k) { return k == ActionKind::RECV_F || k == ActionKind::RECV_B; }
 bool is_backward_input(ActionKind k) { return k == ActionKind::B || k == ActionKind::I; }
-bool is_compute(ActionKind k) {
-  return k == ActionKind::F || k == ActionKind::W || is_backward_input(k);
-}
 
 bool has_messages(const Schedule& s) {
   for (const auto& list : s.actions)
@@ -284,14 +281,14 @@ void summarize_time(const Schedule& s, const SimCost& c, SimResult& r) {
 void summarize_memory(const Schedule& s, const SimCost& c, SimResult& r) {
   r.peak_activations = peak_in_flight(s, c.recompute);
   if (!c.memory.empty()) {
-    r.peak_activation_bytes = memory_use(s, c.memory, c.recompute).peak;
+    r.peak_activation_bytes = memory_use(s, c.memory, c.recompute, c.receives_ahead).peak;
     return;
   }
   // Only a stash per stage: it is what F adds, held as long as the slot.
   const std::vector<double>& stash = c.stash_bytes.empty() ? c.activation_bytes : c.stash_bytes;
   std::vector<StageBytes> bytes(static_cast<size_t>(s.stages()));
   for (size_t st = 0; st < stash.size() && st < bytes.size(); ++st) bytes[st].f = stash[st];
-  r.peak_activation_bytes = memory_use(s, bytes, c.recompute).peak;
+  r.peak_activation_bytes = memory_use(s, bytes, c.recompute, c.receives_ahead).peak;
 }
 
 }  // namespace

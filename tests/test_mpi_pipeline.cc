@@ -23,7 +23,8 @@ namespace {
 
 using testing::read_file;
 
-class MpiPipeline : public ::testing::TestWithParam<std::tuple<std::string, int>> {
+// (schedule, pp, receives posted ahead with --overlap-p2p-comm)
+class MpiPipeline : public ::testing::TestWithParam<std::tuple<std::string, int, bool>> {
  protected:
   static void SetUpTestSuite() {
     dir_ = new std::string(testing::temp_dir("mpi-pipeline"));
@@ -55,8 +56,9 @@ std::string* MpiPipeline::dir_ = nullptr;
 std::vector<nlohmann::json>* MpiPipeline::reference_ = nullptr;
 
 TEST_P(MpiPipeline, MatchesSingleProcess) {
-  const auto& [schedule, pp] = GetParam();
-  auto got = train(pp, "--pp " + std::to_string(pp) + " --schedule " + schedule);
+  const auto& [schedule, pp, ahead] = GetParam();
+  auto got = train(pp, "--pp " + std::to_string(pp) + " --schedule " + schedule +
+                           (ahead ? " --overlap-p2p-comm" : ""));
   ASSERT_EQ(got.size(), reference_->size()) << read_file(*dir_ + "/out.txt");
   for (size_t s = 0; s < got.size(); ++s) {
     const double loss = (*reference_)[s]["loss"], norm = (*reference_)[s]["grad_norm"];
@@ -81,10 +83,22 @@ TEST_P(MpiPipeline, MatchesSingleProcess) {
 INSTANTIATE_TEST_SUITE_P(
     Schedules, MpiPipeline,
     ::testing::Combine(::testing::Values("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"),
-                       ::testing::Values(2, 4)),
+                       ::testing::Values(2, 4), ::testing::Values(false)),
     [](const auto& param_info) {
       std::string n = std::get<0>(param_info.param) + "_pp" +
                       std::to_string(std::get<1>(param_info.param));
+      for (char& c : n)
+        if (c == '-') c = '_';
+      return n;
+    });
+
+INSTANTIATE_TEST_SUITE_P(
+    ReceivesAhead, MpiPipeline,
+    ::testing::Values(std::tuple<std::string, int, bool>{"zb-h1", 4, true},
+                      std::tuple<std::string, int, bool>{"interleaved-1f1b", 2, true}),
+    [](const auto& param_info) {
+      std::string n = std::get<0>(param_info.param) + "_pp" +
+                      std::to_string(std::get<1>(param_info.param)) + "_ahead";
       for (char& c : n)
         if (c == '-') c = '_';
       return n;

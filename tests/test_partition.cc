@@ -522,7 +522,9 @@ TEST(Partition, TimeSearchesLargerGraphsQuickly) {
     opt.memory_budget = 0.97 * peak(free_plan);
     const StagePlan tight = partition(m.graph, cost, opt);
     for (const StagePlan* p : {&free_plan, &tight}) {
-      if (chunks == 1) EXPECT_EQ(p->method, "time");  // proven optimal
+      if (chunks == 1) {
+        EXPECT_EQ(p->method, "time");  // proven optimal
+      }
       EXPECT_LE(stated_gap(*p), 3.0) << p->method;
       // No rank can do less than its share of the work.
       double total = 0;

@@ -67,12 +67,14 @@ struct Case {
   int chunks;
   bool skip = false;
   bool recompute = false;
+  bool receives_ahead = false;
 };
 
 std::string name_of(const ::testing::TestParamInfo<Case>& info) {
   std::string n = info.param.schedule + "_pp" + std::to_string(info.param.pp) + "_v" +
                   std::to_string(info.param.chunks) + (info.param.skip ? "_skip" : "") +
-                  (info.param.recompute ? "_recompute" : "");
+                  (info.param.recompute ? "_recompute" : "") +
+                  (info.param.receives_ahead ? "_receives_ahead" : "");
   for (char& ch : n)
     if (ch == '-') ch = '_';
   return n;
@@ -106,7 +108,10 @@ TEST_P(PipelineMatchesSingleProcess, LossesNormsAndStash) {
     po.chunks = schedule.chunks;
     po.stage_rank = schedule.stage_rank;
     StagePlan plan = partition(model.graph, CostModel::analytic(model.graph), po);
-    PipelineExecutor exec(model.graph, model.io, plan, schedule, comm, {c.recompute});
+    PipelineOptions po_exec;
+    po_exec.recompute = c.recompute;
+    po_exec.post_receives_ahead = c.receives_ahead;
+    PipelineExecutor exec(model.graph, model.io, plan, schedule, comm, po_exec);
     Trainer trainer(model.io, batches, options(micro, global), exec);
     Losses r;
     for (int s = 0; s < kSteps; ++s) {
@@ -131,7 +136,7 @@ TEST_P(PipelineMatchesSingleProcess, LossesNormsAndStash) {
   const sched::MemoryUse model = sched::memory_use(
       schedule,
       measure_stage_bytes(model_copy.graph, model_copy.io, plan_used, batches, micro, c.recompute),
-      c.recompute);
+      c.recompute, c.receives_ahead);
   EXPECT_EQ(bytes, model.peak);
   EXPECT_EQ(slots, model.peak_slots);
   for (int rank = 0; rank < c.pp; ++rank) {
@@ -162,6 +167,10 @@ std::vector<Case> cases() {
   v.push_back({"1f1b", 2, 1, false, true});
   v.push_back({"interleaved-1f1b", 2, 2, true, true});
   v.push_back({"zb-h1", 4, 1, false, true});
+  // Each receive posted before the compute action ahead of it, every schedule.
+  for (const char* s : {"gpipe", "1f1b", "zb-h1"}) v.push_back({s, 4, 1, false, false, true});
+  v.push_back({"zb-v", 2, 2, true, false, true});
+  v.push_back({"interleaved-1f1b", 2, 2, false, true, true});
   return v;
 }
 

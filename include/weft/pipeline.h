@@ -35,6 +35,12 @@ struct PipelineOptions {
   // Record every action's start and end (for write_trace); off, a step
   // records only its compute time.
   bool trace = false;
+  // Post each receive before the compute action that precedes it (Megatron's
+  // --overlap-p2p-comm), so the message arrives while that action computes;
+  // off, a receive is posted when its action comes and waited for at once.
+  // Off by default: on the 2-core machine it measured no faster
+  // (bench/p2p_overlap.sh, README).
+  bool post_receives_ahead = false;
   // Where activations, received tensors and gradients live (the parameters'
   // device). Tokens are filled on the host and copied up. Device tensors
   // need a communicator that carries them (HostStagedCommunicator).
@@ -121,6 +127,8 @@ class PipelineExecutor {
   void set_step(int64_t step, size_t index, const sched::Action& a);
   void note_memory();
   void backward_part_done(Slot& s);
+  void post_receive(const sched::Action& a, size_t i);
+  void post_receives_after(size_t i);
 
   const Graph& graph_;
   ModelIO io_;
@@ -146,6 +154,9 @@ class PipelineExecutor {
   int peak_stashed_ = 0, stashed_ = 0;
   double peak_bytes_ = 0;
   std::vector<sched::StageBytes> stage_bytes_;
+  // Per action of this rank's list: whether its receive is posted, and its requests.
+  std::vector<bool> posted_;
+  std::vector<std::vector<RequestPtr>> receives_;
   mutable Tensor scalar_;  // for the loss and norm reductions
   // Clocks: each rank's zero is taken right after a barrier at construction.
   std::chrono::steady_clock::time_point epoch_;

@@ -43,6 +43,11 @@ enum class ActionKind : uint8_t {
   STEP,         // optimizer step (stage = -1, micro_batch = -1)
 };
 
+// F, B, I and W: the actions that compute (the others move or reduce tensors).
+constexpr bool is_compute(ActionKind k) {
+  return k == ActionKind::F || k == ActionKind::B || k == ActionKind::I || k == ActionKind::W;
+}
+
 struct Action {
   ActionKind kind = ActionKind::F;
   int stage = 0;
@@ -166,10 +171,11 @@ struct MemoryUse {
 
 // Plays each rank's actions in order against `bytes` (one per stage). A
 // rank's memory changes only through its own actions, so this needs no
-// timing: it is what the executor measures, exactly. Throws weft::Error when
-// `bytes` does not have one entry per stage or holds a negative or
-// non-finite number.
+// timing: it is what the executor measures, exactly. With `receives_ahead`
+// (PipelineOptions::post_receives_ahead), a receive's tensors are taken
+// before the compute action that precedes it. Throws weft::Error when `bytes` does not have one
+// entry per stage or holds a negative or non-finite number.
 MemoryUse memory_use(const Schedule& s, const std::vector<StageBytes>& bytes,
-                     bool recompute = false);
+                     bool recompute = false, bool receives_ahead = false);
 
 }  // namespace weft::sched

@@ -44,6 +44,7 @@ struct SimCost {
   // not used. `recompute` as the run's --recompute.
   std::vector<StageBytes> memory;
   bool recompute = false;
+  bool receives_ahead = false;  // as the executor's PipelineOptions::post_receives_ahead
   // Per stage: time to update its parameters once the pipeline has drained
   // (gradient norm, clipping, the optimizer step). A rank updates its stages
   // after the last rank has finished, all ranks at once. Empty means zero.

@@ -336,6 +336,40 @@ void PipelineExecutor::backward_weight_action(int stage, int mb) {
   note_memory();
 }
 
+// Posts the receive of action i (RECV_F or RECV_B) into new tensors of its
+// slot, which it creates if need be: a receive posted ahead may come before
+// its own forward (the gradient of a micro-batch about to be forwarded).
+void PipelineExecutor::post_receive(const Action& a, size_t i) {
+  const int st = a.stage, mb = a.micro_batch;
+  const bool fwd = a.kind == ActionKind::RECV_F;
+  Slot& s = slot(st, mb, true);
+  const double before = used(s.mb);
+  const int from = fwd ? st - 1 : st + 1;
+  const auto& vals = boundary_[static_cast<size_t>(fwd ? st - 1 : st)].values;
+  const int peer = schedule_.stage_rank[static_cast<size_t>(from)];
+  const MessageTag::Kind kind = fwd ? MessageTag::Kind::Activation : MessageTag::Kind::Gradient;
+  for (size_t k = 0; k < vals.size(); ++k) {
+    const Value& val = graph_.values()[static_cast<size_t>(vals[k])];
+    if (!fwd && !val.requires_grad) continue;
+    Tensor t = s.mb.arena().alloc(val.shape, fwd ? val.dtype : DType::F32);
+    receives_[i].push_back(pp_.irecv(t, peer, {kind, mb, from, static_cast<int>(k)}));
+    (fwd ? s.mb.value(vals[k]) : s.mb.grad(vals[k])) = t;
+  }
+  sched::StageBytes& b = stage_bytes_[static_cast<size_t>(st)];
+  (fwd ? b.recv_f : b.recv_b) = used(s.mb) - before;
+  posted_[i] = true;
+  note_memory();
+}
+
+// Before compute action i: the receives between it and the next compute
+// action, so that their messages arrive while it computes.
+void PipelineExecutor::post_receives_after(size_t i) {
+  const auto& mine = schedule_.actions[static_cast<size_t>(pp_.rank())];
+  for (size_t j = i + 1; j < mine.size() && !sched::is_compute(mine[j].kind); ++j)
+    if ((mine[j].kind == ActionKind::RECV_F || mine[j].kind == ActionKind::RECV_B) && !posted_[j])
+      post_receive(mine[j], j);
+}
+
 double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micro_batch,
                              int64_t global_batch) {
   data_ = &data;
@@ -351,11 +385,14 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
   using Clock = std::chrono::steady_clock;
   const auto run_start = Clock::now();
   busy_s_ = 0;
+  posted_.assign(mine.size(), false);
+  receives_.resize(mine.size());
   for (size_t i = 0; i < mine.size(); ++i) {
     const Action& a = mine[i];
     const auto t0 = Clock::now();
     set_step(step, i, a);
     const int st = a.stage, mb = a.micro_batch;
+    if (options_.post_receives_ahead && sched::is_compute(a.kind)) post_receives_after(i);
     switch (a.kind) {
       case ActionKind::F:
         forward_action(st, mb, step);
@@ -383,21 +420,13 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
                                       {MessageTag::Kind::Activation, mb, st, static_cast<int>(k)}));
         break;
       }
-      case ActionKind::RECV_F: {
-        Slot& s = slot(st, mb, true);
-        const double before = used(s.mb);
-        const auto& vals = boundary_[static_cast<size_t>(st) - 1].values;
-        const int peer = schedule_.stage_rank[static_cast<size_t>(st) - 1];
-        for (size_t k = 0; k < vals.size(); ++k) {
-          const Value& val = graph_.values()[static_cast<size_t>(vals[k])];
-          Tensor t = s.mb.arena().alloc(val.shape, val.dtype);
-          pp_.recv(t, peer, {MessageTag::Kind::Activation, mb, st - 1, static_cast<int>(k)});
-          s.mb.value(vals[k]) = t;
-        }
-        stage_bytes_[static_cast<size_t>(st)].recv_f = used(s.mb) - before;
-        note_memory();
+      case ActionKind::RECV_F:
+      case ActionKind::RECV_B:
+        if (!posted_[i]) post_receive(a, i);
+        wait_all(receives_[i]);
+        receives_[i].clear();
+        posted_[i] = false;
         break;
-      }
       case ActionKind::SEND_B: {
         Slot& s = slot(st, mb, false);
         const auto& vals = boundary_[static_cast<size_t>(st) - 1].values;
@@ -409,22 +438,6 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
         }
         s.grads_sent = true;
         release_if_done(st, mb);
-        break;
-      }
-      case ActionKind::RECV_B: {
-        Slot& s = slot(st, mb, false);
-        const double before = used(s.mb);
-        const auto& vals = boundary_[static_cast<size_t>(st)].values;
-        const int peer = schedule_.stage_rank[static_cast<size_t>(st) + 1];
-        for (size_t k = 0; k < vals.size(); ++k) {
-          const Value& val = graph_.values()[static_cast<size_t>(vals[k])];
-          if (!val.requires_grad) continue;
-          Tensor t = s.mb.arena().alloc(val.shape);
-          pp_.recv(t, peer, {MessageTag::Kind::Gradient, mb, st + 1, static_cast<int>(k)});
-          s.mb.grad(vals[k]) = t;
-        }
-        stage_bytes_[static_cast<size_t>(st)].recv_b = used(s.mb) - before;
-        note_memory();
         break;
       }
       case ActionKind::REDUCE_GRAD:
