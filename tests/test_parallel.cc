@@ -5,6 +5,7 @@
 // buckets' overlap with the backward, checkpoints saved by one layout and
 // resumed by another, and config errors raised before any communication.
 #include <weft/layout.h>
+#include <weft/param_server.h>
 #include <weft/local_communicator.h>
 #include <weft/staged_communicator.h>
 
@@ -17,6 +18,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <ostream>
 #include <set>
 #include <tuple>
@@ -799,6 +801,129 @@ TEST(LocalSgd, DiLoCoResumesBitExactly) {
       [&] { local_sgd_losses(r, 3, {}, [&](RankLayout& rank) { rank.trainer().save(dir); }); });
   EXPECT_TRUE(contains(msg, "with --local-steps 2, a checkpoint is taken when the replicas agree"))
       << msg;
+}
+
+// --- parameter servers ---
+//
+// Workers are replicas of one process each; the last `servers` ranks of the
+// world are servers (weft/param_server.h). With --max-staleness 0 a server
+// sums every worker's gradients of a step in worker order, clips by the whole
+// sum's norm and updates once: synchronous data parallelism's steps, whose
+// sums run in the same order, so the same 1e-5 as every layout here.
+struct PsRun {
+  std::vector<StepRecord> steps;                  // worker 0's
+  std::map<std::string, Tensor> params;           // worker 0's, after the run
+  std::vector<int64_t> histogram;                 // staleness counts, all servers
+  int64_t max_gap = 0;                            // the most steps a worker was ahead
+  int64_t updates = 0;                            // applied by server 0
+};
+
+PsRun run_ps(int workers, int servers, int64_t staleness, int steps) {
+  PsConfig cfg;
+  cfg.servers = servers;
+  cfg.max_staleness = staleness;
+  const TrainOptions o = options();
+  cfg.adam = o.adam, cfg.lr = o.lr, cfg.clip_grad = o.clip_grad;
+  PsRun out;
+  std::mutex mu;
+  run_local(workers + servers, [&](Communicator& world) {
+    std::vector<int> w(z(workers)), sv(z(servers));
+    std::iota(w.begin(), w.end(), 0);
+    std::iota(sv.begin(), sv.end(), workers);
+    std::unique_ptr<Communicator> role = world.split({w, sv}, "ps");
+    TokenBatches batches(text_data(), kGlobal, tiny().seq_length);
+    GptModel model = build_gpt(tiny(), kMicro);
+    if (world.rank() >= workers) {
+      for (Param* p : model.graph.params()) init_param(*p, kSeed);
+      PsServer server(world, *role, model.graph.params(), cfg);
+      server.serve(0, steps);
+      std::lock_guard<std::mutex> lock(mu);
+      out.max_gap = std::max(out.max_gap, server.max_clock_gap());
+      if (world.rank() == workers) out.updates = server.updates();
+      return;
+    }
+    PsWorker ps(world, model.graph.params(), cfg);
+    LayoutOptions lo;
+    lo.ps = &ps;
+    RankLayout rank(role.get(), model.graph, model.io, batches, o, lo, kSeed);
+    std::vector<StepRecord> recs;
+    for (int s = 0; s < steps; ++s) recs.push_back(rank.trainer().train_step());
+    if (world.rank() != 0) return;
+    out.histogram = ps.staleness_histogram();
+    out.steps = recs;
+    for (Param* p : rank.trainer().params()) out.params.emplace(p->name, p->value.clone());
+  });
+  return out;
+}
+
+TEST(ParamServer, NoStalenessIsSynchronousDataParallelism) {
+  const Reference& ref = reference();
+  for (auto [workers, servers] : std::vector<std::pair<int, int>>{{2, 1}, {4, 2}, {8, 3}}) {
+    const PsRun r = run_ps(workers, servers, 0, kSteps);
+    ASSERT_EQ(r.steps.size(), z(kSteps));
+    for (size_t s = 0; s < r.steps.size(); ++s) {
+      EXPECT_NEAR(r.steps[s].loss, ref.loss[s], kTol * ref.loss[s])
+          << workers << " workers, " << servers << " servers, step " << s + 1;
+      EXPECT_NEAR(r.steps[s].grad_norm, ref.norm[s], kTol * ref.norm[s])
+          << workers << " workers, " << servers << " servers, step " << s + 1;
+      EXPECT_EQ(r.steps[s].ps_staleness, 0);
+      EXPECT_GE(r.steps[s].ps_wait_ms, 0);
+    }
+    for (const auto& [name, value] : r.params)
+      EXPECT_TRUE(params_close(value, ref.params.at(name))) << name;
+    EXPECT_EQ(r.params.size(), ref.params.size());
+    EXPECT_LE(r.max_gap, 1);  // a worker pushes step t + 1 only after the round of t
+    EXPECT_EQ(r.updates, kSteps);  // one update per step
+    EXPECT_EQ(r.histogram[0], servers * kSteps);
+  }
+}
+
+// With S > 0 every worker's push is an update of its own: the run differs
+// from synchronous training, no worker is ever more than S + 1 steps ahead of
+// the slowest when it pushes, and updates from other workers come between a
+// worker's read and its push (staleness above 0).
+TEST(ParamServer, BoundedStalenessAppliesEachPushAndKeepsTheBound) {
+  const Reference& ref = reference();
+  for (int64_t s : {1, 4}) {
+    const int workers = 4, servers = 2, steps = 8;
+    const PsRun r = run_ps(workers, servers, s, steps);
+    ASSERT_EQ(r.steps.size(), z(steps));
+    EXPECT_LE(r.max_gap, s + 1) << "S " << s;
+    EXPECT_EQ(r.updates, workers * steps) << "S " << s;
+    int64_t counted = 0, stale = 0;
+    for (size_t b = 0; b < r.histogram.size(); ++b) {
+      counted += r.histogram[b];
+      if (b > 0) stale += r.histogram[b];
+    }
+    EXPECT_EQ(counted, servers * workers * steps) << "S " << s;
+    EXPECT_GT(stale, 0) << "S " << s;
+    bool differs = false;
+    for (size_t k = 1; k < z(kSteps); ++k)
+      differs |= std::abs(r.steps[k].loss - ref.loss[k]) > 1e-3 * ref.loss[k];
+    EXPECT_TRUE(differs) << "S " << s << " trained exactly as synchronous steps";
+    for (const StepRecord& rec : r.steps) EXPECT_TRUE(std::isfinite(rec.loss));
+  }
+}
+
+TEST(ParamServer, MoreServersThanTensorsIsRefused) {
+  GptModel model = build_gpt(tiny(), kMicro);
+  const int n = static_cast<int>(model.graph.params().size());
+  const std::string msg = error_message([&] { assign_to_servers(model.graph.params(), n + 1); });
+  EXPECT_TRUE(contains(msg, fmt::format("--ps-ranks {} is more servers than the model's {} "
+                                        "parameter tensors",
+                                        n + 1, n)))
+      << msg;
+  // Largest first, each onto the least-loaded server: the loads end close.
+  const std::vector<int> server = assign_to_servers(model.graph.params(), 3);
+  std::vector<int64_t> load(3, 0);
+  int64_t largest = 0;
+  for (size_t i = 0; i < server.size(); ++i) {
+    load[z(server[i])] += model.graph.params()[i]->value.numel();
+    largest = std::max(largest, model.graph.params()[i]->value.numel());
+  }
+  EXPECT_LE(*std::max_element(load.begin(), load.end()) -
+                *std::min_element(load.begin(), load.end()),
+            largest);
 }
 
 }  // namespace

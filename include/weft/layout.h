@@ -31,6 +31,7 @@ struct LayoutOptions {
   double memory_budget = 0;  // bytes per rank for the partitioner; 0 = unlimited
   PipelineOptions pipeline;
   GradSyncOptions sync;
+  PsWorker* ps = nullptr;  // a parameter-server worker (Parallel::ps)
 };
 
 class RankLayout {

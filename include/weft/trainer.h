@@ -15,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <deque>
 #include <memory>
 #include <set>
@@ -24,6 +25,7 @@
 namespace weft {
 
 class PipelineExecutor;
+class PsWorker;
 
 // A model to train, in any layout: a graph, the inputs a BatchSource fills,
 // and the loss. Any graph whose loss is a one-element output trains with any
@@ -126,6 +128,8 @@ struct StepRecord {
   // all-reduce sends 2 (dp - 1) / dp of its buffer): the gradients', or local
   // SGD's averages; -1 without dp.
   double dp_bytes = -1;
+  double ps_wait_ms = -1;     // parameter servers: from the push until the parameters were back
+  int64_t ps_staleness = -1;  // parameter servers: of this worker's update (PsStep)
   bool skipped = false;     // a loss spike: the update was not applied (TrainOptions::spike)
   double spike_mean = 0;    // the recent mean it was compared with
 
@@ -138,6 +142,9 @@ struct Parallel {
   ParallelGroups groups;                  // null members are groups of one
   PipelineExecutor* pipeline = nullptr;   // runs this rank's stages when pp > 1
   GradSyncOptions sync;
+  // A parameter-server worker (weft/param_server.h): gradients go to the
+  // servers, which update the parameters; nothing is reduced over dp.
+  PsWorker* ps = nullptr;
 };
 
 // Replica r of a data-parallel group reads sequences
@@ -210,6 +217,7 @@ class Trainer {
   int64_t steps_done_ = 0;
   std::set<const Param*> owned_;  // counted and saved by this rank (its pipeline share)
   Tensor scalar_;
+  StepRecord ps_step(StepRecord& r, std::chrono::steady_clock::time_point t0);
   double average_replicas();  // local SGD's synchronisation; returns its bytes (as dp_bytes)
   bool local() const { return opt_.local.steps > 0; }
   std::vector<Tensor> outer_start_, outer_buf_;  // DiLoCo: the period's start, the momentum

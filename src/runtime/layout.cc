@@ -29,6 +29,7 @@ RankLayout::RankLayout(Communicator* world, Graph& logical, ModelIO io, const Ba
 
   Parallel par;
   par.sync = lo_.sync;
+  par.ps = lo_.ps;
   if (mesh_ && lo_.tp > 1) par.groups.tp = mesh_->tp.get();
   if (mesh_ && shape.dp() > 1) par.groups.dp = mesh_->dp.get();
   if (lo_.pp > 1) {

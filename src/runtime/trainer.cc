@@ -1,4 +1,5 @@
 #include <weft/ops.h>
+#include <weft/param_server.h>
 #include <weft/pipeline.h>
 #include <weft/trainer.h>
 
@@ -17,6 +18,8 @@ nlohmann::json StepRecord::json() const {
   if (bubble_frac >= 0) j["bubble_frac"] = bubble_frac;
   if (dp_wait_ms >= 0) j["dp_wait_ms"] = dp_wait_ms;
   if (dp_bytes >= 0) j["dp_bytes"] = dp_bytes;
+  if (ps_wait_ms >= 0) j["ps_wait_ms"] = ps_wait_ms;
+  if (ps_staleness >= 0) j["ps_staleness"] = ps_staleness;
   if (skipped) j["skipped"] = true;
   return j;
 }
@@ -26,6 +29,9 @@ std::string StepRecord::line(int64_t train_iters) const {
                      "{:.0f} tok/s",
                      step + 1, train_iters, loss, lr, grad_norm, step_ms, tokens_per_s) +
          (bubble_frac >= 0 ? fmt::format(" | bubble {:.1f}%", 100 * bubble_frac) : "") +
+         (ps_wait_ms >= 0 ? fmt::format(" | waited {:.1f} ms, staleness {}", ps_wait_ms,
+                                        ps_staleness)
+                          : "") +
          (skipped ? fmt::format(" | skipped: a loss spike (recent mean {:.4f})", spike_mean) : "");
 }
 
@@ -158,6 +164,18 @@ Trainer::Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, Parallel 
           opt_.local.outer_lr, opt_.local.outer_momentum);
     sync_->set_reduce(false);
   }
+  if (par_.ps != nullptr) {
+    check(par_.pipeline == nullptr && (par_.groups.tp == nullptr || par_.groups.tp->size() == 1),
+          "--ps-ranks: each worker is one process for now (--tp 1 --pp 1), not a pipeline or "
+          "tensor-parallel group");
+    check(opt_.device.is_cpu(), "--ps-ranks runs on the CPU for now, not on {}", opt_.device.str());
+    check(!par_.sync.distributed_optimizer && !local() && !opt_.spike.enabled &&
+              par_.sync.compression == GradCompression::None && par_.sync.reduce_dtype == DType::F32,
+          "--ps-ranks: the servers hold the optimizer and reduce nothing, so it cannot be combined "
+          "with --use-distributed-optimizer, --local-steps, --grad-compression, "
+          "--grad-reduce-dtype or --check-for-spiky-loss");
+    sync_->set_reduce(false);
+  }
 }
 
 Trainer::Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, PipelineExecutor& pipeline)
@@ -178,10 +196,10 @@ double Trainer::evaluate(const BatchSource& data, int64_t iters) {
   try {
     for (int64_t k = 0; k < iters; ++k) sum += run_batch(replica, k);
   } catch (...) {
-    sync_->set_reduce(!local());
+    sync_->set_reduce(!local() && par_.ps == nullptr);
     throw;
   }
-  sync_->set_reduce(!local());
+  sync_->set_reduce(!local() && par_.ps == nullptr);
   return sum / static_cast<double>(iters);
 }
 
@@ -218,7 +236,7 @@ double Trainer::run_batch(const BatchSource& batches, int64_t step) {
     loss = loss_sum / static_cast<double>(opt_.global_batch * g_.terms_per_sample);
   }
   sync_->finish();
-  if (par_.groups.dp_size() > 1) {
+  if (par_.groups.dp_size() > 1 && par_.ps == nullptr) {  // servers sum a worker's loss
     scalar_.data<float>()[0] = static_cast<float>(loss);
     par_.groups.dp->all_reduce(scalar_, ReduceOp::Sum);
     loss = scalar_.data<float>()[0];
@@ -241,6 +259,7 @@ StepRecord Trainer::train_step() {
     for (size_t i = 0; i < ps.size(); ++i) outer_start_[i].copy_from(ps[i]->value);
   }
   r.loss = compute_gradients(steps_done_);
+  if (par_.ps != nullptr) return ps_step(r, t0);
   // Local SGD: this replica's gradients, unreduced, are (1 / dp) of its own
   // mean gradient (the loss is seeded for the global batch).
   if (local() && par_.groups.dp_size() > 1)
@@ -350,6 +369,30 @@ void Trainer::save(const std::string& dir, int64_t keep_last) {
   // bounds this wait, so --comm-timeout does not: a slow save is no failure.
   for (Communicator* c : {par_.groups.tp, par_.groups.pp, par_.groups.dp})
     if (c) c->barrier_without_deadline();
+}
+
+// A parameter-server worker's step: the servers take its gradients and send
+// back the parameters; they report the loss and norm (weft/param_server.h).
+StepRecord Trainer::ps_step(StepRecord& r, std::chrono::steady_clock::time_point t0) {
+  const double compute_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const double own = sync_->grad_norm();
+  const PsStep s = par_.ps->exchange(steps_done_, r.loss, own * own, compute_ms);
+  r.loss = s.loss;
+  r.grad_norm = s.grad_norm;
+  r.ps_wait_ms = s.wait_ms;
+  r.ps_staleness = s.staleness;
+  r.dp_bytes = s.bytes;
+  check(std::isfinite(r.loss) && std::isfinite(r.grad_norm),
+        "step {}: loss is {} and gradient norm is {}; training diverged (try a lower --lr or "
+        "--clip-grad)",
+        steps_done_ + 1, r.loss, r.grad_norm);
+  r.lr = opt_.lr.at(steps_done_);
+  ++steps_done_;
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.step_ms = sec * 1e3;
+  r.tokens_per_s = static_cast<double>(opt_.global_batch * g_.terms_per_sample) / sec;
+  return r;
 }
 
 double Trainer::average_replicas() {

@@ -1,0 +1,135 @@
+// weft/param_server.h — data parallelism through parameter servers, with
+// bounded staleness (stale-synchronous parallel).
+//
+// The last K ranks of the world are servers; each holds a shard of the
+// parameters (whole tensors, assign_to_servers) with their optimizer state.
+// The other ranks are workers, one data-parallel replica each: a worker
+// computes the gradients of its share of the global batch, pushes each shard's
+// gradients to its server and waits for the parameters back. With
+// --max-staleness S, no worker starts a step more than S steps ahead of the
+// slowest (a server answers worker i's push of step t once every worker has
+// pushed step t - S).
+//
+//  - S = 0: a server waits for every worker's gradients of step t, sums them
+//    in worker order, clips by the norm of the whole summed gradient (the
+//    servers all-reduce it) and applies one update: synchronous data
+//    parallelism's numbers.
+//  - S > 0: a server applies each worker's gradients as they arrive, one
+//    update each, clipped by that worker's own norm, and records how many
+//    other updates came between the parameters the worker read and its own
+//    (its staleness).
+//
+//   // every rank:
+//   auto role = world.split({workers, servers}, "ps");
+//   if (server) PsServer(world, *role, params, config).serve(0, steps);
+//   else { PsWorker ps(world, params, config); ... trainer with Parallel::ps = &ps ... }
+#pragma once
+
+#include <weft/communicator.h>
+#include <weft/optimizer.h>
+#include <weft/param.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace weft {
+
+struct PsConfig {
+  int servers = 1;            // --ps-ranks K: world ranks [world - K, world)
+  int64_t max_staleness = 0;  // --max-staleness S
+  // What the servers' optimizer does (the same flags as data parallelism).
+  OptimizerKind optimizer = OptimizerKind::Adam;
+  AdamWConfig adam;
+  SgdConfig sgd;
+  LrSchedule lr;
+  double clip_grad = 1.0;
+  // Benchmarking (--slow-rank, --slow-factor): this worker takes this many
+  // times its compute time per step.
+  double slow_factor = 1.0;
+
+  int workers(int world) const { return world - servers; }
+};
+
+// The server of each parameter: the largest tensors first, each onto the
+// server holding the fewest elements so far (ties: the lower server). A
+// function of the parameters' order and sizes: the same on every rank.
+// Throws Error when servers < 1 or there are fewer tensors than servers.
+std::vector<int> assign_to_servers(const std::vector<Param*>& params, int servers);
+
+// What a worker saw in one exchange.
+struct PsStep {
+  double loss = 0;       // S = 0: the global batch's; S > 0: this worker's share, times workers
+  double grad_norm = 0;  // S = 0: of the summed gradient; S > 0: this worker's, times workers
+  double wait_ms = 0;    // from the push until the parameters were back
+  int64_t staleness = 0; // of this worker's update (the most over servers)
+  double bytes = 0;      // sent by this worker: gradients out
+};
+
+// A worker's side: one per worker rank, holding the same parameter list (in
+// the same order) as the servers.
+class PsWorker {
+ public:
+  // `world` is the whole job; this rank is worker world.rank().
+  PsWorker(Communicator& world, std::vector<Param*> params, PsConfig config);
+  ~PsWorker();
+  // Pushes the gradients of `step` (Param::grad, this worker's share of the
+  // batch's mean-loss gradient), `loss` (its share of the mean loss) and the
+  // squared norm of its gradients; waits for the parameters the staleness
+  // bound allows and copies them into Param::value. `compute_ms` is the
+  // step's compute time (for the slow factor).
+  PsStep exchange(int64_t step, double loss, double norm_sq, double compute_ms);
+  // On world rank 0, after the last step: the servers' staleness counts
+  // summed (index s: updates of staleness s; the last bin holds the larger).
+  std::vector<int64_t> staleness_histogram();
+
+ private:
+  struct Shard;
+  Communicator& world_;
+  std::vector<Param*> params_;
+  PsConfig config_;
+  std::vector<std::unique_ptr<Shard>> shards_;  // per server
+};
+
+class PsServer {
+ public:
+  // `servers` is the group of the server ranks (for the S = 0 norm);
+  // `params` the whole model in the workers' order, initialised as theirs.
+  PsServer(Communicator& world, Communicator& servers, std::vector<Param*> params,
+           PsConfig config);
+  ~PsServer();
+  // Answers every worker's pushes of steps [first, last), then sends its
+  // staleness counts to world rank 0. Throws CommTimeout naming the workers
+  // it waits for when none pushes within the world's deadline.
+  void serve(int64_t first, int64_t last);
+
+  static constexpr int kHistogramBins = 32;
+  const std::vector<int64_t>& histogram() const { return histogram_; }
+  // The most steps any worker was ahead of the slowest when a push arrived.
+  int64_t max_clock_gap() const { return max_gap_; }
+  int64_t updates() const { return version_; }
+
+ private:
+  struct Inbox;
+  void post(int worker);
+  void round(int64_t step);                 // S = 0
+  void apply(int worker);                   // S > 0
+  void reply(int worker);
+  Communicator& world_;
+  Communicator& servers_;
+  PsConfig config_;
+  int workers_ = 0, server_ = 0;
+  std::vector<Param*> mine_;  // this server's tensors, in model order
+  int64_t elements_ = 0;
+  std::unique_ptr<Optimizer> optimizer_;
+  std::vector<std::unique_ptr<Inbox>> inbox_;  // per worker
+  std::vector<int64_t> pushed_;                // per worker: steps pushed
+  std::vector<int64_t> owed_;                  // per worker: the step whose answer is owed, or -1
+  std::vector<int64_t> staleness_;             // per worker: of its last update
+  std::vector<double> answer_loss_, answer_norm_;
+  std::vector<int64_t> histogram_;
+  int64_t version_ = 0, max_gap_ = 0, last_ = 0;
+};
+
+}  // namespace weft
