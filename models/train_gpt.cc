@@ -12,6 +12,7 @@
 #include <weft/mesh.h>
 #include <weft/mpi_communicator.h>
 #include <weft/ops.h>
+#include <weft/param_server.h>
 #include <weft/staged_communicator.h>
 #include <weft/partition.h>
 #include <weft/pipeline.h>
@@ -41,6 +42,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <numeric>
 #include <optional>
 #include <set>
 #include <span>
@@ -181,6 +183,10 @@ struct Args {
   std::string optimizer = "adam";  // Megatron's --optimizer adam|sgd
   float sgd_momentum = 0;
   int64_t local_steps = 0;         // local SGD / DiLoCo: average replicas every N steps
+  int ps_ranks = 0;                // parameter servers: the last K ranks
+  int64_t max_staleness = 0;
+  int slow_rank = -1;              // benchmarking: this worker computes slower
+  double slow_factor = 1.0;
   std::string outer_optimizer = "none";
   float outer_lr = 0.7f, outer_momentum = 0.9f;
   bool check_spiky_loss = false;   // Megatron's: skip the update of a step whose loss spikes
@@ -638,6 +644,45 @@ double parse_bytes(const std::string& flag, const std::string& text) {
   return v * scale;
 }
 
+// --ps-ranks and its companions, before any message: what the servers do not
+// support yet is refused rather than ignored.
+void check_param_servers(const Args& a, const CLI::App& app, int world) {
+  using weft::check;
+  check(a.ps_ranks >= 0, "--ps-ranks ({}) must not be negative", a.ps_ranks);
+  check(a.max_staleness >= 0, "--max-staleness ({}) must be >= 0 (0: synchronous)",
+        a.max_staleness);
+  if (a.ps_ranks == 0) {
+    for (const char* flag : {"--max-staleness", "--slow-rank", "--slow-factor"})
+      check(app.count(flag) == 0, "{} shapes the parameter servers: it needs --ps-ranks", flag);
+    return;
+  }
+  check(a.ps_ranks < world,
+        "--ps-ranks {} must be below the world size {}: at least one rank must be a worker",
+        a.ps_ranks, world);
+  check(a.tp == 1 && a.pp == 1,
+        "--ps-ranks: each worker is one process for now; --tp {} and --pp {} must be 1", a.tp,
+        a.pp);
+  check(app.count("--slow-rank") == app.count("--slow-factor"),
+        "--slow-rank and --slow-factor go together: which worker, and how much slower");
+  check(a.slow_rank < 0 || a.slow_rank < world - a.ps_ranks,
+        "--slow-rank {} is not a worker: the workers are ranks 0..{}", a.slow_rank,
+        world - a.ps_ranks - 1);
+  check(!app.count("--slow-factor") || (std::isfinite(a.slow_factor) && a.slow_factor > 1),
+        "--slow-factor ({}) must be a number > 1", a.slow_factor);
+  // Not built yet with servers: say so instead of running something else.
+  for (const char* flag : {"--save", "--load", "--eval-interval", "--exit-interval",
+                           "--exit-duration-in-mins", "--use-distributed-optimizer",
+                           "--local-steps", "--check-for-spiky-loss", "--sample", "--init-from",
+                           "--grad-compression", "--grad-reduce-dtype", "--finetune"})
+    check(app.count(flag) == 0,
+          "{} is not available with --ps-ranks yet: the servers hold the parameters and the "
+          "optimizer, and nothing else knows how to save, load, evaluate or reduce them",
+          flag);
+  check(a.resume_from.empty(),
+        "--ps-ranks cannot resume yet: {} holds a checkpoint (start elsewhere, or --no-load)",
+        a.resume_from);
+}
+
 // Pipeline flags that would change nothing are refused: every accepted flag
 // does something.
 void check_pipeline_flags(const Args& a, const CLI::App& app) {
@@ -771,7 +816,10 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
             "can save or stop, only after such steps",
             flag, n, a.local_steps);
   const std::string& load = a.resume_from;
-  const PipelineSetup setup = check_parallel(a, cfg, world ? world->size() : 1, global);
+  const int world_size = world ? world->size() : 1;
+  check_param_servers(a, app, world_size);
+  const int workers = world_size - a.ps_ranks;  // every rank when there are no servers
+  const PipelineSetup setup = check_parallel(a, cfg, workers, global);
   std::optional<HostStagedCommunicator> staged_world;
   if (setup.staged) world = &staged_world.emplace(*world);
   const bool rank0 = world == nullptr || world->rank() == 0;
@@ -876,9 +924,42 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   lo.sync.bucket_elements = a.ddp_bucket_size;
   lo.sync.overlap = a.overlap_grad_reduce;
   set_grad_compression(a, lo.sync);
+  // Parameter servers: the last --ps-ranks ranks serve; the others train,
+  // as data-parallel replicas of their own group.
+  std::unique_ptr<Communicator> role;
+  std::optional<PsWorker> ps_worker;
+  if (a.ps_ranks > 0) {
+    PsConfig ps;
+    ps.servers = a.ps_ranks;
+    ps.max_staleness = a.max_staleness;
+    ps.optimizer = parse_optimizer(a.optimizer);
+    ps.adam = opt.adam;
+    ps.sgd = {a.sgd_momentum, a.weight_decay};
+    ps.lr = opt.lr;
+    ps.clip_grad = opt.clip_grad;
+    if (world->rank() == a.slow_rank) ps.slow_factor = a.slow_factor;
+    assign_to_servers(graph.params(), ps.servers);  // refuses too many servers on every rank
+    std::vector<int> w(static_cast<size_t>(workers)), s(static_cast<size_t>(a.ps_ranks));
+    std::iota(w.begin(), w.end(), 0);
+    std::iota(s.begin(), s.end(), workers);
+    role = world->split({w, s}, "ps");
+    if (rank0)
+      fmt::print("parameter servers: world ranks {}..{} serve {} workers (ranks 0..{}), "
+                 "--max-staleness {}\n",
+                 workers, world_size - 1, workers, workers - 1, a.max_staleness);
+    if (world->rank() >= workers) {
+      for (Param* p : graph.params()) init_param(*p, static_cast<uint64_t>(a.seed));
+      PsServer server(*world, *role, graph.params(), ps);
+      server.serve(0, a.train_iters);
+      return 0;
+    }
+    ps_worker.emplace(*world, graph.params(), ps);
+    lo.ps = &*ps_worker;
+  }
+  Communicator* team = role ? role.get() : world;  // the ranks that train
   std::optional<CostModel> cost;
   if (a.pp > 1) cost = costs(a, graph, io, batches, *world);
-  RankLayout layout(world, graph, io, batches, opt, lo, static_cast<uint64_t>(a.seed),
+  RankLayout layout(team, graph, io, batches, opt, lo, static_cast<uint64_t>(a.seed),
                     cost ? &*cost : nullptr);
   if (!a.init_from.empty()) load_weights(a.init_from, layout.graph().params());
   if (rank0 && layout.mesh()) fmt::print("mesh: {}\n", layout.mesh()->layout.describe());
@@ -1094,6 +1175,16 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     fmt::print("wrote the loss curve to {}\n", a.loss_plot);
   }
   save();  // the last step, once (unless the interval has just saved it)
+  if (ps_worker && rank0) {
+    const std::vector<int64_t> h = ps_worker->staleness_histogram();
+    std::vector<std::string> bins;
+    for (size_t s = 0; s < h.size(); ++s)
+      if (h[s] > 0)
+        bins.push_back(fmt::format("{}{}: {}", s, s + 1 == h.size() ? "+" : "", h[s]));
+    fmt::print("staleness of the servers' updates (updates from other workers between a "
+               "worker's read and its push): {}\n",
+               fmt::join(bins, ", "));
+  }
   if (a.sample > 0) {
     place_params(graph.params(), Device::cpu());  // sampling runs on the host
     std::vector<int32_t> prompt;
@@ -1192,6 +1283,16 @@ int main(int argc, char** argv) {
   app.add_option("--outer-optimizer", a.outer_optimizer,
                  "with --local-steps: none (take the average) or nesterov (DiLoCo's outer step "
                  "on start - average)");
+  app.add_option("--ps-ranks", a.ps_ranks,
+                 "parameter servers: the last K ranks hold the parameters and the optimizer; "
+                 "the others are workers, one data-parallel replica each (0: none)");
+  app.add_option("--max-staleness", a.max_staleness,
+                 "with --ps-ranks: no worker starts a step more than S steps ahead of the "
+                 "slowest (0: synchronous, the same steps as data parallelism)");
+  app.add_option("--slow-rank", a.slow_rank,
+                 "benchmarking, with --ps-ranks: this worker takes --slow-factor times its "
+                 "compute time per step");
+  app.add_option("--slow-factor", a.slow_factor, "how much slower --slow-rank computes (> 1)");
   app.add_option("--outer-lr", a.outer_lr, "DiLoCo's outer learning rate");
   app.add_option("--outer-momentum", a.outer_momentum, "DiLoCo's outer Nesterov momentum");
   app.add_flag("--check-for-spiky-loss", a.check_spiky_loss,
@@ -1320,7 +1421,8 @@ int main(int argc, char** argv) {
   }
   // Several ranks: catch bad flags before any communication, printed once.
   try {
-    check_parallel(a, resolve_config(a, app), launch.size,
+    check_param_servers(a, app, launch.size);
+    check_parallel(a, resolve_config(a, app), launch.size - a.ps_ranks,
                    a.global_batch > 0 ? a.global_batch : a.micro_batch);
   } catch (const std::exception& e) {
     if (launch.rank == 0) fmt::print(stderr, "train_gpt: error: {}\n", e.what());

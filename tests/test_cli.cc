@@ -489,6 +489,14 @@ TEST_F(Cli, SpikyLossIsSkippedAndLogged) {
 }
 
 // Local SGD / DiLoCo flags that cannot work are refused, one line each.
+TEST_F(Cli, ParameterServerFlagsAreChecked) {
+  expect_error(toy("--ps-ranks 1"), {"--ps-ranks 1 must be below the world size 1"});
+  expect_error(toy("--ps-ranks -1"), {"--ps-ranks (-1) must not be negative"});
+  expect_error(toy("--max-staleness -1"), {"--max-staleness (-1) must be >= 0"});
+  expect_error(toy("--max-staleness 2"), {"--max-staleness shapes the parameter servers: it needs --ps-ranks"});
+  expect_error(toy("--slow-rank 0 --slow-factor 2"), {"--slow-rank shapes the parameter servers: it needs --ps-ranks"});
+}
+
 TEST_F(Cli, LocalSgdFlagsAreChecked) {
   expect_error(toy("--optimizer lion"), {"--optimizer 'lion' must be adam or sgd"});
   expect_error(toy("--sgd-momentum 0.9"), {"--sgd-momentum sets SGD's momentum: it needs --optimizer sgd"});

@@ -10,6 +10,7 @@
 
 #include <sys/wait.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <sstream>
 
@@ -106,6 +107,29 @@ TEST_F(MpiLayouts, DistributedOptimizerMatchesSingleProcess) {
   expect_reference(train(kWorld, "--tp 1 --pp 1 --ddp-bucket-size 4096"), 0, "small buckets");
 }
 
+// Parameter servers as processes: with --max-staleness 0, 4 workers and 4
+// servers, and 2 workers and 1, take the single-process steps (the servers
+// sum in worker order, as the all-reduce does); with S = 2 each push is an
+// update of its own, every step says how long the worker waited and how
+// stale its update was, and rank 0 prints the servers' counts.
+TEST_F(MpiLayouts, ParameterServersMatchSingleProcessWithoutStaleness) {
+  expect_reference(train(kWorld, "--ps-ranks 4"), 0, "4 workers, 4 servers, S = 0");
+  expect_reference(train(3, "--ps-ranks 1"), 0, "2 workers, 1 server, S = 0");
+}
+
+TEST_F(MpiLayouts, ParameterServersWithStalenessTrain) {
+  const auto stale = train(4, "--ps-ranks 1 --max-staleness 2 --global-batch-size 6", 8);
+  const std::string out = read_file(*dir_ + "/out.txt");
+  ASSERT_EQ(stale.size(), 8u) << out;
+  for (const auto& r : stale) {
+    EXPECT_TRUE(r.contains("ps_wait_ms") && r.contains("ps_staleness")) << r.dump();
+    EXPECT_TRUE(std::isfinite(r["loss"].get<double>())) << r.dump();
+  }
+  EXPECT_NE(out.find("staleness of the servers' updates"), std::string::npos) << out;
+  EXPECT_NE(out.find("parameter servers: world ranks 3..3 serve 3 workers"), std::string::npos)
+      << out;
+}
+
 // Compressed reductions change the numbers a little, not the training.
 TEST_F(MpiLayouts, CompressedReductionsTrainAlongside) {
   auto bf16 = train(kWorld, "--tp 1 --pp 2 --grad-reduce-dtype bf16");
@@ -171,6 +195,23 @@ TEST(MpiLayoutErrors, ImpossibleLayoutsFailBeforeCommunicating) {
       << out;
   out = run("--model toy --tp 3");
   EXPECT_NE(out.find("world size (8) must be divisible"), std::string::npos) << out;
+  // Parameter servers: one line each, before any message.
+  for (const auto& [args, line] : std::vector<std::pair<std::string, std::string>>{
+           {"--ps-ranks 8", "--ps-ranks 8 must be below the world size 8"},
+           {"--ps-ranks 2 --tp 2", "--ps-ranks: each worker is one process for now"},
+           {"--ps-ranks 2 --save " + dir + "/ckpt", "--save is not available with --ps-ranks yet"},
+           {"--ps-ranks 2 --use-distributed-optimizer",
+            "--use-distributed-optimizer is not available with --ps-ranks yet"},
+           {"--ps-ranks 2 --slow-rank 6 --slow-factor 2",
+            "--slow-rank 6 is not a worker: the workers are ranks 0..5"},
+           {"--ps-ranks 2 --slow-rank 1 --slow-factor 0.5", "--slow-factor (0.5) must be a number > 1"},
+           {"--ps-ranks 2 --slow-rank 1", "--slow-rank and --slow-factor go together"},
+           {"--ps-ranks 4 --micro-batch-size 2 --global-batch-size 4",
+            "--global-batch-size (4) must be divisible by --micro-batch-size (2) x dp (4)"}}) {
+    out = run("--model toy " + args);
+    EXPECT_NE(out.find(line), std::string::npos) << args << "\n" << out;
+    EXPECT_EQ(testing::count(out, "train_gpt:"), 1) << out;
+  }
 }
 
 }  // namespace
