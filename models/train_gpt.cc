@@ -670,13 +670,13 @@ void check_param_servers(const Args& a, const CLI::App& app, int world) {
   check(!app.count("--slow-factor") || (std::isfinite(a.slow_factor) && a.slow_factor > 1),
         "--slow-factor ({}) must be a number > 1", a.slow_factor);
   // Not built yet with servers: say so instead of running something else.
-  for (const char* flag : {"--save", "--load", "--eval-interval", "--exit-interval",
+  for (const char* flag : {"--save", "--load", "--exit-interval",
                            "--exit-duration-in-mins", "--use-distributed-optimizer",
                            "--local-steps", "--check-for-spiky-loss", "--sample", "--init-from",
                            "--grad-compression", "--grad-reduce-dtype", "--finetune"})
     check(app.count(flag) == 0,
           "{} is not available with --ps-ranks yet: the servers hold the parameters and the "
-          "optimizer, and nothing else knows how to save, load, evaluate or reduce them",
+          "optimizer, and nothing else knows how to save, load or reduce them",
           flag);
   check(a.resume_from.empty(),
         "--ps-ranks cannot resume yet: {} holds a checkpoint (start elsewhere, or --no-load)",

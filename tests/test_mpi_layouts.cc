@@ -115,6 +115,13 @@ TEST_F(MpiLayouts, DistributedOptimizerMatchesSingleProcess) {
 TEST_F(MpiLayouts, ParameterServersMatchSingleProcessWithoutStaleness) {
   expect_reference(train(kWorld, "--ps-ranks 4"), 0, "4 workers, 4 servers, S = 0");
   expect_reference(train(3, "--ps-ranks 1"), 0, "2 workers, 1 server, S = 0");
+  // The workers evaluate the same parameters as data-parallel replicas.
+  const std::string eval = " --split 90,10,0 --eval-interval 5 --eval-iters 2";
+  const auto dp = train(2, eval), ps = train(3, "--ps-ranks 1" + eval);
+  ASSERT_TRUE(!dp.empty() && !ps.empty() && dp.back().contains("val_loss") &&
+              ps.back().contains("val_loss"));
+  const double want = dp.back()["val_loss"];
+  EXPECT_NEAR(ps.back()["val_loss"].get<double>(), want, 1e-5 * want);
 }
 
 TEST_F(MpiLayouts, ParameterServersWithStalenessTrain) {

@@ -194,7 +194,18 @@ double Trainer::evaluate(const BatchSource& data, int64_t iters) {
   sync_->set_reduce(false);
   double sum = 0;
   try {
-    for (int64_t k = 0; k < iters; ++k) sum += run_batch(replica, k);
+    for (int64_t k = 0; k < iters; ++k) {
+      double loss = run_batch(replica, k);
+      // A parameter-server worker's step leaves the loss to the servers; here
+      // the workers sum their shares themselves (each with the parameters it
+      // last read: with S > 0 those differ a little between workers).
+      if (par_.ps != nullptr && par_.groups.dp_size() > 1) {
+        scalar_.data<float>()[0] = static_cast<float>(loss);
+        par_.groups.dp->all_reduce(scalar_, ReduceOp::Sum);
+        loss = scalar_.data<float>()[0];
+      }
+      sum += loss;
+    }
   } catch (...) {
     sync_->set_reduce(!local() && par_.ps == nullptr);
     throw;
