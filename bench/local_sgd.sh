@@ -7,6 +7,11 @@
 #   local-16  the same, every 16 steps
 #   diloco-16 DiLoCo: AdamW inside, every 16 steps a Nesterov outer step
 #             (outer lr 0.7, momentum 0.9) on start - average
+#   ps-s0     parameter server: 2 workers and 1 server (3 ranks), --max-staleness 0
+#   ps-s1     the same, --max-staleness 1 (each push an update of its own)
+#   ps-s4     the same, --max-staleness 4
+#   ps-s4-slow  ps-s4 with worker 1 computing 3x slower (--slow-rank 1 --slow-factor 3)
+#   ps-s0-slow  ps-s0 with the same slow worker
 # It writes a table (final training and validation loss, this rank's
 # data-parallel bytes, median step) and a picture of the loss against steps
 # and against bytes into OUT.
@@ -44,9 +49,10 @@ mkdir -p "$work"
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE MPIEXEC_TIMEOUT=1200
 
 run() {
-  local name=$1
+  local name=$1 ranks=2
   shift
-  "$build/bench/mpiexec" -n 2 "$build/train_gpt" --device cpu --threads 1 \
+  [[ $name == ps-* ]] && ranks=3
+  "$build/bench/mpiexec" -n "$ranks" "$build/train_gpt" --device cpu --threads 1 \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 64 \
     --data-path data/fortunes.txt --micro-batch-size 16 --global-batch-size 32 \
     --train-iters "$steps" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine \
@@ -60,6 +66,12 @@ run sync
 run local-4 --local-steps 4
 run local-16 --local-steps 16
 run diloco-16 --local-steps 16 --outer-optimizer nesterov --outer-lr 0.7 --outer-momentum 0.9
+run ps-s0 --ps-ranks 1
+run ps-s1 --ps-ranks 1 --max-staleness 1
+run ps-s4 --ps-ranks 1 --max-staleness 4
+run ps-s0-slow --ps-ranks 1 --slow-rank 1 --slow-factor 3
+run ps-s4-slow --ps-ranks 1 --max-staleness 4 --slow-rank 1 --slow-factor 3
 
-python3 bench/local_sgd_report.py "$out" "$steps" "$work"/{sync,local-4,local-16,diloco-16}.jsonl
+python3 bench/local_sgd_report.py "$out" "$steps" \
+  "$work"/{sync,local-4,local-16,diloco-16,ps-s0,ps-s1,ps-s4,ps-s0-slow,ps-s4-slow}.jsonl
 echo "wrote $out/local_sgd.md and $out/local_sgd.svg"

@@ -5,8 +5,11 @@
 
 Each run's name is its file name. The table gives the mean training loss of
 the last 20 steps, the validation loss at the end, this rank's data-parallel
-bytes over the run (train_gpt's dp_bytes: a ring all-reduce's share), and the
-median step. The picture draws the training loss (a 20-step moving mean)
+bytes over the run (train_gpt's dp_bytes: a ring all-reduce's share, or a
+parameter-server worker's pushed gradients), the median step, and for
+parameter servers rank 0's median wait for the parameters and the mean
+staleness of its updates. A parameter server's training loss at S > 0 is
+worker 0's share scaled to the batch, a noisier estimate. The picture draws the training loss (a 20-step moving mean)
 against steps and against bytes. Only python3's standard library is needed.
 """
 
@@ -15,7 +18,8 @@ import os
 import statistics
 import sys
 
-COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"]
+COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
+           "#7f7f7f", "#17becf"]
 
 
 def load(path):
@@ -67,7 +71,8 @@ def main():
     out, steps, paths = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     runs = [load(p) for p in paths]
     rows = ["| run | train loss (last 20 steps) | validation loss | dp bytes per rank | "
-            "vs sync | median step ms |", "|---|---:|---:|---:|---:|---:|"]
+            "vs sync | median step ms | median wait ms | mean staleness |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
     sync_bytes = None
     series_steps, series_bytes = [], []
     lo, hi = float("inf"), 0.0
@@ -77,8 +82,12 @@ def main():
         if sync_bytes is None:
             sync_bytes = total
         val = next((r["val_loss"] for r in reversed(recs) if "val_loss" in r), float("nan"))
+        ps = [r for r in recs if "ps_wait_ms" in r]
+        wait = f"{statistics.median(r['ps_wait_ms'] for r in ps):.1f}" if ps else "-"
+        stale = f"{statistics.mean(r['ps_staleness'] for r in ps):.2f}" if ps else "-"
         rows.append(f"| {name} | {statistics.mean(losses[-20:]):.4f} | {val:.4f} | {human(total)} | "
-                    f"{total / sync_bytes:.3f} | {statistics.median(r['step_ms'] for r in recs):.0f} |")
+                    f"{total / sync_bytes:.3f} | {statistics.median(r['step_ms'] for r in recs):.0f} | "
+                    f"{wait} | {stale} |")
         sm = smooth(losses)
         cum, acc = [], 0.0
         for r in recs:
@@ -90,14 +99,15 @@ def main():
         tail = sm[len(sm) // 10:] or sm  # the first tenth falls steeply: leave it off the scale
         lo, hi = min(lo, min(tail)), max(hi, max(tail))
     max_bytes = max(s[2][-1] for s in series_bytes) or 1
-    svg = ['<svg xmlns="http://www.w3.org/2000/svg" width="860" height="330" '
-           'font-family="sans-serif">', '<rect width="860" height="330" fill="white"/>',
+    svg = ['<svg xmlns="http://www.w3.org/2000/svg" width="860" height="350" '
+           'font-family="sans-serif">', '<rect width="860" height="350" fill="white"/>',
            '<text x="430" y="20" text-anchor="middle" font-size="13">training loss (20-step mean),'
            ' dp 2: against steps and against this rank\'s data-parallel bytes</text>']
     svg += panel(0, series_steps, "step", steps, lo, hi)
     svg += panel(430, series_bytes, "bytes sent", max_bytes, lo, hi)
     for i, (name, colour, _, _) in enumerate(series_steps):
-        svg.append(f'<text x="{120 + 170 * i}" y="322" font-size="12" fill="{colour}">{name}</text>')
+        svg.append(f'<text x="{60 + 160 * (i % 5)}" y="{322 + 18 * (i // 5)}" font-size="12" '
+                   f'fill="{colour}">{name}</text>')
     svg.append("</svg>")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "local_sgd.svg"), "w") as f:

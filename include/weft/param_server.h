@@ -15,9 +15,11 @@
 //    servers all-reduce it) and applies one update: synchronous data
 //    parallelism's numbers.
 //  - S > 0: a server applies each worker's gradients as they arrive, one
-//    update each, clipped by that worker's own norm, and records how many
-//    other updates came between the parameters the worker read and its own
-//    (its staleness).
+//    update each, clipped by that worker's own norm and moving the
+//    parameters 1 / workers as far as a synchronous step would (SGD: the
+//    gradient is a 1 / workers share; AdamW: the learning rate over
+//    workers), and records how many other updates came between the
+//    parameters the worker read and its own (its staleness).
 //
 //   // every rank:
 //   auto role = world.split({workers, servers}, "ps");

@@ -232,6 +232,9 @@ void PsServer::round(int64_t step) {
 
 // S > 0: worker w's gradients alone, as they arrive: one update, clipped by
 // its own gradient's norm (times the workers, as a whole batch's estimate).
+// Its gradient is already 1 / workers of its share's mean gradient, so SGD
+// moves the parameters 1 / workers as far as a synchronous step; AdamW
+// normalises that scale away, so its learning rate takes the 1 / workers.
 void PsServer::apply(int w) {
   Inbox& in = *inbox_[static_cast<size_t>(w)];
   const int64_t step = in.header.data<int32_t>()[0], read = in.header.data<int32_t>()[1];
@@ -244,7 +247,8 @@ void PsServer::apply(int w) {
     at += k;
   }
   clip_grads(mine_, config_.clip_grad / n, norm / n);
-  optimizer_->step(config_.lr.at(step));
+  const float lr = config_.lr.at(step);
+  optimizer_->step(config_.optimizer == OptimizerKind::Adam ? lr / static_cast<float>(n) : lr);
   const int64_t stale = version_ - read;
   ++histogram_[static_cast<size_t>(std::min<int64_t>(stale, kHistogramBins - 1))];
   ++version_;
