@@ -217,7 +217,7 @@ class Trainer {
   int64_t steps_done_ = 0;
   std::set<const Param*> owned_;  // counted and saved by this rank (its pipeline share)
   Tensor scalar_;
-  StepRecord ps_step(StepRecord& r, std::chrono::steady_clock::time_point t0);
+  void exchange_with_servers(StepRecord& r, std::chrono::steady_clock::time_point t0);
   double average_replicas();  // local SGD's synchronisation; returns its bytes (as dp_bytes)
   bool local() const { return opt_.local.steps > 0; }
   std::vector<Tensor> outer_start_, outer_buf_;  // DiLoCo: the period's start, the momentum

@@ -270,16 +270,19 @@ StepRecord Trainer::train_step() {
     for (size_t i = 0; i < ps.size(); ++i) outer_start_[i].copy_from(ps[i]->value);
   }
   r.loss = compute_gradients(steps_done_);
-  if (par_.ps != nullptr) return ps_step(r, t0);
-  // Local SGD: this replica's gradients, unreduced, are (1 / dp) of its own
-  // mean gradient (the loss is seeded for the global batch).
-  if (local() && par_.groups.dp_size() > 1)
-    for (Param* p : sync_->params()) ops::scale(p->grad, static_cast<float>(par_.groups.dp_size()));
-  r.grad_norm = sync_->grad_norm();
-  if (par_.pipeline != nullptr) r.bubble_frac = par_.pipeline->bubble_fraction();
-  if (par_.groups.dp_size() > 1) {
-    r.dp_wait_ms = sync_->stats().wait_ms;
-    r.dp_bytes = sync_->stats().bytes_sent;
+  if (par_.ps != nullptr) {
+    exchange_with_servers(r, t0);
+  } else {
+    // Local SGD: this replica's gradients, unreduced, are (1 / dp) of its own
+    // mean gradient (the loss is seeded for the global batch).
+    if (local() && par_.groups.dp_size() > 1)
+      for (Param* p : sync_->params()) ops::scale(p->grad, static_cast<float>(par_.groups.dp_size()));
+    r.grad_norm = sync_->grad_norm();
+    if (par_.pipeline != nullptr) r.bubble_frac = par_.pipeline->bubble_fraction();
+    if (par_.groups.dp_size() > 1) {
+      r.dp_wait_ms = sync_->stats().wait_ms;
+      r.dp_bytes = sync_->stats().bytes_sent;
+    }
   }
   check(std::isfinite(r.loss) && std::isfinite(r.grad_norm),
         "step {}: loss is {} and gradient norm is {}; training diverged (try a lower --lr or "
@@ -302,7 +305,7 @@ StepRecord Trainer::train_step() {
             steps_done_ + 1, r.loss, spike.factor, mean, skipped_, spike.max_skipped);
     }
   }
-  if (!r.skipped) {
+  if (!r.skipped && par_.ps == nullptr) {  // servers update the parameters themselves
     sync_->clip(opt_.clip_grad, r.grad_norm);
     sync_->step(static_cast<float>(r.lr));
     if (spike.enabled) {
@@ -384,7 +387,7 @@ void Trainer::save(const std::string& dir, int64_t keep_last) {
 
 // A parameter-server worker's step: the servers take its gradients and send
 // back the parameters; they report the loss and norm (weft/param_server.h).
-StepRecord Trainer::ps_step(StepRecord& r, std::chrono::steady_clock::time_point t0) {
+void Trainer::exchange_with_servers(StepRecord& r, std::chrono::steady_clock::time_point t0) {
   const double compute_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   const double own = sync_->grad_norm();
@@ -394,16 +397,6 @@ StepRecord Trainer::ps_step(StepRecord& r, std::chrono::steady_clock::time_point
   r.ps_wait_ms = s.wait_ms;
   r.ps_staleness = s.staleness;
   r.dp_bytes = s.bytes;
-  check(std::isfinite(r.loss) && std::isfinite(r.grad_norm),
-        "step {}: loss is {} and gradient norm is {}; training diverged (try a lower --lr or "
-        "--clip-grad)",
-        steps_done_ + 1, r.loss, r.grad_norm);
-  r.lr = opt_.lr.at(steps_done_);
-  ++steps_done_;
-  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  r.step_ms = sec * 1e3;
-  r.tokens_per_s = static_cast<double>(opt_.global_batch * g_.terms_per_sample) / sec;
-  return r;
 }
 
 double Trainer::average_replicas() {
