@@ -92,6 +92,7 @@ class PsWorker {
   std::vector<Param*> params_;
   PsConfig config_;
   std::vector<std::unique_ptr<Shard>> shards_;  // per server
+  std::vector<RequestPtr> answers_;              // this step's receives, reused
 };
 
 class PsServer {
@@ -131,7 +132,8 @@ class PsServer {
   std::vector<int64_t> staleness_;             // per worker: of its last update
   std::vector<double> answer_loss_, answer_norm_;
   std::vector<int64_t> histogram_;
-  int64_t version_ = 0, max_gap_ = 0, last_ = 0;
+  Tensor norm_;  // the S = 0 norm's all-reduce
+  int64_t version_ = 0, max_gap_ = 0;
 };
 
 }  // namespace weft

@@ -94,7 +94,8 @@ PsStep PsWorker::exchange(int64_t step, double loss, double norm_sq, double comp
         (config_.slow_factor - 1) * compute_ms));
   PsStep r;
   const auto t0 = Clock::now();
-  std::vector<RequestPtr> answers;
+  std::vector<RequestPtr>& answers = answers_;
+  answers.clear();
   for (auto& sp : shards_) {
     Shard& s = *sp;
     wait_all(s.sends);  // the last step's push buffers are free again
@@ -189,6 +190,7 @@ PsServer::PsServer(Communicator& world, Communicator& servers, std::vector<Param
   answer_loss_.assign(static_cast<size_t>(workers_), 0);
   answer_norm_.assign(static_cast<size_t>(workers_), 0);
   histogram_.assign(kHistogramBins, 0);
+  norm_ = Tensor::zeros({1});
 }
 
 PsServer::~PsServer() = default;
@@ -215,10 +217,9 @@ void PsServer::round(int64_t step) {
     local += ops::sum_squares(g);
     at += n;
   }
-  Tensor norm = Tensor::zeros({1});
-  norm.data<float>()[0] = static_cast<float>(local);
-  servers_.all_reduce(norm, ReduceOp::Sum);
-  const double grad_norm = std::sqrt(static_cast<double>(norm.data<float>()[0]));
+  norm_.data<float>()[0] = static_cast<float>(local);
+  servers_.all_reduce(norm_, ReduceOp::Sum);
+  const double grad_norm = std::sqrt(static_cast<double>(norm_.data<float>()[0]));
   clip_grads(mine_, config_.clip_grad, grad_norm);
   optimizer_->step(config_.lr.at(step));
   ++version_;
@@ -279,7 +280,6 @@ void PsServer::reply(int w) {
 void PsServer::serve(int64_t first, int64_t last) {
   using Clock = std::chrono::steady_clock;
   const int64_t S = config_.max_staleness;
-  last_ = last;
   std::fill(pushed_.begin(), pushed_.end(), first);
   if (first < last)
     for (int w = 0; w < workers_; ++w) post(w);
