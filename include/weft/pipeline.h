@@ -105,8 +105,9 @@ class PipelineExecutor {
   const std::vector<int>& local_stages() const { return local_stages_; }
 
   // Idle share of all pipeline ranks' time during the last run: 1 - (compute
-  // time summed over ranks) / (ranks x the longest rank's span). Collective.
-  double bubble_fraction() const;
+  // time summed over ranks) / (ranks x the longest rank's span), gathered
+  // with the loss at the end of run().
+  double bubble_fraction() const { return bubble_; }
   // Chrome trace JSON of every recorded action on every rank (one track per
   // rank, arrows from each send to its receive), written by pipeline rank 0.
   // Collective over the pipeline group; needs PipelineOptions::trace.
@@ -157,7 +158,8 @@ class PipelineExecutor {
   // Per action of this rank's list: whether its receive is posted, and its requests.
   std::vector<bool> posted_;
   std::vector<std::vector<RequestPtr>> receives_;
-  mutable Tensor scalar_;  // for the loss and norm reductions
+  Tensor step_stats_, all_step_stats_;  // (loss, busy, span): this rank's, and every rank's
+  double bubble_ = 0;
   // Clocks: each rank's zero is taken right after a barrier at construction.
   std::chrono::steady_clock::time_point epoch_;
   double busy_s_ = 0, span_s_ = 0;  // last run

@@ -93,7 +93,8 @@ PipelineExecutor::PipelineExecutor(const Graph& graph, ModelIO io, StagePlan pla
   }
   live_.assign(static_cast<size_t>(stages * schedule_.micro_batches), nullptr);
   stage_bytes_.assign(static_cast<size_t>(stages), {});
-  scalar_ = Tensor::zeros({1});
+  step_stats_ = Tensor::zeros({3});
+  all_step_stats_ = Tensor::zeros({3 * pp_.size()});
   pp_.barrier();
   epoch_ = std::chrono::steady_clock::now();
   if (options_.recompute) work_ = std::make_unique<MicroBatch>(graph_, options_.device);
@@ -468,10 +469,23 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
       sl->stage = -1;
     }
   reduce_tied();
-  scalar_.data<float>()[0] = static_cast<float>(loss_sum_);
-  pp_.all_reduce(scalar_, ReduceOp::Sum);
-  return static_cast<double>(scalar_.data<float>()[0]) /
-         static_cast<double>(global_batch_ * io_.terms_per_sample);
+  // One collective for the loss and the bubble: every rank's (loss, busy,
+  // span). Only the last stage's rank holds a loss, so the sum is exact.
+  float* stats = step_stats_.data<float>();
+  stats[0] = static_cast<float>(loss_sum_);
+  stats[1] = static_cast<float>(busy_s_);
+  stats[2] = static_cast<float>(span_s_);
+  pp_.all_gather(step_stats_, all_step_stats_);
+  float loss = 0;
+  double busy = 0, span = 0;
+  for (int r = 0; r < pp_.size(); ++r) {
+    const float* s = all_step_stats_.data<float>() + 3 * r;
+    loss += s[0];
+    busy += s[1];
+    span = std::max(span, static_cast<double>(s[2]));
+  }
+  bubble_ = span > 0 ? 1.0 - busy / (span * pp_.size()) : 0.0;
+  return static_cast<double>(loss) / static_cast<double>(global_batch_ * io_.terms_per_sample);
 }
 
 std::vector<Param*> PipelineExecutor::tied_params() const {
@@ -492,16 +506,6 @@ std::vector<int> PipelineExecutor::local_nodes() const {
 void PipelineExecutor::reduce_tied() {
   for (auto& t : tied_)
     if (t.param != nullptr) t.group->all_reduce(t.param->grad, ReduceOp::Sum);
-}
-
-double PipelineExecutor::bubble_fraction() const {
-  scalar_.data<float>()[0] = static_cast<float>(busy_s_);
-  pp_.all_reduce(scalar_, ReduceOp::Sum);
-  const double busy = scalar_.data<float>()[0];
-  scalar_.data<float>()[0] = static_cast<float>(span_s_);
-  pp_.all_reduce(scalar_, ReduceOp::Max);
-  const double span = scalar_.data<float>()[0];
-  return span > 0 ? 1.0 - busy / (span * pp_.size()) : 0.0;
 }
 
 void PipelineExecutor::write_trace(const std::string& path) const {
