@@ -621,6 +621,27 @@ TEST(LocalErrors, CollectiveKindMismatchNamesBothCalls) {
       << msg;
 }
 
+// A rank that polls a receive with test() (a parameter server's loop) learns
+// of a failed peer as a waiting rank does: PeerFailed, long before the deadline.
+TEST(LocalErrors, PollingAReceiveLearnsOfAFailedPeer) {
+  std::string polled;
+  const auto start = Clock::now();
+  EXPECT_THROW(run_local(
+                   2,
+                   [&](Communicator& comm) {
+                     if (comm.rank() == 1) throw Error("worker gone");
+                     Tensor in = Tensor::zeros({1});
+                     RequestPtr r = comm.irecv(in, 1, tag(0));
+                     polled = error_message([&] {
+                       while (!r->test()) std::this_thread::sleep_for(1ms);
+                     });
+                   },
+                   CommOptions{30s}),
+               Error);
+  EXPECT_LT(seconds_since(start), 10.0);
+  EXPECT_TRUE(contains(polled, "worker gone")) << polled;
+}
+
 TEST(LocalErrors, ThrowingRankEndsTheOthersPromptly) {
   std::mutex mu;
   std::vector<std::string> peer_messages;

@@ -4,6 +4,7 @@
 // distributed optimizer (ZeRO-1) against the plain one, the data-parallel
 // buckets' overlap with the backward, checkpoints saved by one layout and
 // resumed by another, and config errors raised before any communication.
+#include <weft/checkpoint.h>
 #include <weft/layout.h>
 #include <weft/param_server.h>
 #include <weft/local_communicator.h>
@@ -16,6 +17,7 @@
 
 #include <cmath>
 #include <functional>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -818,10 +820,14 @@ struct PsRun {
   int64_t updates = 0;                            // applied by server 0
 };
 
-PsRun run_ps(int workers, int servers, int64_t staleness, int steps) {
+// Steps [first, steps) of a parameter-server run; with `load`, from that
+// checkpoint (first is its step); with `save`, a checkpoint after the last.
+PsRun run_ps(int workers, int servers, int64_t staleness, int steps, int first = 0,
+             const std::string& save = "", const std::string& load = "") {
   PsConfig cfg;
   cfg.servers = servers;
   cfg.max_staleness = staleness;
+  cfg.save_last = !save.empty();
   const TrainOptions o = options();
   cfg.adam = o.adam, cfg.lr = o.lr, cfg.clip_grad = o.clip_grad;
   PsRun out;
@@ -836,7 +842,8 @@ PsRun run_ps(int workers, int servers, int64_t staleness, int steps) {
     if (world.rank() >= workers) {
       for (Param* p : model.graph.params()) init_param(*p, kSeed);
       PsServer server(world, *role, model.graph.params(), cfg);
-      server.serve(0, steps);
+      if (!load.empty()) server.load(open_checkpoint(load));
+      server.serve(first, steps);
       std::lock_guard<std::mutex> lock(mu);
       out.max_gap = std::max(out.max_gap, server.max_clock_gap());
       if (world.rank() == workers) out.updates = server.updates();
@@ -846,8 +853,10 @@ PsRun run_ps(int workers, int servers, int64_t staleness, int steps) {
     LayoutOptions lo;
     lo.ps = &ps;
     RankLayout rank(role.get(), model.graph, model.io, batches, o, lo, kSeed);
+    if (!load.empty()) rank.trainer().load(load);
     std::vector<StepRecord> recs;
-    for (int s = 0; s < steps; ++s) recs.push_back(rank.trainer().train_step());
+    for (int s = first; s < steps; ++s) recs.push_back(rank.trainer().train_step());
+    if (!save.empty()) rank.trainer().save(save);
     if (world.rank() != 0) return;
     out.histogram = ps.staleness_histogram();
     out.steps = recs;
@@ -903,6 +912,37 @@ TEST(ParamServer, BoundedStalenessAppliesEachPushAndKeepsTheBound) {
     EXPECT_TRUE(differs) << "S " << s << " trained exactly as synchronous steps";
     for (const StepRecord& rec : r.steps) EXPECT_TRUE(std::isfinite(rec.loss));
   }
+}
+
+// A checkpoint holds the servers' parameters and optimizer state: resumed,
+// S = 0 continues bit for bit, and any layout without servers loads it and
+// takes the single-process steps. With S > 0 the save step is one every
+// worker waits at, and a resumed run goes on from it.
+TEST(ParamServer, CheckpointsHoldTheServersStateAndResume) {
+  const std::string dir = testing::temp_dir("ps-checkpoint");
+  const PsRun full = run_ps(2, 2, 0, kSteps);
+  run_ps(2, 2, 0, 3, 0, dir + "/s0");
+  const PsRun rest = run_ps(2, 2, 0, kSteps, 3, "", dir + "/s0");
+  ASSERT_EQ(rest.steps.size(), 2u);
+  for (size_t k = 0; k < 2; ++k) {
+    EXPECT_EQ(rest.steps[k].step, static_cast<int64_t>(3 + k));
+    EXPECT_EQ(rest.steps[k].loss, full.steps[3 + k].loss) << "step " << 4 + k;
+    EXPECT_EQ(rest.steps[k].grad_norm, full.steps[3 + k].grad_norm) << "step " << 4 + k;
+  }
+  for (const auto& [name, value] : rest.params) {
+    const Tensor& want = full.params.at(name);
+    EXPECT_EQ(std::memcmp(value.raw(), want.raw(), want.nbytes()), 0) << name;
+  }
+  // Plain data parallelism, from the servers' checkpoint.
+  const std::vector<RankRun> dp =
+      run_layout({2, 1, 1}, kSteps - 3, [&](RankLayout& rank) { rank.trainer().load(dir + "/s0"); });
+  expect_reference_steps(dp, 3);
+  // S = 2: saved after step 4 of 8 and resumed.
+  run_ps(4, 1, 2, 4, 0, dir + "/s2");
+  const PsRun stale = run_ps(4, 1, 2, 8, 4, "", dir + "/s2");
+  ASSERT_EQ(stale.steps.size(), 4u);
+  EXPECT_EQ(stale.steps.front().step, 4);
+  for (const StepRecord& r : stale.steps) EXPECT_TRUE(std::isfinite(r.loss));
 }
 
 TEST(ParamServer, MoreServersThanTensorsIsRefused) {

@@ -77,7 +77,9 @@ class Request {
  public:
   virtual ~Request() = default;
   // True once the operation has completed. A receive whose message does not
-  // match the posted tensor throws Error naming both shapes/dtypes.
+  // match the posted tensor throws Error naming both shapes/dtypes; one that
+  // is still waiting when a peer has failed throws PeerFailed (on threads;
+  // under mpiexec the launcher ends the job).
   virtual bool test() = 0;
   // Blocks (politely: polling with short sleeps) until complete; throws
   // CommTimeout past the deadline and PeerFailed when a peer has failed.

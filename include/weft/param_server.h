@@ -38,6 +38,8 @@
 
 namespace weft {
 
+struct Checkpoint;
+
 struct PsConfig {
   int servers = 1;            // --ps-ranks K: world ranks [world - K, world)
   int64_t max_staleness = 0;  // --max-staleness S
@@ -50,6 +52,12 @@ struct PsConfig {
   // Benchmarking (--slow-rank, --slow-factor): this worker takes this many
   // times its compute time per step.
   double slow_factor = 1.0;
+  // Checkpoints: after every save_interval-th step (0: none), and after the
+  // last with save_last, every worker waits for the others (as at S = 0), so
+  // the servers hold exactly the updates of the steps so far, and each server
+  // sends its optimizer state to world rank 0, which writes the checkpoint.
+  int64_t save_interval = 0;
+  bool save_last = false;
 
   int workers(int world) const { return world - servers; }
 };
@@ -85,6 +93,10 @@ class PsWorker {
   // On world rank 0, after the last step: the servers' staleness counts
   // summed (index s: updates of staleness s; the last bin holds the larger).
   std::vector<int64_t> staleness_histogram();
+  // On world rank 0, after the exchange of a save step: every server's
+  // optimizer state ("<param><suffix>", optimizer_state_suffixes), and in
+  // `steps` their optimizer's step count.
+  std::vector<std::pair<std::string, Tensor>> optimizer_state(int64_t& steps);
 
  private:
   struct Shard;
@@ -102,6 +114,9 @@ class PsServer {
   PsServer(Communicator& world, Communicator& servers, std::vector<Param*> params,
            PsConfig config);
   ~PsServer();
+  // Its tensors' values and optimizer state from a checkpoint, to serve on
+  // from the checkpoint's step.
+  void load(const Checkpoint& c);
   // Answers every worker's pushes of steps [first, last), then sends its
   // staleness counts to world rank 0. Throws CommTimeout naming the workers
   // it waits for when none pushes within the world's deadline.
@@ -119,10 +134,13 @@ class PsServer {
   void round(int64_t step);                 // S = 0
   void apply(int worker);                   // S > 0
   void reply(int worker);
+  bool saving(int64_t step) const;
+  void send_state();
   Communicator& world_;
   Communicator& servers_;
   PsConfig config_;
   int workers_ = 0, server_ = 0;
+  std::vector<Param*> all_;   // the model's tensors
   std::vector<Param*> mine_;  // this server's tensors, in model order
   int64_t elements_ = 0;
   std::unique_ptr<Optimizer> optimizer_;
@@ -133,7 +151,7 @@ class PsServer {
   std::vector<double> answer_loss_, answer_norm_;
   std::vector<int64_t> histogram_;
   Tensor norm_;  // the S = 0 norm's all-reduce
-  int64_t version_ = 0, max_gap_ = 0;
+  int64_t version_ = 0, max_gap_ = 0, last_ = 0;
 };
 
 }  // namespace weft

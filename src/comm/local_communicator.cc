@@ -390,6 +390,12 @@ bool RecvRequest::test() {
   if (done_) return true;
   std::unique_lock<std::mutex> lock(comm_.world().mu);
   std::optional<Message> m = take_locked();
+  // A message that has not come may never come: a poller learns of a failed
+  // rank here, as a waiter does in wait().
+  if (!m && !comm_.world().failure.empty())
+    comm_.give_up(WaitResult::PeerFailed,
+                  fmt::format("recv from rank {} (world rank {}), tag {}", peer_,
+                              comm_.world_rank(peer_), tag_.str()));
   lock.unlock();
   if (m) deliver(*m);
   return done_;

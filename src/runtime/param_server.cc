@@ -5,11 +5,14 @@
 //   push   worker -> server  #0 I32 [step, version read]   #1 F32 [loss, |g|^2, gradients...]
 //   answer server -> worker  #2 I32 [version, staleness]   #3 F32 [loss, norm, values...]
 //   counts server -> rank 0  #4 I32 the staleness histogram, after the last step
+//   state  server -> rank 0  #5 I32 [optimizer steps]  #6 F32 its optimizer state, at saves
+#include <weft/checkpoint.h>
 #include <weft/ops.h>
 #include <weft/param_server.h>
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
 #include <thread>
 
@@ -146,6 +149,28 @@ std::vector<int64_t> PsWorker::staleness_histogram() {
   return total;
 }
 
+std::vector<std::pair<std::string, Tensor>> PsWorker::optimizer_state(int64_t& steps) {
+  check(world_.rank() == 0, "the servers' state goes to world rank 0, not {}", world_.rank());
+  const std::vector<std::string> suffixes = optimizer_state_suffixes(config_.optimizer);
+  std::vector<std::pair<std::string, Tensor>> state;
+  for (auto& s : shards_) {
+    Tensor header = Tensor::zeros({1}, DType::I32);
+    Tensor flat = Tensor::zeros({static_cast<int64_t>(suffixes.size()) * elements_of(s->params)});
+    world_.recv(header, s->world_rank, tag(5));
+    world_.recv(flat, s->world_rank, tag(6));
+    steps = header.data<int32_t>()[0];
+    int64_t at = 0;
+    for (Param* p : s->params)  // in the order of the optimizer's state(): parameter, then suffix
+      for (const std::string& suffix : suffixes) {
+        Tensor t = Tensor::zeros(p->value.shape());
+        flat_of(*p, t).copy_from(elements(flat, at, p->value.numel()));
+        at += p->value.numel();
+        state.emplace_back(p->name + suffix, t);
+      }
+  }
+  return state;
+}
+
 // --- the server ---
 
 struct PsServer::Inbox {
@@ -165,6 +190,7 @@ PsServer::PsServer(Communicator& world, Communicator& servers, std::vector<Param
         "world rank {} is not one of the {} servers (world ranks {}..{})", world_.rank(),
         config_.servers, workers_, world_.size() - 1);
   check(config_.max_staleness >= 0, "--max-staleness ({}) must be >= 0", config_.max_staleness);
+  all_ = params;
   const std::vector<int> server = assign_to_servers(params, config_.servers);
   for (size_t i = 0; i < params.size(); ++i)
     if (server[i] == server_) mine_.push_back(params[i]);
@@ -194,6 +220,35 @@ PsServer::PsServer(Communicator& world, Communicator& servers, std::vector<Param
 }
 
 PsServer::~PsServer() = default;
+
+void PsServer::load(const Checkpoint& c) {
+  c.read_model(all_);  // every tensor the file holds, though this server serves some
+  const NamedTensors state = c.read_optimizer(mine_, optimizer_state_suffixes(config_.optimizer));
+  std::map<std::string, const Tensor*> by_name;
+  for (const auto& [name, t] : state) by_name[name] = &t;
+  for (auto& [name, t] : optimizer_->state()) t.copy_from(*by_name.at(name));
+  optimizer_->set_steps(c.optimizer_steps);
+}
+
+bool PsServer::saving(int64_t step) const {
+  return (config_.save_interval > 0 && (step + 1) % config_.save_interval == 0) ||
+         (config_.save_last && step + 1 == last_);
+}
+
+void PsServer::send_state() {
+  std::vector<std::pair<std::string, Tensor>> state = optimizer_->state();
+  int64_t n = 0;
+  for (const auto& [name, t] : state) n += t.numel();
+  Tensor header = Tensor::zeros({1}, DType::I32), flat = Tensor::zeros({n});
+  header.data<int32_t>()[0] = static_cast<int32_t>(optimizer_->steps());
+  int64_t at = 0;
+  for (const auto& [name, t] : state) {
+    elements(flat, at, t.numel()).copy_from(t.view(Shape{t.numel()}));
+    at += t.numel();
+  }
+  world_.send(header, 0, tag(5));
+  world_.send(flat, 0, tag(6));
+}
 
 void PsServer::post(int w) {
   Inbox& in = *inbox_[static_cast<size_t>(w)];
@@ -280,6 +335,7 @@ void PsServer::reply(int w) {
 void PsServer::serve(int64_t first, int64_t last) {
   using Clock = std::chrono::steady_clock;
   const int64_t S = config_.max_staleness;
+  last_ = last;
   std::fill(pushed_.begin(), pushed_.end(), first);
   if (first < last)
     for (int w = 0; w < workers_; ++w) post(w);
@@ -316,15 +372,22 @@ void PsServer::serve(int64_t first, int64_t last) {
         else inbox_[static_cast<size_t>(w)]->full = false;
     }
     // Answers the staleness bound allows: worker w may start step t + 1 once
-    // every worker has pushed step t - S.
+    // every worker has pushed step t - S, or step t itself after a save step.
     const int64_t slowest = *std::min_element(pushed_.begin(), pushed_.end());
+    int64_t saved = -1;
     for (int w = 0; w < workers_; ++w) {
       const int64_t t = owed_[static_cast<size_t>(w)];
-      if (t < 0 || inbox_[static_cast<size_t>(w)]->full || slowest < t + 1 - S) continue;
+      if (t < 0 || inbox_[static_cast<size_t>(w)]->full ||
+          slowest < t + 1 - (saving(t) ? 0 : S))
+        continue;
       reply(w);
       ++answered;
       progress = true;
+      if (saving(t)) saved = t;
     }
+    // Every worker has pushed the save step and none can push the next before
+    // its answer: the state is the checkpoint's.
+    if (saved >= 0) send_state();
     if (progress) {
       progressed_at = Clock::now();
       continue;

@@ -335,7 +335,12 @@ void Trainer::save(const std::string& dir, int64_t keep_last) {
         "with --local-steps {}, a checkpoint is taken when the replicas agree, after a step "
         "divisible by {}; this is step {}",
         opt_.local.steps, opt_.local.steps, steps_done_);
-  NamedTensors state = sync_->optimizer_state();  // collective over dp
+  // With parameter servers the optimizer state is theirs: they send it to
+  // world rank 0, the writer (the save step is one every worker waits at).
+  int64_t optimizer_steps = sync_->steps();
+  NamedTensors state = par_.ps == nullptr ? sync_->optimizer_state()  // collective over dp
+                       : par_.groups.dp_rank() == 0 ? par_.ps->optimizer_state(optimizer_steps)
+                                                    : NamedTensors{};
   // DiLoCo's outer momentum (the same on every replica).
   for (size_t i = 0; i < outer_buf_.size(); ++i)
     state.emplace_back(sync_->params()[i]->name + ".outer_momentum", outer_buf_[i]);
@@ -375,7 +380,7 @@ void Trainer::save(const std::string& dir, int64_t keep_last) {
     meta.consumed_samples = steps_done_ * opt_.global_batch;
     meta.config = opt_.config;
     if (opt_.spike.enabled) meta.trainer = {{"spike", spike_state()}};
-    save_checkpoint(dir, model, optimizer, sync_->steps(), meta);
+    save_checkpoint(dir, model, optimizer, optimizer_steps, meta);
     prune_checkpoints(dir, keep_last);
   }
   // Nobody returns before the checkpoint is complete: one barrier per group,
