@@ -670,17 +670,14 @@ void check_param_servers(const Args& a, const CLI::App& app, int world) {
   check(!app.count("--slow-factor") || (std::isfinite(a.slow_factor) && a.slow_factor > 1),
         "--slow-factor ({}) must be a number > 1", a.slow_factor);
   // Not built yet with servers: say so instead of running something else.
-  for (const char* flag : {"--save", "--load", "--exit-interval",
+  for (const char* flag : {"--exit-interval",
                            "--exit-duration-in-mins", "--use-distributed-optimizer",
                            "--local-steps", "--check-for-spiky-loss", "--sample", "--init-from",
                            "--grad-compression", "--grad-reduce-dtype", "--finetune"})
     check(app.count(flag) == 0,
           "{} is not available with --ps-ranks yet: the servers hold the parameters and the "
-          "optimizer, and nothing else knows how to save, load or reduce them",
+          "optimizer, and the other ranks cannot stop, fine-tune or reduce without them",
           flag);
-  check(a.resume_from.empty(),
-        "--ps-ranks cannot resume yet: {} holds a checkpoint (start elsewhere, or --no-load)",
-        a.resume_from);
 }
 
 // Pipeline flags that would change nothing are refused: every accepted flag
@@ -924,6 +921,12 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   lo.sync.bucket_elements = a.ddp_bucket_size;
   lo.sync.overlap = a.overlap_grad_reduce;
   set_grad_compression(a, lo.sync);
+  // What an interrupted save left behind goes first (world rank 0 writes
+  // checkpoints, so it cleans them).
+  if (rank0 && !a.save.empty())
+    for (const std::string& line : clean_stale_checkpoint_files(a.save)) fmt::print("{}\n", line);
+  // Nobody reads before the cleaning is done; the disk bounds this wait.
+  if (world != nullptr && !a.save.empty()) world->barrier_without_deadline();
   // Parameter servers: the last --ps-ranks ranks serve; the others train,
   // as data-parallel replicas of their own group.
   std::unique_ptr<Communicator> role;
@@ -937,6 +940,8 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     ps.sgd = {a.sgd_momentum, a.weight_decay};
     ps.lr = opt.lr;
     ps.clip_grad = opt.clip_grad;
+    ps.save_interval = a.save.empty() ? 0 : a.save_interval;
+    ps.save_last = !a.save.empty();
     if (world->rank() == a.slow_rank) ps.slow_factor = a.slow_factor;
     assign_to_servers(graph.params(), ps.servers);  // refuses too many servers on every rank
     std::vector<int> w(static_cast<size_t>(workers)), s(static_cast<size_t>(a.ps_ranks));
@@ -950,7 +955,13 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     if (world->rank() >= workers) {
       for (Param* p : graph.params()) init_param(*p, static_cast<uint64_t>(a.seed));
       PsServer server(*world, *role, graph.params(), ps);
-      server.serve(0, a.train_iters);
+      int64_t first = 0;
+      if (!load.empty()) {
+        const Checkpoint c = open_checkpoint(load);
+        server.load(c);
+        first = c.meta.step;
+      }
+      server.serve(first, a.train_iters);
       return 0;
     }
     ps_worker.emplace(*world, graph.params(), ps);
@@ -1005,12 +1016,6 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
           format_bytes(state), format_bytes(avail));
   }
   Trainer& trainer = layout.trainer();
-  // What an interrupted save left behind goes first (world rank 0 writes
-  // checkpoints, so it cleans them).
-  if (rank0 && !a.save.empty())
-    for (const std::string& line : clean_stale_checkpoint_files(a.save)) fmt::print("{}\n", line);
-  // Nobody reads before the cleaning is done; the disk bounds this wait.
-  if (world != nullptr && !a.save.empty()) world->barrier_without_deadline();
   if (!load.empty() && a.weights_only) {
     open_checkpoint(load).read_model(layout.graph().params());  // --finetune: from step 0
   } else if (!load.empty()) {
@@ -1062,9 +1067,12 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   std::vector<std::pair<double, double>> train_points, val_points;  // (step, loss)
   const auto started = std::chrono::steady_clock::now();
   Tensor stop_flags = Tensor::zeros({2});
-  if (!a.save.empty()) install_stop_handlers();
-  // Signals are caught with --save; a time limit is checked whenever it is set.
-  const bool check_stop = !a.save.empty() || a.exit_duration_mins > 0;
+  // Signals are caught with --save; a time limit is checked whenever it is
+  // set. Parameter servers take neither yet: a signal ends the job, which
+  // resumes from its last checkpoint (scripts/weft-run).
+  const bool catch_signals = !a.save.empty() && !ps_worker;
+  if (catch_signals) install_stop_handlers();
+  const bool check_stop = catch_signals || a.exit_duration_mins > 0;
   // Every save goes through here: once per step, pruned, and said.
   int64_t last_saved = trainer.steps_done();  // a resumed run's step is on disk already
   auto save = [&] {

@@ -206,7 +206,8 @@ TEST(MpiLayoutErrors, ImpossibleLayoutsFailBeforeCommunicating) {
   for (const auto& [args, line] : std::vector<std::pair<std::string, std::string>>{
            {"--ps-ranks 8", "--ps-ranks 8 must be below the world size 8"},
            {"--ps-ranks 2 --tp 2", "--ps-ranks: each worker is one process for now"},
-           {"--ps-ranks 2 --save " + dir + "/ckpt", "--save is not available with --ps-ranks yet"},
+           {"--ps-ranks 2 --exit-interval 2",
+            "--exit-interval is not available with --ps-ranks yet"},
            {"--ps-ranks 2 --use-distributed-optimizer",
             "--use-distributed-optimizer is not available with --ps-ranks yet"},
            {"--ps-ranks 2 --slow-rank 6 --slow-factor 2",

@@ -278,6 +278,29 @@ std::string restart_dir() {
 // The wrapper names the rank that died, restarts the job, which resumes from
 // its newest checkpoint, and the run ends with the uninterrupted run's
 // losses, bit for bit (the same layout, the same sums).
+// The same with parameter servers: world rank 2 serves workers 0 and 1 at
+// --max-staleness 0. Killing worker 1 ends the job, the wrapper names it and
+// restarts, the servers load their state from the newest checkpoint, and the
+// run ends with the uninterrupted losses, bit for bit.
+TEST(MpiRestart, KilledParameterServerWorkerIsNamedAndTheJobResumesBitExactly) {
+  const std::string dir = restart_dir(), flags = restart_flags(dir) + " --ps-ranks 1";
+  const testing::TrainRun full = testing::run_train_gpt(3, flags, dir);
+  ASSERT_TRUE(full.ok) << full.output;
+  ASSERT_EQ(full.records.size(), 60u);
+  const KilledJob k = run_and_kill_rank1(dir, "-n 3 --backoff 0", flags);
+  ASSERT_GT(k.pid, 0) << k.out;
+  EXPECT_EQ(k.rc, "0\n") << k.out;
+  EXPECT_TRUE(testing::contains(k.out, "weft-run: rank 1 (host ") ||
+              testing::contains(k.out, "(as the launcher reports it)"))
+      << k.out;
+  EXPECT_TRUE(testing::contains(k.out, "resumed from " + dir + "/ckpt at step")) << k.out;
+  std::map<int, double> loss;
+  for (const auto& r : testing::jsonl_steps(k.jsonl)) loss[r["step"].get<int>()] = r["loss"];
+  ASSERT_EQ(loss.size(), 60u);
+  for (const auto& r : full.records)
+    EXPECT_EQ(loss.at(r["step"].get<int>()), r["loss"].get<double>()) << "step " << r["step"];
+}
+
 TEST(MpiRestart, KilledRankIsNamedAndTheJobResumesBitExactly) {
   const std::string dir = restart_dir(), flags = restart_flags(dir);
   const testing::TrainRun full = testing::run_train_gpt(2, flags, dir);
