@@ -659,9 +659,10 @@ void check_param_servers(const Args& a, const CLI::App& app, int world) {
   check(a.ps_ranks < world,
         "--ps-ranks {} must be below the world size {}: at least one rank must be a worker",
         a.ps_ranks, world);
-  check(a.tp == 1 && a.pp == 1,
-        "--ps-ranks: each worker is one process for now; --tp {} and --pp {} must be 1", a.tp,
-        a.pp);
+  check(a.tp <= 0 || a.pp <= 0 || (world - a.ps_ranks) % (a.tp * a.pp) == 0,
+        "--ps-ranks {} leaves {} worker ranks, which --tp {} x --pp {} must divide: each worker is "
+        "a group of tp x pp ranks",
+        a.ps_ranks, world - a.ps_ranks, a.tp, a.pp);
   check(app.count("--slow-rank") == app.count("--slow-factor"),
         "--slow-rank and --slow-factor go together: which worker, and how much slower");
   check(a.slow_rank < 0 || a.slow_rank < world - a.ps_ranks,

@@ -108,13 +108,17 @@ TEST_F(MpiLayouts, DistributedOptimizerMatchesSingleProcess) {
 }
 
 // Parameter servers as processes: with --max-staleness 0, 4 workers and 4
-// servers, and 2 workers and 1, take the single-process steps (the servers
+// servers, 2 workers and 1, and 2 workers of 2 ranks each (pp 2, or tp 2),
+// take the single-process steps (the servers
 // sum in worker order, as the all-reduce does); with S = 2 each push is an
 // update of its own, every step says how long the worker waited and how
 // stale its update was, and rank 0 prints the servers' counts.
 TEST_F(MpiLayouts, ParameterServersMatchSingleProcessWithoutStaleness) {
   expect_reference(train(kWorld, "--ps-ranks 4"), 0, "4 workers, 4 servers, S = 0");
   expect_reference(train(3, "--ps-ranks 1"), 0, "2 workers, 1 server, S = 0");
+  // Workers of several ranks: 2 pipeline stages each, and 2 tensor-parallel ranks each.
+  expect_reference(train(6, "--ps-ranks 2 --pp 2"), 0, "2 workers at pp 2, 2 servers, S = 0");
+  expect_reference(train(5, "--ps-ranks 1 --tp 2"), 0, "2 workers at tp 2, 1 server, S = 0");
   // The workers evaluate the same parameters as data-parallel replicas.
   const std::string eval = " --split 90,10,0 --eval-interval 5 --eval-iters 2";
   const auto dp = train(2, eval), ps = train(3, "--ps-ranks 1" + eval);
@@ -205,7 +209,8 @@ TEST(MpiLayoutErrors, ImpossibleLayoutsFailBeforeCommunicating) {
   // Parameter servers: one line each, before any message.
   for (const auto& [args, line] : std::vector<std::pair<std::string, std::string>>{
            {"--ps-ranks 8", "--ps-ranks 8 must be below the world size 8"},
-           {"--ps-ranks 2 --tp 2", "--ps-ranks: each worker is one process for now"},
+           {"--ps-ranks 2 --tp 4",
+            "--ps-ranks 2 leaves 6 worker ranks, which --tp 4 x --pp 1 must divide"},
            {"--ps-ranks 2 --exit-interval 2",
             "--exit-interval is not available with --ps-ranks yet"},
            {"--ps-ranks 2 --use-distributed-optimizer",

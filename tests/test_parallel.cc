@@ -820,10 +820,17 @@ struct PsRun {
   int64_t updates = 0;                            // applied by server 0
 };
 
+// Each worker's ranks: a pipeline x tensor-parallel group.
+struct PsGroup {
+  int pp = 1, tp = 1;
+  int ranks() const { return pp * tp; }
+};
+
 // Steps [first, steps) of a parameter-server run; with `load`, from that
 // checkpoint (first is its step); with `save`, a checkpoint after the last.
+// `params` holds worker 0's whole tensors when a worker is one process.
 PsRun run_ps(int workers, int servers, int64_t staleness, int steps, int first = 0,
-             const std::string& save = "", const std::string& load = "") {
+             const std::string& save = "", const std::string& load = "", PsGroup group = {}) {
   PsConfig cfg;
   cfg.servers = servers;
   cfg.max_staleness = staleness;
@@ -832,26 +839,28 @@ PsRun run_ps(int workers, int servers, int64_t staleness, int steps, int first =
   cfg.adam = o.adam, cfg.lr = o.lr, cfg.clip_grad = o.clip_grad;
   PsRun out;
   std::mutex mu;
-  run_local(workers + servers, [&](Communicator& world) {
-    std::vector<int> w(z(workers)), sv(z(servers));
+  const int worker_ranks = workers * group.ranks();
+  run_local(worker_ranks + servers, [&](Communicator& world) {
+    std::vector<int> w(z(worker_ranks)), sv(z(servers));
     std::iota(w.begin(), w.end(), 0);
-    std::iota(sv.begin(), sv.end(), workers);
+    std::iota(sv.begin(), sv.end(), worker_ranks);
     std::unique_ptr<Communicator> role = world.split({w, sv}, "ps");
     TokenBatches batches(text_data(), kGlobal, tiny().seq_length);
     GptModel model = build_gpt(tiny(), kMicro);
-    if (world.rank() >= workers) {
+    if (world.rank() >= worker_ranks) {
       for (Param* p : model.graph.params()) init_param(*p, kSeed);
       PsServer server(world, *role, model.graph.params(), cfg);
       if (!load.empty()) server.load(open_checkpoint(load));
       server.serve(first, steps);
       std::lock_guard<std::mutex> lock(mu);
       out.max_gap = std::max(out.max_gap, server.max_clock_gap());
-      if (world.rank() == workers) out.updates = server.updates();
+      if (world.rank() == worker_ranks) out.updates = server.updates();
       return;
     }
     PsWorker ps(world, model.graph.params(), cfg);
     LayoutOptions lo;
     lo.ps = &ps;
+    lo.pp = group.pp, lo.tp = group.tp;
     RankLayout rank(role.get(), model.graph, model.io, batches, o, lo, kSeed);
     if (!load.empty()) rank.trainer().load(load);
     std::vector<StepRecord> recs;
@@ -860,8 +869,18 @@ PsRun run_ps(int workers, int servers, int64_t staleness, int steps, int first =
     if (world.rank() != 0) return;
     out.histogram = ps.staleness_histogram();
     out.steps = recs;
-    for (Param* p : rank.trainer().params()) out.params.emplace(p->name, p->value.clone());
+    if (group.ranks() == 1)
+      for (Param* p : rank.trainer().params()) out.params.emplace(p->name, p->value.clone());
   });
+  return out;
+}
+
+// The whole tensors of the newest checkpoint in `dir`.
+std::map<std::string, Tensor> checkpoint_params(const std::string& dir) {
+  GptModel model = build_gpt(tiny(), kMicro);
+  open_checkpoint(dir).read_model(model.graph.params());
+  std::map<std::string, Tensor> out;
+  for (Param* p : model.graph.params()) out.emplace(p->name, p->value.clone());
   return out;
 }
 
@@ -943,6 +962,52 @@ TEST(ParamServer, CheckpointsHoldTheServersStateAndResume) {
   ASSERT_EQ(stale.steps.size(), 4u);
   EXPECT_EQ(stale.steps.front().step, 4);
   for (const StepRecord& r : stale.steps) EXPECT_TRUE(std::isfinite(r.loss));
+}
+
+// Workers that are pipeline x tensor-parallel groups: each rank pushes the
+// pieces it owns (a split tensor's slice from every tp rank, a replicated one
+// from tp rank 0, the tied embedding from its first pipeline holder) and
+// pulls every piece it holds. With S = 0 that is synchronous data
+// parallelism at that layout, so the single-process steps (kTol, the bound
+// of every layout here); the checkpoint written at the end holds the
+// single-process parameters (params_close's model), and a run resumed from
+// one saved midway continues bit for bit. With S = 1 each worker's push is
+// an update of its own, across all its ranks' pieces.
+TEST(ParamServer, WorkersArePipelineAndTensorParallelGroups) {
+  const Reference& ref = reference();
+  const std::string dir = testing::temp_dir("ps-groups");
+  for (const PsGroup g : {PsGroup{2, 1}, PsGroup{1, 2}, PsGroup{2, 2}}) {
+    const std::string where = "pp " + std::to_string(g.pp) + " x tp " + std::to_string(g.tp);
+    const std::string save = dir + "/pp" + std::to_string(g.pp) + "tp" + std::to_string(g.tp);
+    const PsRun r = run_ps(2, 2, 0, kSteps, 0, save, "", g);
+    ASSERT_EQ(r.steps.size(), z(kSteps)) << where;
+    for (size_t s = 0; s < r.steps.size(); ++s) {
+      EXPECT_NEAR(r.steps[s].loss, ref.loss[s], kTol * ref.loss[s]) << where << " step " << s + 1;
+      EXPECT_NEAR(r.steps[s].grad_norm, ref.norm[s], kTol * ref.norm[s])
+          << where << " step " << s + 1;
+    }
+    EXPECT_EQ(r.updates, kSteps) << where;
+    const std::map<std::string, Tensor> saved = checkpoint_params(save);
+    EXPECT_EQ(saved.size(), ref.params.size());
+    for (const auto& [name, value] : saved)
+      EXPECT_TRUE(params_close(value, ref.params.at(name))) << where << " " << name;
+  }
+  // Saved after step 3 at pp 2 x tp 2, resumed there: the uninterrupted steps.
+  const PsGroup g{2, 2};
+  const PsRun whole = run_ps(2, 1, 0, kSteps, 0, "", "", g);
+  run_ps(2, 1, 0, 3, 0, dir + "/mid", "", g);
+  const PsRun rest = run_ps(2, 1, 0, kSteps, 3, "", dir + "/mid", g);
+  ASSERT_EQ(rest.steps.size(), 2u);
+  for (size_t k = 0; k < 2; ++k) {
+    EXPECT_EQ(rest.steps[k].loss, whole.steps[3 + k].loss) << "step " << 4 + k;
+    EXPECT_EQ(rest.steps[k].grad_norm, whole.steps[3 + k].grad_norm) << "step " << 4 + k;
+  }
+  // S = 1: one update per worker and step, within the bound.
+  const PsRun stale = run_ps(2, 2, 1, 6, 0, "", "", g);
+  ASSERT_EQ(stale.steps.size(), 6u);
+  EXPECT_EQ(stale.updates, 2 * 6);
+  EXPECT_LE(stale.max_gap, 2);
+  for (const StepRecord& rec : stale.steps) EXPECT_TRUE(std::isfinite(rec.loss));
 }
 
 TEST(ParamServer, MoreServersThanTensorsIsRefused) {

@@ -2,10 +2,15 @@
 // bounded staleness (stale-synchronous parallel).
 //
 // The last K ranks of the world are servers; each holds a shard of the
-// parameters (whole tensors, assign_to_servers) with their optimizer state.
-// The other ranks are workers, one data-parallel replica each: a worker
-// computes the gradients of its share of the global batch, pushes each shard's
-// gradients to its server and waits for the parameters back. With
+// parameters (whole tensors of the logical model, assign_to_servers) with
+// their optimizer state. The other ranks are workers: each data-parallel
+// replica is a worker, one process or a pipeline x tensor-parallel group of
+// them. A worker computes the gradients of its share of the global batch;
+// each of its ranks pushes its pieces of those gradients to their servers
+// (every piece once: the pipeline rank that owns a tied tensor, tensor-
+// parallel rank 0 of a replicated one, every rank its slice of a split one)
+// and waits for the values of every piece it holds back. A server assembles
+// a worker's whole tensors from the pieces of its ranks. With
 // --max-staleness S, no worker starts a step more than S steps ahead of the
 // slowest (a server answers worker i's push of step t once every worker has
 // pushed step t - S).
@@ -21,10 +26,13 @@
 //    workers), and records how many other updates came between the
 //    parameters the worker read and its own (its staleness).
 //
-//   // every rank:
+//   // every rank, with the logical model's parameters:
 //   auto role = world.split({workers, servers}, "ps");
 //   if (server) PsServer(world, *role, params, config).serve(0, steps);
 //   else { PsWorker ps(world, params, config); ... trainer with Parallel::ps = &ps ... }
+//
+// The Trainer attaches its rank's parameters (PsWorker::attach), which tells
+// every server which pieces this rank pushes and pulls.
 #pragma once
 
 #include <weft/communicator.h>
@@ -74,43 +82,58 @@ struct PsStep {
   double grad_norm = 0;  // S = 0: of the summed gradient; S > 0: this worker's, times workers
   double wait_ms = 0;    // from the push until the parameters were back
   int64_t staleness = 0; // of this worker's update (the most over servers)
-  double bytes = 0;      // sent by this worker: gradients out
+  double bytes = 0;      // sent by this rank: its gradient pieces out
 };
 
-// A worker's side: one per worker rank, holding the same parameter list (in
-// the same order) as the servers.
+// A worker rank's side: one per worker rank, holding the logical model's
+// parameter list (the same names, shapes and order as the servers').
 class PsWorker {
  public:
-  // `world` is the whole job; this rank is worker world.rank().
-  PsWorker(Communicator& world, std::vector<Param*> params, PsConfig config);
+  // `world` is the whole job; this rank is worker rank world.rank().
+  // `logical`: the whole model's parameters (only names and shapes are read).
+  PsWorker(Communicator& world, std::vector<Param*> logical, PsConfig config);
   ~PsWorker();
-  // Pushes the gradients of `step` (Param::grad, this worker's share of the
-  // batch's mean-loss gradient), `loss` (its share of the mean loss) and the
-  // squared norm of its gradients; waits for the parameters the staleness
-  // bound allows and copies them into Param::value. `compute_ms` is the
-  // step's compute time (for the slow factor).
+  // This rank's parameters (each a piece of a logical one, Param::shard): it
+  // pulls all of them and pushes the gradients of those in `pushed`. Rank
+  // `replica` of `replicas` data-parallel replicas (the workers). Tells every
+  // server its pieces (a server waits for this from every worker rank). Throws
+  // Error naming a parameter the logical model does not have, or a rank that
+  // holds no parameter at all.
+  void attach(const std::vector<Param*>& local, const std::vector<const Param*>& pushed,
+              int replica, int replicas);
+  // Pushes this rank's pieces of the gradients of `step` (Param::grad, its
+  // worker's share of the batch's mean-loss gradient), `loss` (the worker's
+  // share of the mean loss) and the squared norm of the worker's gradients;
+  // waits for the parameters the staleness bound allows and copies them into
+  // Param::value. `compute_ms` is the step's compute time (for the slow factor).
   PsStep exchange(int64_t step, double loss, double norm_sq, double compute_ms);
   // On world rank 0, after the last step: the servers' staleness counts
   // summed (index s: updates of staleness s; the last bin holds the larger).
   std::vector<int64_t> staleness_histogram();
   // On world rank 0, after the exchange of a save step: every server's
-  // optimizer state ("<param><suffix>", optimizer_state_suffixes), and in
-  // `steps` their optimizer's step count.
+  // optimizer state ("<param><suffix>", optimizer_state_suffixes; whole
+  // tensors of the logical model), and in `steps` their optimizer's step count.
   std::vector<std::pair<std::string, Tensor>> optimizer_state(int64_t& steps);
+  // World rank 0: the rank the servers send their state and counts to.
+  bool writer() const { return world_.rank() == 0; }
 
  private:
   struct Shard;
   Communicator& world_;
-  std::vector<Param*> params_;
+  std::vector<Param*> logical_;
+  std::vector<int> server_of_;  // per logical parameter
   PsConfig config_;
-  std::vector<std::unique_ptr<Shard>> shards_;  // per server
+  std::vector<std::unique_ptr<Shard>> shards_;  // per server this rank holds pieces of
   std::vector<RequestPtr> answers_;              // this step's receives, reused
+  std::vector<RequestPtr> manifests_;            // attach's sends
+  std::vector<Tensor> manifest_buffers_;
 };
 
 class PsServer {
  public:
   // `servers` is the group of the server ranks (for the S = 0 norm);
-  // `params` the whole model in the workers' order, initialised as theirs.
+  // `params` the whole logical model in the workers' order, initialised as
+  // theirs. Waits for every worker rank's pieces (PsWorker::attach).
   PsServer(Communicator& world, Communicator& servers, std::vector<Param*> params,
            PsConfig config);
   ~PsServer();
@@ -129,8 +152,11 @@ class PsServer {
   int64_t updates() const { return version_; }
 
  private:
-  struct Inbox;
+  struct Member;
+  struct Worker;
+  void receive_pieces();
   void post(int worker);
+  void assemble(int worker, const std::vector<Tensor>& into);  // whole gradients from pieces
   void round(int64_t step);                 // S = 0
   void apply(int worker);                   // S > 0
   void reply(int worker);
@@ -139,12 +165,12 @@ class PsServer {
   Communicator& world_;
   Communicator& servers_;
   PsConfig config_;
-  int workers_ = 0, server_ = 0;
+  int workers_ = 0, server_ = 0;  // workers: data-parallel replicas, each of one or more ranks
   std::vector<Param*> all_;   // the model's tensors
   std::vector<Param*> mine_;  // this server's tensors, in model order
-  int64_t elements_ = 0;
+  std::vector<Tensor> sum_;   // S = 0: a worker's gradients before they join the sum
   std::unique_ptr<Optimizer> optimizer_;
-  std::vector<std::unique_ptr<Inbox>> inbox_;  // per worker
+  std::vector<std::unique_ptr<Worker>> worker_;  // per worker
   std::vector<int64_t> pushed_;                // per worker: steps pushed
   std::vector<int64_t> owed_;                  // per worker: the step whose answer is owed, or -1
   std::vector<int64_t> staleness_;             // per worker: of its last update

@@ -6,6 +6,10 @@
 //   answer server -> worker  #2 I32 [version, staleness]   #3 F32 [loss, norm, values...]
 //   counts server -> rank 0  #4 I32 the staleness histogram, after the last step
 //   state  server -> rank 0  #5 I32 [optimizer steps]  #6 F32 its optimizer state, at saves
+//   pieces worker -> server  #7 I32 [length]  #8 I32 which pieces it holds, once, before step 1
+// A worker of several ranks (pipeline x tensor parallel) exchanges these per
+// rank that holds pieces of the server's tensors: the pushes carry the pieces
+// it owns, the answers every piece it holds.
 #include <weft/checkpoint.h>
 #include <weft/ops.h>
 #include <weft/param_server.h>
@@ -14,6 +18,7 @@
 #include <cmath>
 #include <map>
 #include <numeric>
+#include <set>
 #include <thread>
 
 namespace weft {
@@ -59,39 +64,99 @@ std::vector<int> assign_to_servers(const std::vector<Param*>& params, int server
 }
 
 // --- the worker ---
+//
+// A piece: this rank's part (Param::shard) of logical tensor `logical`. The
+// manifest a worker rank sends each server before the first step (#7 I32
+// [length], #8 I32 body) lists the pieces it holds of that server's tensors,
+// in the order its pushes and answers carry them:
+//   [replica, replicas, pieces, then per piece: logical index, pushed, dim,
+//    parts, index, blocks, block widths...]
 
 struct PsWorker::Shard {
   int world_rank = 0;
-  std::vector<Param*> params;
+  std::vector<Param*> params;  // pulled, in this rank's order
+  std::vector<Param*> pushed;  // of those, the ones whose gradients this rank pushes
   Tensor push_header, push, answer_header, answer;
   std::vector<RequestPtr> sends;
   int64_t version = 0;  // of the parameters last read from this server
 };
 
-PsWorker::PsWorker(Communicator& world, std::vector<Param*> params, PsConfig config)
-    : world_(world), params_(std::move(params)), config_(config) {
+PsWorker::PsWorker(Communicator& world, std::vector<Param*> logical, PsConfig config)
+    : world_(world), logical_(std::move(logical)), config_(config) {
   const int workers = config_.workers(world_.size());
-  check(world_.rank() < workers, "world rank {} is a server, not a worker ({} workers)",
+  check(world_.rank() < workers, "world rank {} is a server, not a worker ({} worker ranks)",
         world_.rank(), workers);
-  const std::vector<int> server = assign_to_servers(params_, config_.servers);
+  server_of_ = assign_to_servers(logical_, config_.servers);
+}
+
+PsWorker::~PsWorker() {
+  // The manifests went out before the first step; a server has read them.
+  try {
+    wait_all(manifests_);
+  } catch (...) {  // a failed peer: the job is ending anyway
+  }
+}
+
+void PsWorker::attach(const std::vector<Param*>& local, const std::vector<const Param*>& pushed,
+                      int replica, int replicas) {
+  check(shards_.empty(), "PsWorker::attach: this rank's parameters are attached already");
+  check(!local.empty(),
+        "world rank {} holds no parameter, so it has nothing to push or pull: give every "
+        "pipeline stage of a worker at least one parameter (fewer --pp, or another --partition)",
+        world_.rank());
+  std::map<std::string, int> index;
+  for (size_t i = 0; i < logical_.size(); ++i) index[logical_[i]->name] = static_cast<int>(i);
+  const std::set<const Param*> push(pushed.begin(), pushed.end());
+  const int workers = config_.workers(world_.size());
+  std::vector<std::vector<int32_t>> manifest(static_cast<size_t>(config_.servers));
+  for (auto& m : manifest) m = {replica, replicas, 0};
+  std::vector<std::unique_ptr<Shard>> shards(static_cast<size_t>(config_.servers));
+  for (Param* p : local) {
+    const auto it = index.find(p->name);
+    check(it != index.end(), "parameter {} of world rank {} is not in the model the servers hold",
+          p->name, world_.rank());
+    const int k = server_of_[static_cast<size_t>(it->second)];
+    auto& s = shards[static_cast<size_t>(k)];
+    if (!s) {
+      s = std::make_unique<Shard>();
+      s->world_rank = workers + k;
+    }
+    s->params.push_back(p);
+    const bool pushes = push.count(p) > 0;
+    if (pushes) s->pushed.push_back(p);
+    std::vector<int32_t>& m = manifest[static_cast<size_t>(k)];
+    ++m[2];
+    const weft::Shard& sh = p->shard;
+    m.insert(m.end(), {it->second, pushes ? 1 : 0, sh.dim, sh.parts, sh.index,
+                       static_cast<int32_t>(sh.blocks.size())});
+    for (int64_t b : sh.blocks) m.push_back(static_cast<int32_t>(b));
+  }
   for (int k = 0; k < config_.servers; ++k) {
-    auto s = std::make_unique<Shard>();
-    s->world_rank = workers + k;
-    for (size_t i = 0; i < params_.size(); ++i)
-      if (server[i] == k) s->params.push_back(params_[i]);
-    const int64_t n = elements_of(s->params);
+    const std::vector<int32_t>& m = manifest[static_cast<size_t>(k)];
+    Tensor length = Tensor::zeros({1}, DType::I32);
+    length.data<int32_t>()[0] = static_cast<int32_t>(m.size());
+    Tensor body = Tensor::zeros({static_cast<int64_t>(m.size())}, DType::I32);
+    std::copy(m.begin(), m.end(), body.data<int32_t>());
+    manifests_.push_back(world_.isend(length, workers + k, tag(7)));
+    manifests_.push_back(world_.isend(body, workers + k, tag(8)));
+    manifest_buffers_.push_back(length);
+    manifest_buffers_.push_back(body);
+    auto& s = shards[static_cast<size_t>(k)];
+    if (!s) continue;  // this rank holds nothing of server k's tensors
+    int64_t pushed_n = 0, pulled_n = 0;
+    for (Param* p : s->pushed) pushed_n += p->value.numel();
+    for (Param* p : s->params) pulled_n += p->value.numel();
     s->push_header = Tensor::zeros({2}, DType::I32);
-    s->push = Tensor::zeros({2 + n});
+    s->push = Tensor::zeros({2 + pushed_n});
     s->answer_header = Tensor::zeros({2}, DType::I32);
-    s->answer = Tensor::zeros({2 + n});
+    s->answer = Tensor::zeros({2 + pulled_n});
     shards_.push_back(std::move(s));
   }
 }
 
-PsWorker::~PsWorker() = default;
-
 PsStep PsWorker::exchange(int64_t step, double loss, double norm_sq, double compute_ms) {
   using Clock = std::chrono::steady_clock;
+  check(!shards_.empty(), "PsWorker::exchange before attach: the servers do not know this rank");
   if (config_.slow_factor > 1)
     std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(
         (config_.slow_factor - 1) * compute_ms));
@@ -108,7 +173,7 @@ PsStep PsWorker::exchange(int64_t step, double loss, double norm_sq, double comp
     s.push.data<float>()[0] = static_cast<float>(loss);
     s.push.data<float>()[1] = static_cast<float>(norm_sq);
     int64_t at = 2;
-    for (Param* p : s.params) {
+    for (Param* p : s.pushed) {
       const int64_t n = p->value.numel();
       elements(s.push, at, n).copy_from(flat_of(*p, p->grad));
       at += n;
@@ -132,7 +197,7 @@ PsStep PsWorker::exchange(int64_t step, double loss, double norm_sq, double comp
       at += n;
     }
   }
-  // Every server sums the same numbers in the same order: server 0's stand for all.
+  // Every server sums the same numbers in the same order: any one stands for all.
   r.loss = shards_.front()->answer.data<float>()[0];
   r.grad_norm = shards_.front()->answer.data<float>()[1];
   return r;
@@ -141,9 +206,10 @@ PsStep PsWorker::exchange(int64_t step, double loss, double norm_sq, double comp
 std::vector<int64_t> PsWorker::staleness_histogram() {
   check(world_.rank() == 0, "the staleness counts go to world rank 0, not {}", world_.rank());
   std::vector<int64_t> total(PsServer::kHistogramBins, 0);
-  for (auto& s : shards_) {
+  const int workers = config_.workers(world_.size());
+  for (int k = 0; k < config_.servers; ++k) {
     Tensor h = Tensor::zeros({PsServer::kHistogramBins}, DType::I32);
-    world_.recv(h, s->world_rank, tag(4));
+    world_.recv(h, workers + k, tag(4));
     for (int b = 0; b < PsServer::kHistogramBins; ++b) total[static_cast<size_t>(b)] += h.data<int32_t>()[b];
   }
   return total;
@@ -153,18 +219,22 @@ std::vector<std::pair<std::string, Tensor>> PsWorker::optimizer_state(int64_t& s
   check(world_.rank() == 0, "the servers' state goes to world rank 0, not {}", world_.rank());
   const std::vector<std::string> suffixes = optimizer_state_suffixes(config_.optimizer);
   std::vector<std::pair<std::string, Tensor>> state;
-  for (auto& s : shards_) {
+  const int workers = config_.workers(world_.size());
+  for (int k = 0; k < config_.servers; ++k) {
+    std::vector<Param*> held;  // server k's tensors, in model order
+    for (size_t i = 0; i < logical_.size(); ++i)
+      if (server_of_[i] == k) held.push_back(logical_[i]);
     Tensor header = Tensor::zeros({1}, DType::I32);
-    Tensor flat = Tensor::zeros({static_cast<int64_t>(suffixes.size()) * elements_of(s->params)});
-    world_.recv(header, s->world_rank, tag(5));
-    world_.recv(flat, s->world_rank, tag(6));
+    Tensor flat = Tensor::zeros({static_cast<int64_t>(suffixes.size()) * elements_of(held)});
+    world_.recv(header, workers + k, tag(5));
+    world_.recv(flat, workers + k, tag(6));
     steps = header.data<int32_t>()[0];
     int64_t at = 0;
-    for (Param* p : s->params)  // in the order of the optimizer's state(): parameter, then suffix
+    for (Param* p : held)  // in the order of the optimizer's state(): parameter, then suffix
       for (const std::string& suffix : suffixes) {
-        Tensor t = Tensor::zeros(p->value.shape());
-        flat_of(*p, t).copy_from(elements(flat, at, p->value.numel()));
-        at += p->value.numel();
+        Tensor t = Tensor::zeros(p->shard.full);
+        t.view(Shape{t.numel()}).copy_from(elements(flat, at, t.numel()));
+        at += t.numel();
         state.emplace_back(p->name + suffix, t);
       }
   }
@@ -173,43 +243,53 @@ std::vector<std::pair<std::string, Tensor>> PsWorker::optimizer_state(int64_t& s
 
 // --- the server ---
 
-struct PsServer::Inbox {
+// One worker rank, as this server sees it: the pieces of this server's
+// tensors it holds, and its messages.
+struct PsServer::Member {
+  struct Piece {
+    int tensor = 0;  // index into mine_
+    Shard shard;     // this rank's part of it
+    int64_t at = 0;  // where the piece sits in the push (pushed ones) or the answer
+  };
+  int world_rank = 0;
+  std::vector<Piece> pushed, pulled;
   Tensor header, push;
   RequestPtr h, p;
-  bool full = false;  // a push has arrived and waits to be applied (S = 0)
+  bool arrived = false;  // this step's push is here
   Tensor answer_header, answer;
   std::vector<RequestPtr> sends;
+};
+
+// A worker: one data-parallel replica, its ranks that hold pieces of this
+// server's tensors in world-rank order.
+struct PsServer::Worker {
+  std::vector<std::unique_ptr<Member>> members;
+  bool full = false;  // a whole push has arrived and waits to be applied (S = 0)
 };
 
 PsServer::PsServer(Communicator& world, Communicator& servers, std::vector<Param*> params,
                    PsConfig config)
     : world_(world), servers_(servers), config_(config) {
-  workers_ = config_.workers(world_.size());
-  server_ = world_.rank() - workers_;
+  const int worker_ranks = config_.workers(world_.size());
+  server_ = world_.rank() - worker_ranks;
   check(server_ >= 0 && server_ < config_.servers,
         "world rank {} is not one of the {} servers (world ranks {}..{})", world_.rank(),
-        config_.servers, workers_, world_.size() - 1);
+        config_.servers, worker_ranks, world_.size() - 1);
   check(config_.max_staleness >= 0, "--max-staleness ({}) must be >= 0", config_.max_staleness);
   all_ = params;
   const std::vector<int> server = assign_to_servers(params, config_.servers);
   for (size_t i = 0; i < params.size(); ++i)
     if (server[i] == server_) mine_.push_back(params[i]);
-  for (Param* p : mine_)
+  for (Param* p : mine_) {
     if (!p->grad.defined() || p->grad.numel() != p->value.numel())
       p->grad = Tensor::zeros(p->value.shape());
-  elements_ = elements_of(mine_);
+    sum_.push_back(Tensor::zeros(p->value.shape()));
+  }
   if (config_.optimizer == OptimizerKind::Sgd)
     optimizer_ = std::make_unique<Sgd>(mine_, config_.sgd);
   else
     optimizer_ = std::make_unique<AdamW>(mine_, config_.adam);
-  for (int w = 0; w < workers_; ++w) {
-    auto in = std::make_unique<Inbox>();
-    in->header = Tensor::zeros({2}, DType::I32);
-    in->push = Tensor::zeros({2 + elements_});
-    in->answer_header = Tensor::zeros({2}, DType::I32);
-    in->answer = Tensor::zeros({2 + elements_});
-    inbox_.push_back(std::move(in));
-  }
+  receive_pieces();
   pushed_.assign(static_cast<size_t>(workers_), 0);
   owed_.assign(static_cast<size_t>(workers_), -1);
   staleness_.assign(static_cast<size_t>(workers_), 0);
@@ -220,6 +300,80 @@ PsServer::PsServer(Communicator& world, Communicator& servers, std::vector<Param
 }
 
 PsServer::~PsServer() = default;
+
+// Every worker rank's manifest (PsWorker::attach): which worker it belongs
+// to and which pieces of this server's tensors it pushes and pulls. Checks
+// that each worker's pushed pieces cover each tensor exactly once.
+void PsServer::receive_pieces() {
+  const int worker_ranks = config_.workers(world_.size());
+  std::map<int, int> mine_of;  // logical index -> index into mine_
+  for (size_t i = 0, j = 0; i < all_.size(); ++i)
+    if (j < mine_.size() && all_[i] == mine_[j]) mine_of[static_cast<int>(i)] = static_cast<int>(j++);
+  int replicas = -1;
+  std::vector<std::vector<int64_t>> covered;  // per worker, per tensor: elements pushed
+  for (int r = 0; r < worker_ranks; ++r) {
+    Tensor length = Tensor::zeros({1}, DType::I32);
+    world_.recv(length, r, tag(7));
+    Tensor body = Tensor::zeros({length.data<int32_t>()[0]}, DType::I32);
+    world_.recv(body, r, tag(8));
+    const int32_t* m = body.data<int32_t>();
+    const int32_t* const end = m + body.numel();
+    auto next = [&](const char* what) {
+      check(m < end, "server {}: world rank {}'s list of pieces ends before its {}", server_, r,
+            what);
+      return *m++;
+    };
+    const int replica = next("replica"), count = next("replica count"), pieces = next("pieces");
+    if (replicas < 0) {
+      replicas = count;
+      check(replicas >= 1 && replicas <= worker_ranks && worker_ranks % replicas == 0,
+            "server {}: {} worker replicas do not divide the {} worker ranks", server_, replicas,
+            worker_ranks);
+      for (int w = 0; w < replicas; ++w) worker_.push_back(std::make_unique<Worker>());
+      covered.assign(static_cast<size_t>(replicas), std::vector<int64_t>(mine_.size(), 0));
+    }
+    check(count == replicas && replica >= 0 && replica < replicas,
+          "server {}: world rank {} says it is replica {} of {}, but world rank 0 said {} "
+          "replicas",
+          server_, r, replica, count, replicas);
+    auto member = std::make_unique<Member>();
+    member->world_rank = r;
+    int64_t push_n = 0, pull_n = 0;
+    for (int k = 0; k < pieces; ++k) {
+      const int logical = next("tensor"), pushes = next("push flag");
+      Shard sh;
+      sh.dim = next("dimension"), sh.parts = next("parts"), sh.index = next("index");
+      const int blocks = next("block count");
+      for (int b = 0; b < blocks; ++b) sh.blocks.push_back(next("block width"));
+      const auto it = mine_of.find(logical);
+      check(it != mine_of.end(), "server {}: world rank {} sent a piece of tensor {}, which "
+            "server {} does not hold", server_, r, logical, server_);
+      sh.full = mine_[static_cast<size_t>(it->second)]->value.shape();
+      const int64_t n = sh.local().numel();
+      member->pulled.push_back({it->second, sh, 2 + pull_n});
+      pull_n += n;
+      if (pushes != 0) {
+        member->pushed.push_back({it->second, sh, 2 + push_n});
+        push_n += n;
+        covered[static_cast<size_t>(replica)][static_cast<size_t>(it->second)] += n;
+      }
+    }
+    if (pieces == 0) continue;  // no piece here: this rank never writes to this server
+    member->header = Tensor::zeros({2}, DType::I32);
+    member->push = Tensor::zeros({2 + push_n});
+    member->answer_header = Tensor::zeros({2}, DType::I32);
+    member->answer = Tensor::zeros({2 + pull_n});
+    worker_[static_cast<size_t>(replica)]->members.push_back(std::move(member));
+  }
+  workers_ = replicas;
+  for (int w = 0; w < workers_; ++w)
+    for (size_t t = 0; t < mine_.size(); ++t)
+      check(covered[static_cast<size_t>(w)][t] == mine_[t]->value.numel(),
+            "server {}: worker {} pushes {} elements of {} ({} elements): every element must "
+            "come from exactly one of its ranks",
+            server_, w, covered[static_cast<size_t>(w)][t], mine_[t]->name,
+            mine_[t]->value.numel());
+}
 
 void PsServer::load(const Checkpoint& c) {
   c.read_model(all_);  // every tensor the file holds, though this server serves some
@@ -251,27 +405,45 @@ void PsServer::send_state() {
 }
 
 void PsServer::post(int w) {
-  Inbox& in = *inbox_[static_cast<size_t>(w)];
-  in.h = world_.irecv(in.header, w, tag(0));
-  in.p = world_.irecv(in.push, w, tag(1));
-  in.full = false;
+  Worker& wk = *worker_[static_cast<size_t>(w)];
+  for (auto& m : wk.members) {
+    m->h = world_.irecv(m->header, m->world_rank, tag(0));
+    m->p = world_.irecv(m->push, m->world_rank, tag(1));
+    m->arrived = false;
+  }
+  wk.full = false;
 }
+
+// Worker w's whole gradients of this server's tensors, from its ranks' pieces.
+void PsServer::assemble(int w, const std::vector<Tensor>& into) {
+  for (auto& m : worker_[static_cast<size_t>(w)]->members)
+    for (const Member::Piece& piece : m->pushed) {
+      const Tensor part = elements(m->push, piece.at, piece.shard.local().numel())
+                              .view(piece.shard.local());
+      place_shard(part, piece.shard, into[static_cast<size_t>(piece.tensor)]);
+    }
+}
+
+// Worker w's loss share and squared norm: every rank of it sent the same.
+namespace {
+float push_field(const Tensor& push, int field) { return push.data<float>()[field]; }
+}  // namespace
 
 // S = 0: every worker's gradients of `step`, summed in worker order, clipped
 // by the whole sum's norm and applied once, as synchronous data parallelism.
 void PsServer::round(int64_t step) {
   double loss = 0;
-  for (int w = 0; w < workers_; ++w) loss += inbox_[static_cast<size_t>(w)]->push.data<float>()[0];
-  int64_t at = 2;
-  double local = 0;
-  for (Param* p : mine_) {
-    const int64_t n = p->value.numel();
-    const Tensor g = flat_of(*p, p->grad);
-    g.copy_from(elements(inbox_[0]->push, at, n));
-    for (int w = 1; w < workers_; ++w) ops::add(g, elements(inbox_[static_cast<size_t>(w)]->push, at, n));
-    local += ops::sum_squares(g);
-    at += n;
+  for (int w = 0; w < workers_; ++w)
+    loss += push_field(worker_[static_cast<size_t>(w)]->members.front()->push, 0);
+  std::vector<Tensor> grads;
+  for (Param* p : mine_) grads.push_back(p->grad);
+  assemble(0, grads);
+  for (int w = 1; w < workers_; ++w) {
+    assemble(w, sum_);
+    for (size_t t = 0; t < mine_.size(); ++t) ops::add(grads[t], sum_[t]);
   }
+  double local = 0;
+  for (const Tensor& g : grads) local += ops::sum_squares(g);
   norm_.data<float>()[0] = static_cast<float>(local);
   servers_.all_reduce(norm_, ReduceOp::Sum);
   const double grad_norm = std::sqrt(static_cast<double>(norm_.data<float>()[0]));
@@ -292,16 +464,13 @@ void PsServer::round(int64_t step) {
 // moves the parameters 1 / workers as far as a synchronous step; AdamW
 // normalises that scale away, so its learning rate takes the 1 / workers.
 void PsServer::apply(int w) {
-  Inbox& in = *inbox_[static_cast<size_t>(w)];
-  const int64_t step = in.header.data<int32_t>()[0], read = in.header.data<int32_t>()[1];
+  const Member& first = *worker_[static_cast<size_t>(w)]->members.front();
+  const int64_t step = first.header.data<int32_t>()[0], read = first.header.data<int32_t>()[1];
   const double n = static_cast<double>(workers_);
-  const double norm = n * std::sqrt(std::max(0.0, static_cast<double>(in.push.data<float>()[1])));
-  int64_t at = 2;
-  for (Param* p : mine_) {
-    const int64_t k = p->value.numel();
-    flat_of(*p, p->grad).copy_from(elements(in.push, at, k));
-    at += k;
-  }
+  const double norm = n * std::sqrt(std::max(0.0, static_cast<double>(push_field(first.push, 1))));
+  std::vector<Tensor> grads;
+  for (Param* p : mine_) grads.push_back(p->grad);
+  assemble(w, grads);
   clip_grads(mine_, config_.clip_grad / n, norm / n);
   const float lr = config_.lr.at(step);
   optimizer_->step(config_.optimizer == OptimizerKind::Adam ? lr / static_cast<float>(n) : lr);
@@ -309,26 +478,26 @@ void PsServer::apply(int w) {
   ++histogram_[static_cast<size_t>(std::min<int64_t>(stale, kHistogramBins - 1))];
   ++version_;
   staleness_[static_cast<size_t>(w)] = stale;
-  answer_loss_[static_cast<size_t>(w)] = n * in.push.data<float>()[0];
+  answer_loss_[static_cast<size_t>(w)] = n * push_field(first.push, 0);
   answer_norm_[static_cast<size_t>(w)] = norm;
 }
 
 void PsServer::reply(int w) {
-  Inbox& in = *inbox_[static_cast<size_t>(w)];
-  wait_all(in.sends);  // the worker took the last answer before it pushed again
-  in.sends.clear();
-  in.answer_header.data<int32_t>()[0] = static_cast<int32_t>(version_);
-  in.answer_header.data<int32_t>()[1] = static_cast<int32_t>(staleness_[static_cast<size_t>(w)]);
-  in.answer.data<float>()[0] = static_cast<float>(answer_loss_[static_cast<size_t>(w)]);
-  in.answer.data<float>()[1] = static_cast<float>(answer_norm_[static_cast<size_t>(w)]);
-  int64_t at = 2;
-  for (Param* p : mine_) {
-    const int64_t n = p->value.numel();
-    elements(in.answer, at, n).copy_from(flat_of(*p, p->value));
-    at += n;
+  for (auto& mp : worker_[static_cast<size_t>(w)]->members) {
+    Member& m = *mp;
+    wait_all(m.sends);  // the rank took the last answer before it pushed again
+    m.sends.clear();
+    m.answer_header.data<int32_t>()[0] = static_cast<int32_t>(version_);
+    m.answer_header.data<int32_t>()[1] = static_cast<int32_t>(staleness_[static_cast<size_t>(w)]);
+    m.answer.data<float>()[0] = static_cast<float>(answer_loss_[static_cast<size_t>(w)]);
+    m.answer.data<float>()[1] = static_cast<float>(answer_norm_[static_cast<size_t>(w)]);
+    for (const Member::Piece& piece : m.pulled)
+      slice_shard(mine_[static_cast<size_t>(piece.tensor)]->value, piece.shard,
+                  elements(m.answer, piece.at, piece.shard.local().numel())
+                      .view(piece.shard.local()));
+    m.sends.push_back(world_.isend(m.answer_header, m.world_rank, tag(2)));
+    m.sends.push_back(world_.isend(m.answer, m.world_rank, tag(3)));
   }
-  in.sends.push_back(world_.isend(in.answer_header, w, tag(2)));
-  in.sends.push_back(world_.isend(in.answer, w, tag(3)));
   owed_[static_cast<size_t>(w)] = -1;
 }
 
@@ -345,31 +514,47 @@ void PsServer::serve(int64_t first, int64_t last) {
   while (answered < total) {
     bool progress = false;
     for (int w = 0; w < workers_; ++w) {
-      Inbox& in = *inbox_[static_cast<size_t>(w)];
-      if (!in.h || in.full || !in.h->test() || !in.p->test()) continue;
-      in.h.reset(), in.p.reset();
-      progress = true;
-      const int64_t step = in.header.data<int32_t>()[0];
-      check(step == pushed_[static_cast<size_t>(w)],
-            "server {}: worker {} pushed step {} but step {} was due", server_, w, step + 1,
-            pushed_[static_cast<size_t>(w)] + 1);
+      Worker& wk = *worker_[static_cast<size_t>(w)];
+      if (wk.full) continue;
+      for (auto& m : wk.members) {
+        if (!m->h || m->arrived || !m->h->test() || !m->p->test()) continue;
+        m->h.reset(), m->p.reset();
+        m->arrived = true;
+        progress = true;
+        const int64_t step = m->header.data<int32_t>()[0];
+        check(step == pushed_[static_cast<size_t>(w)],
+              "server {}: world rank {} of worker {} pushed step {} but step {} was due", server_,
+              m->world_rank, w, step + 1, pushed_[static_cast<size_t>(w)] + 1);
+      }
+      if (!std::all_of(wk.members.begin(), wk.members.end(),
+                       [](const auto& m) { return m->arrived; }))
+        continue;
+      // The worker's whole push of this step is here.
+      const int64_t step = pushed_[static_cast<size_t>(w)];
       pushed_[static_cast<size_t>(w)] = step + 1;
       owed_[static_cast<size_t>(w)] = step;
       const auto [lo, hi] = std::minmax_element(pushed_.begin(), pushed_.end());
       max_gap_ = std::max(max_gap_, *hi - *lo);
       if (S == 0) {
-        in.full = true;
+        wk.full = true;
       } else {
         apply(w);
         if (step + 1 < last) post(w);
+        else for (auto& m : wk.members) m->arrived = false;
       }
     }
-    if (S == 0 && std::all_of(inbox_.begin(), inbox_.end(), [](const auto& in) { return in->full; })) {
+    if (S == 0 && std::all_of(worker_.begin(), worker_.end(), [](const auto& wk) { return wk->full; })) {
       const int64_t step = pushed_[0] - 1;
       round(step);
-      for (int w = 0; w < workers_; ++w)
-        if (step + 1 < last) post(w);
-        else inbox_[static_cast<size_t>(w)]->full = false;
+      for (int w = 0; w < workers_; ++w) {
+        Worker& wk = *worker_[static_cast<size_t>(w)];
+        if (step + 1 < last) {
+          post(w);
+        } else {
+          wk.full = false;
+          for (auto& m : wk.members) m->arrived = false;
+        }
+      }
     }
     // Answers the staleness bound allows: worker w may start step t + 1 once
     // every worker has pushed step t - S, or step t itself after a save step.
@@ -377,7 +562,7 @@ void PsServer::serve(int64_t first, int64_t last) {
     int64_t saved = -1;
     for (int w = 0; w < workers_; ++w) {
       const int64_t t = owed_[static_cast<size_t>(w)];
-      if (t < 0 || inbox_[static_cast<size_t>(w)]->full ||
+      if (t < 0 || worker_[static_cast<size_t>(w)]->full ||
           slowest < t + 1 - (saving(t) ? 0 : S))
         continue;
       reply(w);
@@ -395,19 +580,21 @@ void PsServer::serve(int64_t first, int64_t last) {
     if (Clock::now() - progressed_at > world_.options().timeout) {
       std::vector<int> waiting;
       for (int w = 0; w < workers_; ++w)
-        if (inbox_[static_cast<size_t>(w)]->h) waiting.push_back(w);
+        for (auto& m : worker_[static_cast<size_t>(w)]->members)
+          if (m->h && !m->arrived) waiting.push_back(m->world_rank);
       throw CommTimeout(
-          "parameter server {} (world rank {}) waited {} ms for a push from worker(s) {} (at "
-          "steps {}); the slowest worker has pushed {} of {} steps",
+          "parameter server {} (world rank {}) waited {} ms for a push from world rank(s) {} (the "
+          "workers are at steps {}); the slowest worker has pushed {} of {} steps",
           server_, world_.rank(), world_.options().timeout.count(), fmt::join(waiting, ", "),
           fmt::join(pushed_, ", "), slowest, last);
     }
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
-  for (auto& in : inbox_) {
-    wait_all(in->sends);
-    in->sends.clear();
-  }
+  for (auto& wk : worker_)
+    for (auto& m : wk->members) {
+      wait_all(m->sends);
+      m->sends.clear();
+    }
   Tensor h = Tensor::zeros({kHistogramBins}, DType::I32);
   for (int b = 0; b < kHistogramBins; ++b) h.data<int32_t>()[b] = static_cast<int32_t>(histogram_[static_cast<size_t>(b)]);
   world_.send(h, 0, tag(4));

@@ -165,9 +165,6 @@ Trainer::Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, Parallel 
     sync_->set_reduce(false);
   }
   if (par_.ps != nullptr) {
-    check(par_.pipeline == nullptr && (par_.groups.tp == nullptr || par_.groups.tp->size() == 1),
-          "--ps-ranks: each worker is one process for now (--tp 1 --pp 1), not a pipeline or "
-          "tensor-parallel group");
     check(opt_.device.is_cpu(), "--ps-ranks runs on the CPU for now, not on {}", opt_.device.str());
     check(!par_.sync.distributed_optimizer && !local() && !opt_.spike.enabled &&
               par_.sync.compression == GradCompression::None && par_.sync.reduce_dtype == DType::F32,
@@ -175,6 +172,15 @@ Trainer::Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, Parallel 
           "with --use-distributed-optimizer, --local-steps, --grad-compression, "
           "--grad-reduce-dtype or --check-for-spiky-loss");
     sync_->set_reduce(false);
+    // Each piece of the model is pushed by one rank of the worker, as the
+    // gradient norm counts it: the pipeline rank that owns it (tied tensors
+    // are summed over their holders first), every tensor-parallel rank its
+    // slice of a split tensor, tensor-parallel rank 0 a replicated one.
+    std::vector<const Param*> pushed;
+    for (Param* p : sync_->params())
+      if (owned_.count(p) > 0 && (p->shard.split() || par_.groups.tp_rank() == 0))
+        pushed.push_back(p);
+    par_.ps->attach(sync_->params(), pushed, par_.groups.dp_rank(), par_.groups.dp_size());
   }
 }
 
@@ -338,9 +344,10 @@ void Trainer::save(const std::string& dir, int64_t keep_last) {
   // With parameter servers the optimizer state is theirs: they send it to
   // world rank 0, the writer (the save step is one every worker waits at).
   int64_t optimizer_steps = sync_->steps();
+  // Their tensors are whole: world rank 0 holds them, the others add zeros.
   NamedTensors state = par_.ps == nullptr ? sync_->optimizer_state()  // collective over dp
-                       : par_.groups.dp_rank() == 0 ? par_.ps->optimizer_state(optimizer_steps)
-                                                    : NamedTensors{};
+                       : par_.ps->writer()  ? par_.ps->optimizer_state(optimizer_steps)
+                                            : NamedTensors{};
   // DiLoCo's outer momentum (the same on every replica).
   for (size_t i = 0; i < outer_buf_.size(); ++i)
     state.emplace_back(sync_->params()[i]->name + ".outer_momentum", outer_buf_[i]);
@@ -351,7 +358,9 @@ void Trainer::save(const std::string& dir, int64_t keep_last) {
   const bool writer_replica = par_.groups.dp_rank() == 0;
   auto gather = [&](const Param& p, const Tensor* piece, bool owner) {
     Tensor full = Tensor::zeros(p.shard.full);
-    if (piece != nullptr && owner && (p.shard.split() || par_.groups.tp_rank() == 0)) {
+    if (piece != nullptr && par_.ps != nullptr && piece != &p.value) {
+      full.copy_from(*piece);  // a server's whole tensor, on world rank 0 only
+    } else if (piece != nullptr && owner && (p.shard.split() || par_.groups.tp_rank() == 0)) {
       if (p.shard.split())
         place_shard(*piece, p.shard, full);
       else
@@ -399,6 +408,7 @@ void Trainer::exchange_with_servers(StepRecord& r, std::chrono::steady_clock::ti
   const PsStep s = par_.ps->exchange(steps_done_, r.loss, own * own, compute_ms);
   r.loss = s.loss;
   r.grad_norm = s.grad_norm;
+  if (par_.pipeline != nullptr) r.bubble_frac = par_.pipeline->bubble_fraction();
   r.ps_wait_ms = s.wait_ms;
   r.ps_staleness = s.staleness;
   r.dp_bytes = s.bytes;
