@@ -7,6 +7,10 @@
 #   local-16  the same, every 16 steps
 #   diloco-16 DiLoCo: AdamW inside, every 16 steps a Nesterov outer step
 #             (outer lr 0.7, momentum 0.9) on start - average
+#   local-16-bf16       local-16, each average's deltas and moments in bf16
+#   diloco-16-bf16      diloco-16, the same in bf16
+#   diloco-16-powersgd  diloco-16, the deltas as rank-4 PowerSGD factors
+#                       (error feedback), the moments in fp32
 #   ps-s0     parameter server: 2 workers and 1 server (3 ranks), --max-staleness 0
 #   ps-s1     the same, --max-staleness 1 (each push an update of its own)
 #   ps-s4     the same, --max-staleness 4
@@ -17,7 +21,7 @@
 # and against bytes into OUT.
 #
 #   bench/local_sgd.sh [build-dir] [--out DIR] [--steps N]
-#       (default: build, build/local_sgd, 640 steps; about 5 minutes here)
+#       (default: build, build/local_sgd, 640 steps; about 15 minutes here)
 #
 # The tracked copies in docs/ are updated only on purpose: --out docs.
 set -euo pipefail
@@ -66,6 +70,10 @@ run sync
 run local-4 --local-steps 4
 run local-16 --local-steps 16
 run diloco-16 --local-steps 16 --outer-optimizer nesterov --outer-lr 0.7 --outer-momentum 0.9
+run local-16-bf16 --local-steps 16 --grad-reduce-dtype bf16
+diloco=(--local-steps 16 --outer-optimizer nesterov --outer-lr 0.7 --outer-momentum 0.9)
+run diloco-16-bf16 "${diloco[@]}" --grad-reduce-dtype bf16
+run diloco-16-powersgd "${diloco[@]}" --grad-compression powersgd --powersgd-rank 4
 run ps-s0 --ps-ranks 1
 run ps-s1 --ps-ranks 1 --max-staleness 1
 run ps-s4 --ps-ranks 1 --max-staleness 4
@@ -73,5 +81,5 @@ run ps-s0-slow --ps-ranks 1 --slow-rank 1 --slow-factor 3
 run ps-s4-slow --ps-ranks 1 --max-staleness 4 --slow-rank 1 --slow-factor 3
 
 python3 bench/local_sgd_report.py "$out" "$steps" \
-  "$work"/{sync,local-4,local-16,diloco-16,ps-s0,ps-s1,ps-s4,ps-s0-slow,ps-s4-slow}.jsonl
+  "$work"/{sync,local-4,local-16,diloco-16,local-16-bf16,diloco-16-bf16,diloco-16-powersgd,ps-s0,ps-s1,ps-s4,ps-s0-slow,ps-s4-slow}.jsonl
 echo "wrote $out/local_sgd.md and $out/local_sgd.svg"

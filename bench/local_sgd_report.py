@@ -19,7 +19,7 @@ import statistics
 import sys
 
 COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
-           "#7f7f7f", "#17becf"]
+           "#7f7f7f", "#17becf", "#bcbd22", "#393b79", "#ad494a"]
 
 
 def load(path):
@@ -99,8 +99,9 @@ def main():
         tail = sm[len(sm) // 10:] or sm  # the first tenth falls steeply: leave it off the scale
         lo, hi = min(lo, min(tail)), max(hi, max(tail))
     max_bytes = max(s[2][-1] for s in series_bytes) or 1
-    svg = ['<svg xmlns="http://www.w3.org/2000/svg" width="860" height="350" '
-           'font-family="sans-serif">', '<rect width="860" height="350" fill="white"/>',
+    height = 314 + 18 * ((len(series_steps) + 4) // 5) + 8  # the legend: five names a row
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="860" height="{height}" '
+           'font-family="sans-serif">', f'<rect width="860" height="{height}" fill="white"/>',
            '<text x="430" y="20" text-anchor="middle" font-size="13">training loss (20-step mean),'
            ' dp 2: against steps and against this rank\'s data-parallel bytes</text>']
     svg += panel(0, series_steps, "step", steps, lo, hi)

@@ -1381,10 +1381,11 @@ int main(int argc, char** argv) {
                "message arrives while that computes (default off: each receive is posted "
                "when its action comes)");
   app.add_option("--grad-reduce-dtype", a.grad_reduce_dtype,
-                 "data-parallel gradient reduction: fp32, or bf16 (rounded; half the bytes)");
+                 "data-parallel gradient reduction: fp32, or bf16 (rounded; half the bytes); with "
+                 "--local-steps, the averages' deltas and optimizer state");
   app.add_option("--grad-compression", a.grad_compression,
                  "data-parallel gradient compression: none, or powersgd (error feedback; plain "
-                 "data parallelism only)");
+                 "data parallelism only); with --local-steps, the averages' deltas");
   app.add_option("--powersgd-rank", a.powersgd_rank, "rank of the PowerSGD gradient factors");
   app.add_option("--powersgd-start-iter", a.powersgd_start_iter,
                  "steps reduced uncompressed before PowerSGD starts (e.g. the LR warmup)");

@@ -711,6 +711,8 @@ struct LocalRun {
   int64_t local_steps = 0;
   bool nesterov = false;
   float outer_lr = 1.0f, outer_momentum = 0.0f;
+  DType reduce = DType::F32;  // the averages' dtype (--grad-reduce-dtype)
+  GradCompression compression = GradCompression::None;
 };
 
 std::vector<StepRecord> local_sgd_steps(const LocalRun& r, int steps, const RankHook& before = {},
@@ -724,6 +726,9 @@ std::vector<StepRecord> local_sgd_steps(const LocalRun& r, int steps, const Rank
   lo.tp = r.tp, lo.pp = r.pp;
   lo.sync.optimizer = OptimizerKind::Sgd;
   lo.sync.sgd = {0.9f, 0.0f};
+  lo.sync.reduce_dtype = r.reduce;
+  lo.sync.compression = r.compression;
+  lo.sync.powersgd_rank = 2;
   std::vector<std::vector<StepRecord>> records(z(r.dp * r.pp * r.tp));
   run_local(r.dp * r.pp * r.tp, [&](Communicator& world) {
     TokenBatches batches(text_data(), kGlobal, tiny().seq_length);
@@ -782,6 +787,52 @@ TEST(LocalSgd, ReplicasDivergeBetweenAveragesAndDiLoCoWithUnitOuterStepIsTheAver
   for (size_t i = 0; i < s.size(); ++i) most = std::max(most, std::abs(l[i] - s[i]) / s[i]);
   EXPECT_GT(most, 1e-4) << "three local steps train differently from synchronous ones";
   for (size_t i = 0; i < l.size(); ++i) EXPECT_NEAR(d[i], l[i], kTol * l[i]) << "step " << i + 1;
+}
+
+// Compressed averages: each replica's delta from the period's start travels
+// in bf16 (or as PowerSGD factors), the momentum in bf16 (or fp32). bf16
+// halves every byte of an average. Rounding a delta to bf16 errs by at most
+// 2^-9 of it, so the parameters stray from the exact average by at most
+// 2^-9 of how far they moved, and the loss from synchronous training's by
+// about 2^-9 of how far it fell (bounded here by 2^-7 of the fall, plus the
+// parity bound); but it does differ. PowerSGD sends the deltas as low-rank
+// factors and the momentum whole; every replica applies the same mean delta
+// from the same start, so the replicas stay identical.
+TEST(LocalSgd, CompressedAveragesTravelAsDeltas) {
+  LocalRun sync, plain, bf16, powersgd;
+  plain.local_steps = bf16.local_steps = powersgd.local_steps = 3;
+  bf16.reduce = DType::BF16;
+  powersgd.compression = GradCompression::PowerSgd;
+  const std::vector<StepRecord> p = local_sgd_steps(plain, 3), b = local_sgd_steps(bf16, 3);
+  ASSERT_GT(p[2].dp_bytes, 0);
+  EXPECT_EQ(b[0].dp_bytes, 0);
+  EXPECT_EQ(2 * b[2].dp_bytes, p[2].dp_bytes);
+  LocalRun sync1 = sync, bf16_1 = bf16;
+  bf16_1.local_steps = 1;
+  const std::vector<double> want = local_sgd_losses(sync1, 6), got = local_sgd_losses(bf16_1, 6);
+  const double fall = std::abs(want.front() - want.back());
+  double most = 0;
+  for (size_t s = 0; s < want.size(); ++s) {
+    EXPECT_NEAR(got[s], want[s], fall / 128 + kTol * want[s]) << "step " << s + 1;
+    most = std::max(most, std::abs(got[s] - want[s]));
+  }
+  EXPECT_GT(most, 0) << "bf16 deltas trained exactly as fp32 averages";
+  // PowerSGD: fewer bytes than bf16's; both replicas end with the same parameters.
+  std::map<int, std::map<std::string, Tensor>> ends;
+  std::mutex mu;
+  const std::vector<StepRecord> c =
+      local_sgd_steps(powersgd, 6, {}, [&](RankLayout& rank) {
+        std::lock_guard<std::mutex> lock(mu);
+        auto& mine = ends[static_cast<int>(ends.size())];
+        for (Param* q : rank.trainer().params()) mine.emplace(q->name, q->value.clone());
+      });
+  ASSERT_EQ(ends.size(), 2u);
+  for (const auto& [name, value] : ends[0])
+    EXPECT_EQ(std::memcmp(value.raw(), ends[1].at(name).raw(), value.nbytes()), 0) << name;
+  // The momentum's half of an average travels whole (fp32), the deltas' as factors.
+  EXPECT_GT(c[2].dp_bytes, p[2].dp_bytes / 2);
+  EXPECT_LT(c[2].dp_bytes, p[2].dp_bytes);
+  for (const StepRecord& rec : c) EXPECT_TRUE(std::isfinite(rec.loss));
 }
 
 // A checkpoint after an average holds DiLoCo's outer momentum: resuming there

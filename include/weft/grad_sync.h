@@ -118,6 +118,14 @@ class GradSync {
   // followed by the all-gather of the parameters.
   void step(float lr);
 
+  // Local SGD's averages (TrainOptions::local): sums over the data-parallel
+  // replicas what the caller wrote into the gradients (Param::grad), every
+  // bucket at once, as the step's reduction would: in the reduce dtype, and,
+  // with `compress` and PowerSGD on (past its start step), as PowerSGD
+  // factors with error feedback. Plain data parallelism only; returns this
+  // rank's bytes (ring shares).
+  double reduce_written(bool compress);
+
   const std::vector<Param*>& params() const { return params_; }
   bool distributed() const { return options_.distributed_optimizer && groups_.dp_size() > 1; }
   // Off: the next steps' gradients are not reduced across replicas (and
@@ -149,6 +157,7 @@ class GradSync {
  private:
   struct Bucket;
   void launch(Bucket& b);
+  void post(Bucket& b);  // posts the bucket's reduction (its first, with PowerSGD)
   void launch_ready();
   void poll();
   // Posts a reduction of `t` (all-reduce, or reduce-scatter into `out`) and counts its bytes.

@@ -220,6 +220,11 @@ class Trainer {
   void exchange_with_servers(StepRecord& r, std::chrono::steady_clock::time_point t0);
   double average_replicas();  // local SGD's synchronisation; returns its bytes (as dp_bytes)
   bool local() const { return opt_.local.steps > 0; }
+  // Local SGD's averages travel as deltas, rounded or low-rank.
+  bool compressed_averages() const {
+    return local() && (par_.sync.reduce_dtype != DType::F32 ||
+                       par_.sync.compression != GradCompression::None);
+  }
   std::vector<Tensor> outer_start_, outer_buf_;  // DiLoCo: the period's start, the momentum
   std::deque<double> recent_losses_;  // the loss-spike check's window (updated steps only)
   int64_t skipped_ = 0;               // steps whose update a loss spike skipped

@@ -232,6 +232,10 @@ void GradSync::launch(Bucket& b) {
   }
   ++stats_.buckets;
   if (!in_finish_) ++stats_.started_in_backward;
+  post(b);
+}
+
+void GradSync::post(Bucket& b) {
   if (b.powersgd && compressing_) {
     b.request = reduce(b.powersgd->compress(b.grad.data<float>()), nullptr);
   } else if (b.grad16.raw() != nullptr) {
@@ -273,6 +277,29 @@ void GradSync::unpack(Bucket& b) {
   } else if (!distributed() && b.grad16.raw() != nullptr) {
     bf16_to_float(b.grad16.data<uint16_t>(), b.grad.data<float>(), b.padded);
   }
+}
+
+double GradSync::reduce_written(bool compress) {
+  if (groups_.dp_size() <= 1) return 0;
+  check(!distributed(), "reduce_written sums whole buffers; the distributed optimizer shards them");
+  stats_ = {};
+  compressing_ = compress && options_.compression == GradCompression::PowerSgd &&
+                 steps_ >= options_.powersgd_start_iter;
+  for (auto& b : buckets_) {
+    ++stats_.buckets;
+    post(*b);
+    b->launched = true;
+  }
+  if (compressing_) launch_second_round();
+  for (auto& b : buckets_) {
+    if (b->request) {
+      b->request->wait();
+      b->request.reset();
+    }
+    unpack(*b);
+  }
+  compressing_ = false;
+  return stats_.bytes_sent;
 }
 
 // Buckets start in bucket order on every replica, so collectives match.

@@ -153,10 +153,6 @@ Trainer::Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, Parallel 
           "--local-steps {}: each replica keeps its whole optimizer state, so it cannot be "
           "combined with --use-distributed-optimizer",
           opt_.local.steps);
-    check(par_.sync.compression == GradCompression::None && par_.sync.reduce_dtype == DType::F32,
-          "--local-steps {} reduces no gradient, so --grad-compression and --grad-reduce-dtype "
-          "would change nothing",
-          opt_.local.steps);
     check(std::isfinite(opt_.local.outer_lr) && opt_.local.outer_lr > 0 &&
               std::isfinite(opt_.local.outer_momentum) && opt_.local.outer_momentum >= 0 &&
               opt_.local.outer_momentum < 1,
@@ -265,14 +261,17 @@ StepRecord Trainer::train_step() {
   const auto t0 = std::chrono::steady_clock::now();
   StepRecord r;
   r.step = steps_done_;
-  // DiLoCo: the parameters each period starts from (the same on every replica).
-  if (local() && opt_.local.nesterov && steps_done_ % opt_.local.steps == 0) {
+  // DiLoCo, and compressed averages: the parameters each period starts from
+  // (the same on every replica).
+  if (local() && (opt_.local.nesterov || compressed_averages()) &&
+      steps_done_ % opt_.local.steps == 0) {
     const std::vector<Param*>& ps = sync_->params();
     if (outer_start_.empty())
-      for (Param* p : ps) {
+      for (Param* p : ps)
         outer_start_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
+    if (opt_.local.nesterov && outer_buf_.empty())
+      for (Param* p : ps)
         outer_buf_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
-      }
     for (size_t i = 0; i < ps.size(); ++i) outer_start_[i].copy_from(ps[i]->value);
   }
   r.loss = compute_gradients(steps_done_);
@@ -414,39 +413,81 @@ void Trainer::exchange_with_servers(StepRecord& r, std::chrono::steady_clock::ti
   r.dp_bytes = s.bytes;
 }
 
+// Local SGD's synchronisation, through the data-parallel gradient buckets
+// (GradSync::reduce_written): the replicas' parameters and their inner
+// optimizer state are averaged. Uncompressed, the parameters themselves are
+// summed. Compressed (--grad-reduce-dtype bf16, --grad-compression powersgd),
+// what travels is each replica's delta from the period's start, start - p,
+// which is small and, like a gradient, survives rounding and low rank (with
+// PowerSGD's error feedback, nothing of it is lost for good); every replica
+// then steps from the same start by the same mean delta, so the replicas stay
+// identical. The optimizer state travels in the reduce dtype, never low-rank
+// (Adam's second moment must stay positive).
 double Trainer::average_replicas() {
-  Communicator* dp = par_.groups.dp;
   const std::vector<Param*>& ps = sync_->params();
-  const double n = static_cast<double>(par_.groups.dp_size());
-  const float inv = 1.0f / static_cast<float>(n);
+  const float inv = 1.0f / static_cast<float>(par_.groups.dp_size());
+  const bool compressed = compressed_averages();
   double bytes = 0;
-  auto average = [&](const Tensor& t) {
-    if (dp != nullptr && dp->size() > 1) {
-      dp->all_reduce(t, ReduceOp::Sum);
-      bytes += 2.0 * static_cast<double>(t.nbytes()) * (n - 1) / n;
+  // delta[i]: start - average, in the gradient buffers.
+  if (compressed) {
+    for (size_t i = 0; i < ps.size(); ++i) {
+      ps[i]->grad.copy_from(ps[i]->value);
+      ops::scale(ps[i]->grad, -1.0f);
+      ops::add(ps[i]->grad, outer_start_[i]);
     }
-    ops::scale(t, inv);
-  };
-  for (Param* p : ps) average(p->value);
+    bytes += sync_->reduce_written(/*compress=*/true);
+    for (Param* p : ps) ops::scale(p->grad, inv);
+    if (!opt_.local.nesterov)
+      for (size_t i = 0; i < ps.size(); ++i) {  // p = start - delta
+        ps[i]->value.copy_from(ps[i]->grad);
+        ops::scale(ps[i]->value, -1.0f);
+        ops::add(ps[i]->value, outer_start_[i]);
+      }
+  } else {
+    for (Param* p : ps) p->grad.copy_from(p->value);
+    bytes += sync_->reduce_written(/*compress=*/false);
+    for (Param* p : ps) {
+      p->value.copy_from(p->grad);
+      ops::scale(p->value, inv);
+    }
+    if (opt_.local.nesterov)
+      for (size_t i = 0; i < ps.size(); ++i) {  // delta = start - average
+        ps[i]->grad.copy_from(ps[i]->value);
+        ops::scale(ps[i]->grad, -1.0f);
+        ops::add(ps[i]->grad, outer_start_[i]);
+      }
+  }
+  if (opt_.local.nesterov) {
+    const float mu = opt_.local.outer_momentum, lr = opt_.local.outer_lr;
+    for (size_t i = 0; i < ps.size(); ++i) {
+      // buf = mu buf + delta; p = start - lr (delta + mu buf)
+      const Tensor& delta = ps[i]->grad;
+      ops::scale(outer_buf_[i], mu);
+      ops::add(outer_buf_[i], delta);
+      Tensor& p = ps[i]->value;
+      p.copy_from(outer_buf_[i]);
+      ops::scale(p, mu);
+      ops::add(p, delta);
+      ops::scale(p, -lr);
+      ops::add(p, outer_start_[i]);
+    }
+  }
   // The inner optimizer's state too (SGD's momentum, Adam's moments): after an
   // average every replica is the same, so one replica's checkpoint is the
-  // whole run's, and any number of replicas can resume it.
-  for (auto& [name, t] : sync_->optimizer_state()) average(t);
-  if (!opt_.local.nesterov) return bytes;
-  const float mu = opt_.local.outer_momentum, lr = opt_.local.outer_lr;
-  for (size_t i = 0; i < ps.size(); ++i) {
-    // delta = start - average; buf = mu buf + delta; p = start - lr (delta + mu buf)
-    Tensor delta = ps[i]->value.clone();
-    ops::scale(delta, -1.0f);
-    ops::add(delta, outer_start_[i]);
-    ops::scale(outer_buf_[i], mu);
-    ops::add(outer_buf_[i], delta);
-    Tensor step = outer_buf_[i].clone();
-    ops::scale(step, mu);
-    ops::add(step, delta);
-    ops::scale(step, -lr);
-    ops::add(step, outer_start_[i]);
-    ps[i]->value.copy_from(step);
+  // whole run's, and any number of replicas can resume it. One round per
+  // kind of state, each tensor in its parameter's place in the buckets.
+  const NamedTensors state = sync_->optimizer_state();
+  const size_t kinds = ps.empty() ? 0 : state.size() / ps.size();
+  check(kinds * ps.size() == state.size(), "the optimizer holds {} state tensors for {} parameters",
+        state.size(), ps.size());
+  for (size_t k = 0; k < kinds; ++k) {
+    for (size_t i = 0; i < ps.size(); ++i) ps[i]->grad.copy_from(state[i * kinds + k].second);
+    bytes += sync_->reduce_written(/*compress=*/false);
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const Tensor& t = state[i * kinds + k].second;
+      t.copy_from(ps[i]->grad);
+      ops::scale(t, inv);
+    }
   }
   return bytes;
 }
