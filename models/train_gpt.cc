@@ -47,6 +47,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <tuple>
 
 namespace {
 
@@ -427,6 +428,15 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
   GradSyncOptions sync;  // the compression flags, checked before any message
   sync.distributed_optimizer = a.distributed_optimizer;
   set_grad_compression(a, sync);
+  // Compression shapes the data-parallel reduction; one replica has none.
+  for (const auto& [flag, value, plain] :
+       {std::tuple<const char*, const std::string&, const char*>{"--grad-reduce-dtype",
+                                                                 a.grad_reduce_dtype, "fp32"},
+        {"--grad-compression", a.grad_compression, "none"}})
+    check(layout.dp() > 1 || value == plain,
+          "{} {} compresses the data-parallel reduction, and there is none: dp is 1 (world {} / "
+          "(tp {} x pp {}))",
+          flag, value, world, a.tp, a.pp);
   check(a.sample == 0 || (a.pp == 1 && a.tp == 1),
         "--sample with --pp or --tp > 1 is not available yet (save a checkpoint and sample from "
         "it on one process)");

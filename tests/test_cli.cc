@@ -502,6 +502,13 @@ TEST_F(Cli, LocalSgdFlagsAreChecked) {
   expect_error(toy("--sgd-momentum 0.9"), {"--sgd-momentum sets SGD's momentum: it needs --optimizer sgd"});
   expect_error(toy("--optimizer sgd --sgd-momentum 1"), {"--sgd-momentum (1) must be in [0, 1)"});
   expect_error(toy("--local-steps -1"), {"--local-steps (-1) must be >= 0"});
+  // Compression needs a data-parallel reduction to compress.
+  expect_error(toy("--grad-reduce-dtype bf16"),
+               {"--grad-reduce-dtype bf16 compresses the data-parallel reduction, and there is "
+                "none: dp is 1"});
+  expect_error(toy("--local-steps 2 --train-iters 4 --grad-compression powersgd"),
+               {"--grad-compression powersgd compresses the data-parallel reduction, and there is "
+                "none: dp is 1"});
   expect_error(toy("--outer-optimizer nesterov"), {"--outer-optimizer steps the average of local SGD: it needs --local-steps"});
   expect_error(toy("--local-steps 2 --outer-lr 0.5"), {"--outer-lr and --outer-momentum set DiLoCo's outer step"});
   expect_error(toy("--local-steps 4 --train-iters 6"),
