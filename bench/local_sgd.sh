@@ -20,19 +20,23 @@
 # data-parallel bytes, median step) and a picture of the loss against steps
 # and against bytes into OUT.
 #
-#   bench/local_sgd.sh [build-dir] [--out DIR] [--steps N]
+#   bench/local_sgd.sh [build-dir] [--out DIR] [--steps N] [--only "NAME..."]
 #       (default: build, build/local_sgd, 640 steps; about 15 minutes here)
 #
+# --only runs just the runs named (the others' logs, where an earlier run left
+# them in the build directory, join the table as they are).
 # The tracked copies in docs/ are updated only on purpose: --out docs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=build
 out=
+only=
 steps=640
 while [[ $# -gt 0 ]]; do
   case $1 in
     --out) out=${2:?--out needs a directory}; shift 2 ;;
     --steps) steps=${2:?--steps needs a number}; shift 2 ;;
+    --only) only=" ${2:?--only needs run names} "; shift 2 ;;
     *) build=$1; shift ;;
   esac
 done
@@ -55,6 +59,7 @@ export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE MPIEXEC_TIMEOUT=1200
 run() {
   local name=$1 ranks=2
   shift
+  [[ -z $only || $only == *" $name "* ]] || return 0
   [[ $name == ps-* ]] && ranks=3
   "$build/bench/mpiexec" -n "$ranks" "$build/train_gpt" --device cpu --threads 1 \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 64 \
@@ -80,6 +85,10 @@ run ps-s4 --ps-ranks 1 --max-staleness 4
 run ps-s0-slow --ps-ranks 1 --slow-rank 1 --slow-factor 3
 run ps-s4-slow --ps-ranks 1 --max-staleness 4 --slow-rank 1 --slow-factor 3
 
-python3 bench/local_sgd_report.py "$out" "$steps" \
-  "$work"/{sync,local-4,local-16,diloco-16,local-16-bf16,diloco-16-bf16,diloco-16-powersgd,ps-s0,ps-s1,ps-s4,ps-s0-slow,ps-s4-slow}.jsonl
+logs=()
+for name in sync local-4 local-16 diloco-16 local-16-bf16 diloco-16-bf16 diloco-16-powersgd \
+  ps-s0 ps-s1 ps-s4 ps-s0-slow ps-s4-slow; do
+  [[ -s $work/$name.jsonl ]] && logs+=("$work/$name.jsonl")
+done
+python3 bench/local_sgd_report.py "$out" "$steps" "${logs[@]}"
 echo "wrote $out/local_sgd.md and $out/local_sgd.svg"
