@@ -132,6 +132,28 @@ TEST_P(LocalWorld, SendRecvRing) {
   });
 }
 
+// A p2p step as the pipeline posts it: receives and sends inside one group,
+// waited for after group_end. Threads (and staging over them) ignore the
+// group; the ring must still deliver.
+TEST_P(LocalWorld, SendRecvRingInsideAGroup) {
+  run([&](Communicator& comm) {
+    const int r = comm.rank();
+    const int next = (r + 1) % n();
+    const int prev = (r + n() - 1) % n();
+    Tensor out = filled({4}, [&](int64_t i) { return static_cast<float>(r * 10 + i); });
+    Tensor in = Tensor::zeros({4});
+    std::vector<RequestPtr> reqs;
+    comm.group_start();
+    reqs.push_back(comm.irecv(in, prev, tag(0)));
+    reqs.push_back(comm.isend(out, next, tag(0)));
+    comm.group_end();
+    wait_all(reqs);
+    EXPECT_EQ(values(in), values(filled({4}, [&](int64_t i) {
+                return static_cast<float>(prev * 10 + i);
+              })));
+  });
+}
+
 TEST_P(LocalWorld, ReceivesPostedOutOfOrderMatchByTag) {
   run([&](Communicator& comm) {
     const int r = comm.rank();

@@ -153,6 +153,138 @@ TEST_P(PipelineMatchesSingleProcess, LossesNormsAndStash) {
   }
 }
 
+// Wraps a transport and checks the executor's side of p2p grouping: every
+// send and receive is posted inside a group, groups do not nest, no request
+// is waited for while a group is open, and no collective runs
+// inside one. That is what NCCL needs (its group calls); the other
+// transports ignore groups, so the losses must not change.
+class GroupChecker final : public Communicator {
+ public:
+  explicit GroupChecker(Communicator& inner) : Communicator(inner.options()), inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  int world_rank(int r) const override { return inner_.world_rank(r); }
+  std::string describe() const override { return inner_.describe(); }
+  RequestPtr isend(const Tensor& t, int peer, MessageTag tag) override {
+    if (!open_) violations.push_back("isend outside a group at " + step());
+    return std::make_unique<Checked>(*this, inner_.isend(t, peer, tag));
+  }
+  RequestPtr irecv(const Tensor& t, int peer, MessageTag tag) override {
+    if (!open_) violations.push_back("irecv outside a group at " + step());
+    return std::make_unique<Checked>(*this, inner_.irecv(t, peer, tag));
+  }
+  void all_reduce(const Tensor& t, ReduceOp op) override {
+    collective("all_reduce");
+    inner_.all_reduce(t, op);
+  }
+  void all_gather(const Tensor& in, const Tensor& out) override {
+    collective("all_gather");
+    inner_.all_gather(in, out);
+  }
+  void reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op) override {
+    collective("reduce_scatter");
+    inner_.reduce_scatter(in, out, op);
+  }
+  void broadcast(const Tensor& t, int root) override {
+    collective("broadcast");
+    inner_.broadcast(t, root);
+  }
+  void barrier() override {
+    collective("barrier");
+    inner_.barrier();
+  }
+  std::unique_ptr<Communicator> split(const std::vector<std::vector<int>>& groups,
+                                      const std::string& name) override {
+    return inner_.split(groups, name);
+  }
+  void group_start() override {
+    if (open_) violations.push_back("nested group at " + step());
+    open_ = true;
+    ++groups_opened;
+  }
+  void group_end() override {
+    if (!open_) violations.push_back("group_end without group_start at " + step());
+    open_ = false;
+  }
+
+  std::vector<std::string> violations;
+  int groups_opened = 0;
+
+ private:
+  class Checked final : public Request {
+   public:
+    Checked(GroupChecker& owner, RequestPtr inner) : owner_(owner), inner_(std::move(inner)) {}
+    // Testing may come at any time (a slot polls its sends); a request
+    // still inside an open group is simply not done yet.
+    bool test() override { return inner_->test(); }
+    void wait() override {
+      owner_.no_open_group("wait");
+      inner_->wait();
+    }
+
+   private:
+    GroupChecker& owner_;
+    RequestPtr inner_;
+  };
+  void no_open_group(const char* what) {
+    if (open_) violations.push_back(std::string(what) + " inside an open group at " + step());
+  }
+  void collective(const char* what) { no_open_group(what); }
+
+  Communicator& inner_;
+  bool open_ = false;
+};
+
+TEST(Pipeline, P2pStepsArePostedAsGroupsAndWaitedForAfter) {
+  const int64_t micro = 2, m = 8, global = micro * m;
+  TokenData data = text_data();
+  for (const Case& c : {Case{"1f1b", 4, 1}, Case{"interleaved-1f1b", 2, 2}, Case{"zb-v", 2, 2},
+                       Case{"zb-h1", 2, 1, false, true}}) {
+    SCOPED_TRACE(c.schedule);
+    GptConfig cfg = config(c.pp * c.chunks, c.skip);
+    const Losses want = single_process(cfg, micro, global, data);
+    sched::Schedule schedule = sched::lower(sched::make_schedule(c.schedule, c.pp, m, c.chunks));
+    std::mutex mu;
+    std::vector<Losses> got(static_cast<size_t>(c.pp));
+    std::vector<std::vector<std::string>> violations(static_cast<size_t>(c.pp));
+    std::vector<int> groups(static_cast<size_t>(c.pp));
+    run_local(c.pp, [&](Communicator& world) {
+      GroupChecker comm(world);
+      TokenBatches batches(data, global, cfg.seq_length);
+      GptModel model = build_gpt(cfg, micro);
+      init_gpt(model, 42);
+      PartitionOptions po;
+      po.method = PartitionMethod::Uniform;
+      po.pp = c.pp;
+      po.chunks = schedule.chunks;
+      po.stage_rank = schedule.stage_rank;
+      StagePlan plan = partition(model.graph, CostModel::analytic(model.graph), po);
+      PipelineOptions po_exec;
+      po_exec.recompute = c.recompute;
+      PipelineExecutor exec(model.graph, model.io, plan, schedule, comm, po_exec);
+      Trainer trainer(model.io, batches, options(micro, global), exec);
+      Losses r;
+      for (int s = 0; s < kSteps; ++s) r.loss.push_back(trainer.train_step().loss);
+      std::lock_guard<std::mutex> lock(mu);
+      const auto i = static_cast<size_t>(comm.rank());
+      got[i] = r;
+      violations[i] = comm.violations;
+      groups[i] = comm.groups_opened;
+    });
+    for (int rank = 0; rank < c.pp; ++rank) {
+      const auto i = static_cast<size_t>(rank);
+      EXPECT_EQ(violations[i], std::vector<std::string>{}) << "rank " << rank;
+      EXPECT_EQ(groups[i],
+                kSteps * static_cast<int>(sched::p2p_steps(schedule.actions[i]).size()))
+          << "rank " << rank;
+      for (int s = 0; s < kSteps; ++s)
+        EXPECT_NEAR(got[i].loss[static_cast<size_t>(s)], want.loss[static_cast<size_t>(s)],
+                    1e-5 * want.loss[static_cast<size_t>(s)])
+            << "rank " << rank << " step " << s;
+    }
+  }
+}
+
 std::vector<Case> cases() {
   std::vector<Case> v;
   for (int pp : {2, 4}) {

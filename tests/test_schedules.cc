@@ -72,6 +72,49 @@ TEST(Schedules, GeneratedAndLoweredValidateOverTheGrid) {
   }
 }
 
+// On NCCL a p2p step is a rendezvous (weft/schedule.h). GPipe, 1F1B and
+// ZB-H1 complete that way over the whole grid; interleaved 1F1B does not
+// (its lowering has a rank send in one step what the peer receives only
+// after sending in its own step what this rank receives later), so
+// train_gpt refuses it with NCCL. The stuck steps are named.
+TEST(Schedules, GpipeOneFOneBAndZbH1CompleteWithGroupedP2pSteps) {
+  for (const Config& c : grid_configs()) {
+    if (c.name == "gpipe" || c.name == "1f1b" || c.name == "zb-h1") {
+      EXPECT_EQ(check_grouped_p2p(lower(make(c))), "") << c.label();
+    }
+  }
+}
+
+TEST(Schedules, GroupedP2pCheckNamesWhereInterleavedOneFOneBSticks) {
+  EXPECT_EQ(check_grouped_p2p(lower(interleaved_1f1b(2, 4, 2))),
+            "rank 0 stuck in step 5 (2SEND_B0), rank 1 stuck in step 4 (3SEND_B1 1RECV_F2)");
+}
+
+TEST(Schedules, P2pStepsAreTheRunsOfMessages) {
+  const std::vector<Action> a = {Action::parse("0F0"), Action::parse("0SEND_F0"),
+                                 Action::parse("0RECV_B1"), Action::parse("0B0"),
+                                 Action::parse("0SEND_F1"), Action::parse("STEP")};
+  EXPECT_EQ(p2p_steps(a), (std::vector<P2pStep>{{1, 3}, {4, 5}}));
+  EXPECT_TRUE(p2p_steps({Action::parse("0F0")}).empty());
+}
+
+// The check finds the deadlock that grouping prevents: each rank sends
+// first and receives in a later step, so on a rendezvous transport each
+// rank's send waits for a receive the peer posts only after its own send.
+// The same messages in one step per rank complete.
+TEST(Schedules, GroupedP2pCheckFindsARendezvousDeadlock) {
+  Schedule s = empty_schedule("hand-made", 2, 1);
+  s.actions[0] = {Action::parse("0F0"), Action::parse("0SEND_F0"), Action::parse("0F1"),
+                  Action::parse("0RECV_B0")};
+  s.actions[1] = {Action::parse("1SEND_B0"), Action::parse("1F0"), Action::parse("1RECV_F0")};
+  const std::string stuck = check_grouped_p2p(s);
+  EXPECT_TRUE(contains(stuck, "rank 0 stuck in step 0 (0SEND_F0)")) << stuck;
+  EXPECT_TRUE(contains(stuck, "rank 1 stuck in step 0 (1SEND_B0)")) << stuck;
+  s.actions[0].erase(s.actions[0].begin() + 2);
+  s.actions[1].erase(s.actions[1].begin() + 1);
+  EXPECT_EQ(check_grouped_p2p(s), "");
+}
+
 TEST(Schedules, EveryStageAndMicroBatchRunsOncePerKindOnItsRank) {
   for (const Config& c : grid_configs()) {
     const Schedule s = make(c);

@@ -134,6 +134,15 @@ class Communicator {
   virtual RequestPtr ireduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op);
   virtual RequestPtr iall_gather(const Tensor& in, const Tensor& out);
 
+  // Point-to-point groups: the sends and receives posted between
+  // group_start() and group_end() are one step of a pipeline schedule. A
+  // transport that needs it (NCCL) starts them together at group_end, so that
+  // none of them waits behind another; the others start each at once and
+  // ignore the group. Wait for a group's requests only after group_end. Groups
+  // do not nest, and hold no collectives.
+  virtual void group_start() {}
+  virtual void group_end() {}
+
   // Collective over this communicator: `groups` partitions its ranks (every
   // member passes the same partition); each member gets a communicator for
   // the group that holds it, ranked in the order listed.

@@ -2,7 +2,10 @@
 //
 // The PipelineExecutor is the one place where compute meets communication:
 // a loop over this rank's actions of a lowered schedule (weft/schedule.h),
-// calling the runner for F/B/I/W and the communicator for SEND/RECV.
+// calling the runner for F/B/I/W and the communicator for SEND/RECV. Each
+// run of consecutive sends and receives (a p2p step, sched::p2p_steps) is
+// posted as one group (Communicator::group_start/group_end), and its
+// receives are waited for when the group closes, before the next compute.
 //
 // Stage s runs the graph nodes plan.begin[s] .. plan.begin[s+1]. Its boundary
 // is every value produced up to its end and read after it, so a stage
@@ -130,6 +133,7 @@ class PipelineExecutor {
   void backward_part_done(Slot& s);
   void post_receive(const sched::Action& a, size_t i);
   void post_receives_after(size_t i);
+  void end_p2p_step(const sched::P2pStep& st, int64_t step, size_t last);
 
   const Graph& graph_;
   ModelIO io_;
@@ -156,6 +160,7 @@ class PipelineExecutor {
   double peak_bytes_ = 0;
   std::vector<sched::StageBytes> stage_bytes_;
   // Per action of this rank's list: whether its receive is posted, and its requests.
+  std::vector<sched::P2pStep> p2p_steps_;  // of this rank's actions
   std::vector<bool> posted_;
   std::vector<std::vector<RequestPtr>> receives_;
   Tensor step_stats_, all_step_stats_;  // (loss, busy, span): this rank's, and every rank's

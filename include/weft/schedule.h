@@ -48,6 +48,12 @@ constexpr bool is_compute(ActionKind k) {
   return k == ActionKind::F || k == ActionKind::B || k == ActionKind::I || k == ActionKind::W;
 }
 
+// SEND_F, RECV_F, SEND_B and RECV_B: the actions that move a tensor between ranks.
+constexpr bool is_p2p(ActionKind k) {
+  return k == ActionKind::SEND_F || k == ActionKind::RECV_F || k == ActionKind::SEND_B ||
+         k == ActionKind::RECV_B;
+}
+
 struct Action {
   ActionKind kind = ActionKind::F;
   int stage = 0;
@@ -177,5 +183,28 @@ struct MemoryUse {
 // entry per stage or holds a negative or non-finite number.
 MemoryUse memory_use(const Schedule& s, const std::vector<StageBytes>& bytes,
                      bool recompute = false, bool receives_ahead = false);
+
+// --- point-to-point steps ---
+// A rank's p2p steps: each maximal run of consecutive sends and receives in
+// its action list, as [begin, end) indices. The executor posts one step's
+// messages as a group (Communicator::group_start/group_end) and waits for its
+// receives only after the group is closed, so that a transport which starts a
+// group's sends and receives together (NCCL) never has one of them wait
+// behind another of the same step.
+struct P2pStep {
+  size_t begin = 0, end = 0;
+  bool operator==(const P2pStep&) const = default;
+};
+std::vector<P2pStep> p2p_steps(const std::vector<Action>& actions);
+
+// Whether a lowered schedule completes when every p2p step is a rendezvous,
+// as on NCCL: a rank's steps run one after another on its communication
+// stream, a message moves only while the sender's and the receiver's steps
+// holding it are both running, and a step ends when all its messages have
+// moved. (Host transports buffer sends, so any valid lowered schedule runs on
+// them.) Pairs of ranks match messages in order, as validate() checks.
+// Returns "" when every rank finishes, else the steps the ranks are stuck in:
+// "rank 0 stuck in step 3 (1SEND_F2 ...), rank 1 ...".
+std::string check_grouped_p2p(const Schedule& s);
 
 }  // namespace weft::sched

@@ -51,6 +51,8 @@ class HostStagedCommunicator final : public Communicator {
   RequestPtr iall_gather(const Tensor& in, const Tensor& out) override;
   std::unique_ptr<Communicator> split(const std::vector<std::vector<int>>& groups,
                                       const std::string& name) override;
+  void group_start() override { inner_->group_start(); }
+  void group_end() override { inner_->group_end(); }
 
   // Host bytes the staging pool holds (for tests: it stops growing).
   size_t staging_bytes() const;

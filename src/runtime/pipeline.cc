@@ -104,6 +104,7 @@ PipelineExecutor::PipelineExecutor(const Graph& graph, ModelIO io, StagePlan pla
       host_inputs_.push_back(Tensor::zeros(val.shape, val.dtype));
     }
   keep_buf_.reserve(graph_.values().size());
+  p2p_steps_ = sched::p2p_steps(schedule_.actions[static_cast<size_t>(pp_.rank())]);
 }
 
 // "step 3, action 12 (1F4)" without allocating: a timeout names where it was.
@@ -371,6 +372,27 @@ void PipelineExecutor::post_receives_after(size_t i) {
       post_receive(mine[j], j);
 }
 
+// Closes p2p step `st` (its last action, `last`, just ran) and waits for its
+// receives: only now, so that a transport starting the step's messages
+// together (NCCL) has them all. A receive's trace span ends when it arrived.
+void PipelineExecutor::end_p2p_step(const sched::P2pStep& st, int64_t step, size_t last) {
+  pp_.group_end();
+  const auto& mine = schedule_.actions[static_cast<size_t>(pp_.rank())];
+  for (size_t j = st.begin; j < st.end; ++j) {
+    if (mine[j].kind != ActionKind::RECV_F && mine[j].kind != ActionKind::RECV_B) continue;
+    set_step(step, j, mine[j]);
+    wait_all(receives_[j]);
+    receives_[j].clear();
+    posted_[j] = false;
+    if (options_.trace) {
+      ActionSpan& span = spans_[spans_.size() - 1 - (last - j)];
+      span.end_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                        std::chrono::steady_clock::now() - epoch_)
+                        .count();
+    }
+  }
+}
+
 double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micro_batch,
                              int64_t global_batch) {
   data_ = &data;
@@ -388,10 +410,14 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
   busy_s_ = 0;
   posted_.assign(mine.size(), false);
   receives_.resize(mine.size());
+  const std::vector<sched::P2pStep>& steps = p2p_steps_;
+  size_t next_step = 0;  // the p2p step that action i opens, is in, or comes before
   for (size_t i = 0; i < mine.size(); ++i) {
     const Action& a = mine[i];
     const auto t0 = Clock::now();
     set_step(step, i, a);
+    const bool opens_step = next_step < steps.size() && steps[next_step].begin == i;
+    if (opens_step) pp_.group_start();
     const int st = a.stage, mb = a.micro_batch;
     if (options_.post_receives_ahead && sched::is_compute(a.kind)) post_receives_after(i);
     switch (a.kind) {
@@ -424,10 +450,7 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
       case ActionKind::RECV_F:
       case ActionKind::RECV_B:
         if (!posted_[i]) post_receive(a, i);
-        wait_all(receives_[i]);
-        receives_[i].clear();
-        posted_[i] = false;
-        break;
+        break;  // waited for when its p2p step ends, below
       case ActionKind::SEND_B: {
         Slot& s = slot(st, mb, false);
         const auto& vals = boundary_[static_cast<size_t>(st) - 1].values;
@@ -455,6 +478,10 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
         return std::chrono::duration_cast<std::chrono::microseconds>(t - epoch_).count();
       };
       spans_.push_back({step, a, us(t0), us(t1)});
+    }
+    if (next_step < steps.size() && steps[next_step].end == i + 1) {
+      end_p2p_step(steps[next_step], step, i);
+      ++next_step;
     }
   }
   span_s_ = std::chrono::duration<double>(Clock::now() - run_start).count();
