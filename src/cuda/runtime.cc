@@ -39,6 +39,23 @@ class CudaBackend final : public MemoryBackend {
     cudaSetDevice(device_);
     cudaFree(p);  // errors here are the runtime shutting down; nothing to do
   }
+  void* record_event(CUstream_st* stream) override {
+    WEFT_CUDA_CHECK(cudaSetDevice(device_));
+    cudaEvent_t e = nullptr;
+    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    WEFT_CUDA_CHECK(cudaEventRecord(e, stream));
+    return e;
+  }
+  bool event_done(void* event) override {
+    const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(event));
+    if (e == cudaErrorNotReady) return false;
+    detail::check_cuda(e, "cudaEventQuery", __FILE__, __LINE__);
+    return true;
+  }
+  void event_synchronize(void* event) override {
+    WEFT_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+  }
+  void destroy_event(void* event) override { cudaEventDestroy(static_cast<cudaEvent_t>(event)); }
 
  private:
   int device_;
@@ -80,7 +97,7 @@ Context::Context(int device) : device_(device) {
     WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     *ev = e;
   }
-  allocator_ = std::make_unique<CachingAllocator>(std::make_unique<CudaBackend>(device));
+  allocator_ = std::make_unique<CachingAllocator>(std::make_unique<CudaBackend>(device), compute_);
 }
 
 Context::~Context() {

@@ -1,6 +1,6 @@
 // Host-side logic of the CUDA backend, checked without a GPU: the caching
-// allocator's size classes, reuse, statistics and out-of-memory path over a
-// fake backend; CUDA and cuBLAS error messages; bf16 rounding; math modes.
+// allocator's size classes, reuse, statistics, out-of-memory path and
+// stream-ordered reuse (events) over a fake backend; CUDA and cuBLAS error messages; bf16 rounding; math modes.
 #include "weft_config.h"
 
 #if WEFT_CUDA
@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <limits>
 #include <map>
@@ -29,6 +30,7 @@ class FakeBackend final : public MemoryBackend {
  public:
   struct Counts {
     size_t mallocs = 0, frees = 0, failed = 0, held = 0;
+    size_t events = 0, events_destroyed = 0, synchronized = 0;
   };
   FakeBackend(Counts* counts, size_t capacity) : counts_(counts), capacity_(capacity) {}
   void* malloc(size_t bytes) override {
@@ -48,12 +50,149 @@ class FakeBackend final : public MemoryBackend {
     sizes_.erase(p);
     std::free(p);
   }
+  // Events: fired only when the test says the stream's work is done.
+  void* record_event(CUstream_st* stream) override {
+    ++counts_->events;
+    events_[++next_event_] = {stream, false};
+    return reinterpret_cast<void*>(next_event_);
+  }
+  bool event_done(void* event) override { return events_.at(id(event)).done; }
+  void event_synchronize(void* event) override {
+    ++counts_->synchronized;
+    events_.at(id(event)).done = true;
+  }
+  void destroy_event(void* event) override {
+    ++counts_->events_destroyed;
+    events_.erase(id(event));
+  }
+  // Everything queued on `stream` so far has run.
+  void finish(CUstream_st* stream) {
+    for (auto& [e, ev] : events_)
+      if (ev.stream == stream) ev.done = true;
+  }
 
  private:
+  struct Event {
+    CUstream_st* stream;
+    bool done;
+  };
+  static uintptr_t id(void* event) { return reinterpret_cast<uintptr_t>(event); }
   Counts* counts_;
   size_t capacity_;
   std::map<void*, size_t> sizes_;
+  std::map<uintptr_t, Event> events_;
+  uintptr_t next_event_ = 0;
 };
+
+// Streams are opaque to the allocator: any distinct pointers do.
+CUstream_st* fake_stream(uintptr_t n) { return reinterpret_cast<CUstream_st*>(n * 4096); }
+
+// --- stream-ordered reuse ---
+
+TEST(StreamAware, ABlockAnotherStreamUsesIsReusedOnlyAfterItsEvent) {
+  FakeBackend::Counts counts;
+  auto owned = std::make_unique<FakeBackend>(&counts, size_t{1} << 30);
+  FakeBackend& backend = *owned;
+  CUstream_st* compute = fake_stream(1);
+  CUstream_st* comm = fake_stream(2);
+  CachingAllocator a(std::move(owned), compute);
+  void* p = a.allocate(4096);
+  // A view into the block (a tensor in an arena) names it.
+  a.record_stream(static_cast<char*>(p) + 1000, comm);
+  a.record_stream(p, comm);  // twice: one event still
+  a.release(p);
+  EXPECT_EQ(counts.events, 1u);
+  EXPECT_EQ(a.stats().bytes_awaiting_streams, 4096u);
+  EXPECT_EQ(a.stats().bytes_cached, 0u);
+  EXPECT_EQ(a.stats().bytes_in_use, 0u);
+  // The communication stream has not reached the event: a new block.
+  void* q = a.allocate(4096);
+  EXPECT_NE(q, p);
+  EXPECT_EQ(counts.mallocs, 2u);
+  backend.finish(comm);
+  void* r = a.allocate(4096);
+  EXPECT_EQ(r, p) << "reused once the event fired";
+  EXPECT_EQ(counts.mallocs, 2u);
+  EXPECT_EQ(counts.events_destroyed, 1u);
+  EXPECT_EQ(a.stats().bytes_awaiting_streams, 0u);
+  a.release(q);
+  a.release(r);
+}
+
+TEST(StreamAware, TheHomeStreamAndBlocksNoOtherStreamUsedNeedNoEvent) {
+  FakeBackend::Counts counts;
+  CUstream_st* compute = fake_stream(1);
+  CachingAllocator a(std::make_unique<FakeBackend>(&counts, size_t{1} << 30), compute);
+  void* p = a.allocate(100);
+  a.record_stream(p, compute);
+  a.record_stream(p, nullptr);
+  a.release(p);
+  EXPECT_EQ(counts.events, 0u);
+  EXPECT_EQ(a.allocate(100), p);
+  a.release(p);
+}
+
+TEST(StreamAware, EachStreamThatUsedABlockMustFinish) {
+  FakeBackend::Counts counts;
+  auto owned = std::make_unique<FakeBackend>(&counts, size_t{1} << 30);
+  FakeBackend& backend = *owned;
+  CachingAllocator a(std::move(owned), fake_stream(1));
+  void* p = a.allocate(512);
+  a.record_stream(p, fake_stream(2));
+  a.record_stream(p, fake_stream(3));
+  a.release(p);
+  EXPECT_EQ(counts.events, 2u);
+  backend.finish(fake_stream(2));
+  void* q = a.allocate(512);
+  EXPECT_NE(q, p) << "stream 3 may still use it";
+  backend.finish(fake_stream(3));
+  EXPECT_EQ(a.allocate(512), p);
+  EXPECT_EQ(counts.events_destroyed, 2u);
+  a.release(p);
+  a.release(q);
+}
+
+TEST(StreamAware, RecordStreamNamesAnAddressNoBlockHolds) {
+  FakeBackend::Counts counts;
+  CachingAllocator a(std::make_unique<FakeBackend>(&counts, size_t{1} << 30), fake_stream(1));
+  void* p = a.allocate(512);
+  int outside = 0;
+  const std::string e = error_message([&] { a.record_stream(&outside, fake_stream(2)); });
+  EXPECT_TRUE(contains(e, "record_stream of")) << e;
+  EXPECT_TRUE(contains(e, "no block")) << e;
+  // One past the block's end is outside it too.
+  const std::string end = error_message(
+      [&] { a.record_stream(static_cast<char*>(p) + CachingAllocator::size_class(512), fake_stream(2)); });
+  EXPECT_TRUE(contains(end, "no block")) << end;
+  a.release(p);
+}
+
+TEST(StreamAware, OutOfMemoryWaitsForTheStreamsThenReuses) {
+  FakeBackend::Counts counts;
+  // Room for one block of 1 MiB only.
+  CachingAllocator a(std::make_unique<FakeBackend>(&counts, size_t{1} << 20), fake_stream(1));
+  void* p = a.allocate(size_t{1} << 20);
+  a.record_stream(p, fake_stream(2));
+  a.release(p);
+  void* q = a.allocate(size_t{3} << 18);  // another class: the device is full
+  EXPECT_EQ(counts.synchronized, 1u) << "waited for the stream, not failed";
+  EXPECT_EQ(counts.frees, 1u) << "the waited-for block went back to make room";
+  EXPECT_EQ(a.stats().bytes_awaiting_streams, 0u);
+  a.release(q);
+}
+
+TEST(StreamAware, DestroyingTheAllocatorReturnsBlocksStillAwaitingStreams) {
+  FakeBackend::Counts counts;
+  {
+    CachingAllocator a(std::make_unique<FakeBackend>(&counts, size_t{1} << 30), fake_stream(1));
+    void* p = a.allocate(512);
+    a.record_stream(p, fake_stream(2));
+    a.release(p);
+  }
+  EXPECT_EQ(counts.frees, counts.mallocs);
+  EXPECT_EQ(counts.events_destroyed, counts.events);
+  EXPECT_EQ(counts.held, 0u);
+}
 
 TEST(SizeClass, CoversTheRequestWithLittleWaste) {
   size_t previous = 0;

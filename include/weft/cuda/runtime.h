@@ -18,9 +18,10 @@
 //
 // Memory semantics are stream-ordered, as in PyTorch: a released block may be
 // handed out again at once, which is safe for work queued later on the compute
-// stream. Memory that another stream still reads must be ordered back onto the
-// compute stream (compute_waits_for_comm, or waiting on the other stream's
-// request) before it is released.
+// stream. A block that another stream uses (NCCL's, the communication
+// stream) is marked with CachingAllocator::record_stream; when it is
+// released, an event is recorded on each such stream, and the block is
+// handed out again only once those events have fired.
 //
 // This header names no CUDA type (streams and handles are opaque pointers), so
 // plain C++ code, tests and benches include it without the CUDA headers.
@@ -62,6 +63,14 @@ class MemoryBackend {
   // nullptr when the device is out of memory; throws Error on other failures.
   virtual void* malloc(size_t bytes) = 0;
   virtual void free(void* p) = 0;
+  // Stream-ordered reuse (CachingAllocator::record_stream): an event marking
+  // the work queued on `stream` so far; whether it has fired; blocking until
+  // it has; and giving it back. On a GPU these are cudaEventRecord,
+  // cudaEventQuery, cudaEventSynchronize and cudaEventDestroy.
+  virtual void* record_event(CUstream_st* stream) = 0;
+  virtual bool event_done(void* event) = 0;
+  virtual void event_synchronize(void* event) = 0;
+  virtual void destroy_event(void* event) = 0;
 };
 
 struct AllocatorStats {
@@ -71,11 +80,14 @@ struct AllocatorStats {
   size_t device_mallocs = 0;     // backend malloc calls, ever (cudaMalloc on a GPU)
   size_t device_frees = 0;       // backend free calls, ever
   size_t cache_hits = 0;         // requests served from a free list
+  size_t bytes_awaiting_streams = 0;  // released, but another stream may still use them
 };
 
 class CachingAllocator {
  public:
-  explicit CachingAllocator(std::unique_ptr<MemoryBackend> backend);
+  // `home` is the stream the blocks are used on (the compute stream): reuse
+  // is ordered on it without events.
+  explicit CachingAllocator(std::unique_ptr<MemoryBackend> backend, CUstream_st* home = nullptr);
   // Returns every block, cached or still handed out, to the backend.
   ~CachingAllocator();
   CachingAllocator(const CachingAllocator&) = delete;
@@ -87,9 +99,16 @@ class CachingAllocator {
   // asked once more before this throws Error with the allocator's state.
   void* allocate(size_t bytes);
   // Puts a block from allocate() back on its free list; throws Error for a
-  // pointer this allocator did not hand out. nullptr is ignored.
+  // pointer this allocator did not hand out. nullptr is ignored. A block
+  // marked by record_stream waits, instead, until an event recorded now on
+  // each stream that used it has fired; allocate() looks first.
   void release(void* p);
-  // Returns the cached (free) blocks to the backend.
+  // Work queued on `stream` uses the block holding address `p` (a pointer
+  // into a block from allocate(): a tensor view, a bucket slice). Throws
+  // Error naming the address when no block handed out holds it. The home
+  // stream and nullptr are ignored.
+  void record_stream(const void* p, CUstream_st* stream);
+  // Returns the cached (free) blocks to the backend; blocks awaiting streams stay.
   void empty_cache();
   AllocatorStats stats() const;
   // Restarts peak_bytes_in_use from the bytes in use now.
@@ -102,10 +121,26 @@ class CachingAllocator {
 
  private:
   void empty_cache_locked();
+  // Moves the blocks whose streams are done (all of them, waiting, when
+  // `wait`) from pending_ to the free lists.
+  void collect_pending_locked(bool wait);
+
+  struct Block {
+    size_t cls = 0;                     // size-class bytes
+    std::vector<CUstream_st*> streams;  // other streams that used it (record_stream)
+  };
+  struct Pending {
+    void* p = nullptr;
+    size_t cls = 0;
+    std::vector<void*> events;  // one per stream in Block::streams
+  };
 
   std::unique_ptr<MemoryBackend> backend_;
+  CUstream_st* home_;
   mutable std::mutex mu_;
-  std::unordered_map<void*, size_t> live_;     // handed out: pointer -> class bytes
+  std::map<void*, Block> live_;                // handed out, by address (ordered: record_stream
+                                               // finds the block holding an interior pointer)
+  std::vector<Pending> pending_;               // released, awaiting other streams
   std::map<size_t, std::vector<void*>> free_;  // class bytes -> free blocks
   AllocatorStats stats_;
 };
