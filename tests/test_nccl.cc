@@ -1,12 +1,20 @@
-// NcclCommunicator on the GPUs of this machine: world size 1 per process
-// (NCCL needs one GPU per rank). Exits 77 (meson: SKIP) without a GPU or
-// without the CUDA build.
+// NcclCommunicator on this machine's GPU, at world size 1 (NCCL refuses two
+// ranks on one GPU; under mpiexec with a GPU per rank it runs at any size):
+// every collective, blocking and not, point-to-point to itself inside a
+// group, the shape check, host tensors through the host transport, split(),
+// the deadline, and the allocator's stream-ordered reuse. Values are small
+// integers in fp32, so every sum is exact and compared with ==. Exits 77
+// (meson: SKIP) without a GPU or without the CUDA build.
+#include <weft/cuda/runtime.h>
 #include <weft/mpi_communicator.h>
 #include <weft/nccl_communicator.h>
 
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 
-#include <cmath>
+#include <chrono>
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "weft_config.h"
@@ -27,17 +35,152 @@ namespace {
 }
 
 #if WEFT_CUDA
-std::vector<float> to_host(const weft::Tensor& t) {
+using weft::Device;
+using weft::DType;
+using weft::Tensor;
+
+int gpu = 0;
+
+std::vector<float> to_host(const Tensor& t) {
   std::vector<float> v(static_cast<size_t>(t.numel()));
+  cudaDeviceSynchronize();
   cudaMemcpy(v.data(), t.raw(), t.nbytes(), cudaMemcpyDeviceToHost);
   return v;
 }
 
-weft::Tensor to_device(const std::vector<float>& v) {
-  weft::Tensor t = weft::Tensor::empty({static_cast<int64_t>(v.size())}, weft::DType::F32,
-                                       weft::Device::cuda(0));
+Tensor to_device(const std::vector<float>& v) {
+  Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::F32, Device::cuda(gpu));
   cudaMemcpy(t.raw(), v.data(), t.nbytes(), cudaMemcpyHostToDevice);
   return t;
+}
+
+// The text of the weft::Error `fn` throws ("" when it throws none).
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+void check_collectives(weft::Communicator& c) {
+  const int n = c.size();
+  const auto fn = static_cast<float>(n);
+  const auto me = static_cast<float>(c.rank());
+  Tensor t = to_device({1, 2, -3});
+  c.all_reduce(t, weft::ReduceOp::Sum);
+  expect(to_host(t) == std::vector<float>{fn, 2 * fn, -3 * fn}, "all_reduce sum");
+  Tensor m = to_device({me, -me});
+  c.all_reduce(m, weft::ReduceOp::Max);
+  expect(to_host(m) == std::vector<float>{fn - 1, 0}, "all_reduce max");
+  Tensor g = Tensor::empty({2L * n}, DType::F32, Device::cuda(gpu));
+  c.all_gather(to_device({me, 10 + me}), g);
+  std::vector<float> want_g;
+  for (int r = 0; r < n; ++r) want_g.insert(want_g.end(), {float(r), 10.0f + float(r)});
+  expect(to_host(g) == want_g, "all_gather");
+  std::vector<float> in_rs;
+  for (int r = 0; r < n; ++r) in_rs.insert(in_rs.end(), {float(r), 1});
+  Tensor rs = Tensor::empty({2}, DType::F32, Device::cuda(gpu));
+  c.reduce_scatter(to_device(in_rs), rs, weft::ReduceOp::Sum);
+  expect(to_host(rs) == std::vector<float>{me * fn, fn}, "reduce_scatter");
+  Tensor b = to_device({me + 7});
+  c.broadcast(b, 0);
+  expect(to_host(b) == std::vector<float>{7}, "broadcast");
+  c.barrier();
+
+  // Non-blocking forms, all in flight at once, waited for in order.
+  Tensor a1 = to_device({2, 4});
+  Tensor g1 = Tensor::empty({2L * n}, DType::F32, Device::cuda(gpu));
+  Tensor s1 = Tensor::empty({2}, DType::F32, Device::cuda(gpu));
+  Tensor g_in = to_device({me, me});
+  Tensor s_in = to_device(in_rs);
+  std::vector<weft::RequestPtr> reqs;
+  reqs.push_back(c.iall_reduce(a1, weft::ReduceOp::Sum));
+  reqs.push_back(c.iall_gather(g_in, g1));
+  reqs.push_back(c.ireduce_scatter(s_in, s1, weft::ReduceOp::Sum));
+  weft::wait_all(reqs);
+  expect(to_host(a1) == std::vector<float>{2 * fn, 4 * fn}, "iall_reduce");
+  std::vector<float> want_g1;
+  for (int r = 0; r < n; ++r) want_g1.insert(want_g1.end(), {float(r), float(r)});
+  expect(to_host(g1) == want_g1, "iall_gather");
+  expect(to_host(s1) == std::vector<float>{me * fn, fn}, "ireduce_scatter");
+
+  // Host tensors go through the host transport.
+  Tensor h = Tensor::zeros({1});
+  h.data<float>()[0] = 1;
+  c.all_reduce(h, weft::ReduceOp::Sum);
+  expect(h.data<float>()[0] == fn, "all_reduce of a host tensor");
+}
+
+// A group that sends to the next rank and receives from the previous one
+// (itself at world size 1): two messages of different shapes, per-peer order.
+void check_group_p2p(weft::Communicator& c) {
+  const int n = c.size();
+  const int next = (c.rank() + 1) % n, prev = (c.rank() + n - 1) % n;
+  const auto me = static_cast<float>(c.rank());
+  Tensor out0 = to_device({me, me + 0.5f}), out1 = to_device({100 + me});
+  Tensor in0 = to_device({-1, -1}), in1 = to_device({-1});
+  std::vector<weft::RequestPtr> reqs;
+  c.group_start();
+  reqs.push_back(c.irecv(in0, prev, {weft::MessageTag::Kind::Activation, 0}));
+  reqs.push_back(c.irecv(in1, prev, {weft::MessageTag::Kind::Activation, 1}));
+  reqs.push_back(c.isend(out0, next, {weft::MessageTag::Kind::Activation, 0}));
+  reqs.push_back(c.isend(out1, next, {weft::MessageTag::Kind::Activation, 1}));
+  expect(!reqs[0]->test(), "a request of an open group is not done");
+  const std::string inside = error_of([&] { reqs[0]->wait(); });
+  expect(has(inside, "inside its open group"), "waiting inside a group is refused: " + inside);
+  c.group_end();
+  weft::wait_all(reqs);
+  const auto p = static_cast<float>(prev);
+  expect(to_host(in0) == std::vector<float>{p, p + 0.5f}, "group p2p, first message");
+  expect(to_host(in1) == std::vector<float>{100 + p}, "group p2p, second message");
+
+  // A receive posted for the wrong shape is named before NCCL sees it.
+  Tensor wrong = to_device({0, 0, 0});
+  c.group_start();
+  auto r = c.irecv(wrong, prev, {weft::MessageTag::Kind::Gradient, 2});
+  auto s = c.isend(to_device({1, 2}), next, {weft::MessageTag::Kind::Gradient, 2});
+  const std::string e = error_of([&] { c.group_end(); });
+  expect(has(e, "received F32 [2]") && has(e, "posted a receive for F32 [3]"),
+         "a mismatched receive names both shapes: " + e);
+}
+
+// The deadline: a receive nothing sends. Runs on a split of its own, since
+// it aborts that NCCL communicator.
+void check_deadline(weft::Communicator& world) {
+  std::vector<int> all;
+  for (int r = 0; r < world.size(); ++r) all.push_back(r);
+  auto c = world.split({all}, "deadline");
+  c->set_timeout(std::chrono::milliseconds(300));
+  c->set_step("the deadline check");
+  Tensor t = to_device({0});
+  const auto start = std::chrono::steady_clock::now();
+  const std::string e = error_of([&] { c->recv(t, 0, {weft::MessageTag::Kind::User, 9}); });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  expect(has(e, "timed out after 300 ms") && has(e, "the deadline check"),
+         "a receive past its deadline throws CommTimeout naming it: " + e);
+  expect(s < 30, fmt::format("the deadline came in {} s", s));
+}
+
+// A tensor the communication stream used is not reused until its event fires.
+void check_stream_ordered_reuse(weft::Communicator& c) {
+  weft::cuda::CachingAllocator& alloc = weft::cuda::context(gpu).allocator();
+  const size_t before = alloc.stats().bytes_awaiting_streams;
+  {
+    Tensor t = to_device({1, 2, 3});
+    c.all_reduce(t, weft::ReduceOp::Sum);
+  }
+  expect(alloc.stats().bytes_awaiting_streams > before,
+         "a block NCCL used waits for its stream when released");
+  cudaDeviceSynchronize();
+  Tensor u = Tensor::empty({3}, DType::F32, Device::cuda(gpu));  // collects it
+  expect(alloc.stats().bytes_awaiting_streams == before,
+         "once the stream has passed the event, the block is free again");
 }
 #endif
 
@@ -50,29 +193,20 @@ int main(int argc, char** argv) {
   }
 #if WEFT_CUDA
   return weft::mpi_main(argc, argv, [](weft::Communicator& host) {
-    auto nccl = weft::nccl_world(host, host.rank() % weft::cuda_device_count());
-    const int n = nccl->size();
-    weft::Tensor t = to_device({1.0f, 2.0f, -3.0f});
-    nccl->all_reduce(t, weft::ReduceOp::Sum);
-    auto v = to_host(t);
-    expect(v[0] == static_cast<float>(n) && v[2] == -3.0f * static_cast<float>(n), "all_reduce sum");
-    weft::Tensor g = weft::Tensor::empty({3L * n}, weft::DType::F32, weft::Device::cuda(0));
-    nccl->all_gather(to_device({1.0f, 2.0f, 3.0f}), g);
-    expect(to_host(g)[3 * n - 1] == 3.0f, "all_gather");
-    weft::Tensor b = to_device({static_cast<float>(nccl->rank()) + 7.0f});
-    nccl->broadcast(b, 0);
-    expect(to_host(b)[0] == 7.0f, "broadcast");
-    nccl->barrier();
-    if (n >= 2) {  // a ring of point-to-point messages with shape checks
-      const int next = (nccl->rank() + 1) % n, prev = (nccl->rank() + n - 1) % n;
-      weft::Tensor out = to_device({static_cast<float>(nccl->rank())});
-      weft::Tensor in = to_device({-1.0f});
-      auto r = nccl->irecv(in, prev, {weft::MessageTag::Kind::Activation, 0});
-      nccl->send(out, next, {weft::MessageTag::Kind::Activation, 0});
-      r->wait();
-      expect(to_host(in)[0] == static_cast<float>(prev), "p2p ring");
-    }
-    fmt::print("rank {}: NCCL world of {}: {}\n", host.rank(), n, failures ? "FAILED" : "ok");
+    gpu = host.rank() % weft::cuda_device_count();
+    auto nccl = weft::nccl_world(host, gpu);
+    check_collectives(*nccl);
+    check_group_p2p(*nccl);
+    check_stream_ordered_reuse(*nccl);
+    // A sub-communicator (ncclCommSplit) of even and odd ranks.
+    std::vector<std::vector<int>> parity(nccl->size() > 1 ? 2 : 1);
+    for (int r = 0; r < nccl->size(); ++r) parity[static_cast<size_t>(r % 2)].push_back(r);
+    auto half = nccl->split(parity, "parity");
+    check_collectives(*half);
+    check_group_p2p(*half);
+    check_deadline(*nccl);
+    fmt::print("rank {}: NCCL world of {}: {}\n", host.rank(), nccl->size(),
+               failures ? "FAILED" : "ok");
     return failures ? 1 : 0;
   });
 #else
