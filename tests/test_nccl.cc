@@ -170,6 +170,8 @@ void check_deadline(weft::Communicator& world) {
 // A tensor the communication stream used is not reused until its event fires.
 void check_stream_ordered_reuse(weft::Communicator& c) {
   weft::cuda::CachingAllocator& alloc = weft::cuda::context(gpu).allocator();
+  cudaDeviceSynchronize();
+  (void)Tensor::empty({1}, DType::F32, Device::cuda(gpu));  // an allocation collects what fired
   const size_t before = alloc.stats().bytes_awaiting_streams;
   {
     Tensor t = to_device({1, 2, 3});
