@@ -3,7 +3,9 @@
 // The fast, deterministic transport for testing everything distributed. It
 // keeps the rules of the real transports (tag matching, per-peer FIFO order,
 // shape checks, deadlines) and their failure behaviour: when one rank throws,
-// every other rank's next wait throws PeerFailed naming it.
+// every other rank's next wait throws PeerFailed naming it. Device tensors
+// (threads sharing a GPU) move by device-to-device copies; reductions of
+// device tensors compute on host copies.
 //
 //   run_local(4, [](Communicator& comm) {
 //     Tensor t = Tensor::zeros({8});

@@ -10,13 +10,17 @@
 // Point-to-point: each (src, dst) pair of a group has a mailbox. isend copies
 // the message into it (a buffered send, complete at once); a receive takes the
 // message of its tag whose number matches the order in which the receive was
-// posted, which is MPI's matching rule (per-peer FIFO among equal tags).
+// posted, which is MPI's matching rule (per-peer FIFO among equal tags). A
+// device tensor's message is a copy on its device (device to device, queued
+// on the compute stream that every thread on that GPU shares, so it is
+// ordered after the kernels that made the tensor and before the receiver's).
 //
 // Collectives: a rendezvous per collective number. Each member deposits its
 // tensors; the last to arrive checks that the calls agree and computes every
 // member's result in rank order (so all results are bitwise identical), then
 // everyone leaves. The others' tensors stay valid meanwhile because their
-// owners are blocked in the same collective.
+// owners are blocked in the same collective. Device tensors are gathered and
+// broadcast by device-to-device copies; their reductions run on host copies.
 #include <weft/bf16.h>
 #include <weft/local_communicator.h>
 
@@ -42,7 +46,8 @@ struct Message {
   uint64_t number = 0;  // among the messages of this tag in this mailbox
   Shape shape;
   DType dtype = DType::F32;
-  std::vector<std::byte> bytes;
+  std::vector<std::byte> bytes;  // a host tensor's bytes
+  Tensor payload;                // a device tensor's copy, on its device
 };
 
 struct Mailbox {
@@ -176,8 +181,61 @@ void reduce_into(const std::vector<std::optional<CollectiveCall>>& calls, int64_
   std::memcpy(dst, acc.data(), acc.size());
 }
 
+void run_host_collective(const std::vector<std::optional<CollectiveCall>>& calls);
+
+// `t`'s elements [offset, offset + n) as a flat tensor on its device.
+Tensor flat_slice(const Tensor& t, int64_t offset, int64_t n) {
+  return Tensor(t.data<std::byte>() + offset * static_cast<int64_t>(dtype_size(t.dtype())),
+                Shape{n}, t.dtype(), t.device());
+}
+
+// A collective with device tensors among its members. Moves (gathers,
+// broadcasts) are copies between the members' tensors (device to device on
+// the compute stream, which orders them after the kernels that made the
+// inputs); reductions run the host code on host copies, then copy the
+// results back, so every member still gets the very same bits.
+void run_device_collective(const std::vector<std::optional<CollectiveCall>>& calls) {
+  const CollectiveCall& first = *calls[0];
+  const int64_t n = first.count();
+  switch (first.kind) {
+    case CollectiveCall::Kind::AllGather:
+      for (const auto& c : calls)
+        for (size_t m = 0; m < calls.size(); ++m) {
+          const Tensor dst = flat_slice(c->out, static_cast<int64_t>(m) * n, n);
+          if (n > 0 && dst.raw() != calls[m]->in.raw())  // a member's own slice is in place
+            dst.copy_from(flat_slice(calls[m]->in, 0, n));
+        }
+      return;
+    case CollectiveCall::Kind::Broadcast: {
+      const Tensor& src = calls[static_cast<size_t>(first.root)]->in;
+      for (const auto& c : calls)
+        if (n > 0 && c->out.raw() != src.raw()) c->out.copy_from(src);
+      return;
+    }
+    case CollectiveCall::Kind::Barrier: return;
+    case CollectiveCall::Kind::AllReduce:
+    case CollectiveCall::Kind::ReduceScatter: break;
+  }
+  std::vector<std::optional<CollectiveCall>> host(calls.size());
+  for (size_t r = 0; r < calls.size(); ++r) {
+    const CollectiveCall& c = *calls[r];
+    Tensor in = Tensor::empty(c.in.shape(), c.in.dtype());
+    in.copy_from(c.in);
+    Tensor out = c.out.raw() == c.in.raw() ? in : Tensor::empty(c.out.shape(), c.out.dtype());
+    host[r] = CollectiveCall{c.kind, c.op, c.root, in, out};
+  }
+  run_host_collective(host);
+  for (size_t r = 0; r < calls.size(); ++r) calls[r]->out.copy_from(host[r]->out);
+}
+
 // Computes every member's result. All members' calls are present.
 void run_collective(const std::vector<std::optional<CollectiveCall>>& calls) {
+  for (const auto& c : calls)
+    if (!c->in.device().is_cpu() || !c->out.device().is_cpu()) return run_device_collective(calls);
+  run_host_collective(calls);
+}
+
+void run_host_collective(const std::vector<std::optional<CollectiveCall>>& calls) {
   const CollectiveCall& first = *calls[0];
   const int64_t n = first.count();
   const size_t bytes = static_cast<size_t>(n) * dtype_size(first.in.dtype());
@@ -271,8 +329,15 @@ class LocalCommunicator : public Communicator {
   RequestPtr isend(const Tensor& t, int peer, MessageTag tag) override {
     check_peer(t, peer, "isend");
     const int32_t code = tag.encode();
-    Message m{tag, 0, t.shape(), t.dtype(), std::vector<std::byte>(t.nbytes())};
-    if (t.nbytes()) std::memcpy(m.bytes.data(), t.raw(), t.nbytes());
+    Message m{tag, 0, t.shape(), t.dtype(), {}, Tensor()};
+    if (t.device().is_cpu()) {
+      m.bytes.resize(t.nbytes());
+      if (t.nbytes()) std::memcpy(m.bytes.data(), t.raw(), t.nbytes());
+    } else {
+      // A device-to-device copy, queued after the kernels that made `t`.
+      m.payload = Tensor::empty(t.shape(), t.dtype(), t.device());
+      m.payload.copy_from(t);
+    }
     {
       std::lock_guard<std::mutex> lock(world_->mu);
       Mailbox& box = group_->mailbox(rank_, peer);
@@ -300,8 +365,8 @@ class LocalCommunicator : public Communicator {
   }
 
   void all_gather(const Tensor& in, const Tensor& out) override {
-    check_cpu(in, "all_gather");
-    check_cpu(out, "all_gather");
+    check_movable(in, "all_gather");
+    check_movable(out, "all_gather");
     check(out.numel() == size() * in.numel() && out.dtype() == in.dtype(),
           "all_gather in {}: output {} {} must hold {} x {} {} elements", describe(),
           dtype_name(out.dtype()), out.shape().str(), size(), in.numel(), dtype_name(in.dtype()));
@@ -310,7 +375,7 @@ class LocalCommunicator : public Communicator {
 
   void reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op) override {
     check_reducible(in, op, "reduce_scatter");
-    check_cpu(out, "reduce_scatter");
+    check_movable(out, "reduce_scatter");
     check(in.numel() == size() * out.numel() && out.dtype() == in.dtype(),
           "reduce_scatter in {}: input {} {} must hold {} x {} {} elements", describe(),
           dtype_name(in.dtype()), in.shape().str(), size(), out.numel(), dtype_name(out.dtype()));
@@ -318,7 +383,7 @@ class LocalCommunicator : public Communicator {
   }
 
   void broadcast(const Tensor& t, int root) override {
-    check_cpu(t, "broadcast");
+    check_movable(t, "broadcast");
     check(root >= 0 && root < size(), "broadcast root {} is outside {} of size {}", root,
           describe(), size());
     collective({CollectiveCall::Kind::Broadcast, ReduceOp::Sum, root, t, t});
@@ -341,17 +406,19 @@ class LocalCommunicator : public Communicator {
   Group& group() const { return *group_; }
 
  private:
-  void check_cpu(const Tensor& t, const char* op) const {
-    check(t.device().is_cpu(), "{} in {}: the local transport moves host memory, not {}", op,
-          describe(), t.device().str());
+  // Host tensors, or device tensors when weft has a device backend.
+  void check_movable(const Tensor& t, const char* op) const {
+    check(t.device().is_cpu() || cuda_built(),
+          "{} in {}: a {} tensor, but weft was built without CUDA", op, describe(),
+          t.device().str());
   }
   void check_peer(const Tensor& t, int peer, const char* op) const {
-    check_cpu(t, op);
+    check_movable(t, op);
     check(peer >= 0 && peer < size(), "{} peer {} is outside {} of size {}", op, peer, describe(),
           size());
   }
   void check_reducible(const Tensor& t, ReduceOp op, const char* what) const {
-    check_cpu(t, what);
+    check_movable(t, what);
     check(t.dtype() == DType::F32 || t.dtype() == DType::I32 ||
               (t.dtype() == DType::BF16 && op == ReduceOp::Sum),
           "{} ({}) in {} of {} tensors is not supported (F32 or I32; BF16 sums only)", what,
@@ -382,7 +449,15 @@ std::optional<Message> RecvRequest::take_locked() {
 }
 
 void RecvRequest::deliver(const Message& m) {
-  if (!m.bytes.empty()) std::memcpy(t_.raw(), m.bytes.data(), m.bytes.size());
+  if (m.payload.defined()) {
+    t_.copy_from(m.payload);  // device to device (or host), on the compute stream
+  } else if (!m.bytes.empty()) {
+    if (t_.device().is_cpu())
+      std::memcpy(t_.raw(), m.bytes.data(), m.bytes.size());
+    else
+      t_.copy_from(Tensor(const_cast<std::byte*>(m.bytes.data()), t_.shape(), t_.dtype(),
+                          Device::cpu()));
+  }
   done_ = true;
 }
 

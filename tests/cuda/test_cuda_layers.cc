@@ -243,6 +243,48 @@ TEST(CudaLayers, AdamWAndNormOnTheDevice) {
 }
 
 }  // namespace
+// Threads sharing the GPU: LocalCommunicator moves device tensors by
+// device-to-device copies and reduces them on host copies. Small integers
+// in fp32, so every result is exact.
+TEST(CudaLocalCommunicator, DeviceTensorsMoveAndReduceAcrossThreads) {
+  constexpr int kRanks = 3;
+  const Device gpu = Device::cuda(0);
+  auto on_gpu = [&](std::vector<float> v) {
+    Tensor h = Tensor::zeros({static_cast<int64_t>(v.size())});
+    std::copy(v.begin(), v.end(), h.data<float>());
+    Tensor d = Tensor::empty(h.shape(), DType::F32, gpu);
+    d.copy_from(h);
+    return d;
+  };
+  auto on_host = [](const Tensor& d) {
+    Tensor h = Tensor::zeros(d.shape());
+    h.copy_from(d);
+    return std::vector<float>(h.data<float>(), h.data<float>() + h.numel());
+  };
+  run_local(kRanks, [&](Communicator& comm) {
+    const auto me = static_cast<float>(comm.rank());
+    const int next = (comm.rank() + 1) % kRanks, prev = (comm.rank() + kRanks - 1) % kRanks;
+    Tensor in = on_gpu({-1, -1});
+    auto r = comm.irecv(in, prev, {MessageTag::Kind::Activation, 0});
+    comm.send(on_gpu({me, 10 + me}), next, {MessageTag::Kind::Activation, 0});
+    r->wait();
+    EXPECT_EQ(on_host(in), (std::vector<float>{float(prev), 10.0f + float(prev)}));
+
+    Tensor sum = on_gpu({me, 1});
+    comm.all_reduce(sum, ReduceOp::Sum);
+    EXPECT_EQ(on_host(sum), (std::vector<float>{3, 3}));  // 0 + 1 + 2, three ones
+    Tensor all = Tensor::empty({kRanks}, DType::F32, gpu);
+    comm.all_gather(on_gpu({me}), all);
+    EXPECT_EQ(on_host(all), (std::vector<float>{0, 1, 2}));
+    Tensor part = Tensor::empty({1}, DType::F32, gpu);
+    comm.reduce_scatter(on_gpu({me, 2 * me, 3 * me}), part, ReduceOp::Sum);
+    EXPECT_EQ(on_host(part), (std::vector<float>{3.0f * (me + 1)}));
+    Tensor b = on_gpu({me + 5});
+    comm.broadcast(b, 1);
+    EXPECT_EQ(on_host(b), (std::vector<float>{6}));
+  });
+}
+
 }  // namespace weft
 
 #endif  // WEFT_CUDA
