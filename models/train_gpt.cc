@@ -13,6 +13,7 @@
 #include <weft/mpi_communicator.h>
 #include <weft/ops.h>
 #include <weft/param_server.h>
+#include <weft/nccl_communicator.h>
 #include <weft/staged_communicator.h>
 #include <weft/partition.h>
 #include <weft/pipeline.h>
@@ -311,13 +312,15 @@ struct PipelineSetup {
   int64_t micro_batches = 1;
   weft::Device device;
   bool staged = false;  // device tensors travel through the host (HostStagedCommunicator)
+  bool nccl = false;    // device tensors travel by NCCL (one GPU per rank)
 };
 
 // --device, --comm-backend and the precision flags. auto is cuda when a GPU
 // is visible. Each rank takes the GPU of its local rank (the launcher's
-// variables, weft/launcher.h) modulo the GPUs visible; when ranks share a
-// GPU, NCCL cannot carry their tensors, and they travel through the host.
-weft::Device resolve_device(const Args& a, int world, bool& staged) {
+// variables, weft/launcher.h) modulo the GPUs visible. When each rank has a
+// GPU of its own, NCCL carries device tensors (auto or nccl); when ranks
+// share a GPU, NCCL cannot, and they travel through the host (auto or mpi).
+weft::Device resolve_device(const Args& a, int world, bool& staged, bool& nccl) {
   using namespace weft;
   check(!(a.bf16 && a.fp16), "--bf16 and --fp16 are mutually exclusive: choose one");
   check(a.device == "auto" || a.device == "cpu" || a.device == "cuda",
@@ -331,6 +334,7 @@ weft::Device resolve_device(const Args& a, int world, bool& staged) {
   check(world > 1 || a.comm_backend == "auto",
         "--comm-backend {} chooses how ranks talk, but the job is one process", a.comm_backend);
   staged = false;
+  nccl = false;
   if (kind != "cuda") {
     check(!a.tf32, "--tf32 needs --device cuda: the CPU computes in fp32");
   } else {
@@ -344,16 +348,19 @@ weft::Device resolve_device(const Args& a, int world, bool& staged) {
         a.bf16 ? "bf16" : "fp16");
   if (kind != "cuda") return Device::cpu();
   const LaunchInfo launch = detect_launch();
-  if (world > 1) {
-    const bool sharing = launch.local_size > gpus;
-    check(a.comm_backend != "nccl" || !sharing,
-          "--comm-backend nccl: {} ranks on this node share {} GPU{}, and NCCL refuses two "
-          "ranks on one GPU; use --comm-backend mpi, which stages tensors through the host",
-          launch.local_size, gpus, gpus == 1 ? "" : "s");
-    check(a.comm_backend != "nccl",
-          "--comm-backend nccl is not available yet: NCCL carries only its own tests so far; use "
-          "--comm-backend mpi, which stages tensors through the host");
-    staged = true;
+  const DeviceTransport transport =
+      choose_device_transport(a.comm_backend, world, launch.local_size, gpus);
+  staged = transport == DeviceTransport::HostStaged;
+  nccl = transport == DeviceTransport::Nccl;
+  if (nccl) {
+    // A receive posted ahead of its p2p step would be an NCCL call of its own,
+    // holding the communication stream until its message comes.
+    check(!a.overlap_p2p_comm,
+          "--overlap-p2p-comm with NCCL ({}): a receive posted ahead of its step would hold "
+          "the communication stream until its message comes; drop the flag or use "
+          "--comm-backend mpi",
+          a.comm_backend == "nccl" ? "--comm-backend nccl"
+                                   : "chosen by --comm-backend auto: each rank has its own GPU");
   }
   return Device::cuda(launch.local_rank % gpus);
 }
@@ -399,7 +406,7 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
         "is split across tensor-parallel ranks)",
         cfg.vocab_size, a.tp);
   PipelineSetup p;
-  p.device = resolve_device(a, world, p.staged);
+  p.device = resolve_device(a, world, p.staged, p.nccl);
   if (a.layers_per_virtual > 0) {
     check(cfg.num_layers % (a.pp * a.layers_per_virtual) == 0,
           "--num-layers ({}) must be divisible by --pp ({}) x "
@@ -421,8 +428,19 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
         global, a.micro_batch, layout.dp(), world, a.tp, a.pp);
   p.micro_batches = global / (a.micro_batch * layout.dp());
   // Throws naming the rule when the schedule cannot run these sizes.
-  if (a.pp > 1)
-    sched::make_schedule(a.schedule, a.pp, static_cast<int>(p.micro_batches), p.chunks);
+  if (a.pp > 1) {
+    const sched::Schedule schedule =
+        sched::make_schedule(a.schedule, a.pp, static_cast<int>(p.micro_batches), p.chunks);
+    // NCCL runs each p2p step as a rendezvous: refuse a schedule that would
+    // hang that way (interleaved 1F1B), naming where.
+    if (p.nccl) {
+      const std::string stuck = sched::check_grouped_p2p(sched::lower(schedule));
+      check(stuck.empty(),
+            "--schedule {} cannot run over NCCL at --pp {} with {} micro-batches: with each "
+            "p2p step a rendezvous, {}; use gpipe, 1f1b or zb-h1, or --comm-backend mpi",
+            a.schedule, a.pp, p.micro_batches, stuck);
+    }
+  }
   parse_partition_method(a.partition);
   check(a.ddp_bucket_size > 0, "--ddp-bucket-size ({}) must be positive", a.ddp_bucket_size);
   GradSyncOptions sync;  // the compression flags, checked before any message
@@ -830,6 +848,11 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   const PipelineSetup setup = check_parallel(a, cfg, workers, global);
   std::optional<HostStagedCommunicator> staged_world;
   if (setup.staged) world = &staged_world.emplace(*world);
+  std::unique_ptr<Communicator> nccl;  // over the MPI world, which carries host tensors
+  if (setup.nccl) {
+    nccl = nccl_world(*world, setup.device.index, world->options());
+    world = nccl.get();
+  }
   const bool rank0 = world == nullptr || world->rank() == 0;
   const nlohmann::json ranks = rank_table(world, setup.device);
   if (rank0) {

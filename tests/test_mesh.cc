@@ -136,4 +136,28 @@ TEST(Launch, ReadsTheLauncherEnvironment) {
 }
 
 }  // namespace
+// train_gpt --comm-backend on GPUs: NCCL when each rank has its own GPU,
+// the host-staged path when ranks share one, and nccl refused then.
+TEST(DeviceTransport, NcclWhenEachRankHasItsOwnGpu) {
+  EXPECT_EQ(choose_device_transport("auto", 1, 1, 1), DeviceTransport::None);
+  EXPECT_EQ(choose_device_transport("auto", 4, 4, 4), DeviceTransport::Nccl);
+  EXPECT_EQ(choose_device_transport("nccl", 4, 4, 8), DeviceTransport::Nccl);
+  EXPECT_EQ(choose_device_transport("mpi", 4, 4, 4), DeviceTransport::HostStaged);
+  // Two nodes of 2 ranks, each node with 2 GPUs.
+  EXPECT_EQ(choose_device_transport("auto", 4, 2, 2), DeviceTransport::Nccl);
+}
+
+TEST(DeviceTransport, HostStagedWhenRanksShareAGpu) {
+  EXPECT_EQ(choose_device_transport("auto", 4, 4, 1), DeviceTransport::HostStaged);
+  EXPECT_EQ(choose_device_transport("mpi", 8, 8, 2), DeviceTransport::HostStaged);
+  const std::string e = testing::error_message([] { choose_device_transport("nccl", 4, 4, 1); });
+  EXPECT_TRUE(testing::contains(e, "--comm-backend nccl: 4 ranks on this node share 1 GPU, and "
+                                   "NCCL refuses two ranks on one GPU"))
+      << e;
+  const std::string two = testing::error_message([] { choose_device_transport("nccl", 3, 3, 2); });
+  EXPECT_TRUE(testing::contains(two, "3 ranks on this node share 2 GPUs")) << two;
+  const std::string bad = testing::error_message([] { choose_device_transport("gloo", 2, 2, 2); });
+  EXPECT_TRUE(testing::contains(bad, "--comm-backend 'gloo' must be auto, mpi or nccl")) << bad;
+}
+
 }  // namespace weft

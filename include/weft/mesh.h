@@ -70,4 +70,18 @@ struct LaunchInfo {
 };
 LaunchInfo detect_launch();
 
+// How ranks on GPUs move device tensors (train_gpt --comm-backend).
+enum class DeviceTransport : uint8_t {
+  None,        // one process: nothing to move
+  HostStaged,  // pinned copies and MPI (HostStagedCommunicator)
+  Nccl,        // NCCL, bootstrapped over MPI (nccl_world)
+};
+// For `backend` auto, mpi or nccl, a job of `world` ranks, `local_size` of
+// them on this node, which has `gpus` GPUs. NCCL refuses two ranks on one
+// GPU, so when ranks share one, auto and mpi stage through the host and nccl
+// is refused; when each rank has its own, auto and nccl choose NCCL and mpi
+// stages. Throws Error with one line naming the values and the rule.
+DeviceTransport choose_device_transport(const std::string& backend, int world, int local_size,
+                                        int gpus);
+
 }  // namespace weft

@@ -108,4 +108,18 @@ LaunchInfo detect_launch() {
   return info;
 }
 
+DeviceTransport choose_device_transport(const std::string& backend, int world, int local_size,
+                                        int gpus) {
+  check(backend == "auto" || backend == "mpi" || backend == "nccl",
+        "--comm-backend '{}' must be auto, mpi or nccl", backend);
+  check(gpus > 0, "choosing how ranks on GPUs talk, but no GPU is visible");
+  if (world == 1) return DeviceTransport::None;
+  const bool sharing = local_size > gpus;
+  check(backend != "nccl" || !sharing,
+        "--comm-backend nccl: {} ranks on this node share {} GPU{}, and NCCL refuses two "
+        "ranks on one GPU; use --comm-backend mpi, which stages tensors through the host",
+        local_size, gpus, gpus == 1 ? "" : "s");
+  return sharing || backend == "mpi" ? DeviceTransport::HostStaged : DeviceTransport::Nccl;
+}
+
 }  // namespace weft
