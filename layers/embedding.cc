@@ -24,7 +24,7 @@ Embedding::Embedding(Param* wte, Param* wpe, Communicator* group)
   check(wte->shard.dim == 0 || !wte->shard.split(),
         "{}: a vocabulary-parallel table is split by rows, not along dimension {}", wte->name,
         wte->shard.dim);
-  vocab_ = wte->shard.split() ? wte->shard.full[0] : wte->value.dim(0);
+  vocab_ = real_rows(*wte);
   first_ = wte->shard.split() ? wte->shard.index * wte->value.dim(0) : 0;
 }
 
@@ -40,7 +40,9 @@ std::vector<Shape> Embedding::output_shapes(std::span<const Shape> in) const {
 std::unique_ptr<Layer> Embedding::tensor_parallel(TpBuild& build) const {
   const int tp = build.group->size();
   check(wte_->value.dim(0) % tp == 0,
-        "vocabulary ({}) must be divisible by tensor-parallel size ({})", wte_->value.dim(0), tp);
+        "vocabulary ({}) must be divisible by tensor-parallel size ({}): pad it with "
+        "--make-vocab-size-divisible-by",
+        wte_->value.dim(0), tp);
   return std::make_unique<Embedding>(build.param(*wte_, 0), wpe_ ? build.param(*wpe_, -1) : nullptr,
                                      build.group);
 }

@@ -8,7 +8,9 @@
 // token gets its one row. wpe is whole; rank 0 adds it before the sum, which
 // is exact (one rank holds each row, the others add zeros), so every layout
 // computes the same bits. Without a group (or a group of one) it is the plain
-// lookup: vocabulary offset 0, nothing to sum.
+// lookup: vocabulary offset 0, nothing to sum. A padded table
+// (wte->true_rows) has rows no token reads: tokens must be below the true
+// vocabulary, so the padding rows get no gradient.
 #pragma once
 
 #include <weft/communicator.h>
@@ -42,7 +44,7 @@ class Embedding final : public Layer {
   Communicator* group_;
   Param* wte_;
   Param* wpe_;
-  int64_t vocab_;  // V, the whole vocabulary
+  int64_t vocab_;  // V, the whole vocabulary without padding
   int64_t first_;  // the first token id of this rank's rows
 };
 

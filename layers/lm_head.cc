@@ -5,6 +5,8 @@
 
 #include "layers/tp_regions.h"
 
+#include <algorithm>
+
 namespace weft {
 
 namespace {
@@ -22,7 +24,7 @@ TiedLmHeadLoss::TiedLmHeadLoss(Param* wte, Communicator* group) : group_(group),
   check(wte->shard.dim == 0 || !wte->shard.split(),
         "{}: a vocabulary-parallel table is split by rows, not along dimension {}", wte->name,
         wte->shard.dim);
-  vocab_ = wte->shard.split() ? wte->shard.full[0] : wte->value.dim(0);
+  vocab_ = real_rows(*wte);
   first_ = wte->shard.split() ? wte->shard.index * wte->value.dim(0) : 0;
 }
 
@@ -43,7 +45,9 @@ double TiedLmHeadLoss::flops(std::span<const Shape> in) const {
 std::unique_ptr<Layer> TiedLmHeadLoss::tensor_parallel(TpBuild& build) const {
   const int tp = build.group->size();
   check(wte_->value.dim(0) % tp == 0,
-        "vocabulary ({}) must be divisible by tensor-parallel size ({})", wte_->value.dim(0), tp);
+        "vocabulary ({}) must be divisible by tensor-parallel size ({}): pad it with "
+        "--make-vocab-size-divisible-by",
+        wte_->value.dim(0), tp);
   auto head = std::make_unique<TiedLmHeadLoss>(build.param(*wte_, 0), build.group);
   head->set_keep_logits(keep_logits_);
   return head;
@@ -64,6 +68,10 @@ void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
   ctx.targets = in[1];
   ctx.probs = arena.alloc({n, v});
   ops::gemm(in[0], false, wte_->value, true, ctx.probs);
+  // Padding rows of wte (tokens vocab_.. of a padded table): their logits are
+  // -inf, so their probabilities, dlogits and gradients are exactly zero.
+  const int64_t real = std::clamp<int64_t>(vocab_ - first_, 0, v);
+  if (real < v) ops::mask_columns(ctx.probs, real);
   if (keep_logits_) {
     ctx.logits = arena.alloc({n, v});
     ctx.logits.copy_from(ctx.probs);

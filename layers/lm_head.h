@@ -18,6 +18,12 @@
 // enters through copy_to_tp, so dx is the sum of every rank's dlogits_r wte_r.
 // Without a group (or a group of one) the whole vocabulary is here and the
 // softmax and loss are one fused pass.
+//
+// A padded table (wte->true_rows, Megatron's --make-vocab-size-divisible-by)
+// has rows past the true vocabulary V. Their logits are set to -inf before
+// either softmax, so they take no probability, and their dlogits and wte
+// gradients are exactly zero: the loss is the unpadded model's. Tensor
+// parallelism splits the padded rows, so a rank may hold only padding.
 #pragma once
 
 #include <weft/communicator.h>
@@ -27,8 +33,8 @@ namespace weft {
 
 class TiedLmHeadLoss final : public Layer {
  public:
-  // wte (V, C), or this rank's rows (V/tp, C) of it (wte->shard says which).
-  // `group`: the tensor-parallel group, or null.
+  // wte (V, C), or this rank's rows (V/tp, C) of it (wte->shard says which),
+  // V padded or not. `group`: the tensor-parallel group, or null.
   explicit TiedLmHeadLoss(Param* wte, Communicator* group = nullptr);
   const char* kind() const override {
     return group_ ? "vocab_parallel_lm_head_loss" : "lm_head_loss";
@@ -37,8 +43,9 @@ class TiedLmHeadLoss final : public Layer {
   std::vector<Param*> params() const override { return {wte_}; }
   double flops(std::span<const Shape> in) const override;
   std::unique_ptr<LayerCtx> make_ctx() const override;
-  // Keep the raw logits (B, T, V, or this rank's V/tp columns) in the ctx
-  // after forward, for sampling and tests.
+  // Keep the logits (B, T, V, or this rank's V/tp columns; V padded, with
+  // -inf in the padding columns) in the ctx after forward, for sampling and
+  // tests.
   void set_keep_logits(bool keep) { keep_logits_ = keep; }
   // Logits of the last forward on this ctx (needs set_keep_logits(true)):
   // columns first_token() .. of the full logits.
@@ -57,7 +64,7 @@ class TiedLmHeadLoss final : public Layer {
   bool split() const { return group_ != nullptr && group_->size() > 1; }
   Communicator* group_;
   Param* wte_;
-  int64_t vocab_;  // V, the whole vocabulary
+  int64_t vocab_;  // V, the whole vocabulary without padding
   int64_t first_;  // the first token id of this rank's rows
   bool keep_logits_ = false;
 };

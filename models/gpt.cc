@@ -14,6 +14,19 @@
 
 namespace weft {
 
+int64_t padded_vocab(int64_t vocab, int64_t multiple) {
+  check(multiple >= 1, "a vocabulary is padded to a multiple of at least 1, not {}", multiple);
+  return (vocab + multiple - 1) / multiple * multiple;
+}
+
+namespace {
+// Marks the rows of a vocabulary table past `vocab` as padding.
+Param* vocab_table(Param* p, int64_t vocab) {
+  if (p->value.dim(0) > vocab) p->true_rows = vocab;
+  return p;
+}
+}  // namespace
+
 void GptConfig::validate() const {
   check(num_layers > 0, "--num-layers ({}) must be at least 1", num_layers);
   check(hidden_size > 0, "--hidden-size ({}) must be positive", hidden_size);
@@ -23,6 +36,10 @@ void GptConfig::validate() const {
   check(seq_length > 0, "--seq-length ({}) must be positive", seq_length);
   check(vocab_size > 0 && vocab_size <= (int64_t{1} << 31) - 1,
         "--vocab-size ({}) must be between 1 and 2^31-1", vocab_size);
+  check(padded_vocab_size == 0 ||
+            (padded_vocab_size >= vocab_size && padded_vocab_size <= (int64_t{1} << 31) - 1),
+        "the padded vocabulary ({}) must be between --vocab-size ({}) and 2^31-1",
+        padded_vocab_size, vocab_size);
   check(seq_length <= positions(),
         "--seq-length ({}) must not exceed --max-position-embeddings ({})", seq_length,
         positions());
@@ -91,7 +108,8 @@ GptModel build_gpt(const GptConfig& cfg, int64_t micro_batch,
   GptModel m{params, Graph(params), {}, -1, -1, nullptr};
   Graph& g = m.graph;
   const int64_t B = micro_batch, T = cfg.seq_length;
-  Param* wte = param("wte.weight", {cfg.vocab_size, c}, Init::normal(0.02f));
+  Param* wte = vocab_table(param("wte.weight", {cfg.table_rows(), c}, Init::normal(0.02f)),
+                           cfg.vocab_size);
   Param* wpe = param("wpe.weight", {cfg.positions(), c}, Init::normal(0.02f));
   m.tokens = g.input("tokens", {B, T}, DType::I32);
   m.targets = g.input("targets", {B, T}, DType::I32);
@@ -132,7 +150,8 @@ std::vector<int32_t> sample_gpt(const GptConfig& cfg, const std::shared_ptr<Para
   check(!prompt.empty(), "sampling needs a prompt of at least one token");
   GptModel m = build_gpt(cfg, 1, params);
   m.head->set_keep_logits(true);
-  const int64_t T = cfg.seq_length, V = cfg.vocab_size;
+  // Logits rows hold the padded vocabulary; only the true one is sampled.
+  const int64_t T = cfg.seq_length, V = cfg.vocab_size, stride = cfg.table_rows();
   const int n = static_cast<int>(m.graph.nodes().size());
   const int head_node = n - 1;
   MicroBatch mb(m.graph);
@@ -149,7 +168,7 @@ std::vector<int32_t> sample_gpt(const GptConfig& cfg, const std::shared_ptr<Para
       tgt[t] = 0;
     }
     forward(m.graph, mb, 0, n);
-    const float* logits = TiedLmHeadLoss::logits(mb.ctx(head_node)).data<float>() + (len - 1) * V;
+    const float* logits = TiedLmHeadLoss::logits(mb.ctx(head_node)).data<float>() + (len - 1) * stride;
     int32_t next = 0;
     if (temperature <= 0) {
       for (int64_t j = 1; j < V; ++j)

@@ -18,8 +18,18 @@
 
 namespace weft {
 
+// The vocabulary padded up to a multiple of `multiple` (>= 1): Megatron's
+// --make-vocab-size-divisible-by, whose multiple is that flag times the
+// tensor-parallel size. 50257 -> 50304 at 128.
+int64_t padded_vocab(int64_t vocab, int64_t multiple);
+
 struct GptConfig {
   int64_t vocab_size = 256;
+  // Rows of wte: vocab_size, or more (0 means vocab_size). The rows past
+  // vocab_size are padding: zero, never trained, their logits masked and left
+  // out of saved files (Param::true_rows), so only the speed of the LM-head
+  // GEMMs changes (an odd 50257 runs on slow unaligned kernels on GPUs).
+  int64_t padded_vocab_size = 0;
   int64_t max_positions = 0;  // rows of wpe; 0 means seq_length
   int64_t num_layers = 2;
   int64_t hidden_size = 64;
@@ -30,9 +40,11 @@ struct GptConfig {
   bool embedding_skip = false;
 
   int64_t positions() const { return max_positions > 0 ? max_positions : seq_length; }
+  int64_t table_rows() const { return padded_vocab_size > 0 ? padded_vocab_size : vocab_size; }
   // Throws Error naming the value and the rule for an impossible shape.
   void validate() const;
-  // Parameters, and training FLOPs per token (6 N + 12 L T C, N without wpe).
+  // Parameters (without padding), and training FLOPs per token (6 N + 12 L T
+  // C, N without wpe).
   int64_t param_count() const;
   double train_flops_per_token() const;
 };

@@ -23,6 +23,9 @@ int64_t LlamaConfig::ffn() const {
 
 void LlamaConfig::validate() const {
   check(vocab_size > 0, "--vocab-size ({}) must be positive", vocab_size);
+  check(padded_vocab_size == 0 || padded_vocab_size >= vocab_size,
+        "the padded vocabulary ({}) must not be smaller than --vocab-size ({})",
+        padded_vocab_size, vocab_size);
   check(num_layers > 0, "--num-layers ({}) must be positive", num_layers);
   check(num_heads > 0 && hidden_size % num_heads == 0,
         "--hidden-size ({}) must be divisible by --num-attention-heads ({})", hidden_size,
@@ -64,7 +67,13 @@ LlamaModel build_llama(const LlamaConfig& cfg, int64_t micro_batch) {
   const int64_t B = micro_batch, T = cfg.seq_length;
   m.tokens = g.input("tokens", {B, T}, DType::I32);
   m.targets = g.input("targets", {B, T}, DType::I32);
-  Param* wte = ps.create("wte.weight", {cfg.vocab_size, c}, Init::normal(0.02f));
+  // Padding rows past vocab_size (Param::true_rows), as GPT's.
+  auto vocab_table = [&](const std::string& name) {
+    Param* p = ps.create(name, {cfg.table_rows(), c}, Init::normal(0.02f));
+    if (cfg.table_rows() > cfg.vocab_size) p->true_rows = cfg.vocab_size;
+    return p;
+  };
+  Param* wte = vocab_table("wte.weight");
   int x = g.add1("embed", std::make_unique<Embedding>(wte, nullptr), {m.tokens});
   for (int64_t i = 0; i < L; ++i) {
     const std::string h = fmt::format("h.{}", i);
@@ -83,7 +92,7 @@ LlamaModel build_llama(const LlamaConfig& cfg, int64_t micro_batch) {
     x = g.add1(h + ".res_2", std::make_unique<Residual>(), {x, y});
   }
   x = g.add1("norm", norm("norm"), {x});
-  Param* head = ps.create("lm_head.weight", {cfg.vocab_size, c}, Init::normal(0.02f));
+  Param* head = vocab_table("lm_head.weight");
   auto lm_head = std::make_unique<TiedLmHeadLoss>(head);
   m.head = lm_head.get();
   const int loss = g.add1("lm_head", std::move(lm_head), {x, m.targets});

@@ -26,6 +26,7 @@ namespace weft {
 
 struct LlamaConfig {
   int64_t vocab_size = 256;
+  int64_t padded_vocab_size = 0;  // rows of wte and lm_head; 0: vocab_size (GptConfig's)
   int64_t num_layers = 4;
   int64_t hidden_size = 128;
   int64_t num_heads = 4;
@@ -36,6 +37,7 @@ struct LlamaConfig {
   float norm_eps = 1e-5f;
 
   int64_t ffn() const;
+  int64_t table_rows() const { return padded_vocab_size > 0 ? padded_vocab_size : vocab_size; }
   int64_t groups() const { return num_query_groups > 0 ? num_query_groups : num_heads; }
   // Throws Error naming the value and the rule it breaks.
   void validate() const;

@@ -15,6 +15,7 @@
 #include "test_util.h"
 
 #include <cmath>
+#include <limits>
 #include <tuple>
 
 namespace weft {
@@ -178,6 +179,71 @@ TEST_P(DeviceParity, FiveAdamWStepsWithClipping) {
     for (int64_t i = c; i < 2 * c; ++i)
       EXPECT_LE(std::abs(got[i] - ref[i]), 2.0f * static_cast<float>(steps) * lr) << p->name;
   }
+}
+
+// The same fixture with the vocabulary padded (Megatron's
+// --make-vocab-size-divisible-by 128): --init-from's file holds the true rows
+// and loads into the padded table; the padding columns' logits are -inf, and
+// loss, real logits, gradients, five AdamW steps and final weights are
+// PyTorch's to the same kTol, the padding rows zero throughout.
+TEST(Parity, PaddedVocabularyMatchesTheFixture) {
+  Fixture fx;
+  GptConfig cfg = fx.config();
+  cfg.padded_vocab_size = padded_vocab(cfg.vocab_size, 128);
+  const int64_t v = cfg.vocab_size, rows = cfg.padded_vocab_size, t = cfg.seq_length;
+  ASSERT_GT(rows, v) << "the fixture's vocabulary should need padding";
+  FixtureBatches batches(fx.golden.get("tokens"));
+  {
+    GptModel m = build_gpt(cfg, fx.batch());
+    load_weights(fx.init.path(), m.graph.params());
+    m.head->set_keep_logits(true);
+    MicroBatch mb(m.graph);
+    batches.fill(0, 0, std::vector<Tensor>{mb.input(m.tokens), mb.input(m.targets)});
+    const int n = static_cast<int>(m.graph.nodes().size());
+    forward(m.graph, mb, 0, n);
+    const double loss = mb.value(m.io.loss).data<float>()[0] / static_cast<double>(fx.batch() * t);
+    const double want = fx.golden.get("loss0").data<float>()[0];
+    EXPECT_NEAR(loss, want, kTol * want);
+    const Tensor logits = TiedLmHeadLoss::logits(mb.ctx(n - 1));
+    ASSERT_EQ(logits.shape().last(), rows);
+    const int64_t positions = logits.shape().rows();
+    Tensor real = Tensor::empty({positions, v});
+    for (int64_t i = 0; i < positions; ++i) {
+      const float* row = logits.data<float>() + i * rows;
+      std::copy(row, row + v, real.data<float>() + i * v);
+      for (int64_t j = v; j < rows; ++j)
+        ASSERT_EQ(row[j], -std::numeric_limits<float>::infinity()) << "position " << i;
+    }
+    EXPECT_LT(rel_error(real.data<float>(), fx.golden.get("logits0").data<float>(), real.numel()),
+              kTol);
+  }
+  GptModel m = build_gpt(cfg, fx.batch() / 2);
+  load_weights(fx.init.path(), m.graph.params());
+  Trainer trainer(m.io, batches, options(fx, fx.batch() / 2));
+  const double loss = trainer.compute_gradients(0);
+  EXPECT_NEAR(loss, fx.golden.get("loss0").data<float>()[0], kTol * loss);
+  for (Param* p : m.graph.params())
+    EXPECT_LT(rel_error(unpad_rows(*p, p->grad).clone(), fx.golden.get("grad." + p->name)), kTol)
+        << p->name;
+  GptModel fresh = build_gpt(cfg, fx.batch() / 2);
+  load_weights(fx.init.path(), fresh.graph.params());
+  Trainer steps(fresh.io, batches, options(fx, fx.batch() / 2));
+  const float* losses = fx.golden.get("losses").data<float>();
+  const float* norms = fx.golden.get("grad_norms").data<float>();
+  for (int64_t s = 0; s < fx.meta(fx.golden, "steps"); ++s) {
+    StepRecord r = steps.train_step();
+    EXPECT_NEAR(r.loss, losses[s], kTol * losses[s]) << "step " << s;
+    EXPECT_NEAR(r.grad_norm, norms[s], kTol * norms[s]) << "step " << s;
+  }
+  for (Param* p : fresh.graph.params()) {
+    if (p->name.find("attn.c_attn.bias") != std::string::npos) continue;  // the key bias: above
+    EXPECT_LT(rel_error(unpad_rows(*p, p->value).clone(), fx.golden.get("final." + p->name)), kTol)
+        << p->name;
+  }
+  const Param& wte = *fresh.params->find("wte.weight");
+  const Tensor padding = wte.value.slice0(v, rows).clone();
+  for (int64_t i = 0; i < padding.numel(); ++i)
+    ASSERT_EQ(padding.data<float>()[i], 0.0f) << "a padding row moved";
 }
 
 TEST(Parity, KeyBiasGradientIsRoundingNoise) {

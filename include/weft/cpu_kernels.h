@@ -74,7 +74,10 @@ void attention_backward(const float* dout, const float* qkv, const float* probs,
                         float* scratch, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d);
 
 // --- softmax cross-entropy over logits (N, V), in place ---
+// Columns [from, V) of each row = -inf (a padded vocabulary's columns).
+void mask_columns(float* logits, int64_t n, int64_t v, int64_t from);
 // On return logits hold the probabilities; losses[i] = -log p[i][target[i]].
+// Masked columns (-inf, ending the row) get probability exactly 0.
 // Returns the sum of losses (in double). Targets outside [0, V) throw Error.
 double softmax_cross_entropy(float* logits, const int32_t* targets, float* losses, int64_t n,
                              int64_t v);

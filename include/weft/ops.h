@@ -127,6 +127,10 @@ void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dw
 
 // --- softmax cross-entropy over logits (N, V) ---
 
+// Columns [from, V) of every row of logits (N, V) become -inf: a padded
+// vocabulary's rows, which every softmax below then gives probability exactly 0.
+void mask_columns(const Tensor& logits, int64_t from);
+
 // In place: logits become the probabilities; losses (N) = -log p[target].
 // Returns the sum of the losses.
 double softmax_cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& losses);

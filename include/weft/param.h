@@ -53,9 +53,25 @@ struct Param {
   Tensor grad;   // same shape; accumulated by backward_weight
   Init init;
   Shard shard;  // whole by default
+  // A vocabulary table padded to more rows than there are tokens (Megatron's
+  // --make-vocab-size-divisible-by): rows true_rows.. of the full tensor are
+  // padding. They are zero from initialisation on and stay zero (no token
+  // reads them and their logits are masked, so their gradients are zero), and
+  // files hold only the true rows. 0: every row is real.
+  int64_t true_rows = 0;
   // PyTorch/Megatron convention: decay matrices and embeddings, not biases or norms.
   bool weight_decay() const { return value.rank() >= 2; }
 };
+
+// The full tensor's rows that are real: shard.full[0], or true_rows when padded.
+int64_t real_rows(const Param& p);
+// The shape a file holds for p: the full tensor without its padding rows.
+Shape file_shape(const Param& p);
+// The padded full tensor (shape p.shard.full) from one without padding
+// (file_shape(p)): the rows copied, the padding zero. And back: the real rows
+// of a padded full tensor, as a view.
+Tensor pad_rows(const Param& p, const Tensor& real);
+Tensor unpad_rows(const Param& p, const Tensor& full);
 
 // Owns parameters at stable addresses; layers keep Param*.
 class ParamStore {
@@ -79,6 +95,8 @@ void place_shard(const Tensor& part, const Shard& s, const Tensor& full);
 
 // Fills p.value from (seed, p.name, p.init); independent of everything else.
 // A shard gets its piece of the full tensor, so every layout starts alike.
+// Padding rows (true_rows) are zero; the real rows get the numbers the
+// unpadded tensor would (element i of the full tensor is counter i either way).
 void init_param(Param& p, uint64_t seed);
 
 // Moves each parameter's value to `device` (a copy) and gives it a zero

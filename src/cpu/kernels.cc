@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace weft::cpu {
 
@@ -279,6 +280,12 @@ void scale_inplace(float* y, float s, int64_t n) {
   }
 }
 
+void mask_columns(float* logits, int64_t n, int64_t v, int64_t from) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i)
+    std::fill(logits + i * v + from, logits + i * v + v, -std::numeric_limits<float>::infinity());
+}
+
 double softmax_cross_entropy(float* logits, const int32_t* targets, float* losses, int64_t n,
                              int64_t v) {
   for (int64_t i = 0; i < n; ++i)
@@ -287,9 +294,16 @@ double softmax_cross_entropy(float* logits, const int32_t* targets, float* losse
   double total = 0;
 #pragma omp parallel for schedule(static) reduction(+ : total)
   for (int64_t i = 0; i < n; ++i) {
-    MapF row(logits + i * v, v);
+    // Masked columns (a padded vocabulary's, -inf) end the row. Eigen's
+    // vectorised exp clamps its argument, so exp(-inf) would be a denormal,
+    // not 0: they are set to 0 and the softmax runs over the columns before.
+    float* r = logits + i * v;
+    int64_t live = v;
+    while (live > 1 && r[live - 1] == -std::numeric_limits<float>::infinity()) --live;
+    MapF row(r, live);
     const float mx = row.maxCoeff();
-    const float target_logit = row[targets[i]] - mx;
+    const float target_logit = r[targets[i]] - mx;
+    std::fill(r + live, r + v, 0.0f);
     row = (row - mx).exp();
     const float sum = row.sum();
     row *= 1.0f / sum;

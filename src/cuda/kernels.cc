@@ -137,6 +137,12 @@ void check_rows(int64_t n, const char* what) {
 }
 }  // namespace
 
+void mask_columns(Context& ctx, float* logits, int64_t n, int64_t v, int64_t from) {
+  if (n == 0 || from >= v) return;
+  launch::mask_columns(prepare(ctx), logits, n, v, from);
+  WEFT_LAUNCH_CHECK("mask_columns");
+}
+
 void softmax_cross_entropy(Context& ctx, float* logits, const int32_t* targets, float* losses,
                            int64_t n, int64_t v) {
   if (n == 0) return;

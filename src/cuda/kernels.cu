@@ -326,6 +326,14 @@ __global__ void cross_entropy_kernel(float* logits, const int32_t* targets, floa
   if (threadIdx.x == 0) losses[blockIdx.x] = valid ? logf(s) - target_logit : NAN;
 }
 
+// Columns [from, v) of each row = -inf: a padded vocabulary's logits.
+__global__ void mask_columns_kernel(float* logits, int64_t n, int64_t v, int64_t from) {
+  const int64_t w = v - from;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n * w;
+       i += int64_t{gridDim.x} * blockDim.x)
+    logits[(i / w) * v + from + i % w] = -INFINITY;
+}
+
 // The vocabulary-parallel cross-entropy's local steps, one block per row of
 // logits (N, V) holding vocabulary [first, first + V).
 __global__ void row_max_kernel(const float* logits, float* m, int64_t v) {
@@ -581,6 +589,10 @@ void add_inplace(cudaStream_t s, float* y, const float* x, int64_t n) {
 
 void scale_inplace(cudaStream_t s, float* y, float scale, int64_t n) {
   scale_inplace_kernel<<<blocks_for(n), kThreads, 0, s>>>(y, scale, n);
+}
+
+void mask_columns(cudaStream_t s, float* logits, int64_t n, int64_t v, int64_t from) {
+  mask_columns_kernel<<<blocks_for(n * (v - from)), kThreads, 0, s>>>(logits, n, v, from);
 }
 
 void cross_entropy(cudaStream_t s, float* logits, const int32_t* targets, float* losses,

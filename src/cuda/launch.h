@@ -46,6 +46,7 @@ void add_inplace(cudaStream_t s, float* y, const float* x, int64_t n);
 void scale_inplace(cudaStream_t s, float* y, float scale, int64_t n);
 
 // --- cross-entropy, one block per row (n < 2^31) ---
+void mask_columns(cudaStream_t s, float* logits, int64_t n, int64_t v, int64_t from);
 void cross_entropy(cudaStream_t s, float* logits, const int32_t* targets, float* losses,
                    float scale, bool fused, int64_t n, int64_t v);
 void cross_entropy_backward(cudaStream_t s, const float* probs, const int32_t* targets,

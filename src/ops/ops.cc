@@ -442,6 +442,18 @@ void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dw
 
 // --- cross-entropy ---
 
+void mask_columns(const Tensor& logits, int64_t from) {
+  const Device d = common_device("mask_columns", {&logits});
+  check_dtype("mask_columns", "logits", logits, DType::F32);
+  const int64_t n = logits.shape().rows(), v = logits.shape().last();
+  check(from >= 0 && from <= v, "mask_columns: column {} is outside the {} columns of {}", from, v,
+        logits.shape().str());
+  if (from == v) return;
+  on_device(
+      d, "mask_columns", [&] { cpu::mask_columns(fw(logits), n, v, from); },
+      [&](auto& cx) { cuda::mask_columns(cx, fw(logits), n, v, from); });
+}
+
 double softmax_cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& losses) {
   const Device d = common_device("softmax_cross_entropy", {&logits, &targets, &losses});
   check_dtype("softmax_cross_entropy", "targets", targets, DType::I32);

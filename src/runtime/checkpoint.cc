@@ -41,11 +41,19 @@ std::string strip_prefix(const std::string& name) {
   return name.rfind(prefix, 0) == 0 ? name.substr(prefix.size()) : name;
 }
 
-// Where a named tensor of a file goes: all of it, or this rank's piece.
+// Where a named tensor of a file goes: all of it, or this rank's piece. A
+// padded vocabulary table (true_rows > 0) is stored without its padding rows,
+// which load as zeros.
 struct Dest {
   Tensor t;
   Shard shard;  // t holds piece shard of a tensor of shape shard.full when split
+  int64_t true_rows = 0;
   const Shape& full() const { return shard.split() ? shard.full : t.shape(); }
+  Shape stored() const {
+    Shape s = full();
+    if (true_rows > 0) s[0] = true_rows;
+    return s;
+  }
 };
 
 // Copies the tensors of `file` named in `wanted` (name -> destination).
@@ -63,23 +71,30 @@ void load_named(const safetensors::File& file, const std::map<std::string, Dest>
     check(info.dtype == DType::F32, "{}: tensor '{}' has dtype {}, expected F32", file.path(),
           info.name, dtype_name(info.dtype));
     const Dest& d = it->second;
-    check(info.shape == d.full(), "{}: tensor '{}' has shape {} but the model expects {}",
-          file.path(), info.name, info.shape.str(), d.full().str());
+    check(info.shape == d.stored(), "{}: tensor '{}' has shape {} but the model expects {}{}",
+          file.path(), info.name, info.shape.str(), d.stored().str(),
+          d.true_rows > 0 ? fmt::format(" (padded to {} in memory)", d.full().str()) : "");
     check(found.insert(name).second, "{}: tensor '{}' appears twice (with and without prefix)",
           file.path(), name);
+    Tensor src = file.get(info.name);
+    if (d.true_rows > 0) {  // the padding rows are zero
+      Tensor padded = Tensor::zeros(d.full());
+      padded.slice0(0, d.true_rows).copy_from(src);
+      src = padded;
+    }
     if (d.shard.split())
-      slice_shard(file.get(info.name), d.shard, d.t);
+      slice_shard(src, d.shard, d.t);
     else
-      d.t.copy_from(file.get(info.name));
+      d.t.copy_from(src);
   }
   for (const auto& [name, d] : wanted)
     check(found.count(name) == 1, "{}: {} lacks tensor '{}' (shape {})", file.path(), what, name,
-          d.full().str());
+          d.stored().str());
 }
 
 std::map<std::string, Dest> param_dests(const std::vector<Param*>& params) {
   std::map<std::string, Dest> wanted;
-  for (Param* p : params) wanted.emplace(p->name, Dest{p->value, p->shard});
+  for (Param* p : params) wanted.emplace(p->name, Dest{p->value, p->shard, p->true_rows});
   return wanted;
 }
 
@@ -488,7 +503,8 @@ void load_weights(const std::string& path, const std::vector<Param*>& params) {
 void save_weights(const std::string& path, const std::vector<Param*>& params,
                   const std::map<std::string, std::string>& metadata) {
   std::vector<std::pair<std::string, Tensor>> t;
-  for (Param* p : params) t.emplace_back(p->name, p->value);
+  for (Param* p : params)
+    t.emplace_back(p->name, p->shard.split() ? p->value : unpad_rows(*p, p->value));
   safetensors::save(path, t, metadata);
 }
 
@@ -581,7 +597,7 @@ NamedTensors Checkpoint::read_optimizer(const std::vector<Param*>& params,
     for (const std::string& suffix : suffixes) {
       Tensor t = Tensor::zeros(p->value.shape());
       out.emplace_back(p->name + suffix, t);
-      wanted.emplace(p->name + suffix, Dest{t, p->shard});
+      wanted.emplace(p->name + suffix, Dest{t, p->shard, p->true_rows});
     }
   // Every moment in the file must belong to the model; these params may be a
   // subset of it (one pipeline stage), so only their entries are required.

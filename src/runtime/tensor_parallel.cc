@@ -61,7 +61,9 @@ Param* TpBuild::param(const Param& logical, int dim, std::vector<int64_t> blocks
           std::max<size_t>(p->shard.blocks.size(), 1));
     return p;
   }
-  return store->create_shard(logical.name, shard, logical.init);
+  Param* p = store->create_shard(logical.name, shard, logical.init);
+  p->true_rows = logical.true_rows;
+  return p;
 }
 
 Graph tensor_parallel_graph(const Graph& logical, Communicator& tp,

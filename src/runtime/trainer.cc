@@ -367,7 +367,7 @@ void Trainer::save(const std::string& dir, int64_t keep_last) {
     }
     if (par_.groups.tp) par_.groups.tp->all_reduce(full, ReduceOp::Sum);
     if (par_.groups.pp) par_.groups.pp->all_reduce(full, ReduceOp::Sum);
-    return full;
+    return unpad_rows(p, full);  // files hold a padded vocabulary's true rows only
   };
   if (writer_replica) {
     for (Param* p : graph.params()) {

@@ -169,18 +169,47 @@ void place_params(const std::vector<Param*>& params, Device device) {
   }
 }
 
+int64_t real_rows(const Param& p) {
+  if (p.true_rows == 0) return p.shard.full.rank == 0 ? 1 : p.shard.full[0];
+  check(p.true_rows > 0 && p.shard.full.rank >= 1 && p.true_rows <= p.shard.full[0],
+        "{}: {} true rows do not fit its full shape {}", p.name, p.true_rows, p.shard.full.str());
+  return p.true_rows;
+}
+
+Shape file_shape(const Param& p) {
+  if (p.true_rows == 0) return p.shard.full;
+  Shape s = p.shard.full;
+  s[0] = real_rows(p);
+  return s;
+}
+
+Tensor pad_rows(const Param& p, const Tensor& real) {
+  check_shape(real, file_shape(p), p.name + " without padding");
+  if (p.true_rows == 0) return real;
+  Tensor full = Tensor::zeros(p.shard.full, real.dtype(), real.device());
+  full.slice0(0, p.true_rows).copy_from(real);
+  return full;
+}
+
+Tensor unpad_rows(const Param& p, const Tensor& full) {
+  check_shape(full, p.shard.full, p.name + " with padding");
+  return p.true_rows == 0 ? full : full.slice0(0, p.true_rows);
+}
+
 void init_param(Param& p, uint64_t seed) {
-  float* d = p.value.data<float>();
-  const int64_t n = p.value.numel();
+  // The full tensor: this rank's value, or a scratch copy to slice a shard from.
+  const bool piece = p.shard.split();
+  const Tensor full = piece ? Tensor::empty(p.shard.full) : p.value;
+  float* d = full.data<float>();
+  const int64_t n = full.numel();
+  const int64_t real = p.true_rows == 0 ? n : n / full.dim(0) * real_rows(p);
   if (p.init.kind == Init::Kind::Constant) {
-    for (int64_t i = 0; i < n; ++i) d[i] = p.init.value;
-  } else if (!p.shard.split()) {
-    normal_fill(d, n, seed, p.name, p.init.value);
+    std::fill(d, d + real, p.init.value);
   } else {
-    Tensor full = Tensor::empty(p.shard.full);
-    normal_fill(full.data<float>(), full.numel(), seed, p.name, p.init.value);
-    slice_shard(full, p.shard, p.value);
+    normal_fill(d, real, seed, p.name, p.init.value);
   }
+  std::fill(d + real, d + n, 0.0f);
+  if (piece) slice_shard(full, p.shard, p.value);
 }
 
 }  // namespace weft

@@ -330,6 +330,74 @@ TEST(CudaCrossEntropy, GptVocabularyRows) {
   EXPECT_LT(rel(gp.host(), probs), kFp32);
 }
 
+// A padded vocabulary (GPT-2's 50257 padded to 50304): mask_columns sets the
+// padding columns to -inf; the softmax, the fused classifier and the
+// vocabulary-parallel steps (on a slice with padding, and on one of padding
+// only) give them probability and dlogits exactly 0, and the real columns
+// match the CPU's softmax over the real columns alone.
+TEST(CudaCrossEntropy, MaskedPaddingColumnsAreExactlyZero) {
+  const int64_t n = 5, real = 50257, v = 50304;
+  const std::vector<float> logits = uniform(n * v, 75, -10.0f, 10.0f);
+  const std::vector<int32_t> targets = {0, 50256, 17, 31337, 9};
+  const float scale = 0.5f;
+  std::vector<float> narrow(n * real), losses(n), dlogits(n * real);
+  for (int64_t i = 0; i < n; ++i)
+    std::copy(logits.begin() + i * v, logits.begin() + i * v + real, narrow.begin() + i * real);
+  cpu::softmax_cross_entropy(narrow.data(), targets.data(), losses.data(), n, real);
+  cpu::cross_entropy_backward(narrow.data(), targets.data(), dlogits.data(), scale, n, real);
+  auto split = [&](const std::vector<float>& padded, const char* what) {
+    std::vector<float> out(n * real);
+    for (int64_t i = 0; i < n; ++i) {
+      std::copy(padded.begin() + i * v, padded.begin() + i * v + real, out.begin() + i * real);
+      for (int64_t j = real; j < v; ++j)
+        EXPECT_EQ(padded[static_cast<size_t>(i * v + j)], 0.0f) << what << " row " << i;
+    }
+    return out;
+  };
+  Dev<int32_t> gt(targets);
+  {
+    Dev<float> gp(logits), gl(zeros(n));
+    mask_columns(ctx(), gp.p(), n, v, real);
+    const std::vector<float> masked = gp.host();
+    EXPECT_EQ(masked[static_cast<size_t>(v - 1)], -INFINITY);
+    EXPECT_EQ(masked[static_cast<size_t>(real - 1)], logits[static_cast<size_t>(real - 1)]);
+    softmax_cross_entropy(ctx(), gp.p(), gt.p(), gl.p(), n, v);
+    EXPECT_LT(rel(gl.host(), losses), kFp32);
+    cross_entropy_backward(ctx(), gp.p(), gt.p(), gp.p(), scale, n, v);
+    EXPECT_LT(rel(split(gp.host(), "softmax + backward"), dlogits), kFp32);
+  }
+  {
+    Dev<float> gf(logits), gl(zeros(n));
+    mask_columns(ctx(), gf.p(), n, v, real);
+    fused_cross_entropy(ctx(), gf.p(), gt.p(), gl.p(), scale, n, v);
+    EXPECT_LT(rel(gl.host(), losses), kFp32);
+    EXPECT_LT(rel(split(gf.host(), "fused"), dlogits), kFp32);
+  }
+  // A tensor-parallel slice of 7 real columns then padding, and one of padding only.
+  for (const int64_t keep : {int64_t{7}, int64_t{0}}) {
+    const int64_t w = 54;
+    Dev<float> gs(uniform(n * w, 76, -3.0f, 3.0f)), gm(zeros(n)), gsum(zeros(n)), gz(zeros(n));
+    mask_columns(ctx(), gs.p(), n, w, keep);
+    row_max(ctx(), gs.p(), gm.p(), n, w);
+    if (keep == 0) {
+      EXPECT_EQ(gm.host()[0], -INFINITY);
+    }
+    Dev<float> group_max(std::vector<float>(static_cast<size_t>(n), 3.0f));
+    const int64_t first = real - keep;  // the slice's first token: real ones end at 50257
+    exp_and_stats(ctx(), gs.p(), gt.p(), first, group_max.p(), gsum.p(), gz.p(), n, w);
+    if (keep == 0) {
+      EXPECT_EQ(gsum.host()[0], 0.0f) << "padding adds nothing to S";
+    }
+    Dev<float> group_sum(std::vector<float>(static_cast<size_t>(n), 2.0f));  // the group's S
+    normalise_and_loss(ctx(), gs.p(), group_sum.p(), gz.p(), n, w);
+    cross_entropy_backward(ctx(), gs.p(), gt.p(), gs.p(), scale, n, w, first);
+    const std::vector<float> d = gs.host();
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = keep; j < w; ++j)
+        EXPECT_EQ(d[static_cast<size_t>(i * w + j)], 0.0f) << "keep " << keep << " row " << i;
+  }
+}
+
 TEST(CudaCrossEntropy, TargetOutsideTheVocabularyGivesNaNNotAStrayWrite) {
   const int64_t n = 2, v = 10;
   Dev<float> gp(uniform(n * v, 74)), gl(zeros(n));

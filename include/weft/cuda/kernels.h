@@ -114,6 +114,9 @@ void attention_backward(Context& ctx, MathMode mode, const float* dout, const fl
                         int64_t h, int64_t g, int64_t d);
 
 // --- softmax cross-entropy over logits (N, V) ---
+// Columns [from, V) of each row = -inf (a padded vocabulary's columns), which
+// every softmax below gives probability exactly 0 (expf(-inf) is 0).
+void mask_columns(Context& ctx, float* logits, int64_t n, int64_t v, int64_t from);
 // In place: logits become the probabilities; losses[i] = -log p[i][target[i]].
 // Targets must lie in [0, V) (the caller checks on the host, as the embedding
 // does); a row with a target outside gets a NaN loss rather than a stray write.
