@@ -4,6 +4,9 @@
 //
 //   bench_cuda                                   # GPT-2 124M, B 16, T 1024; fp32 and tf32
 //   bench_cuda --model mini --batch 8 --steps 5 --modes tf32
+//   bench_cuda --make-vocab-size-divisible-by 1  # GPT-2's odd 50257 rows, unpadded
+//
+// The vocabulary is padded as train_gpt pads it (default 128: 50257 -> 50304).
 //
 // A timed step is Trainer::train_step: zero the gradients, upload the
 // tokens, forward and backward, gradient norm, clipping, AdamW. FLOPs per token = 6 x (parameters
@@ -45,6 +48,7 @@ struct Options {
   int warmup = 2;
   std::vector<std::string> modes = {"fp32", "tf32"};
   double peak_tflops = 989.0;
+  int64_t vocab_divisor = 128;  // train_gpt's --make-vocab-size-divisible-by
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -72,11 +76,15 @@ Options parse(int argc, char** argv) {
     else if (a == "--warmup") o.warmup = std::stoi(value());
     else if (a == "--modes") o.modes = split(value());
     else if (a == "--peak-tflops") o.peak_tflops = std::stod(value());
+    else if (a == "--make-vocab-size-divisible-by") o.vocab_divisor = std::stoll(value());
     else
       throw weft::Error("unknown argument '{}' (--model, --batch, --steps, --warmup, --modes, "
-                        "--peak-tflops)",
+                        "--peak-tflops, --make-vocab-size-divisible-by)",
                         a);
   }
+  weft::check(o.vocab_divisor >= 1 && o.vocab_divisor <= (int64_t{1} << 20),
+              "--make-vocab-size-divisible-by ({}) must be between 1 (no padding) and 2^20",
+              o.vocab_divisor);
   weft::check(o.batch > 0 && o.steps > 0 && o.warmup >= 0 && o.peak_tflops > 0,
               "--batch ({}) and --steps ({}) must be positive, --warmup ({}) not negative",
               o.batch, o.steps, o.warmup);
@@ -103,11 +111,13 @@ class RandomTokens final : public weft::BatchSource {
 };
 
 int run(const Options& o) {
-  const weft::GptConfig cfg = weft::gpt_preset(o.model);
+  weft::GptConfig cfg = weft::gpt_preset(o.model);
+  cfg.padded_vocab_size = weft::padded_vocab(cfg.vocab_size, o.vocab_divisor);
   const int64_t T = cfg.seq_length, tokens = o.batch * T;
-  fmt::print("weft bench_cuda | model {} ({} x {}, {} heads, vocab {}) | {} parameters | B {} T {} "
-             "| the train_gpt --device cuda step | MFU against {} TFLOP/s\n",
+  fmt::print("weft bench_cuda | model {} ({} x {}, {} heads, vocab {} in {} rows) | {} parameters "
+             "| B {} T {} | the train_gpt --device cuda step | MFU against {} TFLOP/s\n",
              o.model, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.vocab_size,
+             cfg.table_rows(),
              cfg.param_count(), o.batch, T, o.peak_tflops);
   RandomTokens data(tokens, static_cast<int32_t>(cfg.vocab_size));
   const weft::Device gpu = weft::Device::cuda(0);

@@ -164,6 +164,9 @@ struct Args {
   bool swiglu = false, untie = false, disable_bias = false, gqa = false;
   int64_t num_query_groups = 0, ffn_hidden_size = 0;
   float rotary_base = 10000.0f;
+  // Megatron's --make-vocab-size-divisible-by: the vocabulary table is padded
+  // to a multiple of this times --tp (1: no padding).
+  int64_t vocab_divisor = 128;
   int64_t micro_batch = 8;
   int64_t global_batch = 0;  // 0 = micro_batch
   int64_t train_iters = 100;
@@ -397,14 +400,12 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
   using namespace weft;
   check_numbers(a);
   MeshLayout layout(world, a.tp, a.pp);
-  // Tensor parallelism splits heads, the MLP's columns and the vocabulary.
+  // Tensor parallelism splits heads, the MLP's columns and the vocabulary;
+  // the vocabulary is padded to a multiple of tp (resolve_config), so any
+  // --vocab-size splits.
   check(cfg.num_heads % a.tp == 0,
         "--num-attention-heads ({}) must be divisible by --tensor-model-parallel-size ({})",
         cfg.num_heads, a.tp);
-  check(cfg.vocab_size % a.tp == 0,
-        "--vocab-size ({}) must be divisible by --tensor-model-parallel-size ({}) (the vocabulary "
-        "is split across tensor-parallel ranks)",
-        cfg.vocab_size, a.tp);
   PipelineSetup p;
   p.device = resolve_device(a, world, p.staged, p.nccl);
   if (a.layers_per_virtual > 0) {
@@ -501,6 +502,7 @@ void check_arch(const Args& a, const CLI::App& app) {
 weft::LlamaConfig llama_config(const Args& a, const weft::GptConfig& cfg) {
   weft::LlamaConfig l;
   l.vocab_size = cfg.vocab_size, l.num_layers = cfg.num_layers, l.hidden_size = cfg.hidden_size;
+  l.padded_vocab_size = cfg.padded_vocab_size;
   l.num_heads = cfg.num_heads, l.seq_length = cfg.seq_length;
   l.ffn_hidden_size = a.ffn_hidden_size, l.rope_base = a.rotary_base;
   // Megatron's default: --group-query-attention alone shares one key/value head.
@@ -616,6 +618,12 @@ void adopt_checkpoint_args(Args& a, const CLI::App& app) {
   shape("num_heads", "--num-attention-heads", flags.num_heads, a.gpt.num_heads);
   shape("seq_length", "--seq-length", flags.seq_length, a.gpt.seq_length);
   shape("vocab_size", "--vocab-size", flags.vocab_size, a.gpt.vocab_size);
+  // Padding changes no result but rounding: a resume keeps the checkpoint's
+  // unless the flag says otherwise (checkpoints hold the true rows only).
+  field("make_vocab_size_divisible_by", "--make-vocab-size-divisible-by",
+        app.count("--make-vocab-size-divisible-by") > 0, a.vocab_divisor,
+        [&](const nlohmann::json& v) { a.vocab_divisor = v.get<int64_t>(); },
+        /*must_agree=*/false);
   if (a.arch == "gpt2")
     shape("max_positions", "--max-position-embeddings", flags.positions(), a.gpt.max_positions);
   if (a.arch == "llama") {
@@ -746,6 +754,13 @@ void check_pipeline_flags(const Args& a, const CLI::App& app) {
 weft::GptConfig resolve_config(const Args& a, const CLI::App& app) {
   check_pipeline_flags(a, app);
   weft::GptConfig cfg = flag_config(a, app);
+  weft::check(a.vocab_divisor >= 1 && a.vocab_divisor <= (int64_t{1} << 20),
+        "--make-vocab-size-divisible-by ({}) must be between 1 (no padding) and 2^20",
+        a.vocab_divisor);
+  // Megatron's rule: a multiple of the divisor on every tensor-parallel rank
+  // (a --tp below 1 is refused by check_parallel).
+  cfg.padded_vocab_size =
+      weft::padded_vocab(cfg.vocab_size, a.vocab_divisor * std::max(a.tp, 1));
   check_arch(a, app);
   if (a.arch == "llama") {
     llama_config(a, cfg);  // validates the llama shape
@@ -927,6 +942,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   opt.config = {{"num_layers", cfg.num_layers},   {"hidden_size", cfg.hidden_size},
                 {"num_heads", cfg.num_heads},     {"seq_length", cfg.seq_length},
                 {"vocab_size", cfg.vocab_size},   {"max_positions", cfg.positions()},
+                {"make_vocab_size_divisible_by", a.vocab_divisor},
                 {"micro_batch_size", a.micro_batch}, {"global_batch_size", global},
                 {"seed", a.seed},
                 {"data_path", std::filesystem::absolute(a.data_path).string()},
@@ -1064,11 +1080,17 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     }
   }
 
+  const int64_t padding = cfg.table_rows() - cfg.vocab_size;
+  if (rank0 && padding > 0)
+    fmt::print("vocabulary {} padded to {} (--make-vocab-size-divisible-by {} x tp {}): {} rows "
+               "of zeros with masked logits, not saved\n",
+               cfg.vocab_size, cfg.table_rows(), a.vocab_divisor, a.tp, padding);
   if (rank0) fmt::print("weft train_gpt | layers {} | hidden {} | heads {} | seq {} | vocab {} | params {} "
              "| micro-batch {} x {} = global {} | {} | data {} ({} tokens, unigram entropy "
              "{:.3f} nats)\n",
              cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.seq_length, cfg.vocab_size,
-             graph.param_count(), a.micro_batch, global / a.micro_batch, global,
+             graph.param_count() - padding * cfg.hidden_size * (llama ? 2 : 1), a.micro_batch,
+             global / a.micro_batch, global,
              setup.device.is_cpu() ? fmt::format("threads {}", get_threads())
                                    : fmt::format("{}{}", setup.device.str(), a.tf32 ? " tf32" : ""),
              a.data_path, data.size(), entropy);
@@ -1285,6 +1307,9 @@ int main(int argc, char** argv) {
   app.add_option("--max-position-embeddings", a.gpt.max_positions,
                  "rows of the position table (default: --seq-length)");
   app.add_option("--vocab-size", a.gpt.vocab_size, "vocabulary (256 for byte data)");
+  app.add_option("--make-vocab-size-divisible-by", a.vocab_divisor,
+                 "pad the vocabulary table to a multiple of this x --tp (default 128; 1: no "
+                 "padding); padding rows are masked, zero and never saved");
   app.add_option("--micro-batch-size", a.micro_batch, "sequences per micro-batch");
   app.add_option("--global-batch-size", a.global_batch,
                  "sequences per step (a multiple of the micro-batch size; default: one micro-batch)");

@@ -219,6 +219,40 @@ TEST_F(Cli, PipelineFlagsThatWouldDoNothingAreRefused) {
                {"--recompute with --schedule zb-h1 would not be zero-bubble"});
 }
 
+// --make-vocab-size-divisible-by (Megatron's, default 128): the fixture's 64
+// tokens pad to 128 rows, train the unpadded model's losses and gradient norms
+// (the error model of tests/test_vocab_padding.cc: 1e-5), and save 64 rows; the
+// checkpoint resumes without padding.
+TEST_F(Cli, VocabularyPaddingTrainsTheUnpaddedModel) {
+  const std::string ckpt = dir_ + "/ckpt";
+  const Result padded =
+      run(tiny("--train-iters 3 --lr 1e-2 --log-jsonl " + dir_ + "/padded.jsonl --save " + ckpt));
+  ASSERT_EQ(padded.code, 0) << padded.out << padded.err;
+  EXPECT_TRUE(testing::contains(
+      padded.out, "vocabulary 64 padded to 128 (--make-vocab-size-divisible-by 128 x tp 1)"))
+      << padded.out;
+  const Result plain = run(tiny("--train-iters 3 --lr 1e-2 --make-vocab-size-divisible-by 1 "
+                                "--log-jsonl " + dir_ + "/plain.jsonl"));
+  ASSERT_EQ(plain.code, 0) << plain.out << plain.err;
+  EXPECT_FALSE(testing::contains(plain.out, "padded to")) << plain.out;
+  const auto a = testing::jsonl_steps(dir_ + "/padded.jsonl"),
+             b = testing::jsonl_steps(dir_ + "/plain.jsonl");
+  ASSERT_EQ(a.size(), 3u);
+  ASSERT_EQ(b.size(), 3u);
+  for (size_t i = 0; i < 3; ++i)
+    for (const char* key : {"loss", "grad_norm"}) {
+      const double want = b[i][key].get<double>();
+      EXPECT_NEAR(a[i][key].get<double>(), want, 1e-5 * want) << key << " step " << i + 1;
+    }
+  auto model = safetensors::File::open(ckpt + "/iter_0000003/model.safetensors");
+  EXPECT_EQ(model.find("wte.weight")->shape, (Shape{64, 32}));
+  const Result resumed = run(tiny("--train-iters 4 --lr 1e-2 --make-vocab-size-divisible-by 1 "
+                                  "--save " + ckpt));
+  ASSERT_EQ(resumed.code, 0) << resumed.out << resumed.err;
+  EXPECT_TRUE(testing::contains(resumed.out, "resumed from")) << resumed.out;
+  EXPECT_FALSE(testing::contains(resumed.out, "padded to")) << resumed.out;
+}
+
 // Numeric flags out of range are refused, one line each, never run with.
 TEST_F(Cli, NumericFlagsOutOfRange) {
   const std::pair<const char*, const char*> cases[] = {
@@ -232,6 +266,10 @@ TEST_F(Cli, NumericFlagsOutOfRange) {
       {"--sample-temperature nan", "--sample-temperature (nan) must be a number >= 0"},
       {"--weight-decay -0.1", "--weight-decay (-0.1) must be a number >= 0"},
       {"--tp 0", "--tp (0) and --pp (1) must be positive"},
+      {"--make-vocab-size-divisible-by 0",
+       "--make-vocab-size-divisible-by (0) must be between 1 (no padding) and 2^20"},
+      {"--make-vocab-size-divisible-by -128",
+       "--make-vocab-size-divisible-by (-128) must be between 1 (no padding) and 2^20"},
   };
   for (const auto& [flags, want] : cases) expect_error(toy(flags), {want});
   // A micro-batch whose activations alone need terabytes: refused before the

@@ -61,7 +61,10 @@ namespace weft {
 // optional "transformer." prefix is stripped; attention mask buffers
 // (attn.bias, attn.masked_bias) and a tied lm_head.weight are ignored. Throws
 // Error naming the tensor for one that is missing, extra, of the wrong dtype
-// or of the wrong shape (with both shapes).
+// or of the wrong shape (with both shapes). A padded vocabulary table
+// (Param::true_rows) is read from its true rows, the padding set to zero; every
+// file here, checkpoints too, holds a padded table's true rows only, so it
+// loads at any padding.
 void load_weights(const std::string& path, const std::vector<Param*>& params);
 void save_weights(const std::string& path, const std::vector<Param*>& params,
                   const std::map<std::string, std::string>& metadata = {});
