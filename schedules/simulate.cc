@@ -67,6 +67,10 @@ void check_costs(const Schedule& s, const SimCost& c) {
   check(c.link_latency >= 0 && std::isfinite(c.link_latency),
         "simulate: link_latency ({}) must be finite and not negative", c.link_latency);
   check(c.bandwidth > 0, "simulate: bandwidth ({}) must be positive", c.bandwidth);
+  check(c.cores >= 0 && std::isfinite(c.cores),
+        "simulate: cores ({}) must be finite and not negative (0: a core per process)", c.cores);
+  check(c.processes_per_rank >= 1, "simulate: processes_per_rank ({}) must be at least 1",
+        c.processes_per_rank);
   check(c.memory.empty() || c.memory.size() == n,
         "simulate: cost memory has {} entries, not one per stage ({})", c.memory.size(), n);
 }
@@ -109,6 +113,7 @@ class Simulator {
   }
 
   SimResult run() {
+    if (c_.cores > 0) return run_shared();
     for (bool moved = true; moved;) {
       moved = false;
       for (size_t r = 0; r < s_.actions.size(); ++r)
@@ -230,6 +235,82 @@ class Simulator {
     return true;
   }
 
+  // Processor sharing: the ranks' compute can only be timed together. An
+  // event loop: every rank runs what it can (messages and waits take no
+  // core) up to its next compute, whose start is then known; the computes
+  // running at once share the cores, and time moves to the next start or
+  // finish.
+  SimResult run_shared() {
+    const size_t n = s_.actions.size();
+    std::vector<double> pending(n, kNotDone), remaining(n, 0), began(n, 0);
+    std::vector<bool> active(n, false);
+    const double group = std::max(1, c_.processes_per_rank);
+    double now = 0;
+    for (;;) {
+      // Each idle rank up to its next compute (or a wait on a missing input).
+      for (bool moved = true; moved;) {
+        moved = false;
+        for (size_t r = 0; r < n; ++r)
+          while (!active[r] && pending[r] == kNotDone && next_[r] < s_.actions[r].size()) {
+            const Action& a = s_.actions[r][next_[r]];
+            if (is_compute(a.kind)) {
+              double start = free_[r];
+              if (!compute_ready(static_cast<int>(r), a, start)) break;
+              pending[r] = std::max(start, now);
+              break;
+            }
+            if (!step(static_cast<int>(r))) break;
+            ++next_[r];
+            moved = true;
+          }
+      }
+      // Computes due now start; one that takes no time ends at once.
+      bool ended_now = false;
+      for (size_t r = 0; r < n; ++r)
+        if (pending[r] != kNotDone && pending[r] <= now) {
+          pending[r] = kNotDone;
+          const double work = duration(s_.actions[r][next_[r]]);
+          if (work > 0) {
+            active[r] = true;
+            remaining[r] = work;
+            began[r] = now;
+          } else {
+            end_compute(static_cast<int>(r), now, now);
+            ended_now = true;
+          }
+        }
+      if (ended_now) continue;
+      const double running = group * static_cast<double>(std::count(active.begin(), active.end(), true));
+      const double rate = running > c_.cores ? c_.cores / running : 1.0;
+      double next = std::numeric_limits<double>::infinity();
+      for (size_t r = 0; r < n; ++r) {
+        if (active[r]) next = std::min(next, now + remaining[r] / rate);
+        if (pending[r] != kNotDone) next = std::min(next, pending[r]);
+      }
+      if (!std::isfinite(next)) break;  // nothing runs or waits on time: done, or stuck
+      for (size_t r = 0; r < n; ++r) {
+        if (!active[r]) continue;
+        const bool ends = now + remaining[r] / rate <= next;
+        remaining[r] -= (next - now) * rate;
+        if (ends) {
+          active[r] = false;
+          end_compute(static_cast<int>(r), began[r], next);
+        }
+      }
+      now = next;
+    }
+    check_finished();
+    return std::move(r_);
+  }
+
+  void end_compute(int rank, double start, double end) {
+    const size_t r = static_cast<size_t>(rank);
+    const Action& a = s_.actions[r][next_[r]];
+    record(rank, start, end);
+    finish_compute(rank, a, end);
+    ++next_[r];
+  }
+
   void check_finished() const {
     for (size_t r = 0; r < s_.actions.size(); ++r)
       if (next_[r] < s_.actions[r].size())
@@ -266,7 +347,14 @@ void summarize_time(const Schedule& s, const SimCost& c, SimResult& r) {
   r.update.assign(s.actions.size(), 0);
   for (size_t st = 0; st < c.update.size(); ++st)
     r.update[static_cast<size_t>(s.stage_rank[st])] += c.update[st];
-  r.update_time = r.update.empty() ? 0 : *std::max_element(r.update.begin(), r.update.end());
+  if (c.cores > 0 && !r.update.empty()) {
+    // Every process updates at once: each rank's replicas as many jobs.
+    std::vector<double> jobs;
+    for (double u : r.update) jobs.insert(jobs.end(), static_cast<size_t>(std::max(1, c.processes_per_rank)), u);
+    r.update_time = shared_makespan(jobs, c.cores);
+  } else {
+    r.update_time = r.update.empty() ? 0 : *std::max_element(r.update.begin(), r.update.end());
+  }
   r.step_time = r.pipeline_time + r.update_time;
   const double span = r.pipeline_time;
   double all_busy = 0;
@@ -292,6 +380,21 @@ void summarize_memory(const Schedule& s, const SimCost& c, SimResult& r) {
 }
 
 }  // namespace
+
+double shared_makespan(std::vector<double> work, double cores) {
+  if (work.empty()) return 0;
+  std::sort(work.begin(), work.end());
+  if (cores <= 0) return work.back();
+  // Jobs end shortest first; between ends, the n unfinished share the cores.
+  double t = 0, done = 0;
+  for (size_t j = 0; j < work.size(); ++j) {
+    const double unfinished = static_cast<double>(work.size() - j);
+    const double rate = unfinished > cores ? cores / unfinished : 1.0;
+    t += (work[j] - done) / rate;
+    done = work[j];
+  }
+  return t;
+}
 
 SimCost uniform_cost(const Schedule& s, double f, double i, double w, double comm, double bytes) {
   const size_t n = static_cast<size_t>(s.stages());

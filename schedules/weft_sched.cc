@@ -48,6 +48,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 
 namespace {
 
@@ -66,6 +67,9 @@ struct Costs {
   double bandwidth = std::numeric_limits<double>::infinity();
   double compute_scale = 1;  // times F, I and W
   std::string file;          // --costs
+  // --cores: unset means the machine's with --costs (profiled here), else
+  // a core per rank; 0 is a core per rank.
+  std::optional<double> cores;
 };
 
 // A --costs file: per-stage costs of one micro-batch, as train_gpt --profile
@@ -117,6 +121,22 @@ void add_cost_options(CLI::App* cmd, Costs& c) {
   cmd->add_option("--compute-scale", c.compute_scale,
                   "multiply every F, I and W time (say 1.05 where ranks that compute at once "
                   "slow each other down by 5%)");
+  cmd->add_option("--cores", c.cores,
+                  "cores the ranks share: while n ranks compute at once each runs at "
+                  "min(1, cores / n) of its profiled speed (default: this machine's with --costs, "
+                  "else 0; 0 = a core per rank)");
+}
+
+// The --cores a simulation runs with: the flag, or the machine's for costs
+// profiled on it, or a core per rank.
+double cores_of(const Costs& c, bool profiled) {
+  if (c.cores) {
+    weft::check(std::isfinite(*c.cores) && *c.cores >= 0,
+                "--cores {} must be a number of cores, at least 0 (0 = a core per rank)",
+                *c.cores);
+    return *c.cores;
+  }
+  return profiled ? static_cast<double>(std::max(1u, std::thread::hardware_concurrency())) : 0;
 }
 
 // The options every schedule-taking subcommand shares.
@@ -291,6 +311,7 @@ SimResult time_schedule(const Schedule& s, const Costs& c, const std::optional<S
   SimCost cost = p ? profiled_cost(s, *p) : uniform_cost(s, c.f, c.i, c.w, c.comm, c.bytes);
   cost.link_latency = c.comm;
   cost.bandwidth = c.bandwidth;
+  cost.cores = cores_of(c, p.has_value());
   for (std::vector<double>* v : {&cost.f, &cost.i, &cost.w})
     for (double& t : *v) t *= c.compute_scale;
   return simulate(s, cost);

@@ -222,6 +222,89 @@ TEST(Simulate, SummarizeATimelineAsSimulateDoes) {
 
 // --- errors ---
 
+// --- ranks that share cores (processor sharing) ---
+
+TEST(SharedCores, MakespanClosedForms) {
+  EXPECT_DOUBLE_EQ(shared_makespan({1, 1, 1, 1}, 2), 2);  // 4 units of work on 2 cores
+  // 1 core: both at half speed until the short job ends at 2, then 1 left alone.
+  EXPECT_DOUBLE_EQ(shared_makespan({2, 1}, 1), 3);
+  // 2 cores, 3 jobs: 2/3 speed to t = 1.5 (job 1 done), then full speed: 2.5, 3.5.
+  EXPECT_DOUBLE_EQ(shared_makespan({1, 2, 3}, 2), 3.5);
+  EXPECT_DOUBLE_EQ(shared_makespan({1, 2, 3}, 3), 3);   // a core each
+  EXPECT_DOUBLE_EQ(shared_makespan({1, 2, 3}, 0), 3);   // 0: a core per process
+  EXPECT_DOUBLE_EQ(shared_makespan({3, 3}, 0.5), 12);   // half a core for 6 units
+  EXPECT_DOUBLE_EQ(shared_makespan({}, 2), 0);
+}
+
+// With at least a core per rank nobody slows down: the event loop gives the
+// sweep's timeline, lowered or not, with communication.
+TEST(SharedCores, EnoughCoresIsTheUnsharedTimeline) {
+  for (const std::string& name : schedule_names())
+    for (int pp : {2, 4}) {
+      const Schedule s = lower(make_schedule(name, pp, 8, default_chunks(name)));
+      SimCost c = uniform_cost(s, 1, 1.3, 0.7, 0.25, 1);
+      c.update.assign(static_cast<size_t>(s.stages()), 0.5);
+      const SimResult base = simulate(s, c);
+      c.cores = pp;
+      const SimResult shared = simulate(s, c);
+      ASSERT_NEAR(shared.step_time, base.step_time, 1e-9 * base.step_time) << name << " pp " << pp;
+      for (size_t r = 0; r < base.times.size(); ++r)
+        for (size_t i = 0; i < base.times[r].size(); ++i) {
+          ASSERT_NEAR(shared.times[r][i].start, base.times[r][i].start, 1e-9) << name;
+          ASSERT_NEAR(shared.times[r][i].end, base.times[r][i].end, 1e-9) << name;
+        }
+    }
+}
+
+// One core and free messages: some rank can always compute (a rank waits
+// only on another's compute), so the core never idles and the pipeline
+// takes exactly the sum of all the work, whatever the schedule.
+TEST(SharedCores, OneCoreTakesTheSumOfAllWork) {
+  for (const std::string& name : schedule_names())
+    for (int pp : {2, 4})
+      for (int m : {4, 8}) {
+        const Schedule s = lower(make_schedule(name, pp, m, default_chunks(name)));
+        SimCost c = uniform_cost(s, 1, 1.5, 0.5);
+        c.cores = 1;
+        const double total = static_cast<double>(pp * m) * (1 + 1.5 + 0.5);
+        EXPECT_NEAR(simulate(s, c).pipeline_time, total, 1e-9 * total)
+            << name << " pp " << pp << " m " << m;
+      }
+}
+
+// A single micro-batch runs one rank at a time: 2 cores are enough for
+// pp 4, and 2 processes per rank still fit; on 1 core they take twice as
+// long. The update is every process at once.
+TEST(SharedCores, OneMicroBatchRunsOneRankAtATime) {
+  const Schedule s = gpipe(4, 1);
+  SimCost c = uniform_cost(s, 1, 1, 1);
+  c.update.assign(4, 1);
+  c.cores = 2;
+  SimResult r = simulate(s, c);
+  EXPECT_DOUBLE_EQ(r.pipeline_time, 4 * 1 + 4 * 2);
+  EXPECT_DOUBLE_EQ(r.update_time, 2);  // 4 updates of 1 on 2 cores
+  c.processes_per_rank = 2;
+  r = simulate(s, c);
+  EXPECT_DOUBLE_EQ(r.pipeline_time, 12);
+  EXPECT_DOUBLE_EQ(r.update_time, 4);  // 8 updates on 2 cores
+  c.cores = 1;
+  EXPECT_DOUBLE_EQ(simulate(s, c).pipeline_time, 24);
+}
+
+// GPipe at pp 2 on one core, F = 1 and B = 2, 2 micro-batches: F0 runs
+// alone (0-1); then rank 0's F1 and rank 1's F0 split the core and both end
+// at 3; the whole step is all the work, 2 x 2 x 3.
+TEST(SharedCores, TwoRanksOnOneCoreSplitIt) {
+  const Schedule s = gpipe(2, 2);
+  SimCost c = uniform_cost(s, 1, 1, 1);
+  c.cores = 1;
+  const SimResult r = simulate(s, c);
+  EXPECT_DOUBLE_EQ(r.times[0][0].end, 1);  // 0F0 alone
+  EXPECT_DOUBLE_EQ(r.times[0][1].end, 3);  // 0F1 shared with 1F0
+  EXPECT_DOUBLE_EQ(r.times[1][0].end, 3);  // 1F0
+  EXPECT_DOUBLE_EQ(r.pipeline_time, 2 * 2 * 3);
+}
+
 TEST(Simulate, ErrorsNameTheValueAndTheRule) {
   const Schedule s = one_f_one_b(2, 2);
   SimCost c = uniform_cost(s, 1, 1, 1);
@@ -234,6 +317,15 @@ TEST(Simulate, ErrorsNameTheValueAndTheRule) {
   const Schedule stuck = from_csv("0F0,0B0,0F1,0B1\n1F0,1F1,1B0,1B1\n");
   const std::string dead = error_message([&] { unit(stuck); });
   EXPECT_TRUE(contains(dead, "cannot finish") && contains(dead, "0B0")) << dead;
+  c = uniform_cost(s, 1, 1, 1);
+  c.cores = -1;
+  EXPECT_TRUE(contains(error_message([&] { simulate(s, c); }), "cores (-1)"));
+  c.cores = 1;
+  EXPECT_TRUE(contains(error_message([&] { simulate(stuck, uniform_cost(stuck, 1, 1, 1)); }),
+                       "cannot finish"));
+  SimCost shared_stuck = uniform_cost(stuck, 1, 1, 1);
+  shared_stuck.cores = 1;
+  EXPECT_TRUE(contains(error_message([&] { simulate(stuck, shared_stuck); }), "cannot finish"));
 }
 
 // --- trace and SVG ---

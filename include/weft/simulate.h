@@ -52,7 +52,20 @@ struct SimCost {
   // With overlap a send only hands the tensor to the link; without it the
   // sender is occupied until the message has arrived.
   bool overlap = true;
+  // Cores the ranks share, and how many processes each simulated rank stands
+  // for (its data- and tensor-parallel replicas, which compute in step with
+  // it). 0 cores: every process has one of its own. Otherwise processor
+  // sharing: while n processes compute at once, each progresses at
+  // min(1, cores / n) of its profiled speed (F, I, W and the update).
+  // Waiting and messages take no core.
+  double cores = 0;
+  int processes_per_rank = 1;
 };
+
+// Processor sharing: the time until all of `work` (one entry per process,
+// started together) is done on `cores` cores, each job progressing at
+// min(1, cores / n) while n are unfinished. cores 0: max(work).
+double shared_makespan(std::vector<double> work, double cores);
 
 // The same costs for every stage. f, i, w and bytes are for a whole rank's
 // share of the model, so a chunk of a `chunks`-way split gets 1/chunks of the
