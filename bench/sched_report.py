@@ -3,18 +3,21 @@
 
 bench/schedules.sh is the entry point. For every (pp, schedule, micro-batches)
 it runs train_gpt under mpiexec with --trace, --log-jsonl and --profile (the
-median step after warm-up, the memory peaks, and the per-stage F, I, W and
-update costs of that run's plan). Then it pools the profiles: per stage
-layout (pp, chunks), the median over every run with that layout. One profile
-alone is off by up to 20% on this shared VM (a whole run's speed drifts from
-minute to minute); a median over many is not. Each row is then simulated with
-`weft-sched simulate --costs` on its layout's pooled costs, and its trace is
-summarised and drawn with `weft-sched timeline`.
+median step after warm-up, the memory peaks, and its plan: which nodes each
+stage holds and the bytes each action adds).
 
-Two extra traced runs (1F1B and ZB-H1, pp 2) calibrate the simulator: the
+The simulator is calibrated on one extra run only (1F1B, pp 2, 4
+micro-batches), and every row is a prediction of a run it never saw: other
+schedules, micro-batch counts and pp. From that run come each graph node's
+F, I and W time (its --profile), the update's time per parameter byte, the
 time of a message already sent when its receive starts, and how much slower
 F, I and W run when the ranks compute at once than when rank 0 profiles them
-alone (`--compute-scale`).
+alone (`--compute-scale`). A row's stage costs are the calibration's node
+costs summed over the row's stages; its own profile supplies only the
+layout and bytes. `weft-sched simulate --cores` (this machine's cores)
+shares the cores among the ranks that compute at once, which is what pp 4
+on 2 cores does. Each row's trace is summarised and drawn with
+`weft-sched timeline`.
 
 It writes schedules.md and the SVG timelines next to it into --docs (by
 default build/schedules; bench/schedules.sh --out docs updates the tracked
@@ -35,7 +38,7 @@ import time
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"]
 TWO_CHUNKS = {"interleaved-1f1b", "zb-v"}
 COMPUTE = {"F", "I", "W", "B"}
-CALIBRATION = ["1f1b", "zb-h1"]  # at pp 2 with 4 micro-batches
+CALIBRATION = ("1f1b", 2, 4)  # schedule, pp, micro-batches: the one run the simulator sees
 
 
 class Failed(RuntimeError):
@@ -165,26 +168,31 @@ def compute_scale(events, costs):
 
 # --- one row ---
 
-def pool_profiles(a, runs):
-    """Per stage layout (pp, chunks): the median of every run's profile, as a --costs file."""
-    by_layout = {}
-    for run_ in runs:
-        c = json.load(open(run_["costs"]))
-        by_layout.setdefault((c["pp"], c["chunks"]), []).append(c)
-    costs = {}
-    for (pp, chunks), profiles in by_layout.items():
-        pooled = json.loads(json.dumps(profiles[0]))
-        pooled.pop("nodes", None)
-        pooled["profiles"] = len(profiles)
-        for s, stage in enumerate(pooled["stages"]):
-            for key in ("f", "i", "w", "update"):
-                stage[key] = statistics.median(p["stages"][s][key] for p in profiles)
-        path = os.path.join(a.work, f"costs-pp{pp}-v{chunks}.json")
-        with open(path, "w") as f:
-            json.dump(pooled, f, indent=1)
-        costs[(pp, chunks)] = path
-        a.profiles[(pp, chunks)] = len(profiles)
-    return costs
+def calibrated_costs(a, calibration, row):
+    """The row's stages with the calibration run's node costs: a --costs file.
+
+    Per stage: F, I and W summed over the calibration profile's nodes from the
+    stage's first to its last; the update at the calibration's seconds per
+    parameter byte. Only the layout and bytes come from the row's own profile."""
+    cal = json.load(open(calibration["costs"]))
+    nodes = {n["name"]: k for k, n in enumerate(cal["nodes"])}
+    cal_params = cal_update = 0.0
+    for st in cal["stages"]:
+        span = cal["nodes"][nodes[st["first"]]:nodes[st["last"]] + 1]
+        cal_params += sum(n["param_bytes"] for n in span)
+        cal_update += st["update"]
+    per_byte = cal_update / cal_params
+    out = json.load(open(row["costs"]))
+    out.pop("nodes", None)
+    for st in out["stages"]:
+        span = cal["nodes"][nodes[st["first"]]:nodes[st["last"]] + 1]
+        for key in ("f", "i", "w"):
+            st[key] = sum(n[key] for n in span)
+        st["update"] = per_byte * sum(n["param_bytes"] for n in span)
+    path = row["costs"][:-len(".json")] + ".calibrated.json"
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    return path
 
 
 def measure(a, pp, name, m, log):
@@ -213,7 +221,8 @@ def measure(a, pp, name, m, log):
 def simulate(a, pp, name, m, costs, svg, log):
     cmd = [a.weft_sched, "simulate", "--schedule", name, "--pp", str(pp), "--micro-batches",
            str(m), "--virtual-stages", str(chunks_of(name)), "--costs", costs, "--cost-comm",
-           f"{a.link_ms:.6f}", "--compute-scale", f"{a.scale:.4f}", "--json", "--svg", svg]
+           f"{a.link_ms:.6f}", "--compute-scale", f"{a.scale:.4f}", "--cores", str(a.cores),
+           "--json", "--svg", svg]
     return json.loads(run(cmd, log))
 
 
@@ -294,10 +303,11 @@ def main():
     p.add_argument("--max-others", type=float, default=0.05,
                    help="share of the CPUs others may use during a run before it is run again")
     p.add_argument("--retries", type=int, default=2)
+    p.add_argument("--cores", type=float, default=os.cpu_count(),
+                   help="cores the simulated ranks share (default: this machine's)")
     a = p.parse_args()
     a.train_gpt = os.path.join(a.build, "train_gpt")
     a.weft_sched = os.path.join(a.build, "weft-sched")
-    a.profiles = {}
     log = os.path.join(a.work, "log.txt")
     os.makedirs(a.docs, exist_ok=True)
     grid = [(2, int(m)) for m in a.pp2.split(",") if m] + \
@@ -305,7 +315,9 @@ def main():
     started = time.time()
 
     # Measure everything first: every run also profiles its plan.
-    calibration = [measure(a, 2, name, 4, log) for name in CALIBRATION]
+    cal_name, cal_pp, cal_m = CALIBRATION
+    calibration = measure(a, cal_pp, cal_name, cal_m, log)
+    a.load = [os.getloadavg()[0]]
     rows = []
     for pp, m in grid:
         for name in SCHEDULES:
@@ -316,13 +328,12 @@ def main():
             except (Failed, subprocess.TimeoutExpired) as e:
                 r["failed"] = str(e)
             rows.append(r)
+            a.load.append(os.getloadavg()[0])
             print(f"measured {name} at pp {pp}, {m} micro-batches", flush=True)
 
-    runs = calibration + [r["meas"] for r in rows if "meas" in r]
-    costs = pool_profiles(a, runs)
-    events = [e for c in calibration for e in spans(c["trace"], a.warmup + 1)]
+    events = spans(calibration["trace"], a.warmup + 1)
     a.link_ms = message_ms(events)
-    a.scale = compute_scale(events, costs[(2, 1)])
+    a.scale = compute_scale(events, calibration["costs"])
     print(f"calibration: a message takes {a.link_ms:.3f} ms; F/I/W run {a.scale:.3f}x the "
           f"profile", flush=True)
 
@@ -330,14 +341,15 @@ def main():
         pp, name, m = r["pp"], r["schedule"], r["m"]
         prefix = os.path.join(a.docs if r["drawn"] else a.work, r["prefix"])
         try:
-            r["sim"] = simulate(a, pp, name, m, costs[(pp, chunks_of(name))],
-                                prefix + "-simulated.svg", log)
             meas = r.get("meas")
+            if not meas:
+                raise Failed("not measured")
+            costs = calibrated_costs(a, calibration, meas)
+            r["sim"] = simulate(a, pp, name, m, costs, prefix + "-simulated.svg", log)
             if meas:
                 tl = timeline(a, meas["trace"], meas["drawn_step"], prefix + "-measured.svg", log)
                 r["span"] = tl["step_time"]
-                meas["actions"] = compute_scale(spans(meas["trace"], a.warmup + 1),
-                                                costs[(pp, chunks_of(name))])
+                meas["actions"] = compute_scale(spans(meas["trace"], a.warmup + 1), costs)
                 r["error"] = (r["sim"]["step_time"] - meas["step_ms"]) / meas["step_ms"]
         except (Failed, KeyError) as e:
             r["failed"] = str(e)
@@ -360,8 +372,8 @@ def render_png(a, rows, log):
 
 def write_report(a, rows, seconds, png):
     ok = [r for r in rows if "sim" in r and "meas" in r and "error" in r]
-    profiles = ", ".join(f"{n} at pp {pp} x {v} chunks"
-                         for (pp, v), n in sorted(a.profiles.items()))
+    load = f"{min(a.load):.1f}-{max(a.load):.1f}"
+    cal_name, cal_pp, cal_m = CALIBRATION
     out = [
         "<!-- written by bench/schedules.sh --out docs: change the script, then run it again -->",
         "# Pipeline schedules: measured against simulated\n",
@@ -372,20 +384,21 @@ def write_report(a, rows, seconds, png):
         f"256, T = 128), micro-batches of {a.micro_batch} sequences, uniform partition. Each "
         f"row is `mpiexec -n pp train_gpt --pp pp --schedule S --trace --log-jsonl --profile "
         f"costs.json`, {a.warmup} warm-up and {a.steps} measured steps, against `weft-sched "
-        f"simulate --costs` on the per-stage costs that `--profile` measured for that stage "
-        f"layout: the median over every run with the layout ({profiles}), since one profile "
-        f"alone is off by up to 20% on this shared VM, whose speed drifts from minute to "
-        f"minute. The whole script took "
-        f"{seconds / 60:.1f} minutes, waits for a quiet machine included.\n",
-        "The simulator was calibrated once, from two extra traced runs (1F1B and ZB-H1, pp 2, "
-        "4 micro-batches): a message costs "
+        f"simulate --costs --cores {a.cores:g}`. The whole script took {seconds / 60:.1f} "
+        f"minutes, waits for a quiet machine included; the 1-minute load average "
+        f"(`/proc/loadavg`) read {load} between runs.\n",
+        f"**Out of sample.** The simulator was calibrated on one extra run, {cal_name} at pp "
+        f"{cal_pp} with {cal_m} micro-batches, and no row below is that run. From it come: each "
+        f"graph node's F, I and W time (its `--profile`), summed over each row's stages (the "
+        f"row's own profile gives only which nodes a stage holds and the bytes); the parameter "
+        f"update at that run's seconds per parameter byte; a message's cost, "
         f"{a.link_ms:.3f} ms (`--cost-comm`; the median receive whose send had already "
-        f"started), and F, I and W take {a.scale:.3f}x what the profile says "
-        f"(`--compute-scale`, the median over those runs' actions), which absorbs the "
-        f"difference between timing layers with rank 0 alone and running both ranks at once "
-        f"on shared caches and memory. Each rank's parameter "
-        f"update after the pipeline drains (gradient norm, clipping, AdamW) is profiled too "
-        f"and counted once per step.\n",
+        f"started); and F, I and W taking {a.scale:.3f}x what the profile says "
+        f"(`--compute-scale`, the median over that run's actions), which absorbs the "
+        f"difference between timing layers with rank 0 alone and running both ranks at once. "
+        f"Ranks share the {a.cores:g} cores: while n ranks compute at once, each runs at "
+        f"min(1, {a.cores:g} / n) of its profiled speed (processor sharing; waiting and "
+        f"messages take no core), which matters at pp 4.\n",
         "Columns: **step** is train_gpt's `step_ms`, the median of the measured steps "
         "(fastest and slowest in brackets), update included; **sim** the simulated step; "
         "**span** the pipeline alone, first action to last, in the trace of the median step "
@@ -413,19 +426,15 @@ def write_report(a, rows, seconds, png):
     stash_ok = sum(r["meas"]["peaks"] == sim_held(r["sim"]) for r in ok)
     out.append("## Reading the numbers\n")
     out.append(
-        "- At pp 2 every rank has a core of its own, as the simulator assumes: these rows "
-        "test the model.")
+        "- At pp 2 every rank has a core of its own; at pp 4 four ranks share "
+        f"{os.cpu_count()} cores, and the simulator shares them as the machine does "
+        "(**actions** shows how much slower F, I and W ran than profiled).")
     out.append(
         f"- The held bytes agree in {stash_ok} of {len(ok)} rows: the simulator and the "
         f"executor free a micro-batch's memory at the same action.")
-    if any(r["pp"] > os.cpu_count() for r in ok):
-        out.append(
-            f"- pp 4 runs four ranks on {os.cpu_count()} cores. The simulator gives every rank "
-            f"a core; here, whenever more ranks compute at once than there are cores, they "
-            f"share them, and F, I and W take longer than profiled (the **actions** column). "
-            f"These rows measure that oversubscription more than the schedules; they are kept "
-            f"to show it. On a machine with a core (or a GPU) per rank, expect the pp 2 "
-            f"accuracy.")
+    out.append(
+        "- Other people's processes on the machine slow a run down as extra ranks would; "
+        "the **others** column and the load average say how much there was.")
     out.append(
         "- The bubble columns count the pipeline only, as train_gpt's `bubble_frac` does; the "
         "step columns include each rank's parameter update, which the simulator adds after "

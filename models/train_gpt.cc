@@ -24,6 +24,7 @@
 #include <weft/tokenizer.h>
 #include <weft/trainer.h>
 #include <weft/units.h>
+#include <weft/plan.h>
 
 #include "models/gpt.h"
 #include "models/llama.h"
@@ -396,16 +397,14 @@ void check_numbers(const Args& a) {
         a.virtual_stages, a.layers_per_virtual);
 }
 
+weft::plan::ModelShape shape_of(const weft::GptConfig& cfg) {
+  return {cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.seq_length, cfg.vocab_size};
+}
+
 PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int world, int64_t global) {
   using namespace weft;
   check_numbers(a);
   MeshLayout layout(world, a.tp, a.pp);
-  // Tensor parallelism splits heads, the MLP's columns and the vocabulary;
-  // the vocabulary is padded to a multiple of tp (resolve_config), so any
-  // --vocab-size splits.
-  check(cfg.num_heads % a.tp == 0,
-        "--num-attention-heads ({}) must be divisible by --tensor-model-parallel-size ({})",
-        cfg.num_heads, a.tp);
   PipelineSetup p;
   p.device = resolve_device(a, world, p.staged, p.nccl);
   if (a.layers_per_virtual > 0) {
@@ -419,14 +418,14 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
   } else {
     p.chunks = sched::default_chunks(a.schedule);
   }
-  check(cfg.num_layers >= a.pp * p.chunks,
-        "--num-layers ({}) must be at least --pp ({}) x virtual stages ({}): every stage needs a "
-        "layer",
-        cfg.num_layers, a.pp, p.chunks);
-  check(global % (a.micro_batch * layout.dp()) == 0,
-        "--global-batch-size ({}) must be divisible by --micro-batch-size ({}) x dp ({}) (dp = "
-        "world {} / (tp {} x pp {}))",
-        global, a.micro_batch, layout.dp(), world, a.tp, a.pp);
+  // The rules weft-sched plan searches under, in the same words: tensor
+  // parallelism splits heads and the MLP's columns (the vocabulary is padded
+  // to a multiple of tp, so any --vocab-size splits); every stage needs a layer; the batch splits into micro-batches x dp; the
+  // schedule runs those sizes.
+  plan::Layout l{layout.dp(), a.pp, a.tp, a.schedule, p.chunks, a.micro_batch, a.recompute,
+                 a.distributed_optimizer};
+  const std::string rule = plan::layout_rule(shape_of(cfg), global, world, l);
+  check(rule.empty(), "{}", rule);
   p.micro_batches = global / (a.micro_batch * layout.dp());
   // Throws naming the rule when the schedule cannot run these sizes.
   if (a.pp > 1) {
@@ -658,28 +657,6 @@ void adopt_checkpoint_args(Args& a, const CLI::App& app) {
     a.adopted_note = fmt::format("from the checkpoint ({}): {}", where, fmt::join(adopted, " "));
 }
 
-// "2GiB", "512MiB", "64KiB" or a number of bytes; throws naming the flag.
-double parse_bytes(const std::string& flag, const std::string& text) {
-  size_t end = 0;
-  double v = 0;
-  try {
-    v = std::stod(text, &end);
-  } catch (const std::exception&) {
-    end = 0;
-  }
-  const std::string unit = text.substr(end);
-  const double scale = unit.empty() || unit == "B" ? 1.0
-                       : unit == "KiB"             ? 1024.0
-                       : unit == "MiB"             ? 1024.0 * 1024
-                       : unit == "GiB"             ? 1024.0 * 1024 * 1024
-                       : unit == "TiB"             ? 1024.0 * 1024 * 1024 * 1024
-                                                   : -1;
-  weft::check(end > 0 && scale > 0 && std::isfinite(v) && v > 0,
-              "{} '{}' must be a positive size: bytes, or a number with KiB, MiB, GiB or TiB", flag,
-              text);
-  return v * scale;
-}
-
 // --ps-ranks and its companions, before any message: what the servers do not
 // support yet is refused rather than ignored.
 void check_param_servers(const Args& a, const CLI::App& app, int world) {
@@ -732,7 +709,7 @@ void check_pipeline_flags(const Args& a, const CLI::App& app) {
             "{} shapes the pipeline, and there is none: it needs --pp > 1 (--pp is 1)", flag);
     return;
   }
-  if (!a.memory_budget.empty()) parse_bytes("--memory-budget", a.memory_budget);
+  if (!a.memory_budget.empty()) weft::parse_bytes("--memory-budget", a.memory_budget);
   // The chunk counts each schedule runs, as weft-sched checks them.
   if (app.count("--virtual-stages")) {
     const std::string rule = weft::sched::chunks_rule(a.schedule, a.virtual_stages);
@@ -744,11 +721,10 @@ void check_pipeline_flags(const Args& a, const CLI::App& app) {
         "only interleaved-1f1b and zb-v run; --schedule {} runs one per rank",
         a.schedule);
   // Recompute folds each W into its I, which turns a zero-bubble order into 1F1B's.
-  check(!a.recompute || (a.schedule != "zb-h1" && a.schedule != "zb-v"),
-        "--recompute with --schedule {} would not be zero-bubble: recomputation folds the "
-        "weight-gradient step into the input-gradient step (use 1f1b or interleaved-1f1b, or "
-        "drop --recompute)",
-        a.schedule);
+  if (a.recompute) {
+    const std::string rule = weft::plan::recompute_rule(a.schedule);
+    check(rule.empty(), "{}", rule);
+  }
 }
 
 weft::GptConfig resolve_config(const Args& a, const CLI::App& app) {

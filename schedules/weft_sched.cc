@@ -9,6 +9,15 @@
 //   weft-sched compare --pp 4 --micro-batches 8 [--virtual-stages 3] [--cost-f 1 --cost-w 0.5 ...]
 //   weft-sched simulate --schedule 1f1b --micro-batches 8 --costs costs.json  # pp from the file
 //   weft-sched timeline --from-trace run.json [--step 5] --svg run.svg
+//   weft-sched plan --num-layers 48 --hidden-size 1600 --num-attention-heads 25
+//       --seq-length 1024 --vocab-size 50304 --global-batch-size 512 --world-size 64
+//       --memory 141GiB --link-latency 5e-6 --bandwidth 900e9 --ranks-per-node 8
+//       --inter-latency 1e-5 --inter-bandwidth 50e9 (--profile costs.json | --flops 4e14)
+//
+// plan searches dp x pp x tp, schedule, virtual stages, micro-batch size,
+// recompute and ZeRO-1 (weft/plan.h), refuses what train_gpt would refuse
+// or what does not fit --memory, and prints the plans fastest first; the
+// layout flags (--tp, --pp, --schedule, ...) fix that dimension.
 //
 // simulate and compare time the lowered schedule with F, I and W costs per
 // rank's share of the model (a chunk gets its share of that) and a fixed
@@ -29,6 +38,7 @@
 //
 // Errors print one line naming the value and the rule it broke, and exit 1.
 #include <weft/error.h>
+#include <weft/plan.h>
 #include <weft/schedule.h>
 #include <weft/simulate.h>
 #include <weft/units.h>
@@ -518,12 +528,120 @@ int timeline_command(const TimelineRequest& t, const SimOptions& o) {
   return 0;
 }
 
+// --- plan ---
+
+struct PlanRequest {
+  weft::plan::PlanInput in;
+  std::string memory, profile;
+  double flops = 0, memory_bandwidth = 4.8e12, compute_scale = 1;
+  std::optional<double> cores;
+  std::optional<int> dp, pp, tp, chunks;
+  std::optional<std::string> schedule;
+  std::optional<int64_t> micro_batch;
+  size_t top = 10;
+  bool json = false;
+};
+
+void add_plan_options(CLI::App* cmd, PlanRequest& q) {
+  weft::plan::ModelShape& m = q.in.shape;
+  cmd->add_option("--num-layers", m.layers, "transformer blocks")->required();
+  cmd->add_option("--hidden-size", m.hidden, "model width")->required();
+  cmd->add_option("--num-attention-heads", m.heads, "attention heads")->required();
+  cmd->add_option("--seq-length", m.seq, "tokens per sequence")->required();
+  cmd->add_option("--vocab-size", m.vocab, "vocabulary")->required();
+  cmd->add_option("--global-batch-size", q.in.global_batch, "sequences per step")->required();
+  cmd->add_option("--world-size", q.in.machine.world, "ranks")->required();
+  cmd->add_option("--memory", q.memory, "memory per rank, e.g. 80GiB (default: unlimited)");
+  cmd->add_option("--link-latency", q.in.machine.intra.latency,
+                  "seconds per message between ranks of a node");
+  cmd->add_option("--bandwidth", q.in.machine.intra.bandwidth,
+                  "bytes per second between ranks of a node");
+  cmd->add_option("--ranks-per-node", q.in.machine.ranks_per_node,
+                  "ranks per node (default: all on one)");
+  cmd->add_option("--inter-latency", q.in.machine.inter.latency,
+                  "seconds per message between nodes");
+  cmd->add_option("--inter-bandwidth", q.in.machine.inter.bandwidth,
+                  "bytes per second between nodes");
+  cmd->add_option("--cores", q.cores,
+                  "cores the ranks share (default: this machine's with --profile, else 0 = one "
+                  "per rank)");
+  CLI::Option* profile = cmd->add_option(
+      "--profile", q.profile, "node costs that train_gpt --profile FILE measured on this machine");
+  CLI::Option* flops = cmd->add_option(
+      "--flops", q.flops, "FLOP/s per rank (peak x assumed efficiency), where no profile exists");
+  profile->excludes(flops);
+  cmd->add_option("--memory-bandwidth", q.memory_bandwidth,
+                  "bytes/s per rank for the optimizer step with --flops (default 4.8e12)")
+      ->needs(flops);
+  cmd->add_option("--compute-scale", q.compute_scale,
+                  "multiply every F, I and W time (a calibration, as weft-sched simulate's)");
+  cmd->add_option("--tp,--tensor-model-parallel-size", q.tp, "fix the tensor-parallel size");
+  cmd->add_option("--pp,--pipeline-model-parallel-size", q.pp, "fix the pipeline size");
+  cmd->add_option("--dp", q.dp, "fix the data-parallel size");
+  cmd->add_option("--schedule", q.schedule, "fix the schedule");
+  cmd->add_option("--virtual-stages", q.chunks, "fix the model chunks per rank");
+  cmd->add_option("--micro-batch-size", q.micro_batch, "fix the micro-batch size");
+  cmd->add_option("--max-micro-batch-size", q.in.fixed.max_micro_batch,
+                  "largest micro-batch size searched (powers of 2; default 16)");
+  cmd->add_option("--top", q.top, "rows to print (0: all; default 10)");
+  cmd->add_flag("--json", q.json, "print every feasible plan as JSON");
+}
+
+int plan_command(PlanRequest q) {
+  using namespace weft::plan;
+  weft::check(!q.profile.empty() || q.flops > 0,
+              "plan needs costs: --profile FILE (train_gpt --profile) or --flops FLOP/s");
+  weft::check(std::isfinite(q.compute_scale) && q.compute_scale > 0,
+              "--compute-scale ({}) must be a positive number", q.compute_scale);
+  Machine& m = q.in.machine;
+  if (m.ranks_per_node <= 0 || m.ranks_per_node >= m.world) m.inter = m.intra;
+  if (!q.memory.empty()) m.memory = weft::parse_bytes("--memory", q.memory);
+  Costs c;
+  c.cores = q.cores;
+  m.cores = cores_of(c, !q.profile.empty());
+  q.in.costs = q.profile.empty() ? flops_costs(q.in.shape, q.flops, q.memory_bandwidth)
+                                 : profile_costs(parse_json(q.profile, "--profile"), q.profile);
+  q.in.costs.compute_scale = q.compute_scale;
+  Constraints& fx = q.in.fixed;
+  fx.dp = q.dp;
+  fx.pp = q.pp;
+  fx.tp = q.tp;
+  fx.chunks = q.chunks;
+  fx.schedule = q.schedule;
+  fx.micro_batch = q.micro_batch;
+  if (q.schedule) default_chunks(*q.schedule);  // an unknown name is refused here
+  const PlanResult r = plan(q.in);
+  if (q.json) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const Plan& p : r.plans)
+      out.push_back({{"dp", p.layout.dp}, {"pp", p.layout.pp}, {"tp", p.layout.tp},
+                     {"schedule", p.layout.pp > 1 ? p.layout.schedule : "-"},
+                     {"chunks", p.layout.chunks}, {"micro_batch", p.layout.micro_batch},
+                     {"micro_batches", p.micro_batches}, {"recompute", p.layout.recompute},
+                     {"zero1", p.layout.zero1}, {"step_time", p.step_time},
+                     {"pipeline_time", p.pipeline_time}, {"dp_time", p.dp_time},
+                     {"update_time", p.update_time}, {"bubble", p.bubble},
+                     {"memory_per_rank", p.memory_per_rank}, {"bytes_per_step", p.bytes_per_step},
+                     {"flags", p.layout.flags()}});
+    fmt::print("{}\n", out.dump());
+    return r.plans.empty() ? 1 : 0;
+  }
+  fmt::print("{}", plan_table(r, q.top));
+  if (r.plans.empty()) {
+    fmt::print(stderr, "weft-sched: no plan fits: every layout was refused (reasons above)\n");
+    return 1;
+  }
+  return 0;
+}
+
 struct Commands {
-  CLI::App *show, *validate, *csv, *simulate, *compare, *timeline;
+  CLI::App *show, *validate, *csv, *simulate, *compare, *timeline, *plan;
 };
 
 int run(CLI::App& app, const Commands& cmd, const Request& r, const Request& cr,
-        const Costs& costs, const SimOptions& o, const TimelineRequest& t) {
+        const Costs& costs, const SimOptions& o, const TimelineRequest& t,
+        const PlanRequest& q) {
+  if (cmd.plan->parsed()) return plan_command(q);
   if (cmd.simulate->parsed()) return simulate_command(r, costs, o);
   if (cmd.compare->parsed()) return compare_command(cr, costs);
   if (cmd.timeline->parsed()) return timeline_command(t, o);
@@ -580,13 +698,18 @@ int main(int argc, char** argv) {
   timeline->add_flag("--json", o.json, "print one JSON object instead of the table");
   timeline->add_option("--svg", o.svg, "write an SVG timeline to this file");
   timeline->add_option("--trace", o.trace, "write the step alone as a Chrome trace");
+  PlanRequest q;
+  CLI::App* plan = app.add_subcommand(
+      "plan", "search layouts (dp, pp, tp, schedule, chunks, micro-batch, recompute, ZeRO-1) "
+              "and rank them by predicted step time");
+  add_plan_options(plan, q);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 1;  // --help is not an error
   }
   try {
-    return run(app, {show, check, csv, sim, compare, timeline}, r, cr, costs, o, t);
+    return run(app, {show, check, csv, sim, compare, timeline, plan}, r, cr, costs, o, t, q);
   } catch (const weft::Error& e) {
     fmt::print(stderr, "weft-sched: {}\n", e.what());
     return 1;

@@ -1,0 +1,393 @@
+// The planner: enumerate layouts, refuse what train_gpt refuses or what does
+// not fit, time the rest with the simulator, rank them. The cost model is
+// described in weft/plan.h.
+#include <weft/error.h>
+#include <weft/plan.h>
+#include <weft/units.h>
+
+#include <fmt/core.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+
+namespace weft::plan {
+namespace {
+
+double num(const nlohmann::json& j, const char* key, const std::string& path, const char* what) {
+  const auto it = j.find(key);
+  check(it != j.end() && it->is_number(), "--profile {}: {} has no number \"{}\"", path, what,
+        key);
+  const double v = it->get<double>();
+  check(std::isfinite(v) && v >= 0, "--profile {}: {}.{} = {} must be finite and not negative",
+        path, what, key, v);
+  return v;
+}
+
+void add(PartCosts& to, const PartCosts& p, double k = 1) {
+  to.f += k * p.f;
+  to.i += k * p.i;
+  to.w += k * p.w;
+  to.param_bytes += k * p.param_bytes;
+  to.stash_bytes += k * p.stash_bytes;
+}
+
+// A ring all-reduce of `bytes` over n ranks: 2 (n - 1) steps, each a message
+// of bytes / n.
+double all_reduce(const Link& link, double bytes, int n) {
+  if (n <= 1) return 0;
+  const double steps = 2.0 * (n - 1);
+  return steps * link.time(bytes / n);
+}
+
+std::vector<int> divisors(int n) {
+  std::vector<int> d;
+  for (int k = 1; k <= n; ++k)
+    if (n % k == 0) d.push_back(k);
+  return d;
+}
+
+}  // namespace
+
+double ModelShape::params() const {
+  const double h = static_cast<double>(hidden);
+  return static_cast<double>(layers) * (12 * h * h + 13 * h) +
+         static_cast<double>(vocab + seq) * h + 2 * h;
+}
+
+LayerCosts profile_costs(const nlohmann::json& p, const std::string& path) {
+  check(p.is_object() && p.contains("nodes") && p["nodes"].is_array(),
+        "--profile {}: no \"nodes\" list; `train_gpt --pp P --profile FILE` writes one", path);
+  const auto mb = p.find("micro_batch_size");
+  check(mb != p.end() && mb->is_number_integer() && mb->get<int64_t>() >= 1,
+        "--profile {}: no \"micro_batch_size\" (whole number >= 1); profiles written by "
+        "train_gpt --profile say it",
+        path);
+  const double per = 1.0 / static_cast<double>(mb->get<int64_t>());
+  std::map<int, PartCosts> blocks;
+  PartCosts pre, post;
+  double boundary = 0;
+  for (const nlohmann::json& n : p["nodes"]) {
+    check(n.is_object() && n.contains("name") && n["name"].is_string(),
+          "--profile {}: a node without a \"name\"", path);
+    const std::string name = n["name"].get<std::string>();
+    const std::string what = "node " + name;
+    PartCosts c{num(n, "f", path, what.c_str()), num(n, "i", path, what.c_str()),
+                num(n, "w", path, what.c_str()), num(n, "param_bytes", path, what.c_str()),
+                num(n, "activation_bytes", path, what.c_str())};
+    int block = -1;
+    if (name.rfind("h.", 0) == 0) block = std::atoi(name.c_str() + 2);
+    if (block >= 0) {
+      add(blocks[block], c);
+      if (n.contains("output_bytes") && n["output_bytes"].is_number())
+        boundary = n["output_bytes"].get<double>();  // the block's last node: its output
+    } else {
+      add(blocks.empty() ? pre : post, c);
+    }
+  }
+  check(!blocks.empty(), "--profile {}: no transformer blocks (nodes named h.N.*)", path);
+  LayerCosts out;
+  for (const auto& [b, c] : blocks) add(out.layer, c, 1.0 / static_cast<double>(blocks.size()));
+  add(out.pre, pre);
+  add(out.post, post);
+  for (PartCosts* c : {&out.layer, &out.pre, &out.post}) {
+    PartCosts scaled;
+    add(scaled, *c, per);
+    scaled.param_bytes = c->param_bytes;  // weights do not grow with the batch
+    *c = scaled;
+  }
+  out.boundary_bytes = boundary * per;
+  // Seconds of update per parameter byte, and the bytes I keeps per byte F
+  // stashes, from the stages where the profile has them.
+  double upd = 0, params = 0, kept = 0, stashed = 0;
+  if (p.contains("stages") && p["stages"].is_array())
+    for (const nlohmann::json& st : p["stages"]) {
+      if (st.contains("update") && st["update"].is_number()) upd += st["update"].get<double>();
+      if (st.contains("memory") && st["memory"].is_object()) {
+        kept += st["memory"].value("i", 0.0);
+        stashed += st["memory"].value("f", 0.0);
+      }
+    }
+  for (const auto& [b, c] : blocks) params += c.param_bytes;
+  params += pre.param_bytes + post.param_bytes;
+  out.update_per_param_byte = params > 0 ? upd / params : 0;
+  if (stashed > 0) out.input_grad_ratio = kept / stashed;
+  return out;
+}
+
+LayerCosts flops_costs(const ModelShape& s, double flops_per_second, double memory_bandwidth) {
+  check(flops_per_second > 0 && memory_bandwidth > 0,
+        "flops_costs: FLOP/s ({}) and memory bandwidth ({}) must be positive", flops_per_second,
+        memory_bandwidth);
+  const double h = static_cast<double>(s.hidden), t = static_cast<double>(s.seq);
+  const double v = static_cast<double>(s.vocab), a = static_cast<double>(s.heads);
+  LayerCosts c;
+  const double block_f = t * (24 * h * h + 4 * t * h) / flops_per_second;
+  c.layer = {block_f, block_f, t * 24 * h * h / flops_per_second, 4 * (12 * h * h + 13 * h),
+             4 * t * (17 * h + 2.5 * a * t)};
+  const double head = t * 2 * h * v / flops_per_second;
+  c.pre = {0, 0, 0, 4 * (v + t) * h, 4 * t * h};
+  c.post = {head, head, head, 4 * 2 * h, 4 * t * (2 * h + 2 * v)};
+  c.boundary_bytes = 4 * t * h;
+  c.update_per_param_byte = 32.0 / 4.0 / memory_bandwidth;
+  return c;
+}
+
+std::string recompute_rule(const std::string& schedule) {
+  if (schedule != "zb-h1" && schedule != "zb-v") return "";
+  return fmt::format(
+      "--recompute with --schedule {} would not be zero-bubble: recomputation folds the "
+      "weight-gradient step into the input-gradient step (use 1f1b or interleaved-1f1b, or "
+      "drop --recompute)",
+      schedule);
+}
+
+std::string Layout::describe() const {
+  std::string s = fmt::format("(dp {}, pp {}, tp {})", dp, pp, tp);
+  if (pp > 1) s += fmt::format(" {}", schedule) + (chunks > 1 ? fmt::format(" x{}", chunks) : "");
+  s += fmt::format(" mb {}", micro_batch);
+  if (recompute) s += " recompute";
+  if (zero1) s += " zero-1";
+  return s;
+}
+
+std::vector<std::string> Layout::flags() const {
+  std::vector<std::string> f = {"--tp", std::to_string(tp), "--pp", std::to_string(pp),
+                                "--micro-batch-size", std::to_string(micro_batch)};
+  if (pp > 1) {
+    f.insert(f.end(), {"--schedule", schedule, "--virtual-stages", std::to_string(chunks)});
+    if (recompute) f.push_back("--recompute");
+  }
+  if (zero1) f.push_back("--use-distributed-optimizer");
+  return f;
+}
+
+std::string layout_rule(const ModelShape& shape, int64_t global, int world, const Layout& l) {
+  if (l.dp < 1 || l.pp < 1 || l.tp < 1 || static_cast<int64_t>(l.dp) * l.pp * l.tp != world)
+    return fmt::format("dp ({}) x pp ({}) x tp ({}) must be the world ({})", l.dp, l.pp, l.tp,
+                       world);
+  if (shape.heads % l.tp != 0)
+    return fmt::format(
+        "--num-attention-heads ({}) must be divisible by --tensor-model-parallel-size ({})",
+        shape.heads, l.tp);
+  // The vocabulary needs no rule: train_gpt pads it to a multiple of tp
+  // (--make-vocab-size-divisible-by), so every tp splits it.
+  if (l.pp > 1) {
+    const std::string rule = sched::chunks_rule(l.schedule, l.chunks);
+    if (!rule.empty()) return fmt::format("--virtual-stages {}: {}", l.chunks, rule);
+  }
+  const int chunks = l.pp > 1 ? l.chunks : 1;
+  if (shape.layers < static_cast<int64_t>(l.pp) * chunks)
+    return fmt::format(
+        "--num-layers ({}) must be at least --pp ({}) x virtual stages ({}): every stage needs "
+        "a layer",
+        shape.layers, l.pp, chunks);
+  if (l.micro_batch < 1 || global % (l.micro_batch * l.dp) != 0)
+    return fmt::format(
+        "--global-batch-size ({}) must be divisible by --micro-batch-size ({}) x dp ({}) (dp = "
+        "world {} / (tp {} x pp {}))",
+        global, l.micro_batch, l.dp, world, l.tp, l.pp);
+  if (l.pp > 1) {
+    try {
+      sched::make_schedule(l.schedule, l.pp, static_cast<int>(l.micro_batches(global)), chunks);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    if (l.recompute) {
+      const std::string rule = recompute_rule(l.schedule);
+      if (!rule.empty()) return rule;
+    }
+  } else if (l.recompute) {
+    return "--recompute shapes the pipeline, and there is none: it needs --pp > 1 (--pp is 1)";
+  }
+  return "";
+}
+
+Plan evaluate(const PlanInput& in, const Layout& l) {
+  const ModelShape& shape = in.shape;
+  const LayerCosts& c = in.costs;
+  const Machine& m = in.machine;
+  const int chunks = l.pp > 1 ? l.chunks : 1;
+  const int stages = l.pp * chunks;
+  const int64_t mbs = l.micro_batches(in.global_batch);
+  const double mb = static_cast<double>(l.micro_batch), tp = l.tp;
+  // Links: tp innermost, then dp, then pp outermost (Megatron's order).
+  const int per_node = m.ranks_per_node > 0 ? m.ranks_per_node : m.world;
+  const Link& tp_link = l.tp <= per_node ? m.intra : m.inter;
+  const Link& dp_link = l.tp * l.dp <= per_node ? m.intra : m.inter;
+  const Link& pp_link = m.world <= per_node ? m.intra : m.inter;
+
+  const sched::Schedule s = sched::lower(
+      sched::make_schedule(l.pp > 1 ? l.schedule : "1f1b", l.pp, static_cast<int>(mbs), chunks));
+  // Layers per stage as evenly as possible, the first stages taking the rest.
+  std::vector<int64_t> layers(static_cast<size_t>(stages), shape.layers / stages);
+  for (int64_t k = 0; k < shape.layers % stages; ++k) ++layers[static_cast<size_t>(k)];
+  const double act = c.boundary_bytes * mb;  // a micro-batch's activations at a boundary
+  const double tp_f = 2 * all_reduce(tp_link, act, l.tp);  // per layer, in F and in I
+  sched::SimCost cost;
+  std::vector<sched::StageBytes> bytes(static_cast<size_t>(stages));
+  std::vector<double> stage_params(static_cast<size_t>(stages));
+  for (int st = 0; st < stages; ++st) {
+    const size_t k = static_cast<size_t>(st);
+    PartCosts p;
+    add(p, c.layer, static_cast<double>(layers[k]));
+    if (st == 0) add(p, c.pre);
+    if (st == stages - 1) add(p, c.post);
+    const double n = static_cast<double>(layers[k]);
+    const double scale = c.compute_scale * mb / tp;
+    double f = p.f * scale + n * tp_f, i = p.i * scale + n * tp_f;
+    const double w = p.w * scale;
+    if (l.recompute) i += f;  // the forward again, before the input gradient
+    cost.f.push_back(f);
+    cost.i.push_back(i);
+    cost.w.push_back(w);
+    cost.activation_bytes.push_back(act);
+    stage_params[k] = p.param_bytes / tp;
+    cost.update.push_back(c.update_per_param_byte * stage_params[k] / (l.zero1 ? l.dp : 1));
+    const double stash = p.stash_bytes * mb / tp;
+    sched::StageBytes& b = bytes[k];
+    b.recv_f = st > 0 ? act : 0;
+    b.recv_b = st + 1 < stages ? act : 0;
+    if (l.recompute) {
+      b.f = act;
+      b.f_work = stash;
+      b.i_work = stash * (1 + c.input_grad_ratio);
+      b.i_keep = st > 0 ? act : 0;
+    } else {
+      b.f = stash;
+      b.i = stash * c.input_grad_ratio;
+    }
+  }
+  cost.link_latency = pp_link.latency;
+  cost.bandwidth = pp_link.bandwidth;
+  cost.memory = bytes;
+  cost.recompute = l.recompute;
+  cost.cores = m.cores;
+  cost.processes_per_rank = l.dp * l.tp;
+  const sched::SimResult r = sched::simulate(s, cost);
+
+  Plan out;
+  out.layout = l;
+  out.layout.chunks = chunks;
+  out.micro_batches = mbs;
+  out.pipeline_time = r.pipeline_time;
+  out.update_time = r.update_time;
+  out.bubble = r.bubble_fraction;
+  // Gradients over dp after the pipeline drains (the slowest rank's share);
+  // ZeRO-1 reduce-scatters and all-gathers the same bytes.
+  double most_params = 0;
+  std::vector<double> rank_params(static_cast<size_t>(l.pp), 0);
+  for (int st = 0; st < stages; ++st)
+    rank_params[static_cast<size_t>(s.stage_rank[static_cast<size_t>(st)])] +=
+        stage_params[static_cast<size_t>(st)];
+  most_params = *std::max_element(rank_params.begin(), rank_params.end());
+  out.dp_time = all_reduce(dp_link, most_params, l.dp);
+  out.step_time = out.pipeline_time + out.dp_time + out.update_time;
+  // Memory: weights and gradients, and AdamW's two moments (1/dp with ZeRO-1).
+  out.activation_bytes = *std::max_element(r.peak_activation_bytes.begin(),
+                                           r.peak_activation_bytes.end());
+  out.memory_per_rank = most_params * (2 + 2.0 / (l.zero1 ? l.dp : 1)) + out.activation_bytes;
+  // Bytes: every replica's pipeline messages (each tp rank sends its copy),
+  // tp's all-reduces (2 (tp - 1) / tp of the tensor per rank), dp's.
+  const double pp_bytes =
+      std::accumulate(r.bytes_sent.begin(), r.bytes_sent.end(), 0.0) * l.tp * l.dp;
+  const double tp_bytes = l.tp > 1 ? static_cast<double>(shape.layers) * 4 * 2.0 * (tp - 1) *
+                                         act * static_cast<double>(mbs) * l.dp
+                                   : 0;
+  double params_all = std::accumulate(stage_params.begin(), stage_params.end(), 0.0) * tp;
+  const double dp_bytes = l.dp > 1 ? 2.0 * (l.dp - 1) * params_all : 0;
+  out.bytes_per_step = pp_bytes + tp_bytes + dp_bytes;
+  return out;
+}
+
+PlanResult plan(const PlanInput& in) {
+  const Machine& m = in.machine;
+  check(m.world >= 1, "plan: the world ({}) must be at least 1 rank", m.world);
+  check(in.shape.layers >= 1 && in.shape.hidden >= 1 && in.shape.heads >= 1 &&
+            in.shape.seq >= 1 && in.shape.vocab >= 1,
+        "plan: the model shape needs layers, hidden size, heads, sequence length and "
+        "vocabulary of at least 1");
+  check(in.global_batch >= 1, "plan: the global batch ({}) must be at least 1", in.global_batch);
+  check(m.memory > 0, "plan: the memory per rank ({}) must be positive", m.memory);
+  const Constraints& fx = in.fixed;
+  PlanResult out;
+  std::map<std::string, std::pair<std::string, int>> reasons;  // rule kind -> example, count
+  auto refuse = [&](const std::string& why) {
+    ++out.refused;
+    const std::string kind = why.substr(0, why.find_first_of("(0123456789"));
+    auto& [example, count] = reasons[kind];
+    if (count++ == 0) example = why;
+  };
+  std::vector<std::string> schedules = sched::schedule_names();
+  for (int tp : divisors(m.world)) {
+    if (fx.tp && *fx.tp != tp) continue;
+    for (int pp : divisors(m.world / tp)) {
+      if (fx.pp && *fx.pp != pp) continue;
+      const int dp = m.world / (tp * pp);
+      if (fx.dp && *fx.dp != dp) continue;
+      for (const std::string& name : pp > 1 ? schedules : std::vector<std::string>{"1f1b"}) {
+        if (pp > 1 && fx.schedule && *fx.schedule != name) continue;
+        std::vector<int> chunk_counts = {sched::default_chunks(name)};
+        if (pp > 1 && name == "interleaved-1f1b") chunk_counts = {2, 3, 4};
+        if (pp == 1) chunk_counts = {1};
+        for (int chunks : chunk_counts) {
+          if (pp > 1 && fx.chunks && *fx.chunks != chunks) continue;
+          for (int64_t mb = 1; mb <= std::max<int64_t>(1, fx.max_micro_batch); mb *= 2) {
+            if (fx.micro_batch && *fx.micro_batch != mb) continue;
+            for (bool recompute : {false, true}) {
+              if (fx.recompute && *fx.recompute != recompute) continue;
+              if (recompute && pp == 1) continue;  // no pipeline to recompute in
+              for (bool zero1 : {false, true}) {
+                if (fx.zero1 && *fx.zero1 != zero1) continue;
+                if (zero1 && dp == 1 && !fx.zero1) continue;
+                Layout l{dp, pp, tp, name, chunks, mb, recompute, zero1};
+                if (const std::string why = layout_rule(in.shape, in.global_batch, m.world, l);
+                    !why.empty()) {
+                  refuse(why);
+                  continue;
+                }
+                Plan p = evaluate(in, l);
+                if (p.memory_per_rank > m.memory) {
+                  refuse(fmt::format("needs {} per rank, more than the {} each has",
+                                     format_bytes(p.memory_per_rank), format_bytes(m.memory)));
+                  continue;
+                }
+                out.plans.push_back(std::move(p));
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  std::stable_sort(out.plans.begin(), out.plans.end(), [](const Plan& a, const Plan& b) {
+    if (a.step_time != b.step_time) return a.step_time < b.step_time;
+    return a.memory_per_rank < b.memory_per_rank;
+  });
+  for (const auto& [kind, ex] : reasons) out.reasons.push_back(ex);
+  return out;
+}
+
+std::string plan_table(const PlanResult& r, size_t top) {
+  constexpr const char* row = "{:>4} {:>3} {:>3} {:>3} {:<17} {:>6} {:>3} {:>4} {:>9} {:>6} {:>11} {:>8} {:>11} {:>11}\n";
+  std::string out = fmt::format(row, "rank", "dp", "pp", "tp", "schedule", "chunks", "mb",
+                                "m", "recompute", "zero-1", "step ms", "bubble", "memory/rank",
+                                "bytes/step");
+  const size_t n = top == 0 ? r.plans.size() : std::min(top, r.plans.size());
+  for (size_t k = 0; k < n; ++k) {
+    const Plan& p = r.plans[k];
+    const Layout& l = p.layout;
+    out += fmt::format(row, k + 1, l.dp, l.pp, l.tp, l.pp > 1 ? l.schedule : "-", l.chunks,
+                       l.micro_batch, p.micro_batches, l.recompute ? "yes" : "no", l.zero1 ? "yes" : "no",
+                       fmt::format("{:.3f}", 1e3 * p.step_time),
+                       fmt::format("{:.1f}%", 100 * p.bubble), format_bytes(p.memory_per_rank),
+                       format_bytes(p.bytes_per_step));
+  }
+  out += fmt::format("{} feasible plans ({} shown); {} refused\n", r.plans.size(), n, r.refused);
+  for (const auto& [why, count] : r.reasons) out += fmt::format("  {} x {}\n", count, why);
+  return out;
+}
+
+}  // namespace weft::plan
