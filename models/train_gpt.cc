@@ -1011,7 +1011,11 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
                     a.tp == 1 ? measure_stage_bytes(graph, io, layout.plan(), batches,
                                                     a.micro_batch, a.recompute)
                               : std::vector<sched::StageBytes>{},
-                    a.recompute);
+                    a.recompute,
+                    {{"micro_batch_size", a.micro_batch}, {"tp", a.tp},
+                     {"num_layers", cfg.num_layers}, {"hidden_size", cfg.hidden_size},
+                     {"num_attention_heads", cfg.num_heads}, {"seq_length", cfg.seq_length},
+                     {"vocab_size", cfg.vocab_size}});
     if (rank0) fmt::print("schedule {} over {} stages; partition {}:\n{}", a.schedule,
                           schedule.stages(), a.partition, layout.plan().describe(graph));
   }

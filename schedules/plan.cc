@@ -65,6 +65,11 @@ LayerCosts profile_costs(const nlohmann::json& p, const std::string& path) {
         "--profile {}: no \"micro_batch_size\" (whole number >= 1); profiles written by "
         "train_gpt --profile say it",
         path);
+  const auto tp = p.find("tp");
+  check(tp == p.end() || (tp->is_number_integer() && tp->get<int64_t>() == 1),
+        "--profile {}: profiled at tp {}; the planner reads node costs of the whole model (a "
+        "profile at tp 1)",
+        path, tp == p.end() ? "1" : tp->dump());
   const double per = 1.0 / static_cast<double>(mb->get<int64_t>());
   std::map<int, PartCosts> blocks;
   PartCosts pre, post;
@@ -362,8 +367,14 @@ PlanResult plan(const PlanInput& in) {
       }
     }
   }
-  std::stable_sort(out.plans.begin(), out.plans.end(), [](const Plan& a, const Plan& b) {
-    if (a.step_time != b.step_time) return a.step_time < b.step_time;
+  // Fastest first; steps equal to 9 digits of the slowest tie, and the one
+  // that holds less memory goes first.
+  double slowest = 0;
+  for (const Plan& p : out.plans) slowest = std::max(slowest, p.step_time);
+  const double grain = slowest > 0 ? 1e-9 * slowest : 1;
+  std::stable_sort(out.plans.begin(), out.plans.end(), [grain](const Plan& a, const Plan& b) {
+    const double ta = std::round(a.step_time / grain), tb = std::round(b.step_time / grain);
+    if (ta != tb) return ta < tb;
     return a.memory_per_rank < b.memory_per_rank;
   });
   for (const auto& [kind, ex] : reasons) out.reasons.push_back(ex);

@@ -50,9 +50,11 @@ nlohmann::json stage_costs_json(const CostModel& cost, const StagePlan& plan, co
                                 bool recompute = false);
 
 // Times the updates (profile_updates), then writes cost_model_json and
-// stage_costs_json in one object to `path`.
+// stage_costs_json in one object to `path`, with the fields of `extra`
+// (train_gpt adds the micro-batch size and the model's shape, which
+// weft-sched plan reads).
 void write_profile(const std::string& path, const CostModel& cost, const StagePlan& plan,
                    const Graph& g, const std::vector<sched::StageBytes>& memory = {},
-                   bool recompute = false);
+                   bool recompute = false, const nlohmann::json& extra = {});
 
 }  // namespace weft

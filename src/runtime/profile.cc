@@ -152,9 +152,11 @@ nlohmann::json stage_costs_json(const CostModel& cost, const StagePlan& plan, co
 }
 
 void write_profile(const std::string& path, const CostModel& cost, const StagePlan& plan,
-                   const Graph& g, const std::vector<sched::StageBytes>& memory, bool recompute) {
+                   const Graph& g, const std::vector<sched::StageBytes>& memory, bool recompute,
+                   const nlohmann::json& extra) {
   nlohmann::json j = cost_model_json(cost, g);
   j.update(stage_costs_json(cost, plan, g, profile_updates(g, plan), memory, recompute));
+  if (extra.is_object()) j.update(extra);
   std::ofstream f(path, std::ios::trunc);
   f << j.dump(2) << '\n';
   check(f.good(), "--profile {}: cannot write", path);
