@@ -46,6 +46,8 @@
 #include <functional>
 #include <numeric>
 #include <optional>
+#include <limits>
+#include <thread>
 #include <set>
 #include <span>
 #include <string>
@@ -234,6 +236,12 @@ struct Args {
   double comm_timeout = 300;  // seconds
   // Data parallelism.
   bool distributed_optimizer = false;
+  // --plan auto: weft-sched plan's best layout, from a profile.
+  std::string plan, plan_costs, plan_memory;
+  double plan_latency = 0, plan_bandwidth = std::numeric_limits<double>::infinity();
+  double plan_compute_scale = 1;
+  std::optional<double> plan_cores;
+  std::string plan_note;  // what the planner chose, printed by rank 0
   int64_t ddp_bucket_size = int64_t{1} << 20;  // elements
   bool overlap_grad_reduce = true;
   bool overlap_p2p_comm = false;  // post pipeline receives ahead
@@ -725,6 +733,102 @@ void check_pipeline_flags(const Args& a, const CLI::App& app) {
     const std::string rule = weft::plan::recompute_rule(a.schedule);
     check(rule.empty(), "{}", rule);
   }
+}
+
+// --plan auto: search the layouts weft-sched plan searches, under the same
+// rules and costs, and set the layout flags to the fastest. A layout flag
+// the command gives fixes that dimension; when no plan has it, the flag is
+// refused, naming it.
+void apply_plan(Args& a, const CLI::App& app, int world) {
+  using weft::check;
+  const bool planning = !a.plan.empty();
+  for (const char* flag : {"--plan-costs", "--plan-memory", "--plan-link-latency",
+                           "--plan-bandwidth", "--plan-cores", "--plan-compute-scale"})
+    check(planning || app.count(flag) == 0, "{} sets up the planner: it needs --plan auto", flag);
+  if (!planning) return;
+  check(a.plan == "auto", "--plan '{}' must be auto (weft-sched plan prints the others)", a.plan);
+  check(!a.plan_costs.empty(),
+        "--plan auto needs --plan-costs FILE: node costs that train_gpt --pp 2 --profile FILE "
+        "measured for this model");
+  check(app.count("--global-batch-size") > 0 || a.global_batch > 0,
+        "--plan auto needs --global-batch-size: the planner splits it into micro-batches");
+  for (const char* flag : {"--num-layers-per-virtual-pipeline-stage", "--ps-ranks"})
+    check(app.count(flag) == 0,
+          "{} contradicts --plan auto, which chooses the layout (fix the chunks with "
+          "--virtual-stages, or drop --plan)",
+          flag);
+  check(std::isfinite(a.plan_compute_scale) && a.plan_compute_scale > 0,
+        "--plan-compute-scale ({}) must be a positive number", a.plan_compute_scale);
+  check(a.plan_latency >= 0 && std::isfinite(a.plan_latency),
+        "--plan-link-latency ({}) must be seconds >= 0", a.plan_latency);
+  check(a.plan_bandwidth > 0, "--plan-bandwidth ({}) must be positive", a.plan_bandwidth);
+  const weft::GptConfig cfg = flag_config(a, app);
+  weft::plan::PlanInput in;
+  in.shape = shape_of(cfg);
+  in.global_batch = a.global_batch;
+  in.machine.world = world;
+  in.machine.intra = {a.plan_latency, a.plan_bandwidth};
+  in.machine.inter = in.machine.intra;
+  if (!a.plan_memory.empty()) in.machine.memory = weft::parse_bytes("--plan-memory", a.plan_memory);
+  in.machine.cores = a.plan_cores ? *a.plan_cores
+                                  : static_cast<double>(std::max(1u, std::thread::hardware_concurrency()));
+  check(std::isfinite(in.machine.cores) && in.machine.cores >= 0,
+        "--plan-cores ({}) must be a number of cores >= 0 (0: one per rank)", in.machine.cores);
+  std::ifstream file(a.plan_costs);
+  check(file.good(), "--plan-costs {}: cannot open the file", a.plan_costs);
+  nlohmann::json profile;
+  try {
+    profile = nlohmann::json::parse(file);
+  } catch (const nlohmann::json::exception& e) {
+    throw weft::Error("--plan-costs {}: not valid JSON ({})", a.plan_costs, e.what());
+  }
+  in.costs = weft::plan::profile_costs(profile, a.plan_costs);
+  in.costs.compute_scale = a.plan_compute_scale;
+  // The layout flags given are constraints.
+  std::vector<std::string> fixed;
+  weft::plan::Constraints& fx = in.fixed;
+  if (app.count("--tensor-model-parallel-size")) fx.tp = a.tp, fixed.push_back(fmt::format("--tp {}", a.tp));
+  if (app.count("--pipeline-model-parallel-size")) fx.pp = a.pp, fixed.push_back(fmt::format("--pp {}", a.pp));
+  if (app.count("--schedule")) fx.schedule = a.schedule, fixed.push_back("--schedule " + a.schedule);
+  if (app.count("--virtual-stages"))
+    fx.chunks = a.virtual_stages, fixed.push_back(fmt::format("--virtual-stages {}", a.virtual_stages));
+  if (app.count("--micro-batch-size"))
+    fx.micro_batch = a.micro_batch, fixed.push_back(fmt::format("--micro-batch-size {}", a.micro_batch));
+  if (app.count("--recompute")) fx.recompute = true, fixed.push_back("--recompute");
+  if (app.count("--use-distributed-optimizer"))
+    fx.zero1 = true, fixed.push_back("--use-distributed-optimizer");
+  // Pipeline flags need a pipeline: a plan at pp 1 would have them refused.
+  const bool needs_pipeline = app.count("--schedule") || app.count("--virtual-stages") ||
+                              app.count("--recompute") || app.count("--partition") ||
+                              app.count("--profile") || app.count("--memory-budget") ||
+                              app.count("--trace") || app.count("--overlap-p2p-comm");
+  const weft::plan::PlanResult r = weft::plan::plan(in);
+  const weft::plan::Plan* best = nullptr;
+  for (const weft::plan::Plan& p : r.plans)
+    if (!needs_pipeline || p.layout.pp > 1) {
+      best = &p;
+      break;
+    }
+  check(best != nullptr,
+        "--plan auto: no layout of {} ranks runs{}{}: {} refused{}", world,
+        fixed.empty() ? "" : " with ", fmt::join(fixed, " "), r.refused,
+        r.reasons.empty() ? std::string() : ", e.g. " + r.reasons.front().first);
+  const weft::plan::Layout& l = best->layout;
+  a.tp = l.tp;
+  a.pp = l.pp;
+  a.micro_batch = l.micro_batch;
+  a.distributed_optimizer = l.zero1;
+  if (l.pp > 1) {
+    a.schedule = l.schedule;
+    a.virtual_stages = l.chunks;
+    a.recompute = l.recompute;
+  }
+  a.plan_note = fmt::format(
+      "plan auto: {}, predicted step {:.1f} ms, bubble {:.1f}%, {} per rank (the fastest of {} "
+      "plans; {} refused): {}",
+      l.describe(), 1e3 * best->step_time, 100 * best->bubble,
+      weft::format_bytes(best->memory_per_rank), r.plans.size(), r.refused,
+      fmt::join(l.flags(), " "));
 }
 
 weft::GptConfig resolve_config(const Args& a, const CLI::App& app) {
@@ -1427,6 +1531,19 @@ int main(int argc, char** argv) {
   app.add_option("--powersgd-rank", a.powersgd_rank, "rank of the PowerSGD gradient factors");
   app.add_option("--powersgd-start-iter", a.powersgd_start_iter,
                  "steps reduced uncompressed before PowerSGD starts (e.g. the LR warmup)");
+  app.add_option("--plan", a.plan,
+                 "auto: run the layout weft-sched plan ranks fastest (dp, pp, tp, schedule, "
+                 "virtual stages, micro-batch size, recompute, ZeRO-1); layout flags given fix "
+                 "theirs");
+  app.add_option("--plan-costs", a.plan_costs,
+                 "node costs for --plan auto: a train_gpt --profile file of this model");
+  app.add_option("--plan-memory", a.plan_memory, "memory per rank for --plan auto, e.g. 4GiB");
+  app.add_option("--plan-link-latency", a.plan_latency, "seconds per message for --plan auto");
+  app.add_option("--plan-bandwidth", a.plan_bandwidth, "link bytes per second for --plan auto");
+  app.add_option("--plan-cores", a.plan_cores,
+                 "cores the ranks share for --plan auto (default: this machine's; 0: one per rank)");
+  app.add_option("--plan-compute-scale", a.plan_compute_scale,
+                 "multiply the profiled F, I and W times for --plan auto (a calibration)");
   app.add_option("--comm-timeout", a.comm_timeout,
                  "seconds any rank waits for a message or collective before failing");
   try {
@@ -1438,6 +1555,8 @@ int main(int argc, char** argv) {
   if (!a.check_links) {
     try {
       adopt_checkpoint_args(a, app);
+      apply_plan(a, app, launch.size);
+      if (launch.rank == 0 && !a.plan_note.empty()) fmt::print("{}\n", a.plan_note);
     } catch (const std::exception& e) {
       if (launch.rank == 0) fmt::print(stderr, "train_gpt: error: {}\n", e.what());
       return 1;

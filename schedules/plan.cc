@@ -326,10 +326,12 @@ PlanResult plan(const PlanInput& in) {
     if (count++ == 0) example = why;
   };
   std::vector<std::string> schedules = sched::schedule_names();
-  for (int tp : divisors(m.world)) {
-    if (fx.tp && *fx.tp != tp) continue;
-    for (int pp : divisors(m.world / tp)) {
-      if (fx.pp && *fx.pp != pp) continue;
+  for (int tp : fx.tp ? std::vector<int>{*fx.tp} : divisors(m.world)) {
+    for (int pp : fx.pp ? std::vector<int>{*fx.pp} : divisors(m.world / std::max(1, tp))) {
+      if (tp < 1 || pp < 1 || m.world % (tp * pp) != 0) {
+        refuse(fmt::format("--tp ({}) x --pp ({}) must divide the world ({})", tp, pp, m.world));
+        continue;
+      }
       const int dp = m.world / (tp * pp);
       if (fx.dp && *fx.dp != dp) continue;
       for (const std::string& name : pp > 1 ? schedules : std::vector<std::string>{"1f1b"}) {

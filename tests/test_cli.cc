@@ -253,6 +253,34 @@ TEST_F(Cli, VocabularyPaddingTrainsTheUnpaddedModel) {
   EXPECT_FALSE(testing::contains(resumed.out, "padded to")) << resumed.out;
 }
 
+// --plan auto runs the planner's fastest layout; a layout flag given fixes
+// its dimension (here the toy's --micro-batch-size 2 leaves one plan on one
+// rank); its setup flags need it, and a layout flag no plan can honour is
+// refused naming it.
+TEST_F(Cli, PlanAutoRunsTheBestPlan) {
+  nlohmann::json nodes = nlohmann::json::array();
+  for (const char* name : {"embed", "h.0.a", "h.0.b", "h.1.a", "h.1.b", "lm_head"})
+    nodes.push_back({{"name", name}, {"f", 1e-3}, {"i", 1e-3}, {"w", 1e-3},
+                     {"param_bytes", 1e3}, {"activation_bytes", 1e3}, {"output_bytes", 1e3}});
+  const std::string costs = dir_ + "/costs.json";
+  write_file(costs, nlohmann::json{{"micro_batch_size", 2}, {"tp", 1}, {"nodes", nodes}}.dump());
+  Result r = run(toy("--plan auto --plan-costs " + costs + " --train-iters 1"));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "plan auto: (dp 1, pp 1, tp 1) mb 2, predicted step"))
+      << r.out;
+  EXPECT_TRUE(testing::contains(r.out, "the fastest of 1 plans")) << r.out;
+  EXPECT_TRUE(testing::contains(r.out, "micro-batch 2 x 2 = global 4")) << r.out;
+  expect_error(toy("--plan-costs " + costs), {"--plan-costs sets up the planner: it needs --plan auto"});
+  expect_error(toy("--plan auto"), {"--plan auto needs --plan-costs FILE"});
+  expect_error(toy("--plan best --plan-costs " + costs), {"--plan 'best' must be auto"});
+  expect_error(toy("--plan auto --pp 2 --plan-costs " + costs),
+               {"--plan auto: no layout of 1 ranks runs with --pp 2"});
+  expect_error(toy("--plan auto --num-layers-per-virtual-pipeline-stage 1 --plan-costs " + costs),
+               {"--num-layers-per-virtual-pipeline-stage contradicts --plan auto"});
+  expect_error(toy("--plan auto --plan-costs " + dir_ + "/none.json"),
+               {"--plan-costs " + dir_ + "/none.json: cannot open the file"});
+}
+
 // Numeric flags out of range are refused, one line each, never run with.
 TEST_F(Cli, NumericFlagsOutOfRange) {
   const std::pair<const char*, const char*> cases[] = {
