@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""The planner's predictions against measured runs, as a markdown report.
+
+bench/plan_validate.sh is the entry point. One calibration run (1F1B, pp 2,
+the model of bench/layouts.sh) gives the node costs (--profile), a message's
+cost and the compute scale, as bench/sched_report.py measures them. Then
+`weft-sched plan` predicts every 8-rank layout of bench/layouts.sh (the same
+model, micro-batch size and global batch, on this machine's cores), and each
+layout runs `--runs` times under mpiexec; a run's step is the median step
+after warm-up, a layout's the median of its runs. The report gives each
+layout's predicted and measured step, the error, both rankings and their
+Spearman correlation, and the 1-minute load average (/proc/loadavg) beside
+every run. Only python3's standard library is needed.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sched_report  # noqa: E402  (message_ms, compute_scale, spans, run)
+
+LAYOUTS = [(2, 2, 2), (1, 2, 4), (2, 4, 1), (4, 1, 2), (8, 1, 1), (1, 8, 1), (1, 1, 8)]
+SHAPE = {"num-layers": 8, "hidden-size": 128, "num-attention-heads": 8, "seq-length": 64,
+         "vocab-size": 256}
+MICRO_BATCH, GLOBAL = 2, 32
+
+
+def rows():
+    """(dp, pp, tp, schedule) as bench/layouts.sh runs them."""
+    for dp, pp, tp in LAYOUTS:
+        for schedule in ("1f1b", "zb-h1"):
+            if pp == 1 and schedule != "1f1b":
+                continue
+            yield dp, pp, tp, schedule if pp > 1 else "-"
+
+
+def model_flags(a):
+    flags = []
+    for k, v in SHAPE.items():
+        if k != "vocab-size":
+            flags += [f"--{k}", str(v)]
+    return flags + ["--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(GLOBAL),
+                    "--lr", "1e-3", "--data-path", a.data, "--comm-timeout", "120",
+                    "--threads", "1"]
+
+
+def train(a, ranks, extra, tag, log):
+    jsonl = os.path.join(a.work, f"{tag}.jsonl")
+    cmd = [os.path.join(a.build, "bench", "mpiexec"), "-n", str(ranks),
+           os.path.join(a.build, "train_gpt"), *model_flags(a), "--train-iters", str(a.iters),
+           "--log-interval", str(a.iters), "--log-jsonl", jsonl, *extra]
+    load = os.getloadavg()[0]
+    sched_report.run(cmd, log)
+    steps = [r["step_ms"] for r in map(json.loads, open(jsonl)) if "step" in r][a.warmup:]
+    return statistics.median(steps), load
+
+
+def ranks_of(values):
+    """1 for the smallest; ties share the mean rank."""
+    order = sorted(range(len(values)), key=lambda k: values[k])
+    r = [0.0] * len(values)
+    k = 0
+    while k < len(order):
+        j = k
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[k]]:
+            j += 1
+        for t in range(k, j + 1):
+            r[order[t]] = (k + j) / 2 + 1
+        k = j + 1
+    return r
+
+
+def spearman(x, y):
+    rx, ry = ranks_of(x), ranks_of(y)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    num = sum((p - mx) * (q - my) for p, q in zip(rx, ry))
+    den = (sum((p - mx) ** 2 for p in rx) * sum((q - my) ** 2 for q in ry)) ** 0.5
+    return num / den if den else 0.0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--build", default="build")
+    p.add_argument("--out", default="build/plan_validate")
+    p.add_argument("--work", required=True)
+    p.add_argument("--data", default="data/fortunes.txt")
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--bandwidth", type=float, default=5e9,
+                   help="bytes/s between ranks (train_gpt --check-links measured 4.7-7.2 GB/s "
+                        "here)")
+    p.add_argument("--cores", type=float, default=os.cpu_count())
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    log = os.path.join(a.work, "plan-log.txt")
+    started = time.time()
+
+    # Calibration: one traced, profiled run at pp 2.
+    costs = os.path.join(a.work, "plan-cal.costs.json")
+    trace = os.path.join(a.work, "plan-cal.trace.json")
+    cal_ms, cal_load = train(a, 2, ["--pp", "2", "--schedule", "1f1b", "--profile", costs,
+                                    "--trace", trace], "plan-cal", log)
+    events = sched_report.spans(trace, a.warmup + 1)
+    link_ms = sched_report.message_ms(events)
+    scale = sched_report.compute_scale(events, costs)
+    print(f"calibration: {cal_ms:.0f} ms a step at pp 2; a message {link_ms:.3f} ms; F/I/W "
+          f"{scale:.3f}x the profile", flush=True)
+
+    # Prediction: every plan at the bench's micro-batch size, no recompute or ZeRO-1.
+    cmd = [os.path.join(a.build, "weft-sched"), "plan", "--world-size", "8",
+           "--global-batch-size", str(GLOBAL), "--micro-batch-size", str(MICRO_BATCH),
+           "--profile", costs, "--link-latency", f"{link_ms / 1e3:.9f}", "--bandwidth",
+           str(a.bandwidth), "--cores", str(a.cores), "--compute-scale", f"{scale:.4f}",
+           "--json", "--top", "0"]
+    for k, v in SHAPE.items():
+        cmd += [f"--{k}", str(v)]
+    plans = json.loads(sched_report.run(cmd, log))
+    best = plans[0]
+    predicted = {}
+    for pl in plans:
+        if pl["recompute"] or pl["zero1"] or pl["chunks"] != 1:
+            continue
+        predicted[(pl["dp"], pl["pp"], pl["tp"], pl["schedule"])] = 1e3 * pl["step_time"]
+
+    # Measurement: rounds over every layout, so that drift spreads evenly.
+    table = list(rows())
+    measured = {r: [] for r in table}
+    loads = {r: [] for r in table}
+    for round_ in range(a.runs):
+        for r in table:
+            dp, pp, tp, schedule = r
+            extra = ["--tp", str(tp), "--pp", str(pp)]
+            if pp > 1:
+                extra += ["--schedule", schedule]
+            ms, load = train(a, 8, extra, f"plan-{dp}{pp}{tp}{schedule}-{round_}", log)
+            measured[r].append(ms)
+            loads[r].append(load)
+            print(f"round {round_ + 1}: ({dp}, {pp}, {tp}) {schedule}: {ms:.0f} ms (load {load:.1f})",
+                  flush=True)
+
+    pred = [predicted[r] for r in table]
+    meas = [statistics.median(measured[r]) for r in table]
+    errors = [(p_ - m_) / m_ for p_, m_ in zip(pred, meas)]
+    rp, rm = ranks_of(pred), ranks_of(meas)
+    rho = spearman(pred, meas)
+    all_loads = [x for r in table for x in loads[r]] + [cal_load]
+    out = [
+        "<!-- written by bench/plan_validate.sh: change the script, then run it again -->",
+        "# The planner against measured runs\n",
+        f"`bench/plan_validate.sh` on this machine ({os.cpu_count()} cores, fp32, one thread "
+        f"per rank): the model of `bench/layouts.sh` (8 layers, width 128, 8 heads, T = 64, "
+        f"vocabulary 256), micro-batches of {MICRO_BATCH}, global batch {GLOBAL}, 8 ranks. "
+        f"Each layout ran {a.runs} times ({a.iters} steps, the first {a.warmup} warm-up); a "
+        f"run's step is the median of its steps, a layout's the median of its runs (fastest "
+        f"and slowest run in brackets). The 1-minute load average read "
+        f"{min(all_loads):.1f}-{max(all_loads):.1f} at the runs' starts (2 cores: above 2 "
+        f"means others were computing too). The script took {(time.time() - started) / 60:.1f} "
+        f"minutes.\n",
+        f"**Predicted** by `weft-sched plan --profile` from one calibration run (1F1B, pp 2, "
+        f"{cal_ms:.0f} ms a step) and nothing else: its node costs, a message of "
+        f"{link_ms:.3f} ms, F/I/W at {scale:.3f}x the profile, links of "
+        f"{a.bandwidth / 1e9:g} GB/s, {a.cores:g} shared cores. No measured row below was "
+        f"used to calibrate.\n",
+        "| layout (dp, pp, tp) | schedule | predicted ms | measured ms | error | predicted rank "
+        "| measured rank | load |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for k, r in enumerate(table):
+        dp, pp, tp, schedule = r
+        lo, hi = min(measured[r]), max(measured[r])
+        out.append(f"| ({dp}, {pp}, {tp}) | {schedule} | {pred[k]:.0f} | {meas[k]:.0f} "
+                   f"({lo:.0f}-{hi:.0f}) | {100 * errors[k]:+.1f}% | {rp[k]:g} | {rm[k]:g} | "
+                   f"{', '.join(f'{x:.1f}' for x in loads[r])} |")
+    within = sum(abs(e) <= 0.15 for e in errors)
+    summary = (f"Spearman {rho:.2f} between the predicted and measured rankings; step error mean "
+               f"|{100 * statistics.mean(abs(e) for e in errors):.1f}%|, worst "
+               f"{100 * max(abs(e) for e in errors):.1f}%, {within} of {len(errors)} layouts "
+               f"within 15%.")
+    out += ["", summary + "\n",
+            f"The planner's own choice over every layout, schedule, chunk count, micro-batch "
+            f"size, recompute and ZeRO-1 for this job: {' '.join(best['flags'])} (predicted "
+            f"{1e3 * best['step_time']:.0f} ms).\n"]
+    text = "\n".join(out)
+    with open(os.path.join(a.out, "plan_validate.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

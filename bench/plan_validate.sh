@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The simulator and the planner, validated out of sample on this machine, in
+# one script:
+#   1. the timed simulator (bench/sched_report.py): calibrated on one run
+#      (1F1B, pp 2, 4 micro-batches), it predicts every schedule at pp 2 and
+#      pp 4 with 4 and 8 micro-batches, sharing this machine's cores among
+#      the ranks that compute at once; writes schedules.md and its timelines;
+#   2. the planner (bench/plan_report.py): calibrated on one run at pp 2, it
+#      predicts every 8-rank layout of bench/layouts.sh; each runs 3 times;
+#      writes plan_validate.md with the errors and the Spearman correlation of
+#      the rankings.
+# It prints both tables, and the load average beside the runs.
+#
+#   bench/plan_validate.sh [build-dir] [--out DIR]   (default: build, and
+#                                                     build-dir/plan_validate)
+#
+# The tracked pages in docs/ (schedules.md, its SVGs, plan_validate.md) are
+# updated only on purpose: --out docs. About 12 minutes on 2 idle cores;
+# timings are only worth reading on an otherwise idle machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=build
+out=
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --out) out=${2:?--out needs a directory}; shift 2 ;;
+    --out=*) out=${1#--out=}; shift ;;
+    *) build=$1; shift ;;
+  esac
+done
+out=${out:-$build/plan_validate}
+for exe in train_gpt weft-sched bench/mpiexec; do
+  if [[ ! -x "$build/$exe" ]]; then
+    echo "plan_validate.sh: $build/$exe not found; build first:" \
+      "meson setup $build && ninja -C $build" >&2
+    exit 1
+  fi
+done
+if [[ ! -s data/fortunes.txt ]]; then
+  echo "plan_validate.sh: data/fortunes.txt not found: scripts/sample.sh makes it" >&2
+  exit 1
+fi
+mkdir -p "$out"
+work=$(mktemp -d /tmp/weft-plan-validate.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE MPIEXEC_TIMEOUT=600
+echo "load average at the start: $(cat /proc/loadavg)"
+python3 bench/sched_report.py --build "$build" --docs "$out" --work "$work" \
+  --pp2 4,8 --pp4 4,8 --max-wait 5 --retries 0
+echo "wrote $out/schedules.md"
+grep -E '^pp [0-9]: mean' "$out/schedules.md" || true
+python3 bench/plan_report.py --build "$build" --out "$out" --work "$work"
+echo "wrote $out/plan_validate.md"
+echo "load average at the end: $(cat /proc/loadavg)"
