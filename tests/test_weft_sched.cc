@@ -47,6 +47,33 @@ TEST(WeftSched, SimulateJsonGivesTheClosedForm) {
   EXPECT_EQ(j["peak_activations"], nlohmann::json({4, 3, 2, 1}));
 }
 
+// plan: the ranked table from FLOPs, fixed dimensions, and one error line
+// without costs.
+TEST(WeftSched, PlanPrintsTheRankedTable) {
+  const std::string shape =
+      "plan --num-layers 8 --hidden-size 128 --num-attention-heads 8 --seq-length 64 "
+      "--vocab-size 256 --global-batch-size 32 --world-size 8 ";
+  Out o = run(shape + "--flops 1e10 --link-latency 1e-4 --bandwidth 5e9 --top 3");
+  ASSERT_EQ(o.code, 0) << o.err;
+  EXPECT_NE(o.out.find("step ms"), std::string::npos) << o.out;
+  EXPECT_NE(o.out.find("(3 shown)"), std::string::npos) << o.out;
+  o = run(shape + "--flops 1e10 --tp 2 --pp 2 --schedule zb-h1 --json");
+  ASSERT_EQ(o.code, 0) << o.err;
+  const auto plans = nlohmann::json::parse(o.out);
+  ASSERT_FALSE(plans.empty());
+  for (const auto& p : plans) {
+    EXPECT_EQ(p["tp"], 2);
+    EXPECT_EQ(p["pp"], 2);
+    EXPECT_EQ(p["schedule"], "zb-h1");
+  }
+  o = run(shape);
+  EXPECT_EQ(o.code, 1);
+  EXPECT_NE(o.err.find("plan needs costs: --profile FILE"), std::string::npos) << o.err;
+  o = run(shape + "--flops 1e10 --memory 1KiB");
+  EXPECT_EQ(o.code, 1);
+  EXPECT_NE(o.err.find("no plan fits"), std::string::npos) << o.err;
+}
+
 TEST(WeftSched, CompareListsEverySchedule) {
   Out o = run("compare --pp 4 --micro-batches 8");
   ASSERT_EQ(o.code, 0) << o.err;
