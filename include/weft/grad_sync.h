@@ -158,6 +158,7 @@ class GradSync {
   struct Bucket;
   void launch(Bucket& b);
   void post(Bucket& b);  // posts the bucket's reduction (its first, with PowerSGD)
+  void complete();       // PowerSGD's second round, then waits for and unpacks every bucket
   void launch_ready();
   void poll();
   // Posts a reduction of `t` (all-reduce, or reduce-scatter into `out`) and counts its bytes.

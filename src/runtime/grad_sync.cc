@@ -290,6 +290,12 @@ double GradSync::reduce_written(bool compress) {
     post(*b);
     b->launched = true;
   }
+  complete();
+  compressing_ = false;
+  return stats_.bytes_sent;
+}
+
+void GradSync::complete() {
   if (compressing_) launch_second_round();
   for (auto& b : buckets_) {
     if (b->request) {
@@ -298,8 +304,6 @@ double GradSync::reduce_written(bool compress) {
     }
     unpack(*b);
   }
-  compressing_ = false;
-  return stats_.bytes_sent;
 }
 
 // Buckets start in bucket order on every replica, so collectives match.
@@ -333,16 +337,7 @@ void GradSync::finish() {
   in_finish_ = true;
   const auto t0 = Clock::now();
   while (next_launch_ < buckets_.size()) launch(*buckets_[next_launch_++]);
-  if (groups_.dp_size() > 1 && reduce_) {
-    if (compressing_) launch_second_round();
-    for (auto& b : buckets_) {
-      if (b->request) {
-        b->request->wait();
-        b->request.reset();
-      }
-      unpack(*b);
-    }
-  }
+  if (groups_.dp_size() > 1 && reduce_) complete();
   const auto t1 = Clock::now();
   in_finish_ = false;
   stats_.wait_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
