@@ -169,6 +169,7 @@ class PsServer {
   std::vector<Param*> all_;   // the model's tensors
   std::vector<Param*> mine_;  // this server's tensors, in model order
   std::vector<Tensor> sum_;   // S = 0: a worker's gradients before they join the sum
+  std::vector<Tensor> grads_;  // mine_'s gradients, where a step's sum or update is assembled
   std::unique_ptr<Optimizer> optimizer_;
   std::vector<std::unique_ptr<Worker>> worker_;  // per worker
   std::vector<int64_t> pushed_;                // per worker: steps pushed

@@ -284,6 +284,7 @@ PsServer::PsServer(Communicator& world, Communicator& servers, std::vector<Param
     if (!p->grad.defined() || p->grad.numel() != p->value.numel())
       p->grad = Tensor::zeros(p->value.shape());
     sum_.push_back(Tensor::zeros(p->value.shape()));
+    grads_.push_back(p->grad);
   }
   if (config_.optimizer == OptimizerKind::Sgd)
     optimizer_ = std::make_unique<Sgd>(mine_, config_.sgd);
@@ -435,15 +436,13 @@ void PsServer::round(int64_t step) {
   double loss = 0;
   for (int w = 0; w < workers_; ++w)
     loss += push_field(worker_[static_cast<size_t>(w)]->members.front()->push, 0);
-  std::vector<Tensor> grads;
-  for (Param* p : mine_) grads.push_back(p->grad);
-  assemble(0, grads);
+  assemble(0, grads_);
   for (int w = 1; w < workers_; ++w) {
     assemble(w, sum_);
-    for (size_t t = 0; t < mine_.size(); ++t) ops::add(grads[t], sum_[t]);
+    for (size_t t = 0; t < mine_.size(); ++t) ops::add(grads_[t], sum_[t]);
   }
   double local = 0;
-  for (const Tensor& g : grads) local += ops::sum_squares(g);
+  for (const Tensor& g : grads_) local += ops::sum_squares(g);
   norm_.data<float>()[0] = static_cast<float>(local);
   servers_.all_reduce(norm_, ReduceOp::Sum);
   const double grad_norm = std::sqrt(static_cast<double>(norm_.data<float>()[0]));
@@ -468,9 +467,7 @@ void PsServer::apply(int w) {
   const int64_t step = first.header.data<int32_t>()[0], read = first.header.data<int32_t>()[1];
   const double n = static_cast<double>(workers_);
   const double norm = n * std::sqrt(std::max(0.0, static_cast<double>(push_field(first.push, 1))));
-  std::vector<Tensor> grads;
-  for (Param* p : mine_) grads.push_back(p->grad);
-  assemble(w, grads);
+  assemble(w, grads_);
   clip_grads(mine_, config_.clip_grad / n, norm / n);
   const float lr = config_.lr.at(step);
   optimizer_->step(config_.optimizer == OptimizerKind::Adam ? lr / static_cast<float>(n) : lr);
