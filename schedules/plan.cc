@@ -32,14 +32,34 @@ void add(PartCosts& to, const PartCosts& p, double k = 1) {
   to.w += k * p.w;
   to.param_bytes += k * p.param_bytes;
   to.stash_bytes += k * p.stash_bytes;
+  to.rf += k * p.rf;
+  to.ri += k * p.ri;
+  to.rw += k * p.rw;
 }
 
-// A ring all-reduce of `bytes` over n ranks: 2 (n - 1) steps, each a message
-// of bytes / n.
-double all_reduce(const Link& link, double bytes, int n) {
+// Whether every tensor-parallel rank runs a node whole: a block's norms and
+// residual adds (their inputs are the full activations every rank holds),
+// and the embedding (each rank looks up every token in its vocabulary slice
+// and writes the whole output). The rest (the QKV, projection and MLP
+// GEMMs, attention over a rank's heads, the activation between the MLP's
+// GEMMs, the vocabulary-parallel head and loss) computes a 1/tp share.
+bool replicated_in_tp(const std::string& name) {
+  const size_t dot = name.rfind('.');
+  const std::string last = dot == std::string::npos ? name : name.substr(dot + 1);
+  return last.rfind("ln", 0) == 0 || last.rfind("res", 0) == 0 ||
+         last.find("norm") != std::string::npos || last == "embed" || last == "embedding_skip";
+}
+
+// An all-reduce of `bytes` over n ranks, as MPI and NCCL run them: 2
+// ceil(log2 n) rounds (reduce-scatter by recursive halving, then all-gather
+// by recursive doubling, what MPICH runs above 2 KiB; a tree's depth), each
+// a message's latency plus a wake (every round waits on a peer), and the
+// bandwidth term of those algorithms and of a ring, 2 (n - 1) / n of the
+// bytes through each rank's link.
+double all_reduce(const Link& link, double bytes, int n, double wake) {
   if (n <= 1) return 0;
-  const double steps = 2.0 * (n - 1);
-  return steps * link.time(bytes / n);
+  const double rounds = 2.0 * std::ceil(std::log2(static_cast<double>(n)));
+  return rounds * (link.latency + wake) + 2.0 * (n - 1) / n * bytes / link.bandwidth;
 }
 
 std::vector<int> divisors(int n) {
@@ -82,6 +102,7 @@ LayerCosts profile_costs(const nlohmann::json& p, const std::string& path) {
     PartCosts c{num(n, "f", path, what.c_str()), num(n, "i", path, what.c_str()),
                 num(n, "w", path, what.c_str()), num(n, "param_bytes", path, what.c_str()),
                 num(n, "activation_bytes", path, what.c_str())};
+    if (replicated_in_tp(name)) c.rf = c.f, c.ri = c.i, c.rw = c.w;
     int block = -1;
     if (name.rfind("h.", 0) == 0) block = std::atoi(name.c_str() + 2);
     if (block >= 0) {
@@ -230,7 +251,17 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
   std::vector<int64_t> layers(static_cast<size_t>(stages), shape.layers / stages);
   for (int64_t k = 0; k < shape.layers % stages; ++k) ++layers[static_cast<size_t>(k)];
   const double act = c.boundary_bytes * mb;  // a micro-batch's activations at a boundary
-  const double tp_f = 2 * all_reduce(tp_link, act, l.tp);  // per layer, in F and in I
+  // Tensor parallelism's all-reduces of the activations (or their
+  // gradients), each `act` bytes: per block two in F (after the attention's
+  // and the MLP's row-parallel projections) and two in I (into the
+  // column-parallel QKV and first MLP GEMM); the embedding's sum over the
+  // vocabulary slices in F; the vocabulary-parallel loss's row maxima and
+  // sums (2 N floats together, small) in F, and the final norm's gradient
+  // into the column-parallel head in I.
+  const double tp_ar = all_reduce(tp_link, act, l.tp, m.wake);
+  const double tp_small =
+      all_reduce(tp_link, act / std::max<double>(1, static_cast<double>(shape.hidden)), l.tp,
+                 m.wake);
   sched::SimCost cost;
   std::vector<sched::StageBytes> bytes(static_cast<size_t>(stages));
   std::vector<double> stage_params(static_cast<size_t>(stages));
@@ -241,13 +272,22 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
     if (st == 0) add(p, c.pre);
     if (st == stages - 1) add(p, c.post);
     const double n = static_cast<double>(layers[k]);
-    const double scale = c.compute_scale * mb / tp;
-    double f = p.f * scale + n * tp_f, i = p.i * scale + n * tp_f;
-    const double w = p.w * scale;
-    if (l.recompute) i += f;  // the forward again, before the input gradient
+    const double scale = c.compute_scale * mb;
+    // A 1/tp share of the split work, all of the replicated work.
+    double f = ((p.f - p.rf) / tp + p.rf) * scale, i = ((p.i - p.ri) / tp + p.ri) * scale;
+    const double w = ((p.w - p.rw) / tp + p.rw) * scale;
+    // The collectives wait on the other tensor-parallel ranks: no core.
+    double f_wait = 0, i_wait = 0;
+    if (l.tp > 1) {
+      f_wait = 2 * n * tp_ar + (st == 0 ? tp_ar : 0) + (st == stages - 1 ? 2 * tp_small : 0);
+      i_wait = 2 * n * tp_ar + (st == stages - 1 ? tp_ar : 0);
+    }
+    if (l.recompute) i += f, i_wait += f_wait;  // the forward again, before the input gradient
     cost.f.push_back(f);
     cost.i.push_back(i);
     cost.w.push_back(w);
+    cost.f_wait.push_back(f_wait);
+    cost.i_wait.push_back(i_wait);
     cost.activation_bytes.push_back(act);
     stage_params[k] = p.param_bytes / tp;
     cost.update.push_back(c.update_per_param_byte * stage_params[k] / (l.zero1 ? l.dp : 1));
@@ -270,6 +310,7 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
   cost.memory = bytes;
   cost.recompute = l.recompute;
   cost.cores = m.cores;
+  cost.wake = m.wake;
   cost.processes_per_rank = l.dp * l.tp;
   const sched::SimResult r = sched::simulate(s, cost);
 
@@ -288,7 +329,7 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
     rank_params[static_cast<size_t>(s.stage_rank[static_cast<size_t>(st)])] +=
         stage_params[static_cast<size_t>(st)];
   most_params = *std::max_element(rank_params.begin(), rank_params.end());
-  out.dp_time = all_reduce(dp_link, most_params, l.dp);
+  out.dp_time = all_reduce(dp_link, most_params, l.dp, m.wake);
   out.step_time = out.pipeline_time + out.dp_time + out.update_time;
   // Memory: weights and gradients, and AdamW's two moments (1/dp with ZeRO-1).
   out.activation_bytes = *std::max_element(r.peak_activation_bytes.begin(),
@@ -298,7 +339,7 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
   // tp's all-reduces (2 (tp - 1) / tp of the tensor per rank), dp's.
   const double pp_bytes =
       std::accumulate(r.bytes_sent.begin(), r.bytes_sent.end(), 0.0) * l.tp * l.dp;
-  const double tp_bytes = l.tp > 1 ? static_cast<double>(shape.layers) * 4 * 2.0 * (tp - 1) *
+  const double tp_bytes = l.tp > 1 ? (4 * static_cast<double>(shape.layers) + 2) * 2.0 * (tp - 1) *
                                          act * static_cast<double>(mbs) * l.dp
                                    : 0;
   double params_all = std::accumulate(stage_params.begin(), stage_params.end(), 0.0) * tp;

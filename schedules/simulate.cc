@@ -54,10 +54,13 @@ void check_costs(const Schedule& s, const SimCost& c) {
       {"w", &c.w},
       {"activation_bytes", &c.activation_bytes},
       {"stash_bytes", &c.stash_bytes},
-      {"update", &c.update}};
+      {"update", &c.update},
+      {"f_wait", &c.f_wait},
+      {"i_wait", &c.i_wait}};
   for (const auto& [name, v] : per_stage) {
-    const bool optional =
-        (v == &c.activation_bytes || v == &c.stash_bytes || v == &c.update) && v->empty();
+    const bool optional = (v == &c.activation_bytes || v == &c.stash_bytes || v == &c.update ||
+                           v == &c.f_wait || v == &c.i_wait) &&
+                          v->empty();
     check(optional || v->size() == n, "simulate: cost {} has {} entries, not one per stage ({})",
           name, v->size(), n);
     for (size_t st = 0; st < v->size(); ++st)
@@ -71,6 +74,8 @@ void check_costs(const Schedule& s, const SimCost& c) {
         "simulate: cores ({}) must be finite and not negative (0: a core per process)", c.cores);
   check(c.processes_per_rank >= 1, "simulate: processes_per_rank ({}) must be at least 1",
         c.processes_per_rank);
+  check(c.wake >= 0 && std::isfinite(c.wake),
+        "simulate: wake ({}) must be finite and not negative", c.wake);
   check(c.memory.empty() || c.memory.size() == n,
         "simulate: cost memory has {} entries, not one per stage ({})", c.memory.size(), n);
 }
@@ -152,6 +157,19 @@ class Simulator {
     }
   }
 
+  // Of an action's time, what it spends waiting on other ranks inside it
+  // (tensor-parallel collectives): it takes no core.
+  double waiting(const Action& a) const {
+    const size_t st = static_cast<size_t>(a.stage);
+    auto at = [st](const std::vector<double>& v) { return v.empty() ? 0.0 : v[st]; };
+    switch (a.kind) {
+      case ActionKind::F: return at(c_.f_wait);
+      case ActionKind::I:
+      case ActionKind::B: return at(c_.i_wait);
+      default: return 0;
+    }
+  }
+
   // Raises `start` to when the input at (`stage`, mb) in `done` is usable on
   // `rank`, crossing `b`; false while it is not produced yet.
   bool need(const std::vector<double>& done, int stage, int mb, int rank, int b, double& start) {
@@ -205,7 +223,7 @@ class Simulator {
     m.to_rank = rank;
     m.to_index = static_cast<int>(next_[static_cast<size_t>(rank)]);
     r_.messages.push_back(m);
-    record(rank, start, std::max(start, m.arrives));
+    record(rank, start, m.arrives > start ? m.arrives + c_.wake : start);
     return true;
   }
 
@@ -230,8 +248,9 @@ class Simulator {
       return true;
     }
     if (!compute_ready(rank, a, start)) return false;
-    record(rank, start, start + duration(a));
-    finish_compute(rank, a, start + duration(a));
+    const double end = start + duration(a) + waiting(a);
+    record(rank, start, end);
+    finish_compute(rank, a, end);
     return true;
   }
 
@@ -242,16 +261,23 @@ class Simulator {
   // finish.
   SimResult run_shared() {
     const size_t n = s_.actions.size();
-    std::vector<double> pending(n, kNotDone), remaining(n, 0), began(n, 0);
+    // tail: when a rank whose compute is done ends the wait inside it.
+    std::vector<double> pending(n, kNotDone), remaining(n, 0), began(n, 0), tail(n, kNotDone);
     std::vector<bool> active(n, false);
     const double group = std::max(1, c_.processes_per_rank);
     double now = 0;
     for (;;) {
+      for (size_t r = 0; r < n; ++r)
+        if (tail[r] != kNotDone && tail[r] <= now) {
+          end_compute(static_cast<int>(r), began[r], tail[r]);
+          tail[r] = kNotDone;
+        }
       // Each idle rank up to its next compute (or a wait on a missing input).
       for (bool moved = true; moved;) {
         moved = false;
         for (size_t r = 0; r < n; ++r)
-          while (!active[r] && pending[r] == kNotDone && next_[r] < s_.actions[r].size()) {
+          while (!active[r] && pending[r] == kNotDone && tail[r] == kNotDone &&
+                 next_[r] < s_.actions[r].size()) {
             const Action& a = s_.actions[r][next_[r]];
             if (is_compute(a.kind)) {
               double start = free_[r];
@@ -269,11 +295,14 @@ class Simulator {
       for (size_t r = 0; r < n; ++r)
         if (pending[r] != kNotDone && pending[r] <= now) {
           pending[r] = kNotDone;
-          const double work = duration(s_.actions[r][next_[r]]);
+          const Action& a = s_.actions[r][next_[r]];
+          const double work = duration(a);
+          began[r] = now;
           if (work > 0) {
             active[r] = true;
             remaining[r] = work;
-            began[r] = now;
+          } else if (waiting(a) > 0) {
+            tail[r] = now + waiting(a);
           } else {
             end_compute(static_cast<int>(r), now, now);
             ended_now = true;
@@ -286,6 +315,7 @@ class Simulator {
       for (size_t r = 0; r < n; ++r) {
         if (active[r]) next = std::min(next, now + remaining[r] / rate);
         if (pending[r] != kNotDone) next = std::min(next, pending[r]);
+        if (tail[r] != kNotDone) next = std::min(next, tail[r]);
       }
       if (!std::isfinite(next)) break;  // nothing runs or waits on time: done, or stuck
       for (size_t r = 0; r < n; ++r) {
@@ -294,7 +324,11 @@ class Simulator {
         remaining[r] -= (next - now) * rate;
         if (ends) {
           active[r] = false;
-          end_compute(static_cast<int>(r), began[r], next);
+          const double wait = waiting(s_.actions[r][next_[r]]);
+          if (wait > 0)
+            tail[r] = next + wait;
+          else
+            end_compute(static_cast<int>(r), began[r], next);
         }
       }
       now = next;

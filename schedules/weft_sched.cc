@@ -80,6 +80,7 @@ struct Costs {
   // --cores: unset means the machine's with --costs (profiled here), else
   // a core per rank; 0 is a core per rank.
   std::optional<double> cores;
+  double wake = 0;  // --wake
 };
 
 // A --costs file: per-stage costs of one micro-batch, as train_gpt --profile
@@ -135,6 +136,10 @@ void add_cost_options(CLI::App* cmd, Costs& c) {
                   "cores the ranks share: while n ranks compute at once each runs at "
                   "min(1, cores / n) of its profiled speed (default: this machine's with --costs, "
                   "else 0; 0 = a core per rank)");
+  cmd->add_option("--wake", c.wake,
+                  "time a rank that waited for a message takes to run again once it arrives "
+                  "(ms with --costs; measured at the same ranks per core, see "
+                  "bench/sched_report.py)");
 }
 
 // The --cores a simulation runs with: the flag, or the machine's for costs
@@ -322,6 +327,9 @@ SimResult time_schedule(const Schedule& s, const Costs& c, const std::optional<S
   cost.link_latency = c.comm;
   cost.bandwidth = c.bandwidth;
   cost.cores = cores_of(c, p.has_value());
+  weft::check(c.wake >= 0 && std::isfinite(c.wake), "--wake ({}) must be a time, at least 0",
+              c.wake);
+  cost.wake = c.wake;
   for (std::vector<double>* v : {&cost.f, &cost.i, &cost.w})
     for (double& t : *v) t *= c.compute_scale;
   return simulate(s, cost);
@@ -565,6 +573,10 @@ void add_plan_options(CLI::App* cmd, PlanRequest& q) {
   cmd->add_option("--cores", q.cores,
                   "cores the ranks share (default: this machine's with --profile, else 0 = one "
                   "per rank)");
+  cmd->add_option("--wake", q.in.machine.wake,
+                  "seconds a rank that waited takes to run again once its message is there: "
+                  "after a pipeline receive that waited and each round of an all-reduce "
+                  "(where ranks outnumber cores; default 0)");
   CLI::Option* profile = cmd->add_option(
       "--profile", q.profile, "node costs that train_gpt --profile FILE measured on this machine");
   CLI::Option* flops = cmd->add_option(
@@ -599,6 +611,8 @@ int plan_command(PlanRequest q) {
   Costs c;
   c.cores = q.cores;
   m.cores = cores_of(c, !q.profile.empty());
+  weft::check(m.wake >= 0 && std::isfinite(m.wake), "--wake ({}) must be seconds, at least 0",
+              m.wake);
   q.in.costs = q.profile.empty() ? flops_costs(q.in.shape, q.flops, q.memory_bandwidth)
                                  : profile_costs(parse_json(q.profile, "--profile"), q.profile);
   q.in.costs.compute_scale = q.compute_scale;

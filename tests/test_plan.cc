@@ -142,7 +142,8 @@ TEST(Plan, MemoryIsStateAndTheSchedulesActivations) {
 // Where the answer is known: free compute sharing and no bubble make pure
 // data parallelism the fastest, ZeRO-1 shortens its update, and all
 // micro-batch sizes tie on time (the least memory wins). Its step is the
-// replica's work, one ring all-reduce of the gradients and a dp-th of the
+// replica's work, one all-reduce of the gradients (2 log2 4 rounds of
+// latency, 2 (4 - 1) / 4 of the bytes through each link) and a dp-th of the
 // update.
 TEST(Plan, RanksTheKnownBestFirst) {
   const PlanInput in = synthetic(4, 16);
@@ -152,7 +153,7 @@ TEST(Plan, RanksTheKnownBestFirst) {
   EXPECT_EQ(best.layout.describe(), "(dp 4, pp 1, tp 1) mb 1 zero-1");
   const double params = 8 * 1e6 + 2e5 + 1e3;
   const double work = 4 * (8 * 2.5 + 0.2 + 0.9);  // 4 sequences per replica
-  const double ring = 2 * 3 * (1e-3 + params / 4 / 1e9);
+  const double ring = 2 * 2 * 1e-3 + 2.0 * 3 / 4 * params / 1e9;
   const double update = 1e-8 * params / 4;
   EXPECT_NEAR(best.step_time, work + ring + update, 1e-9 * best.step_time);
   EXPECT_DOUBLE_EQ(best.bubble, 0);
@@ -168,6 +169,31 @@ TEST(Plan, SharedCoresSlowEveryProcess) {
   const double work = 2 * (8 * 2.5 + 0.2 + 0.9);
   EXPECT_NEAR(p.pipeline_time, 4 * work, 1e-9 * work);
   EXPECT_NEAR(p.update_time, 4 * 1e-8 * params, 1e-12);
+}
+
+// Tensor parallelism in closed form: each rank computes a tp-th of the
+// split work and all of the replicated work, and every all-reduce of the
+// activations (4 per block, 1 for the embedding, 1 into the head, 2 small
+// ones in the loss) waits for the other ranks. The waits take no core: on
+// one shared core, 2 ranks' compute takes twice as long, the waits do not.
+TEST(Plan, TensorParallelSplitsWorkNotNormsAndWaitsOnItsAllReduces) {
+  PlanInput in = synthetic(2, 1, 0);
+  in.costs.layer.rf = 0.25;  // of the block's F = 1.0, I = 1.0 and W = 0.5
+  in.costs.layer.ri = 0.25;
+  in.machine.intra = {1e-3, 1e9};
+  in.machine.wake = 2e-3;
+  const double act = 32768;            // boundary bytes of one sequence
+  // 2 log2(2) rounds, each a latency and a wake; (2 - 1) / 2 x 2 of the bytes.
+  const double ar = 2 * (1e-3 + 2e-3) + act / 1e9;
+  const double small = 2 * (1e-3 + 2e-3) + act / 128 / 1e9;
+  const Plan p = evaluate(in, {1, 1, 2, "1f1b", 1, 1, false, false});
+  const double compute = 8 * ((1.0 - 0.25) / 2 + 0.25) * 2 + 8 * 0.5 / 2 +
+                         (0.1 + 0.1) / 2 + (0.3 + 0.3 + 0.3) / 2;
+  const double waits = (2 * 8 + 1) * ar + 2 * small + (2 * 8 + 1) * ar;
+  EXPECT_NEAR(p.pipeline_time, compute + waits, 1e-9 * p.pipeline_time);
+  in.machine.cores = 1;
+  const Plan shared = evaluate(in, {1, 1, 2, "1f1b", 1, 1, false, false});
+  EXPECT_NEAR(shared.pipeline_time, 2 * compute + waits, 1e-9 * shared.pipeline_time);
 }
 
 // With too little memory for a whole replica, only plans that split the
@@ -218,6 +244,19 @@ TEST(Plan, ProfileCostsAreNodesPerSequence) {
   EXPECT_DOUBLE_EQ(c.boundary_bytes, 4);
   EXPECT_DOUBLE_EQ(c.update_per_param_byte, 0.142 / 142);
   EXPECT_DOUBLE_EQ(c.input_grad_ratio, 0.5);
+  // What every tensor-parallel rank runs whole: the embedding and the final
+  // norm here, no block node (h.N.a and h.N.b name no norm or residual).
+  EXPECT_DOUBLE_EQ(c.layer.rf, 0);
+  EXPECT_DOUBLE_EQ(c.pre.rf, 0.1);
+  EXPECT_DOUBLE_EQ(c.pre.rw, 0.3);
+  EXPECT_DOUBLE_EQ(c.post.rf, 0.2);
+  EXPECT_DOUBLE_EQ(c.post.ri, 0.4);
+  p["nodes"][1]["name"] = "h.0.ln_1";
+  p["nodes"][2]["name"] = "h.0.res_1";
+  p["nodes"][3]["name"] = "h.1.input_norm";
+  const LayerCosts named = profile_costs(p, "p.json");
+  EXPECT_DOUBLE_EQ(named.layer.rf, (1 + 1 + 3) / 2.0 / 2);
+  EXPECT_DOUBLE_EQ(named.layer.rw, 3 * named.layer.rf);
   p.erase("micro_batch_size");
   EXPECT_TRUE(contains(error_message([&] { profile_costs(p, "p.json"); }),
                        "--profile p.json: no \"micro_batch_size\""));

@@ -137,6 +137,21 @@ TEST(Simulate, GpipePaysTheLinkOncePerHopEachWay) {
           << "p=" << p << " c=" << c;
 }
 
+// A receive that finds its message not there yet ends a wake after it
+// arrives. In GPipe only the first message of each hop, each way, is waited
+// for (the rank behind then lags by the wake, so the rest are there in
+// time): the link's formula with the wake for the link.
+TEST(Simulate, AReceiveThatWaitedCostsAWake) {
+  for (int p : {2, 4})
+    for (double wake : {0.25, 2.0}) {
+      const Schedule s = lower(gpipe(p, 6));
+      SimCost c = uniform_cost(s, 1, 1, 1);
+      c.wake = wake;
+      EXPECT_DOUBLE_EQ(simulate(s, c).step_time, 3.0 * (6 + p - 1) + 2 * (p - 1) * wake)
+          << "p=" << p << " wake=" << wake;
+    }
+}
+
 TEST(Simulate, BytesAndBandwidth) {
   const Schedule s = lower(one_f_one_b(4, 8));
   SimCost c = uniform_cost(s, 1, 1, 1, 0, 3);
@@ -303,6 +318,23 @@ TEST(SharedCores, TwoRanksOnOneCoreSplitIt) {
   EXPECT_DOUBLE_EQ(r.times[0][1].end, 3);  // 0F1 shared with 1F0
   EXPECT_DOUBLE_EQ(r.times[1][0].end, 3);  // 1F0
   EXPECT_DOUBLE_EQ(r.pipeline_time, 2 * 2 * 3);
+}
+
+// The wait inside an action (a tensor-parallel collective) takes no core:
+// one rank of 2 processes on 1 core, F = 1 + a wait of 0.5, B = I + W = 2
+// + a wait of 0.5. Computing, the 2 processes share the core (half speed);
+// waiting, they do not slow down.
+TEST(SharedCores, WaitsInsideAnActionTakeNoCore) {
+  const Schedule s = gpipe(1, 2);
+  SimCost c = uniform_cost(s, 1, 1, 1);
+  c.f_wait = {0.5};
+  c.i_wait = {0.5};
+  EXPECT_DOUBLE_EQ(simulate(s, c).pipeline_time, 2 * 1.5 + 2 * 2.5);
+  c.cores = 1;
+  c.processes_per_rank = 2;
+  EXPECT_DOUBLE_EQ(simulate(s, c).pipeline_time, 2 * (2 + 0.5) + 2 * (4 + 0.5));
+  c.f_wait = {-1};
+  EXPECT_TRUE(contains(error_message([&] { simulate(s, c); }), "f_wait[0] = -1"));
 }
 
 TEST(Simulate, ErrorsNameTheValueAndTheRule) {

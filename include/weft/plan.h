@@ -55,6 +55,9 @@ struct PartCosts {
   double f = 0, i = 0, w = 0;
   double param_bytes = 0;
   double stash_bytes = 0;  // activations F keeps until I and W are done
+  // Of f, i and w: what every tensor-parallel rank computes whole rather
+  // than a 1/tp share of (norms, residual adds, the embedding's lookup).
+  double rf = 0, ri = 0, rw = 0;
 };
 struct LayerCosts {
   PartCosts layer;        // one transformer block (the mean over the profiled blocks)
@@ -94,6 +97,10 @@ struct Machine {
   Link inter;            // between nodes (defaults to intra when nodes are one)
   int ranks_per_node = 0;  // 0: all ranks on one node
   double cores = 0;      // shared cores (0: one per rank), SimCost::cores
+  // Seconds a rank that waited takes to run again (SimCost::wake): after
+  // every pipeline receive that waited, and after every round of an
+  // all-reduce (tensor- and data-parallel).
+  double wake = 0;
 };
 
 // One candidate layout. recompute and zero1 as train_gpt's --recompute and

@@ -27,6 +27,10 @@ struct SimCost {
   // Per stage (size stages()): forward, input-gradient and weight-gradient
   // time. A full backward B costs I + W.
   std::vector<double> f, i, w;
+  // Per stage, optional: of F's and I's (and B's) time, what is spent
+  // waiting inside the action for other ranks (tensor-parallel collectives),
+  // which takes no core when ranks share cores. Added to f and i. Empty: 0.
+  std::vector<double> f_wait, i_wait;
   // A message takes link_latency + bytes / bandwidth to arrive.
   double link_latency = 0;
   double bandwidth = std::numeric_limits<double>::infinity();  // bytes per time unit
@@ -60,6 +64,13 @@ struct SimCost {
   // Waiting and messages take no core.
   double cores = 0;
   int processes_per_rank = 1;
+  // Time a rank that waited for a message takes to run again once it has
+  // arrived: a waiting process polls, yields and sleeps, and while processes
+  // outnumber cores it then waits for its turn. Added to every receive that
+  // found its message not yet there (and, in the planner, to every
+  // tensor-parallel collective). Measured, not fitted: bench/sched_report.py
+  // reads it from a calibration run's trace at the same processes per core.
+  double wake = 0;
 };
 
 // Processor sharing: the time until all of `work` (one entry per process,
