@@ -239,7 +239,7 @@ struct Args {
   // --plan auto: weft-sched plan's best layout, from a profile.
   std::string plan, plan_costs, plan_memory;
   double plan_latency = 0, plan_bandwidth = std::numeric_limits<double>::infinity();
-  double plan_compute_scale = 1;
+  double plan_compute_scale = 1, plan_wake = 0;
   std::optional<double> plan_cores;
   std::string plan_note;  // what the planner chose, printed by rank 0
   int64_t ddp_bucket_size = int64_t{1} << 20;  // elements
@@ -743,7 +743,8 @@ void apply_plan(Args& a, const CLI::App& app, int world) {
   using weft::check;
   const bool planning = !a.plan.empty();
   for (const char* flag : {"--plan-costs", "--plan-memory", "--plan-link-latency",
-                           "--plan-bandwidth", "--plan-cores", "--plan-compute-scale"})
+                           "--plan-bandwidth", "--plan-cores", "--plan-compute-scale",
+                           "--plan-wake"})
     check(planning || app.count(flag) == 0, "{} sets up the planner: it needs --plan auto", flag);
   if (!planning) return;
   check(a.plan == "auto", "--plan '{}' must be auto (weft-sched plan prints the others)", a.plan);
@@ -762,6 +763,8 @@ void apply_plan(Args& a, const CLI::App& app, int world) {
   check(a.plan_latency >= 0 && std::isfinite(a.plan_latency),
         "--plan-link-latency ({}) must be seconds >= 0", a.plan_latency);
   check(a.plan_bandwidth > 0, "--plan-bandwidth ({}) must be positive", a.plan_bandwidth);
+  check(a.plan_wake >= 0 && std::isfinite(a.plan_wake), "--plan-wake ({}) must be seconds >= 0",
+        a.plan_wake);
   const weft::GptConfig cfg = flag_config(a, app);
   weft::plan::PlanInput in;
   in.shape = shape_of(cfg);
@@ -769,6 +772,7 @@ void apply_plan(Args& a, const CLI::App& app, int world) {
   in.machine.world = world;
   in.machine.intra = {a.plan_latency, a.plan_bandwidth};
   in.machine.inter = in.machine.intra;
+  in.machine.wake = a.plan_wake;
   if (!a.plan_memory.empty()) in.machine.memory = weft::parse_bytes("--plan-memory", a.plan_memory);
   in.machine.cores = a.plan_cores ? *a.plan_cores
                                   : static_cast<double>(std::max(1u, std::thread::hardware_concurrency()));
@@ -1544,6 +1548,9 @@ int main(int argc, char** argv) {
                  "cores the ranks share for --plan auto (default: this machine's; 0: one per rank)");
   app.add_option("--plan-compute-scale", a.plan_compute_scale,
                  "multiply the profiled F, I and W times for --plan auto (a calibration)");
+  app.add_option("--plan-wake", a.plan_wake,
+                 "seconds a rank that waited takes to run again, per received message and "
+                 "all-reduce round, for --plan auto (weft-sched plan --wake)");
   app.add_option("--comm-timeout", a.comm_timeout,
                  "seconds any rank waits for a message or collective before failing");
   try {

@@ -271,6 +271,9 @@ TEST_F(Cli, PlanAutoRunsTheBestPlan) {
   EXPECT_TRUE(testing::contains(r.out, "the fastest of 1 plans")) << r.out;
   EXPECT_TRUE(testing::contains(r.out, "micro-batch 2 x 2 = global 4")) << r.out;
   expect_error(toy("--plan-costs " + costs), {"--plan-costs sets up the planner: it needs --plan auto"});
+  expect_error(toy("--plan-wake 1e-3"), {"--plan-wake sets up the planner: it needs --plan auto"});
+  expect_error(toy("--plan auto --plan-wake -1 --plan-costs " + costs),
+               {"--plan-wake (-1) must be seconds >= 0"});
   expect_error(toy("--plan auto"), {"--plan auto needs --plan-costs FILE"});
   expect_error(toy("--plan best --plan-costs " + costs), {"--plan 'best' must be auto"});
   expect_error(toy("--plan auto --pp 2 --plan-costs " + costs),
