@@ -436,7 +436,7 @@ std::string plan_table(const PlanResult& r, size_t top) {
     out += fmt::format(row, k + 1, l.dp, l.pp, l.tp, l.pp > 1 ? l.schedule : "-", l.chunks,
                        l.micro_batch, p.micro_batches, l.recompute ? "yes" : "no", l.zero1 ? "yes" : "no",
                        fmt::format("{:.3f}", 1e3 * p.step_time),
-                       fmt::format("{:.1f}%", 100 * p.bubble), format_bytes(p.memory_per_rank),
+                       fmt::format("{:.1f}%", 100 * std::max(0.0, p.bubble)), format_bytes(p.memory_per_rank),
                        format_bytes(p.bytes_per_step));
   }
   out += fmt::format("{} feasible plans ({} shown); {} refused\n", r.plans.size(), n, r.refused);
