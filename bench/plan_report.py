@@ -3,7 +3,10 @@
 
 bench/plan_validate.sh is the entry point. One calibration run (1F1B, pp 2,
 the model of bench/layouts.sh) gives the node costs (--profile), a message's
-cost and the compute scale, as bench/sched_report.py measures them. Then
+cost and the compute scale, as bench/sched_report.py measures them; one more
+8-rank run that is no row (dp 2 x tp 4) gives the wake, fitted to its step
+(how long a rank that waited takes to run again while 8 processes share the
+cores; each round of a tensor-parallel all-reduce pays it). Then
 `weft-sched plan` predicts every 8-rank layout of bench/layouts.sh (the same
 model, micro-batch size and global batch, on this machine's cores), and each
 layout runs `--runs` times under mpiexec; a run's step is the median step
@@ -23,6 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sched_report  # noqa: E402  (message_ms, compute_scale, spans, run)
 
 LAYOUTS = [(2, 2, 2), (1, 2, 4), (2, 4, 1), (4, 1, 2), (8, 1, 1), (1, 8, 1), (1, 1, 8)]
+# The wake (how long a rank that waited takes to run again while 8 processes
+# share the cores; every round of a tensor-parallel all-reduce pays it) is
+# fitted to one 8-rank run that is no row: dp 2 x tp 4.
+WAKE_LAYOUT = (2, 1, 4)
 SHAPE = {"num-layers": 8, "hidden-size": 128, "num-attention-heads": 8, "seq-length": 64,
          "vocab-size": 256}
 MICRO_BATCH, GLOBAL = 2, 32
@@ -111,19 +118,35 @@ def main():
     print(f"calibration: {cal_ms:.0f} ms a step at pp 2; a message {link_ms:.3f} ms; F/I/W "
           f"{scale:.3f}x the profile", flush=True)
 
+    def plans_of(wake_s, *fixed):
+        cmd = [os.path.join(a.build, "weft-sched"), "plan", "--world-size", "8",
+               "--global-batch-size", str(GLOBAL), "--micro-batch-size", str(MICRO_BATCH),
+               "--profile", costs, "--link-latency", f"{link_ms / 1e3:.9f}", "--bandwidth",
+               str(a.bandwidth), "--cores", str(a.cores), "--compute-scale", f"{scale:.4f}",
+               "--wake", f"{wake_s:.9f}", "--json", "--top", "0", *fixed]
+        for k, v in SHAPE.items():
+            cmd += [f"--{k}", str(v)]
+        return json.loads(sched_report.run(cmd, log))
+
+    def plain(pl):
+        return not pl["recompute"] and not pl["zero1"] and pl["chunks"] == 1
+
+    # The wake, fitted to the step of one more 8-rank run.
+    wdp, wpp, wtp = WAKE_LAYOUT
+    wake_ms, wake_load = train(a, 8, ["--tp", str(wtp), "--pp", str(wpp)], "plan-wake", log)
+    fixed = ["--dp", str(wdp), "--pp", str(wpp), "--tp", str(wtp)]
+    wake = sched_report.fit(
+        lambda w: 1e3 * next(pl for pl in plans_of(w / 1e3, *fixed) if plain(pl))["step_time"],
+        wake_ms, 1.0)
+    print(f"wake: {wake:.3f} ms, fitted to ({wdp}, {wpp}, {wtp})'s {wake_ms:.0f} ms a step",
+          flush=True)
+
     # Prediction: every plan at the bench's micro-batch size, no recompute or ZeRO-1.
-    cmd = [os.path.join(a.build, "weft-sched"), "plan", "--world-size", "8",
-           "--global-batch-size", str(GLOBAL), "--micro-batch-size", str(MICRO_BATCH),
-           "--profile", costs, "--link-latency", f"{link_ms / 1e3:.9f}", "--bandwidth",
-           str(a.bandwidth), "--cores", str(a.cores), "--compute-scale", f"{scale:.4f}",
-           "--json", "--top", "0"]
-    for k, v in SHAPE.items():
-        cmd += [f"--{k}", str(v)]
-    plans = json.loads(sched_report.run(cmd, log))
+    plans = plans_of(wake / 1e3)
     best = plans[0]
     predicted = {}
     for pl in plans:
-        if pl["recompute"] or pl["zero1"] or pl["chunks"] != 1:
+        if not plain(pl):
             continue
         predicted[(pl["dp"], pl["pp"], pl["tp"], pl["schedule"])] = 1e3 * pl["step_time"]
 
@@ -148,7 +171,7 @@ def main():
     errors = [(p_ - m_) / m_ for p_, m_ in zip(pred, meas)]
     rp, rm = ranks_of(pred), ranks_of(meas)
     rho = spearman(pred, meas)
-    all_loads = [x for r in table for x in loads[r]] + [cal_load]
+    all_loads = [x for r in table for x in loads[r]] + [cal_load, wake_load]
     out = [
         "<!-- written by bench/plan_validate.sh: change the script, then run it again -->",
         "# The planner against measured runs\n",
@@ -162,10 +185,14 @@ def main():
         f"means others were computing too). The script took {(time.time() - started) / 60:.1f} "
         f"minutes.\n",
         f"**Predicted** by `weft-sched plan --profile` from one calibration run (1F1B, pp 2, "
-        f"{cal_ms:.0f} ms a step) and nothing else: its node costs, a message of "
+        f"{cal_ms:.0f} ms a step): its node costs, a message of "
         f"{link_ms:.3f} ms, F/I/W at {scale:.3f}x the profile, links of "
-        f"{a.bandwidth / 1e9:g} GB/s, {a.cores:g} shared cores. No measured row below was "
-        f"used to calibrate.\n",
+        f"{a.bandwidth / 1e9:g} GB/s, {a.cores:g} shared cores; and from one more run, "
+        f"({wdp}, {wpp}, {wtp}) at {wake_ms:.0f} ms a step, a wake of {wake:.3f} ms (the "
+        f"time a rank that waited for a message takes to run again while 8 processes share "
+        f"the cores, paid by every round of an all-reduce, `--wake`), the one value fitted "
+        f"to a step time. No "
+        f"measured row below was used to calibrate.\n",
         "| layout (dp, pp, tp) | schedule | predicted ms | measured ms | error | predicted rank "
         "| measured rank | load |",
         "|---|---|---:|---:|---:|---:|---:|---|",

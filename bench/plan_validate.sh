@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # The simulator and the planner, validated out of sample on this machine, in
 # one script:
-#   1. the timed simulator (bench/sched_report.py): calibrated on one run
-#      (1F1B, pp 2, 4 micro-batches), it predicts every schedule at pp 2 and
-#      pp 4 with 4 and 8 micro-batches, sharing this machine's cores among
-#      the ranks that compute at once; writes schedules.md and its timelines;
-#   2. the planner (bench/plan_report.py): calibrated on one run at pp 2, it
-#      predicts every 8-rank layout of bench/layouts.sh; each runs 3 times;
-#      writes plan_validate.md with the errors and the Spearman correlation of
-#      the rankings.
+#   1. the timed simulator (bench/sched_report.py): its costs come from one
+#      run (1F1B, pp 2, 4 micro-batches), and its wake at pp 4 (how long a
+#      rank that waited takes to run again while ranks outnumber cores) from
+#      one more (1F1B, pp 4, 6 micro-batches); it predicts every schedule at
+#      pp 2 and pp 4 with 4 and 8 micro-batches, sharing this machine's cores
+#      among the ranks that compute at once; each row runs 3 times; writes
+#      schedules.md and its timelines;
+#   2. the planner (bench/plan_report.py): its costs come from one run at
+#      pp 2 and its wake from one 8-rank run that is no row (dp 2 x tp 4);
+#      it predicts every 8-rank layout of bench/layouts.sh; each runs 3
+#      times; writes plan_validate.md with the errors and the Spearman
+#      correlation of the rankings.
 # It prints both tables, and the load average beside the runs.
 #
 #   bench/plan_validate.sh [build-dir] [--out DIR]   (default: build, and
 #                                                     build-dir/plan_validate)
 #
 # The tracked pages in docs/ (schedules.md, its SVGs, plan_validate.md) are
-# updated only on purpose: --out docs. About 12 minutes on 2 idle cores;
+# updated only on purpose: --out docs. About 20 minutes on 2 idle cores;
 # timings are only worth reading on an otherwise idle machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -6,13 +6,18 @@ it runs train_gpt under mpiexec with --trace, --log-jsonl and --profile (the
 median step after warm-up, the memory peaks, and its plan: which nodes each
 stage holds and the bytes each action adds).
 
-The simulator is calibrated on one extra run only (1F1B, pp 2, 4
-micro-batches), and every row is a prediction of a run it never saw: other
-schedules, micro-batch counts and pp. From that run come each graph node's
-F, I and W time (its --profile), the update's time per parameter byte, the
-time of a message already sent when its receive starts, and how much slower
-F, I and W run when the ranks compute at once than when rank 0 profiles them
-alone (`--compute-scale`). A row's stage costs are the calibration's node
+The simulator is calibrated on runs that are no row (1F1B, pp 2, 4
+micro-batches; and at every other pp, 1F1B with 6 micro-batches), and every
+row is a prediction of a run it never saw: other schedules, micro-batch
+counts and pp. From the first come each graph node's F, I and W time (its
+--profile), the update's time per parameter byte, the time of a message
+already sent when its receive starts, and how much slower F, I and W run
+when the ranks compute at once than when rank 0 profiles them alone
+(`--compute-scale`, summed over the run's actions). The wake (`--wake`: how
+long a rank that waited for a message takes to run again, which grows when
+ranks outnumber cores) is fitted per pp: to the first run's step at pp 2,
+to the second's at the others. Each run (rows and calibration) is repeated
+--runs times and the median one counts. A row's stage costs are the calibration's node
 costs summed over the row's stages; its own profile supplies only the
 layout and bytes. `weft-sched simulate --cores` (this machine's cores)
 shares the cores among the ranks that compute at once, which is what pp 4
@@ -38,7 +43,13 @@ import time
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"]
 TWO_CHUNKS = {"interleaved-1f1b", "zb-v"}
 COMPUTE = {"F", "I", "W", "B"}
-CALIBRATION = ("1f1b", 2, 4)  # schedule, pp, micro-batches: the one run the simulator sees
+CALIBRATION = ("1f1b", 2, 4)  # schedule, pp, micro-batches: the run the costs come from
+# Where ranks outnumber cores, a rank that waited for a message runs again
+# only once the scheduler gives it a core back (SimCost::wake). That delay
+# depends on how many processes share a core, so it is fitted once per pp on
+# one more run that is not a row: 1F1B with 6 micro-batches (the rows have 2,
+# 4 and 8). At pp 2 the costs' own run serves.
+WAKE_MICRO_BATCHES = 6
 
 
 class Failed(RuntimeError):
@@ -154,16 +165,20 @@ def message_ms(events):
 
 
 def compute_scale(events, costs):
-    """The median, over F/I/W/B actions, of measured time over what the profile says."""
+    """The F/I/W/B actions' measured time over what the profile says they take, summed.
+
+    A sum, not a typical action: a step lasts as long as all of its actions,
+    the few that a descheduled rank stretched included."""
     stages = json.load(open(costs))["stages"]
-    ratios = []
+    measured = profiled = 0.0
     for e in events:
         kind, stage, _ = parse_action(e["name"])
         if kind not in COMPUTE:
             continue
         s = stages[stage]
-        ratios.append(e["dur"] / 1e6 / (s["i"] + s["w"] if kind == "B" else s[kind.lower()]))
-    return statistics.median(ratios)
+        measured += e["dur"] / 1e6
+        profiled += s["i"] + s["w"] if kind == "B" else s[kind.lower()]
+    return measured / profiled
 
 
 # --- one row ---
@@ -196,8 +211,20 @@ def calibrated_costs(a, calibration, row):
 
 
 def measure(a, pp, name, m, log):
+    """--runs traced and profiled runs of one row: the run whose median step is the median
+    one (its trace, profile, bubble and peaks), that step, and the runs' fastest and
+    slowest median step."""
+    runs = sorted((measure_once(a, pp, name, m, log, k) for k in range(a.runs)),
+                  key=lambda r: r["step_ms"])
+    mid = dict(runs[len(runs) // 2])
+    mid["spread"] = (runs[0]["step_ms"], runs[-1]["step_ms"])
+    mid["others"] = max(r["others"] for r in runs)
+    return mid
+
+
+def measure_once(a, pp, name, m, log, run_index):
     """One traced and profiled run: median step and bubble after warm-up, memory peaks."""
-    tag = f"{name}-pp{pp}-m{m}"
+    tag = f"{name}-pp{pp}-m{m}-{run_index}"
     jsonl, trace, costs = (os.path.join(a.work, f"{tag}.{ext}")
                            for ext in ("jsonl", "trace.json", "costs.json"))
     steps = a.warmup + a.steps
@@ -218,12 +245,34 @@ def measure(a, pp, name, m, log):
             "trace": trace, "costs": costs, "drawn_step": drawn}
 
 
-def simulate(a, pp, name, m, costs, svg, log):
+def simulate(a, pp, name, m, costs, svg, log, wake=None):
+    wake = a.wake.get(pp, 0.0) if wake is None else wake
     cmd = [a.weft_sched, "simulate", "--schedule", name, "--pp", str(pp), "--micro-batches",
            str(m), "--virtual-stages", str(chunks_of(name)), "--costs", costs, "--cost-comm",
            f"{a.link_ms:.6f}", "--compute-scale", f"{a.scale:.4f}", "--cores", str(a.cores),
-           "--json", "--svg", svg]
+           "--wake", f"{wake:.6f}", "--json", "--svg", svg]
     return json.loads(run(cmd, log))
+
+
+def fit(predict, measured, high):
+    """The x in [0, high] where predict(x), increasing, meets measured (0 if it starts above)."""
+    low = 0.0
+    if predict(low) >= measured:
+        return low
+    while predict(high) < measured and high < 1e6:
+        high *= 2
+    for _ in range(30):
+        mid = (low + high) / 2
+        low, high = (mid, high) if predict(mid) < measured else (low, mid)
+    return (low + high) / 2
+
+
+def fit_wake(a, calibration, pp, name, m, meas, log):
+    """The wake (ms) with which the simulator gives this run's measured step."""
+    costs = calibrated_costs(a, calibration, meas)
+    svg = os.path.join(a.work, f"fit-{name}-pp{pp}-m{m}.svg")
+    return fit(lambda w: simulate(a, pp, name, m, costs, svg, log, w)["step_time"],
+               meas["step_ms"], 1.0)
 
 
 def timeline(a, trace, step, svg, log):
@@ -303,6 +352,8 @@ def main():
     p.add_argument("--max-others", type=float, default=0.05,
                    help="share of the CPUs others may use during a run before it is run again")
     p.add_argument("--retries", type=int, default=2)
+    p.add_argument("--runs", type=int, default=3,
+                   help="runs of each row (and of each calibration run); the median counts")
     p.add_argument("--cores", type=float, default=os.cpu_count(),
                    help="cores the simulated ranks share (default: this machine's)")
     a = p.parse_args()
@@ -318,6 +369,9 @@ def main():
     cal_name, cal_pp, cal_m = CALIBRATION
     calibration = measure(a, cal_pp, cal_name, cal_m, log)
     a.load = [os.getloadavg()[0]]
+    wake_runs = {pp: measure(a, pp, cal_name, WAKE_MICRO_BATCHES, log)
+                 for pp in sorted({pp for pp, _ in grid}) if pp != cal_pp}
+    wake_runs[cal_pp] = calibration
     rows = []
     for pp, m in grid:
         for name in SCHEDULES:
@@ -334,8 +388,13 @@ def main():
     events = spans(calibration["trace"], a.warmup + 1)
     a.link_ms = message_ms(events)
     a.scale = compute_scale(events, calibration["costs"])
+    a.wake = {}
+    for pp, meas in sorted(wake_runs.items()):
+        m = cal_m if pp == cal_pp else WAKE_MICRO_BATCHES
+        a.wake[pp] = fit_wake(a, calibration, pp, cal_name, m, meas, log)
     print(f"calibration: a message takes {a.link_ms:.3f} ms; F/I/W run {a.scale:.3f}x the "
-          f"profile", flush=True)
+          f"profile; a wake takes " +
+          ", ".join(f"{w:.3f} ms at pp {pp}" for pp, w in sorted(a.wake.items())), flush=True)
 
     for r in rows:
         pp, name, m = r["pp"], r["schedule"], r["m"]
@@ -394,21 +453,27 @@ def write_report(a, rows, seconds, png):
         f"update at that run's seconds per parameter byte; a message's cost, "
         f"{a.link_ms:.3f} ms (`--cost-comm`; the median receive whose send had already "
         f"started); and F, I and W taking {a.scale:.3f}x what the profile says "
-        f"(`--compute-scale`, the median over that run's actions), which absorbs the "
+        f"(`--compute-scale`, the sum of that run's actions over the profile's), which absorbs the "
         f"difference between timing layers with rank 0 alone and running both ranks at once. "
         f"Ranks share the {a.cores:g} cores: while n ranks compute at once, each runs at "
         f"min(1, {a.cores:g} / n) of its profiled speed (processor sharing; waiting and "
-        f"messages take no core), which matters at pp 4.\n",
-        "Columns: **step** is train_gpt's `step_ms`, the median of the measured steps "
-        "(fastest and slowest in brackets), update included; **sim** the simulated step; "
+        f"messages take no core), which matters at pp 4. A rank that waited for a message "
+        f"runs again a wake after it arrives (`--wake`): while processes outnumber cores it "
+        f"must get one back. The wake is the one value fitted to a step time: to the "
+        f"calibration run's at pp {cal_pp}, and at every other pp to one more run that is no "
+        f"row ({cal_name} with {WAKE_MICRO_BATCHES} micro-batches); it came out "
+        + ", ".join(f"{w:.3f} ms at pp {pp}" for pp, w in sorted(a.wake.items())) + ".\n",
+        f"Columns: **step** is train_gpt's `step_ms`, the median of {a.runs} runs' median "
+        "measured step (the fastest and slowest run's in brackets), update included; "
+        "**sim** the simulated step; "
         "**span** the pipeline alone, first action to last, in the trace of the median step "
-        "(`weft-sched timeline`), and **sim span** the simulator's; each **error** is "
+        "(`weft-sched timeline`) of the median run, and **sim span** the simulator's; each **error** is "
         "simulated against measured. **bubble**: idle share of all ranks during the "
         "pipeline (measured: the median `bubble_frac` of the JSONL). **held**: the most "
         "activation bytes each rank's arenas held at once (measured by the executor), and "
         "**sim held** the simulator's, from the bytes each action added in the profile; "
-        "**sim stash**: the most micro-batch stages each rank holds at once. **actions**: the median F, I, W or B of the run "
-        "against its profiled time (what `--compute-scale` would have to be for this row). "
+        "**sim stash**: the most micro-batch stages each rank holds at once. **actions**: the run's F, I, W and B summed "
+        "against their profiled time (what `--compute-scale` would have to be for this row). "
         "**others**: the share of the machine's CPU time "
         "that other processes used during the run (the script waits for a quiet machine "
         f"and runs a row again, up to {a.retries} times, when others took more than "

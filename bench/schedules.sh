@@ -8,7 +8,8 @@
 # librsvg2-bin), into OUT. Details: bench/sched_report.py.
 #
 #   bench/schedules.sh [build-dir] [--out DIR]   (default: build, and
-#                                                  build-dir/schedules; about 5 minutes idle)
+#                                                  build-dir/schedules; about 15 minutes idle,
+#                                                  3 runs of each row)
 #
 # The tracked page in docs/ is updated only on purpose: --out docs.
 #
