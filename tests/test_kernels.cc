@@ -1,5 +1,6 @@
 // CPU kernels against naive double-precision references written out in the test.
 #include <gtest/gtest.h>
+#include <weft/bf16.h>
 #include <weft/cpu_kernels.h>
 #include <weft/error.h>
 #include <weft/ops.h>
@@ -10,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "test_util.h"
@@ -131,6 +133,101 @@ INSTANTIATE_TEST_SUITE_P(AllTransposes, Gemm,
                          [](const ::testing::TestParamInfo<GemmCase>& p) {
                            return std::string(p.param.ta ? "T" : "N") + (p.param.tb ? "T" : "N");
                          });
+
+// --- mixed-precision GEMM inputs ---
+
+TEST(Rounding, NearestEvenAndFp16Overflow) {
+  using cpu::Rounding;
+  const float one = 1.0f;
+  // bf16 keeps 8 significant bits: 1 + 2^-8 is halfway, ties go to the even 1;
+  // 1 + 3 2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6, ties go to 1 + 2^-6.
+  EXPECT_EQ(cpu::round_to(Rounding::Bf16, one + std::ldexp(1.0f, -8)), one);
+  EXPECT_EQ(cpu::round_to(Rounding::Bf16, one + 3 * std::ldexp(1.0f, -8)),
+            one + std::ldexp(1.0f, -6));
+  EXPECT_EQ(cpu::round_to(Rounding::Bf16, 1e30f), round_to_bf16(1e30f));  // fp32's range
+  // fp16 keeps 11: the same ties one format lower.
+  EXPECT_EQ(cpu::round_to(Rounding::Fp16, one + std::ldexp(1.0f, -11)), one);
+  EXPECT_EQ(cpu::round_to(Rounding::Fp16, one + 3 * std::ldexp(1.0f, -11)),
+            one + std::ldexp(1.0f, -9));
+  EXPECT_EQ(cpu::round_to(Rounding::Fp16, one + std::ldexp(1.0f, -11) + std::ldexp(1.0f, -20)),
+            one + std::ldexp(1.0f, -10));  // above half: up
+  // The largest half is 65504; from halfway to the next step (65520) on, +-inf.
+  EXPECT_EQ(cpu::round_to(Rounding::Fp16, 65519.0f), 65504.0f);
+  EXPECT_EQ(cpu::round_to(Rounding::Fp16, 65520.0f), INFINITY);
+  EXPECT_EQ(cpu::round_to(Rounding::Fp16, -1e6f), -INFINITY);
+  // Subnormal halves: steps of 2^-24; 2^-25 is a tie with 0, 3 2^-25 rounds to 2^-23.
+  EXPECT_EQ(cpu::round_to(Rounding::Fp16, std::ldexp(1.0f, -24)), std::ldexp(1.0f, -24));
+  EXPECT_EQ(cpu::round_to(Rounding::Fp16, std::ldexp(1.0f, -25)), 0.0f);
+  EXPECT_EQ(cpu::round_to(Rounding::Fp16, 3 * std::ldexp(1.0f, -25)), std::ldexp(1.0f, -23));
+  EXPECT_EQ(cpu::round_to(Rounding::None, 0.1f), 0.1f);
+}
+
+// Sets the CPU's matmul precision for one scope.
+struct CpuPrecision {
+  explicit CpuPrecision(ops::MatmulPrecision p) { ops::set_matmul_precision(Device::cpu(), p); }
+  ~CpuPrecision() { ops::set_matmul_precision(Device::cpu(), ops::MatmulPrecision::Fp32); }
+};
+
+TEST(Rounding, Bf16AndFp16GemmsAreSgemmOnRoundedInputs) {
+  for (auto [precision, rounding] :
+       {std::pair{ops::MatmulPrecision::Bf16, cpu::Rounding::Bf16},
+        std::pair{ops::MatmulPrecision::Fp16, cpu::Rounding::Fp16}}) {
+    for (bool ta : {false, true}) {
+      const int64_t m = 13, n = 21, k = 37;
+      const Tensor a = testing::uniform_tensor(ta ? Shape{k, m} : Shape{m, k}, 3);
+      const Tensor b = testing::uniform_tensor(Shape{n, k}, 4);  // used transposed
+      Tensor c = testing::uniform_tensor(Shape{m, n}, 5), fp32 = Tensor::zeros({m, n});
+      fp32.copy_from(c);
+      Vec ra(a.data<float>(), a.data<float>() + a.numel());
+      Vec rb(b.data<float>(), b.data<float>() + b.numel());
+      for (float& x : ra) x = cpu::round_to(rounding, x);
+      for (float& x : rb) x = cpu::round_to(rounding, x);
+      Vec want(c.data<float>(), c.data<float>() + c.numel());
+      cpu::gemm(ta, true, m, n, k, 0.5f, ra.data(), ta ? m : k, rb.data(), k, 2.0f, want.data(), n);
+      {
+        CpuPrecision scope(precision);
+        EXPECT_EQ(ops::matmul_precision(Device::cpu()), precision);
+        ops::gemm(a, ta, b, true, c, 0.5f, 2.0f);
+      }
+      ops::gemm(a, ta, b, true, fp32, 0.5f, 2.0f);
+      // The same sgemm on the same rounded values: bit for bit.
+      EXPECT_EQ(std::memcmp(c.data<float>(), want.data(), want.size() * sizeof(float)), 0)
+          << ops::matmul_precision_name(precision) << " ta=" << ta;
+      // And the rounding really happens: uniform inputs move by ~2^-9 (bf16)
+      // or ~2^-12 (fp16) relative, so many of the outputs differ from fp32's.
+      int differ = 0;
+      for (int64_t i = 0; i < m * n; ++i) differ += c.data<float>()[i] != fp32.data<float>()[i];
+      EXPECT_GT(differ, m * n / 2) << ops::matmul_precision_name(precision);
+    }
+  }
+  EXPECT_EQ(ops::matmul_precision(Device::cpu()), ops::MatmulPrecision::Fp32);
+  EXPECT_TRUE(contains(error_message([] {
+                         ops::set_matmul_precision(Device::cpu(), ops::MatmulPrecision::Tf32);
+                       }),
+                       "tf32 needs a CUDA device"));
+}
+
+TEST(Rounding, AttentionRoundsItsGemmInputs) {
+  // With inputs already bf16, the score GEMM is exact in both; the softmax's
+  // probabilities are not bf16, so P V differs from fp32 unless P is rounded.
+  const int64_t b = 1, t = 9, h = 2, d = 8, w = 3 * h * d;
+  Vec qkv = testing::uniform(b * t * w, 7);
+  for (float& x : qkv) x = round_to_bf16(x);
+  Vec out(z(b * t * h * d)), probs(z(b * h * t * t)), out16 = out, probs16 = probs;
+  cpu::attention_forward(qkv.data(), out.data(), probs.data(), b, t, h, h, d);
+  cpu::attention_forward(qkv.data(), out16.data(), probs16.data(), b, t, h, h, d,
+                         cpu::Rounding::Bf16);
+  // out = P V with P rounded: each probability moves by at most 2^-9 of
+  // itself, so |out16 - out| <= 2^-9 sum_j P |v| <= 2^-9 max |v| (plus fp32 sums).
+  double worst = 0;
+  int differ = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    worst = std::max(worst, std::abs(static_cast<double>(out16[i]) - out[i]));
+    differ += out16[i] != out[i];
+  }
+  EXPECT_LE(worst, std::ldexp(1.0, -9) + 1e-6);
+  EXPECT_GT(differ, 0);
+}
 
 // --- LayerNorm ---
 

@@ -15,6 +15,17 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alp
           const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
           int64_t ldc);
 
+// Mixed precision's GEMM inputs: both operands rounded to nearest (ties to
+// even) bf16 or fp16 before the fp32 products and sums. fp16 overflows to
+// +-inf past 65504, which is why fp16 training scales its loss.
+enum class Rounding : uint8_t { None, Bf16, Fp16 };
+float round_to(Rounding r, float x);  // x itself for None
+// gemm on rounded copies of A and B (per-thread scratch, kept between calls):
+// an emulation for checking numerics, slower than the plain gemm it ends in.
+void gemm_rounded(Rounding r, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                  float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
+                  float beta, float* c, int64_t ldc);
+
 // --- LayerNorm over the last dimension, eps inside the square root. ---
 // x, y (N, C); mean, rstd (N)
 void layernorm_forward(const float* x, const float* w, const float* b, float* y, float* mean,
@@ -67,11 +78,13 @@ void scale_inplace(float* y, float s, int64_t n);                       // y *= 
 // H query heads share G key/value heads (G divides H; G = H is multi-head
 // attention): query head i reads key/value head i / (H / G).
 // probs (B, H, T, T) keeps the softmax for backward (upper triangle zero).
+// `r` rounds the inputs of every GEMM inside (gemm_rounded).
 void attention_forward(const float* qkv, float* out, float* probs, int64_t b, int64_t t,
-                       int64_t h, int64_t g, int64_t d);
+                       int64_t h, int64_t g, int64_t d, Rounding r = Rounding::None);
 // dqkv += gradient; scratch needs B*H*T*T floats.
 void attention_backward(const float* dout, const float* qkv, const float* probs, float* dqkv,
-                        float* scratch, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d);
+                        float* scratch, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d,
+                        Rounding r = Rounding::None);
 
 // --- softmax cross-entropy over logits (N, V), in place ---
 // Columns [from, V) of each row = -inf (a padded vocabulary's columns).

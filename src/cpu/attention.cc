@@ -32,7 +32,7 @@ void causal_softmax_rows(float* p, int64_t t) {
 // columns; query head i reads key/value head i / (H / G). out (B, T, H D).
 // probs (B, H, T, T).
 void attention_forward(const float* qkv, float* out, float* probs, int64_t b, int64_t t,
-                       int64_t h, int64_t g, int64_t d) {
+                       int64_t h, int64_t g, int64_t d, Rounding r) {
   const int64_t c = h * d, ld = (h + 2 * g) * d, per_group = h / g;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
 #pragma omp parallel for schedule(static)
@@ -42,9 +42,9 @@ void attention_forward(const float* qkv, float* out, float* probs, int64_t b, in
     const float* k = qkv + bi * t * ld + c + gi * d;
     const float* v = k + g * d;
     float* p = probs + bh * t * t;
-    gemm(false, true, t, t, d, scale, q, ld, k, ld, 0.0f, p, t);
+    gemm_rounded(r, false, true, t, t, d, scale, q, ld, k, ld, 0.0f, p, t);
     causal_softmax_rows(p, t);
-    gemm(false, false, t, d, t, 1.0f, p, t, v, ld, 0.0f, out + bi * t * c + hi * d, c);
+    gemm_rounded(r, false, false, t, d, t, 1.0f, p, t, v, ld, 0.0f, out + bi * t * c + hi * d, c);
   }
 }
 
@@ -52,7 +52,7 @@ void attention_forward(const float* qkv, float* out, float* probs, int64_t b, in
 // order, so their dK and dV sums need no atomics and do not depend on the
 // thread count.
 void attention_backward(const float* dout, const float* qkv, const float* probs, float* dqkv,
-                        float* scratch, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d) {
+                        float* scratch, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d, Rounding r) {
   const int64_t c = h * d, ld = (h + 2 * g) * d, per_group = h / g;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
 #pragma omp parallel for schedule(static)
@@ -69,8 +69,8 @@ void attention_backward(const float* dout, const float* qkv, const float* probs,
       const float* p = probs + bh * t * t;
       const float* dO = dout + bi * t * c + hi * d;
       float* ds = scratch + bh * t * t;
-      gemm(false, true, t, t, d, 1.0f, dO, c, v, ld, 0.0f, ds, t);  // dP = dO V^T
-      gemm(true, false, t, d, t, 1.0f, p, t, dO, c, 1.0f, dv, ld);  // dV += P^T dO
+      gemm_rounded(r, false, true, t, t, d, 1.0f, dO, c, v, ld, 0.0f, ds, t);  // dP = dO V^T
+      gemm_rounded(r, true, false, t, d, t, 1.0f, p, t, dO, c, 1.0f, dv, ld);  // dV += P^T dO
       for (int64_t i = 0; i < t; ++i) {  // dS = P * (dP - sum_j P dP), causal part only
         CRowMap pr(p + i * t, i + 1);
         RowMap sr(ds + i * t, i + 1);
@@ -78,8 +78,8 @@ void attention_backward(const float* dout, const float* qkv, const float* probs,
         sr = pr * (sr - dot);
         std::fill(ds + i * t + i + 1, ds + (i + 1) * t, 0.0f);
       }
-      gemm(false, false, t, d, t, scale, ds, t, k, ld, 1.0f, dq, ld);  // dQ += s dS K
-      gemm(true, false, t, d, t, scale, ds, t, q, ld, 1.0f, dk, ld);   // dK += s dS^T Q
+      gemm_rounded(r, false, false, t, d, t, scale, ds, t, k, ld, 1.0f, dq, ld);  // dQ += s dS K
+      gemm_rounded(r, true, false, t, d, t, scale, ds, t, q, ld, 1.0f, dk, ld);   // dK += s dS^T Q
     }
   }
 }

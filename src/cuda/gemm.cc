@@ -16,14 +16,15 @@ const char* math_mode_name(MathMode m) {
     case MathMode::FP32: return "fp32";
     case MathMode::TF32: return "tf32";
     case MathMode::BF16: return "bf16";
+    case MathMode::FP16: return "fp16";
   }
   return "?";
 }
 
 MathMode parse_math_mode(const std::string& name) {
-  for (MathMode m : {MathMode::FP32, MathMode::TF32, MathMode::BF16})
+  for (MathMode m : {MathMode::FP32, MathMode::TF32, MathMode::BF16, MathMode::FP16})
     if (name == math_mode_name(m)) return m;
-  throw Error("math mode '{}' is not one of fp32, tf32, bf16", name);
+  throw Error("math mode '{}' is not one of fp32, tf32, bf16, fp16", name);
 }
 
 namespace {
@@ -35,15 +36,16 @@ int as_int(int64_t v, const char* what) {
 
 cublasOperation_t op(bool trans) { return trans ? CUBLAS_OP_T : CUBLAS_OP_N; }
 
-// Elements from a matrix's first to its last element: (rows - 1) * ld + cols,
-// where a transposed operand stores its (cols, rows).
-int64_t footprint(bool trans, int64_t rows, int64_t cols, int64_t ld) {
-  const int64_t r = trans ? cols : rows, c = trans ? rows : cols;
-  return r == 0 || c == 0 ? 0 : (r - 1) * ld + c;
-}
-
+// fp32 operands in every mode: the fast compute types convert them inside
+// the kernel (to tf32, bf16 or fp16) and accumulate in fp32.
 cublasComputeType_t compute_type(MathMode mode) {
-  return mode == MathMode::TF32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  switch (mode) {
+    case MathMode::FP32: return CUBLAS_COMPUTE_32F;
+    case MathMode::TF32: return CUBLAS_COMPUTE_32F_FAST_TF32;
+    case MathMode::BF16: return CUBLAS_COMPUTE_32F_FAST_16BF;
+    case MathMode::FP16: return CUBLAS_COMPUTE_32F_FAST_16F;
+  }
+  return CUBLAS_COMPUTE_32F;
 }
 
 // One cuBLAS call for every precision: A and B of type `ab` (fp32 or bf16),
@@ -69,26 +71,12 @@ void gemm_any(Context& ctx, cublasComputeType_t compute, cudaDataType_t ab, bool
   }
 }
 
-// fp32 operands in any mode; BF16 rounds A and B into bf16 scratch first.
 void gemm_mode(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m, int64_t n,
                int64_t k, float alpha, const float* a, int64_t lda, int64_t stride_a,
                const float* b, int64_t ldb, int64_t stride_b, float beta, float* c, int64_t ldc,
                int64_t stride_c, int64_t batch) {
-  if (mode != MathMode::BF16) {
-    gemm_any(ctx, compute_type(mode), CUDA_R_32F, trans_a, trans_b, m, n, k, alpha, a, lda,
-             stride_a, b, ldb, stride_b, beta, c, ldc, stride_c, batch);
-    return;
-  }
-  if (m == 0 || n == 0 || batch == 0) return;
-  const int64_t na = (batch - 1) * stride_a + footprint(trans_a, m, k, lda);
-  const int64_t nb = (batch - 1) * stride_b + footprint(trans_b, k, n, ldb);
-  DeviceBuffer<bf16> a16(ctx, na), b16(ctx, nb);
-  to_bf16(ctx, a, a16.data(), na);
-  to_bf16(ctx, b, b16.data(), nb);
-  gemm_any(ctx, CUBLAS_COMPUTE_32F, CUDA_R_16BF, trans_a, trans_b, m, n, k, alpha, a16.data(), lda,
-           stride_a, b16.data(), ldb, stride_b, beta, c, ldc, stride_c, batch);
-  // a16 and b16 go back to the cache now; the next user is ordered after this
-  // GEMM on the same stream.
+  gemm_any(ctx, compute_type(mode), CUDA_R_32F, trans_a, trans_b, m, n, k, alpha, a, lda,
+           stride_a, b, ldb, stride_b, beta, c, ldc, stride_c, batch);
 }
 
 }  // namespace

@@ -51,10 +51,25 @@ void check_numel(const char* op, const char* name, const Tensor& t, int64_t want
 
 constexpr int kMaxDevices = 64;
 std::array<std::atomic<MatmulPrecision>, kMaxDevices> g_precision{};
+std::atomic<MatmulPrecision> g_cpu_precision{MatmulPrecision::Fp32};
 
 cuda::MathMode math_mode(Device d) {
-  return matmul_precision(d) == MatmulPrecision::Tf32 ? cuda::MathMode::TF32
-                                                      : cuda::MathMode::FP32;
+  switch (matmul_precision(d)) {
+    case MatmulPrecision::Fp32: return cuda::MathMode::FP32;
+    case MatmulPrecision::Tf32: return cuda::MathMode::TF32;
+    case MatmulPrecision::Bf16: return cuda::MathMode::BF16;
+    case MatmulPrecision::Fp16: return cuda::MathMode::FP16;
+  }
+  return cuda::MathMode::FP32;
+}
+
+// The CPU's emulation of the same rounding (Tf32 is never set there).
+cpu::Rounding cpu_rounding() {
+  switch (g_cpu_precision.load()) {
+    case MatmulPrecision::Bf16: return cpu::Rounding::Bf16;
+    case MatmulPrecision::Fp16: return cpu::Rounding::Fp16;
+    default: return cpu::Rounding::None;
+  }
 }
 
 #if WEFT_CUDA
@@ -87,15 +102,31 @@ const int32_t* i32(const Tensor& t) { return t.data<int32_t>(); }
 
 }  // namespace
 
+const char* matmul_precision_name(MatmulPrecision p) {
+  switch (p) {
+    case MatmulPrecision::Fp32: return "fp32";
+    case MatmulPrecision::Tf32: return "tf32";
+    case MatmulPrecision::Bf16: return "bf16";
+    case MatmulPrecision::Fp16: return "fp16";
+  }
+  return "?";
+}
+
 void set_matmul_precision(Device device, MatmulPrecision precision) {
+  if (device.is_cpu()) {
+    check(precision != MatmulPrecision::Tf32,
+          "matmul precision tf32 needs a CUDA device: the CPU has no TF32 arithmetic");
+    g_cpu_precision = precision;
+    return;
+  }
   check(device.index >= 0 && device.index < kMaxDevices, "device index {} is out of [0, {})",
         device.index, kMaxDevices);
-  if (!device.is_cpu()) g_precision[static_cast<size_t>(device.index)] = precision;
+  g_precision[static_cast<size_t>(device.index)] = precision;
 }
 
 MatmulPrecision matmul_precision(Device device) {
-  if (device.is_cpu() || device.index < 0 || device.index >= kMaxDevices)
-    return MatmulPrecision::Fp32;
+  if (device.is_cpu()) return g_cpu_precision;
+  if (device.index < 0 || device.index >= kMaxDevices) return MatmulPrecision::Fp32;
   return g_precision[static_cast<size_t>(device.index)];
 }
 
@@ -113,7 +144,10 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
         c.shape().str());
   on_device(
       d, "gemm",
-      [&] { cpu::gemm(trans_a, trans_b, m, n, k, alpha, f(a), ac, f(b), bc, beta, fw(c), n); },
+      [&] {
+        cpu::gemm_rounded(cpu_rounding(), trans_a, trans_b, m, n, k, alpha, f(a), ac, f(b), bc,
+                          beta, fw(c), n);
+      },
       [&](auto& cx) {
         cuda::gemm(cx, math_mode(d), trans_a, trans_b, m, n, k, alpha, f(a), ac, f(b), bc, beta,
                    fw(c), n);
@@ -372,7 +406,10 @@ void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs
   check_numel("attention_forward", "probs", probs, b * heads * t * t);
   on_device(
       d, "attention_forward",
-      [&] { cpu::attention_forward(f(qkv), fw(out), fw(probs), b, t, heads, groups, hd); },
+      [&] {
+        cpu::attention_forward(f(qkv), fw(out), fw(probs), b, t, heads, groups, hd,
+                               cpu_rounding());
+      },
       [&](auto& cx) {
         cuda::attention_forward(cx, math_mode(d), f(qkv), fw(out), fw(probs), b, t, heads, groups,
                                 hd);
@@ -392,7 +429,7 @@ void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& pro
       d, "attention_backward",
       [&] {
         cpu::attention_backward(f(dout), f(qkv), f(probs), fw(dqkv), fw(scratch), b, t, heads,
-                                groups, hd);
+                                groups, hd, cpu_rounding());
       },
       [&](auto& cx) {
         cuda::attention_backward(cx, math_mode(d), f(dout), f(qkv), f(probs), fw(dqkv),

@@ -335,9 +335,9 @@ TEST(Bf16, RoundsToNearestEven) {
 }
 
 TEST(MathMode, NamesRoundTrip) {
-  for (MathMode m : {MathMode::FP32, MathMode::TF32, MathMode::BF16})
+  for (MathMode m : {MathMode::FP32, MathMode::TF32, MathMode::BF16, MathMode::FP16})
     EXPECT_EQ(parse_math_mode(math_mode_name(m)), m);
-  EXPECT_TRUE(contains(error_message([] { parse_math_mode("fp16"); }), "'fp16'"));
+  EXPECT_TRUE(contains(error_message([] { parse_math_mode("fp8"); }), "'fp8'"));
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // Every CUDA kernel against its CPU twin (weft/cpu_kernels.h, the Embedding
 // layer) on the same inputs: fp32 within 1e-5 relative (||gpu - cpu|| /
-// ||cpu||), TF32 within 5e-3 (1e-2 through attention's softmax), bf16 GEMMs as
-// fp32 on bf16-rounded inputs (5e-2 through attention).
+// ||cpu||), TF32 within 5e-3 (1e-2 through attention's softmax), bf16 and fp16
+// GEMMs against the CPU's emulation (cpu::gemm_rounded) within an error model
+// (5e-2 and 1e-2 through attention).
 // Shapes are deliberately ragged (T = 37, V = 1000, C = 48) so that partial
 // warps, blocks and tiles are exercised. Also: the caching allocator on the
 // device, stream ordering, pinned copies and error reporting.
@@ -19,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <vector>
 
 #include "test_util.h"
@@ -126,18 +128,74 @@ TEST(CudaGemm, Tf32IsCloseButNotExact) {
                           "the tensor-core path was not taken";
 }
 
-TEST(CudaGemm, Bf16IsFp32OnBf16RoundedInputs) {
-  // Products of bf16 values are exact in fp32, so with fp32 accumulation the
-  // only difference from the CPU on rounded inputs is the summation order.
+// BF16 and FP16 (cuBLAS's FAST_16BF / FAST_16F compute types on fp32
+// operands) against the CPU's emulation, cpu::gemm_rounded, element by
+// element. Error model for c = alpha sum_l a_l b_l + beta c0 with |a|, |b| <= 1:
+// - products of rounded inputs are exact in fp32 (8 + 8 or 11 + 11 bits), so
+//   with the same input rounding the two differ only in summation order: at
+//   most 2 k 2^-24 sum |a_l b_l| (fp32 accumulation over k terms, each side);
+// - cuBLAS does not document how it rounds the fp32 operands inside its
+//   kernel. Any faithful rounding (to nearest, or toward zero) moves an input
+//   by less than one unit u of its format (bf16 u = 2^-7, fp16 u = 2^-10,
+//   relative), nearest-even by u / 2, so a product differs by at most
+//   2 (u + u / 2) |a b| (first order) between the two;
+// - fp16's subnormals (below 2^-14) lose relative precision: at most 2^-25
+//   absolute per input, so 2 k 2^-25 more.
+// Plus alpha's and beta's fp32 rounding: 4 ulps of the result. The bound is
+// loose where cuBLAS rounds to nearest as the CPU does; the test prints how
+// much of the tight (summation-only) bound the worst element used.
+void check_rounded_gemm(MathMode mode, cpu::Rounding rounding, double unit) {
+  for (bool ta : {false, true}) {
+    GemmCase g = gemm_case(ta, !ta, 64, 48, 96, 13);
+    std::vector<float> want = g.c, fp32 = g.c;
+    cpu::gemm_rounded(rounding, g.ta, g.tb, g.m, g.n, g.k, 1.5f, g.a.data(), g.lda, g.b.data(),
+                      g.ldb, 0.5f, want.data(), g.ldc);
+    cpu::gemm(g.ta, g.tb, g.m, g.n, g.k, 1.5f, g.a.data(), g.lda, g.b.data(), g.ldb, 0.5f,
+              fp32.data(), g.ldc);
+    Dev<float> a(g.a), b(g.b), c(g.c);
+    gemm(ctx(), mode, g.ta, g.tb, g.m, g.n, g.k, 1.5f, a.p(), g.lda, b.p(), g.ldb, 0.5f, c.p(),
+         g.ldc);
+    const std::vector<float> got = c.host();
+    const double k = static_cast<double>(g.k), eps = std::ldexp(1.0, -24);
+    double worst_tight = 0;
+    for (int64_t i = 0; i < g.m; ++i)
+      for (int64_t j = 0; j < g.n; ++j) {
+        double abs_sum = 0;  // sum_l |a_il b_lj|
+        for (int64_t l = 0; l < g.k; ++l) {
+          const float av = ta ? g.a[static_cast<size_t>(l * g.lda + i)]
+                              : g.a[static_cast<size_t>(i * g.lda + l)];
+          const float bv = !ta ? g.b[static_cast<size_t>(j * g.ldb + l)]
+                               : g.b[static_cast<size_t>(l * g.ldb + j)];
+          abs_sum += std::fabs(static_cast<double>(av) * bv);
+        }
+        const size_t at = static_cast<size_t>(i * g.ldc + j);
+        const double diff = std::fabs(static_cast<double>(got[at]) - want[at]);
+        const double tight = 1.5 * 2 * k * eps * abs_sum + 4 * eps * std::fabs(want[at]);
+        const double bound = 1.5 * (3 * unit * abs_sum + 2 * k * std::ldexp(1.0, -25)) + tight;
+        worst_tight = std::max(worst_tight, diff / tight);
+        ASSERT_LE(diff, bound) << math_mode_name(mode) << " at (" << i << ", " << j << ")";
+      }
+    std::printf("%s: worst element used %.2f of the summation-only bound\n",
+                math_mode_name(mode), worst_tight);
+    // The rounding happens: the result is not the fp32 GEMM's (relative
+    // input noise of u / 2 per element gives ~u / 4 relative over the sum).
+    EXPECT_GT(rel(got, fp32), unit / 64) << math_mode_name(mode);
+  }
+}
+
+TEST(CudaGemm, Bf16AndFp16MatchTheCpuEmulation) {
+  check_rounded_gemm(MathMode::BF16, cpu::Rounding::Bf16, std::ldexp(1.0, -7));
+  check_rounded_gemm(MathMode::FP16, cpu::Rounding::Fp16, std::ldexp(1.0, -10));
+}
+
+TEST(CudaGemm, Bf16OperandsGiveFp32OnRoundedInputs) {
+  // gemm_bf16 takes bf16 storage: products of bf16 values are exact in fp32,
+  // so with fp32 accumulation the only difference from the CPU on rounded
+  // inputs is the summation order.
   for (bool ta : {false, true}) {
     GemmCase g = gemm_case(ta, !ta, 64, 48, 96, 13);
     const std::vector<float> want = cpu_gemm(g, rounded_to_bf16(g.a), rounded_to_bf16(g.b), 1.5f,
                                              0.5f);
-    Dev<float> a(g.a), b(g.b), c(g.c);
-    gemm(ctx(), MathMode::BF16, g.ta, g.tb, g.m, g.n, g.k, 1.5f, a.p(), g.lda, b.p(), g.ldb, 0.5f,
-         c.p(), g.ldc);
-    EXPECT_LT(rel(c.host(), want), kFp32);
-    // The same through gemm_bf16 with bf16 operands converted on the host.
     std::vector<bf16> a16, b16;
     for (float f : g.a) a16.push_back(to_bf16(f));
     for (float f : g.b) b16.push_back(to_bf16(f));
@@ -242,6 +300,14 @@ TEST(CudaHelpers, BiasRowSumsAddAndScaleMatchCpu) {
 // ---------------------------------------------------------------- attention
 
 // g key/value heads shared by h query heads (g = h: multi-head), head size d.
+// The CPU reference rounds its GEMMs' inputs as `mode` does (the emulation of
+// BF16 and FP16; TF32 has none, so its reference is fp32).
+cpu::Rounding cpu_rounding(MathMode mode) {
+  return mode == MathMode::BF16   ? cpu::Rounding::Bf16
+         : mode == MathMode::FP16 ? cpu::Rounding::Fp16
+                                  : cpu::Rounding::None;
+}
+
 void check_attention(int64_t b, int64_t t, int64_t h, int64_t c, MathMode mode, double tol,
                      int64_t g = 0) {
   g = g > 0 ? g : h;
@@ -250,9 +316,9 @@ void check_attention(int64_t b, int64_t t, int64_t h, int64_t c, MathMode mode, 
   std::vector<float> out(b * t * c), probs(b * h * t * t), scratch(b * h * t * t);
   std::vector<float> dqkv = uniform(b * t * w, 63);
   Dev<float> gqkv(qkv), gout(out), gprobs(probs), gdout(dout), gdqkv(dqkv), gscratch(scratch);
-  cpu::attention_forward(qkv.data(), out.data(), probs.data(), b, t, h, g, d);
+  cpu::attention_forward(qkv.data(), out.data(), probs.data(), b, t, h, g, d, cpu_rounding(mode));
   cpu::attention_backward(dout.data(), qkv.data(), probs.data(), dqkv.data(), scratch.data(), b, t,
-                          h, g, d);
+                          h, g, d, cpu_rounding(mode));
   attention_forward(ctx(), mode, gqkv.p(), gout.p(), gprobs.p(), b, t, h, g, d);
   attention_backward(ctx(), mode, gdout.p(), gqkv.p(), gprobs.p(), gdqkv.p(), gscratch.p(), b, t,
                      h, g, d);
@@ -283,10 +349,14 @@ TEST(CudaAttention, Fp32MatchesCpuOnRaggedShapes) {
   check_attention(1, 16, 4, 32, MathMode::FP32, kFp32, 1);  // one key/value head
 }
 
-TEST(CudaAttention, Tf32AndBf16AreClose) {
-  // Scores and probabilities inherit the inputs' rounding (TF32 2^-11, bf16 2^-9).
+TEST(CudaAttention, Tf32Bf16AndFp16AreClose) {
+  // Scores and probabilities inherit the inputs' rounding (TF32 2^-11, bf16
+  // 2^-9, fp16 2^-11), against fp32 for TF32 and against the CPU's emulation
+  // for bf16 and fp16 (which bounds them too: cuBLAS may round its inputs
+  // differently inside, see check_rounded_gemm).
   check_attention(2, 64, 4, 128, MathMode::TF32, 1e-2);
   check_attention(2, 64, 4, 128, MathMode::BF16, 5e-2);
+  check_attention(2, 64, 4, 128, MathMode::FP16, 1e-2);
 }
 
 // ---------------------------------------------------------------- cross-entropy

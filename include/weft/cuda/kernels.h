@@ -9,8 +9,9 @@
 //
 // Precision: fp32 kernels give the CPU result to rounding (1e-5 relative).
 // GEMMs take a MathMode: FP32 (exact fp32 products), TF32 (tensor cores, 10-bit
-// mantissa inputs), or BF16 (inputs rounded to bf16, fp32 accumulation and
-// output: mixed precision with fp32 master weights).
+// mantissa inputs), BF16 or FP16 (fp32 operands rounded to bf16 or fp16 inside
+// cuBLAS's kernel, fp32 accumulation and output: mixed precision with fp32
+// master weights).
 #pragma once
 
 #include <weft/cuda/runtime.h>
@@ -21,8 +22,8 @@
 
 namespace weft::cuda {
 
-enum class MathMode : uint8_t { FP32, TF32, BF16 };
-const char* math_mode_name(MathMode m);  // "fp32", "tf32", "bf16"
+enum class MathMode : uint8_t { FP32, TF32, BF16, FP16 };
+const char* math_mode_name(MathMode m);  // "fp32", "tf32", "bf16", "fp16"
 MathMode parse_math_mode(const std::string& name);  // throws Error for anything else
 
 // bfloat16 storage: the top 16 bits of an fp32 (layout of CUDA's __nv_bfloat16).
@@ -49,7 +50,8 @@ inline float to_float(bf16 h) {
 // --- GEMM through cuBLAS ---
 
 // cpu::gemm's twin: C (m,n) = alpha * op(A) op(B) + beta * C, row-major, with
-// lda/ldb/ldc the row strides. BF16 converts A and B into bf16 scratch first.
+// lda/ldb/ldc the row strides. BF16 and FP16 use cuBLAS's
+// CUBLAS_COMPUTE_32F_FAST_16BF / _16F: no separate conversion, no scratch.
 void gemm(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m, int64_t n,
           int64_t k, float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
           float beta, float* c, int64_t ldc);
