@@ -75,6 +75,9 @@ class PipelineExecutor {
   // term count (on every pipeline rank).
   double run(const BatchSource& data, int64_t step, int64_t micro_batch,
              int64_t global_batch = 0);
+  // fp16's loss scale: the seed above is multiplied by it (the Trainer
+  // unscales the gradients). 1 unless set.
+  void set_loss_scale(float scale) { loss_scale_ = scale; }
 
   // Parameters this rank updates (GradSync takes the norm over the whole
   // model, counting each parameter once).
@@ -152,6 +155,7 @@ class PipelineExecutor {
   const BatchSource* data_ = nullptr;
   GradSync* sync_ = nullptr;
   int64_t micro_batch_size_ = 0, step_ = 0, global_batch_ = 0;
+  float loss_scale_ = 1.0f;
   std::vector<Tensor> inputs_;       // the data inputs being filled, reused
   std::vector<Tensor> host_inputs_;  // on a device: filled here, then copied up
   double loss_sum_ = 0;

@@ -107,6 +107,24 @@ struct TrainOptions {
   // takes a Nesterov step, buf = momentum buf + delta,
   // parameters = start - outer_lr (delta + momentum buf). steps = 0: off
   // (gradients are reduced every step).
+  // --fp16's loss scaling (Megatron's DynamicGradScaler and flags): the
+  // loss's seed gradient is multiplied by the scale, so that small gradients
+  // survive fp16 GEMM inputs, and the gradients are divided by it before the
+  // norm, clipping and the optimizer. A step whose (global) gradient norm is
+  // not finite overflowed: it updates nothing (parameters, optimizer state
+  // and Adam's step count stay; its data is consumed), and each overflow
+  // after the first `hysteresis` - 1 since the scale last grew halves the
+  // scale, never below `min`. After `window` steps in a row without overflow
+  // the scale doubles. With `fixed` > 0 (--loss-scale) the scale is that
+  // number and never changes; overflowing steps are still skipped.
+  struct LossScale {
+    bool enabled = false;
+    double fixed = 0;
+    double initial = 4294967296.0;  // 2^32
+    double min = 1.0;
+    int64_t window = 1000;
+    int64_t hysteresis = 2;
+  } loss_scale;
   struct LocalSgd {
     int64_t steps = 0;
     bool nesterov = false;
@@ -130,8 +148,13 @@ struct StepRecord {
   double dp_bytes = -1;
   double ps_wait_ms = -1;     // parameter servers: from the push until the parameters were back
   int64_t ps_staleness = -1;  // parameter servers: of this worker's update (PsStep)
-  bool skipped = false;     // a loss spike: the update was not applied (TrainOptions::spike)
-  double spike_mean = 0;    // the recent mean it was compared with
+  bool skipped = false;     // the update was not applied: a loss spike, or an overflow
+  double spike_mean = 0;    // a loss spike: the recent mean it was compared with
+  // --fp16: the loss scale this step's gradients were computed with (0:
+  // no scaling), and whether they overflowed (the step is then skipped).
+  double loss_scale = 0;
+  bool overflow = false;
+  double next_loss_scale = 0;  // the scale after this step's update of it
 
   nlohmann::json json() const;
   std::string line(int64_t train_iters) const;  // the one-line human log
@@ -175,7 +198,8 @@ class Trainer {
   // Runs one step; throws Error naming the step when the loss is not finite.
   StepRecord train_step();
   // Forward and backward of one global batch without an update: the mean loss,
-  // with each parameter's grad holding d(mean loss)/d(param).
+  // with each parameter's grad holding d(mean loss)/d(param), times the loss
+  // scale under TrainOptions::loss_scale (train_step divides it out).
   double compute_gradients(int64_t step);
   // The mean loss over `iters` global batches of `data` (batch k for k = 0 ..
   // iters - 1), on every layout, without reducing gradients or touching the
@@ -191,6 +215,11 @@ class Trainer {
   // checkpoints so that a resumed run decides as the uninterrupted one would.
   nlohmann::json spike_state() const;
   void set_spike_state(const nlohmann::json& state);
+  // The loss scaler's state (scale, clean steps since it last changed,
+  // overflows left before it halves), in checkpoints for a bit-exact resume.
+  nlohmann::json loss_scale_state() const;
+  void set_loss_scale_state(const nlohmann::json& state);
+  double loss_scale() const { return scale_; }
   int64_t micro_batches() const { return micro_batches_; }
 
   // Collective over every rank: a checkpoint of full tensors that any other
@@ -228,6 +257,11 @@ class Trainer {
   std::vector<Tensor> outer_start_, outer_buf_;  // DiLoCo: the period's start, the momentum
   std::deque<double> recent_losses_;  // the loss-spike check's window (updated steps only)
   int64_t skipped_ = 0;               // steps whose update a loss spike skipped
+  bool scaling() const { return opt_.loss_scale.enabled; }
+  void update_loss_scale(bool overflow);
+  double scale_ = 1;             // the loss scale (1 without --fp16)
+  int64_t growth_tracker_ = 0;   // clean steps since the scale last changed or overflowed
+  int64_t hysteresis_left_ = 0;  // overflows left before the scale halves
 };
 
 }  // namespace weft

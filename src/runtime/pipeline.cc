@@ -275,7 +275,8 @@ void PipelineExecutor::backward_input_action(int stage, int mb) {
       if (s.mb.grad(v).defined()) work.grad(v) = s.mb.grad(v);
   }
   if (stage == schedule_.stages() - 1)
-    work.seed_grad(io_.loss, 1.0f / static_cast<float>(global_batch_ * io_.terms_per_sample));
+    work.seed_grad(io_.loss, 1.0f / static_cast<float>(global_batch_ * io_.terms_per_sample) *
+                                 loss_scale_);
   for (int n = end - 1; n >= begin; --n) backward_input(graph_, work, n);
   s.input_grad_done = true;
   if (options_.recompute) {

@@ -21,6 +21,8 @@ nlohmann::json StepRecord::json() const {
   if (ps_wait_ms >= 0) j["ps_wait_ms"] = ps_wait_ms;
   if (ps_staleness >= 0) j["ps_staleness"] = ps_staleness;
   if (skipped) j["skipped"] = true;
+  if (loss_scale > 0) j["loss_scale"] = loss_scale;
+  if (overflow) j["overflow"] = true;
   return j;
 }
 
@@ -32,7 +34,11 @@ std::string StepRecord::line(int64_t train_iters) const {
          (ps_wait_ms >= 0 ? fmt::format(" | waited {:.1f} ms, staleness {}", ps_wait_ms,
                                         ps_staleness)
                           : "") +
-         (skipped ? fmt::format(" | skipped: a loss spike (recent mean {:.4f})", spike_mean) : "");
+         (loss_scale > 0 ? fmt::format(" | loss scale {}", loss_scale) : "") +
+         (overflow ? fmt::format(" | skipped: gradients overflowed (loss scale now {})",
+                                 next_loss_scale)
+          : skipped ? fmt::format(" | skipped: a loss spike (recent mean {:.4f})", spike_mean)
+                    : "");
 }
 
 TokenBatches::TokenBatches(const TokenData& data, int64_t global_batch, int64_t seq_len,
@@ -116,6 +122,26 @@ Trainer::Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, Parallel 
           "the loss-spike check needs a factor > 1 (--spiky-loss-factor {}), a window >= 1 ({}) "
           "and --max-skipped-steps >= 0 ({})",
           opt_.spike.factor, opt_.spike.window, opt_.spike.max_skipped);
+  if (scaling()) {
+    const TrainOptions::LossScale& ls = opt_.loss_scale;
+    check(std::isfinite(ls.fixed) && ls.fixed >= 0, "--loss-scale {} must be positive", ls.fixed);
+    check(std::isfinite(ls.initial) && ls.initial > 0,
+          "--initial-loss-scale {} must be positive and finite", ls.initial);
+    check(std::isfinite(ls.min) && ls.min > 0 && ls.min <= ls.initial,
+          "--min-loss-scale {} must be positive and at most --initial-loss-scale ({})", ls.min,
+          ls.initial);
+    check(ls.window >= 1, "--loss-scale-window {} must be at least 1", ls.window);
+    check(ls.hysteresis >= 1, "--hysteresis {} must be at least 1", ls.hysteresis);
+    // An overflow must be seen alike by every replica, and must not reach
+    // state that outlives the step.
+    check(par.ps == nullptr && opt_.local.steps == 0 &&
+              par.sync.compression == GradCompression::None,
+          "--fp16's loss scaling skips a step when the all-reduced gradients overflow; it "
+          "cannot be combined with --ps-ranks or --local-steps (no all-reduced gradients) or "
+          "--grad-compression (the overflow would enter the error feedback)");
+    scale_ = ls.fixed > 0 ? ls.fixed : ls.initial;
+    hysteresis_left_ = ls.hysteresis;
+  }
   if (!opt_.device.is_cpu()) {
     // A pipeline rank places only the parameters of its own stages.
     place_params(par_.pipeline ? par_.pipeline->params() : graph.params(), opt_.device);
@@ -220,6 +246,7 @@ double Trainer::run_batch(const BatchSource& batches, int64_t step) {
   sync_->begin(micro_batches_);
   double loss = 0;
   if (par_.pipeline != nullptr) {
+    par_.pipeline->set_loss_scale(static_cast<float>(scale_));
     loss = par_.pipeline->run(batches, step, opt_.micro_batch, opt_.global_batch);
   } else {
     const Graph& graph = *g_.graph;
@@ -238,7 +265,7 @@ double Trainer::run_batch(const BatchSource& batches, int64_t step) {
       }
       forward(graph, mb_, 0, n);
       loss_sum += static_cast<double>(ops::item(mb_.value(g_.loss)));
-      mb_.seed_grad(g_.loss, seed);
+      mb_.seed_grad(g_.loss, seed * static_cast<float>(scale_));
       for (int k = n - 1; k >= 0; --k) {
         backward_input(graph, mb_, k);
         backward_weight(graph, mb_, k);
@@ -282,6 +309,11 @@ StepRecord Trainer::train_step() {
     // mean gradient (the loss is seeded for the global batch).
     if (local() && par_.groups.dp_size() > 1)
       for (Param* p : sync_->params()) ops::scale(p->grad, static_cast<float>(par_.groups.dp_size()));
+    if (scaling()) {  // the gradients of the mean loss, from those of scale x the loss
+      r.loss_scale = scale_;
+      const float inv = static_cast<float>(1.0 / scale_);
+      for (Param* p : sync_->params()) ops::scale(p->grad, inv);
+    }
     r.grad_norm = sync_->grad_norm();
     if (par_.pipeline != nullptr) r.bubble_frac = par_.pipeline->bubble_fraction();
     if (par_.groups.dp_size() > 1) {
@@ -289,13 +321,22 @@ StepRecord Trainer::train_step() {
       r.dp_bytes = sync_->stats().bytes_sent;
     }
   }
-  check(std::isfinite(r.loss) && std::isfinite(r.grad_norm),
+  // With loss scaling, a norm that is not finite is an overflow: the step is
+  // skipped. The norm is all-reduced, so every rank decides alike.
+  r.overflow = scaling() && !std::isfinite(r.grad_norm);
+  if (r.overflow) {
+    r.skipped = true;
+    update_loss_scale(true);
+    r.next_loss_scale = scale_;
+  }
+  check(r.overflow || (std::isfinite(r.loss) && std::isfinite(r.grad_norm)),
         "step {}: loss is {} and gradient norm is {}; training diverged (try a lower --lr or "
         "--clip-grad)",
         steps_done_ + 1, r.loss, r.grad_norm);
   r.lr = opt_.lr.at(steps_done_);
   const TrainOptions::SpikeCheck& spike = opt_.spike;
-  if (spike.enabled && static_cast<int64_t>(recent_losses_.size()) == spike.window) {
+  if (spike.enabled && !r.overflow &&
+      static_cast<int64_t>(recent_losses_.size()) == spike.window) {
     double mean = 0;
     for (double l : recent_losses_) mean += l / static_cast<double>(recent_losses_.size());
     // Every rank holds the same loss, so every rank decides alike.
@@ -317,6 +358,10 @@ StepRecord Trainer::train_step() {
       recent_losses_.push_back(r.loss);
       if (static_cast<int64_t>(recent_losses_.size()) > spike.window) recent_losses_.pop_front();
     }
+  }
+  if (scaling() && !r.overflow) {
+    update_loss_scale(false);
+    r.next_loss_scale = scale_;
   }
   ++steps_done_;
   if (local() && steps_done_ % opt_.local.steps == 0) {
@@ -387,7 +432,10 @@ void Trainer::save(const std::string& dir, int64_t keep_last) {
     meta.step = steps_done_;
     meta.consumed_samples = steps_done_ * opt_.global_batch;
     meta.config = opt_.config;
-    if (opt_.spike.enabled) meta.trainer = {{"spike", spike_state()}};
+    meta.trainer = nlohmann::json::object();
+    if (opt_.spike.enabled) meta.trainer["spike"] = spike_state();
+    if (scaling()) meta.trainer["loss_scale"] = loss_scale_state();
+    if (meta.trainer.empty()) meta.trainer = nullptr;
     save_checkpoint(dir, model, optimizer, optimizer_steps, meta);
     prune_checkpoints(dir, keep_last);
   }
@@ -492,6 +540,36 @@ double Trainer::average_replicas() {
   return bytes;
 }
 
+// Megatron's DynamicGradScaler.update: an overflow restarts the growth count
+// and uses up one unit of hysteresis, halving the scale (down to the minimum)
+// once none is left; `window` clean steps in a row double the scale and
+// restore the hysteresis. A fixed scale (--loss-scale) never changes.
+void Trainer::update_loss_scale(bool overflow) {
+  const TrainOptions::LossScale& ls = opt_.loss_scale;
+  if (ls.fixed > 0) return;
+  if (overflow) {
+    growth_tracker_ = 0;
+    if (--hysteresis_left_ <= 0) scale_ = std::max(scale_ * 0.5, ls.min);
+  } else if (++growth_tracker_ == ls.window) {
+    growth_tracker_ = 0;
+    hysteresis_left_ = ls.hysteresis;
+    scale_ *= 2;
+  }
+}
+
+nlohmann::json Trainer::loss_scale_state() const {
+  return {{"scale", scale_}, {"growth_tracker", growth_tracker_},
+          {"hysteresis_left", hysteresis_left_}};
+}
+
+void Trainer::set_loss_scale_state(const nlohmann::json& state) {
+  scale_ = state.at("scale").get<double>();
+  growth_tracker_ = state.at("growth_tracker").get<int64_t>();
+  hysteresis_left_ = state.at("hysteresis_left").get<int64_t>();
+  check(std::isfinite(scale_) && scale_ > 0, "the loss scale {} must be positive", scale_);
+  if (opt_.loss_scale.fixed > 0) scale_ = opt_.loss_scale.fixed;  // --loss-scale wins
+}
+
 nlohmann::json Trainer::spike_state() const {
   return {{"recent_losses", std::vector<double>(recent_losses_.begin(), recent_losses_.end())},
           {"skipped", skipped_}};
@@ -531,6 +609,15 @@ CheckpointSource Trainer::load(const std::string& dir) {
       set_spike_state(c.meta.trainer.at("spike"));
     } catch (const nlohmann::json::exception& e) {
       throw Error("--load {}: meta.json's trainer.spike is malformed: {}", dir, e.what());
+    }
+  }
+  // A checkpoint of an fp16 run resumes its scaler; one without starts the
+  // scaler afresh.
+  if (scaling() && c.meta.trainer.is_object() && c.meta.trainer.contains("loss_scale")) {
+    try {
+      set_loss_scale_state(c.meta.trainer.at("loss_scale"));
+    } catch (const nlohmann::json::exception& e) {
+      throw Error("--load {}: meta.json's trainer.loss_scale is malformed: {}", dir, e.what());
     }
   }
   return c.source;
