@@ -223,6 +223,9 @@ struct Args {
   std::string device = "auto";
   std::string comm_backend = "auto";
   bool tf32 = false, bf16 = false, fp16 = false;
+  // fp16's loss scaling (Megatron's flags and defaults; 0: dynamic).
+  double loss_scale = 0, initial_loss_scale = 4294967296.0, min_loss_scale = 1.0;
+  int64_t loss_scale_window = 1000, hysteresis = 2;
   // Parallelism (Megatron's names; dp = world / (tp x pp)).
   int tp = 1, pp = 1;
   std::string schedule = "1f1b";
@@ -335,6 +338,9 @@ struct PipelineSetup {
 weft::Device resolve_device(const Args& a, int world, bool& staged, bool& nccl) {
   using namespace weft;
   check(!(a.bf16 && a.fp16), "--bf16 and --fp16 are mutually exclusive: choose one");
+  check(!a.tf32 || (!a.bf16 && !a.fp16),
+        "--tf32 changes nothing with --{}: every GEMM takes {} inputs", a.bf16 ? "bf16" : "fp16",
+        a.bf16 ? "bf16" : "fp16");
   check(a.device == "auto" || a.device == "cpu" || a.device == "cuda",
         "--device '{}' must be cpu, cuda or auto", a.device);
   check(a.comm_backend == "auto" || a.comm_backend == "mpi" || a.comm_backend == "nccl",
@@ -354,10 +360,6 @@ weft::Device resolve_device(const Args& a, int world, bool& staged, bool& nccl) 
     check(gpus > 0, "--device cuda: no CUDA device is visible (see nvidia-smi and "
                     "CUDA_VISIBLE_DEVICES)");
   }
-  check(!a.bf16 && !a.fp16,
-        "--{} is not available yet: the engine computes in fp32 (--tf32 on a GPU for tensor "
-        "cores)",
-        a.bf16 ? "bf16" : "fp16");
   if (kind != "cuda") return Device::cpu();
   const LaunchInfo launch = detect_launch();
   const DeviceTransport transport =
@@ -917,6 +919,38 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   check(std::isfinite(a.spiky_loss_factor) && a.spiky_loss_factor > 1,
         "--spiky-loss-factor ({}) must be a number > 1", a.spiky_loss_factor);
   check(a.max_skipped_steps >= 0, "--max-skipped-steps ({}) must be >= 0", a.max_skipped_steps);
+  // fp16's loss scaling: Megatron's flags, refused where they would do nothing.
+  {
+    const bool dynamic_flags = app.count("--initial-loss-scale") || app.count("--min-loss-scale") ||
+                               app.count("--loss-scale-window") || app.count("--hysteresis");
+    check(a.fp16 || (!app.count("--loss-scale") && !dynamic_flags),
+          "--loss-scale, --initial-loss-scale, --min-loss-scale, --loss-scale-window and "
+          "--hysteresis set fp16's loss scaling: they need --fp16");
+    check(!app.count("--loss-scale") || (std::isfinite(a.loss_scale) && a.loss_scale > 0),
+          "--loss-scale ({}) must be a positive number", a.loss_scale);
+    check(!app.count("--loss-scale") || !dynamic_flags,
+          "--initial-loss-scale, --min-loss-scale, --loss-scale-window and --hysteresis shape "
+          "the dynamic loss scale, which --loss-scale {} replaces by a fixed one",
+          a.loss_scale);
+    check(std::isfinite(a.initial_loss_scale) && a.initial_loss_scale > 0,
+          "--initial-loss-scale ({}) must be a positive number", a.initial_loss_scale);
+    check(std::isfinite(a.min_loss_scale) && a.min_loss_scale > 0 &&
+              a.min_loss_scale <= a.initial_loss_scale,
+          "--min-loss-scale ({}) must be positive and at most --initial-loss-scale ({})",
+          a.min_loss_scale, a.initial_loss_scale);
+    check(a.loss_scale_window >= 1, "--loss-scale-window ({}) must be at least 1",
+          a.loss_scale_window);
+    check(a.hysteresis >= 1, "--hysteresis ({}) must be at least 1", a.hysteresis);
+    check(!a.fp16 || (a.ps_ranks == 0 && a.local_steps == 0 && a.grad_compression == "none"),
+          "--fp16 skips a step when the all-reduced gradients overflow: it cannot be combined "
+          "with {}",
+          a.ps_ranks > 0      ? fmt::format("--ps-ranks {} (the servers step)", a.ps_ranks)
+          : a.local_steps > 0 ? fmt::format("--local-steps {} (gradients are not all-reduced)",
+                                            a.local_steps)
+                              : fmt::format("--grad-compression {} (the overflow would enter its "
+                                            "error feedback)",
+                                            a.grad_compression));
+  }
   check(a.eval_interval > 0 || !app.count("--eval-iters"),
         "--eval-iters sets the batches of each validation: it needs --eval-interval");
   check(a.sample > 0 || a.tokenizer.empty(), "--tokenizer decodes samples: it needs --sample N");
@@ -1022,7 +1056,17 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   opt.spike.enabled = a.check_spiky_loss;
   opt.spike.factor = a.spiky_loss_factor;
   opt.spike.max_skipped = a.max_skipped_steps;
+  // Mixed precision rounds every GEMM's inputs; weights, activations between
+  // ops, gradients and optimizer state stay fp32 (weft/ops.h).
   if (a.tf32) ops::set_matmul_precision(setup.device, ops::MatmulPrecision::Tf32);
+  if (a.bf16) ops::set_matmul_precision(setup.device, ops::MatmulPrecision::Bf16);
+  if (a.fp16) ops::set_matmul_precision(setup.device, ops::MatmulPrecision::Fp16);
+  opt.loss_scale.enabled = a.fp16;
+  opt.loss_scale.fixed = a.loss_scale;
+  opt.loss_scale.initial = a.initial_loss_scale;
+  opt.loss_scale.min = a.min_loss_scale;
+  opt.loss_scale.window = a.loss_scale_window;
+  opt.loss_scale.hysteresis = a.hysteresis;
   opt.config = {{"num_layers", cfg.num_layers},   {"hidden_size", cfg.hidden_size},
                 {"num_heads", cfg.num_heads},     {"seq_length", cfg.seq_length},
                 {"vocab_size", cfg.vocab_size},   {"max_positions", cfg.positions()},
@@ -1179,8 +1223,15 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
              cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.seq_length, cfg.vocab_size,
              graph.param_count() - padding * cfg.hidden_size * (llama ? 2 : 1), a.micro_batch,
              global / a.micro_batch, global,
-             setup.device.is_cpu() ? fmt::format("threads {}", get_threads())
-                                   : fmt::format("{}{}", setup.device.str(), a.tf32 ? " tf32" : ""),
+             setup.device.is_cpu()
+                 ? fmt::format("threads {}{}", get_threads(),
+                               a.bf16 || a.fp16
+                                   ? fmt::format(" {} (emulated on the CPU: GEMM inputs rounded, "
+                                                 "slower than fp32)",
+                                                 a.bf16 ? "bf16" : "fp16")
+                                   : "")
+                 : fmt::format("{}{}", setup.device.str(),
+                               a.tf32 ? " tf32" : a.bf16 ? " bf16" : a.fp16 ? " fp16" : ""),
              a.data_path, data.size(), entropy);
   if (rank0 && !a.adopted_note.empty()) fmt::print("{}\n", a.adopted_note);
   if (trainer.steps_done() > 0 && rank0)
@@ -1491,8 +1542,22 @@ int main(int argc, char** argv) {
                  "auto, mpi or nccl: how ranks on GPUs exchange tensors (mpi: staged through "
                  "host memory, which works when ranks share a GPU)");
   app.add_flag("--tf32", a.tf32, "GEMMs on tensor cores with TF32 inputs (--device cuda)");
-  app.add_flag("--bf16", a.bf16, "bf16 compute with fp32 master weights (not available yet)");
-  app.add_flag("--fp16", a.fp16, "fp16 compute with a dynamic loss scale (not available yet)");
+  app.add_flag("--bf16", a.bf16,
+               "mixed precision: GEMM inputs rounded to bf16, fp32 master weights, gradients "
+               "and optimizer state (emulated on the CPU)");
+  app.add_flag("--fp16", a.fp16,
+               "mixed precision: GEMM inputs rounded to fp16, with a dynamic loss scale "
+               "(emulated on the CPU)");
+  app.add_option("--loss-scale", a.loss_scale,
+                 "with --fp16: a fixed loss scale instead of the dynamic one");
+  app.add_option("--initial-loss-scale", a.initial_loss_scale,
+                 "with --fp16: the dynamic loss scale's start (2^32)");
+  app.add_option("--min-loss-scale", a.min_loss_scale,
+                 "with --fp16: the dynamic loss scale's floor (1)");
+  app.add_option("--loss-scale-window", a.loss_scale_window,
+                 "with --fp16: steps without overflow before the loss scale doubles (1000)");
+  app.add_option("--hysteresis", a.hysteresis,
+                 "with --fp16: overflows before the loss scale halves (2)");
   app.add_option("--tensor-model-parallel-size,--tp", a.tp, "tensor-parallel ranks");
   app.add_option("--pipeline-model-parallel-size,--pp", a.pp, "pipeline ranks");
   app.add_option("--schedule", a.schedule,

@@ -108,7 +108,7 @@ TEST_F(Cli, DeviceAndPrecisionFlags) {
   expect_error(toy("--bf16 --fp16"), {"--bf16 and --fp16 are mutually exclusive"});
   expect_error(toy("--device tpu"), {"--device 'tpu' must be cpu, cuda or auto"});
   expect_error(toy("--device cpu --tf32"), {"--tf32 needs --device cuda"});
-  expect_error(toy("--device cpu --bf16"), {"--bf16 is not available yet"});
+  expect_error(toy("--device cuda --tf32 --bf16"), {"--tf32 changes nothing with --bf16"});
   expect_error(toy("--comm-backend gloo"), {"--comm-backend 'gloo' must be auto, mpi or nccl"});
   expect_error(toy("--device cpu --comm-backend nccl"),
                {"--comm-backend nccl carries GPU tensors: it needs --device cuda"});
@@ -121,6 +121,49 @@ TEST_F(Cli, DeviceAndPrecisionFlags) {
   Result r = run(toy("--device auto --train-iters 1"));
   EXPECT_EQ(r.code, 0) << r.err;
   EXPECT_TRUE(testing::contains(r.out, "| threads ")) << r.out;
+}
+
+// --bf16 and --fp16 on the CPU: emulated, and the log says so; fp16's loss
+// scale is logged per step, and its flags are refused without --fp16 or with
+// values that break Megatron's rules.
+TEST_F(Cli, MixedPrecisionFlags) {
+  for (const char* flag : {"--loss-scale 1024", "--initial-loss-scale 65536",
+                           "--min-loss-scale 2", "--loss-scale-window 10", "--hysteresis 1"})
+    expect_error(toy(flag), {"set fp16's loss scaling: they need --fp16"});
+  expect_error(toy("--bf16 --loss-scale 8"), {"they need --fp16"});
+  expect_error(toy("--fp16 --loss-scale 0"), {"--loss-scale (0) must be a positive number"});
+  expect_error(toy("--fp16 --loss-scale -4"), {"--loss-scale (-4) must be a positive number"});
+  expect_error(toy("--fp16 --loss-scale 8 --hysteresis 3"),
+               {"shape the dynamic loss scale, which --loss-scale 8 replaces by a fixed one"});
+  expect_error(toy("--fp16 --initial-loss-scale 0"),
+               {"--initial-loss-scale (0) must be a positive number"});
+  expect_error(toy("--fp16 --min-loss-scale 0"), {"--min-loss-scale (0) must be positive"});
+  expect_error(toy("--fp16 --initial-loss-scale 4 --min-loss-scale 8"),
+               {"--min-loss-scale (8) must be positive and at most --initial-loss-scale (4)"});
+  expect_error(toy("--fp16 --loss-scale-window 0"),
+               {"--loss-scale-window (0) must be at least 1"});
+  expect_error(toy("--fp16 --hysteresis 0"), {"--hysteresis (0) must be at least 1"});
+  expect_error(toy("--fp16 --local-steps 2 --train-iters 2"),
+               {"--fp16 skips a step when the all-reduced gradients overflow",
+                "--local-steps 2"});
+
+  Result r = run(toy("--bf16 --train-iters 2"));
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "bf16 (emulated on the CPU")) << r.out;
+  // The default scale, 2^32, overflows fp16 at once: the first step is
+  // skipped and logged so.
+  const std::string jsonl = dir_ + "/fp16.jsonl";
+  r = run(toy("--fp16 --train-iters 3 --log-interval 1 --log-jsonl " + jsonl));
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "fp16 (emulated on the CPU")) << r.out;
+  EXPECT_TRUE(testing::contains(r.out, "skipped: gradients overflowed")) << r.out;
+  std::istringstream lines(read_file(jsonl));
+  std::string line;
+  std::getline(lines, line);  // the header
+  ASSERT_TRUE(std::getline(lines, line));
+  const nlohmann::json first = nlohmann::json::parse(line);
+  EXPECT_EQ(first.value("loss_scale", 0.0), 4294967296.0) << line;
+  EXPECT_EQ(first.value("skipped", false), true) << line;
 }
 
 // Token data samples decode through an llm.c tokenizer file; without one the
