@@ -52,7 +52,8 @@ void attention_forward(const float* qkv, float* out, float* probs, int64_t b, in
 // order, so their dK and dV sums need no atomics and do not depend on the
 // thread count.
 void attention_backward(const float* dout, const float* qkv, const float* probs, float* dqkv,
-                        float* scratch, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d, Rounding r) {
+                        float* scratch, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d,
+                        Rounding r) {
   const int64_t c = h * d, ld = (h + 2 * g) * d, per_group = h / g;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
 #pragma omp parallel for schedule(static)
