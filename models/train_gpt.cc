@@ -663,6 +663,21 @@ void adopt_checkpoint_args(Args& a, const CLI::App& app) {
         [&](const nlohmann::json& v) { a.global_batch = v.get<int64_t>(); });
   field("seed", "--seed", app.count("--seed") > 0, a.seed,
         [&](const nlohmann::json& v) { a.seed = v.get<int64_t>(); });
+  // Mixed precision: a resume that names none takes the checkpoint's (an
+  // fp16 run's loss scale resumes with it); one named on the command line
+  // wins, since a run may change its precision.
+  if (saved.contains("precision") && !a.bf16 && !a.fp16 && !a.tf32) {
+    const nlohmann::json& p = saved["precision"];
+    check(p == "fp32" || p == "bf16" || p == "fp16",
+          "--load {}: {}'s config.precision {} is not \"fp32\", \"bf16\" or \"fp16\"",
+          a.resume_from, where, p.dump());
+    if (p != "fp32") {
+      (p == "bf16" ? a.bf16 : a.fp16) = true;
+      const std::string flag = "--" + p.get<std::string>();
+      a.from_checkpoint.insert(flag);
+      adopted.push_back(flag);
+    }
+  }
   if (!adopted.empty())
     a.adopted_note = fmt::format("from the checkpoint ({}): {}", where, fmt::join(adopted, " "));
 }
@@ -1075,7 +1090,8 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
                 {"seed", a.seed},
                 {"data_path", std::filesystem::absolute(a.data_path).string()},
                 {"arch", a.arch},
-                {"optimizer", weft::optimizer_name(weft::parse_optimizer(a.optimizer))}};
+                {"optimizer", weft::optimizer_name(weft::parse_optimizer(a.optimizer))},
+                {"precision", a.bf16 ? "bf16" : a.fp16 ? "fp16" : "fp32"}};
   if (llama) {
     opt.config["ffn_hidden_size"] = llama_config(a, cfg).ffn();
     opt.config["rotary_base"] = a.rotary_base;

@@ -164,6 +164,22 @@ TEST_F(Cli, MixedPrecisionFlags) {
   const nlohmann::json first = nlohmann::json::parse(line);
   EXPECT_EQ(first.value("loss_scale", 0.0), 4294967296.0) << line;
   EXPECT_EQ(first.value("skipped", false), true) << line;
+
+  // A resume that names no precision takes the checkpoint's, with its loss
+  // scale: two overflows (the first kept by the hysteresis) leave 2^31.
+  const std::string ckpt = dir_ + "/ckpt", resumed = dir_ + "/resumed.jsonl";
+  r = run(toy("--fp16 --train-iters 2 --save " + ckpt));
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = run(toy("--train-iters 3 --save " + ckpt + " --log-jsonl " + resumed));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "from the checkpoint") &&
+              testing::contains(r.out, "--fp16") &&
+              testing::contains(r.out, "fp16 (emulated on the CPU"))
+      << r.out;
+  const std::vector<nlohmann::json> steps = testing::jsonl_steps(resumed);
+  ASSERT_EQ(steps.size(), 1u);
+  EXPECT_EQ(steps[0].value("step", 0), 3);
+  EXPECT_EQ(steps[0].value("loss_scale", 0.0), 2147483648.0) << steps[0].dump();
 }
 
 // Token data samples decode through an llm.c tokenizer file; without one the
