@@ -3,6 +3,7 @@
 #include <weft/checkpoint.h>
 #include <weft/layout.h>
 #include <weft/local_communicator.h>
+#include <weft/ops.h>
 #include <weft/threads.h>
 #include <weft/trainer.h>
 
@@ -260,20 +261,33 @@ TEST(Train, TheLossSpikeStateResumes) {
 }
 
 TEST(Train, SteadyStateStepAllocatesNothing) {
-  TokenData data = text_data();
-  TokenBatches batches(data, 4, small_config().seq_length);
-  GptModel m = build_gpt(small_config(), 2);
-  init_gpt(m, 1);
-  Trainer t(m.io, batches, train_options(2, 4));
-  t.train_step();  // plans the arena
-  t.train_step();
-  const size_t arena_allocs = t.micro_batch_state().arena().system_allocations();
-  const long before = g_allocations.load();
-  t.train_step();
-  t.train_step();
-  EXPECT_EQ(g_allocations.load() - before, 0);
-  EXPECT_EQ(t.micro_batch_state().arena().system_allocations(), arena_allocs);
-  EXPECT_LE(arena_allocs, 3u);
+  // In fp32, and with the CPU's bf16 and fp16 GEMMs (their rounded operand
+  // copies are per-thread scratch that stays) and fp16's loss scale.
+  struct Restore {
+    ~Restore() { ops::set_matmul_precision(Device::cpu(), ops::MatmulPrecision::Fp32); }
+  } restore;
+  for (ops::MatmulPrecision p : {ops::MatmulPrecision::Fp32, ops::MatmulPrecision::Bf16,
+                                 ops::MatmulPrecision::Fp16}) {
+    ops::set_matmul_precision(Device::cpu(), p);
+    TokenData data = text_data();
+    TokenBatches batches(data, 4, small_config().seq_length);
+    GptModel m = build_gpt(small_config(), 2);
+    init_gpt(m, 1);
+    TrainOptions o = train_options(2, 4);
+    o.loss_scale.enabled = p == ops::MatmulPrecision::Fp16;
+    o.loss_scale.initial = 1024;
+    Trainer t(m.io, batches, o);
+    t.train_step();  // plans the arena
+    t.train_step();
+    const size_t arena_allocs = t.micro_batch_state().arena().system_allocations();
+    const long before = g_allocations.load();
+    t.train_step();
+    t.train_step();
+    const std::string what = ops::matmul_precision_name(p);
+    EXPECT_EQ(g_allocations.load() - before, 0) << what;
+    EXPECT_EQ(t.micro_batch_state().arena().system_allocations(), arena_allocs) << what;
+    EXPECT_LE(arena_allocs, 3u) << what;
+  }
 }
 
 TEST(Train, LearningRateSchedule) {

@@ -36,6 +36,9 @@ namespace {
 template <Rounding R>
 void round_copy(const float* x, int64_t rows, int64_t cols, int64_t ld, std::vector<float>& out) {
   out.resize(static_cast<size_t>(rows * cols));
+  // Element by element, so threads change nothing but the time (inside the
+  // attention's parallel loop this runs on the calling thread).
+#pragma omp parallel for schedule(static) if (rows * cols >= (int64_t{1} << 16))
   for (int64_t i = 0; i < rows; ++i) {
     const float* src = x + i * ld;
     float* dst = out.data() + i * cols;
