@@ -211,6 +211,38 @@ TEST(MpiLlama, Pp2Tp2GivesTheSingleProcessLosses) {
   }
 }
 
+// --fp16 on real processes at dp 2 x pp 2: the skip decision comes from the
+// all-reduced gradient norm, so the job skips exactly the steps one process
+// skips (the default 2^32 scale overflows at first, then halves), with the
+// same scales, and its losses are one process's to the fp32 layout
+// tolerance (1e-5; test_precision holds the threads' layouts to the same).
+TEST(MpiMixedPrecision, Fp16AtDp2Pp2SkipsWhereOneProcessDoes) {
+  const std::string dir = testing::temp_dir("mpi-fp16");
+  std::string text;
+  for (int i = 0; i < 60; ++i) text += "It is a truth universally acknowledged, that a single. ";
+  testing::write_file(dir + "/text.txt", text);
+  const std::string flags =
+      "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+      "--micro-batch-size 1 --global-batch-size 4 --train-iters 16 --lr 3e-3 --fp16 "
+      "--loss-scale-window 4 --threads 1 --comm-timeout 60 --data-path " + dir + "/text.txt";
+  const testing::TrainRun one = testing::run_train_gpt(1, flags, dir);
+  ASSERT_TRUE(one.ok) << one.output;
+  const testing::TrainRun four = testing::run_train_gpt(4, flags + " --pp 2", dir);
+  ASSERT_TRUE(four.ok) << four.command << "\n" << four.output;
+  ASSERT_EQ(four.records.size(), one.records.size());
+  int skipped = 0;
+  for (size_t s = 0; s < one.records.size(); ++s) {
+    const nlohmann::json &a = one.records[s], &b = four.records[s];
+    EXPECT_EQ(b.value("skipped", false), a.value("skipped", false)) << "step " << s + 1;
+    EXPECT_EQ(b.value("loss_scale", 0.0), a.value("loss_scale", 0.0)) << "step " << s + 1;
+    const double loss = a["loss"];
+    EXPECT_NEAR(b["loss"].get<double>(), loss, 1e-5 * loss) << "step " << s + 1;
+    skipped += a.value("skipped", false);
+  }
+  EXPECT_GT(skipped, 0);
+  EXPECT_FALSE(one.records.back().value("skipped", false)) << "the scale never fitted";
+}
+
 // Polls `done` every 20 ms for up to two minutes; its last answer.
 bool wait_for(const std::function<bool()>& done) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
