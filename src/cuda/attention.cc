@@ -5,8 +5,9 @@
 // group, so that every (batch, head) pair is one matrix of a strided batched cuBLAS
 // GEMM; the scores are materialised (B, H, T, T) exactly as the CPU layer keeps
 // them, which makes the two paths comparable element by element and the
-// backward pass a plain sequence of GEMMs. (A fused flash-style kernel, e.g.
-// cuDNN's SDPA, would avoid the T x T memory; see README's CUDA section.)
+// backward pass a plain sequence of GEMMs. The fused alternative, cuDNN's
+// flash attention without the T x T memory, is src/cuda/fused_attention.cc
+// (ops::AttentionBackend).
 //
 //   forward:  S = q k^T / sqrt(D); P = causal_softmax(S); o = P v
 //   backward: dP = dO v^T; dv += P^T dO; dS = P * (dP - rowsum(P * dP));

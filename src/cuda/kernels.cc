@@ -270,4 +270,10 @@ void to_float(Context& ctx, const bf16* x, float* y, int64_t n) {
   WEFT_LAUNCH_CHECK("to_float");
 }
 
+void add_bf16(Context& ctx, const bf16* x, float* y, int64_t n) {
+  if (n == 0) return;
+  launch::add_bf16(prepare(ctx), reinterpret_cast<const uint16_t*>(x), y, n);
+  WEFT_LAUNCH_CHECK("add_bf16");
+}
+
 }  // namespace weft::cuda

@@ -498,6 +498,11 @@ __global__ void to_float_kernel(const __nv_bfloat16* x, float* y, int64_t n) {
     y[i] = __bfloat162float(x[i]);
 }
 
+__global__ void add_bf16_kernel(const __nv_bfloat16* x, float* y, int64_t n) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    y[i] += __bfloat162float(x[i]);
+}
 
 // Rows per block for the one-warp-per-row kernels.
 constexpr int kRowsPerBlock = kThreads / kWarp;
@@ -672,6 +677,11 @@ void to_bf16(cudaStream_t s, const float* x, uint16_t* y, int64_t n) {
 
 void to_float(cudaStream_t s, const uint16_t* x, float* y, int64_t n) {
   to_float_kernel<<<blocks_for(n), kThreads, 0, s>>>(reinterpret_cast<const __nv_bfloat16*>(x), y,
+                                                     n);
+}
+
+void add_bf16(cudaStream_t s, const uint16_t* x, float* y, int64_t n) {
+  add_bf16_kernel<<<blocks_for(n), kThreads, 0, s>>>(reinterpret_cast<const __nv_bfloat16*>(x), y,
                                                      n);
 }
 

@@ -81,6 +81,7 @@ void reduce(cudaStream_t s, const float* x, int64_t n, bool square, double* part
 // --- bf16 ---
 void to_bf16(cudaStream_t s, const float* x, uint16_t* y, int64_t n);
 void to_float(cudaStream_t s, const uint16_t* x, float* y, int64_t n);
+void add_bf16(cudaStream_t s, const uint16_t* x, float* y, int64_t n);  // y += x
 
 // --- attention pieces (src/cuda/attention.cu) ---
 // qkv (B, T, (H + 2G) D) -> q, k, v (B, H, T, D): query head i gets key/value

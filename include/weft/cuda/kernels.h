@@ -175,5 +175,22 @@ double sum_squares_to_host(Context& ctx, const float* x, int64_t n);
 // --- bf16 conversion, round to nearest even ---
 void to_bf16(Context& ctx, const float* x, bf16* y, int64_t n);
 void to_float(Context& ctx, const bf16* x, float* y, int64_t n);
+void add_bf16(Context& ctx, const bf16* x, float* y, int64_t n);  // y += float(x)
+
+// --- fused causal attention: cuDNN's flash attention (src/cuda/fused_attention.cc) ---
+// Only in builds with cuDNN (WEFT_CUDNN in weft_config.h). The layout of
+// attention_forward above; q, k, v rounded to bf16, fp32 softmax statistics,
+// outputs rounded to bf16 and widened. D must be a multiple of 8, at most 128.
+
+// lse (B, H, T) = log sum_j exp(q_i k_j / sqrt(D)) over the causal j <= i:
+// what the backward needs instead of the probabilities.
+void fused_attention_forward(Context& ctx, const float* qkv, float* out, float* lse, int64_t b,
+                             int64_t t, int64_t h, int64_t g, int64_t d);
+// dqkv += gradient; out and lse as the forward left them.
+void fused_attention_backward(Context& ctx, const float* dout, const float* qkv, const float* out,
+                              const float* lse, float* dqkv, int64_t b, int64_t t, int64_t h,
+                              int64_t g, int64_t d);
+// How many cuDNN graphs (one per shape and direction) this device has built.
+size_t fused_attention_graphs(Context& ctx);
 
 }  // namespace weft::cuda
