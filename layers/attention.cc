@@ -8,7 +8,11 @@ namespace weft {
 namespace {
 struct Ctx : LayerCtx {
   Tensor qkv;    // (B, T, (H + 2G) D)
-  Tensor probs;  // (B, H, T, T)
+  Tensor probs;  // (B, H, T, T), unfused
+  // Fused (cuDNN): the row log-sum-exp (B, H, T) instead of probs, and the
+  // output, which the runner keeps until the micro-batch's backward is done.
+  bool fused = false;
+  Tensor lse, out;
 };
 }  // namespace
 
@@ -52,6 +56,17 @@ void CausalSelfAttention::forward(LayerCtx& ctx_, Arena& arena, std::span<const 
   auto& ctx = static_cast<Ctx&>(ctx_);
   const int64_t b = in[0].dim(0), t = in[0].dim(1);
   ctx.qkv = in[0];
+  // The method is the device's (ops::set_attention_backend), chosen again at
+  // every forward and kept for this micro-batch's backward.
+  ctx.fused = ops::attention_uses_fused(in[0].device(), in[0].dim(2) / (heads_ + 2 * groups_));
+  if (ctx.fused) {
+    ctx.lse = arena.alloc({b, heads_, t});
+    ctx.out = out[0];
+    ctx.probs = Tensor();
+    ops::attention_forward_fused(in[0], out[0], ctx.lse, heads_, groups_);
+    return;
+  }
+  ctx.lse = ctx.out = Tensor();
   ctx.probs = arena.alloc({b, heads_, t, t});
   ops::attention_forward(in[0], out[0], ctx.probs, heads_, groups_);
 }
@@ -61,6 +76,11 @@ void CausalSelfAttention::backward_input(LayerCtx& ctx_, Arena& arena,
                                          std::span<const Tensor> grad_in) {
   auto& ctx = static_cast<Ctx&>(ctx_);
   if (!grad_in[0].defined()) return;
+  if (ctx.fused) {
+    ops::attention_backward_fused(grad_out[0], ctx.qkv, ctx.out, ctx.lse, grad_in[0], heads_,
+                                  groups_);
+    return;
+  }
   const int64_t b = ctx.qkv.dim(0), t = ctx.qkv.dim(1);
   Tensor scratch = arena.alloc({b, heads_, t, t});
   ops::attention_backward(grad_out[0], ctx.qkv, ctx.probs, grad_in[0], scratch, heads_, groups_);

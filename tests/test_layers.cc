@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <weft/arena.h>
 #include <weft/layer.h>
+#include <weft/ops.h>
 #include <weft/param.h>
 #include <weft/tensor.h>
 
@@ -926,6 +927,34 @@ TEST(CausalSelfAttention, HeadsMustDivideWidth) {
   const Shape bad{kB, kT, 3 * kC}, good{kB, kT, 3 * 9};
   EXPECT_THROW(attn.output_shapes(std::span<const Shape>(&bad, 1)), Error);
   EXPECT_EQ(attn.output_shapes(std::span<const Shape>(&good, 1))[0], (Shape{kB, kT, 9}));
+}
+
+// The CPU has one attention method: the fused one (cuDNN's) is refused
+// there, and the CPU layer keeps its probs (B, H, T, T) whatever is asked.
+TEST(CausalSelfAttention, CpuIsAlwaysUnfused) {
+  const Device cpu = Device::cpu();
+  EXPECT_TRUE(testing::contains(
+      testing::error_message([&] { ops::set_attention_backend(cpu, ops::AttentionBackend::Fused); }),
+      "fused attention is cuDNN's, for CUDA devices"));
+  ops::set_attention_backend(cpu, ops::AttentionBackend::Unfused);  // accepted: it is what runs
+  EXPECT_EQ(ops::attention_backend(cpu), ops::AttentionBackend::Unfused);
+  EXPECT_FALSE(ops::attention_uses_fused(cpu, 64));
+  Tensor qkv = Tensor::zeros({1, 4, 3 * 16}), out = Tensor::zeros({1, 4, 16});
+  Tensor lse = Tensor::zeros({1, 2, 4});
+  EXPECT_TRUE(testing::contains(
+      testing::error_message([&] { ops::attention_forward_fused(qkv, out, lse, 2, 2); }),
+      "attention_forward_fused on cpu"));
+  CausalSelfAttention attn(2);
+  Arena arena;
+  auto ctx = attn.make_ctx();
+  Tensor in[1] = {qkv}, outs[1] = {out};
+  attn.forward(*ctx, arena, in, outs);
+  EXPECT_EQ(arena.used(), Arena::bytes_for({1, 2, 4, 4}));
+  EXPECT_EQ(std::string(ops::attention_backend_name(ops::parse_attention_backend("fused"))),
+            "fused");
+  EXPECT_TRUE(testing::contains(
+      testing::error_message([] { ops::parse_attention_backend("flash"); }),
+      "attention backend 'flash' is not one of auto, unfused, fused"));
 }
 
 TEST(Linear, ShapesAndParams) {

@@ -24,6 +24,7 @@
 #include <weft/tensor.h>
 
 #include <cstdint>
+#include <string>
 
 namespace weft::ops {
 
@@ -114,6 +115,35 @@ void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs
 // dqkv += gradient; scratch holds B*H*T*T floats.
 void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
                         const Tensor& dqkv, const Tensor& scratch, int64_t heads, int64_t groups);
+
+// Which method computes attention on a device (set once, before training):
+//   Unfused: the scores q k^T materialised, probs (B, H, T, T) kept for the
+//            backward; fp32 (or the GEMMs' precision). The only one on a CPU.
+//   Fused:   cuDNN's fused flash attention: q, k, v rounded to bf16, fp32
+//            softmax statistics, no T x T tensor; only the row log-sum-exp
+//            (B, H, T) kept. CUDA builds with cuDNN only (fused_attention_built),
+//            head size a multiple of 8, at most 128.
+//   Auto:    Fused where the GEMMs run in bf16 (MatmulPrecision::Bf16), the
+//            build has it and the head size suits it; Unfused otherwise.
+enum class AttentionBackend : uint8_t { Auto, Unfused, Fused };
+const char* attention_backend_name(AttentionBackend b);  // "auto", "unfused", "fused"
+AttentionBackend parse_attention_backend(const std::string& name);  // throws Error otherwise
+// Throws Error for Fused on a CPU or in a build without cuDNN fused attention.
+void set_attention_backend(Device device, AttentionBackend backend);
+AttentionBackend attention_backend(Device device);
+// Whether this build has cuDNN's fused attention (CUDA and cuDNN found at set-up).
+bool fused_attention_built();
+// Whether attention of head size `head_size` on `device` runs fused: Auto resolved.
+bool attention_uses_fused(Device device, int64_t head_size);
+
+// The fused forward: out as attention_forward; lse (B, H, T) = the log-sum-exp
+// of each row of the scaled, causally masked scores, all the backward needs.
+void attention_forward_fused(const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                             int64_t heads, int64_t groups);
+// dqkv += gradient; out and lse as attention_forward_fused left them.
+void attention_backward_fused(const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                              const Tensor& lse, const Tensor& dqkv, int64_t heads,
+                              int64_t groups);
 
 // --- token and position embedding over a vocabulary slice ---
 // wte holds the rows of tokens [first, first + wte.rows); a token outside

@@ -437,6 +437,107 @@ void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& pro
       });
 }
 
+namespace {
+
+std::array<std::atomic<AttentionBackend>, kMaxDevices> g_attention{};
+
+// The head sizes cuDNN's fused attention takes (src/cuda/fused_attention.cc checks them too).
+bool fused_head_size_ok(int64_t d) { return d % 8 == 0 && d <= 128; }
+
+}  // namespace
+
+const char* attention_backend_name(AttentionBackend b) {
+  switch (b) {
+    case AttentionBackend::Auto: return "auto";
+    case AttentionBackend::Unfused: return "unfused";
+    case AttentionBackend::Fused: return "fused";
+  }
+  return "?";
+}
+
+AttentionBackend parse_attention_backend(const std::string& name) {
+  for (AttentionBackend b :
+       {AttentionBackend::Auto, AttentionBackend::Unfused, AttentionBackend::Fused})
+    if (name == attention_backend_name(b)) return b;
+  throw Error("attention backend '{}' is not one of auto, unfused, fused", name);
+}
+
+bool fused_attention_built() { return WEFT_CUDA && WEFT_CUDNN; }
+
+void set_attention_backend(Device device, AttentionBackend backend) {
+  check(device.index >= 0 && device.index < kMaxDevices, "device index {} is out of [0, {})",
+        device.index, kMaxDevices);
+  if (backend == AttentionBackend::Fused) {
+    check(!device.is_cpu(),
+          "fused attention is cuDNN's, for CUDA devices: the CPU computes attention unfused");
+    check(fused_attention_built(),
+          "fused attention: weft was built without cuDNN's fused attention (it needs CUDA, "
+          "cuDNN and the cudnn-frontend headers of scripts/cudnn-frontend.sh at set-up)");
+  }
+  if (!device.is_cpu()) g_attention[static_cast<size_t>(device.index)] = backend;
+}
+
+AttentionBackend attention_backend(Device device) {
+  if (device.is_cpu() || device.index < 0 || device.index >= kMaxDevices)
+    return AttentionBackend::Unfused;
+  return g_attention[static_cast<size_t>(device.index)];
+}
+
+bool attention_uses_fused(Device device, int64_t head_size) {
+  switch (attention_backend(device)) {
+    case AttentionBackend::Unfused: return false;
+    case AttentionBackend::Fused: return true;
+    case AttentionBackend::Auto:
+      return fused_attention_built() && !device.is_cpu() &&
+             matmul_precision(device) == MatmulPrecision::Bf16 && fused_head_size_ok(head_size);
+  }
+  return false;
+}
+
+void attention_forward_fused(const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                             int64_t heads, int64_t groups) {
+  const Device d = common_device("attention_forward_fused", {&qkv, &out, &lse});
+  const int64_t hd = qkv_head_size("attention_forward_fused", qkv, heads, groups);
+  const int64_t b = qkv.dim(0), t = qkv.dim(1);
+  check_numel("attention_forward_fused", "out", out, b * t * heads * hd);
+  check_numel("attention_forward_fused", "lse", lse, b * heads * t);
+  on_device(
+      d, "attention_forward_fused",
+      [&] { throw Error("attention_forward_fused on cpu: fused attention is CUDA's (cuDNN)"); },
+      [&](auto& cx) {
+#if WEFT_CUDNN
+        cuda::fused_attention_forward(cx, f(qkv), fw(out), fw(lse), b, t, heads, groups, hd);
+#else
+        (void)cx;
+        throw Error("attention_forward_fused: weft was built without cuDNN's fused attention");
+#endif
+      });
+}
+
+void attention_backward_fused(const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                              const Tensor& lse, const Tensor& dqkv, int64_t heads,
+                              int64_t groups) {
+  const Device d = common_device("attention_backward_fused", {&dout, &qkv, &out, &lse, &dqkv});
+  const int64_t hd = qkv_head_size("attention_backward_fused", qkv, heads, groups);
+  const int64_t b = qkv.dim(0), t = qkv.dim(1);
+  check_numel("attention_backward_fused", "dout", dout, b * t * heads * hd);
+  check_numel("attention_backward_fused", "out", out, b * t * heads * hd);
+  check_numel("attention_backward_fused", "lse", lse, b * heads * t);
+  check_numel("attention_backward_fused", "dqkv", dqkv, qkv.numel());
+  on_device(
+      d, "attention_backward_fused",
+      [&] { throw Error("attention_backward_fused on cpu: fused attention is CUDA's (cuDNN)"); },
+      [&](auto& cx) {
+#if WEFT_CUDNN
+        cuda::fused_attention_backward(cx, f(dout), f(qkv), f(out), f(lse), fw(dqkv), b, t,
+                                       heads, groups, hd);
+#else
+        (void)cx;
+        throw Error("attention_backward_fused: weft was built without cuDNN's fused attention");
+#endif
+      });
+}
+
 // --- embedding ---
 
 void check_token_range(const Tensor& tokens, int64_t vocab, const char* what) {
