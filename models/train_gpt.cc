@@ -226,6 +226,7 @@ struct Args {
   // fp16's loss scaling (Megatron's flags and defaults; 0: dynamic).
   double loss_scale = 0, initial_loss_scale = 4294967296.0, min_loss_scale = 1.0;
   int64_t loss_scale_window = 1000, hysteresis = 2;
+  std::string attention_backend = "auto";
   // Parallelism (Megatron's names; dp = world / (tp x pp)).
   int tp = 1, pp = 1;
   std::string schedule = "1f1b";
@@ -353,6 +354,23 @@ weft::Device resolve_device(const Args& a, int world, bool& staged, bool& nccl) 
         "--comm-backend {} chooses how ranks talk, but the job is one process", a.comm_backend);
   staged = false;
   nccl = false;
+  // Megatron's names: 'fused' is cuDNN's fused attention (Transformer Engine's
+  // name for it); 'flash' (Dao's FlashAttention) and 'local' are not in weft.
+  check(a.attention_backend != "flash" && a.attention_backend != "local",
+        "--attention-backend {}: weft has no such kernel; 'fused' is cuDNN's fused flash "
+        "attention (auto, fused or unfused)",
+        a.attention_backend);
+  check(a.attention_backend == "auto" || a.attention_backend == "fused" ||
+            a.attention_backend == "unfused",
+        "--attention-backend '{}' must be auto, fused or unfused", a.attention_backend);
+  check(a.attention_backend == "auto" || kind == "cuda",
+        "--attention-backend {} chooses the attention kernel on a GPU: the CPU computes "
+        "attention unfused (needs --device cuda)",
+        a.attention_backend);
+  check(a.attention_backend == "auto" || ops::fused_attention_built(),
+        "--attention-backend {}: weft was built without cuDNN's fused attention, so attention "
+        "is always unfused (set-up needs cuDNN and scripts/cudnn-frontend.sh's headers)",
+        a.attention_backend);
   if (kind != "cuda") {
     check(!a.tf32, "--tf32 needs --device cuda: the CPU computes in fp32");
   } else {
@@ -1082,6 +1100,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   opt.loss_scale.min = a.min_loss_scale;
   opt.loss_scale.window = a.loss_scale_window;
   opt.loss_scale.hysteresis = a.hysteresis;
+  ops::set_attention_backend(setup.device, ops::parse_attention_backend(a.attention_backend));
   opt.config = {{"num_layers", cfg.num_layers},   {"hidden_size", cfg.hidden_size},
                 {"num_heads", cfg.num_heads},     {"seq_length", cfg.seq_length},
                 {"vocab_size", cfg.vocab_size},   {"max_positions", cfg.positions()},
@@ -1246,8 +1265,12 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
                                                  "slower than fp32)",
                                                  a.bf16 ? "bf16" : "fp16")
                                    : "")
-                 : fmt::format("{}{}", setup.device.str(),
-                               a.tf32 ? " tf32" : a.bf16 ? " bf16" : a.fp16 ? " fp16" : ""),
+                 : fmt::format("{}{}{}", setup.device.str(),
+                               a.tf32 ? " tf32" : a.bf16 ? " bf16" : a.fp16 ? " fp16" : "",
+                               ops::attention_uses_fused(setup.device,
+                                                         cfg.hidden_size / cfg.num_heads)
+                                   ? " fused-attention"
+                                   : ""),
              a.data_path, data.size(), entropy);
   if (rank0 && !a.adopted_note.empty()) fmt::print("{}\n", a.adopted_note);
   if (trainer.steps_done() > 0 && rank0)
@@ -1558,6 +1581,9 @@ int main(int argc, char** argv) {
                  "auto, mpi or nccl: how ranks on GPUs exchange tensors (mpi: staged through "
                  "host memory, which works when ranks share a GPU)");
   app.add_flag("--tf32", a.tf32, "GEMMs on tensor cores with TF32 inputs (--device cuda)");
+  app.add_option("--attention-backend", a.attention_backend,
+                 "auto, fused or unfused (--device cuda): fused is cuDNN's fused flash attention "
+                 "(bf16 q, k, v; no T x T tensor); auto takes it with bf16 GEMMs");
   app.add_flag("--bf16", a.bf16,
                "mixed precision: GEMM inputs rounded to bf16, fp32 master weights, gradients "
                "and optimizer state (emulated on the CPU)");

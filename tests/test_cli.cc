@@ -1,6 +1,7 @@
 // train_gpt end to end: bad input gets one error line and exit status 1;
 // good input trains, logs JSONL, saves, resumes and samples.
 #include <weft/device.h>
+#include <weft/ops.h>
 #include <weft/safetensors.h>
 
 #include <fmt/core.h>
@@ -180,6 +181,24 @@ TEST_F(Cli, MixedPrecisionFlags) {
   ASSERT_EQ(steps.size(), 1u);
   EXPECT_EQ(steps[0].value("step", 0), 3);
   EXPECT_EQ(steps[0].value("loss_scale", 0.0), 2147483648.0) << steps[0].dump();
+}
+
+// --attention-backend: Megatron's flag; 'fused' is cuDNN's fused attention,
+// and the choice exists only on a GPU of a build that has it.
+TEST_F(Cli, AttentionBackend) {
+  expect_error(toy("--attention-backend flash"),
+               {"--attention-backend flash: weft has no such kernel; 'fused' is cuDNN's"});
+  expect_error(toy("--attention-backend local"), {"--attention-backend local: weft has no such"});
+  expect_error(toy("--attention-backend sdpa"),
+               {"--attention-backend 'sdpa' must be auto, fused or unfused"});
+  expect_error(toy("--device cpu --attention-backend fused"),
+               {"--attention-backend fused chooses the attention kernel on a GPU: the CPU "
+                "computes attention unfused"});
+  expect_error(toy("--device cpu --attention-backend unfused"),
+               {"--attention-backend unfused chooses the attention kernel on a GPU"});
+  if (!ops::fused_attention_built())
+    expect_error(toy("--device cuda --attention-backend fused"),
+                 {"--attention-backend fused: weft was built without cuDNN's fused attention"});
 }
 
 // Token data samples decode through an llm.c tokenizer file; without one the
