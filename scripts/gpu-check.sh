@@ -14,7 +14,10 @@
 #
 # The GPU machine has no xxHash package: carry third_party/ (make it here with
 # `mkdir -p third_party/xxhash && cp /usr/include/xxhash.h third_party/xxhash/`),
-# and the build uses that header alone.
+# and the build uses that header alone. The same folder carries cuDNN's
+# fused attention headers (make them here with scripts/cudnn-frontend.sh):
+# without them, or without cuDNN under /usr/local/cuda, the build leaves the
+# fused attention out, its test SKIPs and the table says so.
 #
 # Environment: WEFT_GPU_BUILD (build directory, default build-gpu),
 # WEFT_GPU_ARCH (default: the first GPU's compute capability, else 90),
@@ -83,14 +86,18 @@ if [ "$setup_rc" != 0 ]; then
 fi
 targets=(tests/test_nccl tests/cuda/test_cuda_allocator tests/cuda/test_cuda_kernels
          tests/cuda/test_cuda_layers tests/cuda/test_cuda_train tests/cuda/test_cuda_mpi
-         tests/test_parity train_gpt bench/bench_cuda)
+         tests/cuda/test_cuda_fused_attention tests/test_parity train_gpt bench/bench_cuda)
 build_limit=$([ "$dry_run" = 1 ] && echo 3600 || echo 360)
 if ! timeout "$build_limit" ninja -C "$build" -j"$(nproc)" "${targets[@]}" >>"$log" 2>&1; then
   tail -n 40 "$log"
   echo "gpu-check: the build failed (log: $log)" >&2
   exit 1
 fi
-results+=("build (-Dcuda=enabled, sm_$arch, $(nproc) cores)|ok|$(( $(date +%s) - t0 ))")
+fused=no
+if grep -q '#define WEFT_CUDNN 1' "$build/weft_config.h"; then fused=yes; fi
+fused_note=$(grep -o 'cuDNN fused attention: not built ([^)]*)' "$build/meson-logs/meson-log.txt" \
+  | tail -n 1 || true)
+results+=("build (-Dcuda=enabled, sm_$arch, $(nproc) cores, cuDNN fused attention: $fused)|ok|$(( $(date +%s) - t0 ))")
 
 # --- tests: each must pass on a GPU; in a dry run, SKIP (77), except the
 # allocator's host-side test, which runs without a GPU ---
@@ -100,11 +107,13 @@ export WEFT_TRAIN_GPT="$PWD/$build/train_gpt"
 # share the GPU; Open MPI needs oversubscription for 8 ranks on fewer slots.
 export WEFT_MPIEXEC="$PWD/$build/bench/mpiexec" OMPI_MCA_rmaps_base_oversubscribe=1
 run_test() {  # name binary needs_gpu [timeout seconds, default 240]
+  # needs_gpu: 1, or "fused": a GPU and a build with cuDNN fused attention.
   local name=$1 bin=$2 needs_gpu=$3 limit=${4:-240} want=0 rc=0 t0 ms
   t0=$(date +%s%N)
   timeout "$limit" "$build/$bin" >"$logs/$name.out" 2>&1 || rc=$?
   ms=$(( ($(date +%s%N) - t0) / 1000000 ))
-  if [ "$dry_run" = 1 ] && [ "$needs_gpu" = 1 ]; then want=77; fi
+  if [ "$dry_run" = 1 ] && [ "$needs_gpu" != 0 ]; then want=77; fi
+  if [ "$needs_gpu" = fused ] && [ "$fused" = no ]; then want=77; fi
   local result
   case "$rc" in
     0) result=PASS ;;
@@ -129,6 +138,8 @@ run_test cuda_kernels tests/cuda/test_cuda_kernels 1
 run_test cuda_layers tests/cuda/test_cuda_layers 1
 run_test cuda_train tests/cuda/test_cuda_train 1
 run_test cuda_mpi tests/cuda/test_cuda_mpi 1   # several ranks sharing the GPU (host-staged)
+# cuDNN's fused attention against the CPU (SKIP in a build without it)
+run_test cuda_fused_attention tests/cuda/test_cuda_fused_attention fused
 run_test parity tests/test_parity 0   # its cuda cases run where a GPU is visible
 
 # --- the sample job on the GPU (scripts/sample.sh's model and flags), when
@@ -213,6 +224,10 @@ done
 if [ "$bench_rc" = 0 ]; then
   echo
   grep -E '^(weft bench_cuda|\|)' "$logs/bench_cuda.out"
+fi
+if [ "$fused" = no ]; then
+  echo
+  echo "note: cuDNN fused attention was not built${fused_note:+: $fused_note}"
 fi
 total=$(( $(date +%s) - start ))
 echo
