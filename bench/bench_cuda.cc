@@ -2,11 +2,15 @@
 // train_gpt --device cuda runs (the same graph, layers, Trainer and
 // optimizer; weft/ops.h picks the CUDA kernels).
 //
-//   bench_cuda                                   # GPT-2 124M, B 16, T 1024; fp32 and tf32
-//   bench_cuda --model mini --batch 8 --steps 5 --modes tf32
+//   bench_cuda                                   # GPT-2 124M, B 16, T 1024; fp32, tf32
+//                                                # and tf32+fused (where built)
+//   bench_cuda --model mini --batch 8 --steps 5 --modes tf32,tf32+fused
 //   bench_cuda --make-vocab-size-divisible-by 1  # GPT-2's odd 50257 rows, unpadded
 //
 // The vocabulary is padded as train_gpt pads it (default 128: 50257 -> 50304).
+// A mode is the GEMMs' precision (fp32, tf32), with "+fused" for cuDNN's
+// fused attention (train_gpt --attention-backend fused) instead of the
+// unfused one; the default list has tf32+fused in builds with cuDNN.
 //
 // A timed step is Trainer::train_step: zero the gradients, upload the
 // tokens, forward and backward, gradient norm, clipping, AdamW. FLOPs per token = 6 x (parameters
@@ -46,7 +50,7 @@ struct Options {
   int64_t batch = 16;
   int steps = 10;
   int warmup = 2;
-  std::vector<std::string> modes = {"fp32", "tf32"};
+  std::vector<std::string> modes;  // default: fp32, tf32 and, where built, tf32+fused
   double peak_tflops = 989.0;
   int64_t vocab_divisor = 128;  // train_gpt's --make-vocab-size-divisible-by
 };
@@ -81,6 +85,10 @@ Options parse(int argc, char** argv) {
       throw weft::Error("unknown argument '{}' (--model, --batch, --steps, --warmup, --modes, "
                         "--peak-tflops, --make-vocab-size-divisible-by)",
                         a);
+  }
+  if (o.modes.empty()) {
+    o.modes = {"fp32", "tf32"};
+    if (weft::ops::fused_attention_built()) o.modes.push_back("tf32+fused");
   }
   weft::check(o.vocab_divisor >= 1 && o.vocab_divisor <= (int64_t{1} << 20),
               "--make-vocab-size-divisible-by ({}) must be between 1 (no padding) and 2^20",
@@ -126,10 +134,19 @@ int run(const Options& o) {
   fmt::print("\n| mode | step ms | tokens/s | TFLOP/s | MFU | loss | peak GiB | cudaMalloc in timed steps |\n");
   fmt::print("|---|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const std::string& name : o.modes) {
-    weft::check(name == "fp32" || name == "tf32",
-                "--modes: '{}' is not available on the train_gpt path (fp32, tf32)", name);
-    weft::ops::set_matmul_precision(gpu, name == "tf32" ? weft::ops::MatmulPrecision::Tf32
-                                                        : weft::ops::MatmulPrecision::Fp32);
+    const size_t plus = name.find('+');
+    const std::string precision = name.substr(0, plus);
+    const bool fused = plus != std::string::npos;
+    weft::check(precision == "fp32" || precision == "tf32",
+                "--modes: '{}' is not available on the train_gpt path (fp32, tf32)", precision);
+    weft::check(!fused || name.substr(plus) == "+fused",
+                "--modes: '{}': the one suffix is +fused (cuDNN's fused attention)", name);
+    weft::check(!fused || weft::ops::fused_attention_built(),
+                "--modes {}: weft was built without cuDNN's fused attention", name);
+    weft::ops::set_matmul_precision(gpu, precision == "tf32" ? weft::ops::MatmulPrecision::Tf32
+                                                             : weft::ops::MatmulPrecision::Fp32);
+    weft::ops::set_attention_backend(gpu, fused ? weft::ops::AttentionBackend::Fused
+                                                : weft::ops::AttentionBackend::Unfused);
     // Each mode starts from an empty cache, and its peak is its own.
     ctx.allocator().empty_cache();
     ctx.allocator().reset_peak();
