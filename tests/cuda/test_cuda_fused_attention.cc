@@ -30,7 +30,9 @@
 // relative) are covered by a factor 1.25 on the first-order bound.
 #include "weft_config.h"
 
-#if WEFT_CUDA
+// Without cuDNN nothing here is compiled (cuda::fused_attention_* are not
+// linked), and main() SKIPs.
+#if WEFT_CUDA && WEFT_CUDNN
 #include <weft/cuda/kernels.h>
 #include <weft/cuda/runtime.h>
 #include <weft/ops.h>
@@ -354,4 +356,4 @@ TEST_F(FusedAttention, RefusesWhatCudnnDoesNotTake) {
 }  // namespace
 }  // namespace weft
 
-#endif  // WEFT_CUDA
+#endif  // WEFT_CUDA && WEFT_CUDNN
