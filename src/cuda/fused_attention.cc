@@ -68,7 +68,8 @@ void check_cudnn(cudnnStatus_t status, const char* call) {
 // One step of building or running a graph; cudnn-frontend reports errors as values.
 void check_fe(fe::error_t e, const char* step, const Key& k, const char* direction) {
   if (e.is_bad())
-    throw Error("cuDNN fused attention {} ({}): {} failed: {} (cuDNN {}, cudnn-frontend {})",
+    throw Error("cuDNN fused attention {} ({}): {} failed: {} (cuDNN {}, cudnn-frontend {}; "
+                "CUDNN_FRONTEND_LOG_INFO=1 CUDNN_FRONTEND_LOG_FILE=stderr logs its steps)",
                 direction, describe(k), step, e.get_message(), cudnnGetVersion(),
                 CUDNN_FRONTEND_VERSION);
 }
