@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The CUDA backend's check, on a machine with a GPU: build with -Dcuda=enabled,
 # run the GPU tests (NCCL, every kernel against the CPU, every layer class
-# through weft/ops.h on the GPU against the CPU, train_gpt --device cuda
-# against --device cpu and the PyTorch fixtures, the allocator), train the
-# sample job on the GPU when data/fortunes.txt is there (carry it), and
-# --bf16 against fp32 on it (200 steps each, last-50 means within 1%), and the
+# through weft/ops.h on the GPU against the CPU, cuDNN's fused attention
+# against the CPU's, train_gpt --device cuda against --device cpu and the
+# PyTorch fixtures, the allocator), train the sample job on the GPU when
+# data/fortunes.txt is there (carry it), and --bf16 against fp32 on it (200
+# steps each, last-50 means within 1%), and the
 # throughput bench of the same step; print a table. Budget: 5 minutes on a
 # 16-core H100/H200 machine.
 #
