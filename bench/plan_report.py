@@ -3,10 +3,11 @@
 
 bench/plan_validate.sh is the entry point. One calibration run (1F1B, pp 2,
 the model of bench/layouts.sh) gives the node costs (--profile), a message's
-cost and the compute scale, as bench/sched_report.py measures them; one more
-8-rank run that is no row (dp 2 x tp 4) gives the wake, fitted to its step
-(how long a rank that waited takes to run again while 8 processes share the
-cores; each round of a tensor-parallel all-reduce pays it). Then
+cost and the compute scale, as bench/sched_report.py measures them; two more
+8-rank runs that are no row give two values fitted to their steps: the
+compute scale of 8 processes sharing the cores (dp 4 x pp 2), and the wake
+(dp 2 x tp 4: how long a rank that waited takes to run again; each round of
+an all-reduce pays it). Then
 `weft-sched plan` predicts every 8-rank layout of bench/layouts.sh (the same
 model, micro-batch size and global batch, on this machine's cores), and each
 layout runs `--runs` times under mpiexec; a run's step is the median step
@@ -26,9 +27,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sched_report  # noqa: E402  (message_ms, compute_scale, spans, run)
 
 LAYOUTS = [(2, 2, 2), (1, 2, 4), (2, 4, 1), (4, 1, 2), (8, 1, 1), (1, 8, 1), (1, 1, 8)]
-# The wake (how long a rank that waited takes to run again while 8 processes
-# share the cores; every round of a tensor-parallel all-reduce pays it) is
-# fitted to one 8-rank run that is no row: dp 2 x tp 4.
+# Two values are fitted to 8-rank runs that are no row, each to its layout's
+# step: the compute scale (how much slower F, I and W run while 8 processes
+# share the cores than the profile, timed alone, says) to dp 4 x pp 2, which
+# has no tensor parallelism; then the wake (how long a rank that waited takes
+# to run again; every round of an all-reduce pays it) to dp 2 x tp 4.
+SCALE_LAYOUT = (4, 2, 1)
 WAKE_LAYOUT = (2, 1, 4)
 SHAPE = {"num-layers": 8, "hidden-size": 128, "num-attention-heads": 8, "seq-length": 64,
          "vocab-size": 256}
@@ -118,11 +122,11 @@ def main():
     print(f"calibration: {cal_ms:.0f} ms a step at pp 2; a message {link_ms:.3f} ms; F/I/W "
           f"{scale:.3f}x the profile", flush=True)
 
-    def plans_of(wake_s, *fixed):
+    def plans_of(scale_, wake_s, *fixed):
         cmd = [os.path.join(a.build, "weft-sched"), "plan", "--world-size", "8",
                "--global-batch-size", str(GLOBAL), "--micro-batch-size", str(MICRO_BATCH),
                "--profile", costs, "--link-latency", f"{link_ms / 1e3:.9f}", "--bandwidth",
-               str(a.bandwidth), "--cores", str(a.cores), "--compute-scale", f"{scale:.4f}",
+               str(a.bandwidth), "--cores", str(a.cores), "--compute-scale", f"{scale_:.6f}",
                "--wake", f"{wake_s:.9f}", "--json", "--top", "0", *fixed]
         for k, v in SHAPE.items():
             cmd += [f"--{k}", str(v)]
@@ -131,18 +135,34 @@ def main():
     def plain(pl):
         return not pl["recompute"] and not pl["zero1"] and pl["chunks"] == 1
 
-    # The wake, fitted to the step of one more 8-rank run.
-    wdp, wpp, wtp = WAKE_LAYOUT
-    wake_ms, wake_load = train(a, 8, ["--tp", str(wtp), "--pp", str(wpp)], "plan-wake", log)
-    fixed = ["--dp", str(wdp), "--pp", str(wpp), "--tp", str(wtp)]
-    wake = sched_report.fit(
-        lambda w: 1e3 * next(pl for pl in plans_of(w / 1e3, *fixed) if plain(pl))["step_time"],
-        wake_ms, 1.0)
-    print(f"wake: {wake:.3f} ms, fitted to ({wdp}, {wpp}, {wtp})'s {wake_ms:.0f} ms a step",
-          flush=True)
+    def layout_ms(layout, scale_, wake_ms_):
+        dp, pp, tp = layout
+        fixed = ["--dp", str(dp), "--pp", str(pp), "--tp", str(tp)]
+        if pp > 1:
+            fixed += ["--schedule", "1f1b"]
+        return 1e3 * next(pl for pl in plans_of(scale_, wake_ms_ / 1e3, *fixed)
+                          if plain(pl))["step_time"]
+
+    def layout_run(layout, tag):
+        dp, pp, tp = layout
+        extra = ["--tp", str(tp), "--pp", str(pp)] + (["--schedule", "1f1b"] if pp > 1 else [])
+        runs = [train(a, 8, extra, f"{tag}-{k}", log) for k in range(a.runs)]
+        return statistics.median(ms for ms, _ in runs), [load for _, load in runs]
+
+    # The 8-rank compute scale and the wake, each fitted to one more run's step;
+    # twice, since each moves the other's layout a little.
+    scale_ms, scale_loads = layout_run(SCALE_LAYOUT, "plan-scale")
+    wake_ms, wake_loads = layout_run(WAKE_LAYOUT, "plan-wake")
+    scale8, wake = scale, 0.0
+    for _ in range(2):
+        scale8 = sched_report.fit(lambda x: layout_ms(SCALE_LAYOUT, x, wake), scale_ms, 2.0,
+                                  low=0.05)
+        wake = sched_report.fit(lambda w: layout_ms(WAKE_LAYOUT, scale8, w), wake_ms, 1.0)
+    print(f"8 ranks: F/I/W {scale8:.3f}x the profile, fitted to {SCALE_LAYOUT}'s {scale_ms:.0f} "
+          f"ms a step; wake {wake:.3f} ms, fitted to {WAKE_LAYOUT}'s {wake_ms:.0f} ms", flush=True)
 
     # Prediction: every plan at the bench's micro-batch size, no recompute or ZeRO-1.
-    plans = plans_of(wake / 1e3)
+    plans = plans_of(scale8, wake / 1e3)
     best = plans[0]
     predicted = {}
     for pl in plans:
@@ -171,7 +191,7 @@ def main():
     errors = [(p_ - m_) / m_ for p_, m_ in zip(pred, meas)]
     rp, rm = ranks_of(pred), ranks_of(meas)
     rho = spearman(pred, meas)
-    all_loads = [x for r in table for x in loads[r]] + [cal_load, wake_load]
+    all_loads = [x for r in table for x in loads[r]] + [cal_load] + scale_loads + wake_loads
     out = [
         "<!-- written by bench/plan_validate.sh: change the script, then run it again -->",
         "# The planner against measured runs\n",
@@ -185,13 +205,14 @@ def main():
         f"means others were computing too). The script took {(time.time() - started) / 60:.1f} "
         f"minutes.\n",
         f"**Predicted** by `weft-sched plan --profile` from one calibration run (1F1B, pp 2, "
-        f"{cal_ms:.0f} ms a step): its node costs, a message of "
-        f"{link_ms:.3f} ms, F/I/W at {scale:.3f}x the profile, links of "
-        f"{a.bandwidth / 1e9:g} GB/s, {a.cores:g} shared cores; and from one more run, "
-        f"({wdp}, {wpp}, {wtp}) at {wake_ms:.0f} ms a step, a wake of {wake:.3f} ms (the "
-        f"time a rank that waited for a message takes to run again while 8 processes share "
-        f"the cores, paid by every round of an all-reduce, `--wake`), the one value fitted "
-        f"to a step time. No "
+        f"{cal_ms:.0f} ms a step): its node costs and a message of {link_ms:.3f} ms; links "
+        f"of {a.bandwidth / 1e9:g} GB/s and {a.cores:g} shared cores; and two values fitted "
+        f"to the steps of two more 8-rank layouts that are no row ({a.runs} runs each, the "
+        f"median): F/I/W at {scale8:.3f}x the profile (`--compute-scale`, what 8 processes "
+        f"sharing the cores cost against one profiled alone) to {SCALE_LAYOUT} 1f1b's "
+        f"{scale_ms:.0f} ms, and a wake of {wake:.3f} ms (`--wake`: the time a rank that "
+        f"waited takes to run again, paid by every round of an all-reduce) to "
+        f"{WAKE_LAYOUT}'s {wake_ms:.0f} ms. No "
         f"measured row below was used to calibrate.\n",
         "| layout (dp, pp, tp) | schedule | predicted ms | measured ms | error | predicted rank "
         "| measured rank | load |",

@@ -2,14 +2,15 @@
 # The simulator and the planner, validated out of sample on this machine, in
 # one script:
 #   1. the timed simulator (bench/sched_report.py): its costs come from one
-#      run (1F1B, pp 2, 4 micro-batches), and its wake at pp 4 (how long a
-#      rank that waited takes to run again while ranks outnumber cores) from
-#      one more (1F1B, pp 4, 6 micro-batches); it predicts every schedule at
+#      run (1F1B, pp 2, 4 micro-batches), and its compute scale at pp 4 (how
+#      much slower ranks that outnumber cores run) from one more (1F1B, pp 4,
+#      6 micro-batches); it predicts every schedule at
 #      pp 2 and pp 4 with 4 and 8 micro-batches, sharing this machine's cores
 #      among the ranks that compute at once; each row runs 3 times; writes
 #      schedules.md and its timelines;
 #   2. the planner (bench/plan_report.py): its costs come from one run at
-#      pp 2 and its wake from one 8-rank run that is no row (dp 2 x tp 4);
+#      pp 2, its compute scale and its wake from two 8-rank runs that are no
+#      row (dp 4 x pp 2, dp 2 x tp 4);
 #      it predicts every 8-rank layout of bench/layouts.sh; each runs 3
 #      times; writes plan_validate.md with the errors and the Spearman
 #      correlation of the rankings.

@@ -13,10 +13,9 @@ counts and pp. From the first come each graph node's F, I and W time (its
 --profile), the update's time per parameter byte, the time of a message
 already sent when its receive starts, and how much slower F, I and W run
 when the ranks compute at once than when rank 0 profiles them alone
-(`--compute-scale`, summed over the run's actions). The wake (`--wake`: how
-long a rank that waited for a message takes to run again, which grows when
-ranks outnumber cores) is fitted per pp: to the first run's step at pp 2,
-to the second's at the others. Each run (rows and calibration) is repeated
+(`--compute-scale`, summed over the run's actions); at every other pp the
+compute scale is fitted to the second's step instead, since ranks that
+outnumber cores also slow each other down beyond sharing them. Each run (rows and calibration) is repeated
 --runs times and the median one counts. A row's stage costs are the calibration's node
 costs summed over the row's stages; its own profile supplies only the
 layout and bytes. `weft-sched simulate --cores` (this machine's cores)
@@ -44,12 +43,13 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"]
 TWO_CHUNKS = {"interleaved-1f1b", "zb-v"}
 COMPUTE = {"F", "I", "W", "B"}
 CALIBRATION = ("1f1b", 2, 4)  # schedule, pp, micro-batches: the run the costs come from
-# Where ranks outnumber cores, a rank that waited for a message runs again
-# only once the scheduler gives it a core back (SimCost::wake). That delay
-# depends on how many processes share a core, so it is fitted once per pp on
-# one more run that is not a row: 1F1B with 6 micro-batches (the rows have 2,
-# 4 and 8). At pp 2 the costs' own run serves.
-WAKE_MICRO_BATCHES = 6
+# Where ranks outnumber cores, F, I and W run slower than processor sharing
+# alone says (switching processes, caches shared among more of them). That
+# depends on how many processes share a core, so at every other pp the
+# compute scale is fitted to the step of one more run that is no row: 1F1B
+# with 6 micro-batches (the rows have 2, 4 and 8). At pp 2 the costs' own
+# run gives it, as the sum of its actions over the profile's.
+SCALE_MICRO_BATCHES = 6
 
 
 class Failed(RuntimeError):
@@ -245,18 +245,18 @@ def measure_once(a, pp, name, m, log, run_index):
             "trace": trace, "costs": costs, "drawn_step": drawn}
 
 
-def simulate(a, pp, name, m, costs, svg, log, wake=None):
-    wake = a.wake.get(pp, 0.0) if wake is None else wake
+def simulate(a, pp, name, m, costs, svg, log, scale=None):
+    scale = a.scale[pp] if scale is None else scale
     cmd = [a.weft_sched, "simulate", "--schedule", name, "--pp", str(pp), "--micro-batches",
            str(m), "--virtual-stages", str(chunks_of(name)), "--costs", costs, "--cost-comm",
-           f"{a.link_ms:.6f}", "--compute-scale", f"{a.scale:.4f}", "--cores", str(a.cores),
-           "--wake", f"{wake:.6f}", "--json", "--svg", svg]
+           f"{a.link_ms:.6f}", "--compute-scale", f"{scale:.6f}", "--cores", str(a.cores),
+           "--json", "--svg", svg]
     return json.loads(run(cmd, log))
 
 
-def fit(predict, measured, high):
-    """The x in [0, high] where predict(x), increasing, meets measured (0 if it starts above)."""
-    low = 0.0
+def fit(predict, measured, high, low=0.0):
+    """The x in [low, high] where predict(x), increasing, meets measured (low if it starts
+    above; high doubles until predict reaches measured)."""
     if predict(low) >= measured:
         return low
     while predict(high) < measured and high < 1e6:
@@ -267,12 +267,12 @@ def fit(predict, measured, high):
     return (low + high) / 2
 
 
-def fit_wake(a, calibration, pp, name, m, meas, log):
-    """The wake (ms) with which the simulator gives this run's measured step."""
+def fit_scale(a, calibration, pp, name, m, meas, log):
+    """The compute scale with which the simulator gives this run's measured step."""
     costs = calibrated_costs(a, calibration, meas)
     svg = os.path.join(a.work, f"fit-{name}-pp{pp}-m{m}.svg")
-    return fit(lambda w: simulate(a, pp, name, m, costs, svg, log, w)["step_time"],
-               meas["step_ms"], 1.0)
+    return fit(lambda x: simulate(a, pp, name, m, costs, svg, log, x)["step_time"],
+               meas["step_ms"], 2.0, low=0.05)
 
 
 def timeline(a, trace, step, svg, log):
@@ -369,9 +369,8 @@ def main():
     cal_name, cal_pp, cal_m = CALIBRATION
     calibration = measure(a, cal_pp, cal_name, cal_m, log)
     a.load = [os.getloadavg()[0]]
-    wake_runs = {pp: measure(a, pp, cal_name, WAKE_MICRO_BATCHES, log)
-                 for pp in sorted({pp for pp, _ in grid}) if pp != cal_pp}
-    wake_runs[cal_pp] = calibration
+    scale_runs = {pp: measure(a, pp, cal_name, SCALE_MICRO_BATCHES, log)
+                  for pp in sorted({pp for pp, _ in grid}) if pp != cal_pp}
     rows = []
     for pp, m in grid:
         for name in SCHEDULES:
@@ -387,14 +386,12 @@ def main():
 
     events = spans(calibration["trace"], a.warmup + 1)
     a.link_ms = message_ms(events)
-    a.scale = compute_scale(events, calibration["costs"])
-    a.wake = {}
-    for pp, meas in sorted(wake_runs.items()):
-        m = cal_m if pp == cal_pp else WAKE_MICRO_BATCHES
-        a.wake[pp] = fit_wake(a, calibration, pp, cal_name, m, meas, log)
-    print(f"calibration: a message takes {a.link_ms:.3f} ms; F/I/W run {a.scale:.3f}x the "
-          f"profile; a wake takes " +
-          ", ".join(f"{w:.3f} ms at pp {pp}" for pp, w in sorted(a.wake.items())), flush=True)
+    a.scale = {cal_pp: compute_scale(events, calibration["costs"])}
+    for pp, meas in sorted(scale_runs.items()):
+        a.scale[pp] = fit_scale(a, calibration, pp, cal_name, SCALE_MICRO_BATCHES, meas, log)
+    print(f"calibration: a message takes {a.link_ms:.3f} ms; F/I/W run " +
+          ", ".join(f"{x:.3f}x the profile at pp {pp}" for pp, x in sorted(a.scale.items())),
+          flush=True)
 
     for r in rows:
         pp, name, m = r["pp"], r["schedule"], r["m"]
@@ -452,17 +449,17 @@ def write_report(a, rows, seconds, png):
         f"row's own profile gives only which nodes a stage holds and the bytes); the parameter "
         f"update at that run's seconds per parameter byte; a message's cost, "
         f"{a.link_ms:.3f} ms (`--cost-comm`; the median receive whose send had already "
-        f"started); and F, I and W taking {a.scale:.3f}x what the profile says "
-        f"(`--compute-scale`, the sum of that run's actions over the profile's), which absorbs the "
-        f"difference between timing layers with rank 0 alone and running both ranks at once. "
-        f"Ranks share the {a.cores:g} cores: while n ranks compute at once, each runs at "
+        f"started); and F, I and W taking {a.scale[cal_pp]:.3f}x what the profile says "
+        f"(`--compute-scale`, the sum of that run's actions over the profile's), which absorbs "
+        f"the difference between timing layers with rank 0 alone and running both ranks at "
+        f"once. Ranks share the {a.cores:g} cores: while n ranks compute at once, each runs at "
         f"min(1, {a.cores:g} / n) of its profiled speed (processor sharing; waiting and "
-        f"messages take no core), which matters at pp 4. A rank that waited for a message "
-        f"runs again a wake after it arrives (`--wake`): while processes outnumber cores it "
-        f"must get one back. The wake is the one value fitted to a step time: to the "
-        f"calibration run's at pp {cal_pp}, and at every other pp to one more run that is no "
-        f"row ({cal_name} with {WAKE_MICRO_BATCHES} micro-batches); it came out "
-        + ", ".join(f"{w:.3f} ms at pp {pp}" for pp, w in sorted(a.wake.items())) + ".\n",
+        f"messages take no core), which matters at pp 4. Where ranks outnumber cores they "
+        f"also run slower than that (switching, caches shared by more processes): at every "
+        f"other pp the compute scale is the one value fitted to a step time, that of one more "
+        f"run that is no row ({cal_name} with {SCALE_MICRO_BATCHES} micro-batches); it came "
+        f"out " + ", ".join(f"{x:.3f}x at pp {pp}" for pp, x in sorted(a.scale.items())
+                            if pp != cal_pp) + ".\n",
         f"Columns: **step** is train_gpt's `step_ms`, the median of {a.runs} runs' median "
         "measured step (the fastest and slowest run's in brackets), update included; "
         "**sim** the simulated step; "
