@@ -520,6 +520,9 @@ TEST(WeftSched, CostsAddLinkLatencyAndBandwidth) {
   // GPipe pays the link once forward and once back on the critical path.
   EXPECT_NEAR(step(" --cost-comm 0.5"), free + 2 * 0.5, 1e-9);
   EXPECT_NEAR(step(fmt::format(" --bandwidth {}", bytes / 0.25)), free + 2 * 0.25, 1e-9);
+  // --wake: only the first receive of each hop waits in GPipe, once each way.
+  EXPECT_NEAR(step(" --wake 0.75"), free + 2 * 0.75, 1e-9);
+  EXPECT_TRUE(one_error_line(run(base + " --wake -1"), "--wake (-1) must be a time, at least 0"));
 }
 
 TEST(WeftSched, CompareWithCostsSaysWhichSchedulesDoNotFit) {
