@@ -301,9 +301,7 @@ std::string restart_flags(const std::string& dir) {
 
 std::string restart_dir() {
   const std::string dir = testing::temp_dir("mpi-restart");
-  std::string text;
-  for (int i = 0; i < 60; ++i) text += "It was the best of times, it was the worst of times. ";
-  testing::write_file(dir + "/text.txt", text);
+  testing::write_file(dir + "/text.txt", testing::best_of_times(60));
   return dir;
 }
 

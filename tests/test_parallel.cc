@@ -59,11 +59,7 @@ constexpr double kParamAbs = 1e-6;
 }
 
 const TokenData& text_data() {
-  static const TokenData data = [] {
-    std::string text;
-    for (int i = 0; i < 60; ++i) text += "It was the best of times, it was the worst of times. ";
-    return TokenData::from_tokens(std::vector<int32_t>(text.begin(), text.end()), 256);
-  }();
+  static const TokenData data = testing::best_of_times_tokens(60);
   return data;
 }
 

@@ -20,11 +20,7 @@ namespace {
 
 constexpr int kSteps = 5;
 
-TokenData text_data() {
-  std::string text;
-  for (int i = 0; i < 60; ++i) text += "It was the best of times, it was the worst of times. ";
-  return TokenData::from_tokens(std::vector<int32_t>(text.begin(), text.end()), 256);
-}
+TokenData text_data() { return testing::best_of_times_tokens(60); }
 
 GptConfig config(int layers, bool skip) {
   GptConfig c;

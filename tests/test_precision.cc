@@ -37,11 +37,7 @@ struct CpuPrecision {
 };
 
 const TokenData& text_data() {
-  static const TokenData data = [] {
-    std::string text;
-    for (int i = 0; i < 40; ++i) text += "It was the best of times, it was the worst of times. ";
-    return TokenData::from_tokens(std::vector<int32_t>(text.begin(), text.end()), 256);
-  }();
+  static const TokenData data = testing::best_of_times_tokens(40);
   return data;
 }
 

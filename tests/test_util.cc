@@ -11,6 +11,17 @@
 
 namespace weft::testing {
 
+std::string best_of_times(int repeats) {
+  std::string text;
+  for (int i = 0; i < repeats; ++i) text += "It was the best of times, it was the worst of times. ";
+  return text;
+}
+
+TokenData best_of_times_tokens(int repeats) {
+  const std::string text = best_of_times(repeats);
+  return TokenData::from_tokens(std::vector<int32_t>(text.begin(), text.end()), 256);
+}
+
 std::string source_path(const std::string& rel) {
   const char* env = std::getenv("WEFT_SOURCE_DIR");
   std::string root = env ? env : WEFT_SOURCE_DIR;

@@ -1,6 +1,7 @@
 // Helpers shared by weft's tests.
 #pragma once
 
+#include <weft/data.h>
 #include <weft/tensor.h>
 
 #include <nlohmann/json.hpp>
@@ -24,6 +25,10 @@ Tensor uniform_tensor(Shape shape, uint64_t seed, float lo = -1.0f, float hi = 1
 // ||a - b|| / max(||b||, tiny), in double.
 double rel_error(const float* a, const float* b, int64_t n);
 double rel_error(const Tensor& a, const Tensor& b);
+// "It was the best of times, it was the worst of times. " `repeats` times:
+// the text small tests train on, and as byte tokens (vocabulary 256).
+std::string best_of_times(int repeats);
+TokenData best_of_times_tokens(int repeats);
 // Writes a file with these bytes.
 void write_file(const std::string& path, const std::string& bytes);
 std::string read_file(const std::string& path);

@@ -403,10 +403,7 @@ TEST(WeftSched, MemoryFromAProfileIsWhatTheExecutorHolds) {
   GptConfig cfg;
   cfg.num_layers = 4, cfg.hidden_size = 32, cfg.num_heads = 4, cfg.seq_length = 16;
   const int64_t micro = 2, m = 4;
-  std::string text;
-  for (int i = 0; i < 40; ++i) text += "It was the best of times, it was the worst of times. ";
-  const TokenData data =
-      TokenData::from_tokens(std::vector<int32_t>(text.begin(), text.end()), 256);
+  const TokenData data = testing::best_of_times_tokens(40);
   TokenBatches batches(data, micro * m, cfg.seq_length);
   GptModel model = build_gpt(cfg, micro);
   init_gpt(model, 3);
