@@ -18,13 +18,17 @@
 //
 // The cost model, per stage of a candidate: F, I and W are the summed costs
 // of its layers (LayerCosts, for one sequence) times the micro-batch size,
-// divided by tp, plus tp's all-reduces (two per layer in F and two in I, of
-// the micro-batch's activations, as Megatron's tensor parallelism does); a
-// message between pipeline ranks costs latency + bytes / bandwidth; after
-// the pipeline, the gradients are all-reduced over dp (ring: 2 (dp - 1)
-// steps), then each rank updates its share (1/dp of it with ZeRO-1).
-// Processes share `machine.cores` when it is set (dp x tp processes per
-// pipeline rank; see SimCost::cores).
+// the split part divided by tp and the replicated part (norms, residual
+// adds, the embedding) not; plus tp's all-reduces of the micro-batch's
+// activations (two per layer in F and two in I, as Megatron's tensor
+// parallelism does, and the embedding's and the head's), which wait without
+// a core (SimCost::f_wait, i_wait). An all-reduce over n ranks costs
+// 2 ceil(log2 n) rounds of (latency + machine.wake) and 2 (n - 1) / n of its
+// bytes over the bandwidth. A message between pipeline ranks costs latency
+// + bytes / bandwidth (plus a wake when its receiver waited); after the
+// pipeline, the gradients are all-reduced over dp, then each rank updates
+// its share (1/dp of it with ZeRO-1). Processes share `machine.cores` when
+// it is set (dp x tp processes per pipeline rank; see SimCost::cores).
 #pragma once
 
 #include <weft/simulate.h>
