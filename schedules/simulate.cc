@@ -310,7 +310,7 @@ class Simulator {
         }
       if (ended_now) continue;
       const double running = group * static_cast<double>(std::count(active.begin(), active.end(), true));
-      const double rate = running > c_.cores ? c_.cores / running : 1.0;
+      const double rate = core_share(running, c_.cores);
       double next = std::numeric_limits<double>::infinity();
       for (size_t r = 0; r < n; ++r) {
         if (active[r]) next = std::min(next, now + remaining[r] / rate);
@@ -415,6 +415,16 @@ void summarize_memory(const Schedule& s, const SimCost& c, SimResult& r) {
 
 }  // namespace
 
+double core_share(double n, double cores) {
+  if (cores <= 0 || n <= cores) return 1.0;
+  // The scheduler keeps each process on one core; the busiest core holds
+  // ceil(n / cores) of them, and each of those runs that share of it. (Equal
+  // shares of all the cores, cores / n, are what n does not divide: 3
+  // processes on 2 cores run at 1/2, 1/2 and 1, not 2/3 each, and ranks
+  // that wait on each other go at the slowest's pace.)
+  return 1.0 / std::ceil(n / cores);
+}
+
 double shared_makespan(std::vector<double> work, double cores) {
   if (work.empty()) return 0;
   std::sort(work.begin(), work.end());
@@ -423,7 +433,7 @@ double shared_makespan(std::vector<double> work, double cores) {
   double t = 0, done = 0;
   for (size_t j = 0; j < work.size(); ++j) {
     const double unfinished = static_cast<double>(work.size() - j);
-    const double rate = unfinished > cores ? cores / unfinished : 1.0;
+    const double rate = core_share(unfinished, cores);
     t += (work[j] - done) / rate;
     done = work[j];
   }

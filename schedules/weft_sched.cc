@@ -134,7 +134,8 @@ void add_cost_options(CLI::App* cmd, Costs& c) {
                   "slow each other down by 5%)");
   cmd->add_option("--cores", c.cores,
                   "cores the ranks share: while n ranks compute at once each runs at "
-                  "min(1, cores / n) of its profiled speed (default: this machine's with --costs, "
+                  "1 / ceil(n / cores) of its profiled speed once n exceeds them (default: this "
+                  "machine's with --costs, "
                   "else 0; 0 = a core per rank)");
   cmd->add_option("--wake", c.wake,
                   "time a rank that waited for a message takes to run again once it arrives "

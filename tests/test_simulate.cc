@@ -237,14 +237,24 @@ TEST(Simulate, SummarizeATimelineAsSimulateDoes) {
 
 // --- errors ---
 
-// --- ranks that share cores (processor sharing) ---
+// --- ranks that share cores ---
+
+TEST(SharedCores, EachProcessGetsItsShareOfTheBusiestCore) {
+  EXPECT_DOUBLE_EQ(core_share(2, 2), 1);
+  EXPECT_DOUBLE_EQ(core_share(3, 2), 0.5);   // 2 on one core, 1 on the other
+  EXPECT_DOUBLE_EQ(core_share(4, 2), 0.5);
+  EXPECT_DOUBLE_EQ(core_share(5, 2), 1.0 / 3);
+  EXPECT_DOUBLE_EQ(core_share(8, 2), 0.25);  // where n divides evenly, cores / n
+  EXPECT_DOUBLE_EQ(core_share(8, 0), 1);     // 0: a core each
+}
 
 TEST(SharedCores, MakespanClosedForms) {
   EXPECT_DOUBLE_EQ(shared_makespan({1, 1, 1, 1}, 2), 2);  // 4 units of work on 2 cores
   // 1 core: both at half speed until the short job ends at 2, then 1 left alone.
   EXPECT_DOUBLE_EQ(shared_makespan({2, 1}, 1), 3);
-  // 2 cores, 3 jobs: 2/3 speed to t = 1.5 (job 1 done), then full speed: 2.5, 3.5.
-  EXPECT_DOUBLE_EQ(shared_makespan({1, 2, 3}, 2), 3.5);
+  // 2 cores, 3 jobs: the busiest core holds 2, so half speed to t = 2 (job 1
+  // done), then a core each: 3, 4.
+  EXPECT_DOUBLE_EQ(shared_makespan({1, 2, 3}, 2), 4);
   EXPECT_DOUBLE_EQ(shared_makespan({1, 2, 3}, 3), 3);   // a core each
   EXPECT_DOUBLE_EQ(shared_makespan({1, 2, 3}, 0), 3);   // 0: a core per process
   EXPECT_DOUBLE_EQ(shared_makespan({3, 3}, 0.5), 12);   // half a core for 6 units

@@ -60,7 +60,8 @@ struct SimCost {
   // for (its data- and tensor-parallel replicas, which compute in step with
   // it). 0 cores: every process has one of its own. Otherwise processor
   // sharing: while n processes compute at once, each progresses at
-  // min(1, cores / n) of its profiled speed (F, I, W and the update).
+  // core_share(n, cores) of its profiled speed (F, I, W and the update):
+  // 1 / ceil(n / cores) once n exceeds the cores.
   // Waiting and messages take no core.
   double cores = 0;
   int processes_per_rank = 1;
@@ -73,9 +74,15 @@ struct SimCost {
   double wake = 0;
 };
 
-// Processor sharing: the time until all of `work` (one entry per process,
-// started together) is done on `cores` cores, each job progressing at
-// min(1, cores / n) while n are unfinished. cores 0: max(work).
+// The speed of each of n processes computing at once on `cores` cores: 1
+// while they fit, else 1 / ceil(n / cores), the share each process on the
+// busiest core gets (the scheduler keeps a process on its core). cores 0:
+// a core each.
+double core_share(double n, double cores);
+
+// The time until all of `work` (one entry per process, started together) is
+// done on `cores` cores, each job progressing at core_share(n, cores) while
+// n are unfinished. cores 0: max(work).
 double shared_makespan(std::vector<double> work, double cores);
 
 // The same costs for every stage. f, i, w and bytes are for a whole rank's
