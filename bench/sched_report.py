@@ -43,9 +43,10 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"]
 TWO_CHUNKS = {"interleaved-1f1b", "zb-v"}
 COMPUTE = {"F", "I", "W", "B"}
 CALIBRATION = ("1f1b", 2, 4)  # schedule, pp, micro-batches: the run the costs come from
-# Where ranks outnumber cores, F, I and W run slower than processor sharing
-# alone says (switching processes, caches shared among more of them). That
-# depends on how many processes share a core, so at every other pp the
+# Where ranks outnumber cores, F, I and W run at another speed than the
+# profile's, beyond the share of a core each gets (switching processes,
+# caches shared among more of them). That depends on how many processes
+# share a core, so at every other pp the
 # compute scale is fitted to the step of one more run that is no row: 1F1B
 # with 6 micro-batches (the rows have 2, 4 and 8). At pp 2 the costs' own
 # run gives it, as the sum of its actions over the profile's.
@@ -453,11 +454,11 @@ def write_report(a, rows, seconds, png):
         f"(`--compute-scale`, the sum of that run's actions over the profile's), which absorbs "
         f"the difference between timing layers with rank 0 alone and running both ranks at "
         f"once. Ranks share the {a.cores:g} cores: while n ranks compute at once, each runs at "
-        f"min(1, {a.cores:g} / n) of its profiled speed (processor sharing; waiting and "
-        f"messages take no core), which matters at pp 4. Where ranks outnumber cores they "
-        f"also run slower than that (switching, caches shared by more processes): at every "
-        f"other pp the compute scale is the one value fitted to a step time, that of one more "
-        f"run that is no row ({cal_name} with {SCALE_MICRO_BATCHES} micro-batches); it came "
+        f"1 / ceil(n / {a.cores:g}) of its profiled speed once n exceeds them (the share of "
+        f"the busiest core; waiting and messages take no core), which matters at pp 4. At "
+        f"every other pp the compute scale is the one value fitted to a step time, that of "
+        f"one more run that is no row ({cal_name} with {SCALE_MICRO_BATCHES} micro-batches); "
+        f"it came "
         f"out " + ", ".join(f"{x:.3f}x at pp {pp}" for pp, x in sorted(a.scale.items())
                             if pp != cal_pp) + ".\n",
         f"Columns: **step** is train_gpt's `step_ms`, the median of {a.runs} runs' median "
