@@ -153,7 +153,7 @@ def main():
     # twice, since each moves the other's layout a little.
     scale_ms, scale_loads = layout_run(SCALE_LAYOUT, "plan-scale")
     wake_ms, wake_loads = layout_run(WAKE_LAYOUT, "plan-wake")
-    scale8, wake = scale, 0.0
+    wake = 0.0
     for _ in range(2):
         scale8 = sched_report.fit(lambda x: layout_ms(SCALE_LAYOUT, x, wake), scale_ms, 2.0,
                                   low=0.05)
