@@ -7,7 +7,9 @@ cost and the compute scale, as bench/sched_report.py measures them; two more
 8-rank runs that are no row give two values fitted to their steps: the
 compute scale of 8 processes sharing the cores (dp 4 x pp 2), and the wake
 (dp 2 x tp 4: how long a rank that waited takes to run again; each round of
-an all-reduce pays it). Then
+an all-reduce pays it). Those two layouts run inside every round of the
+measurement, since the machine's speed drifts within minutes: a row's run is
+predicted with the compute scale of the runs beside it. Then
 `weft-sched plan` predicts every 8-rank layout of bench/layouts.sh (the same
 model, micro-batch size and global batch, on this machine's cores), and each
 layout runs `--runs` times under mpiexec; a run's step is the median step
@@ -143,48 +145,85 @@ def main():
         return 1e3 * next(pl for pl in plans_of(scale_, wake_ms_ / 1e3, *fixed)
                           if plain(pl))["step_time"]
 
-    def layout_run(layout, tag):
-        dp, pp, tp = layout
-        extra = ["--tp", str(tp), "--pp", str(pp)] + (["--schedule", "1f1b"] if pp > 1 else [])
-        runs = [train(a, 8, extra, f"{tag}-{k}", log) for k in range(a.runs)]
-        return statistics.median(ms for ms, _ in runs), [load for _, load in runs]
-
-    # The 8-rank compute scale and the wake, each fitted to one more run's step;
-    # twice, since each moves the other's layout a little.
-    scale_ms, scale_loads = layout_run(SCALE_LAYOUT, "plan-scale")
-    wake_ms, wake_loads = layout_run(WAKE_LAYOUT, "plan-wake")
-    wake = 0.0
-    for _ in range(2):
-        scale8 = sched_report.fit(lambda x: layout_ms(SCALE_LAYOUT, x, wake), scale_ms, 2.0,
-                                  low=0.05)
-        wake = sched_report.fit(lambda w: layout_ms(WAKE_LAYOUT, scale8, w), wake_ms, 1.0)
-    print(f"8 ranks: F/I/W {scale8:.3f}x the profile, fitted to {SCALE_LAYOUT}'s {scale_ms:.0f} "
-          f"ms a step; wake {wake:.3f} ms, fitted to {WAKE_LAYOUT}'s {wake_ms:.0f} ms", flush=True)
-
-    # Prediction: every plan at the bench's micro-batch size, no recompute or ZeRO-1.
-    plans = plans_of(scale8, wake / 1e3)
-    best = plans[0]
-    predicted = {}
-    for pl in plans:
-        if not plain(pl):
-            continue
-        predicted[(pl["dp"], pl["pp"], pl["tp"], pl["schedule"])] = 1e3 * pl["step_time"]
-
-    # Measurement: rounds over every layout, so that drift spreads evenly.
+    # Measurement, in --runs rounds over every layout. This machine's speed drifts by more
+    # than the goal within minutes, so each round also runs the two calibration layouts:
+    # the compute-scale layout before, between and after pairs of rows (S W R R S R R S
+    # ... S), the wake layout once after the first. A row's run is predicted with the mean
+    # compute scale of the two scale runs beside it; the wake is the median of the rounds'.
     table = list(rows())
     measured = {r: [] for r in table}
     loads = {r: [] for r in table}
+    scale_runs, wake_runs = [], []  # (sequence number, ms, load); (round, ms, load)
+    seq = 0
+
+    def extra_of(dp, pp, tp, schedule):
+        return ["--tp", str(tp), "--pp", str(pp)] + (["--schedule", schedule] if pp > 1 else [])
+
+    def scale_run():
+        nonlocal seq
+        ms, load = train(a, 8, extra_of(*SCALE_LAYOUT, "1f1b"), f"plan-scale-{seq}", log)
+        scale_runs.append((seq, ms, load))
+        seq += 1
+
     for round_ in range(a.runs):
-        for r in table:
+        scale_run()
+        ms, load = train(a, 8, extra_of(*WAKE_LAYOUT, "-"), f"plan-wake-{round_}", log)
+        wake_runs.append((seq, ms, load))
+        seq += 1
+        for i, r in enumerate(table):
             dp, pp, tp, schedule = r
-            extra = ["--tp", str(tp), "--pp", str(pp)]
-            if pp > 1:
-                extra += ["--schedule", schedule]
-            ms, load = train(a, 8, extra, f"plan-{dp}{pp}{tp}{schedule}-{round_}", log)
-            measured[r].append(ms)
+            ms, load = train(a, 8, extra_of(dp, pp, tp, schedule),
+                             f"plan-{dp}{pp}{tp}{schedule}-{round_}", log)
+            measured[r].append((seq, ms))
             loads[r].append(load)
-            print(f"round {round_ + 1}: ({dp}, {pp}, {tp}) {schedule}: {ms:.0f} ms (load {load:.1f})",
-                  flush=True)
+            seq += 1
+            print(f"round {round_ + 1}: ({dp}, {pp}, {tp}) {schedule}: {ms:.0f} ms (load "
+                  f"{load:.1f})", flush=True)
+            if i % 2 == 1 or i == len(table) - 1:
+                scale_run()
+
+    def near(at):
+        """The scale runs just before and after sequence number at."""
+        before = [k for k, (t, _, _) in enumerate(scale_runs) if t < at]
+        after = [k for k, (t, _, _) in enumerate(scale_runs) if t > at]
+        return before[-1:] + after[:1]
+
+    # The fits: each scale run's compute scale given the wake, then each round's wake given
+    # the scales beside its wake run; twice, since each moves the other's layout a little.
+    wake = 0.0
+    for _ in range(2):
+        scales = [sched_report.fit(lambda x: layout_ms(SCALE_LAYOUT, x, wake), ms, 2.0, low=0.05)
+                  for _, ms, _ in scale_runs]
+        wakes = []
+        for at, ms, _ in wake_runs:
+            x = statistics.mean(scales[k] for k in near(at))
+            wakes.append(sched_report.fit(lambda w: layout_ms(WAKE_LAYOUT, x, w), ms, 1.0))
+        wake = statistics.median(wakes)
+    scale8 = statistics.median(scales)
+    print(f"8 ranks: F/I/W {min(scales):.3f}x-{max(scales):.3f}x the profile (median "
+          f"{scale8:.3f}x), fitted to {SCALE_LAYOUT}'s steps; wake {wake:.3f} ms, fitted to "
+          f"{WAKE_LAYOUT}'s", flush=True)
+
+    # Prediction: each row run's layout at its scale, at the bench's micro-batch size, no
+    # recompute or ZeRO-1; a row's prediction is the median of its runs'.
+    best = plans_of(scale8, wake / 1e3)[0]
+    predicted = {}
+    for r in table:
+        dp, pp, tp, schedule = r
+        fixed = ["--dp", str(dp), "--pp", str(pp), "--tp", str(tp)]
+        if pp > 1:
+            fixed += ["--schedule", schedule]
+        runs = []
+        for at, _ in measured[r]:
+            x = statistics.mean(scales[k] for k in near(at))
+            runs.append(1e3 * next(pl for pl in plans_of(x, wake / 1e3, *fixed)
+                                   if plain(pl))["step_time"])
+        predicted[r] = statistics.median(runs)
+    measured = {r: [ms for _, ms in runs] for r, runs in measured.items()}
+    scale_ms = statistics.median(ms for _, ms, _ in scale_runs)
+    wake_ms = statistics.median(ms for _, ms, _ in wake_runs)
+    scale_loads = [load for _, _, load in scale_runs]
+    wake_loads = [load for _, _, load in wake_runs]
 
     pred = [predicted[r] for r in table]
     meas = [statistics.median(measured[r]) for r in table]
@@ -207,13 +246,19 @@ def main():
         f"**Predicted** by `weft-sched plan --profile` from one calibration run (1F1B, pp 2, "
         f"{cal_ms:.0f} ms a step): its node costs and a message of {link_ms:.3f} ms; links "
         f"of {a.bandwidth / 1e9:g} GB/s and {a.cores:g} shared cores; and two values fitted "
-        f"to the steps of two more 8-rank layouts that are no row ({a.runs} runs each, the "
-        f"median): F/I/W at {scale8:.3f}x the profile (`--compute-scale`, what 8 processes "
-        f"sharing the cores cost against one profiled alone) to {SCALE_LAYOUT} 1f1b's "
-        f"{scale_ms:.0f} ms, and a wake of {wake:.3f} ms (`--wake`: the time a rank that "
-        f"waited takes to run again, paid by every round of an all-reduce) to "
-        f"{WAKE_LAYOUT}'s {wake_ms:.0f} ms. No "
+        f"to the steps of two more 8-rank layouts that are no row: F/I/W at "
+        f"{min(scales):.3f}x-{max(scales):.3f}x the profile (median {scale8:.3f}x; "
+        f"`--compute-scale`, what 8 processes sharing the cores cost against one profiled "
+        f"alone) to {SCALE_LAYOUT} 1f1b's steps (median {scale_ms:.0f} ms), and a wake of "
+        f"{wake:.3f} ms (`--wake`: the time a rank that waited takes to run again, paid by "
+        f"every round of an all-reduce) to {WAKE_LAYOUT}'s (median {wake_ms:.0f} ms). No "
         f"measured row below was used to calibrate.\n",
+        f"**The machine drifts.** This VM's speed wanders by more than the goal within "
+        f"minutes, so the calibration layouts run inside every round: {SCALE_LAYOUT} before, "
+        f"between and after each pair of rows, {WAKE_LAYOUT} once after the first. A row's "
+        f"run is predicted with the mean compute scale of the two {SCALE_LAYOUT} runs beside "
+        f"it, and a row's prediction is the median of its runs'; the wake is the median of "
+        f"the rounds'.\n",
         "| layout (dp, pp, tp) | schedule | predicted ms | measured ms | error | predicted rank "
         "| measured rank | load |",
         "|---|---|---:|---:|---:|---:|---:|---|",

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The simulator and the planner, validated out of sample on this machine, in
 # one script:
-#   1. the timed simulator (bench/sched_report.py): its costs come from one
-#      run (1F1B, pp 2, 4 micro-batches), and its compute scale at pp 4 (how
-#      much slower ranks that outnumber cores run) from one more (1F1B, pp 4,
-#      6 micro-batches); it predicts every schedule at
+#   1. the timed simulator (bench/sched_report.py): its costs come from
+#      1F1B runs at pp 2 with 4 micro-batches, and its compute scale at pp 4
+#      (how much slower ranks that outnumber cores run) from 1F1B runs at
+#      pp 4 with 6; those calibration runs go between the rows, since this
+#      machine's speed drifts within minutes; it predicts every schedule at
 #      pp 2 and pp 4 with 4 and 8 micro-batches, sharing this machine's cores
 #      among the ranks that compute at once; each row runs 3 times; writes
 #      schedules.md and its timelines;
@@ -20,7 +21,7 @@
 #                                                     build-dir/plan_validate)
 #
 # The tracked pages in docs/ (schedules.md, its SVGs, plan_validate.md) are
-# updated only on purpose: --out docs. About 20 minutes on 2 idle cores;
+# updated only on purpose: --out docs. About 25 minutes on 2 idle cores;
 # timings are only worth reading on an otherwise idle machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."

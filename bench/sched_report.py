@@ -9,15 +9,20 @@ stage holds and the bytes each action adds).
 The simulator is calibrated on runs that are no row (1F1B, pp 2, 4
 micro-batches; and at every other pp, 1F1B with 6 micro-batches), and every
 row is a prediction of a run it never saw: other schedules, micro-batch
-counts and pp. From the first come each graph node's F, I and W time (its
---profile), the update's time per parameter byte, the time of a message
-already sent when its receive starts, and how much slower F, I and W run
-when the ranks compute at once than when rank 0 profiles them alone
-(`--compute-scale`, summed over the run's actions); at every other pp the
-compute scale is fitted to the second's step instead, since ranks that
-outnumber cores also slow each other down beyond sharing them. Each run (rows and calibration) is repeated
---runs times and the median one counts. A row's stage costs are the calibration's node
-costs summed over the row's stages; its own profile supplies only the
+counts and pp. From the first (medians over their runs) come each graph
+node's F, I and W time (--profile), the update's time per parameter byte and
+the time of a message already sent when its receive starts. Each calibration
+run gives a compute scale: how much slower F, I and W ran than those node
+costs say (`--compute-scale`; at pp 2 its actions summed over the profile's,
+at every other pp fitted to its step, since ranks that outnumber cores also
+slow each other down beyond sharing them).
+
+The machine's speed drifts within minutes by more than the goal, so the
+runs go in --runs rounds; in each, every pp's rows run in pairs with a
+calibration run before, between and after them, and a row's run is
+predicted with the mean scale of the two calibration runs beside it (the
+row: the median over its runs). A row's stage costs are the calibration's
+node costs summed over the row's stages; its own profile supplies only the
 layout and bytes. `weft-sched simulate --cores` (this machine's cores)
 shares the cores among the ranks that compute at once, which is what pp 4
 on 2 cores does. Each row's trace is summarised and drawn with
@@ -46,10 +51,9 @@ CALIBRATION = ("1f1b", 2, 4)  # schedule, pp, micro-batches: the run the costs c
 # Where ranks outnumber cores, F, I and W run at another speed than the
 # profile's, beyond the share of a core each gets (switching processes,
 # caches shared among more of them). That depends on how many processes
-# share a core, so at every other pp the
-# compute scale is fitted to the step of one more run that is no row: 1F1B
-# with 6 micro-batches (the rows have 2, 4 and 8). At pp 2 the costs' own
-# run gives it, as the sum of its actions over the profile's.
+# share a core, so at every other pp the calibration runs are 1F1B with 6
+# micro-batches (the rows have 2, 4 and 8), and the compute scale is fitted
+# to their steps.
 SCALE_MICRO_BATCHES = 6
 
 
@@ -184,6 +188,23 @@ def compute_scale(events, costs):
 
 # --- one row ---
 
+def pooled_costs(a, runs):
+    """A costs file whose node F, I and W times and stage updates are the medians over
+    runs of the same layout (the calibration runs); its path."""
+    first = json.load(open(runs[0]["costs"]))
+    every = [json.load(open(r["costs"])) for r in runs]
+    for k, node in enumerate(first["nodes"]):
+        for key in ("f", "i", "w"):
+            node[key] = statistics.median(c["nodes"][k][key] for c in every)
+    for k, st in enumerate(first["stages"]):
+        for key in ("f", "i", "w", "update"):
+            st[key] = statistics.median(c["stages"][k][key] for c in every)
+    path = os.path.join(a.work, "calibration.pooled.json")
+    with open(path, "w") as f:
+        json.dump(first, f, indent=1)
+    return path
+
+
 def calibrated_costs(a, calibration, row):
     """The row's stages with the calibration run's node costs: a --costs file.
 
@@ -211,14 +232,12 @@ def calibrated_costs(a, calibration, row):
     return path
 
 
-def measure(a, pp, name, m, log):
-    """--runs traced and profiled runs of one row: the run whose median step is the median
-    one (its trace, profile, bubble and peaks), that step, and the runs' fastest and
-    slowest median step."""
-    runs = sorted((measure_once(a, pp, name, m, log, k) for k in range(a.runs)),
-                  key=lambda r: r["step_ms"])
-    mid = dict(runs[len(runs) // 2])
-    mid["spread"] = (runs[0]["step_ms"], runs[-1]["step_ms"])
+def median_run(runs):
+    """Of a row's runs, the one whose median step is the median one (its trace, profile,
+    bubble and peaks), with the runs' fastest and slowest median step."""
+    ranked = sorted(runs, key=lambda r: r["step_ms"])
+    mid = dict(ranked[len(ranked) // 2])
+    mid["spread"] = (ranked[0]["step_ms"], ranked[-1]["step_ms"])
     mid["others"] = max(r["others"] for r in runs)
     return mid
 
@@ -246,8 +265,7 @@ def measure_once(a, pp, name, m, log, run_index):
             "trace": trace, "costs": costs, "drawn_step": drawn}
 
 
-def simulate(a, pp, name, m, costs, svg, log, scale=None):
-    scale = a.scale[pp] if scale is None else scale
+def simulate(a, pp, name, m, costs, svg, log, scale):
     cmd = [a.weft_sched, "simulate", "--schedule", name, "--pp", str(pp), "--micro-batches",
            str(m), "--virtual-stages", str(chunks_of(name)), "--costs", costs, "--cost-comm",
            f"{a.link_ms:.6f}", "--compute-scale", f"{scale:.6f}", "--cores", str(a.cores),
@@ -297,7 +315,7 @@ def sim_held(sim):
 
 
 HEADER = ["pp", "schedule", "m", "step ms", "sim ms", "error", "span ms", "sim span", "error",
-          "bubble", "sim bubble", "held", "sim held", "sim stash", "actions", "others"]
+          "bubble", "sim bubble", "held", "sim held", "sim stash", "actions", "scale", "others"]
 
 
 def pct(x):
@@ -313,7 +331,7 @@ def row_markdown(r):
         cells[3] = f"{meas['step_ms']:.0f} ({lo:.0f}-{hi:.0f})"
         cells[9] = f"{100 * meas['bubble']:.1f}%"
         cells[11] = meas["peaks"]
-        cells[15] = f"{100 * meas['others']:.0f}%"
+        cells[16] = f"{100 * meas['others']:.0f}%"
     if "failed" in r:
         cells[3] = (cells[3] + " " if meas else "") + "failed: " + r["failed"].replace("|", "/")
     if sim:
@@ -327,6 +345,7 @@ def row_markdown(r):
         cells[6] = f"{r['span']:.0f}"
         cells[8] = pct((sim["pipeline_time"] - r["span"]) / r["span"])
         cells[14] = f"{meas['actions']:.2f}x"
+        cells[15] = f"{r['scale']:.2f}x"
     return "| " + " | ".join(cells) + " |"
 
 
@@ -366,48 +385,90 @@ def main():
            [(4, int(m)) for m in a.pp4.split(",") if m]
     started = time.time()
 
-    # Measure everything first: every run also profiles its plan.
+    # Measure everything first (every run also profiles its plan), in --runs rounds. In
+    # each round, each pp's rows run in pairs with a calibration run between the pairs
+    # and at both ends: C R R C R R ... C. This machine's speed drifts by more than the
+    # goal within minutes (one run's actions ran 1.00x-0.85x the profile over 5
+    # minutes), so a row's compute scale is the mean of the two calibration runs of its
+    # round that bracket it, measured within a minute of it.
     cal_name, cal_pp, cal_m = CALIBRATION
-    calibration = measure(a, cal_pp, cal_name, cal_m, log)
+    cal_m_at = {cal_pp: cal_m, **{pp: SCALE_MICRO_BATCHES for pp, _ in grid if pp != cal_pp}}
     a.load = [os.getloadavg()[0]]
-    scale_runs = {pp: measure(a, pp, cal_name, SCALE_MICRO_BATCHES, log)
-                  for pp in sorted({pp for pp, _ in grid}) if pp != cal_pp}
-    rows = []
-    for pp, m in grid:
-        for name in SCHEDULES:
-            r = {"pp": pp, "schedule": name, "m": m, "drawn": str(m) == a.draw}
-            r["prefix"] = f"sched-{name}-pp{pp}-m{m}"
-            try:
-                r["meas"] = measure(a, pp, name, m, log)
-            except (Failed, subprocess.TimeoutExpired) as e:
-                r["failed"] = str(e)
-            rows.append(r)
-            a.load.append(os.getloadavg()[0])
-            print(f"measured {name} at pp {pp}, {m} micro-batches", flush=True)
+    rows = [{"pp": pp, "schedule": name, "m": m, "drawn": str(m) == a.draw,
+             "prefix": f"sched-{name}-pp{pp}-m{m}", "runs": []}
+            for pp, m in grid for name in SCHEDULES]
+    cal_runs = {pp: [] for pp in cal_m_at}  # (sequence number, run), in time order
+    seq = 0
 
-    events = spans(calibration["trace"], a.warmup + 1)
-    a.link_ms = message_ms(events)
-    a.scale = {cal_pp: compute_scale(events, calibration["costs"])}
-    for pp, meas in sorted(scale_runs.items()):
-        a.scale[pp] = fit_scale(a, calibration, pp, cal_name, SCALE_MICRO_BATCHES, meas, log)
+    def calibrate(pp):
+        nonlocal seq
+        cal_runs[pp].append((seq, measure_once(a, pp, cal_name, cal_m_at[pp], log,
+                                               f"cal{len(cal_runs[pp])}")))
+        seq += 1
+
+    for k in range(a.runs):
+        for pp in sorted(cal_m_at):
+            calibrate(pp)
+            mine = [r for r in rows if r["pp"] == pp]
+            for i, r in enumerate(mine):
+                if "failed" not in r:
+                    try:
+                        run = measure_once(a, pp, r["schedule"], r["m"], log, k)
+                        run["seq"] = seq
+                        r["runs"].append(run)
+                    except (Failed, subprocess.TimeoutExpired) as e:
+                        r["failed"] = str(e)
+                    seq += 1
+                    a.load.append(os.getloadavg()[0])
+                if i % 2 == 1 or i == len(mine) - 1:
+                    calibrate(pp)
+            print(f"round {k + 1} of {a.runs} measured at pp {pp}", flush=True)
+
+    # The node costs, update and message cost: the medians over every run at the
+    # calibration's pp. Each calibration run's compute scale is then its actions against
+    # those node costs (at the calibration's pp), or the scale with which the simulator
+    # gives its step (at every other pp).
+    calibration = {"costs": pooled_costs(a, [run for _, run in cal_runs[cal_pp]])}
+    a.link_ms = statistics.median(
+        message_ms(spans(run["trace"], a.warmup + 1)) for _, run in cal_runs[cal_pp])
+    scales = {}
+    for pp, runs in cal_runs.items():
+        for at, run in runs:
+            if pp == cal_pp:
+                costs = calibrated_costs(a, calibration, run)
+                x = compute_scale(spans(run["trace"], a.warmup + 1), costs)
+            else:
+                x = fit_scale(a, calibration, pp, cal_name, cal_m_at[pp], run, log)
+            scales.setdefault(pp, []).append((at, x))
+    a.scale = {pp: (min(x for _, x in xs), statistics.median(x for _, x in xs),
+                    max(x for _, x in xs)) for pp, xs in scales.items()}
     print(f"calibration: a message takes {a.link_ms:.3f} ms; F/I/W run " +
-          ", ".join(f"{x:.3f}x the profile at pp {pp}" for pp, x in sorted(a.scale.items())),
-          flush=True)
+          ", ".join(f"{lo:.3f}x-{hi:.3f}x the profile at pp {pp}"
+                    for pp, (lo, _, hi) in sorted(a.scale.items())), flush=True)
+
+    def local_scale(pp, at):
+        before = [x for t, x in scales[pp] if t < at]
+        after = [x for t, x in scales[pp] if t > at]
+        near = before[-1:] + after[:1]
+        return sum(near) / len(near)
 
     for r in rows:
         pp, name, m = r["pp"], r["schedule"], r["m"]
         prefix = os.path.join(a.docs if r["drawn"] else a.work, r["prefix"])
         try:
-            meas = r.get("meas")
-            if not meas:
+            if not r["runs"]:
                 raise Failed("not measured")
+            meas = r["meas"] = median_run(r["runs"])
             costs = calibrated_costs(a, calibration, meas)
-            r["sim"] = simulate(a, pp, name, m, costs, prefix + "-simulated.svg", log)
-            if meas:
-                tl = timeline(a, meas["trace"], meas["drawn_step"], prefix + "-measured.svg", log)
-                r["span"] = tl["step_time"]
-                meas["actions"] = compute_scale(spans(meas["trace"], a.warmup + 1), costs)
-                r["error"] = (r["sim"]["step_time"] - meas["step_ms"]) / meas["step_ms"]
+            # The median of its runs' scales: the simulated step grows with the scale, so
+            # this is the median of the runs' predictions.
+            r["scale"] = statistics.median(local_scale(pp, run["seq"]) for run in r["runs"])
+            r["sim"] = simulate(a, pp, name, m, costs, prefix + "-simulated.svg", log,
+                                r["scale"])
+            tl = timeline(a, meas["trace"], meas["drawn_step"], prefix + "-measured.svg", log)
+            r["span"] = tl["step_time"]
+            meas["actions"] = compute_scale(spans(meas["trace"], a.warmup + 1), costs)
+            r["error"] = (r["sim"]["step_time"] - meas["step_ms"]) / meas["step_ms"]
         except (Failed, KeyError) as e:
             r["failed"] = str(e)
         print(row_markdown(r), flush=True)
@@ -444,23 +505,30 @@ def write_report(a, rows, seconds, png):
         f"simulate --costs --cores {a.cores:g}`. The whole script took {seconds / 60:.1f} "
         f"minutes, waits for a quiet machine included; the 1-minute load average "
         f"(`/proc/loadavg`) read {load} between runs.\n",
-        f"**Out of sample.** The simulator was calibrated on one extra run, {cal_name} at pp "
-        f"{cal_pp} with {cal_m} micro-batches, and no row below is that run. From it come: each "
-        f"graph node's F, I and W time (its `--profile`), summed over each row's stages (the "
-        f"row's own profile gives only which nodes a stage holds and the bytes); the parameter "
-        f"update at that run's seconds per parameter byte; a message's cost, "
+        f"**Out of sample.** The simulator is calibrated on runs that are no row: {cal_name} "
+        f"at pp {cal_pp} with {cal_m} micro-batches, and at every other pp {cal_name} with "
+        f"{SCALE_MICRO_BATCHES}. From the first come each graph node's F, I and W time (its "
+        f"`--profile`, the median over those runs), summed over each row's stages (the row's "
+        f"own profile gives only which nodes a stage holds and the bytes); the parameter "
+        f"update at their seconds per parameter byte; and a message's cost, "
         f"{a.link_ms:.3f} ms (`--cost-comm`; the median receive whose send had already "
-        f"started); and F, I and W taking {a.scale[cal_pp]:.3f}x what the profile says "
-        f"(`--compute-scale`, the sum of that run's actions over the profile's), which absorbs "
-        f"the difference between timing layers with rank 0 alone and running both ranks at "
-        f"once. Ranks share the {a.cores:g} cores: while n ranks compute at once, each runs at "
-        f"1 / ceil(n / {a.cores:g}) of its profiled speed once n exceeds them (the share of "
-        f"the busiest core; waiting and messages take no core), which matters at pp 4. At "
-        f"every other pp the compute scale is the one value fitted to a step time, that of "
-        f"one more run that is no row ({cal_name} with {SCALE_MICRO_BATCHES} micro-batches); "
-        f"it came "
-        f"out " + ", ".join(f"{x:.3f}x at pp {pp}" for pp, x in sorted(a.scale.items())
-                            if pp != cal_pp) + ".\n",
+        f"started). A calibration run's **compute scale** (`--compute-scale`) is how much "
+        f"slower F, I and W ran than those node costs say: at pp {cal_pp} the sum of its "
+        f"actions over the profile's, which absorbs the difference between timing layers "
+        f"with rank 0 alone and running both ranks at once; at every other pp the one value "
+        f"with which the simulator gives its step, since ranks that outnumber cores slow each "
+        f"other beyond sharing them. Ranks share the {a.cores:g} cores: while n ranks compute "
+        f"at once, each runs at 1 / ceil(n / {a.cores:g}) of its profiled speed once n "
+        f"exceeds them (the share of the busiest core; waiting and messages take no core), "
+        f"which matters at pp 4.\n",
+        f"**The machine drifts.** This VM's speed wanders by more than the goal within "
+        f"minutes, so the calibration runs are spread through the measurement: each of the "
+        f"{a.runs} rounds runs each pp's rows in pairs, with a calibration run before, "
+        f"between and after the pairs. A row's run is predicted with the mean compute scale "
+        f"of the two calibration runs beside it, and the row's **scale** is the median over "
+        f"its runs. Over this script the calibration runs' scales ranged " +
+        ", ".join(f"{lo:.3f}x-{hi:.3f}x (median {mid:.3f}x) at pp {pp}"
+                  for pp, (lo, mid, hi) in sorted(a.scale.items())) + ".\n",
         f"Columns: **step** is train_gpt's `step_ms`, the median of {a.runs} runs' median "
         "measured step (the fastest and slowest run's in brackets), update included; "
         "**sim** the simulated step; "
@@ -471,13 +539,14 @@ def write_report(a, rows, seconds, png):
         "activation bytes each rank's arenas held at once (measured by the executor), and "
         "**sim held** the simulator's, from the bytes each action added in the profile; "
         "**sim stash**: the most micro-batch stages each rank holds at once. **actions**: the run's F, I, W and B summed "
-        "against their profiled time (what `--compute-scale` would have to be for this row). "
+        "against their profiled time (what `--compute-scale` would have to be for this row), "
+        "and **scale** the one it was predicted with. "
         "**others**: the share of the machine's CPU time "
         "that other processes used during the run (the script waits for a quiet machine "
         f"and runs a row again, up to {a.retries} times, when others took more than "
         f"{100 * a.max_others:.0f}%).\n",
         "| " + " | ".join(HEADER) + " |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|---:|---:|",
     ]
     out.extend(row_markdown(r) for r in rows)
     out.append("")

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Pipeline schedules, measured and simulated. Calibrates the simulator once
-# from a traced run, then for every schedule at pp 2 and 4 and a few
-# micro-batch counts runs train_gpt under mpiexec (--trace, --log-jsonl,
-# --profile) and `weft-sched simulate --costs` on that run's profile, and
-# writes schedules.md with the table and the SVG timelines (sched-*.svg),
-# plus one PNG when rsvg-convert is installed (apt-get install
+# Pipeline schedules, measured and simulated. For every schedule at pp 2 and 4
+# and a few micro-batch counts runs train_gpt under mpiexec (--trace,
+# --log-jsonl, --profile) and `weft-sched simulate --costs`, calibrated on
+# 1F1B runs that are no row and run between the rows (the machine's speed
+# drifts), and writes schedules.md with the table and the SVG timelines
+# (sched-*.svg), plus one PNG when rsvg-convert is installed (apt-get install
 # librsvg2-bin), into OUT. Details: bench/sched_report.py.
 #
 #   bench/schedules.sh [build-dir] [--out DIR]   (default: build, and
-#                                                  build-dir/schedules; about 15 minutes idle,
+#                                                  build-dir/schedules; about 20 minutes idle,
 #                                                  3 runs of each row)
 #
 # The tracked page in docs/ is updated only on purpose: --out docs.
