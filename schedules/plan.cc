@@ -32,6 +32,9 @@ void add(PartCosts& to, const PartCosts& p, double k = 1) {
   to.w += k * p.w;
   to.param_bytes += k * p.param_bytes;
   to.stash_bytes += k * p.stash_bytes;
+  to.whole_stash_bytes += k * p.whole_stash_bytes;
+  to.kept_bytes += k * p.kept_bytes;
+  to.column_gemms += k * p.column_gemms;
   to.rf += k * p.rf;
   to.ri += k * p.ri;
   to.rw += k * p.rw;
@@ -60,6 +63,46 @@ double all_reduce(const Link& link, double bytes, int n, double wake) {
   if (n <= 1) return 0;
   const double rounds = 2.0 * std::ceil(std::log2(static_cast<double>(n)));
   return rounds * (link.latency + wake) + 2.0 * (n - 1) / n * bytes / link.bandwidth;
+}
+
+// What F holds beyond its nodes' outputs, per block and in the head (into
+// out.layer and out.post, per profiled micro-batch): each stage's measured
+// bytes (memory.f) less its outputs (stash_bytes). The stages without the
+// head give a block's (the embedding keeps nothing beyond its output); the
+// last stage's rest is the head's. Nothing where the profile has no measured
+// bytes or was taken with --recompute (its F keeps only the boundary).
+void kept_bytes(const nlohmann::json& p, size_t blocks, LayerCosts& out) {
+  if (p.value("recompute", false) || !p.contains("stages") || !p["stages"].is_array()) return;
+  std::map<std::string, size_t> index;
+  size_t first_post = 0, block_nodes = 0;
+  for (size_t k = 0; k < p["nodes"].size(); ++k) {
+    const std::string name = p["nodes"][k]["name"].get<std::string>();
+    index[name] = k;
+    if (name.rfind("h.", 0) == 0) first_post = k + 1, ++block_nodes;
+  }
+  const double per_block = static_cast<double>(block_nodes) / static_cast<double>(blocks);
+  double body_extra = 0, body_blocks = 0, head_extra = 0, head_blocks = 0;
+  bool head_seen = false;
+  for (const nlohmann::json& st : p["stages"]) {
+    if (!st.contains("memory") || !st["memory"].is_object() || !st.contains("first") ||
+        !st.contains("last") || !index.count(st.value("first", "")) ||
+        !index.count(st.value("last", "")))
+      return;
+    const size_t a = index[st["first"].get<std::string>()], b = index[st["last"].get<std::string>()];
+    double n = 0;  // the stage's blocks (its block nodes over a block's)
+    for (size_t k = a; k <= b; ++k)
+      n += p["nodes"][k]["name"].get<std::string>().rfind("h.", 0) == 0 ? 1 : 0;
+    n /= per_block;
+    const double extra = st["memory"].value("f", 0.0) - st.value("stash_bytes", 0.0);
+    if (b >= first_post) {
+      head_extra += extra, head_blocks += n, head_seen = true;
+    } else {
+      body_extra += extra, body_blocks += n;
+    }
+  }
+  if (body_blocks <= 0 || !head_seen) return;
+  out.layer.kept_bytes = std::max(0.0, body_extra / body_blocks);
+  out.post.kept_bytes = std::max(0.0, head_extra - head_blocks * out.layer.kept_bytes);
 }
 
 std::vector<int> divisors(int n) {
@@ -103,6 +146,12 @@ LayerCosts profile_costs(const nlohmann::json& p, const std::string& path) {
                 num(n, "w", path, what.c_str()), num(n, "param_bytes", path, what.c_str()),
                 num(n, "activation_bytes", path, what.c_str())};
     if (replicated_in_tp(name)) c.rf = c.f, c.ri = c.i, c.rw = c.w;
+    // Profiles from before "tp_whole" name the replicated nodes only.
+    const auto whole = n.find("tp_whole");
+    if (whole != n.end() ? whole->is_boolean() && whole->get<bool>() : replicated_in_tp(name))
+      c.whole_stash_bytes = c.stash_bytes;
+    else if (whole != n.end() && n.value("kind", "") == "linear")
+      c.column_gemms = 1;
     int block = -1;
     if (name.rfind("h.", 0) == 0) block = std::atoi(name.c_str() + 2);
     if (block >= 0) {
@@ -118,10 +167,12 @@ LayerCosts profile_costs(const nlohmann::json& p, const std::string& path) {
   for (const auto& [b, c] : blocks) add(out.layer, c, 1.0 / static_cast<double>(blocks.size()));
   add(out.pre, pre);
   add(out.post, post);
+  kept_bytes(p, blocks.size(), out);
   for (PartCosts* c : {&out.layer, &out.pre, &out.post}) {
     PartCosts scaled;
     add(scaled, *c, per);
     scaled.param_bytes = c->param_bytes;  // weights do not grow with the batch
+    scaled.column_gemms = c->column_gemms;
     *c = scaled;
   }
   out.boundary_bytes = boundary * per;
@@ -156,6 +207,13 @@ LayerCosts flops_costs(const ModelShape& s, double flops_per_second, double memo
   const double head = t * 2 * h * v / flops_per_second;
   c.pre = {0, 0, 0, 4 * (v + t) * h, 4 * t * h};
   c.post = {head, head, head, 4 * 2 * h, 4 * t * (2 * h + 2 * v)};
+  // Whole on every tensor-parallel rank: a block's two norms, two residual
+  // sums and two row-parallel outputs (6 of its 17 h per token), the
+  // embedding's output and the final norm's.
+  c.layer.whole_stash_bytes = 4 * t * 6 * h;
+  c.layer.column_gemms = 2;
+  c.pre.whole_stash_bytes = 4 * t * h;
+  c.post.whole_stash_bytes = 4 * t * h;
   c.boundary_bytes = 4 * t * h;
   c.update_per_param_byte = 32.0 / 4.0 / memory_bandwidth;
   return c;
@@ -291,18 +349,24 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
     cost.activation_bytes.push_back(act);
     stage_params[k] = p.param_bytes / tp;
     cost.update.push_back(c.update_per_param_byte * stage_params[k] / (l.zero1 ? l.dp : 1));
-    const double stash = p.stash_bytes * mb / tp;
+    // Whole outputs on every tp rank, a 1/tp share of the split ones and of
+    // what F keeps beyond its outputs.
+    const double split = p.stash_bytes - p.whole_stash_bytes + p.kept_bytes;
+    const double stash = (p.whole_stash_bytes + split / tp) * mb;
+    // I's gradients as F's outputs, and under tp the column-parallel GEMMs'
+    // whole partial input gradients.
+    const double partials = l.tp > 1 ? p.column_gemms * act : 0;
     sched::StageBytes& b = bytes[k];
     b.recv_f = st > 0 ? act : 0;
     b.recv_b = st + 1 < stages ? act : 0;
     if (l.recompute) {
       b.f = act;
       b.f_work = stash;
-      b.i_work = stash * (1 + c.input_grad_ratio);
+      b.i_work = stash * (1 + c.input_grad_ratio) + partials;
       b.i_keep = st > 0 ? act : 0;
     } else {
       b.f = stash;
-      b.i = stash * c.input_grad_ratio;
+      b.i = stash * c.input_grad_ratio + partials;
     }
   }
   cost.link_latency = pp_link.latency;

@@ -636,7 +636,8 @@ int plan_command(PlanRequest q) {
                      {"zero1", p.layout.zero1}, {"step_time", p.step_time},
                      {"pipeline_time", p.pipeline_time}, {"dp_time", p.dp_time},
                      {"update_time", p.update_time}, {"bubble", p.bubble},
-                     {"memory_per_rank", p.memory_per_rank}, {"bytes_per_step", p.bytes_per_step},
+                     {"memory_per_rank", p.memory_per_rank}, {"activation_bytes", p.activation_bytes},
+                     {"bytes_per_step", p.bytes_per_step},
                      {"flags", p.layout.flags()}});
     fmt::print("{}\n", out.dump());
     return r.plans.empty() ? 1 : 0;

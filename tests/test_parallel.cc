@@ -7,6 +7,8 @@
 #include <weft/checkpoint.h>
 #include <weft/layout.h>
 #include <weft/param_server.h>
+#include <weft/plan.h>
+#include <weft/profile.h>
 #include <weft/local_communicator.h>
 #include <weft/staged_communicator.h>
 
@@ -345,6 +347,69 @@ TEST(Reference, ClipsAndLearns) {
 // --- 2. the distributed optimizer ---
 
 // Same layout, both flags: the same losses, norms, parameters and Adam moments.
+// The planner's activation memory under tensor parallelism, from a profile
+// taken at tp 1, against the bytes the executor's arenas held at tp 2 (and at
+// tp 1). The profile gives each stage's F and I bytes, measured; the planner
+// splits what each node's "tp_whole" says is split and what F keeps beyond
+// the outputs (attention's probabilities, the loss's), gives I its gradients
+// in the same proportion and, under tp, one whole partial input gradient per
+// column-parallel GEMM. Its errors:
+//   - I's bytes: every stage gets the profile's mean ratio of I's bytes to
+//     F's, while each stage has its own; at the peak one I is held, so the
+//     error is at most max over stages |i_s - ratio f_s| (at tp 1; split
+//     like F at tp 2, so the tp 1 bound holds);
+//   - the norms' statistics (2 floats per token per norm) are whole on
+//     every rank, and the planner splits them with what F keeps: (1 - 1/tp)
+//     of them, in F and in I alike, for each micro-batch held;
+//   - a byte for the sums of doubles.
+TEST(Plan, ActivationMemoryUnderTensorParallelismIsWhatTheArenasHold) {
+  const GptConfig cfg = tiny();
+  TokenBatches batches(text_data(), kGlobal, cfg.seq_length);
+  GptModel model = build_gpt(cfg, kMicro);
+  init_gpt(model, kSeed);
+  PartitionOptions po;
+  po.method = PartitionMethod::Uniform;
+  po.pp = 2;
+  const StagePlan plan = partition(model.graph, CostModel::analytic(model.graph), po);
+  const std::vector<sched::StageBytes> bytes =
+      measure_stage_bytes(model.graph, model.io, plan, batches, kMicro, false);
+  nlohmann::json profile = cost_model_json(CostModel::analytic(model.graph), model.graph);
+  profile.update(stage_costs_json(CostModel::analytic(model.graph), plan, model.graph, {}, bytes));
+  profile["micro_batch_size"] = kMicro;
+
+  plan::PlanInput in;
+  in.shape = {cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.seq_length, cfg.vocab_size};
+  in.global_batch = kGlobal;
+  in.costs = plan::profile_costs(profile, "test");
+  double ratio_error = 0, f_sum = 0, i_sum = 0;
+  for (const sched::StageBytes& b : bytes) f_sum += b.f, i_sum += b.i;
+  for (const sched::StageBytes& b : bytes)
+    ratio_error = std::max(ratio_error, std::abs(b.i - i_sum / f_sum * b.f));
+  const double norm_stats = 2.0 * 4 * static_cast<double>(kMicro * cfg.seq_length);
+
+  for (int tp : {1, 2}) {
+    in.machine.world = 2 * tp;
+    Layout l;
+    l.pp = 2, l.tp = tp;
+    std::vector<double> held(2);
+    run_layout(l, 1, {}, [&](RankLayout& rank) {
+      if (rank.coord().tp == 0) held[z(rank.coord().pp)] = rank.pipeline()->peak_bytes();
+    });
+    const plan::Plan p = plan::evaluate(in, {1, 2, tp, "1f1b", 1, kMicro, false, false});
+    const double blocks = static_cast<double>(cfg.num_layers) / 2;
+    const sched::Schedule s = sched::lower(sched::make_schedule("1f1b", 2, kGlobal / kMicro, 1));
+    const std::vector<int> in_flight = sched::peak_in_flight(s, false);
+    const double held_f = *std::max_element(in_flight.begin(), in_flight.end()) + 1;
+    const double allowed =
+        ratio_error + held_f * (2 * blocks + 1) * norm_stats * (tp - 1.0) / tp + 1;
+    const double most = *std::max_element(held.begin(), held.end());
+    EXPECT_NEAR(p.activation_bytes, most, allowed) << "tp " << tp;
+    // Before, the planner divided every stashed byte by tp and left out
+    // what F keeps beyond the outputs: far outside this bound.
+    EXPECT_LT(allowed, 0.1 * most) << "tp " << tp;
+  }
+}
+
 TEST(DistributedOptimizer, SameNumbersAsThePlainOne) {
   Layout plain{4, 1, 2};
   Layout zero1 = plain;

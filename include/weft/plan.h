@@ -58,10 +58,22 @@ struct ModelShape {
 struct PartCosts {
   double f = 0, i = 0, w = 0;
   double param_bytes = 0;
-  double stash_bytes = 0;  // activations F keeps until I and W are done
+  double stash_bytes = 0;  // activations F keeps until I and W are done: the nodes' outputs
   // Of f, i and w: what every tensor-parallel rank computes whole rather
   // than a 1/tp share of (norms, residual adds, the embedding's lookup).
   double rf = 0, ri = 0, rw = 0;
+  // Of stash_bytes: the outputs every tensor-parallel rank holds whole (the
+  // profile's "tp_whole": norms, residual adds, row-parallel GEMMs' outputs
+  // after their all-reduce, the embedding's); the rest is split.
+  double whole_stash_bytes = 0;
+  // What F holds beyond the outputs (attention's probabilities, the loss's,
+  // the norms' statistics), split among tensor-parallel ranks (by heads, by
+  // vocabulary): the profile's measured bytes per stage less its outputs.
+  double kept_bytes = 0;
+  // Column-parallel GEMMs (the profile's linear nodes whose output is split).
+  // Under tensor parallelism each one's input gradient is summed over the
+  // ranks from a partial one: I holds one more whole activation per GEMM.
+  double column_gemms = 0;
 };
 struct LayerCosts {
   PartCosts layer;        // one transformer block (the mean over the profiled blocks)

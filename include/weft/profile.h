@@ -23,7 +23,16 @@ namespace weft {
 CostModel profile_costs(const Graph& g, const ModelIO& io, const BatchSource& data,
                         int64_t micro_batch, int repeats = 3);
 
-// {"unit": "seconds", "nodes": [{"name", "f", "i", "w", "param_bytes", ...}]}
+// Whether each node's output is whole on every tensor-parallel rank (true)
+// or split among them: a column-parallel linear splits its output, a
+// row-parallel one all-reduces it whole, and any other node's output is
+// split exactly when one of its inputs is (attention and the activations
+// between the MLP's GEMMs follow the column-parallel GEMM before them; norms,
+// residual adds and the embedding read whole tensors).
+std::vector<bool> tp_whole_outputs(const Graph& g);
+
+// {"unit": "seconds", "nodes": [{"name", "f", "i", "w", "param_bytes", ...,
+// "tp_whole"}]}; tp_whole from tp_whole_outputs.
 nlohmann::json cost_model_json(const CostModel& cost, const Graph& g);
 
 // Seconds, per stage of `plan`, that a training step spends on the stage's

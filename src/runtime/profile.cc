@@ -2,6 +2,8 @@
 #include <weft/profile.h>
 #include <weft/runner.h>
 
+#include "layers/linear.h"
+
 #include <algorithm>
 #include <chrono>
 #include <fstream>
@@ -53,8 +55,26 @@ CostModel profile_costs(const Graph& g, const ModelIO& io, const BatchSource& da
   return cost;
 }
 
+std::vector<bool> tp_whole_outputs(const Graph& g) {
+  std::vector<bool> whole(g.nodes().size(), true);
+  for (size_t k = 0; k < g.nodes().size(); ++k) {
+    const Node& n = g.nodes()[k];
+    const auto* linear = dynamic_cast<const Linear*>(n.layer.get());
+    if (linear && linear->role() == ParallelRole::Column) {
+      whole[k] = false;
+    } else if (!linear || linear->role() != ParallelRole::Row) {
+      for (int v : n.inputs) {
+        const int from = g.values()[static_cast<size_t>(v)].producer;
+        if (from >= 0 && !whole[static_cast<size_t>(from)]) whole[k] = false;
+      }
+    }
+  }
+  return whole;
+}
+
 nlohmann::json cost_model_json(const CostModel& cost, const Graph& g) {
   nlohmann::json nodes = nlohmann::json::array();
+  const std::vector<bool> whole = tp_whole_outputs(g);
   for (size_t k = 0; k < cost.nodes.size(); ++k) {
     const NodeCost& c = cost.nodes[k];
     nodes.push_back({{"name", g.nodes()[k].name},
@@ -64,7 +84,8 @@ nlohmann::json cost_model_json(const CostModel& cost, const Graph& g) {
                      {"w", c.w},
                      {"param_bytes", c.param_bytes},
                      {"activation_bytes", c.activation_bytes},
-                     {"output_bytes", c.output_bytes}});
+                     {"output_bytes", c.output_bytes},
+                     {"tp_whole", static_cast<bool>(whole[k])}});
   }
   return {{"unit", "seconds"}, {"nodes", nodes}};
 }
