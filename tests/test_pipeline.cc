@@ -13,7 +13,9 @@
 #include "models/gpt.h"
 #include "test_util.h"
 
+#include <chrono>
 #include <mutex>
+#include <thread>
 
 namespace weft {
 namespace {
@@ -330,6 +332,27 @@ TEST(Pipeline, ProfiledCostsDriveTheTimePartition) {
   auto json = cost_model_json(cost, m.graph);
   EXPECT_EQ(json["nodes"].size(), cost.nodes.size());
   EXPECT_EQ(json["nodes"][0]["name"], "embed");
+}
+
+// The profilers' timer on the CPU: each span is the host time of its work,
+// in the order the spans began, and take() starts over. A span can only be
+// longer than its sleep (a loaded machine delays, never hastens), so the
+// bound is one-sided.
+TEST(Pipeline, SpanTimerTimesEachSpanInOrder) {
+  SpanTimer timer(Device::cpu());
+  timer.time([] {});
+  timer.time([] { std::this_thread::sleep_for(std::chrono::milliseconds(30)); });
+  const std::vector<double> s = timer.take();
+  ASSERT_EQ(s.size(), 2u);
+  EXPECT_GE(s[0], 0.0);
+  EXPECT_GE(s[1], 0.030);
+  EXPECT_TRUE(timer.take().empty());
+  EXPECT_THROW(timer.end(), Error);  // no span is open
+  timer.begin();
+  EXPECT_THROW(timer.begin(), Error);  // spans do not nest
+  EXPECT_THROW(timer.take(), Error);   // nor is one read while open
+  timer.end();
+  EXPECT_EQ(timer.take().size(), 1u);
 }
 
 TEST(Pipeline, OneFOneBStashIsPpMinusRank) {

@@ -2,7 +2,10 @@
 //
 // The partitioner's `time` method balances a CostModel; profile_costs fills
 // one with measured seconds for every node's F, I and W (the median of a few
-// runs of one micro-batch), and the analytic model's bytes.
+// runs of one micro-batch), and the analytic model's bytes. Both profilers
+// run on the device that holds the graph's parameters (a Trainer places them
+// on its device): the CPU, or a GPU, where SpanTimer reads CUDA events
+// (`bench_cuda --profile` prints that breakdown).
 //
 // `train_gpt --profile FILE` writes profile_json: the node costs and, for the
 // plan it chose, their sums per stage, which `weft-sched simulate --costs FILE`
@@ -15,10 +18,58 @@
 
 #include <nlohmann/json.hpp>
 
+#include <chrono>
+#include <memory>
 #include <string>
 #include <vector>
 
+namespace weft::cuda {
+class TimingEvents;
+}
+
 namespace weft {
+
+// Spans of one device's work, timed as that device does it. On the CPU, the
+// host clock around the call (CPU kernels have finished when they return).
+// On a GPU, a pair of CUDA events on the compute stream around the work the
+// call queued, all read after one wait at the end (take()), so that timing
+// neither stalls the host between spans, nor counts the host's launch time
+// as the GPU's. A GPU span includes any time the GPU sat idle inside it
+// waiting for the host (a node whose kernels are short is launch-bound, and
+// that shows). Throws Error for a GPU in a build without CUDA.
+class SpanTimer {
+ public:
+  explicit SpanTimer(Device device);
+  ~SpanTimer();
+  SpanTimer(const SpanTimer&) = delete;
+  SpanTimer& operator=(const SpanTimer&) = delete;
+
+  // Times `work` as the next span.
+  template <typename F>
+  void time(F&& work) {
+    begin();
+    work();
+    end();
+  }
+  void begin();
+  void end();
+  // Seconds of every span since the last take(), in the order they began
+  // (waits for the device); the next span is span 0 again.
+  std::vector<double> take();
+
+ private:
+  Device device_;
+  bool open_ = false;
+  std::vector<std::chrono::steady_clock::time_point> host_;  // CPU: begin, end, begin, ...
+  // GPU: marks 2s and 2s + 1. Shared, so that a build without CUDA never
+  // instantiates its destructor (which only a CUDA build defines).
+  std::shared_ptr<cuda::TimingEvents> events_;
+  size_t marks_ = 0;
+};
+
+// The one device every parameter of `params` is on (the CPU when there are
+// none); throws Error naming two parameters on different devices.
+Device params_device(const std::vector<Param*>& params);
 
 CostModel profile_costs(const Graph& g, const ModelIO& io, const BatchSource& data,
                         int64_t micro_batch, int repeats = 3);
@@ -41,6 +92,16 @@ nlohmann::json cost_model_json(const CostModel& cost, const Graph& g);
 // parameters with zero gradients and learning rate 0, which leaves them as
 // they were; it zeroes their gradients.
 std::vector<double> profile_updates(const Graph& g, const StagePlan& plan, int repeats = 3);
+
+// profile_updates' parts for one set of parameters, each the median of
+// `repeats` (seconds): zeroing the gradients, their norm (which the host
+// waits for), the clip's scaling, timed as when it is active (the norm
+// given is twice max_norm, which scales the zero gradients), and AdamW.
+struct UpdateCosts {
+  double zero = 0, norm = 0, clip = 0, adamw = 0;
+  double total() const { return zero + norm + clip + adamw; }
+};
+UpdateCosts profile_update(const std::vector<Param*>& params, int repeats = 3);
 
 // A plan's costs per stage, in stage order (one micro-batch, seconds and bytes):
 // {"pp", "chunks", "partition", "stages": [{"stage", "rank", "first", "last",

@@ -157,6 +157,34 @@ void Context::staging_in_flight() {
   staging_pending_ = true;
 }
 
+TimingEvents::~TimingEvents() {
+  for (CUevent_st* e : events_) cudaEventDestroy(e);  // errors: the runtime shutting down
+}
+
+void TimingEvents::record(size_t i) {
+  ctx_->make_current();
+  while (events_.size() <= i) {
+    cudaEvent_t e = nullptr;
+    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDefault));  // with timing
+    events_.push_back(e);
+  }
+  WEFT_CUDA_CHECK(cudaEventRecord(events_[i], ctx_->compute_stream()));
+  last_ = i;
+  recorded_ = true;
+}
+
+void TimingEvents::synchronize() const {
+  if (recorded_) WEFT_CUDA_CHECK(cudaEventSynchronize(events_[last_]));
+}
+
+float TimingEvents::elapsed_ms(size_t a, size_t b) const {
+  check(a < events_.size() && b < events_.size(),
+        "timing events {} and {}: only {} were ever recorded", a, b, events_.size());
+  float ms = 0;
+  WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[a], events_[b]));
+  return ms;
+}
+
 Context& context(int device) {
   static std::mutex mu;
   static std::vector<Context*> contexts;  // leaked on purpose: see the header

@@ -3,6 +3,11 @@
 #include <weft/runner.h>
 
 #include "layers/linear.h"
+#include "weft_config.h"
+
+#if WEFT_CUDA
+#include <weft/cuda/runtime.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -19,29 +24,110 @@ double median(std::vector<double> v) {
 }
 }  // namespace
 
+SpanTimer::SpanTimer(Device device) : device_(device) {
+  if (device.is_cpu()) return;
+#if WEFT_CUDA
+  events_ = std::make_shared<cuda::TimingEvents>(cuda::context(device.index));
+#else
+  throw Error("timing on {}: weft was built without CUDA (meson setup -Dcuda=enabled)",
+              device.str());
+#endif
+}
+
+SpanTimer::~SpanTimer() = default;
+
+void SpanTimer::begin() {
+  check(!open_, "SpanTimer: a span begins inside another");
+  open_ = true;
+  if (device_.is_cpu()) {
+    host_.emplace_back();  // grows the vector before the clock is read, not inside the span
+    host_.back() = Clock::now();
+    return;
+  }
+#if WEFT_CUDA
+  events_->record(marks_++);
+#endif
+}
+
+void SpanTimer::end() {
+  check(open_, "SpanTimer: a span ends that did not begin");
+  open_ = false;
+  if (device_.is_cpu()) {
+    host_.push_back(Clock::now());
+    return;
+  }
+#if WEFT_CUDA
+  events_->record(marks_++);
+#endif
+}
+
+std::vector<double> SpanTimer::take() {
+  check(!open_, "SpanTimer: take() inside a span");
+  std::vector<double> seconds;
+  if (device_.is_cpu()) {
+    for (size_t k = 0; k + 1 < host_.size(); k += 2)
+      seconds.push_back(std::chrono::duration<double>(host_[k + 1] - host_[k]).count());
+    host_.clear();
+    return seconds;
+  }
+#if WEFT_CUDA
+  events_->synchronize();
+  for (size_t k = 0; k + 1 < marks_; k += 2)
+    seconds.push_back(1e-3 * static_cast<double>(events_->elapsed_ms(k, k + 1)));
+#endif
+  marks_ = 0;
+  return seconds;
+}
+
+Device params_device(const std::vector<Param*>& params) {
+  if (params.empty()) return Device::cpu();
+  const Device d = params.front()->value.device();
+  for (const Param* p : params)
+    check(p->value.device() == d, "parameters on two devices: {} on {}, {} on {}",
+          params.front()->name, d.str(), p->name, p->value.device().str());
+  return d;
+}
+
 CostModel profile_costs(const Graph& g, const ModelIO& io, const BatchSource& data,
                         int64_t micro_batch, int repeats) {
   check(repeats > 0, "profiling needs at least one repeat, got {}", repeats);
   const int n = static_cast<int>(g.nodes().size());
   std::vector<std::vector<double>> f(static_cast<size_t>(n)), i(f), w(f);
-  MicroBatch mb(g);
-  std::vector<Tensor> inputs;
+  const Device device = params_device(g.params());
+  MicroBatch mb(g, device);
+  SpanTimer timer(device);
+  // A GPU's inputs are filled on the host and uploaded, as the Trainer does.
+  std::vector<Tensor> inputs, host;
+  if (!device.is_cpu())
+    for (int v : io.inputs) {
+      const Value& val = g.values()[static_cast<size_t>(v)];
+      host.push_back(Tensor::zeros(val.shape, val.dtype));
+    }
   // One untimed pass first: it plans the arena and warms the caches.
   for (int r = -1; r < repeats; ++r) {
-    inputs.clear();
-    for (int v : io.inputs) inputs.push_back(mb.input(v));
-    data.fill(0, 0, inputs);
-    auto timed = [&](std::vector<std::vector<double>>& into, int node, auto&& run) {
-      const auto t0 = Clock::now();
-      run();
-      if (r >= 0)
-        into[static_cast<size_t>(node)].push_back(
-            std::chrono::duration<double>(Clock::now() - t0).count());
-    };
-    for (int k = 0; k < n; ++k) timed(f, k, [&] { forward(g, mb, k, k + 1); });
+    if (device.is_cpu()) {
+      inputs.clear();
+      for (int v : io.inputs) inputs.push_back(mb.input(v));
+      data.fill(0, 0, inputs);
+    } else {
+      data.fill(0, 0, host);
+      for (size_t k = 0; k < io.inputs.size(); ++k) mb.input(io.inputs[k]).copy_from(host[k]);
+    }
+    // Spans in the order F of nodes 0 .. n-1, I of n-1 .. 0, W of n-1 .. 0.
+    for (int k = 0; k < n; ++k) timer.time([&] { forward(g, mb, k, k + 1); });
     mb.seed_grad(io.loss, 1.0f / static_cast<float>(micro_batch * io.terms_per_sample));
-    for (int k = n - 1; k >= 0; --k) timed(i, k, [&] { backward_input(g, mb, k); });
-    for (int k = n - 1; k >= 0; --k) timed(w, k, [&] { backward_weight(g, mb, k); });
+    for (int k = n - 1; k >= 0; --k) timer.time([&] { backward_input(g, mb, k); });
+    for (int k = n - 1; k >= 0; --k) timer.time([&] { backward_weight(g, mb, k); });
+    const std::vector<double> s = timer.take();
+    check(s.size() == 3 * static_cast<size_t>(n), "profile: {} spans timed for {} nodes",
+          s.size(), n);
+    if (r >= 0)
+      for (int k = 0; k < n; ++k) {
+        const auto at = static_cast<size_t>(k), back = static_cast<size_t>(n - 1 - k);
+        f[at].push_back(s[at]);
+        i[at].push_back(s[static_cast<size_t>(n) + back]);
+        w[at].push_back(s[2 * static_cast<size_t>(n) + back]);
+      }
     mb.reset();
   }
   zero_grads(g.params());
@@ -101,6 +187,28 @@ void check_plan(const StagePlan& plan, const Graph& g) {
 }
 }  // namespace
 
+UpdateCosts profile_update(const std::vector<Param*>& params, int repeats) {
+  check(repeats > 0, "profiling needs at least one repeat, got {}", repeats);
+  const Device device = params_device(params);
+  AdamW adam(params, AdamWConfig{0.9f, 0.95f, 1e-8f, 0.1f});
+  SpanTimer timer(device);
+  std::vector<double> zero, norm, clip, step;
+  constexpr double kMaxNorm = 1.0;
+  // One untimed round first, as the trainer's first step allocates the moments.
+  for (int r = -1; r < repeats; ++r) {
+    timer.time([&] { zero_grads(params); });
+    double n = 0;
+    timer.time([&] { n = grad_norm(params); });
+    check(n == 0, "profiling the update: the gradients' norm is {} after zeroing them", n);
+    timer.time([&] { clip_grads(params, kMaxNorm, 2 * kMaxNorm); });
+    timer.time([&] { adam.step(0.0f); });  // learning rate 0: the parameters stay
+    const std::vector<double> s = timer.take();
+    if (r < 0) continue;
+    zero.push_back(s[0]), norm.push_back(s[1]), clip.push_back(s[2]), step.push_back(s[3]);
+  }
+  return {median(zero), median(norm), median(clip), median(step)};
+}
+
 std::vector<double> profile_updates(const Graph& g, const StagePlan& plan, int repeats) {
   check(repeats > 0, "profiling needs at least one repeat, got {}", repeats);
   check_plan(plan, g);
@@ -108,17 +216,7 @@ std::vector<double> profile_updates(const Graph& g, const StagePlan& plan, int r
   for (int s = 0; s < plan.stages(); ++s) {
     const std::vector<Param*> params =
         g.params(plan.begin[static_cast<size_t>(s)], plan.begin[static_cast<size_t>(s) + 1]);
-    AdamW adam(params, AdamWConfig{0.9f, 0.95f, 1e-8f, 0.1f});
-    std::vector<double> t;
-    // One untimed round first, as the trainer's first step allocates the moments.
-    for (int r = -1; r < repeats; ++r) {
-      const auto t0 = Clock::now();
-      zero_grads(params);
-      clip_grads(params, 1.0, grad_norm(params));
-      adam.step(0.0f);
-      if (r >= 0) t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-    }
-    seconds.push_back(median(t));
+    seconds.push_back(profile_update(params, repeats).total());
   }
   return seconds;
 }

@@ -9,14 +9,18 @@
 
 #if WEFT_CUDA
 #include <weft/cuda/runtime.h>
+#include <weft/ops.h>
+#include <weft/profile.h>
 #include <weft/trainer.h>
 
 #include "models/gpt.h"
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "test_util.h"
 
@@ -111,6 +115,63 @@ TEST(CudaTrain, SteadyStepsCallNoCudaMalloc) {
   const size_t before = cuda::context(0).allocator().stats().device_mallocs;
   for (int i = 0; i < 3; ++i) t.train_step();
   EXPECT_EQ(cuda::context(0).allocator().stats().device_mallocs, before);
+}
+
+Tensor on_host(const Tensor& t) {
+  Tensor h = Tensor::zeros(t.shape(), t.dtype());
+  h.copy_from(t);
+  return h;
+}
+
+// bench_cuda --profile's path: the CPU's profilers on the GPU, timing by CUDA
+// events. Every node's forward queues at least one kernel after its begin
+// event, so its span is at least a launch (microseconds): a span below 1 us
+// would be a unit slip (CUDA's milliseconds read as seconds gives 1000x
+// too little). All spans of one pass lie inside the host's wall time of the
+// whole call, so their medians summed cannot exceed it (1000x too much
+// would). Profiling leaves the parameters as they were, bit for bit, and the
+// gradients zero.
+TEST(CudaTrain, ProfilingOnTheGpuTimesEveryNodeAndChangesNothing) {
+  GptConfig cfg;
+  cfg.vocab_size = 256, cfg.num_layers = 2, cfg.hidden_size = 64, cfg.num_heads = 4;
+  cfg.seq_length = 32;
+  const std::string s = text();
+  const TokenData data = TokenData::from_tokens(std::vector<int32_t>(s.begin(), s.end()), 256);
+  TokenBatches batches(data, 4, cfg.seq_length);
+  GptModel m = build_gpt(cfg, 4);
+  init_gpt(m, 7);
+  TrainOptions o;
+  o.micro_batch = o.global_batch = 4;
+  o.device = Device::cuda(0);
+  { Trainer t(m.io, batches, o); }  // places the parameters on the GPU, where they stay
+  ASSERT_TRUE(params_device(m.graph.params()) == Device::cuda(0));
+  std::vector<Tensor> before;
+  for (Param* p : m.graph.params()) before.push_back(on_host(p->value));
+
+  const auto t0 = std::chrono::steady_clock::now();
+  const CostModel cost = profile_costs(m.graph, m.io, batches, 4, 2);
+  const UpdateCosts update = profile_update(m.graph.params(), 2);
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  ASSERT_EQ(cost.nodes.size(), m.graph.nodes().size());
+  double sum = update.total();
+  for (size_t k = 0; k < cost.nodes.size(); ++k) {
+    EXPECT_GT(cost.nodes[k].f, 1e-6) << m.graph.nodes()[k].name;
+    EXPECT_GE(cost.nodes[k].i, 0.0) << m.graph.nodes()[k].name;
+    EXPECT_GE(cost.nodes[k].w, 0.0) << m.graph.nodes()[k].name;
+    sum += cost.nodes[k].f + cost.nodes[k].i + cost.nodes[k].w;
+  }
+  EXPECT_GT(update.zero, 1e-6);
+  EXPECT_GT(update.norm, 1e-6);
+  EXPECT_GT(update.clip, 1e-6);  // timed active: it scales every gradient
+  EXPECT_GT(update.adamw, 1e-6);
+  EXPECT_LT(sum, wall);
+  const std::vector<Param*> params = m.graph.params();
+  for (size_t k = 0; k < params.size(); ++k) {
+    EXPECT_EQ(testing::rel_error(on_host(params[k]->value), before[k]), 0.0)
+        << params[k]->name;
+    EXPECT_EQ(ops::sum_squares(params[k]->grad), 0.0) << params[k]->name;
+  }
 }
 
 }  // namespace

@@ -222,6 +222,32 @@ class Context {
   std::mutex staging_mu_;
 };
 
+// Timing events on a context's compute stream, for profilers: record(i)
+// marks the point the stream reaches once the work queued before it is done,
+// and elapsed_ms(a, b) is the GPU's time between two marks
+// (cudaEventRecord, cudaEventElapsedTime). Events are created on first use
+// and reused; a mark may be recorded again once the host has read it.
+class TimingEvents {
+ public:
+  explicit TimingEvents(Context& ctx) : ctx_(&ctx) {}
+  ~TimingEvents();  // destroys the events
+  TimingEvents(const TimingEvents&) = delete;
+  TimingEvents& operator=(const TimingEvents&) = delete;
+
+  void record(size_t i);
+  // Blocks the host until the last mark recorded has been reached.
+  void synchronize() const;
+  // Milliseconds from mark a to mark b; both must have been reached
+  // (synchronize() first), else this throws Error naming the call.
+  float elapsed_ms(size_t a, size_t b) const;
+
+ private:
+  Context* ctx_;
+  std::vector<CUevent_st*> events_;
+  size_t last_ = 0;  // the mark recorded last
+  bool recorded_ = false;
+};
+
 // The context of CUDA device `device`, created on first use. Throws Error when
 // the device does not exist. Contexts are never destroyed: the CUDA runtime
 // may be torn down before static destructors run.
