@@ -16,8 +16,9 @@ The model follows the GPT-2 / Hugging Face conventions:
   * GELU with the tanh approximation, no dropout
   * loss = mean cross-entropy over all tokens
 
-bench/pytorch_gpt.py imports GPT, GPTConfig and init_weights from here, so
-the model is defined in exactly one place.
+bench/pytorch_gpt.py (CPU) and bench/pytorch_gpt_cuda.py (GPU) import GPT,
+GPTConfig and init_weights from here, so the model is defined in exactly one
+place.
 """
 
 import argparse
@@ -52,17 +53,28 @@ class GPTConfig:
     hidden_size: int = 32     # C
     num_heads: int = 4        # H
     ln_eps: float = 1e-5
+    # The GPU bench's kernels for the same math (bench/pytorch_gpt_cuda.py):
+    # "sdpa" attention is F.scaled_dot_product_attention(is_causal=True) (PyTorch
+    # 2.0 on) instead of the explicit scores, mask and softmax; "addmm" linear
+    # layers add the bias inside the GEMM, so that under autocast their outputs
+    # stay bf16. The fixtures use the defaults.
+    attention: str = "explicit"   # or "sdpa"
+    linear: str = "matmul"        # or "addmm"
 
 
 class Conv1D(nn.Module):
     """Hugging Face style linear layer: weight [in, out], y = x @ W + b."""
 
-    def __init__(self, n_in, n_out):
+    def __init__(self, n_in, n_out, addmm=False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_in, n_out))
         self.bias = nn.Parameter(torch.empty(n_out))
+        self.addmm = addmm
 
     def forward(self, x):
+        if self.addmm:
+            y = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)
+            return y.view(*x.shape[:-1], y.shape[-1])
         return x @ self.weight + self.bias
 
 
@@ -82,9 +94,11 @@ class Attention(nn.Module):
         super().__init__()
         C = cfg.hidden_size
         assert C % cfg.num_heads == 0
+        assert cfg.attention in ("explicit", "sdpa") and cfg.linear in ("matmul", "addmm")
         self.num_heads = cfg.num_heads
-        self.c_attn = Conv1D(C, 3 * C)
-        self.c_proj = Conv1D(C, C)
+        self.sdpa = cfg.attention == "sdpa"
+        self.c_attn = Conv1D(C, 3 * C, cfg.linear == "addmm")
+        self.c_proj = Conv1D(C, C, cfg.linear == "addmm")
 
     def forward(self, x):
         B, T, C = x.shape
@@ -97,6 +111,9 @@ class Attention(nn.Module):
             return t.view(B, T, H, D).transpose(1, 2)
 
         q, k, v = heads(q), heads(k), heads(v)
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)     # [B, H, T, D]
+            return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(D)          # [B, H, T, T]
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
@@ -110,8 +127,8 @@ class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         C = cfg.hidden_size
-        self.c_fc = Conv1D(C, 4 * C)
-        self.c_proj = Conv1D(4 * C, C)
+        self.c_fc = Conv1D(C, 4 * C, cfg.linear == "addmm")
+        self.c_proj = Conv1D(4 * C, C, cfg.linear == "addmm")
 
     def forward(self, x):
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
