@@ -157,9 +157,12 @@ class Bench:
         if runner == "compile" and not hasattr(torch, "compile"):
             row["skipped"] = f"PyTorch {torch.__version__} has no torch.compile (2.0 on)"
             return row
+        # TF32 through the long-standing global setter: PyTorch 2.9 on also
+        # has per-backend fp32_precision flags, but a write through those makes
+        # inductor's reads of the global one fail ("mix of the legacy and new
+        # APIs"), which would break the compile modes after a tf32 one.
+        torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
         if self.cuda:
-            torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-            torch.backends.cudnn.allow_tf32 = precision == "tf32"
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.dev)
