@@ -6,8 +6,13 @@
 # PyTorch fixtures, the allocator), train the sample job on the GPU when
 # data/fortunes.txt is there (carry it), and --bf16 against fp32 on it (200
 # steps each, last-50 means within 1%), and the
-# throughput bench of the same step; print a table. Budget: 5 minutes on a
-# 16-core H100/H200 machine.
+# throughput bench of the same step (bench_cuda --profile: each mode's time
+# per node kind), then PyTorch's same step (bench/pytorch_gpt_cuda.py: eager
+# bf16, eager tf32, torch.compile bf16) where a python3 with CUDA PyTorch is
+# found, and print one table of both (bench/cuda_table.py). Budget: 5 minutes
+# on a 16-core H100/H200 machine, and 3 more for PyTorch (timeout 200 s).
+# PyTorch's run is a baseline, not a check of weft: when it fails, its row
+# says so and the check's result does not change.
 #
 #   scripts/gpu-check.sh             # on a GPU machine: every test must pass
 #   scripts/gpu-check.sh --dry-run   # anywhere with nvcc: the same build, and
@@ -22,7 +27,10 @@
 #
 # Environment: WEFT_GPU_BUILD (build directory, default build-gpu),
 # WEFT_GPU_ARCH (default: the first GPU's compute capability, else 90),
-# WEFT_BENCH_ARGS (extra bench_cuda flags, e.g. "--batch 8 --modes tf32").
+# WEFT_BENCH_ARGS (extra bench_cuda flags, e.g. "--batch 8 --modes tf32"; a
+# shape given there is not passed on to PyTorch, and the table notes that the
+# shapes differ), WEFT_PYTHON (the python with CUDA PyTorch; default: the first
+# of python3 and /opt/torch/.venv/bin/python3 whose torch sees a GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -195,11 +203,12 @@ if [ -s data/fortunes.txt ] && [ "$dry_run" = 0 ]; then
   results+=("train_gpt --device cuda --bf16 vs fp32, 200 steps|$mixed_result|$(( $(date +%s) - t0 ))")
 fi
 
-# --- throughput ---
+# --- throughput: weft's step, where its time goes, and PyTorch's step ---
 bench_rc=0
 t0=$(date +%s)
 # shellcheck disable=SC2086
-timeout 240 "$build/bench/bench_cuda" ${WEFT_BENCH_ARGS:-} >"$logs/bench_cuda.out" 2>&1 || bench_rc=$?
+timeout 240 "$build/bench/bench_cuda" --profile --json "$logs/bench_cuda.jsonl" ${WEFT_BENCH_ARGS:-} \
+  >"$logs/bench_cuda.out" 2>&1 || bench_rc=$?
 case "$bench_rc" in
   0) bench_result=ok ;;
   77) bench_result=SKIP ;;
@@ -210,7 +219,38 @@ if { [ "$dry_run" = 1 ] && [ "$bench_rc" != 77 ]; } || { [ "$dry_run" = 0 ] && [
   failed=1
   tail -n 20 "$logs/bench_cuda.out"
 fi
-results+=("bench_cuda|$bench_result|$(( $(date +%s) - t0 ))")
+results+=("bench_cuda --profile|$bench_result|$(( $(date +%s) - t0 ))")
+
+# PyTorch's same step, where a python3 has a torch that sees the GPU.
+py=""
+for candidate in ${WEFT_PYTHON:-} python3 /opt/torch/.venv/bin/python3; do
+  if command -v "$candidate" >/dev/null &&
+     "$candidate" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
+       >/dev/null 2>&1; then
+    py=$candidate
+    break
+  fi
+done
+pytorch_note=""
+if [ -z "$py" ]; then
+  pytorch_note="skipped (no CUDA PyTorch)"
+  results+=("pytorch_gpt_cuda|$pytorch_note|0")
+else
+  t0=$(date +%s)
+  py_rc=0
+  timeout 200 "$py" bench/pytorch_gpt_cuda.py --json "$logs/pytorch_gpt_cuda.jsonl" \
+    >"$logs/pytorch_gpt_cuda.out" 2>&1 || py_rc=$?
+  case "$py_rc" in
+    0) py_result="ok ($("$py" -c 'import torch; print("torch", torch.__version__)'))" ;;
+    124) py_result="TIMEOUT (200 s)"; pytorch_note="timed out after 200 s (rows before it are kept)" ;;
+    *) py_result="FAIL (exit $py_rc)"; pytorch_note="failed (exit $py_rc): see above" ;;
+  esac
+  if [ "$py_rc" != 0 ]; then
+    echo "---- pytorch_gpt_cuda: last lines of $logs/pytorch_gpt_cuda.out ----"
+    tail -n 20 "$logs/pytorch_gpt_cuda.out"
+  fi
+  results+=("pytorch_gpt_cuda (baseline, not a check)|$py_result|$(( $(date +%s) - t0 ))")
+fi
 
 # --- report ---
 echo
@@ -224,7 +264,21 @@ for row in "${results[@]}"; do
 done
 if [ "$bench_rc" = 0 ]; then
   echo
-  grep -E '^(weft bench_cuda|\|)' "$logs/bench_cuda.out"
+  # Its header lines, each table and the blank lines between them.
+  awk '/^(weft bench_cuda|profile of)/ { print; print ""; next } /^\|/ { print; table = 1; next }
+       table { print ""; table = 0 }' "$logs/bench_cuda.out"
+fi
+if [ -s "$logs/bench_cuda.jsonl" ]; then
+  echo
+  echo "weft and PyTorch, the same step (tokens/s over PyTorch's torch.compile bf16 in the last column):"
+  echo
+  table_args=(--weft "$logs/bench_cuda.jsonl")
+  if [ -s "$logs/pytorch_gpt_cuda.jsonl" ]; then table_args+=(--pytorch "$logs/pytorch_gpt_cuda.jsonl"); fi
+  if [ -n "$pytorch_note" ]; then table_args+=(--pytorch-note "$pytorch_note"); fi
+  if [ -z "$pytorch_note" ] && ! [ -s "$logs/pytorch_gpt_cuda.jsonl" ]; then
+    table_args+=(--pytorch-note "no rows written")
+  fi
+  "${py:-python3}" bench/cuda_table.py "${table_args[@]}" || echo "gpu-check: bench/cuda_table.py failed" >&2
 fi
 if [ "$fused" = no ]; then
   echo
@@ -232,7 +286,7 @@ if [ "$fused" = no ]; then
 fi
 total=$(( $(date +%s) - start ))
 echo
-echo "total: ${total} s (budget on a GPU machine: 300 s); logs in $logs"
+echo "total: ${total} s (budget on a GPU machine: 300 s, and 180 s more for PyTorch); logs in $logs"
 if [ "$failed" = 1 ]; then
   echo "gpu-check: FAILED" >&2
   exit 1
