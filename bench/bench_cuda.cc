@@ -120,7 +120,8 @@ Options parse(int argc, char** argv) {
   }
   if (o.modes.empty()) {
     o.modes = {"fp32", "tf32", "bf16"};
-    if (weft::ops::fused_attention_built()) o.modes.insert(o.modes.end(), {"tf32+fused", "bf16+fused"});
+    if (weft::ops::fused_attention_built())
+      o.modes.insert(o.modes.end(), {"tf32+fused", "bf16+fused"});
   }
   for (const std::string& name : o.modes) {
     const size_t plus = name.find('+');
