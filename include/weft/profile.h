@@ -88,9 +88,9 @@ nlohmann::json cost_model_json(const CostModel& cost, const Graph& g);
 
 // Seconds, per stage of `plan`, that a training step spends on the stage's
 // parameters once its pipeline has drained: zeroing the gradients, their
-// norm, clipping and the AdamW step (median of `repeats`). Times the real
-// parameters with zero gradients and learning rate 0, which leaves them as
-// they were; it zeroes their gradients.
+// norm, clipping and the AdamW step (profile_update's parts, each the median
+// of `repeats`, summed). Times the real parameters with zero gradients and
+// learning rate 0, which leaves them as they were; it zeroes their gradients.
 std::vector<double> profile_updates(const Graph& g, const StagePlan& plan, int repeats = 3);
 
 // profile_updates' parts for one set of parameters, each the median of
