@@ -96,12 +96,22 @@ TEST(CudaTrain, MixedPrecisionFollowsTheCpuEmulation) {
 
 // After the first steps have sized the arena and the allocator's free lists,
 // a step reuses what it had: no cudaMalloc.
-TEST(CudaTrain, SteadyStepsCallNoCudaMalloc) {
+// A 2 x 64 GPT over the text's bytes.
+GptConfig small_config() {
   GptConfig cfg;
   cfg.vocab_size = 256, cfg.num_layers = 2, cfg.hidden_size = 64, cfg.num_heads = 4;
   cfg.seq_length = 32;
+  return cfg;
+}
+
+TokenData text_tokens() {
   const std::string s = text();
-  const TokenData data = TokenData::from_tokens(std::vector<int32_t>(s.begin(), s.end()), 256);
+  return TokenData::from_tokens(std::vector<int32_t>(s.begin(), s.end()), 256);
+}
+
+TEST(CudaTrain, SteadyStepsCallNoCudaMalloc) {
+  const GptConfig cfg = small_config();
+  const TokenData data = text_tokens();
   TokenBatches batches(data, 8, cfg.seq_length);
   GptModel m = build_gpt(cfg, 4);
   init_gpt(m, 7);
@@ -132,11 +142,8 @@ Tensor on_host(const Tensor& t) {
 // would). Profiling leaves the parameters as they were, bit for bit, and the
 // gradients zero.
 TEST(CudaTrain, ProfilingOnTheGpuTimesEveryNodeAndChangesNothing) {
-  GptConfig cfg;
-  cfg.vocab_size = 256, cfg.num_layers = 2, cfg.hidden_size = 64, cfg.num_heads = 4;
-  cfg.seq_length = 32;
-  const std::string s = text();
-  const TokenData data = TokenData::from_tokens(std::vector<int32_t>(s.begin(), s.end()), 256);
+  const GptConfig cfg = small_config();
+  const TokenData data = text_tokens();
   TokenBatches batches(data, 4, cfg.seq_length);
   GptModel m = build_gpt(cfg, 4);
   init_gpt(m, 7);
