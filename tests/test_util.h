@@ -19,6 +19,11 @@ std::string temp_dir(const std::string& tag);
 // A host copy of a tensor on any device.
 Tensor to_host(const Tensor& t);
 
+// Every sequence length the GPU's attention and classifier kernels are held
+// to against the CPU: powers of two, their neighbours, and ragged values.
+inline constexpr int64_t kSeqLengths[] = {1,   2,   3,   7,   31,  32,  33,  37,  63,   64,  65,
+                                          127, 128, 129, 255, 256, 511, 512, 513, 1023, 1024};
+
 // Deterministic uniform values in [lo, hi).
 std::vector<float> uniform(int64_t n, uint64_t seed, float lo = -1.0f, float hi = 1.0f);
 Tensor uniform_tensor(Shape shape, uint64_t seed, float lo = -1.0f, float hi = 1.0f);

@@ -242,6 +242,14 @@ TEST_F(FusedAttention, MatchesCpuWithinTheBf16Model) {
   check_case({1, 40, 4, 1, 128});  // one key/value head, the largest head size
 }
 
+// Every T of kSeqLengths up to 1024: two heads of 16 (one shared key/value
+// head at every other T), so that the fp64 reference stays small.
+TEST_F(FusedAttention, MatchesCpuAtEverySequenceLength) {
+  int k = 0;
+  for (const int64_t t : weft::testing::kSeqLengths)
+    check_case({t <= 129 ? 2 : 1, t, 2, k++ % 2 == 1 ? 1 : 2, 16});
+}
+
 // Changing the last positions' q, k, v leaves every earlier output as it was;
 // a gradient only at earlier outputs gives later positions no gradient at all.
 TEST_F(FusedAttention, IsCausal) {

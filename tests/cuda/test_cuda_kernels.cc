@@ -349,6 +349,16 @@ TEST(CudaAttention, Fp32MatchesCpuOnRaggedShapes) {
   check_attention(1, 16, 4, 32, MathMode::FP32, kFp32, 1);  // one key/value head
 }
 
+// Every T of kSeqLengths up to 1024 (two heads of 16, so that T = 1024
+// stays small: 2M probabilities; grouped-query at every other T), fp32: the
+// longest reductions are T = 1024 terms, 2^-24 sqrt(1024) = 2e-6 relative,
+// inside kFp32.
+TEST(CudaAttention, Fp32MatchesCpuAtEverySequenceLength) {
+  int k = 0;
+  for (const int64_t t : weft::testing::kSeqLengths)
+    check_attention(t <= 129 ? 2 : 1, t, 2, 32, MathMode::FP32, kFp32, k++ % 2 == 1 ? 1 : 0);
+}
+
 TEST(CudaAttention, Tf32Bf16AndFp16AreClose) {
   // Scores and probabilities inherit the inputs' rounding (TF32 2^-11, bf16
   // 2^-9, fp16 2^-11), against fp32 for TF32 and against the CPU's emulation

@@ -5,7 +5,7 @@
 //
 // Error model (fp32 GEMMs, no TF32): both devices compute every element in
 // fp32 and differ only in the order of reductions: a GEMM or row sum over K
-// terms differs by about 2^-24 * sqrt(K) relative (K <= 1000 here: 2e-6), and
+// terms differs by about 2^-24 * sqrt(K) relative (K <= 1024 here: 2e-6), and
 // the softmaxes of attention and cross-entropy add a few more roundings per
 // element. 1e-5 relative (||gpu - cpu|| / ||cpu||) covers that with margin;
 // an indexing or accumulation bug gives O(1). The token-embedding gradient is
@@ -185,6 +185,17 @@ TEST(CudaLayers, CausalSelfAttention) {
   CausalSelfAttention gqa_cpu(kHeads, 1), gqa_gpu(kHeads, 1);
   expect_same_on_both(gqa_cpu, gqa_gpu, tw, {uniform_tensor({kB, kT, kC + 2 * d}, 11)}, {true},
                       "attention (grouped-query)");
+}
+
+// The layer (unfused: fp32 GEMMs) at every T of kSeqLengths up to 1024, two
+// heads of 16 so that the largest stays small.
+TEST(CudaLayers, CausalSelfAttentionAtEverySequenceLength) {
+  Twin tw;
+  for (const int64_t t : testing::kSeqLengths) {
+    CausalSelfAttention cpu(2), gpu(2);
+    expect_same_on_both(cpu, gpu, tw, {uniform_tensor({t <= 129 ? 2 : 1, t, 3 * 32}, 200 + t)},
+                        {true}, "attention, T " + std::to_string(t));
+  }
 }
 
 Tensor tokens(int64_t n, uint64_t seed) {
