@@ -15,6 +15,11 @@ struct Ctx : LayerCtx {
   Tensor targets;  // (N)
   Tensor probs;    // (N, V or V/tp); turned into dlogits in place by backward_input
   Tensor logits;   // (N, V or V/tp), only with keep_logits
+  // On a GPU without vocabulary parallelism the forward leaves probs as
+  // dlogits for a loss gradient of 1 (the fused classifier), and the
+  // backward's GEMMs scale by g, the loss gradient, in their alpha.
+  bool unit_dlogits = false;
+  float g = 1.0f;
 };
 }  // namespace
 
@@ -76,8 +81,17 @@ void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
     ctx.logits = arena.alloc({n, v});
     ctx.logits.copy_from(ctx.probs);
   }
+  ctx.unit_dlogits = false;
   if (!split()) {  // the whole vocabulary here: softmax and loss in one pass
     Tensor losses = arena.alloc({n});
+    if (!ctx.probs.device().is_cpu()) {
+      // One kernel from logits to the losses and dlogits (p - onehot): no
+      // elementwise pass over (N, V) is left for the backward.
+      ctx.unit_dlogits = true;
+      ops::set_item(out[0],
+                    static_cast<float>(ops::fused_cross_entropy(ctx.probs, in[1], losses, 1.0f)));
+      return;
+    }
     ops::set_item(out[0], static_cast<float>(ops::softmax_cross_entropy(ctx.probs, in[1], losses)));
     return;
   }
@@ -100,21 +114,25 @@ void TiedLmHeadLoss::backward_input(LayerCtx& ctx_, Arena& arena,
                                     std::span<const Tensor> grad_in) {
   auto& ctx = static_cast<Ctx&>(ctx_);
   const float g = ops::item(grad_out[0]);
-  ops::cross_entropy_backward(ctx.probs, ctx.targets, first_, ctx.probs, g);  // in place
+  if (ctx.unit_dlogits)
+    ctx.g = g;  // probs already holds dlogits / g
+  else
+    ops::cross_entropy_backward(ctx.probs, ctx.targets, first_, ctx.probs, g);  // in place
+  const float alpha = ctx.unit_dlogits ? ctx.g : 1.0f;
   if (!grad_in[0].defined()) return;
   if (!group_) {
-    ops::gemm(ctx.probs, false, wte_->value, false, grad_in[0], 1.0f, 1.0f);
+    ops::gemm(ctx.probs, false, wte_->value, false, grad_in[0], alpha, 1.0f);
     return;
   }
   const Tensor part = copy_to_tp_grad_buffer(*group_, arena, grad_in[0]);
-  ops::gemm(ctx.probs, false, wte_->value, false, part, 1.0f, 1.0f);
+  ops::gemm(ctx.probs, false, wte_->value, false, part, alpha, 1.0f);
   copy_to_tp_backward(*group_, part, grad_in[0]);
 }
 
 // dwte_r (V/tp, C) += dlogits_r^T x
 void TiedLmHeadLoss::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  ops::gemm(ctx.probs, true, ctx.x, false, wte_->grad, 1.0f, 1.0f);
+  ops::gemm(ctx.probs, true, ctx.x, false, wte_->grad, ctx.unit_dlogits ? ctx.g : 1.0f, 1.0f);
 }
 
 }  // namespace weft

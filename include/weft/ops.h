@@ -171,6 +171,12 @@ void mask_columns(const Tensor& logits, int64_t from);
 // In place: logits become the probabilities; losses (N) = -log p[target].
 // Returns the sum of the losses.
 double softmax_cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& losses);
+// Both at once, the fused classifier: losses and the returned sum as above,
+// and logits replaced in place by dlogits = (softmax - onehot(target)) * scale.
+// On a GPU one kernel reads each row twice and writes it once; the CPU runs
+// the two steps (softmax_cross_entropy, then cross_entropy_backward in place).
+double fused_cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                           float scale);
 // dlogits (N, V) = (probs - onehot(target - first)) * scale; may alias probs.
 // With first != 0 or a slice of the vocabulary, targets outside it add nothing.
 void cross_entropy_backward(const Tensor& probs, const Tensor& targets, int64_t first,

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 namespace weft::cuda::launch {
 
@@ -297,31 +298,78 @@ __global__ void scale_inplace_kernel(float* y, float s, int64_t n) {
 
 constexpr int kRowThreads = 512;
 
-// One block per row: the row's max, then the sum of exp(x - max) (the CPU's
-// two passes), then the output pass: probabilities, or dlogits when fused.
-template <bool fused>
+// The running (max, sum of exp(x - max)) of a thread's share of a row, the
+// online softmax's: a chunk's values are taken together, so the sum is
+// rescaled (one expf) only when the chunk raises the max. A -inf value (a
+// masked column) adds nothing, and a thread that has seen only -inf keeps
+// (-inf, 0): no expf(-inf - -inf) = NaN is ever formed.
+template <int kWidth>
+__device__ void online_add(const float (&x)[kWidth], float& m, float& s) {
+  float cm = x[0];
+  for (int k = 1; k < kWidth; ++k) cm = fmaxf(cm, x[k]);
+  if (cm > m) {
+    s *= expf(m - cm);  // m = -inf: s is 0 and stays 0
+    m = cm;
+  }
+  if (m == -INFINITY) return;
+  for (int k = 0; k < kWidth; ++k) s += expf(x[k] - m);
+}
+
+// One block per row, the fused classifier: the row is read once for its max
+// and sum of exp(x - max) (online: each thread's running pair, then the
+// block's), once more for the output: the probabilities, or with `fused`
+// dlogits = (p - onehot(target)) * scale in place. A 50304-wide row is 201
+// KB, more than a block can hold in registers at a useful occupancy and all
+// of an SM's shared memory, so it is not kept on chip between the two reads;
+// the multi-kernel version read it three times and wrote it twice.
+// `vec`: v % 4 == 0 and the logits 16-byte aligned, so rows load as float4.
+template <bool fused, bool vec>
 __global__ void cross_entropy_kernel(float* logits, const int32_t* targets, float* losses,
                                      float scale, int64_t v) {
   __shared__ float shared[kRowThreads / kWarp];
   float* row = logits + int64_t{blockIdx.x} * v;
   const int32_t target = targets[blockIdx.x];
-  float mx = -INFINITY;
-  for (int64_t j = threadIdx.x; j < v; j += blockDim.x) mx = fmaxf(mx, row[j]);
-  mx = block_reduce(mx, shared, Max{});
-  float s = 0;
-  for (int64_t j = threadIdx.x; j < v; j += blockDim.x) s += expf(row[j] - mx);
-  s = block_reduce(s, shared, Add{});
+  float m = -INFINITY, s = 0.0f;
+  if constexpr (vec) {
+    const float4* row4 = reinterpret_cast<const float4*>(row);
+    for (int64_t j = threadIdx.x; j < v / 4; j += blockDim.x) {
+      const float4 q = row4[j];
+      const float x[4] = {q.x, q.y, q.z, q.w};
+      online_add<4>(x, m, s);
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
+      const float x[1] = {row[j]};
+      online_add<1>(x, m, s);
+    }
+  }
+  // The block's max, then each thread's sum moved onto it.
+  const float mx = block_reduce(m, shared, Max{});
+  s = block_reduce(s > 0.0f ? s * expf(m - mx) : 0.0f, shared, Add{});
   const bool valid = target >= 0 && target < v;
   // Read the target's logit before the output pass overwrites the row.
   const float target_logit = valid ? row[target] - mx : 0.0f;
   __syncthreads();
   const float inv = 1.0f / s;
-  for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
-    const float p = expf(row[j] - mx) * inv;
+  auto out = [&](int64_t j, float x) {
+    const float p = expf(x - mx) * inv;
     if constexpr (fused)
-      row[j] = j == target ? p * scale - scale : p * scale;
+      return j == target ? p * scale - scale : p * scale;
     else
-      row[j] = p;
+      return p;
+  };
+  if constexpr (vec) {
+    float4* row4 = reinterpret_cast<float4*>(row);
+    for (int64_t j = threadIdx.x; j < v / 4; j += blockDim.x) {
+      float4 q = row4[j];
+      q.x = out(4 * j, q.x);
+      q.y = out(4 * j + 1, q.y);
+      q.z = out(4 * j + 2, q.z);
+      q.w = out(4 * j + 3, q.w);
+      row4[j] = q;
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < v; j += blockDim.x) row[j] = out(j, row[j]);
   }
   if (threadIdx.x == 0) losses[blockIdx.x] = valid ? logf(s) - target_logit : NAN;
 }
@@ -603,10 +651,18 @@ void mask_columns(cudaStream_t s, float* logits, int64_t n, int64_t v, int64_t f
 void cross_entropy(cudaStream_t s, float* logits, const int32_t* targets, float* losses,
                    float scale, bool fused, int64_t n, int64_t v) {
   const unsigned rows = static_cast<unsigned>(n);
-  if (fused)
-    cross_entropy_kernel<true><<<rows, kRowThreads, 0, s>>>(logits, targets, losses, scale, v);
+  const bool vec = v % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+  if (fused && vec)
+    cross_entropy_kernel<true, true><<<rows, kRowThreads, 0, s>>>(logits, targets, losses, scale, v);
+  else if (fused)
+    cross_entropy_kernel<true, false><<<rows, kRowThreads, 0, s>>>(logits, targets, losses, scale,
+                                                                   v);
+  else if (vec)
+    cross_entropy_kernel<false, true><<<rows, kRowThreads, 0, s>>>(logits, targets, losses, scale,
+                                                                   v);
   else
-    cross_entropy_kernel<false><<<rows, kRowThreads, 0, s>>>(logits, targets, losses, scale, v);
+    cross_entropy_kernel<false, false><<<rows, kRowThreads, 0, s>>>(logits, targets, losses, scale,
+                                                                    v);
 }
 
 void cross_entropy_backward(cudaStream_t s, const float* probs, const int32_t* targets,

@@ -607,6 +607,28 @@ double softmax_cross_entropy(const Tensor& logits, const Tensor& targets, const 
       });
 }
 
+double fused_cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                           float scale) {
+  const Device d = common_device("fused_cross_entropy", {&logits, &targets, &losses});
+  check_dtype("fused_cross_entropy", "logits", logits, DType::F32);
+  check_dtype("fused_cross_entropy", "targets", targets, DType::I32);
+  const int64_t n = logits.shape().rows(), v = logits.shape().last();
+  check_numel("fused_cross_entropy", "targets", targets, n);
+  check_numel("fused_cross_entropy", "losses", losses, n);
+  return on_device(
+      d, "fused_cross_entropy",
+      [&] {
+        const double total =
+            cpu::softmax_cross_entropy(fw(logits), i32(targets), fw(losses), n, v);
+        cpu::cross_entropy_backward(f(logits), i32(targets), fw(logits), scale, n, v, 0);
+        return total;
+      },
+      [&](auto& cx) {
+        cuda::fused_cross_entropy(cx, fw(logits), i32(targets), fw(losses), scale, n, v);
+        return cuda::sum_to_host(cx, f(losses), n);
+      });
+}
+
 void cross_entropy_backward(const Tensor& probs, const Tensor& targets, int64_t first,
                             const Tensor& dlogits, float scale) {
   const Device d = common_device("cross_entropy_backward", {&probs, &targets, &dlogits});

@@ -1,0 +1,199 @@
+// The training step's fused kernels on cuda:0 against the CPU through
+// weft/ops.h:
+// - the fused classifier (ops::fused_cross_entropy: losses and dlogits from
+//   logits in one kernel) and the softmax it shares its kernel with
+//   (ops::softmax_cross_entropy), against the CPU's two steps, for GPT-2's
+//   padded vocabulary (50257 of 50304), V = 1000 and V = 37, at every T of
+//   kSeqLengths (B = 2 up to T = 129, then 1).
+// Needs a GPU; exits 77 (SKIP) without one.
+#include "weft_config.h"
+
+#if WEFT_CUDA
+#include <weft/ops.h>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "test_util.h"
+
+namespace weft {
+namespace {
+
+using testing::kSeqLengths;
+using testing::uniform;
+
+const Device kGpu = Device::cuda(0);
+const double kU = std::ldexp(1.0, -24);  // fp32's unit roundoff
+
+Tensor host_tensor(const std::vector<float>& v, Shape shape) {
+  Tensor t = Tensor::empty(shape);
+  std::copy(v.begin(), v.end(), t.data<float>());
+  return t;
+}
+
+Tensor on(const Tensor& t, Device d) {
+  Tensor out = Tensor::empty(t.shape(), t.dtype(), d);
+  out.copy_from(t);
+  return out;
+}
+
+// ---------------------------------------------------------------- the fused classifier
+
+// Error model. Logits are uniform in [-a, a), so every live column has
+// |x - M| <= R = 2a below its row's max M. Each side computes
+// p_j = fl(fl(exp(x_j - M)) * fl(1 / S)), S the sum of the exps:
+// - an exp's argument is rounded (absolute R u, so R u relative after exp),
+//   and expf is within 2 ulps (CUDA's documented bound; Eigen's vectorised exp
+//   likewise): (R + 4) u per term. The GPU forms S's terms as
+//   exp(x - m_t) exp(m_t - M) (m_t a thread's running max): (2R + 9) u;
+// - S sums V terms: the CPU's order is Eigen's, so only the worst case for
+//   any order, (V - 1) u, bounds it; the GPU's chain is known: per thread
+//   ceil(V / 512) elements (at most one rescale each, 2 roundings), then 5
+//   shuffle levels and 15 warp partials: D = 2 ceil(V / 512) + 20, or, with
+//   float4 loads, 5 ceil(V / 2048) + 20 (a chunk of 4 adds and one rescale);
+//   D = 5 ceil(V / 512) + 20 covers both;
+// - 1 / S and the product: 2 u each side.
+// So |p_gpu - p_cpu| <= p (V + 2D + 5R + 24) u, and dlogits = (p - onehot)
+// scale add 2 u scale per element (the product, the target's subtraction).
+// A loss, log S - (x_t - M), differs by S's part, (V + 2D + 3R + 16) u, plus
+// logf's and std::log's ulp and the rounding of the difference, 4 |loss| u.
+// For V = 50304 the CPU's worst-case summation dominates (3e-3 relative), so
+// the GPU's own sum of probabilities is held to its tight bound as well:
+// |sum_j p_j - 1| <= (D + 3R + 12) u (S's terms against the output pass's
+// exps, D's chain, 1 / S and the product), which an index that skips or
+// repeats columns breaks.
+struct ClassifierCase {
+  int64_t b, t, v, real;  // real: columns of the vocabulary, the rest padding
+};
+
+int64_t gpu_chain(int64_t v) { return 5 * ((v + 511) / 512) + 20; }
+
+void check_classifier(const ClassifierCase& c, uint64_t seed) {
+  const int64_t n = c.b * c.t, v = c.v;
+  const float a = 8.0f, scale = 1.0f / static_cast<float>(n);
+  const double r = 2.0 * a, d = static_cast<double>(gpu_chain(v));
+  const double p_rel = (static_cast<double>(v) + 2 * d + 5 * r + 24) * kU;
+  const double s_abs = (static_cast<double>(v) + 2 * d + 3 * r + 16) * kU;
+  const double sum_tol = (d + 3 * r + 12) * kU;
+
+  Tensor logits = host_tensor(uniform(n * v, seed, -a, a), {n, v});
+  Tensor targets = Tensor::empty({n}, DType::I32);
+  const std::vector<float> u = uniform(n, seed + 1, 0.0f, static_cast<float>(c.real));
+  for (int64_t i = 0; i < n; ++i)
+    targets.data<int32_t>()[i] =
+        std::min<int32_t>(static_cast<int32_t>(c.real - 1), static_cast<int32_t>(u[size_t(i)]));
+  // One row's target at the last real column, one at the first.
+  targets.data<int32_t>()[0] = static_cast<int32_t>(c.real - 1);
+  if (n > 1) targets.data<int32_t>()[n - 1] = 0;
+
+  // The CPU: mask, softmax and losses, then dlogits in place.
+  Tensor probs = Tensor::empty({n, v});
+  probs.copy_from(logits);
+  ops::mask_columns(probs, c.real);
+  Tensor losses = Tensor::zeros({n});
+  const double total = ops::softmax_cross_entropy(probs, targets, losses);
+  Tensor dlogits = Tensor::empty({n, v});
+  dlogits.copy_from(probs);
+  ops::cross_entropy_backward(dlogits, targets, 0, dlogits, scale);
+
+  // The GPU: the fused classifier, and the softmax alone.
+  const Tensor gt = on(targets, kGpu);
+  Tensor gf = on(logits, kGpu), gfl = Tensor::zeros({n}, DType::F32, kGpu);
+  ops::mask_columns(gf, c.real);
+  const double gpu_total = ops::fused_cross_entropy(gf, gt, gfl, scale);
+  Tensor gp = on(logits, kGpu), gpl = Tensor::zeros({n}, DType::F32, kGpu);
+  ops::mask_columns(gp, c.real);
+  const double gpu_total2 = ops::softmax_cross_entropy(gp, gt, gpl);
+  const Tensor got_d = on(gf, Device::cpu()), got_l = on(gfl, Device::cpu());
+  const Tensor got_p = on(gp, Device::cpu()), got_l2 = on(gpl, Device::cpu());
+
+  const float* pw = probs.data<float>();
+  const float* dw = dlogits.data<float>();
+  const float* dg = got_d.data<float>();
+  const float* pg = got_p.data<float>();
+  int bad = 0;  // report the first few elements out of bounds, not all of them
+  double loss_bound = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float lw = losses.data<float>()[i];
+    const double lb = s_abs + 4 * std::fabs(static_cast<double>(lw)) * kU;
+    loss_bound += lb;
+    EXPECT_LE(std::fabs(static_cast<double>(got_l.data<float>()[i]) - lw), lb)
+        << "fused loss, row " << i << " of B " << c.b << " T " << c.t << " V " << v;
+    EXPECT_LE(std::fabs(static_cast<double>(got_l2.data<float>()[i]) - lw), lb)
+        << "softmax loss, row " << i << " of B " << c.b << " T " << c.t << " V " << v;
+    double sum = 0;
+    for (int64_t j = 0; j < v && bad < 10; ++j) {
+      const size_t at = static_cast<size_t>(i * v + j);
+      if (j >= c.real) {  // padding: exactly 0 on the GPU too
+        if (dg[at] != 0.0f || pg[at] != 0.0f) {
+          ++bad;
+          ADD_FAILURE() << "padding column " << j << " of row " << i << ": dlogit " << dg[at]
+                        << ", probability " << pg[at] << " (V " << v << " T " << c.t << ")";
+        }
+        continue;
+      }
+      const double p = pw[at];
+      sum += pg[at];
+      const double p_tol = p * p_rel * (1 + p_rel);
+      const double d_tol = scale * (p_tol + 2 * kU);
+      if (std::fabs(pg[at] - p) > p_tol || std::fabs(static_cast<double>(dg[at]) - dw[at]) > d_tol) {
+        ++bad;
+        ADD_FAILURE() << "row " << i << " column " << j << " (target " << targets.data<int32_t>()[i]
+                      << "): probability " << pg[at] << " vs " << p << " (bound " << p_tol
+                      << "), dlogit " << dg[at] << " vs " << dw[at] << " (bound " << d_tol
+                      << "); V " << v << " T " << c.t << " B " << c.b;
+      }
+    }
+    if (bad < 10) {
+      EXPECT_LE(std::fabs(sum - 1.0), sum_tol) << "row " << i << " V " << v << " T " << c.t;
+    }
+  }
+  // The losses' sums: each in double over the same fp32 losses.
+  EXPECT_LE(std::fabs(gpu_total - total), loss_bound + 1e-12 * std::fabs(total))
+      << "V " << v << " T " << c.t;
+  EXPECT_LE(std::fabs(gpu_total2 - total), loss_bound + 1e-12 * std::fabs(total))
+      << "V " << v << " T " << c.t;
+}
+
+TEST(CudaFusedClassifier, MatchesCpuAtEverySequenceLength) {
+  uint64_t seed = 1000;
+  for (const ClassifierCase vocab : {ClassifierCase{0, 0, 50304, 50257},
+                                     ClassifierCase{0, 0, 1000, 1000}, ClassifierCase{0, 0, 37, 37}})
+    for (const int64_t t : kSeqLengths) {
+      ClassifierCase c = vocab;
+      c.t = t;
+      c.b = t <= 129 ? 2 : 1;  // the largest: 1024 x 50304 floats, 206 MB a copy
+      check_classifier(c, seed += 7);
+    }
+}
+
+// A target outside the vocabulary (the data reader refuses such tokens on
+// the host; the kernel must not write out of bounds): a NaN loss, and
+// dlogits p * scale with nothing subtracted.
+TEST(CudaFusedClassifier, TargetOutsideTheRowGivesNaNAndNoStrayWrite) {
+  const int64_t n = 2, v = 37;
+  Tensor logits = host_tensor(uniform(n * v, 5, -4.0f, 4.0f), {n, v});
+  Tensor targets = Tensor::empty({n}, DType::I32);
+  targets.data<int32_t>()[0] = 3;
+  targets.data<int32_t>()[1] = static_cast<int32_t>(v);
+  Tensor g = on(logits, kGpu), gl = Tensor::zeros({n}, DType::F32, kGpu);
+  ops::fused_cross_entropy(g, on(targets, kGpu), gl, 1.0f);
+  const Tensor d = on(g, Device::cpu()), l = on(gl, Device::cpu());
+  EXPECT_FALSE(std::isnan(l.data<float>()[0]));
+  EXPECT_TRUE(std::isnan(l.data<float>()[1]));
+  double sum = 0;
+  for (int64_t j = 0; j < v; ++j) {
+    EXPECT_GE(d.data<float>()[v + j], 0.0f) << j;
+    sum += d.data<float>()[v + j];
+  }
+  EXPECT_NEAR(sum, 1.0, 1e-5);  // a probability row: nothing subtracted
+}
+
+}  // namespace
+}  // namespace weft
+
+#endif  // WEFT_CUDA
