@@ -3,7 +3,8 @@
 # run the GPU tests (NCCL, every kernel against the CPU, every layer class
 # through weft/ops.h on the GPU against the CPU, cuDNN's fused attention
 # against the CPU's, train_gpt --device cuda against --device cpu and the
-# PyTorch fixtures, the allocator), train the sample job on the GPU when
+# PyTorch fixtures, the allocator, the fused classifier and the multi-tensor
+# AdamW), train the sample job on the GPU when
 # data/fortunes.txt is there (carry it), and --bf16 against fp32 on it (200
 # steps each, last-50 means within 1%), and the
 # throughput bench of the same step (bench_cuda --profile: each mode's time
@@ -95,7 +96,8 @@ if [ "$setup_rc" != 0 ]; then
 fi
 targets=(tests/test_nccl tests/cuda/test_cuda_allocator tests/cuda/test_cuda_kernels
          tests/cuda/test_cuda_layers tests/cuda/test_cuda_train tests/cuda/test_cuda_mpi
-         tests/cuda/test_cuda_fused_attention tests/test_parity train_gpt bench/bench_cuda)
+         tests/cuda/test_cuda_fused_attention tests/cuda/test_cuda_step_kernels tests/test_parity
+         train_gpt bench/bench_cuda)
 build_limit=$([ "$dry_run" = 1 ] && echo 3600 || echo 360)
 if ! timeout "$build_limit" ninja -C "$build" -j"$(nproc)" "${targets[@]}" >>"$log" 2>&1; then
   tail -n 40 "$log"
@@ -146,6 +148,8 @@ run_test cuda_allocator tests/cuda/test_cuda_allocator 0
 run_test cuda_kernels tests/cuda/test_cuda_kernels 1
 run_test cuda_layers tests/cuda/test_cuda_layers 1
 run_test cuda_train tests/cuda/test_cuda_train 1
+# the fused classifier at every T up to 1024 and the multi-tensor AdamW
+run_test cuda_step_kernels tests/cuda/test_cuda_step_kernels 1
 run_test cuda_mpi tests/cuda/test_cuda_mpi 1   # several ranks sharing the GPU (host-staged)
 # cuDNN's fused attention against the CPU (SKIP in a build without it)
 run_test cuda_fused_attention tests/cuda/test_cuda_fused_attention fused

@@ -24,7 +24,9 @@
 #include <weft/tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 namespace weft::ops {
 
@@ -208,6 +210,18 @@ struct AdamWStep {
 };
 // p, g, m, v: the same element count; p, m, v are updated.
 void adamw(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v, const AdamWStep& s);
+
+// Several tensors' updates at once: each as adamw(p, g, m, v, s) with
+// s.weight_decay where decay is set and 0 where not, bit for bit. On a GPU
+// one launch updates them all from a device table of the tensors, kept in
+// `cache` (made on the first call, rebuilt only when the tensors change, so a
+// steady step allocates nothing); the CPU calls adamw on each in turn.
+struct AdamWTensors {
+  Tensor p, g, m, v;
+  bool decay = true;
+};
+void adamw_multi(const std::vector<AdamWTensors>& ts, const AdamWStep& s,
+                 std::shared_ptr<void>& cache);
 
 // --- SGD with momentum, PyTorch semantics (L2 weight decay, no dampening) ---
 // p, g, buf: the same element count; p and the momentum buffer are updated.

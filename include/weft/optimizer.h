@@ -2,9 +2,11 @@
 // clipping, and the learning-rate schedule.
 #pragma once
 
+#include <weft/ops.h>
 #include <weft/param.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -59,6 +61,8 @@ class AdamW final : public Optimizer {
  private:
   AdamWConfig config_;
   std::vector<Tensor> m_, v_;
+  std::vector<ops::AdamWTensors> multi_tensors_;  // this step's, for ops::adamw_multi
+  std::shared_ptr<void> multi_;                   // ops::adamw_multi's device table
 };
 
 // torch.optim.SGD: d = g + wd p; buf = momentum buf + d; p -= lr buf (or d

@@ -5,7 +5,9 @@
 #include "src/cuda/check.h"
 #include "src/cuda/launch.h"
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace weft::cuda {
 
@@ -213,18 +215,56 @@ void sgd(Context& ctx, float* p, const float* g, float* buf, int64_t n, float lr
   WEFT_LAUNCH_CHECK("sgd");
 }
 
+namespace {
+// AdamW's per-step scalars exactly as cpu::adamw computes them, the one
+// place both CUDA updates take them from.
+struct AdamWScalars {
+  float step_size, bc2_sqrt;
+  AdamWScalars(float lr, float beta1, float beta2, int64_t step) {
+    check(step >= 1, "adamw: step ({}) is 1-based", step);
+    const float bc1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(beta1), step));
+    const float bc2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(beta2), step));
+    step_size = lr / bc1;
+    bc2_sqrt = std::sqrt(bc2);
+  }
+  static float decay(float lr, float weight_decay) { return 1.0f - lr * weight_decay; }
+};
+}  // namespace
+
 void adamw(Context& ctx, float* p, const float* g, float* m, float* v, int64_t n, float lr,
            float beta1, float beta2, float eps, float weight_decay, int64_t step) {
   if (n == 0) return;
-  check(step >= 1, "adamw: step ({}) is 1-based", step);
-  // The scalars exactly as cpu::adamw computes them.
-  const float bc1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(beta1), step));
-  const float bc2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(beta2), step));
-  const float step_size = lr / bc1;
-  const float bc2_sqrt = std::sqrt(bc2);
-  const float decay = 1.0f - lr * weight_decay;
-  launch::adamw(prepare(ctx), p, g, m, v, n, beta1, beta2, eps, step_size, bc2_sqrt, decay);
+  const AdamWScalars k(lr, beta1, beta2, step);
+  launch::adamw(prepare(ctx), p, g, m, v, n, beta1, beta2, eps, k.step_size, k.bc2_sqrt,
+                AdamWScalars::decay(lr, weight_decay));
   WEFT_LAUNCH_CHECK("adamw");
+}
+
+void adamw_multi(Context& ctx, const std::vector<AdamWTensor>& tensors, AdamWTable& table,
+                 float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step) {
+  const AdamWScalars k(lr, beta1, beta2, step);
+  if (tensors != table.key_) {  // a new parameter set: chunk it and upload the table
+    std::vector<launch::AdamWChunk> chunks;
+    for (const AdamWTensor& t : tensors) {
+      check(t.n >= 0, "adamw_multi: a tensor of {} elements", t.n);
+      for (int64_t at = 0; at < t.n; at += launch::kAdamWChunk)
+        chunks.push_back({t.p + at, t.g + at, t.m + at, t.v + at,
+                          std::min(launch::kAdamWChunk, t.n - at), t.decay ? 1 : 0});
+    }
+    const int64_t words = static_cast<int64_t>(chunks.size() * sizeof(launch::AdamWChunk) /
+                                               sizeof(int64_t));
+    if (table.words_.size() < words) table.words_ = DeviceBuffer<int64_t>(ctx, words);
+    if (words > 0) upload(ctx, table.words_.data(), chunks.data(), chunks.size() * sizeof chunks[0]);
+    table.key_ = tensors;
+    table.chunks_ = static_cast<int64_t>(chunks.size());
+    ++table.builds_;
+  }
+  if (table.chunks_ == 0) return;
+  // The no-decay group's factor as adamw computes it for weight decay 0.
+  launch::adamw_multi(prepare(ctx), reinterpret_cast<const launch::AdamWChunk*>(table.words_.data()),
+                      table.chunks_, beta1, beta2, eps, k.step_size, k.bc2_sqrt,
+                      AdamWScalars::decay(lr, weight_decay), AdamWScalars::decay(lr, 0.0f));
+  WEFT_LAUNCH_CHECK("adamw_multi");
 }
 
 namespace {

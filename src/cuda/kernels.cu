@@ -477,18 +477,44 @@ __global__ void embedding_backward_wpe_kernel(const float* dy, float* dwpe, int6
 
 // ---------------------------------------------------------------- AdamW
 
+// One element of the update (cpu::adamw's expression); both kernels below
+// inline this, so a tensor gets the same bits from either. Every operation is
+// an explicit round-to-nearest intrinsic: the compiler may not contract a
+// multiply and an add into an FMA, which it could otherwise do differently in
+// the two kernels' contexts.
+__device__ __forceinline__ void adamw_element(float* p, const float* g, float* m, float* v,
+                                              int64_t i, float beta1, float beta2, float eps,
+                                              float step_size, float bc2_sqrt, float decay) {
+  const float gi = g[i];
+  const float pi = __fmul_rn(p[i], decay);
+  const float mi = __fadd_rn(__fmul_rn(m[i], beta1), __fmul_rn(__fsub_rn(1.0f, beta1), gi));
+  const float vi = __fadd_rn(__fmul_rn(v[i], beta2),
+                             __fmul_rn(__fmul_rn(__fsub_rn(1.0f, beta2), gi), gi));
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
+  p[i] = __fsub_rn(pi, __fmul_rn(step_size, __fdiv_rn(mi, denom)));
+  m[i] = mi;
+  v[i] = vi;
+}
+
 __global__ void adamw_kernel(float* p, const float* g, float* m, float* v, int64_t n, float beta1,
                              float beta2, float eps, float step_size, float bc2_sqrt,
                              float decay) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const float pi = p[i] * decay;
-    const float mi = m[i] * beta1 + (1.0f - beta1) * g[i];
-    const float vi = v[i] * beta2 + (1.0f - beta2) * g[i] * g[i];
-    const float denom = sqrtf(vi) / bc2_sqrt + eps;
-    p[i] = pi - step_size * (mi / denom);
-    m[i] = mi;
-    v[i] = vi;
+       i += int64_t{gridDim.x} * blockDim.x)
+    adamw_element(p, g, m, v, i, beta1, beta2, eps, step_size, bc2_sqrt, decay);
+}
+
+// Every tensor of the table at once: blocks grid-stride over the chunks,
+// threads over a chunk's elements. decay_on for the decay group, decay_off
+// (1 - lr * 0, as the per-tensor call computes it) for the others.
+__global__ void adamw_multi_kernel(const AdamWChunk* chunks, int64_t count, float beta1,
+                                   float beta2, float eps, float step_size, float bc2_sqrt,
+                                   float decay_on, float decay_off) {
+  for (int64_t c = blockIdx.x; c < count; c += gridDim.x) {
+    const AdamWChunk k = chunks[c];
+    const float decay = k.decay != 0 ? decay_on : decay_off;
+    for (int64_t i = threadIdx.x; i < k.n; i += blockDim.x)
+      adamw_element(k.p, k.g, k.m, k.v, i, beta1, beta2, eps, step_size, bc2_sqrt, decay);
   }
 }
 
@@ -706,6 +732,14 @@ void adamw(cudaStream_t s, float* p, const float* g, float* m, float* v, int64_t
            float beta2, float eps, float step_size, float bc2_sqrt, float decay) {
   adamw_kernel<<<blocks_for(n), kThreads, 0, s>>>(p, g, m, v, n, beta1, beta2, eps, step_size,
                                                   bc2_sqrt, decay);
+}
+
+void adamw_multi(cudaStream_t s, const AdamWChunk* chunks, int64_t count, float beta1,
+                 float beta2, float eps, float step_size, float bc2_sqrt, float decay_on,
+                 float decay_off) {
+  const unsigned blocks = static_cast<unsigned>(std::clamp<int64_t>(count, 1, int64_t{1} << 16));
+  adamw_multi_kernel<<<blocks, kThreads, 0, s>>>(chunks, count, beta1, beta2, eps, step_size,
+                                                 bc2_sqrt, decay_on, decay_off);
 }
 
 void sgd(cudaStream_t s, float* p, const float* g, float* buf, int64_t n, float lr,

@@ -74,6 +74,25 @@ void sgd(cudaStream_t s, float* p, const float* g, float* buf, int64_t n, float 
 void adamw(cudaStream_t s, float* p, const float* g, float* m, float* v, int64_t n, float beta1,
            float beta2, float eps, float step_size, float bc2_sqrt, float decay);
 
+// One chunk of a tensor in adamw_multi's device table: n elements from p, g,
+// m, v (already offset to the chunk), in the decay group when decay != 0.
+struct AdamWChunk {
+  float* p;
+  const float* g;
+  float* m;
+  float* v;
+  int64_t n;
+  int64_t decay;
+};
+static_assert(sizeof(AdamWChunk) == 6 * sizeof(int64_t), "AdamWTable stores chunks as 6 words");
+// Elements per chunk: blocks of 256 threads, 64 elements each.
+constexpr int64_t kAdamWChunk = 16384;
+// Every chunk of the table in one launch; the scalars as adamw's, decay_on for
+// the decay group and decay_off for the rest.
+void adamw_multi(cudaStream_t s, const AdamWChunk* chunks, int64_t count, float beta1,
+                 float beta2, float eps, float step_size, float bc2_sqrt, float decay_on,
+                 float decay_off);
+
 // --- reductions: *out = sum x (or x^2), in double; `partials` holds reduce_blocks(n) doubles ---
 int64_t reduce_blocks(int64_t n);
 void reduce(cudaStream_t s, const float* x, int64_t n, bool square, double* partials, double* out);

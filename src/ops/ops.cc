@@ -730,4 +730,37 @@ void adamw(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v,
       });
 }
 
+void adamw_multi(const std::vector<AdamWTensors>& ts, const AdamWStep& s,
+                 std::shared_ptr<void>& cache) {
+  if (ts.empty()) return;
+  const Device d = common_device("adamw_multi", {&ts[0].p});
+  for (const AdamWTensors& t : ts) {
+    const int64_t n = t.p.numel();
+    check(t.p.device() == d && t.g.device() == d && t.m.device() == d && t.v.device() == d,
+          "adamw_multi: tensors on {} and {}; every operand must be on one device", d.str(),
+          t.p.device().str());
+    check_numel("adamw_multi", "the gradient", t.g, n);
+    check_numel("adamw_multi", "exp_avg", t.m, n);
+    check_numel("adamw_multi", "exp_avg_sq", t.v, n);
+  }
+  on_device(
+      d, "adamw_multi",
+      [&] {
+        for (const AdamWTensors& t : ts) {
+          AdamWStep one = s;
+          one.weight_decay = t.decay ? s.weight_decay : 0.0f;
+          adamw(t.p, t.g, t.m, t.v, one);
+        }
+      },
+      [&](auto& cx) {
+        std::vector<cuda::AdamWTensor> table;
+        table.reserve(ts.size());
+        for (const AdamWTensors& t : ts)
+          table.push_back({fw(t.p), f(t.g), fw(t.m), fw(t.v), t.p.numel(), t.decay});
+        if (!cache) cache = std::make_shared<cuda::AdamWTable>();
+        cuda::adamw_multi(cx, table, *static_cast<cuda::AdamWTable*>(cache.get()), s.lr, s.beta1,
+                          s.beta2, s.eps, s.weight_decay, s.step);
+      });
+}
+
 }  // namespace weft::ops

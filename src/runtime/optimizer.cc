@@ -50,14 +50,18 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config)
   }
 }
 
+// Every parameter in one ops::adamw_multi call: on a GPU one launch, from a
+// device table built on the first step and kept while the parameters stay.
 void AdamW::step(float lr) {
   ++steps_;
+  multi_tensors_.clear();  // keeps its capacity: a steady step allocates nothing
   for (size_t i = 0; i < params_.size(); ++i) {
     Param* p = params_[i];
-    const float wd = p->weight_decay() ? config_.weight_decay : 0.0f;
-    ops::adamw(p->value, p->grad, m_[i], v_[i],
-               {lr, config_.beta1, config_.beta2, config_.eps, wd, steps_});
+    multi_tensors_.push_back({p->value, p->grad, m_[i], v_[i], p->weight_decay()});
   }
+  ops::adamw_multi(multi_tensors_,
+                   {lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay, steps_},
+                   multi_);
 }
 
 std::vector<std::pair<std::string, Tensor>> AdamW::state() {

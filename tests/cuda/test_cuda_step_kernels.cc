@@ -4,11 +4,16 @@
 //   logits in one kernel) and the softmax it shares its kernel with
 //   (ops::softmax_cross_entropy), against the CPU's two steps, for GPT-2's
 //   padded vocabulary (50257 of 50304), V = 1000 and V = 37, at every T of
-//   kSeqLengths (B = 2 up to T = 129, then 1).
+//   kSeqLengths (B = 2 up to T = 129, then 1);
+// - the multi-tensor AdamW (ops::adamw_multi: one launch over every tensor)
+//   against the per-tensor one, bit for bit, over several steps, with no
+//   cudaMalloc once its table is built.
 // Needs a GPU; exits 77 (SKIP) without one.
 #include "weft_config.h"
 
 #if WEFT_CUDA
+#include <weft/cuda/kernels.h>
+#include <weft/cuda/runtime.h>
 #include <weft/ops.h>
 
 #include <gtest/gtest.h>
@@ -16,6 +21,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <memory>
+#include <tuple>
 #include <vector>
 
 #include "test_util.h"
@@ -191,6 +199,97 @@ TEST(CudaFusedClassifier, TargetOutsideTheRowGivesNaNAndNoStrayWrite) {
     sum += d.data<float>()[v + j];
   }
   EXPECT_NEAR(sum, 1.0, 1e-5);  // a probability row: nothing subtracted
+}
+
+// ---------------------------------------------------------------- multi-tensor AdamW
+
+// Odd sizes (a chunk is 16384 elements: 65537 spans five, the last of one
+// element), both decay groups, moments and parameters updated over steps
+// with a changing learning rate. The per-element arithmetic is the same
+// function in both kernels and the scalars are computed the same way on the
+// host, so the results are equal bit for bit, not within a tolerance.
+TEST(CudaAdamWMulti, EqualsThePerTensorUpdateBitForBit) {
+  const std::vector<int64_t> sizes = {1, 3, 1000, 65537, 16384, 7, 50304 * 4 + 1};
+  struct Set {
+    std::vector<Tensor> p, g, m, v;
+  };
+  auto make = [&]() {
+    Set s;
+    uint64_t seed = 40;
+    for (const int64_t n : sizes) {
+      s.p.push_back(on(host_tensor(uniform(n, seed++), {n}), kGpu));
+      s.g.push_back(on(host_tensor(uniform(n, seed++, -0.1f, 0.1f), {n}), kGpu));
+      s.m.push_back(Tensor::zeros({n}, DType::F32, kGpu));
+      s.v.push_back(Tensor::zeros({n}, DType::F32, kGpu));
+    }
+    return s;
+  };
+  Set one = make(), all = make();
+  std::shared_ptr<void> cache;
+  const float wd = 0.1f;
+  size_t mallocs = 0;
+  for (int64_t step = 1; step <= 5; ++step) {
+    const float lr = 1e-3f * static_cast<float>(step) / 3.0f;  // warmup-like, not a constant
+    std::vector<ops::AdamWTensors> ts;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const bool decay = i % 2 == 0;
+      ops::adamw(one.p[i], one.g[i], one.m[i], one.v[i],
+                 {lr, 0.9f, 0.95f, 1e-8f, decay ? wd : 0.0f, step});
+      ts.push_back({all.p[i], all.g[i], all.m[i], all.v[i], decay});
+    }
+    if (step == 3) mallocs = cuda::context(0).allocator().stats().device_mallocs;
+    ops::adamw_multi(ts, {lr, 0.9f, 0.95f, 1e-8f, wd, step}, cache);
+    // New gradients for the next step (the same in both sets).
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const Tensor g = on(host_tensor(uniform(sizes[i], 100 + 10 * step + i, -0.1f, 0.1f),
+                                      {sizes[i]}),
+                          kGpu);
+      one.g[i].copy_from(g);
+      all.g[i].copy_from(g);
+    }
+  }
+  // Steps 3 to 5 reused the table: no cudaMalloc.
+  EXPECT_EQ(cuda::context(0).allocator().stats().device_mallocs, mallocs);
+  for (size_t i = 0; i < sizes.size(); ++i)
+    for (const auto& [a, b, what] : {std::tuple{one.p[i], all.p[i], "parameter"},
+                                     std::tuple{one.m[i], all.m[i], "exp_avg"},
+                                     std::tuple{one.v[i], all.v[i], "exp_avg_sq"}}) {
+      const Tensor ha = on(a, Device::cpu()), hb = on(b, Device::cpu());
+      EXPECT_EQ(std::memcmp(ha.data<float>(), hb.data<float>(),
+                            static_cast<size_t>(sizes[i]) * sizeof(float)),
+                0)
+          << what << " of tensor " << i << " (" << sizes[i] << " elements)";
+    }
+}
+
+// The same parameter set reuses the table; another one rebuilds it, and
+// only its tensors are updated.
+TEST(CudaAdamWMulti, RebuildsOnlyWhenTheTensorsChange) {
+  std::vector<Tensor> p, g, m, v;
+  for (const int64_t n : {int64_t{5}, int64_t{70000}}) {
+    p.push_back(Tensor::zeros({n}, DType::F32, kGpu));
+    g.push_back(on(host_tensor(std::vector<float>(static_cast<size_t>(n), 1.0f), {n}), kGpu));
+    m.push_back(Tensor::zeros({n}, DType::F32, kGpu));
+    v.push_back(Tensor::zeros({n}, DType::F32, kGpu));
+  }
+  std::shared_ptr<void> cache;
+  const std::vector<ops::AdamWTensors> both = {{p[0], g[0], m[0], v[0], true},
+                                               {p[1], g[1], m[1], v[1], false}};
+  auto builds = [&] { return static_cast<cuda::AdamWTable*>(cache.get())->builds(); };
+  ops::adamw_multi(both, {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1}, cache);
+  EXPECT_EQ(builds(), 1);
+  EXPECT_EQ(static_cast<cuda::AdamWTable*>(cache.get())->chunks(), 1 + 5);  // 70000 = 4 x 16384 + 4464
+  const size_t mallocs = cuda::context(0).allocator().stats().device_mallocs;
+  ops::adamw_multi(both, {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 2}, cache);
+  EXPECT_EQ(builds(), 1);
+  EXPECT_EQ(cuda::context(0).allocator().stats().device_mallocs, mallocs);
+  // The first tensor alone: the second, with a gradient of 1, must not move.
+  const Tensor before = on(p[1], Device::cpu());
+  ops::adamw_multi({both[0]}, {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3}, cache);
+  EXPECT_EQ(builds(), 2);
+  const Tensor after = on(p[1], Device::cpu());
+  EXPECT_EQ(std::memcmp(before.data<float>(), after.data<float>(), 70000 * sizeof(float)), 0);
+  EXPECT_NE(on(p[0], Device::cpu()).data<float>()[0], 0.0f);  // and the first did
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace weft::cuda {
 
@@ -160,6 +161,39 @@ void embedding_backward(Context& ctx, const int32_t* tokens, const float* dy, fl
 // --- AdamW, PyTorch semantics, as cpu::adamw; step is 1-based ---
 void adamw(Context& ctx, float* p, const float* g, float* m, float* v, int64_t n, float lr,
            float beta1, float beta2, float eps, float weight_decay, int64_t step);
+
+// --- AdamW over many tensors in one launch (the multi-tensor apply) ---
+// One tensor of the update: p, m, v updated from g, n elements each; decay:
+// in the weight-decay group (else decayed by nothing, as adamw with weight
+// decay 0).
+struct AdamWTensor {
+  float* p;
+  const float* g;
+  float* m;
+  float* v;
+  int64_t n;
+  bool decay;
+  bool operator==(const AdamWTensor&) const = default;
+};
+// The device table of adamw_multi: each tensor's chunks (pointers and
+// sizes), uploaded on the first call and again only when the tensors change;
+// its memory is the caching allocator's, held from one step to the next.
+class AdamWTable {
+ public:
+  int64_t chunks() const { return chunks_; }
+  int64_t builds() const { return builds_; }  // uploads so far
+
+ private:
+  friend void adamw_multi(Context&, const std::vector<AdamWTensor>&, AdamWTable&, float, float,
+                          float, float, float, int64_t);
+  std::vector<AdamWTensor> key_;  // the tensors the table was built from
+  DeviceBuffer<int64_t> words_;   // chunks_ launch::AdamWChunk records, 6 words each
+  int64_t chunks_ = 0, builds_ = 0;
+};
+// Every tensor's update as adamw's on that tensor alone (weight_decay for
+// the decay group, 0 for the rest), bit for bit, in one launch.
+void adamw_multi(Context& ctx, const std::vector<AdamWTensor>& tensors, AdamWTable& table,
+                 float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
 
 // --- SGD with momentum, PyTorch semantics, as cpu::sgd ---
 void sgd(Context& ctx, float* p, const float* g, float* buf, int64_t n, float lr, float momentum,
