@@ -302,16 +302,22 @@ constexpr int kRowThreads = 512;
 // online softmax's: a chunk's values are taken together, so the sum is
 // rescaled (one expf) only when the chunk raises the max. A -inf value (a
 // masked column) adds nothing, and a thread that has seen only -inf keeps
-// (-inf, 0): no expf(-inf - -inf) = NaN is ever formed.
+// (-inf, 0): no expf(-inf - -inf) = NaN is ever formed. A NaN logit makes
+// the sum NaN, as the two-pass softmax's would (fmaxf skips it in the max),
+// so that a non-finite loss is seen.
 template <int kWidth>
 __device__ void online_add(const float (&x)[kWidth], float& m, float& s) {
   float cm = x[0];
   for (int k = 1; k < kWidth; ++k) cm = fmaxf(cm, x[k]);
   if (cm > m) {
-    s *= expf(m - cm);  // m = -inf: s is 0 and stays 0
+    s *= expf(m - cm);  // m = -inf: s is 0 (or NaN) and stays so
     m = cm;
   }
-  if (m == -INFINITY) return;
+  if (m == -INFINITY) {  // every value so far -inf or NaN
+    for (int k = 0; k < kWidth; ++k)
+      if (x[k] != -INFINITY) s = NAN;
+    return;
+  }
   for (int k = 0; k < kWidth; ++k) s += expf(x[k] - m);
 }
 
@@ -343,9 +349,10 @@ __global__ void cross_entropy_kernel(float* logits, const int32_t* targets, floa
       online_add<1>(x, m, s);
     }
   }
-  // The block's max, then each thread's sum moved onto it.
+  // The block's max, then each thread's sum moved onto it (a thread with
+  // m = -inf holds 0, or NaN, as it is).
   const float mx = block_reduce(m, shared, Max{});
-  s = block_reduce(s > 0.0f ? s * expf(m - mx) : 0.0f, shared, Add{});
+  s = block_reduce(m == -INFINITY ? s : s * expf(m - mx), shared, Add{});
   const bool valid = target >= 0 && target < v;
   // Read the target's logit before the output pass overwrites the row.
   const float target_logit = valid ? row[target] - mx : 0.0f;

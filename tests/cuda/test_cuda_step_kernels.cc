@@ -201,6 +201,35 @@ TEST(CudaFusedClassifier, TargetOutsideTheRowGivesNaNAndNoStrayWrite) {
   EXPECT_NEAR(sum, 1.0, 1e-5);  // a probability row: nothing subtracted
 }
 
+// A NaN or +inf logit gives its row a NaN loss (so that the trainer sees a
+// non-finite loss), wherever it falls: alone in a thread's share, with
+// finite values, in a masked row's live part; the other rows stay finite.
+TEST(CudaFusedClassifier, NonFiniteLogitsGiveANaNLoss) {
+  for (const int64_t v : {int64_t{37}, int64_t{1000}, int64_t{50304}}) {
+    const int64_t n = 6;
+    Tensor logits = host_tensor(uniform(n * v, 7, -4.0f, 4.0f), {n, v});
+    float* x = logits.data<float>();
+    x[0 * v + 0] = NAN;                                   // the first column
+    x[1 * v + v - 1] = NAN;                               // the last
+    for (int64_t j = 0; j < v; ++j) x[2 * v + j] = NAN;   // every column
+    x[3 * v + v / 2] = INFINITY;
+    for (int64_t j = 1; j < v; ++j) x[4 * v + j] = -INFINITY;  // one live column: finite
+    x[4 * v] = 1.0f;
+    Tensor targets = Tensor::zeros({n}, DType::I32);
+    for (const bool fused : {false, true}) {
+      Tensor g = on(logits, kGpu), gl = Tensor::zeros({n}, DType::F32, kGpu);
+      const double total = fused ? ops::fused_cross_entropy(g, on(targets, kGpu), gl, 0.5f)
+                                 : ops::softmax_cross_entropy(g, on(targets, kGpu), gl);
+      const Tensor l = on(gl, Device::cpu());
+      for (int64_t i = 0; i < 4; ++i)
+        EXPECT_TRUE(std::isnan(l.data<float>()[i])) << "row " << i << " V " << v << " fused " << fused;
+      EXPECT_EQ(l.data<float>()[4], 0.0f) << "V " << v;  // p = 1 at the one live column
+      EXPECT_FALSE(std::isnan(l.data<float>()[5])) << "V " << v;
+      EXPECT_TRUE(std::isnan(total));
+    }
+  }
+}
+
 // ---------------------------------------------------------------- multi-tensor AdamW
 
 // Odd sizes (a chunk is 16384 elements: 65537 spans five, the last of one
