@@ -326,8 +326,9 @@ __device__ void online_add(const float (&x)[kWidth], float& m, float& s) {
 // block's), once more for the output: the probabilities, or with `fused`
 // dlogits = (p - onehot(target)) * scale in place. A 50304-wide row is 201
 // KB, more than a block can hold in registers at a useful occupancy and all
-// of an SM's shared memory, so it is not kept on chip between the two reads;
-// the multi-kernel version read it three times and wrote it twice.
+// of an SM's shared memory, so it is not kept on chip between the two reads.
+// (The two-pass softmax kernel and the backward's elementwise kernel read it
+// four times and wrote it twice.)
 // `vec`: v % 4 == 0 and the logits 16-byte aligned, so rows load as float4.
 template <bool fused, bool vec>
 __global__ void cross_entropy_kernel(float* logits, const int32_t* targets, float* losses,
