@@ -15,7 +15,10 @@
 // optimizer (ZeRO-1) each bucket is reduce-scattered: replica r owns slice r
 // of every bucket, keeps Adam's moments for that slice only, updates it, and
 // the parameters are all-gathered back (Param::value is a view into the
-// bucket's flat parameter buffer). Both give the same numbers.
+// bucket's flat parameter buffer). Both give the same numbers. Every buffer,
+// slice and moment lives on the parameters' device (on a GPU, the
+// collectives move device tensors and AdamW runs there); optimizer_state()
+// returns the distributed optimizer's moments on the host, as a CPU run's.
 //
 // Compression, off by default, trades exactness for traffic. With
 // reduce_dtype BF16 each bucket is rounded to bf16 (to nearest even), reduced

@@ -143,26 +143,27 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
   for (const Param* p : params_)
     check(p->value.device() == device, "{} is on {} but {} is on {}: one device per rank",
           p->name, p->value.device().str(), params_[0]->name, device.str());
-  // The distributed optimizer's shards and the compressed reductions work on
-  // host memory; the plain bucketed reduction runs on any device.
+  // Bucketed reductions, plain or sharded (the distributed optimizer), run on
+  // any device; the compressed ones round and factor on host memory.
   check(device.is_cpu() || dp == 1 ||
-            (!distributed() && options_.reduce_dtype == DType::F32 &&
+            (options_.reduce_dtype == DType::F32 &&
              options_.compression == GradCompression::None),
-        "on {}, data parallelism reduces fp32 gradients with the plain optimizer: "
-        "--use-distributed-optimizer, --grad-reduce-dtype bf16 and --grad-compression powersgd "
-        "are not available on a GPU yet",
+        "on {}, data parallelism reduces fp32 gradients: --grad-reduce-dtype bf16 and "
+        "--grad-compression powersgd are not available on a GPU yet",
         device.str());
   for (auto& bp : buckets_) {
     Bucket& b = *bp;
     b.padded = (b.numel + dp - 1) / dp * dp;
     b.grad = Tensor::zeros({b.padded}, DType::F32, device);
     if (distributed()) {
+      // Every shard lives beside the parameters: the reduce-scatter and the
+      // all-gather move device tensors, and AdamW runs where they are.
       const int64_t s = b.padded / dp;
-      b.value = Tensor::zeros({b.padded});
-      b.shard_grad = Tensor::zeros({s});
-      b.shard_value = Tensor::zeros({s});
-      b.m = Tensor::zeros({s});
-      b.v = Tensor::zeros({s});
+      b.value = Tensor::zeros({b.padded}, DType::F32, device);
+      b.shard_grad = Tensor::zeros({s}, DType::F32, device);
+      b.shard_value = Tensor::zeros({s}, DType::F32, device);
+      b.m = Tensor::zeros({s}, DType::F32, device);
+      b.v = Tensor::zeros({s}, DType::F32, device);
       if (options_.reduce_dtype == DType::BF16) b.shard16 = Tensor::zeros({s}, DType::BF16);
     }
     if (dp > 1 && options_.reduce_dtype == DType::BF16)
@@ -182,7 +183,7 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
       float* g = b.grad.data<float>() + b.offset[k];
       p->grad = Tensor(g, p->value.shape(), DType::F32, device);
       if (distributed()) {
-        Tensor view(b.value.data<float>() + b.offset[k], p->value.shape(), DType::F32);
+        Tensor view(b.value.data<float>() + b.offset[k], p->value.shape(), DType::F32, device);
         view.copy_from(p->value);
         p->value = view;
       }
@@ -412,9 +413,20 @@ std::vector<std::pair<std::string, Tensor>> GradSync::optimizer_state() {
   std::vector<std::pair<std::string, Tensor>> out;
   for (auto& bp : buckets_) {
     Bucket& b = *bp;
-    Tensor m = Tensor::zeros({b.padded}), v = Tensor::zeros({b.padded});
+    // Gathered where the shards live, then copied to host memory: the
+    // checkpoint gets the same host tensors from a GPU run as from a CPU one.
+    const Device device = b.m.device();
+    Tensor m = Tensor::zeros({b.padded}, DType::F32, device),
+           v = Tensor::zeros({b.padded}, DType::F32, device);
     groups_.dp->all_gather(b.m, m);
     groups_.dp->all_gather(b.v, v);
+    if (!device.is_cpu()) {
+      Tensor hm = Tensor::zeros({b.padded}), hv = Tensor::zeros({b.padded});
+      hm.copy_from(m);
+      hv.copy_from(v);
+      m = hm;
+      v = hv;
+    }
     for (size_t k = 0; k < b.params.size(); ++k) {
       const Param* p = params_[static_cast<size_t>(b.params[k])];
       const Shape& shape = p->value.shape();
@@ -450,9 +462,11 @@ void GradSync::load_optimizer_state(const std::vector<std::pair<std::string, Ten
       if (o.empty()) continue;
       const Tensor& m = find(p->name + ".exp_avg", p->value.shape());
       const Tensor& v = find(p->name + ".exp_avg_sq", p->value.shape());
+      // The file's whole tensors (on the host) into this replica's slice,
+      // wherever it lives.
       const int64_t from = o.lo - b.offset[k], n = o.hi - o.lo;
-      std::copy(m.data<float>() + from, m.data<float>() + from + n, b.m.data<float>() + (o.lo - lo));
-      std::copy(v.data<float>() + from, v.data<float>() + from + n, b.v.data<float>() + (o.lo - lo));
+      elements(b.m, o.lo - lo, n).copy_from(elements(m, from, n));
+      elements(b.v, o.lo - lo, n).copy_from(elements(v, from, n));
     }
   }
 }
