@@ -740,5 +740,47 @@ TEST(LocalErrors, BadPeerAndSizesAreRejected) {
                        "BF16 tensors is not supported"));
 }
 
+// await_setup: the deadline of NCCL's non-blocking communicator creation
+// (ncclCommInitRankConfig and ncclCommSplit, polled with
+// ncclCommGetAsyncError), here with a plain callback in place of the NCCL state.
+
+TEST(AwaitSetup, ReturnsOnceReadyWithoutAborting) {
+  int polls = 0, aborts = 0;
+  await_setup("set-up", 0, 2, 5000ms, [&] { return ++polls == 3; }, [&] { ++aborts; });
+  EXPECT_EQ(polls, 3);
+  EXPECT_EQ(aborts, 0);
+}
+
+TEST(AwaitSetup, PastTheDeadlineAbortsOnceAndNamesRankGroupAndTimeout) {
+  int polls = 0, aborts = 0;
+  const auto start = Clock::now();
+  try {
+    await_setup("NCCL communicator set-up (ncclCommInitRank)", 1, 4, 100ms,
+                [&] { return ++polls < 0; }, [&] { ++aborts; });
+    FAIL() << "await_setup returned";
+  } catch (const CommTimeout& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "rank 1 of a group of 4: NCCL communicator set-up (ncclCommInitRank) did not "
+              "finish within 100 ms (--comm-timeout); aborted");
+  }
+  EXPECT_EQ(aborts, 1);
+  EXPECT_GT(polls, 1);  // it polled until the deadline, not once
+  // Sleeps grow to 1 ms, so the deadline passes by at most one sleep and one
+  // poll; the upper bound only catches a wait that ignores the deadline.
+  const double elapsed = seconds_since(start);
+  EXPECT_GE(elapsed, 0.099);
+  EXPECT_LT(elapsed, 2.0);
+}
+
+TEST(AwaitSetup, AFailedSetupIsAbortedAndItsErrorRethrown) {
+  int aborts = 0;
+  const std::string msg = error_message([&] {
+    await_setup("set-up", 0, 2, 5000ms, [&]() -> bool { throw Error("init failed: system error"); },
+                [&] { ++aborts; });
+  });
+  EXPECT_EQ(msg, "init failed: system error");
+  EXPECT_EQ(aborts, 1);
+}
+
 }  // namespace
 }  // namespace weft

@@ -26,6 +26,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -164,6 +165,15 @@ class Communicator {
   CommOptions options_;
   std::string step_;
 };
+
+// Waits for a set-up that has no request to wait on (NCCL's non-blocking
+// communicator creation): polls `ready` with growing sleeps (20 us to 1 ms)
+// until it returns true. Past `timeout`, calls `abort` and throws CommTimeout:
+// "rank R of a group of N: <what> did not finish within T ms (--comm-timeout);
+// aborted". When `ready` throws (the set-up failed), calls `abort` and
+// rethrows.
+void await_setup(const std::string& what, int rank, int size, std::chrono::milliseconds timeout,
+                 const std::function<bool()>& ready, const std::function<void()>& abort);
 
 // Checks that a message described by (shape, dtype) fits the posted tensor;
 // throws Error naming both, the peer and the tag.

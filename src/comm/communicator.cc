@@ -1,5 +1,8 @@
 #include <weft/communicator.h>
 
+#include <algorithm>
+#include <thread>
+
 namespace weft {
 
 const char* reduce_op_name(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "max"; }
@@ -90,6 +93,28 @@ std::string Communicator::waiting_for(const std::string& operation) const {
   if (!step_.empty()) s += fmt::format(", at {}", step_);
   return s;
 }
+
+void await_setup(const std::string& what, int rank, int size, std::chrono::milliseconds timeout,
+                 const std::function<bool()>& ready, const std::function<void()>& abort) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::microseconds(20);
+  bool done = false;
+  try {
+    while (!(done = ready()) && std::chrono::steady_clock::now() <= deadline) {
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    }
+  } catch (...) {
+    abort();
+    throw;
+  }
+  if (done) return;
+  abort();
+  throw CommTimeout(
+      "rank {} of a group of {}: {} did not finish within {} ms (--comm-timeout); aborted", rank,
+      size, what, timeout.count());
+}
+
 
 void check_message(const Tensor& posted, const Shape& arrived_shape, DType arrived_dtype,
                    int peer, const MessageTag& tag, const Communicator& comm) {

@@ -23,6 +23,35 @@ void cuda_check(cudaError_t e, const char* what) {
 void nccl_check(ncclResult_t r, const char* what) {
   if (r != ncclSuccess) throw Error("{} failed: {}", what, ncclGetErrorString(r));
 }
+// A call on a non-blocking communicator: ncclInProgress means it goes on in
+// the background (ncclCommGetAsyncError says when it is done). Returns
+// whether it does.
+bool nccl_started(ncclResult_t r, const char* what) {
+  if (r == ncclInProgress) return true;
+  nccl_check(r, what);
+  return false;
+}
+
+// Every communicator is non-blocking (NCCL's `blocking = 0`): its creation
+// returns at once and is then polled against --comm-timeout, so that a rank
+// whose peers never arrive stops with a message instead of hanging in
+// ncclCommInitRank. Calls on it may likewise return ncclInProgress before
+// their work is queued on the stream; launch() waits for that.
+ncclConfig_t non_blocking_config() {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  return config;
+}
+
+// True once `comm`'s background work (its creation, a launch) is done;
+// throws Error when it failed.
+bool settled(ncclComm_t comm, const char* what) {
+  ncclResult_t state = ncclSuccess;
+  nccl_check(ncclCommGetAsyncError(comm, &state), "ncclCommGetAsyncError");
+  if (state == ncclInProgress) return false;
+  nccl_check(state, what);
+  return true;
+}
 
 ncclDataType_t nccl_type(DType t) {
   switch (t) {
@@ -232,9 +261,9 @@ class NcclCommunicator final : public Communicator {
     check(root >= 0 && root < size_, "broadcast root {} is outside {} of size {}", root,
           describe(), size_);
     collective(fmt::format("broadcast from rank {}", root), {&t}, [&] {
-      nccl_check(ncclBroadcast(t.raw(), t.raw(), count(t), nccl_type(t.dtype()), root, comm_,
-                               stream_),
-                 "ncclBroadcast");
+      nccl_started(ncclBroadcast(t.raw(), t.raw(), count(t), nccl_type(t.dtype()), root, comm_,
+                                 stream_),
+                   "ncclBroadcast");
     })->wait();
   }
 
@@ -248,9 +277,9 @@ class NcclCommunicator final : public Communicator {
     if (!on_device(t, "iall_reduce")) return host().iall_reduce(t, op);
     check_reducible(t, op, "all_reduce");
     return collective(fmt::format("all_reduce {}", reduce_op_name(op)), {&t}, [&] {
-      nccl_check(ncclAllReduce(t.raw(), t.raw(), count(t), nccl_type(t.dtype()), nccl_op(op),
-                               comm_, stream_),
-                 "ncclAllReduce");
+      nccl_started(ncclAllReduce(t.raw(), t.raw(), count(t), nccl_type(t.dtype()), nccl_op(op),
+                                 comm_, stream_),
+                   "ncclAllReduce");
     });
   }
 
@@ -261,9 +290,9 @@ class NcclCommunicator final : public Communicator {
           "reduce_scatter in {}: input {} {} must hold {} x {} {} elements", describe(),
           dtype_name(in.dtype()), in.shape().str(), size_, out.numel(), dtype_name(out.dtype()));
     return collective(fmt::format("reduce_scatter {}", reduce_op_name(op)), {&in, &out}, [&] {
-      nccl_check(ncclReduceScatter(in.raw(), out.raw(), count(out), nccl_type(in.dtype()),
-                                   nccl_op(op), comm_, stream_),
-                 "ncclReduceScatter");
+      nccl_started(ncclReduceScatter(in.raw(), out.raw(), count(out), nccl_type(in.dtype()),
+                                     nccl_op(op), comm_, stream_),
+                   "ncclReduceScatter");
     });
   }
 
@@ -273,9 +302,9 @@ class NcclCommunicator final : public Communicator {
           "all_gather in {}: output {} {} must hold {} x {} {} elements", describe(),
           dtype_name(out.dtype()), out.shape().str(), size_, in.numel(), dtype_name(in.dtype()));
     return collective("all_gather", {&in, &out}, [&] {
-      nccl_check(ncclAllGather(in.raw(), out.raw(), count(in), nccl_type(in.dtype()), comm_,
-                               stream_),
-                 "ncclAllGather");
+      nccl_started(ncclAllGather(in.raw(), out.raw(), count(in), nccl_type(in.dtype()), comm_,
+                                 stream_),
+                   "ncclAllGather");
     });
   }
 
@@ -296,7 +325,16 @@ class NcclCommunicator final : public Communicator {
           describe());
     cuda_check(cudaSetDevice(device_), "cudaSetDevice");
     ncclComm_t sub = nullptr;
-    nccl_check(ncclCommSplit(comm_, color, key, &sub, nullptr), "ncclCommSplit");
+    ncclConfig_t config = non_blocking_config();
+    nccl_started(ncclCommSplit(comm_, color, key, &sub, &config), "ncclCommSplit");
+    check(sub != nullptr, "ncclCommSplit '{}' of {} gave rank {} no communicator", name,
+          describe(), rank_);
+    const int members_n = static_cast<int>(groups[static_cast<size_t>(color)].size());
+    await_setup(
+        fmt::format("NCCL communicator set-up (ncclCommSplit '{}' of {})", name, describe()), key,
+        members_n, options_.timeout,
+        [&] { return settled(comm_, "ncclCommSplit") && settled(sub, "ncclCommSplit"); },
+        [&] { ncclCommAbort(sub); });
     std::vector<int> members;
     for (int r : groups[static_cast<size_t>(color)]) members.push_back(world_rank(r));
     Communicator& h = *host_group;
@@ -384,12 +422,12 @@ class NcclCommunicator final : public Communicator {
   static size_t count(const Tensor& t) { return static_cast<size_t>(t.numel()); }
 
   void enqueue_send(const Tensor& t, int peer) {
-    nccl_check(ncclSend(t.raw(), count(t), nccl_type(t.dtype()), peer, comm_, stream_),
-               "ncclSend");
+    nccl_started(ncclSend(t.raw(), count(t), nccl_type(t.dtype()), peer, comm_, stream_),
+                 "ncclSend");
   }
   void enqueue_recv(const Tensor& t, int peer) {
-    nccl_check(ncclRecv(t.raw(), count(t), nccl_type(t.dtype()), peer, comm_, stream_),
-               "ncclRecv");
+    nccl_started(ncclRecv(t.raw(), count(t), nccl_type(t.dtype()), peer, comm_, stream_),
+                 "ncclRecv");
   }
 
   template <typename F>
@@ -428,7 +466,11 @@ class NcclCommunicator final : public Communicator {
       ncclGroupEnd();
       throw;
     }
-    nccl_check(ncclGroupEnd(), "ncclGroupEnd");
+    // Non-blocking: the group may still be on its way to the stream; the
+    // event below must come after it, so wait (with the deadline) for NCCL
+    // to finish queuing it.
+    if (nccl_started(ncclGroupEnd(), "ncclGroupEnd"))
+      poll(what, [this, &what] { return settled(comm_, what.c_str()); });
     auto l = std::make_shared<Launch>();
     cuda_check(cudaEventCreateWithFlags(&l->done, cudaEventDisableTiming), "cudaEventCreate");
     cuda_check(cudaEventRecord(l->done, stream_), "cudaEventRecord");
@@ -487,7 +529,14 @@ std::unique_ptr<Communicator> nccl_world(Communicator& host, int device, CommOpt
   host.broadcast(id_bytes, 0);
   std::memcpy(&id, id_bytes.raw(), sizeof(id));
   ncclComm_t comm = nullptr;
-  nccl_check(ncclCommInitRank(&comm, host.size(), id, host.rank()), "ncclCommInitRank");
+  ncclConfig_t config = non_blocking_config();
+  nccl_started(ncclCommInitRankConfig(&comm, host.size(), id, host.rank(), &config),
+               "ncclCommInitRankConfig");
+  check(comm != nullptr, "ncclCommInitRankConfig gave rank {} of {} no communicator", host.rank(),
+        host.size());
+  await_setup("NCCL communicator set-up (ncclCommInitRank)", host.rank(), host.size(),
+              options.timeout, [&] { return settled(comm, "ncclCommInitRankConfig"); },
+              [&] { ncclCommAbort(comm); });
   std::vector<int> ranks;
   for (int r = 0; r < host.size(); ++r) ranks.push_back(host.world_rank(r));
   return std::make_unique<NcclCommunicator>(host, nullptr, device, comm, "world", ranks, options);
