@@ -1,7 +1,10 @@
 // Several ranks sharing one GPU: train_gpt --device cuda under mpiexec, its
 // tensors staged through host memory (HostStagedCommunicator), against the
 // single-process GPU run. Every schedule at pp 2 and 4, pp 2 x tp 2, and
-// (dp, pp, tp) = (2, 2, 2); and NCCL refused while ranks share the GPU.
+// (dp, pp, tp) = (2, 2, 2); the distributed optimizer (ZeRO-1) with its
+// shards on the GPU at dp 2 and dp 2 x pp 2, against the plain optimizer and
+// the CPU, and its checkpoints resumed on the GPU and on the CPU; and NCCL
+// refused while ranks share the GPU.
 //
 // Error model: every layout computes in fp32 and differs from one process
 // only in the order of its reductions (tensor-parallel partial sums, the
@@ -11,8 +14,11 @@
 #include "weft_config.h"
 
 #if WEFT_CUDA
+#include <weft/safetensors.h>
+
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
 #include <tuple>
 
@@ -71,6 +77,139 @@ TEST_F(SharedGpu, PipelineTimesTensorParallel) { expect_single_process(4, "--pp 
 
 TEST_F(SharedGpu, DataPipelineAndTensorParallel) {
   expect_single_process(8, "--pp 2 --tp 2 --comm-backend mpi");
+}
+
+// --- the distributed optimizer (ZeRO-1) with its shards on the GPU ---
+
+// Parameters after training, as tests/test_parallel.cc compares two layouts:
+// kTol relative, plus 1e-6 per element absolute. The key bias has a zero
+// gradient in exact arithmetic, so Adam turns float noise there into values
+// near 1e-7 that differ between any two summation orders (here also between
+// two GPU runs: the token embedding's gradient is a scatter-add with atomics);
+// a missed or doubled update moves a parameter by about lr = 3e-3.
+constexpr double kParamAbs = 1e-6;
+::testing::AssertionResult params_close(const Tensor& got, const Tensor& want) {
+  double diff = 0, ref = 0;
+  for (int64_t i = 0; i < want.numel(); ++i) {
+    const double d = static_cast<double>(got.data<float>()[i]) - want.data<float>()[i];
+    diff += d * d;
+    ref += static_cast<double>(want.data<float>()[i]) * want.data<float>()[i];
+  }
+  diff = std::sqrt(diff), ref = std::sqrt(ref);
+  const double allowed = kTol * ref + kParamAbs * std::sqrt(static_cast<double>(want.numel()));
+  if (diff <= allowed) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << "|got - want| = " << diff << " > " << allowed << " (|want| = " << ref << ")";
+}
+
+// The same tensor names, dtypes and shapes in two safetensors files.
+void expect_same_layout(const std::string& got, const std::string& want) {
+  const safetensors::File a = safetensors::File::open(got), b = safetensors::File::open(want);
+  ASSERT_EQ(a.tensors().size(), b.tensors().size()) << got << " vs " << want;
+  for (const safetensors::TensorInfo& t : b.tensors()) {
+    const safetensors::TensorInfo* u = a.find(t.name);
+    ASSERT_NE(u, nullptr) << got << " lacks " << t.name;
+    EXPECT_EQ(u->dtype, t.dtype) << t.name;
+    EXPECT_EQ(u->shape, t.shape) << t.name;
+  }
+}
+
+// Every parameter of two model.safetensors files within params_close.
+void expect_params_close(const std::string& got, const std::string& want) {
+  const safetensors::File a = safetensors::File::open(got), b = safetensors::File::open(want);
+  ASSERT_EQ(a.tensors().size(), b.tensors().size()) << got << " vs " << want;
+  for (const safetensors::TensorInfo& t : b.tensors())
+    EXPECT_TRUE(params_close(a.get(t.name), b.get(t.name))) << t.name << ": " << got;
+}
+
+void expect_steps_close(const std::vector<nlohmann::json>& got,
+                        const std::vector<nlohmann::json>& want, size_t first,
+                        const std::string& what) {
+  ASSERT_EQ(got.size() + first, want.size()) << what;
+  for (size_t k = 0; k < got.size(); ++k) {
+    const double loss = want[first + k]["loss"], norm = want[first + k]["grad_norm"];
+    EXPECT_EQ(got[k]["step"], want[first + k]["step"]) << what;
+    EXPECT_NEAR(got[k]["loss"].get<double>(), loss, kTol * loss) << what << ", step " << first + k + 1;
+    EXPECT_NEAR(got[k]["grad_norm"].get<double>(), norm, kTol * norm)
+        << what << ", step " << first + k + 1;
+  }
+}
+
+// Two ranks on the one GPU, data-parallel, ZeRO-1 (saving at step 3 and at
+// the end), the plain optimizer, and ZeRO-1 on the CPU: run once for the
+// tests below.
+struct Zero1Runs {
+  std::string dir;
+  testing::TrainRun gpu, plain, cpu;
+};
+std::string cpu_flags(std::string f) { return f.replace(f.find("--device cuda"), 13, "--device cpu"); }
+const Zero1Runs& zero1_runs(const std::string& dir, const std::string& flags) {
+  static const Zero1Runs runs = [&] {
+    Zero1Runs r;
+    r.dir = dir;
+    const std::string zero1 = " --use-distributed-optimizer --comm-backend mpi --save-interval 3";
+    r.gpu = testing::run_train_gpt(2, flags + zero1 + " --save " + dir + "/zero1-gpu", dir);
+    r.plain = testing::run_train_gpt(2, flags + " --comm-backend mpi --save " + dir + "/plain-gpu",
+                                     dir);
+    r.cpu = testing::run_train_gpt(2, cpu_flags(flags) + zero1 + " --save " + dir + "/zero1-cpu",
+                                   dir);
+    return r;
+  }();
+  return runs;
+}
+
+// Error model: ZeRO-1 sums each bucket by a reduce-scatter where the plain
+// optimizer all-reduces it; two replicas' sums are the same in either order,
+// so the two differ only where two GPU runs do (the embedding's atomics),
+// and the CPU only in the order of its reductions (tests/cuda/test_cuda_train):
+// the CPU layouts' 1e-5 over five steps holds for both.
+TEST_F(SharedGpu, DistributedOptimizerGivesThePlainOptimizersAndTheCpusNumbers) {
+  const Zero1Runs& r = zero1_runs(*dir_, flags());
+  ASSERT_TRUE(r.gpu.ok) << r.gpu.command << "\n" << r.gpu.output;
+  ASSERT_TRUE(r.plain.ok) << r.plain.command << "\n" << r.plain.output;
+  ASSERT_TRUE(r.cpu.ok) << r.cpu.command << "\n" << r.cpu.output;
+  EXPECT_TRUE(testing::contains(r.gpu.output, "| cuda:0")) << r.gpu.output;
+  expect_steps_close(r.gpu.records, *reference_, 0, "ZeRO-1 on the GPU against one process");
+  expect_steps_close(r.gpu.records, r.plain.records, 0, "ZeRO-1 against the plain optimizer");
+  expect_steps_close(r.gpu.records, r.cpu.records, 0, "ZeRO-1 on the GPU against the CPU");
+  // The parameters after five steps, gathered from the GPU's shards.
+  const std::string last = "/iter_0000005/model.safetensors";
+  expect_params_close(r.dir + "/zero1-gpu" + last, r.dir + "/plain-gpu" + last);
+  expect_params_close(r.dir + "/zero1-gpu" + last, r.dir + "/zero1-cpu" + last);
+  // With a pipeline too: the pipeline-parallel groups hold their own buckets.
+  expect_single_process(4, "--pp 2 --use-distributed-optimizer --comm-backend mpi");
+}
+
+// A GPU ZeRO-1 checkpoint holds what a CPU one does (each replica's moment
+// shards copied to the host and gathered), and resumes on both devices.
+// Resumed on the GPU, step 4's loss is the uninterrupted run's bit for bit:
+// the forward pass reads only the saved parameters (fp32, written exactly)
+// and its kernels reduce in a fixed order. Its backward is not (the
+// embedding's atomics), so the later numbers get the error model above, as
+// does the CPU run resumed from the GPU's files.
+TEST_F(SharedGpu, DistributedOptimizerCheckpointsResumeOnTheGpuAndTheCpu) {
+  const Zero1Runs& r = zero1_runs(*dir_, flags());
+  ASSERT_TRUE(r.gpu.ok) << r.gpu.command << "\n" << r.gpu.output;
+  ASSERT_TRUE(r.cpu.ok) << r.cpu.command << "\n" << r.cpu.output;
+  const std::string gpu3 = r.dir + "/zero1-gpu/iter_0000003", cpu3 = r.dir + "/zero1-cpu/iter_0000003";
+  expect_same_layout(gpu3 + "/model.safetensors", cpu3 + "/model.safetensors");
+  expect_same_layout(gpu3 + "/optimizer.safetensors", cpu3 + "/optimizer.safetensors");
+  expect_params_close(gpu3 + "/model.safetensors", cpu3 + "/model.safetensors");
+
+  const std::string zero1 = " --use-distributed-optimizer --comm-backend mpi --load " + gpu3;
+  const testing::TrainRun on_gpu = testing::run_train_gpt(
+      2, flags() + zero1 + " --save " + r.dir + "/resumed-gpu", r.dir);
+  ASSERT_TRUE(on_gpu.ok) << on_gpu.command << "\n" << on_gpu.output;
+  EXPECT_TRUE(testing::contains(on_gpu.output, "resumed from " + gpu3 + " at step 3"))
+      << on_gpu.output;
+  ASSERT_EQ(on_gpu.records.size(), 2u) << on_gpu.output;
+  EXPECT_EQ(on_gpu.records[0]["loss"].get<double>(), r.gpu.records[3]["loss"].get<double>());
+  expect_steps_close(on_gpu.records, r.gpu.records, 3, "resumed on the GPU");
+
+  const testing::TrainRun on_cpu = testing::run_train_gpt(
+      2, cpu_flags(flags()) + zero1 + " --save " + r.dir + "/resumed-cpu", r.dir);
+  ASSERT_TRUE(on_cpu.ok) << on_cpu.command << "\n" << on_cpu.output;
+  expect_steps_close(on_cpu.records, r.cpu.records, 3, "the GPU's checkpoint resumed on the CPU");
 }
 
 TEST_F(SharedGpu, NcclIsRefusedWhileRanksShareTheGpu) {
