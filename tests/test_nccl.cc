@@ -2,7 +2,8 @@
 // ranks on one GPU; under mpiexec with a GPU per rank it runs at any size):
 // every collective, blocking and not, point-to-point to itself inside a
 // group, the shape check, host tensors through the host transport, split(),
-// the deadline, and the allocator's stream-ordered reuse. Values are small
+// the deadline, the set-up's deadline (a peer that never arrives), and the
+// allocator's stream-ordered reuse. Values are small
 // integers in fp32, so every sum is exact and compared with ==. Exits 77
 // (meson: SKIP) without a GPU or without the CUDA build.
 #include <weft/cuda/runtime.h>
@@ -14,6 +15,7 @@
 
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -168,6 +170,49 @@ void check_deadline(weft::Communicator& world) {
 }
 
 // A tensor the communication stream used is not reused until its event fires.
+// A host group of two whose second member never comes: rank 0's broadcast
+// of the unique id returns at once (it is the root), and nothing else is
+// called. NCCL's set-up then waits for a peer that never connects.
+class AbsentPeer final : public weft::Communicator {
+ public:
+  AbsentPeer() : Communicator(weft::CommOptions{}) {}
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  int world_rank(int r) const override { return r; }
+  std::string describe() const override { return "a group with an absent peer"; }
+  weft::RequestPtr isend(const Tensor&, int, weft::MessageTag) override { return unused(); }
+  weft::RequestPtr irecv(const Tensor&, int, weft::MessageTag) override { return unused(); }
+  void all_reduce(const Tensor&, weft::ReduceOp) override { unused(); }
+  void all_gather(const Tensor&, const Tensor&) override { unused(); }
+  void reduce_scatter(const Tensor&, const Tensor&, weft::ReduceOp) override { unused(); }
+  void broadcast(const Tensor&, int) override {}
+  void barrier() override { unused(); }
+  std::unique_ptr<weft::Communicator> split(const std::vector<std::vector<int>>&,
+                                            const std::string&) override {
+    unused();
+    return nullptr;
+  }
+
+ private:
+  static weft::RequestPtr unused() { throw weft::Error("AbsentPeer: only broadcast is used"); }
+};
+
+// The set-up's deadline: ncclCommInitRank for a group of two that only this
+// rank joins stops at --comm-timeout with one line, instead of hanging.
+void check_setup_deadline() {
+  AbsentPeer host;
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string e = error_of([&] {
+    weft::nccl_world(host, gpu, weft::CommOptions{std::chrono::milliseconds(2000)});
+  });
+  const double s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  expect(has(e, "rank 0 of a group of 2: NCCL communicator set-up") &&
+             has(e, "did not finish within 2000 ms (--comm-timeout); aborted"),
+         "an NCCL set-up whose peer never comes times out naming rank, size and timeout: " + e);
+  expect(s >= 1.9 && s < 30, fmt::format("the set-up's deadline came in {} s", s));
+}
+
 void check_stream_ordered_reuse(weft::Communicator& c) {
   weft::cuda::CachingAllocator& alloc = weft::cuda::context(gpu).allocator();
   cudaDeviceSynchronize();
@@ -207,6 +252,9 @@ int main(int argc, char** argv) {
     check_collectives(*half);
     check_group_p2p(*half);
     check_deadline(*nccl);
+    // Last: NCCL is left with an aborted set-up. At world size 1 only, where
+    // this rank is alone in the real world too.
+    if (host.size() == 1) check_setup_deadline();
     fmt::print("rank {}: NCCL world of {}: {}\n", host.rank(), nccl->size(),
                failures ? "FAILED" : "ok");
     return failures ? 1 : 0;
