@@ -3,8 +3,9 @@
 // single-process GPU run. Every schedule at pp 2 and 4, pp 2 x tp 2, and
 // (dp, pp, tp) = (2, 2, 2); the distributed optimizer (ZeRO-1) with its
 // shards on the GPU at dp 2 and dp 2 x pp 2, against the plain optimizer and
-// the CPU, and its checkpoints resumed on the GPU and on the CPU; and NCCL
-// refused while ranks share the GPU.
+// the CPU, and its checkpoints resumed on the GPU and on the CPU; the
+// compressed reductions refused on a GPU; and NCCL refused while ranks share
+// the GPU.
 //
 // Error model: every layout computes in fp32 and differs from one process
 // only in the order of its reductions (tensor-parallel partial sums, the
@@ -210,6 +211,19 @@ TEST_F(SharedGpu, DistributedOptimizerCheckpointsResumeOnTheGpuAndTheCpu) {
       2, cpu_flags(flags()) + zero1 + " --save " + r.dir + "/resumed-cpu", r.dir);
   ASSERT_TRUE(on_cpu.ok) << on_cpu.command << "\n" << on_cpu.output;
   expect_steps_close(on_cpu.records, r.cpu.records, 3, "the GPU's checkpoint resumed on the CPU");
+}
+
+// What data parallelism still refuses on a GPU, in one line that names it.
+TEST_F(SharedGpu, CompressedReductionsAreRefusedOnTheGpu) {
+  for (const char* flag : {"--grad-reduce-dtype bf16", "--grad-compression powersgd"}) {
+    const testing::TrainRun run = testing::run_train_gpt(
+        2, flags() + " --comm-backend mpi " + flag, *dir_);
+    EXPECT_FALSE(run.ok) << flag;
+    EXPECT_TRUE(testing::contains(
+        run.output, "on cuda:0, data parallelism reduces fp32 gradients: --grad-reduce-dtype bf16 "
+                    "and --grad-compression powersgd are not available on a GPU yet"))
+        << flag << "\n" << run.output;
+  }
 }
 
 TEST_F(SharedGpu, NcclIsRefusedWhileRanksShareTheGpu) {
