@@ -21,7 +21,7 @@
 #                                                     build-dir/plan_validate)
 #
 # The tracked pages in docs/ (schedules.md, its SVGs, plan_validate.md) are
-# updated only on purpose: --out docs. About 25 minutes on 2 idle cores;
+# updated only on purpose: --out docs. About 20 minutes on 2 idle cores;
 # timings are only worth reading on an otherwise idle machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
