@@ -31,7 +31,10 @@
 # WEFT_BENCH_ARGS (extra bench_cuda flags, e.g. "--batch 8 --modes tf32"; a
 # shape given there is not passed on to PyTorch, and the table notes that the
 # shapes differ), WEFT_PYTHON (the python with CUDA PyTorch; default: the first
-# of python3 and /opt/torch/.venv/bin/python3 whose torch sees a GPU).
+# of python3 and /opt/torch/.venv/bin/python3 whose torch sees a GPU),
+# WEFT_GPU_DEADLINE (seconds, default 540: the whole check's deadline; steps
+# are cut to it and the table still prints, so run it in a call of 10 minutes).
+# Each row is also printed as it completes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,7 +48,31 @@ esac
 build=${WEFT_GPU_BUILD:-build-gpu}
 logs=$(mktemp -d /tmp/weft-gpu-check.XXXXXX)  # every command's output
 start=$(date +%s)
+# One deadline for the whole check, WEFT_GPU_DEADLINE seconds from its start
+# (default 540): each step's time limit is cut to what is left of it, less
+# 20 s for the report, and a step with nothing left is not run (and fails
+# the check). So the table prints inside a 10-minute call even when steps
+# hang or run long. A dry run has no deadline (CI machines may have 2 cores).
+deadline=$(( start + ${WEFT_GPU_DEADLINE:-540} ))
 results=()   # "name|result|seconds" rows of the table
+add_row() {  # "name|result|seconds": a row of the table, also printed as it comes
+  results+=("$1")
+  local name result secs
+  IFS='|' read -r name result secs <<<"$1"
+  echo "gpu-check: $name: $result ($secs s)"
+}
+# The limit (seconds) for a step that would take at most $1: $1, or what is
+# left before the deadline, less the report's 20 s; 0 when nothing is left.
+limit_for() {
+  local own=$1 rest
+  if [ "$dry_run" = 1 ]; then echo "$own"; return; fi
+  rest=$(( deadline - 20 - $(date +%s) ))
+  if [ "$rest" -lt 1 ]; then echo 0; elif [ "$rest" -lt "$own" ]; then echo "$rest"; else echo "$own"; fi
+}
+out_of_time() {  # name: the row of a step the deadline left no time for
+  add_row "$1|not run: past the deadline (WEFT_GPU_DEADLINE ${WEFT_GPU_DEADLINE:-540} s)|0"
+  failed=1
+}
 failed=0
 
 # The GPU machine keeps meson and ninja in PyTorch's virtual environment.
@@ -98,7 +125,7 @@ targets=(tests/test_nccl tests/cuda/test_cuda_allocator tests/cuda/test_cuda_ker
          tests/cuda/test_cuda_layers tests/cuda/test_cuda_train tests/cuda/test_cuda_mpi
          tests/cuda/test_cuda_fused_attention tests/cuda/test_cuda_step_kernels tests/test_parity
          train_gpt bench/bench_cuda)
-build_limit=$([ "$dry_run" = 1 ] && echo 3600 || echo 360)
+if [ "$dry_run" = 1 ]; then build_limit=3600; else build_limit=$(limit_for 360); fi
 if ! timeout "$build_limit" ninja -C "$build" -j"$(nproc)" "${targets[@]}" >>"$log" 2>&1; then
   tail -n 40 "$log"
   echo "gpu-check: the build failed (log: $log)" >&2
@@ -108,7 +135,7 @@ fused=no
 if grep -q '#define WEFT_CUDNN 1' "$build/weft_config.h"; then fused=yes; fi
 fused_note=$(grep -o 'cuDNN fused attention: not built ([^)]*)' "$build/meson-logs/meson-log.txt" \
   | tail -n 1 || true)
-results+=("build (-Dcuda=enabled, sm_$arch, $(nproc) cores, cuDNN fused attention: $fused)|ok|$(( $(date +%s) - t0 ))")
+add_row "build (-Dcuda=enabled, sm_$arch, $(nproc) cores, cuDNN fused attention: $fused)|ok|$(( $(date +%s) - t0 ))"
 
 # --- tests: each must pass on a GPU; in a dry run, SKIP (77), except the
 # allocator's host-side test, which runs without a GPU ---
@@ -119,7 +146,9 @@ export WEFT_TRAIN_GPT="$PWD/$build/train_gpt"
 export WEFT_MPIEXEC="$PWD/$build/bench/mpiexec" OMPI_MCA_rmaps_base_oversubscribe=1
 run_test() {  # name binary needs_gpu [timeout seconds, default 240]
   # needs_gpu: 1, or "fused": a GPU and a build with cuDNN fused attention.
-  local name=$1 bin=$2 needs_gpu=$3 limit=${4:-240} want=0 rc=0 t0 ms
+  local name=$1 bin=$2 needs_gpu=$3 limit want=0 rc=0 t0 ms
+  limit=$(limit_for "${4:-240}")
+  if [ "$limit" = 0 ]; then out_of_time "$name"; return; fi
   t0=$(date +%s%N)
   timeout "$limit" "$build/$bin" >"$logs/$name.out" 2>&1 || rc=$?
   ms=$(( ($(date +%s%N) - t0) / 1000000 ))
@@ -138,7 +167,7 @@ run_test() {  # name binary needs_gpu [timeout seconds, default 240]
     echo "---- $name: last lines of $logs/$name.out ----"
     tail -n 40 "$logs/$name.out"
   fi
-  results+=("$name|$result|$((ms / 1000)).$(((ms % 1000) / 100))")
+  add_row "$name|$result|$((ms / 1000)).$(((ms % 1000) / 100))"
 }
 # NCCL at world size 1: every collective, p2p to itself in a group, split,
 # the deadline (about 1 s of it), stream-ordered reuse; seconds, so a hang
@@ -157,10 +186,12 @@ run_test parity tests/test_parity 0   # its cuda cases run where a GPU is visibl
 
 # --- the sample job on the GPU (scripts/sample.sh's model and flags), when
 # its text is here: data/fortunes.txt travels with the checkout ---
-if [ -s data/fortunes.txt ] && [ "$dry_run" = 0 ]; then
+if [ -s data/fortunes.txt ] && [ "$dry_run" = 0 ] && [ "$(limit_for 240)" = 0 ]; then
+  out_of_time "train_gpt --device cuda, the sample job"
+elif [ -s data/fortunes.txt ] && [ "$dry_run" = 0 ]; then
   t0=$(date +%s)
   sample_rc=0
-  timeout 240 "$build/train_gpt" --device cuda --num-layers 4 --hidden-size 128 \
+  timeout "$(limit_for 240)" "$build/train_gpt" --device cuda --num-layers 4 --hidden-size 128 \
     --num-attention-heads 4 --seq-length 64 --data-path data/fortunes.txt \
     --micro-batch-size 32 --global-batch-size 32 --train-iters 1200 --lr 3e-3 --min-lr 3e-4 \
     --lr-decay-style cosine --lr-warmup-iters 30 --log-interval 200 \
@@ -172,7 +203,7 @@ if [ -s data/fortunes.txt ] && [ "$dry_run" = 0 ]; then
     failed=1
     tail -n 20 "$logs/sample_cuda.out"
   fi
-  results+=("train_gpt --device cuda, the sample job|$sample_result|$(( $(date +%s) - t0 ))")
+  add_row "train_gpt --device cuda, the sample job|$sample_result|$(( $(date +%s) - t0 ))"
 
   # --bf16 against fp32 on the same text: 200 steps each, the mean loss of
   # the last 50 within 1% (issue 11's acceptance test for mixed precision).
@@ -187,7 +218,9 @@ if [ -s data/fortunes.txt ] && [ "$dry_run" = 0 ]; then
     flag=""
     if [ "$precision" = bf16 ]; then flag=--bf16; fi
     # shellcheck disable=SC2086
-    timeout 120 "$build/train_gpt" --device cuda $flag --num-layers 2 --hidden-size 32 \
+    limit=$(limit_for 120)
+    if [ "$limit" = 0 ]; then mixed_result="FAIL: not run, past the deadline"; break; fi
+    timeout "$limit" "$build/train_gpt" --device cuda $flag --num-layers 2 --hidden-size 32 \
       --num-attention-heads 4 --seq-length 32 --data-path data/fortunes.txt \
       --micro-batch-size 8 --global-batch-size 8 --train-iters 200 --lr 3e-3 \
       --log-interval 100 >"$logs/mixed_$precision.out" 2>&1 || mixed_result="FAIL ($precision)"
@@ -204,26 +237,32 @@ if [ -s data/fortunes.txt ] && [ "$dry_run" = 0 ]; then
     fi
   fi
   case "$mixed_result" in FAIL*) failed=1 ;; esac
-  results+=("train_gpt --device cuda --bf16 vs fp32, 200 steps|$mixed_result|$(( $(date +%s) - t0 ))")
+  add_row "train_gpt --device cuda --bf16 vs fp32, 200 steps|$mixed_result|$(( $(date +%s) - t0 ))"
 fi
 
 # --- throughput: weft's step, where its time goes, and PyTorch's step ---
 bench_rc=0
 t0=$(date +%s)
-# shellcheck disable=SC2086
-timeout 240 "$build/bench/bench_cuda" --profile --json "$logs/bench_cuda.jsonl" ${WEFT_BENCH_ARGS:-} \
-  >"$logs/bench_cuda.out" 2>&1 || bench_rc=$?
+bench_limit=$(limit_for 240)
+if [ "$bench_limit" = 0 ]; then
+  bench_rc=124
+  : >"$logs/bench_cuda.out"
+else
+  # shellcheck disable=SC2086
+  timeout "$bench_limit" "$build/bench/bench_cuda" --profile --json "$logs/bench_cuda.jsonl" \
+    ${WEFT_BENCH_ARGS:-} >"$logs/bench_cuda.out" 2>&1 || bench_rc=$?
+fi
 case "$bench_rc" in
   0) bench_result=ok ;;
   77) bench_result=SKIP ;;
-  124) bench_result="TIMEOUT (240 s)" ;;
+  124) bench_result="TIMEOUT ($bench_limit s)" ;;
   *) bench_result="FAIL (exit $bench_rc)" ;;
 esac
 if { [ "$dry_run" = 1 ] && [ "$bench_rc" != 77 ]; } || { [ "$dry_run" = 0 ] && [ "$bench_rc" != 0 ]; }; then
   failed=1
   tail -n 20 "$logs/bench_cuda.out"
 fi
-results+=("bench_cuda --profile|$bench_result|$(( $(date +%s) - t0 ))")
+add_row "bench_cuda --profile|$bench_result|$(( $(date +%s) - t0 ))"
 
 # PyTorch's same step, where a python3 has a torch that sees the GPU.
 py=""
@@ -238,23 +277,25 @@ done
 pytorch_note=""
 if [ -z "$py" ]; then
   pytorch_note="skipped (no CUDA PyTorch)"
-  results+=("pytorch_gpt_cuda|$pytorch_note|0")
+  add_row "pytorch_gpt_cuda|$pytorch_note|0"
 else
   t0=$(date +%s)
   py_rc=0
-  timeout 200 "$py" bench/pytorch_gpt_cuda.py --json "$logs/pytorch_gpt_cuda.jsonl" \
+  py_limit=$(limit_for 200)
+  if [ "$py_limit" = 0 ]; then py_limit=1; fi  # past the deadline: a TIMEOUT row at once
+  timeout "$py_limit" "$py" bench/pytorch_gpt_cuda.py --json "$logs/pytorch_gpt_cuda.jsonl" \
     >"$logs/pytorch_gpt_cuda.out" 2>&1 || py_rc=$?
   case "$py_rc" in
     0) py_result="ok (torch $(sed -n 's/.*"torch_version": "\([^"]*\)".*/\1/p' \
                                "$logs/pytorch_gpt_cuda.jsonl" | head -n 1))" ;;
-    124) py_result="TIMEOUT (200 s)"; pytorch_note="timed out after 200 s (rows before it are kept)" ;;
+    124) py_result="TIMEOUT ($py_limit s)"; pytorch_note="timed out after $py_limit s (rows before it are kept)" ;;
     *) py_result="FAIL (exit $py_rc)"; pytorch_note="failed (exit $py_rc): see above" ;;
   esac
   if [ "$py_rc" != 0 ]; then
     echo "---- pytorch_gpt_cuda: last lines of $logs/pytorch_gpt_cuda.out ----"
     tail -n 20 "$logs/pytorch_gpt_cuda.out"
   fi
-  results+=("pytorch_gpt_cuda (baseline, not a check)|$py_result|$(( $(date +%s) - t0 ))")
+  add_row "pytorch_gpt_cuda (baseline, not a check)|$py_result|$(( $(date +%s) - t0 ))"
 fi
 
 # --- report ---
