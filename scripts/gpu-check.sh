@@ -223,7 +223,7 @@ elif [ -s data/fortunes.txt ] && [ "$dry_run" = 0 ]; then
     timeout "$limit" "$build/train_gpt" --device cuda $flag --num-layers 2 --hidden-size 32 \
       --num-attention-heads 4 --seq-length 32 --data-path data/fortunes.txt \
       --micro-batch-size 8 --global-batch-size 8 --train-iters 200 --lr 3e-3 \
-      --log-interval 100 >"$logs/mixed_$precision.out" 2>&1 || mixed_result="FAIL ($precision)"
+      --log-interval 100 >"$logs/mixed_$precision.out" 2>&1 || mixed_result="FAIL (${mixed_result:+fp32 and }$precision)"
   done
   if [ -z "$mixed_result" ]; then
     tail_mean() { sed -n 's/.*mean loss of the last 50 steps: \([0-9.]*\) nats.*/\1/p' "$1"; }
