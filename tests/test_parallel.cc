@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "models/gpt.h"
+#include "params_close.h"
 #include "test_util.h"
 
 #include <cmath>
@@ -40,24 +41,11 @@ constexpr int64_t kMicro = 1, kGlobal = 8;
 
 size_t z(int64_t i) { return static_cast<size_t>(i); }
 
-// Parameters after training: kTol relative, plus 1e-6 per element absolute.
-// The key bias has a zero gradient in exact arithmetic (softmax ignores a
-// shift shared by every key), so Adam turns float noise there into values
-// near 1e-7 that differ between any two summation orders; a missed or
-// doubled update moves a parameter by about lr = 3e-3.
+// Parameters after training: kTol relative, plus kParamAbs per element
+// absolute (tests/params_close.h says why).
 constexpr double kParamAbs = 1e-6;
 ::testing::AssertionResult params_close(const Tensor& got, const Tensor& want) {
-  double diff = 0, ref = 0;
-  for (int64_t i = 0; i < want.numel(); ++i) {
-    const double d = static_cast<double>(got.data<float>()[i]) - want.data<float>()[i];
-    diff += d * d;
-    ref += static_cast<double>(want.data<float>()[i]) * want.data<float>()[i];
-  }
-  diff = std::sqrt(diff), ref = std::sqrt(ref);
-  const double allowed = kTol * ref + kParamAbs * std::sqrt(static_cast<double>(want.numel()));
-  if (diff <= allowed) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure()
-         << "|got - want| = " << diff << " > " << allowed << " (|want| = " << ref << ")";
+  return testing::params_close(got, want, kTol, kParamAbs);
 }
 
 const TokenData& text_data() {
