@@ -9,7 +9,7 @@ compute scale of 8 processes sharing the cores (dp 4 x pp 2), and the wake
 (dp 2 x tp 4: how long a rank that waited takes to run again; each round of
 an all-reduce pays it). Those two layouts run inside every round of the
 measurement, since the machine's speed drifts within minutes: a row's run is
-predicted with the compute scale of the runs beside it. Then
+predicted with the median compute scale of the four runs nearest it. Then
 `weft-sched plan` predicts every 8-rank layout of bench/layouts.sh (the same
 model, micro-batch size and global batch, on this machine's cores), and each
 layout runs `--runs` times under mpiexec; a run's step is the median step
@@ -148,8 +148,10 @@ def main():
     # Measurement, in --runs rounds over every layout. This machine's speed drifts by more
     # than the goal within minutes, so each round also runs the two calibration layouts:
     # the compute-scale layout before, between and after pairs of rows (S W R R S R R S
-    # ... S), the wake layout once after the first. A row's run is predicted with the mean
-    # compute scale of the two scale runs beside it; the wake is the median of the rounds'.
+    # ... S), the wake layout once after the first. A row's run is predicted with the median
+    # compute scale of the four scale runs nearest it (two before, two after: it follows
+    # the drift, and one run that went slow does not move it); the wake is the median of
+    # the rounds'.
     table = list(rows())
     measured = {r: [] for r in table}
     loads = {r: [] for r in table}
@@ -183,20 +185,20 @@ def main():
                 scale_run()
 
     def near(at):
-        """The scale runs just before and after sequence number at."""
+        """The two scale runs before sequence number at and the two after."""
         before = [k for k, (t, _, _) in enumerate(scale_runs) if t < at]
         after = [k for k, (t, _, _) in enumerate(scale_runs) if t > at]
-        return before[-1:] + after[:1]
+        return before[-2:] + after[:2]
 
     # The fits: each scale run's compute scale given the wake, then each round's wake given
-    # the scales beside its wake run; twice, since each moves the other's layout a little.
+    # the scales nearest its wake run; twice, since each moves the other's layout a little.
     wake = 0.0
     for _ in range(2):
         scales = [sched_report.fit(lambda x: layout_ms(SCALE_LAYOUT, x, wake), ms, 2.0, low=0.05)
                   for _, ms, _ in scale_runs]
         wakes = []
         for at, ms, _ in wake_runs:
-            x = statistics.mean(scales[k] for k in near(at))
+            x = statistics.median(scales[k] for k in near(at))
             wakes.append(sched_report.fit(lambda w: layout_ms(WAKE_LAYOUT, x, w), ms, 1.0))
         wake = statistics.median(wakes)
     scale8 = statistics.median(scales)
@@ -215,7 +217,7 @@ def main():
             fixed += ["--schedule", schedule]
         runs = []
         for at, _ in measured[r]:
-            x = statistics.mean(scales[k] for k in near(at))
+            x = statistics.median(scales[k] for k in near(at))
             runs.append(1e3 * next(pl for pl in plans_of(x, wake / 1e3, *fixed)
                                    if plain(pl))["step_time"])
         predicted[r] = statistics.median(runs)
@@ -256,8 +258,8 @@ def main():
         f"**The machine drifts.** This VM's speed wanders by more than the goal within "
         f"minutes, so the calibration layouts run inside every round: {SCALE_LAYOUT} before, "
         f"between and after each pair of rows, {WAKE_LAYOUT} once after the first. A row's "
-        f"run is predicted with the mean compute scale of the two {SCALE_LAYOUT} runs beside "
-        f"it, and a row's prediction is the median of its runs'; the wake is the median of "
+        f"run is predicted with the median compute scale of the four {SCALE_LAYOUT} runs "
+        f"nearest it (two before, two after), and a row's prediction is the median of its runs'; the wake is the median of "
         f"the rounds'.\n",
         "| layout (dp, pp, tp) | schedule | predicted ms | measured ms | error | predicted rank "
         "| measured rank | load |",

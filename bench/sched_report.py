@@ -20,8 +20,8 @@ slow each other down beyond sharing them).
 The machine's speed drifts within minutes by more than the goal, so the
 runs go in --runs rounds; in each, every pp's rows run in pairs with a
 calibration run before, between and after them, and a row's run is
-predicted with the mean scale of the two calibration runs beside it (the
-row: the median over its runs). A row's stage costs are the calibration's
+predicted with the median scale of the four calibration runs nearest it,
+two before and two after (the row: the median over its runs). A row's stage costs are the calibration's
 node costs summed over the row's stages; its own profile supplies only the
 layout and bytes. `weft-sched simulate --cores` (this machine's cores)
 shares the cores among the ranks that compute at once, which is what pp 4
@@ -447,10 +447,11 @@ def main():
                     for pp, (lo, _, hi) in sorted(a.scale.items())), flush=True)
 
     def local_scale(pp, at):
+        """The median scale of the two calibration runs before `at` and the two after: it
+        follows the drift and one calibration run that ran slow does not move it."""
         before = [x for t, x in scales[pp] if t < at]
         after = [x for t, x in scales[pp] if t > at]
-        near = before[-1:] + after[:1]
-        return sum(near) / len(near)
+        return statistics.median(before[-2:] + after[:2])
 
     for r in rows:
         pp, name, m = r["pp"], r["schedule"], r["m"]
@@ -524,9 +525,9 @@ def write_report(a, rows, seconds, png):
         f"**The machine drifts.** This VM's speed wanders by more than the goal within "
         f"minutes, so the calibration runs are spread through the measurement: each of the "
         f"{a.runs} rounds runs each pp's rows in pairs, with a calibration run before, "
-        f"between and after the pairs. A row's run is predicted with the mean compute scale "
-        f"of the two calibration runs beside it, and the row's **scale** is the median over "
-        f"its runs. Over this script the calibration runs' scales ranged " +
+        f"between and after the pairs. A row's run is predicted with the median compute "
+        f"scale of the four calibration runs nearest it (two before, two after; one that ran "
+        f"slow does not move it), and the row's **scale** is the median over its runs. Over this script the calibration runs' scales ranged " +
         ", ".join(f"{lo:.3f}x-{hi:.3f}x (median {mid:.3f}x) at pp {pp}"
                   for pp, (lo, mid, hi) in sorted(a.scale.items())) + ".\n",
         f"Columns: **step** is train_gpt's `step_ms`, the median of {a.runs} runs' median "
