@@ -7,12 +7,12 @@
 #      pp 4 with 6; those calibration runs go between the rows, since this
 #      machine's speed drifts within minutes; it predicts every schedule at
 #      pp 2 and pp 4 with 4 and 8 micro-batches, sharing this machine's cores
-#      among the ranks that compute at once; each row runs 3 times; writes
+#      among the ranks that compute at once; each row runs RUNS times; writes
 #      schedules.md and its timelines;
 #   2. the planner (bench/plan_report.py): its costs come from one run at
 #      pp 2, its compute scale and its wake from two 8-rank runs that are no
 #      row (dp 4 x pp 2, dp 2 x tp 4);
-#      it predicts every 8-rank layout of bench/layouts.sh; each runs 3
+#      it predicts every 8-rank layout of bench/layouts.sh; each runs RUNS
 #      times; writes plan_validate.md with the errors and the Spearman
 #      correlation of the rankings.
 # It prints both tables, and the load average beside the runs.
@@ -21,8 +21,10 @@
 #                                                     build-dir/plan_validate)
 #
 # The tracked pages in docs/ (schedules.md, its SVGs, plan_validate.md) are
-# updated only on purpose: --out docs. About 20 minutes on 2 idle cores;
-# timings are only worth reading on an otherwise idle machine.
+# updated only on purpose: --out docs. About 20 minutes on 2 idle cores with
+# RUNS=3 (the default), about 33 with RUNS=5, whose medians outlast two
+# disturbed runs of a row; timings are only worth reading on an otherwise
+# idle machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=build
@@ -46,15 +48,16 @@ if [[ ! -s data/fortunes.txt ]]; then
   echo "plan_validate.sh: data/fortunes.txt not found: scripts/sample.sh makes it" >&2
   exit 1
 fi
+runs=${RUNS:-3}
 mkdir -p "$out"
 work=$(mktemp -d /tmp/weft-plan-validate.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE MPIEXEC_TIMEOUT=600
 echo "load average at the start: $(cat /proc/loadavg)"
-python3 bench/sched_report.py --build "$build" --docs "$out" --work "$work" \
+python3 bench/sched_report.py --build "$build" --docs "$out" --work "$work" --runs "$runs" \
   --pp2 4,8 --pp4 4,8 --max-wait 5 --retries 0
 echo "wrote $out/schedules.md"
 grep -E '^pp [0-9]: mean' "$out/schedules.md" || true
-python3 bench/plan_report.py --build "$build" --out "$out" --work "$work"
+python3 bench/plan_report.py --build "$build" --out "$out" --work "$work" --runs "$runs"
 echo "wrote $out/plan_validate.md"
 echo "load average at the end: $(cat /proc/loadavg)"
