@@ -32,6 +32,7 @@
 # shape given there is not passed on to PyTorch, and the table notes that the
 # shapes differ), WEFT_PYTHON (the python with CUDA PyTorch; default: the first
 # of python3 and /opt/torch/.venv/bin/python3 whose torch sees a GPU),
+# WEFT_PYTORCH (0: leave PyTorch's baseline out, e.g. for a quick second try),
 # WEFT_GPU_DEADLINE (seconds, default 540: the whole check's deadline; steps
 # are cut to it and the table still prints, so run it in a call of 10 minutes).
 # Each row is also printed as it completes.
@@ -264,9 +265,11 @@ if { [ "$dry_run" = 1 ] && [ "$bench_rc" != 77 ]; } || { [ "$dry_run" = 0 ] && [
 fi
 add_row "bench_cuda --profile|$bench_result|$(( $(date +%s) - t0 ))"
 
-# PyTorch's same step, where a python3 has a torch that sees the GPU.
+# PyTorch's same step, where a python3 has a torch that sees the GPU (and
+# WEFT_PYTORCH is not 0).
 py=""
 for candidate in ${WEFT_PYTHON:-} python3 /opt/torch/.venv/bin/python3; do
+  if [ "${WEFT_PYTORCH:-1}" = 0 ]; then break; fi
   if command -v "$candidate" >/dev/null &&
      "$candidate" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
        >/dev/null 2>&1; then
@@ -275,7 +278,10 @@ for candidate in ${WEFT_PYTHON:-} python3 /opt/torch/.venv/bin/python3; do
   fi
 done
 pytorch_note=""
-if [ -z "$py" ]; then
+if [ "${WEFT_PYTORCH:-1}" = 0 ]; then
+  pytorch_note="skipped (WEFT_PYTORCH=0)"
+  add_row "pytorch_gpt_cuda|$pytorch_note|0"
+elif [ -z "$py" ]; then
   pytorch_note="skipped (no CUDA PyTorch)"
   add_row "pytorch_gpt_cuda|$pytorch_note|0"
 else
