@@ -54,6 +54,10 @@ start=$(date +%s)
 # 20 s for the report, and a step with nothing left is not run (and fails
 # the check). So the table prints inside a 10-minute call even when steps
 # hang or run long. A dry run has no deadline (CI machines may have 2 cores).
+case "${WEFT_GPU_DEADLINE:-540}" in
+  ''|*[!0-9]*) echo "gpu-check: WEFT_GPU_DEADLINE '${WEFT_GPU_DEADLINE}' must be a whole number of seconds" >&2
+               exit 2 ;;
+esac
 deadline=$(( start + ${WEFT_GPU_DEADLINE:-540} ))
 results=()   # "name|result|seconds" rows of the table
 add_row() {  # "name|result|seconds": a row of the table, also printed as it comes

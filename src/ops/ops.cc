@@ -753,13 +753,13 @@ void adamw_multi(const std::vector<AdamWTensors>& ts, const AdamWStep& s,
         }
       },
       [&](auto& cx) {
-        std::vector<cuda::AdamWTensor> table;
-        table.reserve(ts.size());
-        for (const AdamWTensors& t : ts)
-          table.push_back({fw(t.p), f(t.g), fw(t.m), fw(t.v), t.p.numel(), t.decay});
         if (!cache) cache = std::make_shared<cuda::AdamWTable>();
-        cuda::adamw_multi(cx, table, *static_cast<cuda::AdamWTable*>(cache.get()), s.lr, s.beta1,
-                          s.beta2, s.eps, s.weight_decay, s.step);
+        auto& table = *static_cast<cuda::AdamWTable*>(cache.get());
+        table.scratch.clear();  // keeps its capacity
+        for (const AdamWTensors& t : ts)
+          table.scratch.push_back({fw(t.p), f(t.g), fw(t.m), fw(t.v), t.p.numel(), t.decay});
+        cuda::adamw_multi(cx, table.scratch, table, s.lr, s.beta1, s.beta2, s.eps,
+                          s.weight_decay, s.step);
       });
 }
 

@@ -182,6 +182,9 @@ class AdamWTable {
  public:
   int64_t chunks() const { return chunks_; }
   int64_t builds() const { return builds_; }  // uploads so far
+  // The caller's list for this step, kept here so that a steady step
+  // allocates nothing on the host either.
+  std::vector<AdamWTensor> scratch;
 
  private:
   friend void adamw_multi(Context&, const std::vector<AdamWTensor>&, AdamWTable&, float, float,
