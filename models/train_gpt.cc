@@ -1089,10 +1089,15 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   opt.spike.enabled = a.check_spiky_loss;
   opt.spike.factor = a.spiky_loss_factor;
   opt.spike.max_skipped = a.max_skipped_steps;
-  // Mixed precision rounds every GEMM's inputs; weights, activations between
-  // ops, gradients and optimizer state stay fp32 (weft/ops.h).
+  // Mixed precision rounds every GEMM's inputs. --bf16 also stores the
+  // activations between nodes in bf16 (Megatron's --bf16); weights,
+  // gradients and optimizer state stay fp32 (weft/ops.h). --fp16 keeps fp32
+  // activations: its loss scale guards the gradients, not the values.
   if (a.tf32) ops::set_matmul_precision(setup.device, ops::MatmulPrecision::Tf32);
-  if (a.bf16) ops::set_matmul_precision(setup.device, ops::MatmulPrecision::Bf16);
+  if (a.bf16) {
+    ops::set_matmul_precision(setup.device, ops::MatmulPrecision::Bf16);
+    graph.set_activation_dtype(DType::BF16);
+  }
   if (a.fp16) ops::set_matmul_precision(setup.device, ops::MatmulPrecision::Fp16);
   opt.loss_scale.enabled = a.fp16;
   opt.loss_scale.fixed = a.loss_scale;

@@ -56,6 +56,34 @@ TEST(Graph, GptValuesHaveTheExpectedShapes) {
   EXPECT_FALSE(m.graph.values()[static_cast<size_t>(m.tokens)].requires_grad);
 }
 
+// bf16 activations: every value one node writes and another reads is
+// stored in bf16; the tokens stay int32 and the loss, read by the host, fp32.
+TEST(Graph, ActivationDtypeTypesTheValuesBetweenNodes) {
+  GptModel m = build_gpt(gpt_preset("toy"), 2);
+  m.graph.set_activation_dtype(DType::BF16);
+  EXPECT_EQ(m.graph.activation_dtype(), DType::BF16);
+  int bf16 = 0;
+  for (const Value& v : m.graph.values()) {
+    if (v.producer < 0) {
+      EXPECT_EQ(v.dtype, DType::I32) << v.name;
+    } else if (v.consumers.empty()) {
+      EXPECT_EQ(v.dtype, DType::F32) << v.name;
+    } else {
+      EXPECT_EQ(v.dtype, DType::BF16) << v.name;
+      ++bf16;
+    }
+  }
+  EXPECT_GT(bf16, 10);
+  EXPECT_EQ(m.graph.values()[static_cast<size_t>(m.graph.find_value("lm_head"))].dtype,
+            DType::F32);
+  m.graph.set_activation_dtype(DType::F32);
+  for (const Value& v : m.graph.values())
+    if (v.producer >= 0) {
+      EXPECT_EQ(v.dtype, DType::F32) << v.name;
+    }
+  EXPECT_THROW(m.graph.set_activation_dtype(DType::I32), Error);
+}
+
 TEST(Graph, ShapeErrorsNameTheNodeAndShapes) {
   auto ps = std::make_shared<ParamStore>();
   Graph g(ps);

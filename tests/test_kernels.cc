@@ -722,6 +722,106 @@ TEST(Ops, CrossEntropyBackwardOnASlice) {
     }
 }
 
+// bf16 activations: an operation reads bf16 values exactly, computes in fp32
+// and rounds each bf16 output once. References here are written in double
+// from the bf16 inputs. Where fp32 arithmetic is exact or correctly rounded
+// (an add, a GEMM of small integers) the result must be the reference
+// rounded once, bit for bit; elsewhere (tanh, a LayerNorm's reductions) it
+// must be a bf16 value within half a bf16 ulp (2^-8 relative at most) plus
+// fp32's own error of the double reference.
+Tensor bf16_of(const Vec& v, Shape shape) {
+  Tensor f32 = Tensor::empty(shape);
+  std::copy(v.begin(), v.end(), f32.data<float>());
+  Tensor t = Tensor::empty(shape, DType::BF16);
+  ops::convert(f32, t);
+  return t;
+}
+Vec floats_of(const Tensor& t) {
+  Tensor f32 = Tensor::empty(t.shape());
+  ops::convert(t, f32);
+  return Vec(f32.data<float>(), f32.data<float>() + t.numel());
+}
+
+TEST(Bf16Activations, ConvertRoundsToNearestEvenAndWidensExactly) {
+  const Vec v = {1.0f, 1.0f + 0x1p-8f, 1.0f + 0x1p-8f + 0x1p-20f, 1.0f + 3 * 0x1p-8f, -2.5f};
+  // 1 + 2^-8 is a tie (bf16 keeps 2^-7 steps at 1): to even, 1; anything
+  // above the tie rounds up; 1 + 3 x 2^-8 ties to 1 + 2^-6 (even).
+  EXPECT_EQ(floats_of(bf16_of(v, {5})), (Vec{1.0f, 1.0f, 1.0f + 0x1p-7f, 1.0f + 0x1p-6f, -2.5f}));
+  Tensor wrong = Tensor::empty({5}, DType::I32);
+  EXPECT_TRUE(contains(error_message([&] { ops::convert(bf16_of(v, {5}), wrong); }),
+                       "convert: BF16 to I32 is not supported"));
+}
+
+TEST(Bf16Activations, ElementwiseOpsRoundTheirFp32ResultOnce) {
+  const int64_t n = 4, c = 24;
+  Vec x = testing::uniform(n * c, 21), y0 = testing::uniform(n * c, 22);
+  Vec w = testing::uniform(c, 23), b = testing::uniform(c, 24);
+  for (float& e : x) e = round_to_bf16(3 * e);
+  for (float& e : y0) e = round_to_bf16(e);
+  for (float& e : w) e = 1.0f + 0.1f * e;
+  const Tensor xb = bf16_of(x, {n, c});
+  // GELU: y = round(gelu(x)).
+  Tensor yb = Tensor::empty({n, c}, DType::BF16);
+  ops::gelu_forward(xb, yb);
+  Vec got = floats_of(yb);
+  for (int64_t i = 0; i < n * c; ++i) {
+    const double u = x[z(i)], g = 0.5 * u * (1 + std::tanh(0.7978845608028654 * (u + 0.044715 * u * u * u)));
+    // Half a bf16 ulp (<= 2^-8 relative) from one rounding, plus fp32's tanh error.
+    EXPECT_NEAR(got[z(i)], g, std::ldexp(std::abs(g), -8) + 1e-6) << "gelu " << i;
+    EXPECT_EQ(got[z(i)], round_to_bf16(got[z(i)])) << "gelu " << i << " is not a bf16 value";
+  }
+  // The residual add accumulates: y = round(y + x).
+  Tensor acc = bf16_of(y0, {n, c});
+  ops::add(acc, xb);
+  got = floats_of(acc);
+  for (int64_t i = 0; i < n * c; ++i)
+    EXPECT_EQ(got[z(i)], round_to_bf16(y0[z(i)] + x[z(i)])) << "add " << i;
+  // LayerNorm: bf16 in and out, fp32 statistics.
+  Tensor wt = Tensor::empty({c}), bt = Tensor::empty({c});
+  std::copy(w.begin(), w.end(), wt.data<float>());
+  std::copy(b.begin(), b.end(), bt.data<float>());
+  Tensor mean = Tensor::empty({n}), rstd = Tensor::empty({n});
+  ops::layernorm_forward(xb, wt, bt, yb, mean, rstd, 1e-5f);
+  got = floats_of(yb);
+  for (int64_t r = 0; r < n; ++r) {
+    double mu = 0, var = 0;
+    for (int64_t j = 0; j < c; ++j) mu += x[z(r * c + j)];
+    mu /= c;
+    for (int64_t j = 0; j < c; ++j) var += (x[z(r * c + j)] - mu) * (x[z(r * c + j)] - mu);
+    const double rs = 1 / std::sqrt(var / c + 1e-5);
+    EXPECT_NEAR(mean.data<float>()[r], mu, 1e-6);
+    for (int64_t j = 0; j < c; ++j) {
+      const double want = (x[z(r * c + j)] - mu) * rs * w[z(j)] + b[z(j)];
+      // fp32 LayerNorm is within ~c x 2^-24 relative of double: an ulp of bf16 at most.
+      EXPECT_NEAR(got[z(r * c + j)], want, std::ldexp(std::abs(want), -8) + 1e-6)
+          << "layernorm " << r << "," << j;
+      EXPECT_EQ(got[z(r * c + j)], round_to_bf16(got[z(r * c + j)]));
+    }
+  }
+}
+
+// A GEMM of bf16 operands into a bf16 output accumulates in fp32 and rounds
+// once: y = round(alpha a b + beta y), here with exact small integers so the
+// fp32 sum is exact and only the final rounding remains.
+TEST(Bf16Activations, GemmIntoBf16RoundsOnce) {
+  const int64_t m = 3, k = 5, n = 4;
+  Vec a(z(m * k)), bm(z(k * n)), c0(z(m * n));
+  for (int64_t i = 0; i < m * k; ++i) a[z(i)] = static_cast<float>(i % 7) - 3;
+  for (int64_t i = 0; i < k * n; ++i) bm[z(i)] = static_cast<float>(i % 5) + 0.5f;
+  for (int64_t i = 0; i < m * n; ++i) c0[z(i)] = 100.0f + static_cast<float>(i);
+  Tensor cb = bf16_of(c0, {m, n});
+  Tensor wf = Tensor::empty({k, n});  // an fp32 operand (a parameter) with a bf16 one
+  std::copy(bm.begin(), bm.end(), wf.data<float>());
+  ops::gemm(bf16_of(a, {m, k}), false, wf, false, cb, 1.0f, 1.0f);
+  const Vec got = floats_of(cb);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      float s = round_to_bf16(c0[z(i * n + j)]);
+      for (int64_t l = 0; l < k; ++l) s += a[z(i * k + l)] * bm[z(l * n + j)];
+      EXPECT_EQ(got[z(i * n + j)], round_to_bf16(s)) << i << "," << j;
+    }
+}
+
 TEST(Ops, GemmChecksThatShapesChain) {
   Tensor a = Tensor::zeros({4, 3}), b = Tensor::zeros({5, 2}), c = Tensor::zeros({4, 2});
   const std::string msg = error_message([&] { ops::gemm(a, false, b, false, c); });

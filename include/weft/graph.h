@@ -51,6 +51,14 @@ class Graph {
     return add(name, std::move(layer), std::move(inputs)).at(0);
   }
   void mark_output(int value) { outputs_.push_back(value); }
+  // How the activations between nodes are stored: F32, or BF16 for bf16
+  // activations (--bf16; weft/ops.h says how each operation reads and rounds
+  // them). Every float value a node writes and another node reads takes this
+  // dtype; graph inputs keep theirs, and so do values no node reads (the
+  // model's outputs, a loss), which stay F32 for the host. Gradients are F32
+  // whatever the values' dtype. Call it once the graph is whole.
+  void set_activation_dtype(DType dtype);
+  DType activation_dtype() const { return activation_dtype_; }
 
   const std::vector<Node>& nodes() const { return nodes_; }
   const std::vector<Value>& values() const { return values_; }
@@ -74,6 +82,7 @@ class Graph {
   std::vector<Value> values_;
   std::vector<int> inputs_;
   std::vector<int> outputs_;
+  DType activation_dtype_ = DType::F32;
 };
 
 }  // namespace weft

@@ -17,6 +17,15 @@
 // parameter says otherwise; int32 for tokens and targets. "+=" in a comment
 // means the operation accumulates into its output, as backward passes do.
 //
+// bf16 activations (--bf16): every float tensor argument may instead be
+// BF16. An operation reads bf16 values exactly, computes in fp32 and rounds
+// each BF16 output once, to nearest even; an accumulating one rounds
+// float(out) + its fp32 result. A GPU runs bf16 kernels for the hot
+// operations (GEMMs of two bf16 operands in cuBLAS); elsewhere, and always on
+// the CPU, the operation runs its fp32 kernel on widened copies and rounds
+// back, which gives the same values (a GEMM's up to its summation order).
+// Parameters, their gradients and optimizer state stay fp32.
+//
 // Results that the host needs (a loss, a norm) come back as doubles; on a
 // GPU those calls wait for the compute stream.
 #pragma once
@@ -43,6 +52,12 @@ enum class MatmulPrecision : uint8_t { Fp32, Tf32, Bf16, Fp16 };
 const char* matmul_precision_name(MatmulPrecision p);  // "fp32", "tf32", "bf16", "fp16"
 void set_matmul_precision(Device device, MatmulPrecision precision);
 MatmulPrecision matmul_precision(Device device);
+
+// --- dtypes ---
+
+// dst = src: F32 to BF16 (round to nearest even), BF16 to F32 (exact), or a
+// copy between tensors of one dtype; the same element count.
+void convert(const Tensor& src, const Tensor& dst);
 
 // --- matrices ---
 

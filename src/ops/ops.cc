@@ -8,6 +8,7 @@
 // throws instead.
 #include <weft/ops.h>
 
+#include <weft/bf16.h>
 #include <weft/cpu_kernels.h>
 #include <weft/cuda/kernels.h>
 #include <weft/error.h>
@@ -18,6 +19,7 @@
 #include <array>
 #include <atomic>
 #include <initializer_list>
+#include <utility>
 #include <vector>
 
 namespace weft::ops {
@@ -96,11 +98,91 @@ decltype(auto) on_device(Device d, const char* op, Cpu&& on_cpu, Cuda&&) {
   throw Error("{} on {}: this operation has no CUDA kernel yet", op, d.str());
 }
 
-const float* f(const Tensor& t) { return t.data<float>(); }
-float* fw(const Tensor& t) { return t.data<float>(); }
+// The kernels' pointers. A float pointer to a tensor of another dtype is a
+// bug in this file (an operation that forgot to widen), never a user's error.
+float* fp32_data(const Tensor& t) {
+  if (t.dtype() != DType::F32)
+    throw Error("internal: a {} tensor {} reached an fp32 kernel", dtype_name(t.dtype()),
+                t.shape().str());
+  return t.data<float>();
+}
+const float* f(const Tensor& t) { return fp32_data(t); }
+float* fw(const Tensor& t) { return fp32_data(t); }
 const int32_t* i32(const Tensor& t) { return t.data<int32_t>(); }
 
+bool any_bf16(std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts)
+    if (t->defined() && t->dtype() == DType::BF16) return true;
+  return false;
+}
+
+// fp32 stand-ins for the BF16 tensors of an operation that has no bf16
+// kernel on their device: in() widens a copy (exactly: every bf16 value is
+// an fp32 value); out() gives an fp32 tensor for an output, holding its
+// values when the operation accumulates into it; commit() rounds each such
+// output back into its BF16 tensor, once. The operation then gives what a
+// bf16 kernel computing in fp32 and rounding its stores gives. Temporaries
+// live on the tensors' device (its caching allocator on a GPU), queued on
+// its compute stream like the kernels.
+class Widen {
+ public:
+  Tensor in(const Tensor& t) {
+    if (!t.defined() || t.dtype() != DType::BF16) return t;
+    Tensor w = Tensor::empty(t.shape(), DType::F32, t.device());
+    convert(t, w);
+    return w;
+  }
+  Tensor out(const Tensor& t, bool accumulate) {
+    if (!t.defined() || t.dtype() != DType::BF16) return t;
+    Tensor w = accumulate ? in(t) : Tensor::empty(t.shape(), DType::F32, t.device());
+    back_.emplace_back(t, w);
+    return w;
+  }
+  void commit() {
+    for (const auto& [dst, w] : back_) convert(w, dst);
+    back_.clear();
+  }
+
+ private:
+  std::vector<std::pair<Tensor, Tensor>> back_;
+};
+
 }  // namespace
+
+// --- dtypes ---
+
+void convert(const Tensor& src, const Tensor& dst) {
+  const Device d = common_device("convert", {&src, &dst});
+  check(src.numel() == dst.numel(), "convert: {} elements {} into {} elements {}", src.numel(),
+        src.shape().str(), dst.numel(), dst.shape().str());
+  if (src.dtype() == dst.dtype()) {
+    dst.copy_from(src.view(dst.shape()));
+    return;
+  }
+  const bool down = src.dtype() == DType::F32 && dst.dtype() == DType::BF16;
+  check(down || (src.dtype() == DType::BF16 && dst.dtype() == DType::F32),
+        "convert: {} to {} is not supported (F32 and BF16 either way)", dtype_name(src.dtype()),
+        dtype_name(dst.dtype()));
+  const int64_t n = src.numel();
+  on_device(
+      d, "convert",
+      [&] {
+        if (down) {
+          to_bf16(src.data<float>(), dst.data<uint16_t>(), n);
+        } else {
+          const uint16_t* x = src.data<uint16_t>();
+          float* y = dst.data<float>();
+          for (int64_t i = 0; i < n; ++i) y[i] = bf16_to_float(x[i]);
+        }
+      },
+      [&](auto& cx) {
+        if (down) {
+          cuda::to_bf16(cx, src.data<float>(), dst.data<cuda::bf16>(), n);
+        } else {
+          cuda::to_float(cx, src.data<cuda::bf16>(), dst.data<float>(), n);
+        }
+      });
+}
 
 const char* matmul_precision_name(MatmulPrecision p) {
   switch (p) {
@@ -142,6 +224,25 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
   check(k == kb && c.shape().rows() == m && c.shape().last() == n,
         "gemm: op(a) is ({}, {}), op(b) ({}, {}), c {}: the shapes do not chain", m, k, kb, n,
         c.shape().str());
+  if (any_bf16({&a, &b, &c})) {
+    // bf16 a and b are cuBLAS's own types (fp32 accumulation, c fp32 or
+    // rounded once); any other mix is widened, which the GEMM's own rounding
+    // of its operands (--bf16) leaves exact.
+    if (!d.is_cpu() && a.dtype() == DType::BF16 && b.dtype() == DType::BF16) {
+      Widen wd;
+      const Tensor c32 = wd.out(c, beta != 0.0f);
+      on_device(
+          d, "gemm", [] {},
+          [&](auto& cx) {
+            cuda::gemm_bf16(cx, trans_a, trans_b, m, n, k, alpha, a.data<cuda::bf16>(), ac,
+                            b.data<cuda::bf16>(), bc, beta, fw(c32), n);
+          });
+      return wd.commit();
+    }
+    Widen wd;
+    gemm(wd.in(a), trans_a, wd.in(b), trans_b, wd.out(c, beta != 0.0f), alpha, beta);
+    return wd.commit();
+  }
   on_device(
       d, "gemm",
       [&] {
@@ -155,6 +256,11 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
 }
 
 void fill_rows(const Tensor& y, const Tensor& row) {
+  if (any_bf16({&y, &row})) {
+    Widen wd;
+    fill_rows(wd.out(y, false), wd.in(row));
+    return wd.commit();
+  }
   const Device d = common_device("fill_rows", {&y, &row});
   const int64_t n = y.shape().rows(), c = y.shape().last();
   check_numel("fill_rows", "row", row, c);
@@ -167,6 +273,11 @@ void fill_rows(const Tensor& y, const Tensor& row) {
 }
 
 void add_rows(const Tensor& y, const Tensor& row) {
+  if (any_bf16({&y, &row})) {
+    Widen wd;
+    add_rows(wd.out(y, true), wd.in(row));
+    return wd.commit();
+  }
   const Device d = common_device("add_rows", {&y, &row});
   const int64_t n = y.shape().rows(), c = y.shape().last();
   check_numel("add_rows", "row", row, c);
@@ -176,6 +287,11 @@ void add_rows(const Tensor& y, const Tensor& row) {
 }
 
 void sum_rows(const Tensor& dy, const Tensor& db) {
+  if (any_bf16({&dy, &db})) {
+    Widen wd;
+    sum_rows(wd.in(dy), wd.out(db, true));
+    return wd.commit();
+  }
   const Device d = common_device("sum_rows", {&dy, &db});
   const int64_t n = dy.shape().rows(), c = dy.shape().last();
   check_numel("sum_rows", "db", db, c);
@@ -187,6 +303,11 @@ void sum_rows(const Tensor& dy, const Tensor& db) {
 // --- element-wise ---
 
 void add(const Tensor& y, const Tensor& x) {
+  if (any_bf16({&y, &x})) {
+    Widen wd;
+    add(wd.out(y, true), wd.in(x));
+    return wd.commit();
+  }
   const Device d = common_device("add", {&y, &x});
   check_numel("add", "x", x, y.numel());
   on_device(
@@ -195,6 +316,11 @@ void add(const Tensor& y, const Tensor& x) {
 }
 
 void scale(const Tensor& y, float s) {
+  if (any_bf16({&y})) {
+    Widen wd;
+    scale(wd.out(y, true), s);
+    return wd.commit();
+  }
   const Device d = common_device("scale", {&y});
   on_device(
       d, "scale", [&] { cpu::scale_inplace(fw(y), s, y.numel()); },
@@ -202,6 +328,12 @@ void scale(const Tensor& y, float s) {
 }
 
 double sum_squares(const Tensor& x) {
+  if (any_bf16({&x})) {
+    Widen wd;
+    const double r = sum_squares(wd.in(x));
+    wd.commit();
+    return r;
+  }
   const Device d = common_device("sum_squares", {&x});
   return on_device(
       d, "sum_squares", [&] { return cpu::sum_squares(f(x), x.numel()); },
@@ -248,6 +380,11 @@ void fill(const Tensor& t, float value) {
 
 void layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y,
                        const Tensor& mean, const Tensor& rstd, float eps) {
+  if (any_bf16({&x, &w, &b, &y, &mean, &rstd})) {
+    Widen wd;
+    layernorm_forward(wd.in(x), wd.in(w), wd.in(b), wd.out(y, false), wd.out(mean, false), wd.out(rstd, false), eps);
+    return wd.commit();
+  }
   const Device d = common_device("layernorm_forward", {&x, &w, &b, &y, &mean, &rstd});
   const int64_t n = x.shape().rows(), c = x.shape().last();
   check_numel("layernorm_forward", "y", y, n * c);
@@ -261,6 +398,11 @@ void layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, const 
 
 void layernorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w,
                               const Tensor& mean, const Tensor& rstd, const Tensor& dx) {
+  if (any_bf16({&dy, &x, &w, &mean, &rstd, &dx})) {
+    Widen wd;
+    layernorm_backward_input(wd.in(dy), wd.in(x), wd.in(w), wd.in(mean), wd.in(rstd), wd.out(dx, true));
+    return wd.commit();
+  }
   const Device d = common_device("layernorm_backward_input", {&dy, &x, &w, &mean, &rstd, &dx});
   const int64_t n = x.shape().rows(), c = x.shape().last();
   on_device(
@@ -275,6 +417,11 @@ void layernorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w
 
 void layernorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& mean,
                                const Tensor& rstd, const Tensor& dw, const Tensor& db) {
+  if (any_bf16({&dy, &x, &mean, &rstd, &dw, &db})) {
+    Widen wd;
+    layernorm_backward_weight(wd.in(dy), wd.in(x), wd.in(mean), wd.in(rstd), wd.out(dw, true), wd.out(db, true));
+    return wd.commit();
+  }
   const Device d = common_device("layernorm_backward_weight", {&dy, &x, &mean, &rstd, &dw, &db});
   const int64_t n = x.shape().rows(), c = x.shape().last();
   on_device(
@@ -291,6 +438,11 @@ void layernorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& 
 
 void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd,
                      float eps) {
+  if (any_bf16({&x, &w, &y, &rstd})) {
+    Widen wd;
+    rmsnorm_forward(wd.in(x), wd.in(w), wd.out(y, false), wd.out(rstd, false), eps);
+    return wd.commit();
+  }
   const Device d = common_device("rmsnorm_forward", {&x, &w, &y, &rstd});
   const int64_t n = x.shape().rows(), c = x.shape().last();
   check_numel("rmsnorm_forward", "y", y, n * c);
@@ -302,6 +454,11 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Te
 
 void rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w,
                             const Tensor& rstd, const Tensor& dx) {
+  if (any_bf16({&dy, &x, &w, &rstd, &dx})) {
+    Widen wd;
+    rmsnorm_backward_input(wd.in(dy), wd.in(x), wd.in(w), wd.in(rstd), wd.out(dx, true));
+    return wd.commit();
+  }
   const Device d = common_device("rmsnorm_backward_input", {&dy, &x, &w, &rstd, &dx});
   const int64_t n = x.shape().rows(), c = x.shape().last();
   on_device(
@@ -312,6 +469,11 @@ void rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w,
 
 void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rstd,
                              const Tensor& dw) {
+  if (any_bf16({&dy, &x, &rstd, &dw})) {
+    Widen wd;
+    rmsnorm_backward_weight(wd.in(dy), wd.in(x), wd.in(rstd), wd.out(dw, true));
+    return wd.commit();
+  }
   const Device d = common_device("rmsnorm_backward_weight", {&dy, &x, &rstd, &dw});
   const int64_t n = x.shape().rows(), c = x.shape().last();
   on_device(
@@ -321,6 +483,11 @@ void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rs
 }
 
 void swiglu_forward(const Tensor& x, const Tensor& y) {
+  if (any_bf16({&x, &y})) {
+    Widen wd;
+    swiglu_forward(wd.in(x), wd.out(y, false));
+    return wd.commit();
+  }
   const Device d = common_device("swiglu_forward", {&x, &y});
   const int64_t n = x.shape().rows(), h = x.shape().last() / 2;
   check(x.shape().last() % 2 == 0, "swiglu_forward: the input width {} must be even (gate | up)",
@@ -332,6 +499,11 @@ void swiglu_forward(const Tensor& x, const Tensor& y) {
 }
 
 void swiglu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx) {
+  if (any_bf16({&dy, &x, &dx})) {
+    Widen wd;
+    swiglu_backward(wd.in(dy), wd.in(x), wd.out(dx, true));
+    return wd.commit();
+  }
   const Device d = common_device("swiglu_backward", {&dy, &x, &dx});
   const int64_t n = x.shape().rows(), h = x.shape().last() / 2;
   check_numel("swiglu_backward", "dx", dx, x.numel());
@@ -354,6 +526,11 @@ int64_t qkv_head_size(const char* op, const Tensor& qkv, int64_t heads, int64_t 
 }  // namespace
 
 void rope_forward(const Tensor& qkv, const Tensor& y, int64_t heads, int64_t groups, float base) {
+  if (any_bf16({&qkv, &y})) {
+    Widen wd;
+    rope_forward(wd.in(qkv), wd.out(y, false), heads, groups, base);
+    return wd.commit();
+  }
   const Device d = common_device("rope_forward", {&qkv, &y});
   const int64_t hd = qkv_head_size("rope_forward", qkv, heads, groups);
   const int64_t b = qkv.dim(0), t = qkv.dim(1);
@@ -367,6 +544,11 @@ void rope_forward(const Tensor& qkv, const Tensor& y, int64_t heads, int64_t gro
 
 void rope_backward(const Tensor& dy, const Tensor& dqkv, int64_t heads, int64_t groups,
                    float base) {
+  if (any_bf16({&dy, &dqkv})) {
+    Widen wd;
+    rope_backward(wd.in(dy), wd.out(dqkv, true), heads, groups, base);
+    return wd.commit();
+  }
   const Device d = common_device("rope_backward", {&dy, &dqkv});
   const int64_t hd = qkv_head_size("rope_backward", dqkv, heads, groups);
   const int64_t b = dqkv.dim(0), t = dqkv.dim(1);
@@ -380,6 +562,11 @@ void rope_backward(const Tensor& dy, const Tensor& dqkv, int64_t heads, int64_t 
 // --- GELU ---
 
 void gelu_forward(const Tensor& x, const Tensor& y) {
+  if (any_bf16({&x, &y})) {
+    Widen wd;
+    gelu_forward(wd.in(x), wd.out(y, false));
+    return wd.commit();
+  }
   const Device d = common_device("gelu_forward", {&x, &y});
   check_numel("gelu_forward", "y", y, x.numel());
   on_device(
@@ -388,6 +575,11 @@ void gelu_forward(const Tensor& x, const Tensor& y) {
 }
 
 void gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx) {
+  if (any_bf16({&dy, &x, &dx})) {
+    Widen wd;
+    gelu_backward(wd.in(dy), wd.in(x), wd.out(dx, true));
+    return wd.commit();
+  }
   const Device d = common_device("gelu_backward", {&dy, &x, &dx});
   check_numel("gelu_backward", "dx", dx, x.numel());
   on_device(
@@ -399,6 +591,11 @@ void gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx) {
 
 void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t heads,
                        int64_t groups) {
+  if (any_bf16({&qkv, &out, &probs})) {
+    Widen wd;
+    attention_forward(wd.in(qkv), wd.out(out, false), wd.out(probs, false), heads, groups);
+    return wd.commit();
+  }
   const Device d = common_device("attention_forward", {&qkv, &out, &probs});
   const int64_t hd = qkv_head_size("attention_forward", qkv, heads, groups);
   const int64_t b = qkv.dim(0), t = qkv.dim(1);
@@ -418,6 +615,11 @@ void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs
 
 void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
                         const Tensor& dqkv, const Tensor& scratch, int64_t heads, int64_t groups) {
+  if (any_bf16({&dout, &qkv, &probs, &dqkv, &scratch})) {
+    Widen wd;
+    attention_backward(wd.in(dout), wd.in(qkv), wd.in(probs), wd.out(dqkv, true), wd.out(scratch, false), heads, groups);
+    return wd.commit();
+  }
   const Device d = common_device("attention_backward", {&dout, &qkv, &probs, &dqkv, &scratch});
   const int64_t hd = qkv_head_size("attention_backward", qkv, heads, groups);
   const int64_t b = qkv.dim(0), t = qkv.dim(1);
@@ -496,6 +698,11 @@ bool attention_uses_fused(Device device, int64_t head_size) {
 
 void attention_forward_fused(const Tensor& qkv, const Tensor& out, const Tensor& lse,
                              int64_t heads, int64_t groups) {
+  if (any_bf16({&qkv, &out, &lse})) {
+    Widen wd;
+    attention_forward_fused(wd.in(qkv), wd.out(out, false), wd.out(lse, false), heads, groups);
+    return wd.commit();
+  }
   const Device d = common_device("attention_forward_fused", {&qkv, &out, &lse});
   const int64_t hd = qkv_head_size("attention_forward_fused", qkv, heads, groups);
   const int64_t b = qkv.dim(0), t = qkv.dim(1);
@@ -517,6 +724,11 @@ void attention_forward_fused(const Tensor& qkv, const Tensor& out, const Tensor&
 void attention_backward_fused(const Tensor& dout, const Tensor& qkv, const Tensor& out,
                               const Tensor& lse, const Tensor& dqkv, int64_t heads,
                               int64_t groups) {
+  if (any_bf16({&dout, &qkv, &out, &lse, &dqkv})) {
+    Widen wd;
+    attention_backward_fused(wd.in(dout), wd.in(qkv), wd.in(out), wd.in(lse), wd.out(dqkv, true), heads, groups);
+    return wd.commit();
+  }
   const Device d = common_device("attention_backward_fused", {&dout, &qkv, &out, &lse, &dqkv});
   const int64_t hd = qkv_head_size("attention_backward_fused", qkv, heads, groups);
   const int64_t b = qkv.dim(0), t = qkv.dim(1);
@@ -551,6 +763,11 @@ void check_token_range(const Tensor& tokens, int64_t vocab, const char* what) {
 
 void embedding_forward(const Tensor& tokens, const Tensor& wte, int64_t first, const Tensor& wpe,
                        const Tensor& y) {
+  if (any_bf16({&wte, &wpe, &y})) {
+    Widen wd;
+    embedding_forward(tokens, wd.in(wte), first, wd.in(wpe), wd.out(y, false));
+    return wd.commit();
+  }
   const Device d = common_device("embedding_forward", {&tokens, &wte, &wpe, &y});
   check_dtype("embedding_forward", "tokens", tokens, DType::I32);
   const int64_t b = tokens.dim(0), t = tokens.dim(1), c = wte.dim(1), rows = wte.dim(0);
@@ -566,6 +783,11 @@ void embedding_forward(const Tensor& tokens, const Tensor& wte, int64_t first, c
 
 void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, int64_t first,
                         const Tensor& dwpe) {
+  if (any_bf16({&dy, &dwte, &dwpe})) {
+    Widen wd;
+    embedding_backward(tokens, wd.in(dy), wd.out(dwte, true), first, wd.out(dwpe, true));
+    return wd.commit();
+  }
   const Device d = common_device("embedding_backward", {&tokens, &dy, &dwte, &dwpe});
   check_dtype("embedding_backward", "tokens", tokens, DType::I32);
   const int64_t b = tokens.dim(0), t = tokens.dim(1), c = dwte.dim(1), rows = dwte.dim(0);
@@ -593,6 +815,12 @@ void mask_columns(const Tensor& logits, int64_t from) {
 }
 
 double softmax_cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& losses) {
+  if (any_bf16({&logits, &losses})) {
+    Widen wd;
+    const double r = softmax_cross_entropy(wd.out(logits, true), targets, wd.out(losses, false));
+    wd.commit();
+    return r;
+  }
   const Device d = common_device("softmax_cross_entropy", {&logits, &targets, &losses});
   check_dtype("softmax_cross_entropy", "targets", targets, DType::I32);
   const int64_t n = logits.shape().rows(), v = logits.shape().last();
@@ -631,6 +859,11 @@ double fused_cross_entropy(const Tensor& logits, const Tensor& targets, const Te
 
 void cross_entropy_backward(const Tensor& probs, const Tensor& targets, int64_t first,
                             const Tensor& dlogits, float scale) {
+  if (any_bf16({&probs, &dlogits})) {
+    Widen wd;
+    cross_entropy_backward(wd.in(probs), targets, first, wd.out(dlogits, false), scale);
+    return wd.commit();
+  }
   const Device d = common_device("cross_entropy_backward", {&probs, &targets, &dlogits});
   const int64_t n = probs.shape().rows(), v = probs.shape().last();
   check_numel("cross_entropy_backward", "dlogits", dlogits, n * v);
@@ -643,6 +876,11 @@ void cross_entropy_backward(const Tensor& probs, const Tensor& targets, int64_t 
 }
 
 void row_max(const Tensor& logits, const Tensor& max) {
+  if (any_bf16({&logits, &max})) {
+    Widen wd;
+    row_max(wd.in(logits), wd.out(max, false));
+    return wd.commit();
+  }
   const Device d = common_device("row_max", {&logits, &max});
   const int64_t n = logits.shape().rows(), v = logits.shape().last();
   check_numel("row_max", "max", max, n);
@@ -653,6 +891,11 @@ void row_max(const Tensor& logits, const Tensor& max) {
 
 void exp_and_stats(const Tensor& logits, const Tensor& targets, int64_t first, const Tensor& max,
                    const Tensor& stats) {
+  if (any_bf16({&logits, &max, &stats})) {
+    Widen wd;
+    exp_and_stats(wd.out(logits, true), targets, first, wd.in(max), wd.out(stats, false));
+    return wd.commit();
+  }
   const Device d = common_device("exp_and_stats", {&logits, &targets, &max, &stats});
   const int64_t n = logits.shape().rows(), v = logits.shape().last();
   check_numel("exp_and_stats", "stats", stats, 2 * n);
@@ -669,6 +912,12 @@ void exp_and_stats(const Tensor& logits, const Tensor& targets, int64_t first, c
 }
 
 double normalise_and_loss(const Tensor& exps, const Tensor& stats) {
+  if (any_bf16({&exps, &stats})) {
+    Widen wd;
+    const double r = normalise_and_loss(wd.out(exps, true), wd.in(stats));
+    wd.commit();
+    return r;
+  }
   const Device d = common_device("normalise_and_loss", {&exps, &stats});
   const int64_t n = exps.shape().rows(), v = exps.shape().last();
   check_numel("normalise_and_loss", "stats", stats, 2 * n);
@@ -683,6 +932,12 @@ double normalise_and_loss(const Tensor& exps, const Tensor& stats) {
 // --- mean-squared error ---
 
 double mse_loss(const Tensor& pred, const Tensor& target) {
+  if (any_bf16({&pred, &target})) {
+    Widen wd;
+    const double r = mse_loss(wd.in(pred), wd.in(target));
+    wd.commit();
+    return r;
+  }
   const Device d = common_device("mse_loss", {&pred, &target});
   check_numel("mse_loss", "target", target, pred.numel());
   return on_device(
@@ -691,6 +946,11 @@ double mse_loss(const Tensor& pred, const Tensor& target) {
 }
 
 void mse_backward(const Tensor& pred, const Tensor& target, float g, const Tensor& dx) {
+  if (any_bf16({&pred, &target, &dx})) {
+    Widen wd;
+    mse_backward(wd.in(pred), wd.in(target), g, wd.out(dx, true));
+    return wd.commit();
+  }
   const Device d = common_device("mse_backward", {&pred, &target, &dx});
   check_numel("mse_backward", "the gradient", dx, pred.numel());
   on_device(

@@ -94,4 +94,14 @@ std::string Graph::summary() const {
   return s;
 }
 
+void Graph::set_activation_dtype(DType dtype) {
+  check(dtype == DType::F32 || dtype == DType::BF16,
+        "activation dtype {} is not F32 or BF16", dtype_name(dtype));
+  activation_dtype_ = dtype;
+  for (Value& v : values_)
+    if (v.producer >= 0 && !v.consumers.empty() &&
+        (v.dtype == DType::F32 || v.dtype == DType::BF16))
+      v.dtype = dtype;
+}
+
 }  // namespace weft

@@ -107,6 +107,7 @@ Graph tensor_parallel_graph(const Graph& logical, Communicator& tp,
   }
   if (next < nodes.size()) add_through(nodes.size() - 1);  // nodes without outputs
   for (int v : logical.outputs()) g.mark_output(v);
+  g.set_activation_dtype(logical.activation_dtype());
   return g;
 }
 
