@@ -72,7 +72,7 @@ void Linear::forward(LayerCtx& ctx_, Arena&, std::span<const Tensor> in,
                      std::span<const Tensor> out) {
   auto& ctx = static_cast<Ctx&>(ctx_);
   if (b_) ops::fill_rows(out[0], b_->value);
-  ops::gemm(in[0], false, w_->value, false, out[0], 1.0f, b_ ? 1.0f : 0.0f);
+  ops::gemm(in[0], false, gemm_operand(*w_, in[0].dtype()), false, out[0], 1.0f, b_ ? 1.0f : 0.0f);
   ctx.x = in[0];
 }
 

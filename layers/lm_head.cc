@@ -72,7 +72,7 @@ void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
   ctx.x = in[0];
   ctx.targets = in[1];
   ctx.probs = arena.alloc({n, v});
-  ops::gemm(in[0], false, wte_->value, true, ctx.probs);
+  ops::gemm(in[0], false, gemm_operand(*wte_, in[0].dtype()), true, ctx.probs);
   // Padding rows of wte (tokens vocab_.. of a padded table): their logits are
   // -inf, so their probabilities, dlogits and gradients are exactly zero.
   const int64_t real = std::clamp<int64_t>(vocab_ - first_, 0, v);

@@ -59,9 +59,22 @@ struct Param {
   // reads them and their logits are masked, so their gradients are zero), and
   // files hold only the true rows. 0: every row is real.
   int64_t true_rows = 0;
+  // bf16 activations: value rounded to bf16, for the GEMMs of one batch's
+  // forward and backward (a GEMM of two bf16 operands is cuBLAS's own; a
+  // bf16 and an fp32 one would widen). Made when the batch starts and
+  // dropped (undefined) when it ends, before anything changes value, so it
+  // is never stale; value16_store keeps its memory from batch to batch.
+  Tensor value16, value16_store;
   // PyTorch/Megatron convention: decay matrices and embeddings, not biases or norms.
   bool weight_decay() const { return value.rank() >= 2; }
 };
+
+// What a GEMM multiplies p by when its other operand has dtype `other`: the
+// bf16 copy for a BF16 operand while the batch has one, else value. Either
+// gives the same product: --bf16's GEMMs round their fp32 operands to bf16.
+inline const Tensor& gemm_operand(const Param& p, DType other) {
+  return other == DType::BF16 && p.value16.defined() ? p.value16 : p.value;
+}
 
 // The full tensor's rows that are real: shard.full[0], or true_rows when padded.
 int64_t real_rows(const Param& p);
