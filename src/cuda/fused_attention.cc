@@ -4,9 +4,9 @@
 // headers and cuDNN (WEFT_CUDNN); the unfused path is src/cuda/attention.cc.
 //
 // cuDNN's kernels take bf16 q, k, v and give bf16 outputs, with fp32 softmax
-// statistics. weft's activations are fp32, so each call rounds its fp32
-// inputs into bf16 scratch (one element-wise kernel each) and widens the bf16
-// results back:
+// statistics. With fp32 activations, each call rounds its fp32 inputs into
+// bf16 scratch (one element-wise kernel each) and widens the bf16 results
+// back:
 //
 //   forward:  qkv16 = bf16(qkv); O16 = sdpa(q, k, v) read straight from the
 //             packed qkv16 through strides; out = float(O16); lse (B, H, T) =
@@ -14,6 +14,11 @@
 //   backward: qkv16 = bf16(qkv), O16 = bf16(out) (exact: out is O16 widened),
 //             dO16 = bf16(dout); dq, dk, dv written by cuDNN into one packed
 //             bf16 buffer shaped like qkv; dqkv += float(that buffer).
+//
+// With bf16 activations (--bf16) qkv and out are cuDNN's bf16 tensors
+// themselves: the same graphs read and write them in place of qkv16 and O16,
+// and only dO (an fp32 gradient) is rounded and dqkv accumulated. Both
+// interfaces run one core (forward_core, backward_core) on bf16 pointers.
 //
 // The backward's O is the forward's output read back, not a copy kept in bf16:
 // the runner keeps a micro-batch's values until its backward is done, so the
@@ -35,6 +40,7 @@
 #include <array>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -213,26 +219,82 @@ void* mut(const T* p) {
   return const_cast<T*>(p);
 }
 
+int64_t qkv_size(const Key& k) { return k.b * k.t * (k.h + 2 * k.g) * k.d; }
+int64_t out_size(const Key& k) { return k.b * k.t * k.h * k.d; }
+
+// A caller's bf16 array handed to cuDNN as it is: the graphs declare 16-byte
+// aligned tensors (cudnn-frontend's default), and the q, k, v heads start at
+// multiples of D elements (16 bytes, D % 8 == 0) from qkv.
+void check_aligned(const void* p, const char* what, const Key& k) {
+  check(reinterpret_cast<uintptr_t>(p) % 16 == 0,
+        "fused attention ({}): bf16 {} at {} is not 16-byte aligned (cuDNN's graphs declare "
+        "16-byte aligned tensors)",
+        describe(k), what, p);
+}
+
+// The forward on bf16 qkv16 into bf16 o16 and fp32 lse.
+void forward_core(Context& ctx, const Key& k, const bf16* qkv16, bf16* o16, float* lse) {
+  DeviceState& s = state(ctx);
+  std::lock_guard lock(s.mu);
+  fe::graph::Graph& graph = graph_for(ctx, s, k, false);
+  const bf16* base = qkv16;
+  run(ctx, s, graph, k,
+      {{kQ, mut(base)},
+       {kK, mut(base + k.h * k.d)},
+       {kV, mut(base + (k.h + k.g) * k.d)},
+       {kO, o16},
+       {kStats, lse}},
+      "forward");
+}
+
+// The backward on bf16 qkv16 and o16: dout rounded to bf16, the bf16
+// gradient added into the fp32 dqkv.
+void backward_core(Context& ctx, const Key& k, const float* dout, const bf16* qkv16,
+                   const bf16* o16, const float* lse, float* dqkv) {
+  const int64_t n_qkv = qkv_size(k), n_out = out_size(k);
+  DeviceBuffer<bf16> do16(ctx, n_out), dqkv16(ctx, n_qkv);
+  to_bf16(ctx, dout, do16.data(), n_out);
+  {
+    DeviceState& s = state(ctx);
+    std::lock_guard lock(s.mu);
+    fe::graph::Graph& graph = graph_for(ctx, s, k, true);
+    const bf16* base = qkv16;
+    bf16* dbase = dqkv16.data();
+    run(ctx, s, graph, k,
+        {{kQ, mut(base)},
+         {kK, mut(base + k.h * k.d)},
+         {kV, mut(base + (k.h + k.g) * k.d)},
+         {kO, mut(o16)},
+         {kDO, do16.data()},
+         {kStats, mut(lse)},
+         {kDQ, dbase},
+         {kDK, dbase + k.h * k.d},
+         {kDV, dbase + (k.h + k.g) * k.d}},
+        "backward");
+  }
+  add_bf16(ctx, dqkv16.data(), dqkv, n_qkv);
+}
+
 }  // namespace
 
 void fused_attention_forward(Context& ctx, const float* qkv, float* out, float* lse, int64_t b,
                              int64_t t, int64_t h, int64_t g, int64_t d) {
   const Key k = key_of(b, t, h, g, d);
   ctx.make_current();
-  const int64_t n_qkv = b * t * (h + 2 * g) * d, n_out = b * t * h * d;
+  const int64_t n_qkv = qkv_size(k), n_out = out_size(k);
   DeviceBuffer<bf16> qkv16(ctx, n_qkv), o16(ctx, n_out);
   to_bf16(ctx, qkv, qkv16.data(), n_qkv);
-  {
-    DeviceState& s = state(ctx);
-    std::lock_guard lock(s.mu);
-    fe::graph::Graph& graph = graph_for(ctx, s, k, false);
-    bf16* base = qkv16.data();
-    run(ctx, s, graph, k,
-        {{kQ, base}, {kK, base + h * d}, {kV, base + (h + g) * d}, {kO, o16.data()},
-         {kStats, lse}},
-        "forward");
-  }
+  forward_core(ctx, k, qkv16.data(), o16.data(), lse);
   to_float(ctx, o16.data(), out, n_out);
+}
+
+void fused_attention_forward(Context& ctx, const bf16* qkv, bf16* out, float* lse, int64_t b,
+                             int64_t t, int64_t h, int64_t g, int64_t d) {
+  const Key k = key_of(b, t, h, g, d);
+  check_aligned(qkv, "qkv", k);
+  check_aligned(out, "out", k);
+  ctx.make_current();
+  forward_core(ctx, k, qkv, out, lse);
 }
 
 void fused_attention_backward(Context& ctx, const float* dout, const float* qkv, const float* out,
@@ -240,30 +302,21 @@ void fused_attention_backward(Context& ctx, const float* dout, const float* qkv,
                               int64_t g, int64_t d) {
   const Key k = key_of(b, t, h, g, d);
   ctx.make_current();
-  const int64_t n_qkv = b * t * (h + 2 * g) * d, n_out = b * t * h * d;
-  DeviceBuffer<bf16> qkv16(ctx, n_qkv), o16(ctx, n_out), do16(ctx, n_out), dqkv16(ctx, n_qkv);
+  const int64_t n_qkv = qkv_size(k), n_out = out_size(k);
+  DeviceBuffer<bf16> qkv16(ctx, n_qkv), o16(ctx, n_out);
   to_bf16(ctx, qkv, qkv16.data(), n_qkv);
   to_bf16(ctx, out, o16.data(), n_out);
-  to_bf16(ctx, dout, do16.data(), n_out);
-  {
-    DeviceState& s = state(ctx);
-    std::lock_guard lock(s.mu);
-    fe::graph::Graph& graph = graph_for(ctx, s, k, true);
-    bf16* base = qkv16.data();
-    bf16* dbase = dqkv16.data();
-    run(ctx, s, graph, k,
-        {{kQ, base},
-         {kK, base + h * d},
-         {kV, base + (h + g) * d},
-         {kO, o16.data()},
-         {kDO, do16.data()},
-         {kStats, mut(lse)},
-         {kDQ, dbase},
-         {kDK, dbase + h * d},
-         {kDV, dbase + (h + g) * d}},
-        "backward");
-  }
-  add_bf16(ctx, dqkv16.data(), dqkv, n_qkv);
+  backward_core(ctx, k, dout, qkv16.data(), o16.data(), lse, dqkv);
+}
+
+void fused_attention_backward(Context& ctx, const float* dout, const bf16* qkv, const bf16* out,
+                              const float* lse, float* dqkv, int64_t b, int64_t t, int64_t h,
+                              int64_t g, int64_t d) {
+  const Key k = key_of(b, t, h, g, d);
+  check_aligned(qkv, "qkv", k);
+  check_aligned(out, "out", k);
+  ctx.make_current();
+  backward_core(ctx, k, dout, qkv, out, lse, dqkv);
 }
 
 size_t fused_attention_graphs(Context& ctx) {

@@ -49,11 +49,13 @@ cublasComputeType_t compute_type(MathMode mode) {
 }
 
 // One cuBLAS call for every precision: A and B of type `ab` (fp32 or bf16),
-// C fp32; batch 1 uses cublasGemmEx.
-void gemm_any(Context& ctx, cublasComputeType_t compute, cudaDataType_t ab, bool trans_a,
-              bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const void* a,
-              int64_t lda, int64_t stride_a, const void* b, int64_t ldb, int64_t stride_b,
-              float beta, float* c, int64_t ldc, int64_t stride_c, int64_t batch) {
+// C of type `ct` (fp32, or bf16 with bf16 A and B); alpha and beta fp32 as
+// every compute type here is 32F; batch 1 uses cublasGemmEx.
+void gemm_any(Context& ctx, cublasComputeType_t compute, cudaDataType_t ab, cudaDataType_t ct,
+              bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+              const void* a, int64_t lda, int64_t stride_a, const void* b, int64_t ldb,
+              int64_t stride_b, float beta, void* c, int64_t ldc, int64_t stride_c,
+              int64_t batch) {
   if (m == 0 || n == 0 || batch == 0) return;
   ctx.make_current();
   cublasHandle_t h = ctx.cublas();
@@ -61,12 +63,12 @@ void gemm_any(Context& ctx, cublasComputeType_t compute, cudaDataType_t ab, bool
   const int ilda = as_int(lda, "lda"), ildb = as_int(ldb, "ldb"), ildc = as_int(ldc, "ldc");
   if (batch == 1) {
     WEFT_CUBLAS_CHECK(cublasGemmEx(h, op(trans_b), op(trans_a), in, im, ik, &alpha, b, ab, ildb, a,
-                                   ab, ilda, &beta, c, CUDA_R_32F, ildc, compute,
+                                   ab, ilda, &beta, c, ct, ildc, compute,
                                    CUBLAS_GEMM_DEFAULT));
   } else {
     WEFT_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
         h, op(trans_b), op(trans_a), in, im, ik, &alpha, b, ab, ildb, stride_b, a, ab, ilda,
-        stride_a, &beta, c, CUDA_R_32F, ildc, stride_c, as_int(batch, "batch"), compute,
+        stride_a, &beta, c, ct, ildc, stride_c, as_int(batch, "batch"), compute,
         CUBLAS_GEMM_DEFAULT));
   }
 }
@@ -75,8 +77,8 @@ void gemm_mode(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t 
                int64_t k, float alpha, const float* a, int64_t lda, int64_t stride_a,
                const float* b, int64_t ldb, int64_t stride_b, float beta, float* c, int64_t ldc,
                int64_t stride_c, int64_t batch) {
-  gemm_any(ctx, compute_type(mode), CUDA_R_32F, trans_a, trans_b, m, n, k, alpha, a, lda,
-           stride_a, b, ldb, stride_b, beta, c, ldc, stride_c, batch);
+  gemm_any(ctx, compute_type(mode), CUDA_R_32F, CUDA_R_32F, trans_a, trans_b, m, n, k, alpha, a,
+           lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c, batch);
 }
 
 }  // namespace
@@ -90,8 +92,15 @@ void gemm(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m, in
 void gemm_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                float alpha, const bf16* a, int64_t lda, const bf16* b, int64_t ldb, float beta,
                float* c, int64_t ldc) {
-  gemm_any(ctx, CUBLAS_COMPUTE_32F, CUDA_R_16BF, trans_a, trans_b, m, n, k, alpha, a, lda, 0, b,
-           ldb, 0, beta, c, ldc, 0, 1);
+  gemm_any(ctx, CUBLAS_COMPUTE_32F, CUDA_R_16BF, CUDA_R_32F, trans_a, trans_b, m, n, k, alpha, a,
+           lda, 0, b, ldb, 0, beta, c, ldc, 0, 1);
+}
+
+void gemm_bf16_out(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                   float alpha, const bf16* a, int64_t lda, const bf16* b, int64_t ldb,
+                   float beta, bf16* c, int64_t ldc) {
+  gemm_any(ctx, CUBLAS_COMPUTE_32F, CUDA_R_16BF, CUDA_R_16BF, trans_a, trans_b, m, n, k, alpha, a,
+           lda, 0, b, ldb, 0, beta, c, ldc, 0, 1);
 }
 
 void gemm_strided_batched(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m,

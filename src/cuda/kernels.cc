@@ -16,6 +16,11 @@ cudaStream_t prepare(Context& ctx) {
   ctx.make_current();
   return ctx.compute_stream();
 }
+
+// bf16 arrays as the launchers take them (launch.h: uint16_t).
+static_assert(sizeof(bf16) == sizeof(uint16_t));
+const uint16_t* raw(const bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
+uint16_t* raw(bf16* p) { return reinterpret_cast<uint16_t*>(p); }
 }  // namespace
 
 void layernorm_forward(Context& ctx, const float* x, const float* w, const float* b, float* y,
@@ -23,6 +28,13 @@ void layernorm_forward(Context& ctx, const float* x, const float* w, const float
   if (n == 0) return;
   launch::layernorm_forward(prepare(ctx), x, w, b, y, mean, rstd, n, c, eps);
   WEFT_LAUNCH_CHECK("layernorm_forward");
+}
+
+void layernorm_forward(Context& ctx, const bf16* x, const float* w, const float* b, bf16* y,
+                       float* mean, float* rstd, int64_t n, int64_t c, float eps) {
+  if (n == 0) return;
+  launch::layernorm_forward(prepare(ctx), raw(x), w, b, raw(y), mean, rstd, n, c, eps);
+  WEFT_LAUNCH_CHECK("layernorm_forward (bf16)");
 }
 
 void layernorm_backward_input(Context& ctx, const float* dy, const float* x, const float* w,
@@ -33,12 +45,28 @@ void layernorm_backward_input(Context& ctx, const float* dy, const float* x, con
   WEFT_LAUNCH_CHECK("layernorm_backward_input");
 }
 
+void layernorm_backward_input(Context& ctx, const float* dy, const bf16* x, const float* w,
+                              const float* mean, const float* rstd, float* dx, int64_t n,
+                              int64_t c) {
+  if (n == 0) return;
+  launch::layernorm_backward_input(prepare(ctx), dy, raw(x), w, mean, rstd, dx, n, c);
+  WEFT_LAUNCH_CHECK("layernorm_backward_input (bf16)");
+}
+
 void layernorm_backward_weight(Context& ctx, const float* dy, const float* x, const float* mean,
                                const float* rstd, float* dw, float* db, int64_t n, int64_t c) {
   if (n == 0 || c == 0) return;
   DeviceBuffer<float> partials(ctx, 2 * launch::column_slices(n) * c);
   launch::column_sums(prepare(ctx), dy, x, mean, rstd, dw, db, partials.data(), n, c);
   WEFT_LAUNCH_CHECK("column_sums (layernorm weight)");
+}
+
+void layernorm_backward_weight(Context& ctx, const float* dy, const bf16* x, const float* mean,
+                               const float* rstd, float* dw, float* db, int64_t n, int64_t c) {
+  if (n == 0 || c == 0) return;
+  DeviceBuffer<float> partials(ctx, 2 * launch::column_slices(n) * c);
+  launch::column_sums(prepare(ctx), dy, raw(x), mean, rstd, dw, db, partials.data(), n, c);
+  WEFT_LAUNCH_CHECK("column_sums (layernorm weight, bf16)");
 }
 
 void rmsnorm_forward(Context& ctx, const float* x, const float* w, float* y, float* rstd,
@@ -101,10 +129,22 @@ void gelu_forward(Context& ctx, const float* x, float* y, int64_t n) {
   WEFT_LAUNCH_CHECK("gelu_forward");
 }
 
+void gelu_forward(Context& ctx, const bf16* x, bf16* y, int64_t n) {
+  if (n == 0) return;
+  launch::gelu_forward(prepare(ctx), raw(x), raw(y), n);
+  WEFT_LAUNCH_CHECK("gelu_forward (bf16)");
+}
+
 void gelu_backward(Context& ctx, const float* dy, const float* x, float* dx, int64_t n) {
   if (n == 0) return;
   launch::gelu_backward(prepare(ctx), dy, x, dx, n);
   WEFT_LAUNCH_CHECK("gelu_backward");
+}
+
+void gelu_backward(Context& ctx, const float* dy, const bf16* x, float* dx, int64_t n) {
+  if (n == 0) return;
+  launch::gelu_backward(prepare(ctx), dy, raw(x), dx, n);
+  WEFT_LAUNCH_CHECK("gelu_backward (bf16)");
 }
 
 void add_bias(Context& ctx, float* y, const float* bias, int64_t n, int64_t c) {
@@ -116,8 +156,8 @@ void add_bias(Context& ctx, float* y, const float* bias, int64_t n, int64_t c) {
 void sum_rows(Context& ctx, const float* dy, float* db, int64_t n, int64_t c) {
   if (n == 0 || c == 0) return;
   DeviceBuffer<float> partials(ctx, launch::column_slices(n) * c);
-  launch::column_sums(prepare(ctx), dy, nullptr, nullptr, nullptr, nullptr, db, partials.data(), n,
-                      c);
+  launch::column_sums(prepare(ctx), dy, static_cast<const float*>(nullptr), nullptr, nullptr,
+                      nullptr, db, partials.data(), n, c);
   WEFT_LAUNCH_CHECK("column_sums (sum_rows)");
 }
 
@@ -125,6 +165,18 @@ void add_inplace(Context& ctx, float* y, const float* x, int64_t n) {
   if (n == 0) return;
   launch::add_inplace(prepare(ctx), y, x, n);
   WEFT_LAUNCH_CHECK("add_inplace");
+}
+
+void add_inplace(Context& ctx, bf16* y, const bf16* x, int64_t n) {
+  if (n == 0) return;
+  launch::add_inplace(prepare(ctx), raw(y), raw(x), n);
+  WEFT_LAUNCH_CHECK("add_inplace (bf16)");
+}
+
+void fill_rows(Context& ctx, bf16* y, const float* row, int64_t n, int64_t c) {
+  if (n == 0 || c == 0) return;
+  launch::fill_rows(prepare(ctx), raw(y), row, n, c);
+  WEFT_LAUNCH_CHECK("fill_rows");
 }
 
 void scale_inplace(Context& ctx, float* y, float s, int64_t n) {
@@ -198,6 +250,13 @@ void embedding_forward(Context& ctx, const int32_t* tokens, const float* wte, co
   if (b * t * c == 0) return;
   launch::embedding_forward(prepare(ctx), tokens, wte, rows, first, wpe, y, b, t, c);
   WEFT_LAUNCH_CHECK("embedding_forward");
+}
+
+void embedding_forward(Context& ctx, const int32_t* tokens, const float* wte, const float* wpe,
+                       bf16* y, int64_t b, int64_t t, int64_t c, int64_t rows, int64_t first) {
+  if (b * t * c == 0) return;
+  launch::embedding_forward(prepare(ctx), tokens, wte, rows, first, wpe, raw(y), b, t, c);
+  WEFT_LAUNCH_CHECK("embedding_forward (bf16)");
 }
 
 void embedding_backward(Context& ctx, const int32_t* tokens, const float* dy, float* dwte,
@@ -299,20 +358,19 @@ double sum_squares_to_host(Context& ctx, const float* x, int64_t n) {
 
 void to_bf16(Context& ctx, const float* x, bf16* y, int64_t n) {
   if (n == 0) return;
-  static_assert(sizeof(bf16) == sizeof(uint16_t));
-  launch::to_bf16(prepare(ctx), x, reinterpret_cast<uint16_t*>(y), n);
+  launch::to_bf16(prepare(ctx), x, raw(y), n);
   WEFT_LAUNCH_CHECK("to_bf16");
 }
 
 void to_float(Context& ctx, const bf16* x, float* y, int64_t n) {
   if (n == 0) return;
-  launch::to_float(prepare(ctx), reinterpret_cast<const uint16_t*>(x), y, n);
+  launch::to_float(prepare(ctx), raw(x), y, n);
   WEFT_LAUNCH_CHECK("to_float");
 }
 
 void add_bf16(Context& ctx, const bf16* x, float* y, int64_t n) {
   if (n == 0) return;
-  launch::add_bf16(prepare(ctx), reinterpret_cast<const uint16_t*>(x), y, n);
+  launch::add_bf16(prepare(ctx), raw(x), y, n);
   WEFT_LAUNCH_CHECK("add_bf16");
 }
 

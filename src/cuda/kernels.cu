@@ -59,55 +59,71 @@ struct Max {
   __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
 
+// Activation storage: fp32, or bf16 (--bf16). A kernel templated on its
+// activations' element type loads them widened to fp32, computes in fp32
+// exactly as the fp32 instance does, and rounds only on the final store (to
+// nearest even), so its bf16 output is the fp32 instance's output rounded.
+__device__ __forceinline__ float load(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float load(const __nv_bfloat16* p, int64_t i) {
+  return __bfloat162float(p[i]);
+}
+__device__ __forceinline__ void store(float* p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(__nv_bfloat16* p, int64_t i, float v) {
+  p[i] = __float2bfloat16_rn(v);
+}
+
 // ---------------------------------------------------------------- LayerNorm
 
-// One warp per row. x, y (N, C); mean, rstd (N)
-__global__ void layernorm_forward_kernel(const float* x, const float* w, const float* b, float* y,
+// One warp per row. x, y (N, C) of activations X, Y (float or bf16); mean, rstd (N)
+template <class X, class Y>
+__global__ void layernorm_forward_kernel(const X* x, const float* w, const float* b, Y* y,
                                          float* mean, float* rstd, int64_t n, int64_t c,
                                          float eps) {
   const int64_t row = int64_t{blockIdx.x} * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (row >= n) return;
-  const float* xr = x + row * c;
+  const X* xr = x + row * c;
   float s = 0;
-  for (int64_t j = lane; j < c; j += kWarp) s += xr[j];
+  for (int64_t j = lane; j < c; j += kWarp) s += load(xr, j);
   const float m = warp_sum(s) / static_cast<float>(c);
   float var = 0;
   for (int64_t j = lane; j < c; j += kWarp) {
-    const float d = xr[j] - m;
+    const float d = load(xr, j) - m;
     var += d * d;
   }
   var = warp_sum(var) / static_cast<float>(c);
   const float r = 1.0f / sqrtf(var + eps);
-  float* yr = y + row * c;
-  for (int64_t j = lane; j < c; j += kWarp) yr[j] = (xr[j] - m) * r * w[j] + b[j];
+  Y* yr = y + row * c;
+  for (int64_t j = lane; j < c; j += kWarp) store(yr, j, (load(xr, j) - m) * r * w[j] + b[j]);
   if (lane == 0) {
     mean[row] = m;
     rstd[row] = r;
   }
 }
 
-// One warp per row: dx += (dy w - mean(dy w) - xhat mean(dy w xhat)) rstd
-__global__ void layernorm_backward_input_kernel(const float* dy, const float* x, const float* w,
+// One warp per row: dx += (dy w - mean(dy w) - xhat mean(dy w xhat)) rstd;
+// x of activations X (float or bf16), gradients fp32.
+template <class X>
+__global__ void layernorm_backward_input_kernel(const float* dy, const X* x, const float* w,
                                                 const float* mean, const float* rstd, float* dx,
                                                 int64_t n, int64_t c) {
   const int64_t row = int64_t{blockIdx.x} * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (row >= n) return;
   const float* dyr = dy + row * c;
-  const float* xr = x + row * c;
+  const X* xr = x + row * c;
   const float m = mean[row], r = rstd[row];
   float dnorm_mean = 0, dnorm_xhat_mean = 0;
   for (int64_t j = lane; j < c; j += kWarp) {
     const float dnorm = dyr[j] * w[j];
     dnorm_mean += dnorm;
-    dnorm_xhat_mean += dnorm * (xr[j] - m) * r;
+    dnorm_xhat_mean += dnorm * (load(xr, j) - m) * r;
   }
   dnorm_mean = warp_sum(dnorm_mean) / static_cast<float>(c);
   dnorm_xhat_mean = warp_sum(dnorm_xhat_mean) / static_cast<float>(c);
   float* dxr = dx + row * c;
   for (int64_t j = lane; j < c; j += kWarp) {
-    const float xhat = (xr[j] - m) * r;
+    const float xhat = (load(xr, j) - m) * r;
     dxr[j] += (dyr[j] * w[j] - dnorm_mean - xhat * dnorm_xhat_mean) * r;
   }
 }
@@ -207,11 +223,12 @@ __global__ void rope_kernel(const float* src, float* dst, int64_t rows, int64_t 
 // Column sums over rows in two deterministic passes. Pass 1: block (32, 8)
 // owns 32 columns and row slice blockIdx.y of `slices`; it writes one partial
 // per column. Pass 2 adds the slices' partials in order into the output.
-// With `norm`, it also sums dy * xhat (the LayerNorm weight gradient).
+// With `norm`, it also sums dy * xhat (the LayerNorm weight gradient), x of
+// activations X (float or bf16).
 constexpr int kColTile = 32, kRowLanes = 8;
 
-template <bool norm>
-__global__ void column_partials_kernel(const float* dy, const float* x, const float* mean,
+template <bool norm, class X>
+__global__ void column_partials_kernel(const float* dy, const X* x, const float* mean,
                                        const float* rstd, float* part_dw, float* part_db,
                                        int64_t n, int64_t c) {
   __shared__ float sw[kRowLanes][kColTile], sb[kRowLanes][kColTile];
@@ -223,7 +240,7 @@ __global__ void column_partials_kernel(const float* dy, const float* x, const fl
          i += slices * kRowLanes) {
       const float g = dy[i * c + col];
       acc_b += g;
-      if constexpr (norm) acc_w += g * (x[i * c + col] - mean[i]) * rstd[i];
+      if constexpr (norm) acc_w += g * (load(x, i * c + col) - mean[i]) * rstd[i];
     }
   }
   sw[threadIdx.y][threadIdx.x] = acc_w;
@@ -254,19 +271,22 @@ __global__ void column_finish_kernel(const float* part, float* out, int64_t slic
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluCubic = 0.044715f;
 
-__global__ void gelu_forward_kernel(const float* x, float* y, int64_t n) {
+// x, y activations X, Y (float or bf16); dy, dx fp32.
+template <class X, class Y>
+__global__ void gelu_forward_kernel(const X* x, Y* y, int64_t n) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const float xi = x[i];
+    const float xi = load(x, i);
     const float u = kGeluScale * (xi + kGeluCubic * xi * xi * xi);
-    y[i] = 0.5f * xi * (1.0f + tanhf(u));
+    store(y, i, 0.5f * xi * (1.0f + tanhf(u)));
   }
 }
 
-__global__ void gelu_backward_kernel(const float* dy, const float* x, float* dx, int64_t n) {
+template <class X>
+__global__ void gelu_backward_kernel(const float* dy, const X* x, float* dx, int64_t n) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const float xi = x[i], x2 = xi * xi;
+    const float xi = load(x, i), x2 = xi * xi;
     const float t = tanhf(kGeluScale * xi * (1.0f + kGeluCubic * x2));
     const float dudx = kGeluScale * (1.0f + 3.0f * kGeluCubic * x2);
     const float grad = 0.5f * (1.0f + t) + 0.5f * xi * (1.0f - t * t) * dudx;
@@ -282,10 +302,21 @@ __global__ void add_bias_kernel(float* y, const float* bias, int64_t n, int64_t 
     y[i] += bias[i % c];
 }
 
-__global__ void add_inplace_kernel(float* y, const float* x, int64_t n) {
+// y, x of one element type T (float or bf16): y = y + x in fp32, stored as T.
+template <class T>
+__global__ void add_inplace_kernel(T* y, const T* x, int64_t n) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x)
-    y[i] += x[i];
+    store(y, i, load(y, i) + load(x, i));
+}
+
+// Every row of y (N, C) = row (C), stored as Y: a bias that a GEMM with beta 1
+// then accumulates onto.
+template <class Y>
+__global__ void fill_rows_kernel(Y* y, const float* row, int64_t n, int64_t c) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n * c;
+       i += int64_t{gridDim.x} * blockDim.x)
+    store(y, i, row[i % c]);
 }
 
 __global__ void scale_inplace_kernel(float* y, float s, int64_t n) {
@@ -449,16 +480,17 @@ __global__ void cross_entropy_backward_kernel(const float* probs, const int32_t*
 // ---------------------------------------------------------------- embedding
 
 // wte holds the rows of tokens [first, first + rows); other tokens read 0.
-// wpe may be null: no positions added.
+// wpe may be null: no positions added. The sum in fp32, stored as Y (float or bf16).
+template <class Y>
 __global__ void embedding_forward_kernel(const int32_t* tokens, const float* wte, int64_t rows,
-                                         int64_t first, const float* wpe, float* y, int64_t n,
+                                         int64_t first, const float* wpe, Y* y, int64_t n,
                                          int64_t t, int64_t c) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n * c;
        i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t row = i / c, j = i % c;
     const int64_t e = int64_t{tokens[row]} - first;
     const float x = e >= 0 && e < rows ? wte[e * c + j] : 0.0f;
-    y[i] = wpe != nullptr ? x + wpe[(row % t) * c + j] : x;
+    store(y, i, wpe != nullptr ? x + wpe[(row % t) * c + j] : x);
   }
 }
 
@@ -592,6 +624,33 @@ unsigned row_blocks(int64_t n) {
   return static_cast<unsigned>((n + kRowsPerBlock - 1) / kRowsPerBlock);
 }
 
+// The launchers' bf16 arrays (uint16_t, launch.h) as CUDA's type.
+static_assert(sizeof(uint16_t) == sizeof(__nv_bfloat16), "bf16 is 2 bytes");
+const __nv_bfloat16* bf(const uint16_t* p) { return reinterpret_cast<const __nv_bfloat16*>(p); }
+__nv_bfloat16* bf(uint16_t* p) { return reinterpret_cast<__nv_bfloat16*>(p); }
+
+// column_sums for either type of x.
+template <class X>
+void column_sums_of(cudaStream_t s, const float* dy, const X* x, const float* mean,
+                    const float* rstd, float* dw, float* db, float* partials, int64_t n,
+                    int64_t c) {
+  const int64_t slices = column_slices(n);
+  const dim3 grid(static_cast<unsigned>((c + kColTile - 1) / kColTile),
+                  static_cast<unsigned>(slices));
+  const dim3 block(kColTile, kRowLanes);
+  float* part_db = partials;
+  if (dw != nullptr) {
+    float* part_dw = partials + slices * c;
+    column_partials_kernel<true, X><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_dw, part_db, n,
+                                                           c);
+    column_finish_kernel<<<blocks_for(c), kThreads, 0, s>>>(part_dw, dw, slices, c);
+  } else {
+    column_partials_kernel<false, X><<<grid, block, 0, s>>>(dy, x, mean, rstd, nullptr, part_db,
+                                                            n, c);
+  }
+  column_finish_kernel<<<blocks_for(c), kThreads, 0, s>>>(part_db, db, slices, c);
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- launchers
@@ -601,11 +660,24 @@ void layernorm_forward(cudaStream_t s, const float* x, const float* w, const flo
   layernorm_forward_kernel<<<row_blocks(n), kThreads, 0, s>>>(x, w, b, y, mean, rstd, n, c, eps);
 }
 
+void layernorm_forward(cudaStream_t s, const uint16_t* x, const float* w, const float* b,
+                       uint16_t* y, float* mean, float* rstd, int64_t n, int64_t c, float eps) {
+  layernorm_forward_kernel<<<row_blocks(n), kThreads, 0, s>>>(bf(x), w, b, bf(y), mean, rstd, n, c,
+                                                              eps);
+}
+
 void layernorm_backward_input(cudaStream_t s, const float* dy, const float* x, const float* w,
                               const float* mean, const float* rstd, float* dx, int64_t n,
                               int64_t c) {
   layernorm_backward_input_kernel<<<row_blocks(n), kThreads, 0, s>>>(dy, x, w, mean, rstd, dx, n,
                                                                      c);
+}
+
+void layernorm_backward_input(cudaStream_t s, const float* dy, const uint16_t* x, const float* w,
+                              const float* mean, const float* rstd, float* dx, int64_t n,
+                              int64_t c) {
+  layernorm_backward_input_kernel<<<row_blocks(n), kThreads, 0, s>>>(dy, bf(x), w, mean, rstd, dx,
+                                                                     n, c);
 }
 
 // About 16 rows per thread of the first pass, at most 128 slices.
@@ -615,19 +687,12 @@ int64_t column_slices(int64_t n) {
 
 void column_sums(cudaStream_t s, const float* dy, const float* x, const float* mean,
                  const float* rstd, float* dw, float* db, float* partials, int64_t n, int64_t c) {
-  const int64_t slices = column_slices(n);
-  const dim3 grid(static_cast<unsigned>((c + kColTile - 1) / kColTile),
-                  static_cast<unsigned>(slices));
-  const dim3 block(kColTile, kRowLanes);
-  float* part_db = partials;
-  if (dw != nullptr) {
-    float* part_dw = partials + slices * c;
-    column_partials_kernel<true><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_dw, part_db, n, c);
-    column_finish_kernel<<<blocks_for(c), kThreads, 0, s>>>(part_dw, dw, slices, c);
-  } else {
-    column_partials_kernel<false><<<grid, block, 0, s>>>(dy, x, mean, rstd, nullptr, part_db, n, c);
-  }
-  column_finish_kernel<<<blocks_for(c), kThreads, 0, s>>>(part_db, db, slices, c);
+  column_sums_of(s, dy, x, mean, rstd, dw, db, partials, n, c);
+}
+
+void column_sums(cudaStream_t s, const float* dy, const uint16_t* x, const float* mean,
+                 const float* rstd, float* dw, float* db, float* partials, int64_t n, int64_t c) {
+  column_sums_of(s, dy, bf(x), mean, rstd, dw, db, partials, n, c);
 }
 
 void rmsnorm_forward(cudaStream_t s, const float* x, const float* w, float* y, float* rstd,
@@ -662,8 +727,16 @@ void gelu_forward(cudaStream_t s, const float* x, float* y, int64_t n) {
   gelu_forward_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, y, n);
 }
 
+void gelu_forward(cudaStream_t s, const uint16_t* x, uint16_t* y, int64_t n) {
+  gelu_forward_kernel<<<blocks_for(n), kThreads, 0, s>>>(bf(x), bf(y), n);
+}
+
 void gelu_backward(cudaStream_t s, const float* dy, const float* x, float* dx, int64_t n) {
   gelu_backward_kernel<<<blocks_for(n), kThreads, 0, s>>>(dy, x, dx, n);
+}
+
+void gelu_backward(cudaStream_t s, const float* dy, const uint16_t* x, float* dx, int64_t n) {
+  gelu_backward_kernel<<<blocks_for(n), kThreads, 0, s>>>(dy, bf(x), dx, n);
 }
 
 void add_bias(cudaStream_t s, float* y, const float* bias, int64_t n, int64_t c) {
@@ -672,6 +745,14 @@ void add_bias(cudaStream_t s, float* y, const float* bias, int64_t n, int64_t c)
 
 void add_inplace(cudaStream_t s, float* y, const float* x, int64_t n) {
   add_inplace_kernel<<<blocks_for(n), kThreads, 0, s>>>(y, x, n);
+}
+
+void add_inplace(cudaStream_t s, uint16_t* y, const uint16_t* x, int64_t n) {
+  add_inplace_kernel<<<blocks_for(n), kThreads, 0, s>>>(bf(y), bf(x), n);
+}
+
+void fill_rows(cudaStream_t s, uint16_t* y, const float* row, int64_t n, int64_t c) {
+  fill_rows_kernel<<<blocks_for(n * c), kThreads, 0, s>>>(bf(y), row, n, c);
 }
 
 void scale_inplace(cudaStream_t s, float* y, float scale, int64_t n) {
@@ -727,6 +808,13 @@ void embedding_forward(cudaStream_t s, const int32_t* tokens, const float* wte, 
                                                                       wpe, y, b * t, t, c);
 }
 
+void embedding_forward(cudaStream_t s, const int32_t* tokens, const float* wte, int64_t rows,
+                       int64_t first, const float* wpe, uint16_t* y, int64_t b, int64_t t,
+                       int64_t c) {
+  embedding_forward_kernel<<<blocks_for(b * t * c), kThreads, 0, s>>>(tokens, wte, rows, first,
+                                                                      wpe, bf(y), b * t, t, c);
+}
+
 void embedding_backward(cudaStream_t s, const int32_t* tokens, const float* dy, float* dwte,
                         int64_t rows, int64_t first, float* dwpe, int64_t b, int64_t t,
                         int64_t c) {
@@ -767,20 +855,16 @@ void reduce(cudaStream_t s, const float* x, int64_t n, bool square, double* part
   reduce_finish_kernel<<<1, kThreads, 0, s>>>(partials, blocks, out);
 }
 
-static_assert(sizeof(uint16_t) == sizeof(__nv_bfloat16), "bf16 is 2 bytes");
-
 void to_bf16(cudaStream_t s, const float* x, uint16_t* y, int64_t n) {
-  to_bf16_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, reinterpret_cast<__nv_bfloat16*>(y), n);
+  to_bf16_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, bf(y), n);
 }
 
 void to_float(cudaStream_t s, const uint16_t* x, float* y, int64_t n) {
-  to_float_kernel<<<blocks_for(n), kThreads, 0, s>>>(reinterpret_cast<const __nv_bfloat16*>(x), y,
-                                                     n);
+  to_float_kernel<<<blocks_for(n), kThreads, 0, s>>>(bf(x), y, n);
 }
 
 void add_bf16(cudaStream_t s, const uint16_t* x, float* y, int64_t n) {
-  add_bf16_kernel<<<blocks_for(n), kThreads, 0, s>>>(reinterpret_cast<const __nv_bfloat16*>(x), y,
-                                                     n);
+  add_bf16_kernel<<<blocks_for(n), kThreads, 0, s>>>(bf(x), y, n);
 }
 
 }  // namespace weft::cuda::launch

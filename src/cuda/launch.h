@@ -6,7 +6,9 @@
 // cannot compile fmt, so weft/error.h (and every weft header that includes it)
 // stays on the .cc side. Launchers queue one or two kernels on `stream` and
 // return; the caller checks cudaGetLastError (WEFT_LAUNCH_CHECK). Arguments
-// are as in weft/cuda/kernels.h; bf16 arrays are passed as uint16_t.
+// are as in weft/cuda/kernels.h; bf16 arrays are passed as uint16_t. A
+// launcher of bf16 activations runs the same kernel body as its fp32 twin
+// (the kernel is templated on the element type), rounding only on the store.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,7 +20,12 @@ namespace weft::cuda::launch {
 // --- LayerNorm ---
 void layernorm_forward(cudaStream_t s, const float* x, const float* w, const float* b, float* y,
                        float* mean, float* rstd, int64_t n, int64_t c, float eps);
+void layernorm_forward(cudaStream_t s, const uint16_t* x, const float* w, const float* b,
+                       uint16_t* y, float* mean, float* rstd, int64_t n, int64_t c, float eps);
 void layernorm_backward_input(cudaStream_t s, const float* dy, const float* x, const float* w,
+                              const float* mean, const float* rstd, float* dx, int64_t n,
+                              int64_t c);
+void layernorm_backward_input(cudaStream_t s, const float* dy, const uint16_t* x, const float* w,
                               const float* mean, const float* rstd, float* dx, int64_t n,
                               int64_t c);
 
@@ -26,6 +33,8 @@ void layernorm_backward_input(cudaStream_t s, const float* dy, const float* x, c
 // Row slices of the first pass; `partials` holds (dw ? 2 : 1) * slices * c floats.
 int64_t column_slices(int64_t n);
 void column_sums(cudaStream_t s, const float* dy, const float* x, const float* mean,
+                 const float* rstd, float* dw, float* db, float* partials, int64_t n, int64_t c);
+void column_sums(cudaStream_t s, const float* dy, const uint16_t* x, const float* mean,
                  const float* rstd, float* dw, float* db, float* partials, int64_t n, int64_t c);
 
 // --- element-wise ---
@@ -40,9 +49,13 @@ void swiglu_backward(cudaStream_t s, const float* dy, const float* x, float* dx,
 void rope(cudaStream_t s, bool backward, const float* src, float* dst, int64_t b, int64_t t,
           int64_t h, int64_t g, int64_t d, float base);
 void gelu_forward(cudaStream_t s, const float* x, float* y, int64_t n);
+void gelu_forward(cudaStream_t s, const uint16_t* x, uint16_t* y, int64_t n);
 void gelu_backward(cudaStream_t s, const float* dy, const float* x, float* dx, int64_t n);
+void gelu_backward(cudaStream_t s, const float* dy, const uint16_t* x, float* dx, int64_t n);
 void add_bias(cudaStream_t s, float* y, const float* bias, int64_t n, int64_t c);
 void add_inplace(cudaStream_t s, float* y, const float* x, int64_t n);
+void add_inplace(cudaStream_t s, uint16_t* y, const uint16_t* x, int64_t n);
+void fill_rows(cudaStream_t s, uint16_t* y, const float* row, int64_t n, int64_t c);
 void scale_inplace(cudaStream_t s, float* y, float scale, int64_t n);
 
 // --- cross-entropy, one block per row (n < 2^31) ---
@@ -62,6 +75,9 @@ void normalise(cudaStream_t s, float* p, const float* sum, const float* z, float
 // --- embedding ---
 void embedding_forward(cudaStream_t s, const int32_t* tokens, const float* wte, int64_t rows,
                        int64_t first, const float* wpe, float* y, int64_t b, int64_t t, int64_t c);
+void embedding_forward(cudaStream_t s, const int32_t* tokens, const float* wte, int64_t rows,
+                       int64_t first, const float* wpe, uint16_t* y, int64_t b, int64_t t,
+                       int64_t c);
 void embedding_backward(cudaStream_t s, const int32_t* tokens, const float* dy, float* dwte,
                         int64_t rows, int64_t first, float* dwpe, int64_t b, int64_t t,
                         int64_t c);

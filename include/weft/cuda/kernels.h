@@ -12,6 +12,13 @@
 // mantissa inputs), BF16 or FP16 (fp32 operands rounded to bf16 or fp16 inside
 // cuBLAS's kernel, fp32 accumulation and output: mixed precision with fp32
 // master weights).
+//
+// bf16 activations (--bf16): the overloads taking `bf16*` activations read
+// them widened to fp32, compute exactly as their fp32 twin (one kernel body,
+// the same arithmetic in the same order) and round to nearest even only when
+// storing a bf16 output, so a bf16 output is the fp32 overload's output on the
+// widened inputs, rounded once. Gradients, weights and statistics (mean,
+// rstd, lse) stay fp32.
 #pragma once
 
 #include <weft/cuda/runtime.h>
@@ -60,6 +67,11 @@ void gemm(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m, in
 void gemm_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                float alpha, const bf16* a, int64_t lda, const bf16* b, int64_t ldb, float beta,
                float* c, int64_t ldc);
+// bf16 A, B and C, fp32 accumulation (CUBLAS_COMPUTE_32F; beta * C read
+// widened), C rounded to bf16 once.
+void gemm_bf16_out(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                   float alpha, const bf16* a, int64_t lda, const bf16* b, int64_t ldb,
+                   float beta, bf16* c, int64_t ldc);
 // `batch` independent GEMMs; matrix i of A, B, C starts stride_a/b/c elements after matrix i-1.
 void gemm_strided_batched(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m,
                           int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
@@ -70,12 +82,19 @@ void gemm_strided_batched(Context& ctx, MathMode mode, bool trans_a, bool trans_
 // x, y (N, C); mean, rstd (N)
 void layernorm_forward(Context& ctx, const float* x, const float* w, const float* b, float* y,
                        float* mean, float* rstd, int64_t n, int64_t c, float eps);
+void layernorm_forward(Context& ctx, const bf16* x, const float* w, const float* b, bf16* y,
+                       float* mean, float* rstd, int64_t n, int64_t c, float eps);
 // dx (N, C) += d/dx
 void layernorm_backward_input(Context& ctx, const float* dy, const float* x, const float* w,
                               const float* mean, const float* rstd, float* dx, int64_t n,
                               int64_t c);
+void layernorm_backward_input(Context& ctx, const float* dy, const bf16* x, const float* w,
+                              const float* mean, const float* rstd, float* dx, int64_t n,
+                              int64_t c);
 // dw, db (C) += d/dw, d/db
 void layernorm_backward_weight(Context& ctx, const float* dy, const float* x, const float* mean,
+                               const float* rstd, float* dw, float* db, int64_t n, int64_t c);
+void layernorm_backward_weight(Context& ctx, const float* dy, const bf16* x, const float* mean,
                                const float* rstd, float* dw, float* db, int64_t n, int64_t c);
 
 // --- RMSNorm, SwiGLU and rotary embedding: cpu_kernels.h's twins ---
@@ -96,12 +115,18 @@ void rope_backward(Context& ctx, const float* dy, float* dx, int64_t b, int64_t 
 
 // --- tanh-approximated GELU, element-wise ---
 void gelu_forward(Context& ctx, const float* x, float* y, int64_t n);
+void gelu_forward(Context& ctx, const bf16* x, bf16* y, int64_t n);
 void gelu_backward(Context& ctx, const float* dy, const float* x, float* dx, int64_t n);  // dx +=
+void gelu_backward(Context& ctx, const float* dy, const bf16* x, float* dx, int64_t n);   // dx +=
 
 // --- bias and element-wise helpers ---
 void add_bias(Context& ctx, float* y, const float* bias, int64_t n, int64_t c);  // y (N,C) += bias
 void sum_rows(Context& ctx, const float* dy, float* db, int64_t n, int64_t c);   // db (C) += sum dy
 void add_inplace(Context& ctx, float* y, const float* x, int64_t n);             // y += x
+void add_inplace(Context& ctx, bf16* y, const bf16* x, int64_t n);  // y = bf16(float(y) + float(x))
+// Every row of y (N, C) = bf16(row): a bias placed before a GEMM (beta 1)
+// accumulates onto it, in place of add_bias after it.
+void fill_rows(Context& ctx, bf16* y, const float* row, int64_t n, int64_t c);
 void scale_inplace(Context& ctx, float* y, float s, int64_t n);                  // y *= s
 
 // --- causal attention on a packed qkv (B, T, (H + 2G) D) -> out (B, T, H D) ---
@@ -151,6 +176,10 @@ double normalise_and_loss(Context& ctx, float* p, const float* sum, const float*
 // whole vocabulary, first 0). wpe may be null: no positions are added.
 void embedding_forward(Context& ctx, const int32_t* tokens, const float* wte, const float* wpe,
                        float* y, int64_t b, int64_t t, int64_t c, int64_t rows = INT64_MAX,
+                       int64_t first = 0);
+// The same into bf16 y: wte + wpe summed in fp32, then rounded.
+void embedding_forward(Context& ctx, const int32_t* tokens, const float* wte, const float* wpe,
+                       bf16* y, int64_t b, int64_t t, int64_t c, int64_t rows = INT64_MAX,
                        int64_t first = 0);
 // dwte[tokens[i] - first] += dy[i] (atomic scatter-add) for this slice's
 // tokens; dwpe[t] += sum_b dy[b, t]
@@ -225,6 +254,16 @@ void fused_attention_forward(Context& ctx, const float* qkv, float* out, float* 
                              int64_t t, int64_t h, int64_t g, int64_t d);
 // dqkv += gradient; out and lse as the forward left them.
 void fused_attention_backward(Context& ctx, const float* dout, const float* qkv, const float* out,
+                              const float* lse, float* dqkv, int64_t b, int64_t t, int64_t h,
+                              int64_t g, int64_t d);
+// bf16 activations: the same graphs, reading qkv and writing (then reading)
+// out directly, without the rounding and widening copies: the fp32 overloads'
+// computation on the widened qkv, out left in bf16. qkv and out must be
+// 16-byte aligned (the alignment the graphs declare to cuDNN). dout and dqkv
+// stay fp32: dout is rounded to bf16 scratch, dqkv accumulated as above.
+void fused_attention_forward(Context& ctx, const bf16* qkv, bf16* out, float* lse, int64_t b,
+                             int64_t t, int64_t h, int64_t g, int64_t d);
+void fused_attention_backward(Context& ctx, const float* dout, const bf16* qkv, const bf16* out,
                               const float* lse, float* dqkv, int64_t b, int64_t t, int64_t h,
                               int64_t g, int64_t d);
 // How many cuDNN graphs (one per shape and direction) this device has built.
