@@ -1,0 +1,455 @@
+// The bf16-activation overloads of weft/cuda/kernels.h against their fp32
+// twins on the device. Inputs are random values already representable in
+// bf16, so that the fp32 kernel sees exactly the values the bf16 kernel
+// widens. Each templated kernel does the fp32 arithmetic of its twin and
+// rounds once on the store, so:
+//   - a bf16 output equals, bit for bit, the host's round-to-nearest-even of
+//     the fp32 kernel's output (cuda::to_bf16, __float2bfloat16_rn's twin);
+//   - an fp32 output (mean, rstd, dx, dw, db) equals the fp32 kernel's bit
+//     for bit.
+// The GEMM (cuBLAS may pick another algorithm for bf16 C) and cuDNN's fused
+// attention (its backward accumulates in an order that varies from run to
+// run) are held to error models written beside them instead. Shapes are
+// ragged (C = 200, 77; T = 37) so that partial warps and tiles are exercised.
+// Needs a GPU; exits 77 (SKIP) without one.
+#include "weft_config.h"
+
+#if WEFT_CUDA
+#include <weft/cuda/kernels.h>
+#include <weft/cuda/runtime.h>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "test_util.h"
+
+namespace weft::cuda {
+namespace {
+
+using weft::testing::uniform;
+
+Context& ctx() { return context(0); }
+
+// Device copy of host values, and back.
+template <typename T>
+class Dev {
+ public:
+  explicit Dev(const std::vector<T>& host) : buf_(ctx(), static_cast<int64_t>(host.size())) {
+    upload(ctx(), buf_.data(), host.data(), buf_.bytes());
+  }
+  T* p() const { return buf_.data(); }
+  std::vector<T> host() const {
+    std::vector<T> h(static_cast<size_t>(buf_.size()));
+    download(ctx(), h.data(), buf_.data(), buf_.bytes());
+    return h;
+  }
+
+ private:
+  DeviceBuffer<T> buf_;
+};
+
+// Uniform values in [lo, hi) rounded to bf16.
+std::vector<bf16> bf16_uniform(int64_t n, uint64_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::vector<bf16> r;
+  for (float f : uniform(n, seed, lo, hi)) r.push_back(to_bf16(f));
+  return r;
+}
+
+std::vector<float> widened(const std::vector<bf16>& x) {
+  std::vector<float> r;
+  for (bf16 h : x) r.push_back(to_float(h));
+  return r;
+}
+
+// got[i] is the bf16 rounding of want[i], bit for bit, for every i.
+void expect_rounded(const std::vector<bf16>& got, const std::vector<float>& want,
+                    const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (got[i].bits != to_bf16(want[i]).bits && bad++ == 0) first = i;
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size()
+                     << " elements are not the fp32 kernel's output rounded; first at " << first
+                     << ": got " << to_float(got[first]) << " (bits " << got[first].bits
+                     << "), fp32 kernel " << want[first] << " rounds to bits "
+                     << to_bf16(want[first]).bits;
+}
+
+// got[i] == want[i] bit for bit.
+void expect_same_bits(const std::vector<float>& got, const std::vector<float>& want,
+                      const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (std::bit_cast<uint32_t>(got[i]) != std::bit_cast<uint32_t>(want[i]) && bad++ == 0)
+      first = i;
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size()
+                     << " elements differ from the fp32 kernel's; first at " << first << ": got "
+                     << got[first] << ", fp32 kernel " << want[first];
+}
+
+// Counts the elements outside their bound and reports the worst.
+void expect_within(const std::vector<float>& got, const std::vector<float>& want,
+                   const std::vector<double>& bound, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  ASSERT_EQ(bound.size(), want.size()) << what;
+  size_t bad = 0, worst = 0;
+  double worst_ratio = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::abs(static_cast<double>(got[i]) - static_cast<double>(want[i]));
+    const double ratio = err / bound[i];
+    if (!(ratio <= 1.0)) ++bad;  // NaN counts
+    if (!(ratio <= worst_ratio)) {
+      worst_ratio = ratio;
+      worst = i;
+    }
+  }
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size()
+                     << " elements outside the bound; worst at " << worst << ": got " << got[worst]
+                     << ", want " << want[worst] << ", bound " << bound[worst] << " (error / bound "
+                     << worst_ratio << ")";
+}
+
+// ---------------------------------------------------------------- LayerNorm
+
+// Forward, both backwards, on a ragged shape and on enough rows for the
+// weight gradient's column sums to use many row slices.
+TEST(CudaBf16LayerNorm, EveryOutputIsTheFp32KernelsOutputRounded) {
+  for (auto [n, c] : {std::pair<int64_t, int64_t>{45, 200}, {8192 + 13, 96}}) {
+    SCOPED_TRACE(::testing::Message() << "n " << n << " c " << c);
+    const std::vector<bf16> x16 = bf16_uniform(n * c, 1, -2.0f, 3.0f);
+    const std::vector<float> x = widened(x16), w = uniform(c, 2), b = uniform(c, 3),
+                             dy = uniform(n * c, 4), dx0 = uniform(n * c, 5), dw0 = uniform(c, 6),
+                             db0 = uniform(c, 7), junk = uniform(n * c, 8);
+    // fp32 kernels on the widened input
+    Dev<float> fx(x), fw(w), fb(b), fdy(dy), fy(junk), fmean(uniform(n, 9)), frstd(uniform(n, 10));
+    Dev<float> fdx(dx0), fdw(dw0), fdb(db0);
+    layernorm_forward(ctx(), fx.p(), fw.p(), fb.p(), fy.p(), fmean.p(), frstd.p(), n, c, 1e-5f);
+    layernorm_backward_input(ctx(), fdy.p(), fx.p(), fw.p(), fmean.p(), frstd.p(), fdx.p(), n, c);
+    layernorm_backward_weight(ctx(), fdy.p(), fx.p(), fmean.p(), frstd.p(), fdw.p(), fdb.p(), n,
+                              c);
+    // bf16 overloads; outputs start as other values than the fp32 run's
+    Dev<bf16> hx(x16), hy(bf16_uniform(n * c, 11));
+    Dev<float> hmean(uniform(n, 12)), hrstd(uniform(n, 13)), hdx(dx0), hdw(dw0), hdb(db0);
+    layernorm_forward(ctx(), hx.p(), fw.p(), fb.p(), hy.p(), hmean.p(), hrstd.p(), n, c, 1e-5f);
+    layernorm_backward_input(ctx(), fdy.p(), hx.p(), fw.p(), hmean.p(), hrstd.p(), hdx.p(), n, c);
+    layernorm_backward_weight(ctx(), fdy.p(), hx.p(), hmean.p(), hrstd.p(), hdw.p(), hdb.p(), n,
+                              c);
+    expect_rounded(hy.host(), fy.host(), "y");
+    expect_same_bits(hmean.host(), fmean.host(), "mean");
+    expect_same_bits(hrstd.host(), frstd.host(), "rstd");
+    expect_same_bits(hdx.host(), fdx.host(), "dx");
+    expect_same_bits(hdw.host(), fdw.host(), "dw");
+    expect_same_bits(hdb.host(), fdb.host(), "db");
+  }
+}
+
+// ---------------------------------------------------------------- GELU
+
+TEST(CudaBf16Gelu, ForwardRoundsTheFp32OutputAndBackwardIsTheFp32Gradient) {
+  const int64_t n = 100003;
+  const std::vector<bf16> x16 = bf16_uniform(n, 21, -5.0f, 5.0f);
+  const std::vector<float> dy = uniform(n, 22), dx0 = uniform(n, 23);
+  Dev<float> fx(widened(x16)), fy(uniform(n, 24)), fdy(dy), fdx(dx0);
+  gelu_forward(ctx(), fx.p(), fy.p(), n);
+  gelu_backward(ctx(), fdy.p(), fx.p(), fdx.p(), n);
+  Dev<bf16> hx(x16), hy(bf16_uniform(n, 25));
+  Dev<float> hdx(dx0);
+  gelu_forward(ctx(), hx.p(), hy.p(), n);
+  gelu_backward(ctx(), fdy.p(), hx.p(), hdx.p(), n);
+  expect_rounded(hy.host(), fy.host(), "gelu y");
+  expect_same_bits(hdx.host(), fdx.host(), "gelu dx");
+}
+
+// ---------------------------------------------------------------- element-wise
+
+TEST(CudaBf16Helpers, AddInPlaceRoundsTheFp32Sum) {
+  const int64_t n = 70001;
+  // y up to 16 in magnitude, x up to 1: most sums are inexact in bf16.
+  const std::vector<bf16> y16 = bf16_uniform(n, 31, -16.0f, 16.0f), x16 = bf16_uniform(n, 32);
+  Dev<float> fy(widened(y16)), fx(widened(x16));
+  add_inplace(ctx(), fy.p(), fx.p(), n);
+  Dev<bf16> hy(y16), hx(x16);
+  add_inplace(ctx(), hy.p(), hx.p(), n);
+  expect_rounded(hy.host(), fy.host(), "y + x");
+}
+
+TEST(CudaBf16Helpers, FillRowsRoundsTheRowIntoEveryRow) {
+  const int64_t n = 300, c = 77;
+  // The row is fp32 (a bias), not representable in bf16: its rounding is tested.
+  const std::vector<float> row = uniform(c, 41);
+  Dev<float> drow(row);
+  Dev<bf16> hy(bf16_uniform(n * c, 42));  // overwritten, not accumulated into
+  fill_rows(ctx(), hy.p(), drow.p(), n, c);
+  std::vector<float> want(static_cast<size_t>(n * c));
+  for (int64_t i = 0; i < n * c; ++i)
+    want[static_cast<size_t>(i)] = row[static_cast<size_t>(i % c)];
+  expect_rounded(hy.host(), want, "filled rows");
+}
+
+// ---------------------------------------------------------------- embedding
+
+TEST(CudaBf16Embedding, ForwardRoundsTheFp32Sum) {
+  const int64_t b = 3, t = 20, c = 40, v = 11;
+  // fp32 (master) weights, not rounded: the sum is rounded once.
+  const std::vector<float> wte = uniform(v * c, 51), wpe = uniform(t * c, 52);
+  std::vector<int32_t> tokens(static_cast<size_t>(b * t));
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((i * 7 + 3) % v);
+  Dev<float> dwte(wte), dwpe(wpe);
+  Dev<int32_t> dtok(tokens);
+  // The whole vocabulary with positions; a slice [4, 10) (other tokens read
+  // zeros) without positions.
+  struct Slice {
+    const float* wpe;
+    int64_t rows, first;
+  };
+  for (const Slice s : {Slice{dwpe.p(), INT64_MAX, 0}, Slice{nullptr, 6, 4}}) {
+    SCOPED_TRACE(::testing::Message() << "rows " << s.rows << " first " << s.first);
+    const float* wte_at = dwte.p() + (s.rows == INT64_MAX ? 0 : s.first * c);
+    Dev<float> fy(uniform(b * t * c, 53));
+    embedding_forward(ctx(), dtok.p(), wte_at, s.wpe, fy.p(), b, t, c, s.rows, s.first);
+    Dev<bf16> hy(bf16_uniform(b * t * c, 54));
+    embedding_forward(ctx(), dtok.p(), wte_at, s.wpe, hy.p(), b, t, c, s.rows, s.first);
+    expect_rounded(hy.host(), fy.host(), "embedding y");
+  }
+}
+
+// ---------------------------------------------------------------- GEMM
+
+// gemm_bf16_out against fp64 on the same bf16 operands. The error model:
+// products of two bf16 values (8-bit significands) are exact in fp32; their
+// sum over k terms in fp32, in any order, tensor cores included (whose
+// accumulation may truncate rather than round: 2^-23 per addition rather
+// than 2^-24), is within k 2^-23 sum_l |a_il b_lj|; alpha * acc + beta * c
+// adds at most 3 roundings of 2^-24 of |alpha| sum|a||b| + |beta c|; the one
+// bf16 rounding of the result adds 2^-8 of it (bf16's unit roundoff):
+//   |got - exact| <= 2^-8 |exact| + 2^-23 ((k + 3) |alpha| sum|a||b| + 3 |beta c|)
+// (the bf16 rounding of the fp32 error terms, 2^-8 of them, is inside the
+// factor 2 between 2^-24 and 2^-23 of the last two roundings' terms).
+// C's padding columns (ldc > n) must keep their bits.
+TEST(CudaBf16Gemm, OutputWithinOneBf16RoundingOfTheExactProduct) {
+  const int64_t m = 37, n = 29, k = 53;
+  const float alpha = 0.7f, beta = 0.3f;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "trans_a " << ta << " trans_b " << tb);
+      const int64_t lda = (ta ? m : k) + 3, ldb = (tb ? k : n) + 5, ldc = n + 2;
+      const std::vector<bf16> a16 = bf16_uniform((ta ? k : m) * lda, 61),
+                              b16 = bf16_uniform((tb ? n : k) * ldb, 62),
+                              c16 = bf16_uniform(m * ldc, 63);
+      const std::vector<float> a = widened(a16), b = widened(b16), c = widened(c16);
+      Dev<bf16> da(a16), db(b16), dc(c16);
+      gemm_bf16_out(ctx(), ta, tb, m, n, k, alpha, da.p(), lda, db.p(), ldb, beta, dc.p(), ldc);
+      const std::vector<bf16> got16 = dc.host();
+      std::vector<float> got, want;
+      std::vector<double> bound;
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+          double exact = 0, abs_sum = 0;
+          for (int64_t l = 0; l < k; ++l) {
+            const double x = a[static_cast<size_t>(ta ? l * lda + i : i * lda + l)];
+            const double y = b[static_cast<size_t>(tb ? j * ldb + l : l * ldb + j)];
+            exact += x * y;
+            abs_sum += std::abs(x * y);
+          }
+          const double c0 = c[static_cast<size_t>(i * ldc + j)];
+          exact = alpha * exact + beta * c0;
+          got.push_back(to_float(got16[static_cast<size_t>(i * ldc + j)]));
+          want.push_back(static_cast<float>(exact));
+          bound.push_back(std::ldexp(std::abs(exact), -8) +
+                          std::ldexp((k + 3) * alpha * abs_sum + 3 * beta * std::abs(c0), -23) +
+                          std::ldexp(std::abs(exact), -24));  // want's own rounding to float
+        }
+      expect_within(got, want, bound, "C");
+      size_t touched = 0;
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = n; j < ldc; ++j)
+          touched += got16[static_cast<size_t>(i * ldc + j)].bits !=
+                     c16[static_cast<size_t>(i * ldc + j)].bits;
+      EXPECT_EQ(touched, 0u) << "padding columns of C were written";
+    }
+}
+
+// ---------------------------------------------------------------- no allocation on a repeat
+
+// The bf16 kernels' scratch (the weight gradient's partials) comes from the
+// caching allocator: a repeated step makes no cudaMalloc.
+TEST(CudaBf16Runtime, RepeatedCallsAllocateNothingNew) {
+  const int64_t n = 45, c = 200;
+  Dev<bf16> x(bf16_uniform(n * c, 71)), y(bf16_uniform(n * c, 72)), h(bf16_uniform(n * c, 73));
+  Dev<float> w(uniform(c, 74)), b(uniform(c, 75)), dy(uniform(n * c, 76)), dx(uniform(n * c, 77));
+  Dev<float> mean(uniform(n, 78)), rstd(uniform(n, 79)), dw(uniform(c, 80)), db(uniform(c, 81));
+  auto step = [&] {
+    fill_rows(ctx(), y.p(), b.p(), n, c);
+    layernorm_forward(ctx(), x.p(), w.p(), b.p(), y.p(), mean.p(), rstd.p(), n, c, 1e-5f);
+    gelu_forward(ctx(), y.p(), h.p(), n * c);
+    add_inplace(ctx(), h.p(), x.p(), n * c);
+    gelu_backward(ctx(), dy.p(), y.p(), dx.p(), n * c);
+    layernorm_backward_input(ctx(), dy.p(), x.p(), w.p(), mean.p(), rstd.p(), dx.p(), n, c);
+    layernorm_backward_weight(ctx(), dy.p(), x.p(), mean.p(), rstd.p(), dw.p(), db.p(), n, c);
+    gemm_bf16_out(ctx(), false, true, n, n, c, 1.0f, x.p(), c, h.p(), c, 0.0f, y.p(), n);
+    ctx().synchronize();
+  };
+  step();
+  const size_t mallocs = ctx().allocator().stats().device_mallocs;
+  step();
+  EXPECT_EQ(ctx().allocator().stats().device_mallocs, mallocs);
+}
+
+}  // namespace
+}  // namespace weft::cuda
+
+#if WEFT_CUDNN
+namespace weft::cuda {
+namespace {
+
+using weft::testing::contains;
+using weft::testing::error_message;
+
+// ---------------------------------------------------------------- fused attention
+
+struct Case {
+  int64_t b, t, h, g, d;
+  int64_t w() const { return (h + 2 * g) * d; }
+  int64_t c() const { return h * d; }
+};
+
+// The bf16 interface runs the graphs the fp32 interface built (no new graph)
+// on the same bf16 bits: the fp32 interface rounds qkv to bf16 (exact here),
+// and for the backward rounds its widened out back to the same bf16 O.
+//
+// Forward: cuDNN rounds its fp32 O once to bf16. The fp32 interface widens
+// that bf16 O, exactly. Two runs of one plan on the same bits give fp32
+// values that can differ at most by the order of their fp32 sums, so the two
+// outputs are the roundings of (nearly) the same value: at most one bf16 unit
+// apart, |got - want| <= 2^-8 (|got| + |want|) (bf16's unit roundoff, each);
+// lse (fp32, natural log of a sum of at most T terms <= 1 after the max is
+// taken out): a reordered sum moves it by at most 2 T 2^-24 (absolute, as
+// log(s (1 + e)) = log s + e) plus 2 2^-24 |lse| for its own rounding.
+//
+// Backward: cuDNN's (non-deterministic) backward may sum partial gradients
+// in a different order in each run: for two runs of the same fp32 terms,
+// summed in fp32 (at most T terms per query head, T H / G for a key/value
+// head), the values before rounding differ by at most 2 T (H / G) 2^-24 A, A
+// the sum of the terms' magnitudes; each is then
+// rounded to bf16 (2^-8 of it) and added to dqkv0 in fp32 (2^-24 of the sum).
+// With scale = 1/sqrt(D), p_ij <= 1, sum_j p_ij = 1 and |dS_ij| <= 2 p_ij
+// |dO_i|_1 max|v| (|dP_ij - D_i| <= 2 |dO_i|_1 max|v|), per query head:
+//   dq_i: A <= 2 scale max|k| max|v| |dO_i|_1
+//   dk_j: A <= 2 scale max|q| max|v| sum_{i >= j} |dO_i|_1
+//   dv_j: A <= sum_{i >= j} |dO_i|_1
+// summed over the query heads of a key/value head's group.
+class Bf16FusedAttention : public ::testing::Test {
+ protected:
+  static void check_case(const Case& k, uint64_t seed);
+};
+
+void Bf16FusedAttention::check_case(const Case& k, uint64_t seed) {
+  const int64_t n_qkv = k.b * k.t * k.w(), n_out = k.b * k.t * k.c(), n_lse = k.b * k.h * k.t;
+  const std::vector<bf16> qkv16 = bf16_uniform(n_qkv, seed);
+  const std::vector<float> qkv = widened(qkv16), dout = uniform(n_out, seed + 1),
+                           dqkv0 = uniform(n_qkv, seed + 2);
+  Context& cx = ctx();
+
+  // The fp32 interface.
+  Dev<float> fqkv(qkv), fout(uniform(n_out, seed + 3)), flse(uniform(n_lse, seed + 4));
+  Dev<float> fdout(dout), fdqkv(dqkv0);
+  fused_attention_forward(cx, fqkv.p(), fout.p(), flse.p(), k.b, k.t, k.h, k.g, k.d);
+  fused_attention_backward(cx, fdout.p(), fqkv.p(), fout.p(), flse.p(), fdqkv.p(), k.b, k.t, k.h,
+                           k.g, k.d);
+  const size_t graphs = fused_attention_graphs(cx);
+
+  // The bf16 interface, its outputs starting elsewhere.
+  Dev<bf16> hqkv(qkv16), hout(bf16_uniform(n_out, seed + 5));
+  Dev<float> hlse(uniform(n_lse, seed + 6)), hdqkv(dqkv0);
+  fused_attention_forward(cx, hqkv.p(), hout.p(), hlse.p(), k.b, k.t, k.h, k.g, k.d);
+  fused_attention_backward(cx, fdout.p(), hqkv.p(), hout.p(), hlse.p(), hdqkv.p(), k.b, k.t, k.h,
+                           k.g, k.d);
+  EXPECT_EQ(fused_attention_graphs(cx), graphs) << "the bf16 interface built its own graphs";
+
+  const double u = std::ldexp(1.0, -8), u32 = std::ldexp(1.0, -24);
+  // Forward
+  const std::vector<float> out_got = widened(hout.host()), out_want = fout.host();
+  std::vector<double> out_bound;
+  for (size_t i = 0; i < out_want.size(); ++i)
+    out_bound.push_back(u * (std::abs(out_got[i]) + std::abs(out_want[i])));
+  expect_within(out_got, out_want, out_bound, "out");
+  const std::vector<float> lse_got = hlse.host(), lse_want = flse.host();
+  std::vector<double> lse_bound;
+  for (float l : lse_want) lse_bound.push_back(2 * k.t * u32 + 2 * u32 * std::abs(l));
+  expect_within(lse_got, lse_want, lse_bound, "lse");
+
+  // Backward: A per element of dqkv.
+  const int64_t w = k.w(), per = k.h / k.g;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(k.d));
+  double qmax = 0, kmax = 0, vmax = 0;
+  for (int64_t i = 0; i < n_qkv; ++i) {
+    const int64_t col = i % w;
+    double& m = col < k.h * k.d ? qmax : col < (k.h + k.g) * k.d ? kmax : vmax;
+    m = std::max(m, std::abs(static_cast<double>(qkv[static_cast<size_t>(i)])));
+  }
+  std::vector<double> a(static_cast<size_t>(n_qkv), 0.0);
+  for (int64_t bi = 0; bi < k.b; ++bi)
+    for (int64_t hi = 0; hi < k.h; ++hi) {
+      const int64_t gi = hi / per;
+      double suffix = 0;  // sum_{i >= j} |dO_i|_1, j running down from T - 1
+      for (int64_t j = k.t - 1; j >= 0; --j) {
+        double l1 = 0;
+        for (int64_t dd = 0; dd < k.d; ++dd)
+          l1 += std::abs(static_cast<double>(dout[static_cast<size_t>((bi * k.t + j) * k.c() +
+                                                                      hi * k.d + dd)]));
+        suffix += l1;
+        const int64_t row = (bi * k.t + j) * w;
+        for (int64_t dd = 0; dd < k.d; ++dd) {
+          a[static_cast<size_t>(row + hi * k.d + dd)] += 2 * scale * kmax * vmax * l1;
+          a[static_cast<size_t>(row + (k.h + gi) * k.d + dd)] += 2 * scale * qmax * vmax * suffix;
+          a[static_cast<size_t>(row + (k.h + k.g + gi) * k.d + dd)] += suffix;
+        }
+      }
+    }
+  const std::vector<float> dq_got = hdqkv.host(), dq_want = fdqkv.host();
+  std::vector<double> dq_bound;
+  for (size_t i = 0; i < dq_want.size(); ++i) {
+    const double x0 = dqkv0[i], g1 = std::abs(dq_got[i] - x0), g2 = std::abs(dq_want[i] - x0);
+    dq_bound.push_back(2 * k.t * per * u32 * a[i] + u * (1 + 2 * u) * (g1 + g2) +
+                       u32 * (std::abs(dq_got[i]) + std::abs(dq_want[i])));
+  }
+  expect_within(dq_got, dq_want, dq_bound, "dqkv");
+
+  // A repeat allocates nothing: graphs and scratch are reused.
+  cx.synchronize();
+  const size_t mallocs = cx.allocator().stats().device_mallocs;
+  fused_attention_forward(cx, hqkv.p(), hout.p(), hlse.p(), k.b, k.t, k.h, k.g, k.d);
+  fused_attention_backward(cx, fdout.p(), hqkv.p(), hout.p(), hlse.p(), hdqkv.p(), k.b, k.t, k.h,
+                           k.g, k.d);
+  cx.synchronize();
+  EXPECT_EQ(cx.allocator().stats().device_mallocs, mallocs);
+}
+
+TEST_F(Bf16FusedAttention, MatchesTheFp32InterfaceWithinBf16Rounding) {
+  check_case({2, 64, 4, 4, 64}, 91);  // multi-head
+  check_case({1, 37, 4, 2, 32}, 95);  // grouped-query, ragged T
+}
+
+TEST_F(Bf16FusedAttention, RefusesAMisalignedPointer) {
+  const Case k{1, 8, 2, 2, 16};
+  DeviceBuffer<bf16> qkv(ctx(), k.b * k.t * k.w() + 8), out(ctx(), k.b * k.t * k.c() + 8);
+  DeviceBuffer<float> lse(ctx(), k.b * k.h * k.t);
+  const std::string msg = error_message([&] {
+    fused_attention_forward(ctx(), qkv.data() + 1, out.data(), lse.data(), k.b, k.t, k.h, k.g,
+                            k.d);
+  });
+  EXPECT_TRUE(contains(msg, "qkv")) << msg;
+  EXPECT_TRUE(contains(msg, "not 16-byte aligned")) << msg;
+}
+
+}  // namespace
+}  // namespace weft::cuda
+#endif  // WEFT_CUDNN
+
+#endif  // WEFT_CUDA
