@@ -147,6 +147,19 @@ class Widen {
   std::vector<std::pair<Tensor, Tensor>> back_;
 };
 
+bool is_bf16(const Tensor& t) { return t.dtype() == DType::BF16; }
+bool is_f32(const Tensor& t) { return t.dtype() == DType::F32; }
+const cuda::bf16* b16(const Tensor& t) { return t.data<cuda::bf16>(); }
+cuda::bf16* b16w(const Tensor& t) { return t.data<cuda::bf16>(); }
+
+// A bf16 kernel's call on a GPU; false on the CPU, which widens instead.
+template <typename Cuda>
+bool on_gpu(Device d, const char* op, Cuda&& on_cuda) {
+  if (d.is_cpu()) return false;
+  on_device(d, op, [] {}, std::forward<Cuda>(on_cuda));
+  return true;
+}
+
 }  // namespace
 
 // --- dtypes ---
@@ -228,17 +241,16 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
     // bf16 a and b are cuBLAS's own types (fp32 accumulation, c fp32 or
     // rounded once); any other mix is widened, which the GEMM's own rounding
     // of its operands (--bf16) leaves exact.
-    if (!d.is_cpu() && a.dtype() == DType::BF16 && b.dtype() == DType::BF16) {
-      Widen wd;
-      const Tensor c32 = wd.out(c, beta != 0.0f);
-      on_device(
-          d, "gemm", [] {},
-          [&](auto& cx) {
-            cuda::gemm_bf16(cx, trans_a, trans_b, m, n, k, alpha, a.data<cuda::bf16>(), ac,
-                            b.data<cuda::bf16>(), bc, beta, fw(c32), n);
-          });
-      return wd.commit();
-    }
+    if (is_bf16(a) && is_bf16(b) &&
+        on_gpu(d, "gemm", [&](auto& cx) {
+          if (is_bf16(c))
+            cuda::gemm_bf16_out(cx, trans_a, trans_b, m, n, k, alpha, b16(a), ac, b16(b), bc,
+                                beta, b16w(c), n);
+          else
+            cuda::gemm_bf16(cx, trans_a, trans_b, m, n, k, alpha, b16(a), ac, b16(b), bc, beta,
+                            fw(c), n);
+        }))
+      return;
     Widen wd;
     gemm(wd.in(a), trans_a, wd.in(b), trans_b, wd.out(c, beta != 0.0f), alpha, beta);
     return wd.commit();
@@ -257,6 +269,11 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
 
 void fill_rows(const Tensor& y, const Tensor& row) {
   if (any_bf16({&y, &row})) {
+    if (is_bf16(y) && is_f32(row) && y.shape().last() == row.numel() &&
+        on_gpu(common_device("fill_rows", {&y, &row}), "fill_rows", [&](auto& cx) {
+          cuda::fill_rows(cx, b16w(y), f(row), y.shape().rows(), y.shape().last());
+        }))
+      return;
     Widen wd;
     fill_rows(wd.out(y, false), wd.in(row));
     return wd.commit();
@@ -304,6 +321,10 @@ void sum_rows(const Tensor& dy, const Tensor& db) {
 
 void add(const Tensor& y, const Tensor& x) {
   if (any_bf16({&y, &x})) {
+    if (is_bf16(y) && is_bf16(x) && x.numel() == y.numel() &&
+        on_gpu(common_device("add", {&y, &x}), "add",
+               [&](auto& cx) { cuda::add_inplace(cx, b16w(y), b16(x), y.numel()); }))
+      return;
     Widen wd;
     add(wd.out(y, true), wd.in(x));
     return wd.commit();
@@ -381,6 +402,14 @@ void fill(const Tensor& t, float value) {
 void layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y,
                        const Tensor& mean, const Tensor& rstd, float eps) {
   if (any_bf16({&x, &w, &b, &y, &mean, &rstd})) {
+    if (is_bf16(x) && is_bf16(y) && is_f32(w) && is_f32(b) && is_f32(mean) && is_f32(rstd) &&
+        y.numel() == x.numel() &&
+        on_gpu(common_device("layernorm_forward", {&x, &w, &b, &y, &mean, &rstd}),
+               "layernorm_forward", [&](auto& cx) {
+                 cuda::layernorm_forward(cx, b16(x), f(w), f(b), b16w(y), fw(mean), fw(rstd),
+                                         x.shape().rows(), x.shape().last(), eps);
+               }))
+      return;
     Widen wd;
     layernorm_forward(wd.in(x), wd.in(w), wd.in(b), wd.out(y, false), wd.out(mean, false), wd.out(rstd, false), eps);
     return wd.commit();
@@ -399,6 +428,13 @@ void layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, const 
 void layernorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w,
                               const Tensor& mean, const Tensor& rstd, const Tensor& dx) {
   if (any_bf16({&dy, &x, &w, &mean, &rstd, &dx})) {
+    if (is_bf16(x) && is_f32(dy) && is_f32(w) && is_f32(dx) &&
+        on_gpu(common_device("layernorm_backward_input", {&dy, &x, &w, &mean, &rstd, &dx}),
+               "layernorm_backward_input", [&](auto& cx) {
+                 cuda::layernorm_backward_input(cx, f(dy), b16(x), f(w), f(mean), f(rstd),
+                                                fw(dx), x.shape().rows(), x.shape().last());
+               }))
+      return;
     Widen wd;
     layernorm_backward_input(wd.in(dy), wd.in(x), wd.in(w), wd.in(mean), wd.in(rstd), wd.out(dx, true));
     return wd.commit();
@@ -418,6 +454,13 @@ void layernorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w
 void layernorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& mean,
                                const Tensor& rstd, const Tensor& dw, const Tensor& db) {
   if (any_bf16({&dy, &x, &mean, &rstd, &dw, &db})) {
+    if (is_bf16(x) && is_f32(dy) && is_f32(dw) && is_f32(db) &&
+        on_gpu(common_device("layernorm_backward_weight", {&dy, &x, &mean, &rstd, &dw, &db}),
+               "layernorm_backward_weight", [&](auto& cx) {
+                 cuda::layernorm_backward_weight(cx, f(dy), b16(x), f(mean), f(rstd), fw(dw),
+                                                 fw(db), x.shape().rows(), x.shape().last());
+               }))
+      return;
     Widen wd;
     layernorm_backward_weight(wd.in(dy), wd.in(x), wd.in(mean), wd.in(rstd), wd.out(dw, true), wd.out(db, true));
     return wd.commit();
@@ -563,6 +606,10 @@ void rope_backward(const Tensor& dy, const Tensor& dqkv, int64_t heads, int64_t 
 
 void gelu_forward(const Tensor& x, const Tensor& y) {
   if (any_bf16({&x, &y})) {
+    if (is_bf16(x) && is_bf16(y) && y.numel() == x.numel() &&
+        on_gpu(common_device("gelu_forward", {&x, &y}), "gelu_forward",
+               [&](auto& cx) { cuda::gelu_forward(cx, b16(x), b16w(y), x.numel()); }))
+      return;
     Widen wd;
     gelu_forward(wd.in(x), wd.out(y, false));
     return wd.commit();
@@ -576,6 +623,11 @@ void gelu_forward(const Tensor& x, const Tensor& y) {
 
 void gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx) {
   if (any_bf16({&dy, &x, &dx})) {
+    if (is_bf16(x) && is_f32(dy) && is_f32(dx) && dx.numel() == x.numel() &&
+        dy.numel() == x.numel() &&
+        on_gpu(common_device("gelu_backward", {&dy, &x, &dx}), "gelu_backward",
+               [&](auto& cx) { cuda::gelu_backward(cx, f(dy), b16(x), fw(dx), x.numel()); }))
+      return;
     Widen wd;
     gelu_backward(wd.in(dy), wd.in(x), wd.out(dx, true));
     return wd.commit();
@@ -698,6 +750,20 @@ bool attention_uses_fused(Device device, int64_t head_size) {
 
 void attention_forward_fused(const Tensor& qkv, const Tensor& out, const Tensor& lse,
                              int64_t heads, int64_t groups) {
+#if WEFT_CUDNN
+  if (is_bf16(qkv) && is_bf16(out) && is_f32(lse)) {
+    const Device d = common_device("attention_forward_fused", {&qkv, &out, &lse});
+    const int64_t hd = qkv_head_size("attention_forward_fused", qkv, heads, groups);
+    const int64_t b = qkv.dim(0), t = qkv.dim(1);
+    check_numel("attention_forward_fused", "out", out, b * t * heads * hd);
+    check_numel("attention_forward_fused", "lse", lse, b * heads * t);
+    if (on_gpu(d, "attention_forward_fused", [&](auto& cx) {
+          cuda::fused_attention_forward(cx, b16(qkv), b16w(out), fw(lse), b, t, heads, groups,
+                                        hd);
+        }))
+      return;
+  }
+#endif
   if (any_bf16({&qkv, &out, &lse})) {
     Widen wd;
     attention_forward_fused(wd.in(qkv), wd.out(out, false), wd.out(lse, false), heads, groups);
@@ -724,6 +790,22 @@ void attention_forward_fused(const Tensor& qkv, const Tensor& out, const Tensor&
 void attention_backward_fused(const Tensor& dout, const Tensor& qkv, const Tensor& out,
                               const Tensor& lse, const Tensor& dqkv, int64_t heads,
                               int64_t groups) {
+#if WEFT_CUDNN
+  if (is_f32(dout) && is_bf16(qkv) && is_bf16(out) && is_f32(lse) && is_f32(dqkv)) {
+    const Device d = common_device("attention_backward_fused", {&dout, &qkv, &out, &lse, &dqkv});
+    const int64_t hd = qkv_head_size("attention_backward_fused", qkv, heads, groups);
+    const int64_t b = qkv.dim(0), t = qkv.dim(1);
+    check_numel("attention_backward_fused", "dout", dout, b * t * heads * hd);
+    check_numel("attention_backward_fused", "out", out, b * t * heads * hd);
+    check_numel("attention_backward_fused", "lse", lse, b * heads * t);
+    check_numel("attention_backward_fused", "dqkv", dqkv, qkv.numel());
+    if (on_gpu(d, "attention_backward_fused", [&](auto& cx) {
+          cuda::fused_attention_backward(cx, f(dout), b16(qkv), b16(out), f(lse), fw(dqkv), b, t,
+                                         heads, groups, hd);
+        }))
+      return;
+  }
+#endif
   if (any_bf16({&dout, &qkv, &out, &lse, &dqkv})) {
     Widen wd;
     attention_backward_fused(wd.in(dout), wd.in(qkv), wd.in(out), wd.in(lse), wd.out(dqkv, true), heads, groups);
@@ -764,6 +846,16 @@ void check_token_range(const Tensor& tokens, int64_t vocab, const char* what) {
 void embedding_forward(const Tensor& tokens, const Tensor& wte, int64_t first, const Tensor& wpe,
                        const Tensor& y) {
   if (any_bf16({&wte, &wpe, &y})) {
+    if (is_bf16(y) && is_f32(wte) && is_f32(wpe) && tokens.dtype() == DType::I32 &&
+        y.numel() == tokens.numel() * wte.dim(1) &&
+        on_gpu(common_device("embedding_forward", {&tokens, &wte, &wpe, &y}), "embedding_forward",
+               [&](auto& cx) {
+                 cuda::embedding_forward(cx, i32(tokens), f(wte),
+                                         wpe.defined() && wpe.numel() > 0 ? f(wpe) : nullptr,
+                                         b16w(y), tokens.dim(0), tokens.dim(1), wte.dim(1),
+                                         wte.dim(0), first);
+               }))
+      return;
     Widen wd;
     embedding_forward(tokens, wd.in(wte), first, wd.in(wpe), wd.out(y, false));
     return wd.commit();
