@@ -3,16 +3,19 @@
 // optimizer; weft/ops.h picks the CUDA kernels).
 //
 //   bench_cuda                                   # GPT-2 124M, B 16, T 1024; fp32, tf32, bf16
-//                                                # and tf32+fused, bf16+fused (where built)
+//                                                # and tf32+fused, bf16g+fused, bf16+fused
+//                                                # (where built)
 //   bench_cuda --model mini --batch 8 --steps 5 --modes tf32,bf16+fused
 //   bench_cuda --make-vocab-size-divisible-by 1  # GPT-2's odd 50257 rows, unpadded
 //   bench_cuda --profile --json out.jsonl        # + where each mode's step time goes
 //
 // The vocabulary is padded as train_gpt pads it (default 128: 50257 -> 50304).
 // A mode is the GEMMs' precision (fp32, tf32, or bf16 as train_gpt --bf16
-// runs it), with "+fused" for cuDNN's fused attention (train_gpt
-// --attention-backend fused) instead of the unfused one; the default list
-// has tf32+fused and bf16+fused in builds with cuDNN.
+// runs it: bf16 GEMMs and activations stored in bf16; bf16g is bf16 GEMM
+// inputs with fp32 activations, for comparison), with "+fused" for cuDNN's
+// fused attention (train_gpt --attention-backend fused) instead of the
+// unfused one; the default list adds tf32+fused, bf16g+fused and bf16+fused
+// in builds with cuDNN.
 //
 // A timed step is Trainer::train_step: zero the gradients, upload the
 // tokens, forward and backward, gradient norm, clipping, AdamW. Each timed
@@ -121,13 +124,14 @@ Options parse(int argc, char** argv) {
   if (o.modes.empty()) {
     o.modes = {"fp32", "tf32", "bf16"};
     if (weft::ops::fused_attention_built())
-      o.modes.insert(o.modes.end(), {"tf32+fused", "bf16+fused"});
+      o.modes.insert(o.modes.end(), {"tf32+fused", "bf16g+fused", "bf16+fused"});
   }
   for (const std::string& name : o.modes) {
     const size_t plus = name.find('+');
     const std::string precision = name.substr(0, plus);
-    weft::check(precision == "fp32" || precision == "tf32" || precision == "bf16",
-                "--modes: '{}' is not available on the train_gpt path (fp32, tf32, bf16)",
+    weft::check(precision == "fp32" || precision == "tf32" || precision == "bf16" ||
+                    precision == "bf16g",
+                "--modes: '{}' is not available on the train_gpt path (fp32, tf32, bf16, bf16g)",
                 precision);
     weft::check(plus == std::string::npos || name.substr(plus) == "+fused",
                 "--modes: '{}': the one suffix is +fused (cuDNN's fused attention)", name);
@@ -263,9 +267,10 @@ int run(const Options& o) {
     const size_t plus = name.find('+');
     const std::string precision = name.substr(0, plus);
     const bool fused = plus != std::string::npos;
-    weft::ops::set_matmul_precision(gpu, precision == "tf32"   ? weft::ops::MatmulPrecision::Tf32
-                                         : precision == "bf16" ? weft::ops::MatmulPrecision::Bf16
-                                                               : weft::ops::MatmulPrecision::Fp32);
+    const bool bf16_gemms = precision == "bf16" || precision == "bf16g";
+    weft::ops::set_matmul_precision(gpu, precision == "tf32" ? weft::ops::MatmulPrecision::Tf32
+                                         : bf16_gemms        ? weft::ops::MatmulPrecision::Bf16
+                                                             : weft::ops::MatmulPrecision::Fp32);
     weft::ops::set_attention_backend(gpu, fused ? weft::ops::AttentionBackend::Fused
                                                 : weft::ops::AttentionBackend::Unfused);
     // Each mode starts from an empty cache, and its peak is its own.
@@ -273,6 +278,7 @@ int run(const Options& o) {
     ctx.allocator().reset_peak();
     weft::GptModel model = weft::build_gpt(cfg, o.batch);
     weft::init_gpt(model, 1);
+    if (precision == "bf16") model.graph.set_activation_dtype(weft::DType::BF16);
     weft::TrainOptions opt;
     opt.micro_batch = opt.global_batch = o.batch;
     opt.lr.lr = 6e-4f;

@@ -56,7 +56,10 @@ TEST(CudaTrain, TrainGptOnTheGpuGivesTheCpuLosses) {
 }
 
 // --bf16 and --fp16 on the GPU (cuBLAS's FAST_16BF / FAST_16F) against the
-// CPU's emulation of the same rounding. Where cuBLAS rounds its operands to
+// CPU's emulation of the same rounding. --bf16 also stores the activations
+// in bf16 on both devices; the GPU's bf16 kernels round each store once, as
+// the CPU's widened operations do (test_cuda_bf16_kernels checks them one
+// by one), so that adds summation order only. Where cuBLAS rounds its operands to
 // nearest even as the CPU does, the two differ by fp32 summation order and
 // the bf16 rounding-boundary crossings it causes (test_precision: ~1e-4 of
 // the norms); cuBLAS does not document its rounding, so the bound is the
@@ -109,22 +112,32 @@ TokenData text_tokens() {
   return TokenData::from_tokens(std::vector<int32_t>(s.begin(), s.end()), 256);
 }
 
+// The same with --bf16's activations: the weights' bf16 copies keep their
+// memory from step to step, and widened temporaries come from the free lists.
 TEST(CudaTrain, SteadyStepsCallNoCudaMalloc) {
-  const GptConfig cfg = small_config();
-  const TokenData data = text_tokens();
-  TokenBatches batches(data, 8, cfg.seq_length);
-  GptModel m = build_gpt(cfg, 4);
-  init_gpt(m, 7);
-  TrainOptions o;
-  o.micro_batch = 4, o.global_batch = 8;
-  o.lr.lr = 1e-3f;
-  o.device = Device::cuda(0);
-  Trainer t(m.io, batches, o);
-  t.train_step();
-  t.train_step();
-  const size_t before = cuda::context(0).allocator().stats().device_mallocs;
-  for (int i = 0; i < 3; ++i) t.train_step();
-  EXPECT_EQ(cuda::context(0).allocator().stats().device_mallocs, before);
+  for (bool bf16 : {false, true}) {
+    const GptConfig cfg = small_config();
+    const TokenData data = text_tokens();
+    TokenBatches batches(data, 8, cfg.seq_length);
+    GptModel m = build_gpt(cfg, 4);
+    init_gpt(m, 7);
+    if (bf16) {
+      ops::set_matmul_precision(Device::cuda(0), ops::MatmulPrecision::Bf16);
+      m.graph.set_activation_dtype(DType::BF16);
+    }
+    TrainOptions o;
+    o.micro_batch = 4, o.global_batch = 8;
+    o.lr.lr = 1e-3f;
+    o.device = Device::cuda(0);
+    Trainer t(m.io, batches, o);
+    t.train_step();
+    t.train_step();
+    const size_t before = cuda::context(0).allocator().stats().device_mallocs;
+    for (int i = 0; i < 3; ++i) t.train_step();
+    EXPECT_EQ(cuda::context(0).allocator().stats().device_mallocs, before)
+        << (bf16 ? "bf16 activations" : "fp32");
+    ops::set_matmul_precision(Device::cuda(0), ops::MatmulPrecision::Fp32);
+  }
 }
 
 Tensor on_host(const Tensor& t) {
