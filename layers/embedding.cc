@@ -70,6 +70,7 @@ void Embedding::backward_input(LayerCtx& ctx_, Arena&, std::span<const Tensor> g
 void Embedding::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
   ops::embedding_backward(ctx.tokens, ctx.dy, wte_->grad, first_, wpe_ ? wpe_->grad : Tensor());
+  ctx.dy = Tensor();  // W is done with it (weft/layer.h)
 }
 
 }  // namespace weft

@@ -50,6 +50,7 @@ void LayerNorm::backward_input(LayerCtx& ctx_, Arena&, std::span<const Tensor> g
 void LayerNorm::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
   ops::layernorm_backward_weight(ctx.dy, ctx.x, ctx.mean, ctx.rstd, w_->grad, b_->grad);
+  ctx.dy = Tensor();  // W is done with it (weft/layer.h)
 }
 
 }  // namespace weft

@@ -90,6 +90,7 @@ void Linear::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
   ops::gemm(ctx.x, true, ctx.dy, false, w_->grad, 1.0f, 1.0f);
   if (b_) ops::sum_rows(ctx.dy, b_->grad);
+  ctx.dy = Tensor();  // W is done with it (weft/layer.h)
 }
 
 // Column: W (in, out) and b (out) split by columns, in each of the out_blocks.

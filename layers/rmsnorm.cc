@@ -50,6 +50,7 @@ void RmsNorm::backward_input(LayerCtx& ctx_, Arena&, std::span<const Tensor> gra
 void RmsNorm::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
   ops::rmsnorm_backward_weight(ctx.dy, ctx.x, ctx.rstd, w_->grad);
+  ctx.dy = Tensor();  // W is done with it (weft/layer.h)
 }
 
 }  // namespace weft

@@ -88,6 +88,7 @@ void RowParallelLinear::backward_weight(LayerCtx& ctx_, Arena& arena) {
   auto& ctx = static_cast<RowCtx&>(ctx_);
   local_.backward_weight(*ctx.local, arena);
   if (b_) ops::sum_rows(ctx.dy, b_->grad);
+  ctx.dy = Tensor();  // W is done with it (weft/layer.h)
 }
 
 }  // namespace weft

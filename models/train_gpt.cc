@@ -1266,9 +1266,10 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
              setup.device.is_cpu()
                  ? fmt::format("threads {}{}", get_threads(),
                                a.bf16 || a.fp16
-                                   ? fmt::format(" {} (emulated on the CPU: GEMM inputs rounded, "
+                                   ? fmt::format(" {} (emulated on the CPU: GEMM inputs{} rounded, "
                                                  "slower than fp32)",
-                                                 a.bf16 ? "bf16" : "fp16")
+                                                 a.bf16 ? "bf16" : "fp16",
+                                                 a.bf16 ? " and activations" : "")
                                    : "")
                  : fmt::format("{}{}{}", setup.device.str(),
                                a.tf32 ? " tf32" : a.bf16 ? " bf16" : a.fp16 ? " fp16" : "",
@@ -1590,8 +1591,8 @@ int main(int argc, char** argv) {
                  "auto, fused or unfused (--device cuda): fused is cuDNN's fused flash attention "
                  "(bf16 q, k, v; no T x T tensor); auto takes it with bf16 GEMMs");
   app.add_flag("--bf16", a.bf16,
-               "mixed precision: GEMM inputs rounded to bf16, fp32 master weights, gradients "
-               "and optimizer state (emulated on the CPU)");
+               "mixed precision: GEMM inputs rounded to bf16 and activations stored in bf16; "
+               "fp32 master weights, gradients and optimizer state (emulated on the CPU)");
   app.add_flag("--fp16", a.fp16,
                "mixed precision: GEMM inputs rounded to fp16, with a dynamic loss scale "
                "(emulated on the CPU)");

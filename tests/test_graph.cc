@@ -131,6 +131,11 @@ TEST(Graph, SkipConnectionGradientAccumulates) {
   backward(g, mb, 0, 2);
   EXPECT_FLOAT_EQ(mb.grad(x).data<float>()[1], 3.0f);  // 1 (skip) + 2 (through W)
   EXPECT_FLOAT_EQ(w->grad.data<float>()[1 * 3 + 1], 2.0f);  // x[1] * dy[1]
+  // Each node's output gradients are dropped once its W is done (on a GPU
+  // that frees them); the graph input's stays for whoever asked for it.
+  EXPECT_FALSE(mb.grad(y).defined());
+  EXPECT_FALSE(mb.grad(h).defined());
+  EXPECT_TRUE(mb.grad(x).defined());
 }
 
 }  // namespace

@@ -6,7 +6,9 @@
 //   backward_weight(ctx)           param.grad += d loss / d w  (the "W" action)
 // backward_input keeps what backward_weight will need (typically dout) in
 // ctx, so the two may run at different times: zero-bubble schedules put W
-// actions into the pipeline's idle slots.
+// actions into the pipeline's idle slots. backward_weight drops what it kept
+// of the gradients (ctx.dy = Tensor()): on a GPU that frees them at once
+// (weft/runner.h).
 //
 // One ctx per (node, micro-batch): several micro-batches can be in flight at
 // once. Output and gradient tensors are allocated by the caller from the

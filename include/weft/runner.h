@@ -23,7 +23,13 @@ namespace weft {
 
 class MicroBatch {
  public:
-  // Activations and their gradients live on `device`, in the arena.
+  // Activations and their gradients live on `device`. A node's output
+  // gradients are dropped when its W is done (which drops what its ctx kept
+  // of them, weft/layer.h): nothing reads them after. On the CPU every tensor comes from
+  // the arena, so that frees nothing before reset(). On a GPU, where memory
+  // is what limits a model, the gradients come from the caching allocator
+  // instead, and each is freed there and then: only the gradients the
+  // backward is still accumulating are alive at once, not all of them.
   explicit MicroBatch(const Graph& graph, Device device = Device::cpu());
 
   // Copies `src` into an arena tensor for graph input `value`.
@@ -47,13 +53,32 @@ class MicroBatch {
   friend void forward(const Graph&, MicroBatch&, int, int);
   friend void backward_input(const Graph&, MicroBatch&, int);
   friend void backward_weight(const Graph&, MicroBatch&, int);
+  Tensor zero_grad(const Shape& shape);
   const Graph* graph_;
+  Device device_;
   Arena arena_;
   std::vector<std::unique_ptr<LayerCtx>> ctx_;
   std::vector<Tensor> values_;
   std::vector<Tensor> grads_;
   // Reused per call so that a step allocates nothing.
   std::vector<Tensor> in_buf_, out_buf_;
+};
+
+// bf16 activations (Graph::activation_dtype() BF16): the weight matrices'
+// bf16 copies (Param::value16) for one batch's forward and backward, made
+// here from `params` and dropped on every way out of the scope, before the
+// optimizer changes the values. Nothing for an fp32 graph. `params` must
+// outlive the scope.
+class Bf16Copies {
+ public:
+  Bf16Copies(const Graph& g, const std::vector<Param*>& params);
+  ~Bf16Copies();
+  Bf16Copies(const Bf16Copies&) = delete;
+  Bf16Copies& operator=(const Bf16Copies&) = delete;
+
+ private:
+  const std::vector<Param*>& params_;
+  bool made_;
 };
 
 // Forward for nodes [begin, end) in order.

@@ -239,8 +239,21 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
         c.shape().str());
   if (any_bf16({&a, &b, &c})) {
     // bf16 a and b are cuBLAS's own types (fp32 accumulation, c fp32 or
-    // rounded once); any other mix is widened, which the GEMM's own rounding
-    // of its operands (--bf16) leaves exact.
+    // rounded once); any other mix is widened, which is exact.
+    // One bf16 operand and one fp32 one on a GPU whose GEMMs round their
+    // inputs to bf16 (--bf16): rounding the fp32 one first is what the GEMM
+    // would do to it, and halves what the GEMM reads (a weight gradient's
+    // dy, with x bf16). Only where it is the smaller one: the LM head's
+    // dlogits (N, V) against its x (N, C) is cheaper to leave and widen x.
+    if (!d.is_cpu() && matmul_precision(d) == MatmulPrecision::Bf16 &&
+        is_bf16(a) != is_bf16(b) && (is_f32(a) || is_f32(b)) &&
+        (is_bf16(a) ? b : a).numel() <= (is_bf16(a) ? a : b).numel()) {
+      const Tensor& wide = is_bf16(a) ? b : a;
+      const Tensor narrow = Tensor::empty(wide.shape(), DType::BF16, d);
+      convert(wide, narrow);
+      return is_bf16(a) ? gemm(a, trans_a, narrow, trans_b, c, alpha, beta)
+                        : gemm(narrow, trans_a, b, trans_b, c, alpha, beta);
+    }
     if (is_bf16(a) && is_bf16(b) &&
         on_gpu(d, "gemm", [&](auto& cx) {
           if (is_bf16(c))

@@ -103,6 +103,8 @@ CostModel profile_costs(const Graph& g, const ModelIO& io, const BatchSource& da
       const Value& val = g.values()[static_cast<size_t>(v)];
       host.push_back(Tensor::zeros(val.shape, val.dtype));
     }
+  const std::vector<Param*> params = g.params();
+  const Bf16Copies copies(g, params);  // as a training step has them
   // One untimed pass first: it plans the arena and warms the caches.
   for (int r = -1; r < repeats; ++r) {
     if (device.is_cpu()) {

@@ -242,34 +242,6 @@ double Trainer::evaluate(const BatchSource& data, int64_t iters) {
   return sum / static_cast<double>(iters);
 }
 
-namespace {
-// bf16 activations: the weight matrices' bf16 copies (Param::value16) for one
-// batch, dropped on every way out of it.
-class Bf16Copies {
- public:
-  Bf16Copies(const Graph& g, const std::vector<Param*>& ps) {
-    if (g.activation_dtype() != DType::BF16) return;
-    for (Param* p : ps) {
-      if (p->value.rank() < 2) continue;  // biases and norms enter no GEMM
-      if (!p->value16_store.defined() || p->value16_store.shape() != p->value.shape() ||
-          !(p->value16_store.device() == p->value.device()))
-        p->value16_store = Tensor::empty(p->value.shape(), DType::BF16, p->value.device());
-      ops::convert(p->value, p->value16_store);
-      p->value16 = p->value16_store;
-      made_.push_back(p);
-    }
-  }
-  ~Bf16Copies() {
-    for (Param* p : made_) p->value16 = Tensor();
-  }
-  Bf16Copies(const Bf16Copies&) = delete;
-  Bf16Copies& operator=(const Bf16Copies&) = delete;
-
- private:
-  std::vector<Param*> made_;
-};
-}  // namespace
-
 double Trainer::run_batch(const BatchSource& batches, int64_t step) {
   const Bf16Copies copies(*g_.graph, sync_->params());
   sync_->begin(micro_batches_);
