@@ -79,9 +79,12 @@ struct Twin {
 // Runs forward, backward_input (with random output gradients; input
 // gradients start at zero and need_grad[i] says which are wanted) and
 // backward_weight on both devices; compares everything.
+// With act BF16 the float inputs and the outputs (but a loss) are bf16
+// tensors, as --bf16 stores activations; gradients stay fp32.
 void expect_same_on_both(Layer& cpu_layer, Layer& gpu_layer, Twin& twin,
                          const std::vector<Tensor>& inputs, const std::vector<bool>& need_grad,
-                         const std::string& what, double tol = kFp32) {
+                         const std::string& what, double tol = kFp32,
+                         DType act = DType::F32) {
   std::vector<Shape> in_shapes;
   for (const Tensor& t : inputs) in_shapes.push_back(t.shape());
   const std::vector<Shape> out_shapes = cpu_layer.output_shapes(in_shapes);
@@ -92,9 +95,18 @@ void expect_same_on_both(Layer& cpu_layer, Layer& gpu_layer, Twin& twin,
   auto run = [&](Layer& layer, Device d) {
     Arena arena(d);
     std::vector<Tensor> in;
-    for (const Tensor& t : inputs) in.push_back(on(t, d));
+    for (const Tensor& t : inputs) {
+      Tensor x = on(t, d);
+      if (x.dtype() == DType::F32 && act != DType::F32) {
+        Tensor narrow = Tensor::empty(x.shape(), act, d);
+        ops::convert(x, narrow);
+        x = narrow;
+      }
+      in.push_back(x);
+    }
     Run r;
-    for (const Shape& s : out_shapes) r.out.push_back(Tensor::zeros(s, DType::F32, d));
+    for (const Shape& s : out_shapes)
+      r.out.push_back(Tensor::zeros(s, s.numel() == 1 ? DType::F32 : act, d));
     auto ctx = layer.make_ctx();
     layer.forward(*ctx, arena, in, r.out);
     std::vector<Tensor> grad_out;
@@ -112,8 +124,14 @@ void expect_same_on_both(Layer& cpu_layer, Layer& gpu_layer, Twin& twin,
   };
   const Run c = run(cpu_layer, Device::cpu());
   const Run g = run(gpu_layer, kGpu);
+  auto fp32_on_host = [](const Tensor& t) {
+    Tensor h = on(t, Device::cpu()), w = Tensor::empty(t.shape());
+    ops::convert(h, w);
+    return w;
+  };
   for (size_t k = 0; k < c.out.size(); ++k)
-    EXPECT_LT(rel_error(on(g.out[k], Device::cpu()), c.out[k]), tol) << what << ": output " << k;
+    EXPECT_LT(rel_error(fp32_on_host(g.out[k]), fp32_on_host(c.out[k])), tol)
+        << what << ": output " << k;
   for (size_t k = 0; k < c.grad_in.size(); ++k) {
     if (!need_grad[k]) continue;
     EXPECT_LT(rel_error(on(g.grad_in[k], Device::cpu()), c.grad_in[k]), tol)
@@ -219,6 +237,73 @@ TEST(CudaLayers, EmbeddingAndTiedLmHead) {
   Tensor targets = tokens(kB * kT, 15).view({kB * kT});
   expect_same_on_both(head_cpu, head_gpu, head, {uniform_tensor({kB * kT, kC}, 16), targets},
                       {true, false}, "tied lm head + cross-entropy");
+}
+
+// --bf16: activations stored in bf16 and GEMM inputs rounded to bf16, on
+// both devices; the GPU's bf16 kernels against the CPU's widened operations.
+// Error model: both devices round the same fp32 operands to bf16 and differ
+// in fp32 summation order (~1e-6 relative); a bf16 output then either
+// agrees or, where the two fp32 results straddle a rounding boundary (a
+// fraction ~1e-6 / 2^-8 of the elements), differs by one bf16 ulp (2^-8):
+// sqrt(4e-4) x 2^-8 ~ 1e-4 of the norm. The gradients inherit as much
+// through the GEMMs' rounded operands. 1e-3 holds that with margin; reading
+// bf16 bytes as fp32, or the reverse, gives O(1).
+TEST(CudaLayers, Bf16Activations) {
+  constexpr double kBf16 = 1e-3;
+  struct Scope {
+    Scope() {
+      ops::set_matmul_precision(Device::cpu(), ops::MatmulPrecision::Bf16);
+      ops::set_matmul_precision(kGpu, ops::MatmulPrecision::Bf16);
+    }
+    ~Scope() {
+      ops::set_matmul_precision(Device::cpu(), ops::MatmulPrecision::Fp32);
+      ops::set_matmul_precision(kGpu, ops::MatmulPrecision::Fp32);
+    }
+  } scope;
+  const DType bf16 = DType::BF16;
+  {
+    Twin tw;
+    Param* w = tw.add("w", uniform_tensor({kC, 3 * kC}, 40));
+    Param* b = tw.add("b", uniform_tensor({3 * kC}, 41));
+    Linear cpu(w, b), gpu(tw.gpu_of(w), tw.gpu_of(b));
+    expect_same_on_both(cpu, gpu, tw, {uniform_tensor({kB, kT, kC}, 42)}, {true}, "bf16 linear",
+                        kBf16, bf16);
+  }
+  {
+    Twin tw;
+    Param* w = tw.add("w", uniform_tensor({kC}, 43, 0.5f, 1.5f));
+    Param* b = tw.add("b", uniform_tensor({kC}, 44));
+    LayerNorm cpu(w, b, 1e-5f), gpu(tw.gpu_of(w), tw.gpu_of(b), 1e-5f);
+    expect_same_on_both(cpu, gpu, tw, {uniform_tensor({kB, kT, kC}, 45)}, {true},
+                        "bf16 layernorm", kBf16, bf16);
+  }
+  {
+    Twin none;
+    Gelu gelu_cpu, gelu_gpu;
+    expect_same_on_both(gelu_cpu, gelu_gpu, none, {uniform_tensor({kB, kT, kC}, 46, -3.0f, 3.0f)},
+                        {true}, "bf16 gelu", kBf16, bf16);
+    Residual res_cpu, res_gpu;
+    expect_same_on_both(res_cpu, res_gpu, none,
+                        {uniform_tensor({kB, kT, kC}, 47), uniform_tensor({kB, kT, kC}, 48)},
+                        {true, true}, "bf16 residual", kBf16, bf16);
+    CausalSelfAttention attn_cpu(kHeads), attn_gpu(kHeads);  // head size 12: unfused
+    expect_same_on_both(attn_cpu, attn_gpu, none, {uniform_tensor({kB, kT, 3 * kC}, 49)}, {true},
+                        "bf16 attention (unfused, widened)", kBf16, bf16);
+  }
+  {
+    Twin tw;
+    Param* wte = tw.add("wte", uniform_tensor({kV, kC}, 50));
+    Param* wpe = tw.add("wpe", uniform_tensor({kT, kC}, 51));
+    Embedding cpu(wte, wpe), gpu(tw.gpu_of(wte), tw.gpu_of(wpe));
+    expect_same_on_both(cpu, gpu, tw, {tokens(kB * kT, 52)}, {false}, "bf16 embedding", kBf16,
+                        bf16);
+    Twin head;
+    Param* table = head.add("wte", uniform_tensor({kV, kC}, 53));
+    TiedLmHeadLoss head_cpu(table), head_gpu(head.gpu_of(table));
+    expect_same_on_both(head_cpu, head_gpu, head,
+                        {uniform_tensor({kB * kT, kC}, 54), tokens(kB * kT, 55).view({kB * kT})},
+                        {true, false}, "bf16 lm head + cross-entropy", kBf16, bf16);
+  }
 }
 
 // The layers with a tensor-parallel group of one, on the GPU against the CPU.
