@@ -90,16 +90,18 @@ std::vector<StepRecord> run(MatmulPrecision p, const TrainOptions& o, int steps,
 
 // Every rank's steps of a dp x pp layout on threads.
 std::vector<std::vector<StepRecord>> run_layout(MatmulPrecision p, const TrainOptions& o, int dp,
-                                                int pp, int steps, Acts acts = Acts::Fp32) {
+                                                int pp, int steps, Acts acts = Acts::Fp32,
+                                                int tp = 1) {
   CpuPrecision scope(p);
-  std::vector<std::vector<StepRecord>> runs(z(dp * pp));
+  std::vector<std::vector<StepRecord>> runs(z(dp * pp * tp));
   std::mutex mu;
-  run_local(dp * pp, [&](Communicator& world) {
+  run_local(dp * pp * tp, [&](Communicator& world) {
     TokenBatches batches(text_data(), o.global_batch, small().seq_length);
     GptModel model = build_gpt(small(), o.micro_batch);
     if (acts == Acts::Bf16) model.graph.set_activation_dtype(DType::BF16);
     LayoutOptions lo;
     lo.pp = pp;
+    lo.tp = tp;
     RankLayout rank(&world, model.graph, model.io, batches, o, lo, 7);
     std::vector<StepRecord> r;
     for (int s = 0; s < steps; ++s) r.push_back(rank.trainer().train_step());
@@ -197,6 +199,29 @@ TEST(Bf16Training, PipelineAndReplicasGiveTheSingleProcessRun) {
       EXPECT_GT(apart, 3 * kNormTol) << name(acts) << ", dp " << dp << " pp " << pp;
     }
   }
+}
+
+// Tensor parallelism with bf16 activations sums bf16 partial outputs (the
+// row-parallel GEMMs' and the vocabulary-parallel head's pieces are reduced
+// as the activations they are, as Megatron reduces them): each partial is
+// rounded once (2^-9 of itself) before the sum and the sum once after, where
+// one process rounds the whole sum once. That is one more bf16 rounding per
+// row-parallel output, the size of the GEMM input roundings both runs share:
+// the losses stay within TracksFp32's bound of the single-process bf16 run,
+// and they are not that run's bit for bit.
+TEST(Bf16Training, TensorParallelismWithBf16ActivationsStaysWithinItsErrorModel) {
+  constexpr int kSteps = 5;
+  const std::vector<double> one = losses(
+      run(MatmulPrecision::Bf16, options(), kSteps, small(), text_data(), 7, Acts::Bf16));
+  const auto runs = run_layout(MatmulPrecision::Bf16, options(), 1, 1, kSteps, Acts::Bf16, 2);
+  for (size_t rank = 0; rank < runs.size(); ++rank)
+    for (int s = 0; s < kSteps; ++s)
+      EXPECT_NEAR(runs[rank][z(s)].loss, one[z(s)], 2 * std::ldexp(1.0, -8) * one[z(s)])
+          << "tp rank " << rank << " step " << s + 1;
+  EXPECT_EQ(runs[0][z(kSteps - 1)].loss, runs[1][z(kSteps - 1)].loss) << "the tp ranks disagree";
+  bool identical = true;
+  for (int s = 0; s < kSteps; ++s) identical = identical && runs[0][z(s)].loss == one[z(s)];
+  EXPECT_FALSE(identical) << "no partial sum was rounded: are the activations bf16?";
 }
 
 // A text of many different lines, as a fortune file is (the fortunes text
