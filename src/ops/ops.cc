@@ -776,12 +776,13 @@ void attention_forward_fused(const Tensor& qkv, const Tensor& out, const Tensor&
         }))
       return;
   }
-#endif
+  // (Without cuDNN the call below refuses whatever the dtypes.)
   if (any_bf16({&qkv, &out, &lse})) {
     Widen wd;
     attention_forward_fused(wd.in(qkv), wd.out(out, false), wd.out(lse, false), heads, groups);
     return wd.commit();
   }
+#endif
   const Device d = common_device("attention_forward_fused", {&qkv, &out, &lse});
   const int64_t hd = qkv_head_size("attention_forward_fused", qkv, heads, groups);
   const int64_t b = qkv.dim(0), t = qkv.dim(1);
@@ -818,12 +819,13 @@ void attention_backward_fused(const Tensor& dout, const Tensor& qkv, const Tenso
         }))
       return;
   }
-#endif
   if (any_bf16({&dout, &qkv, &out, &lse, &dqkv})) {
     Widen wd;
-    attention_backward_fused(wd.in(dout), wd.in(qkv), wd.in(out), wd.in(lse), wd.out(dqkv, true), heads, groups);
+    attention_backward_fused(wd.in(dout), wd.in(qkv), wd.in(out), wd.in(lse), wd.out(dqkv, true),
+                             heads, groups);
     return wd.commit();
   }
+#endif
   const Device d = common_device("attention_backward_fused", {&dout, &qkv, &out, &lse, &dqkv});
   const int64_t hd = qkv_head_size("attention_backward_fused", qkv, heads, groups);
   const int64_t b = qkv.dim(0), t = qkv.dim(1);
