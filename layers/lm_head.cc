@@ -20,6 +20,9 @@ struct Ctx : LayerCtx {
   // backward's GEMMs scale by g, the loss gradient, in their alpha.
   bool unit_dlogits = false;
   float g = 1.0f;
+  // Chunked (see lm_head.h): dx and dwte for a loss gradient of 1.
+  bool chunked = false;
+  Tensor dx_unit, dw_unit;  // (N, C), (V or V/tp, C); fp32
 };
 }  // namespace
 
@@ -71,6 +74,12 @@ void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
   if (group_) copy_to_tp_forward(*group_, in[0]);
   ctx.x = in[0];
   ctx.targets = in[1];
+  ctx.unit_dlogits = ctx.chunked = false;
+  const int64_t rows = chunk_rows_ > 0 ? chunk_rows_ : std::max<int64_t>(1, kChunkBytes / (4 * v));
+  if (group_ == nullptr && !keep_logits_ && n > rows) {
+    forward_chunked(ctx, arena, in, out, rows);
+    return;
+  }
   ctx.probs = arena.alloc({n, v});
   ops::gemm(in[0], false, gemm_operand(*wte_, in[0].dtype()), true, ctx.probs);
   // Padding rows of wte (tokens vocab_.. of a padded table): their logits are
@@ -81,7 +90,6 @@ void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
     ctx.logits = arena.alloc({n, v});
     ctx.logits.copy_from(ctx.probs);
   }
-  ctx.unit_dlogits = false;
   if (!split()) {  // the whole vocabulary here: softmax and loss in one pass
     Tensor losses = arena.alloc({n});
     if (!ctx.probs.device().is_cpu()) {
@@ -107,6 +115,34 @@ void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
   ops::set_item(out[0], static_cast<float>(ops::normalise_and_loss(ctx.probs, stats)));
 }
 
+// Rows [r0, r0 + rows) at a time: logits (rows, V) = x_c wte^T, their losses
+// and unit dlogits in place, then dx_unit_c = dlogits_c wte and
+// dw_unit += dlogits_c^T x_c.
+void TiedLmHeadLoss::forward_chunked(LayerCtx& ctx_, Arena& arena, std::span<const Tensor> in,
+                                     std::span<const Tensor> out, int64_t rows) {
+  auto& ctx = static_cast<Ctx&>(ctx_);
+  const int64_t n = in[0].shape().rows(), c = in[0].shape().last(), v = wte_->value.dim(0);
+  const int64_t real = std::clamp<int64_t>(vocab_ - first_, 0, v);
+  ctx.chunked = true;
+  ctx.dx_unit = arena.zeros({n, c});
+  ctx.dw_unit = arena.zeros({v, c});
+  const Tensor buf = arena.alloc({rows, v});
+  const Tensor losses = arena.alloc({n});
+  const Tensor x = in[0].view({n, c}), targets = in[1].view({n});
+  const Tensor& w = gemm_operand(*wte_, in[0].dtype());
+  double total = 0;
+  for (int64_t r0 = 0; r0 < n; r0 += rows) {
+    const int64_t r1 = std::min(n, r0 + rows);
+    const Tensor xc = x.slice0(r0, r1), logits = buf.slice0(0, r1 - r0);
+    ops::gemm(xc, false, w, true, logits);
+    if (real < v) ops::mask_columns(logits, real);
+    total += ops::fused_cross_entropy(logits, targets.slice0(r0, r1), losses.slice0(r0, r1), 1.0f);
+    ops::gemm(logits, false, wte_->value, false, ctx.dx_unit.slice0(r0, r1));
+    ops::gemm(logits, true, xc, false, ctx.dw_unit, 1.0f, 1.0f);
+  }
+  ops::set_item(out[0], static_cast<float>(total));
+}
+
 // dlogits_r = (p_r - onehot_r(target)) * g, where g = d loss_total / d (this
 // sum); dx += sum over ranks of dlogits_r wte_r
 void TiedLmHeadLoss::backward_input(LayerCtx& ctx_, Arena& arena,
@@ -114,6 +150,13 @@ void TiedLmHeadLoss::backward_input(LayerCtx& ctx_, Arena& arena,
                                     std::span<const Tensor> grad_in) {
   auto& ctx = static_cast<Ctx&>(ctx_);
   const float g = ops::item(grad_out[0]);
+  if (ctx.chunked) {
+    ctx.g = g;
+    if (!grad_in[0].defined()) return;
+    ops::scale(ctx.dx_unit, g);
+    ops::add(grad_in[0], ctx.dx_unit.view(grad_in[0].shape()));
+    return;
+  }
   if (ctx.unit_dlogits)
     ctx.g = g;  // probs already holds dlogits / g
   else
@@ -132,6 +175,11 @@ void TiedLmHeadLoss::backward_input(LayerCtx& ctx_, Arena& arena,
 // dwte_r (V/tp, C) += dlogits_r^T x
 void TiedLmHeadLoss::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
+  if (ctx.chunked) {
+    ops::scale(ctx.dw_unit, ctx.g);
+    ops::add(wte_->grad, ctx.dw_unit);
+    return;
+  }
   ops::gemm(ctx.probs, true, ctx.x, false, wte_->grad, ctx.unit_dlogits ? ctx.g : 1.0f, 1.0f);
 }
 

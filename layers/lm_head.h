@@ -19,6 +19,15 @@
 // Without a group (or a group of one) the whole vocabulary is here and the
 // softmax and loss are one fused pass.
 //
+// Chunked: where the logits (N, V) would take more than kChunkBytes (GPT-2
+// at B 16, T 1024: 3.1 GiB in fp32), without a group and with the logits
+// not kept, the forward goes through the rows a chunk at a
+// time: logits, loss and dlogits for a loss gradient of 1 (the fused
+// classifier), then that chunk's dx (N, C) and dwte (V, C) contributions.
+// The backward only scales those by the loss gradient g and adds them. The
+// head then holds one chunk of logits, dx and dwte (fp32) instead of all the
+// logits; its F does the work of I and W. The same on every device.
+//
 // A padded table (wte->true_rows, Megatron's --make-vocab-size-divisible-by)
 // has rows past the true vocabulary V. Their logits are set to -inf before
 // either softmax, so they take no probability, and their dlogits and wte
@@ -47,6 +56,9 @@ class TiedLmHeadLoss final : public Layer {
   // -inf in the padding columns) in the ctx after forward, for sampling and
   // tests.
   void set_keep_logits(bool keep) { keep_logits_ = keep; }
+  // Rows per chunk (tests); 0, the default: as many as kChunkBytes of logits hold.
+  void set_chunk_rows(int64_t rows) { chunk_rows_ = rows; }
+  static constexpr int64_t kChunkBytes = int64_t{256} << 20;
   // Logits of the last forward on this ctx (needs set_keep_logits(true)):
   // columns first_token() .. of the full logits.
   static const Tensor& logits(LayerCtx& ctx);
@@ -62,11 +74,14 @@ class TiedLmHeadLoss final : public Layer {
 
  private:
   bool split() const { return group_ != nullptr && group_->size() > 1; }
+  void forward_chunked(LayerCtx& ctx, Arena& arena, std::span<const Tensor> in,
+                       std::span<const Tensor> out, int64_t rows);
   Communicator* group_;
   Param* wte_;
   int64_t vocab_;  // V, the whole vocabulary without padding
   int64_t first_;  // the first token id of this rank's rows
   bool keep_logits_ = false;
+  int64_t chunk_rows_ = 0;
 };
 
 }  // namespace weft

@@ -257,9 +257,12 @@ Case make_case(const std::string& name) {
       for (int64_t i = 0; i < in[0].numel(); ++i) y[z(i)] = at(in[0], i) + at(in[1], i);
       return y;
     };
-  } else if (name == "lm_head") {
+  } else if (name == "lm_head" || name == "lm_head_chunked") {
     Param* wte = make_param(s, "wte", {kV, kC}, 0.7f, 0.0f, 4);
-    c.layer = std::make_unique<TiedLmHeadLoss>(wte);
+    auto head = std::make_unique<TiedLmHeadLoss>(wte);
+    // Chunks of 3 rows: the ragged last one too (B T is not a multiple of 3).
+    if (name == "lm_head_chunked") head->set_chunk_rows(3);
+    c.layer = std::move(head);
     c.make_inputs = [act](uint64_t seed) {
       return std::vector<Tensor>{uniform(act, 700 + seed), tokens(seed + 4)};
     };
@@ -344,9 +347,10 @@ Case make_case(const std::string& name) {
 const std::vector<std::string> kAllLayers = {
     "embedding", "layernorm", "linear_bias", "linear_nobias", "gelu",   "attention",
     "residual",  "lm_head",   "mse",         "rmsnorm",       "swiglu", "rotary",
-    "attention_gqa", "rotary_gqa"};
+    "attention_gqa", "rotary_gqa", "lm_head_chunked"};
 const std::vector<std::string> kParamLayers = {"embedding",     "layernorm", "linear_bias",
-                                               "linear_nobias", "lm_head",   "rmsnorm"};
+                                               "linear_nobias", "lm_head",   "rmsnorm",
+                                               "lm_head_chunked"};
 
 // --- running a layer the way the runner does ---
 

@@ -237,6 +237,14 @@ TEST(CudaLayers, EmbeddingAndTiedLmHead) {
   Tensor targets = tokens(kB * kT, 15).view({kB * kT});
   expect_same_on_both(head_cpu, head_gpu, head, {uniform_tensor({kB * kT, kC}, 16), targets},
                       {true, false}, "tied lm head + cross-entropy");
+  // Chunked (as GPT-2's logits are): 16 rows at a time, the last chunk ragged.
+  Twin chunked;
+  Param* t2 = chunked.add("wte", uniform_tensor({kV, kC}, 17));
+  TiedLmHeadLoss chunk_cpu(t2), chunk_gpu(chunked.gpu_of(t2));
+  chunk_cpu.set_chunk_rows(16), chunk_gpu.set_chunk_rows(16);
+  expect_same_on_both(chunk_cpu, chunk_gpu, chunked,
+                      {uniform_tensor({kB * kT, kC}, 18), targets}, {true, false},
+                      "chunked lm head + cross-entropy");
 }
 
 // --bf16: activations stored in bf16 and GEMM inputs rounded to bf16, on
@@ -300,9 +308,10 @@ TEST(CudaLayers, Bf16Activations) {
     Twin head;
     Param* table = head.add("wte", uniform_tensor({kV, kC}, 53));
     TiedLmHeadLoss head_cpu(table), head_gpu(head.gpu_of(table));
+    head_cpu.set_chunk_rows(16), head_gpu.set_chunk_rows(16);
     expect_same_on_both(head_cpu, head_gpu, head,
                         {uniform_tensor({kB * kT, kC}, 54), tokens(kB * kT, 55).view({kB * kT})},
-                        {true, false}, "bf16 lm head + cross-entropy", kBf16, bf16);
+                        {true, false}, "bf16 chunked lm head + cross-entropy", kBf16, bf16);
   }
 }
 
