@@ -76,6 +76,7 @@ void sum_rows(const Tensor& dy, const Tensor& db);
 void add(const Tensor& y, const Tensor& x);  // y += x, the same element count
 void scale(const Tensor& y, float s);        // y *= s
 double sum_squares(const Tensor& x);         // sum of x^2, accumulated in double
+double sum(const Tensor& x);                 // sum of x, accumulated in double
 
 // A one-element tensor's value, and setting it (the loss and its seed gradient).
 float item(const Tensor& t);
@@ -194,6 +195,10 @@ double softmax_cross_entropy(const Tensor& logits, const Tensor& targets, const 
 // the two steps (softmax_cross_entropy, then cross_entropy_backward in place).
 double fused_cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                            float scale);
+// The same without the sum, so nothing waits for a GPU (the chunked LM head
+// sums its losses once, with sum()).
+void fused_cross_entropy_rows(const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                              float scale);
 // dlogits (N, V) = (probs - onehot(target - first)) * scale; may alias probs.
 // With first != 0 or a slice of the vocabulary, targets outside it add nothing.
 void cross_entropy_backward(const Tensor& probs, const Tensor& targets, int64_t first,

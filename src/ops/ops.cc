@@ -374,6 +374,23 @@ double sum_squares(const Tensor& x) {
       [&](auto& cx) { return cuda::sum_squares_to_host(cx, f(x), x.numel()); });
 }
 
+double sum(const Tensor& x) {
+  if (any_bf16({&x})) {
+    Widen wd;
+    return sum(wd.in(x));
+  }
+  const Device d = common_device("sum", {&x});
+  return on_device(
+      d, "sum",
+      [&] {
+        double s = 0;
+        const float* p = f(x);
+        for (int64_t i = 0; i < x.numel(); ++i) s += p[i];
+        return s;
+      },
+      [&](auto& cx) { return cuda::sum_to_host(cx, f(x), x.numel()); });
+}
+
 float item(const Tensor& t) {
   check_numel("item", "the tensor", t, 1);
   check_dtype("item", "the tensor", t, DType::F32);
@@ -961,6 +978,25 @@ double fused_cross_entropy(const Tensor& logits, const Tensor& targets, const Te
       [&](auto& cx) {
         cuda::fused_cross_entropy(cx, fw(logits), i32(targets), fw(losses), scale, n, v);
         return cuda::sum_to_host(cx, f(losses), n);
+      });
+}
+
+void fused_cross_entropy_rows(const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                              float scale) {
+  const Device d = common_device("fused_cross_entropy_rows", {&logits, &targets, &losses});
+  check_dtype("fused_cross_entropy_rows", "logits", logits, DType::F32);
+  check_dtype("fused_cross_entropy_rows", "targets", targets, DType::I32);
+  const int64_t n = logits.shape().rows(), v = logits.shape().last();
+  check_numel("fused_cross_entropy_rows", "targets", targets, n);
+  check_numel("fused_cross_entropy_rows", "losses", losses, n);
+  on_device(
+      d, "fused_cross_entropy_rows",
+      [&] {
+        cpu::softmax_cross_entropy(fw(logits), i32(targets), fw(losses), n, v);
+        cpu::cross_entropy_backward(f(logits), i32(targets), fw(logits), scale, n, v, 0);
+      },
+      [&](auto& cx) {
+        cuda::fused_cross_entropy(cx, fw(logits), i32(targets), fw(losses), scale, n, v);
       });
 }
 
