@@ -3,6 +3,8 @@
 
 #include "src/cuda/check.h"
 
+#include <cublasLt.h>
+
 #include <cstring>
 
 namespace weft::cuda {
@@ -102,8 +104,11 @@ Context::Context(int device) : device_(device) {
 
 Context::~Context() {
   cudaSetDevice(device_);
+  // Handles first, then the workspaces they may still name.
   if (cublas_ != nullptr) cublasDestroy(cublas_);
+  if (cublas_lt_ != nullptr) cublasLtDestroy(cublas_lt_);
   allocator_->release(cublas_workspace_);
+  allocator_->release(cublas_lt_workspace_);
   allocator_.reset();
   for (CUevent_st* ev : {compute_done_, comm_done_, staging_done_}) cudaEventDestroy(ev);
   cudaStreamDestroy(compute_);
@@ -123,6 +128,24 @@ cublasContext* Context::cublas() {
     cublas_ = h;
   });
   return cublas_;
+}
+
+size_t Context::cublas_lt_workspace_bytes() { return kCublasWorkspace; }
+
+cublasLtContext* Context::cublas_lt() {
+  std::call_once(cublas_lt_once_, [this] {
+    make_current();
+    void* workspace = allocator_->allocate(kCublasWorkspace);
+    cublasLtHandle_t h = nullptr;
+    const cublasStatus_t s = cublasLtCreate(&h);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+      allocator_->release(workspace);  // call_once runs this again on the next call
+      detail::check_cublas(s, "cublasLtCreate(&h)", __FILE__, __LINE__);
+    }
+    cublas_lt_workspace_ = workspace;
+    cublas_lt_ = h;
+  });
+  return cublas_lt_;
 }
 
 void Context::comm_waits_for_compute() {

@@ -31,6 +31,7 @@
 
 #include <weft/error.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -40,10 +41,12 @@
 #include <utility>
 #include <vector>
 
-// Opaque CUDA handles (cudaStream_t, cudaEvent_t, cublasHandle_t are pointers to these).
+// Opaque CUDA handles (cudaStream_t, cudaEvent_t, cublasHandle_t, cublasLtHandle_t are
+// pointers to these).
 struct CUstream_st;
 struct CUevent_st;
 struct cublasContext;
+struct cublasLtContext;
 
 namespace weft::cuda {
 
@@ -184,6 +187,19 @@ class Context {
   // The cuBLAS handle, bound to the compute stream, with a workspace from the
   // caching allocator (created on first use).
   cublasContext* cublas();
+  // The cuBLASLt handle (created on first use) and its own workspace of
+  // cublas_lt_workspace_bytes() from the caching allocator, held until the
+  // context is destroyed. A cuBLASLt matmul takes its stream per call: the
+  // compute stream.
+  cublasLtContext* cublas_lt();
+  void* cublas_lt_workspace() const { return cublas_lt_workspace_; }
+  static size_t cublas_lt_workspace_bytes();
+  // GEMMs whose bias epilogue cuBLASLt could not run (gemm_bias in
+  // weft/cuda/kernels.h), which added the bias separately: counted, and
+  // reported on stderr for the first only, not once per step.
+  // count_bias_epilogue_fallback() returns the count before this one.
+  int64_t count_bias_epilogue_fallback() { return bias_fallbacks_.fetch_add(1); }
+  int64_t bias_epilogue_fallbacks() const { return bias_fallbacks_.load(); }
   CachingAllocator& allocator() { return *allocator_; }
 
   // Work queued on the communication stream after this call starts only when
@@ -218,6 +234,10 @@ class Context {
   std::once_flag cublas_once_;
   cublasContext* cublas_ = nullptr;
   void* cublas_workspace_ = nullptr;
+  std::once_flag cublas_lt_once_;
+  cublasLtContext* cublas_lt_ = nullptr;
+  void* cublas_lt_workspace_ = nullptr;
+  std::atomic<int64_t> bias_fallbacks_{0};
   PinnedBuffer staging_;
   std::mutex staging_mu_;
 };
