@@ -3,11 +3,28 @@
 // A row-major matrix read as column-major is its transpose, so the row-major
 // C = op(A) op(B) is computed as the column-major C^T = op(B)^T op(A)^T: swap
 // the operands (and m with n) and keep each operand's own transpose flag.
+//
+// The bias GEMMs run on cuBLASLt with CUBLASLT_EPILOGUE_BIAS, in the same
+// column-major view: row-major C (m, n) plus bias (n) in every row is
+// column-major D (n x m) plus bias in every column, a vector of D's n rows,
+// which is what the epilogue broadcasts.
 #include <weft/cuda/kernels.h>
 
 #include "src/cuda/check.h"
 
+#include <cublasLt.h>
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <climits>
+#include <compare>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <type_traits>
 
 namespace weft::cuda {
 
@@ -81,7 +98,247 @@ void gemm_mode(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t 
            lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c, batch);
 }
 
+// --- the bias GEMMs ---
+
+// A cuBLASLt object destroyed with its scope (on an exception too).
+template <typename H>
+using LtOwned = std::unique_ptr<std::remove_pointer_t<H>, cublasStatus_t (*)(H)>;
+
+void lt_check(cublasStatus_t status, const char* call) {
+  detail::check_cublas(status, call, __FILE__, __LINE__);
+}
+
+template <typename T>
+void set_desc(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const T& value,
+              const char* name) {
+  lt_check(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof value), name);
+}
+
+template <typename T>
+void set_pref(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t attr,
+              const T& value, const char* name) {
+  lt_check(cublasLtMatmulPreferenceSetAttribute(p, attr, &value, sizeof value), name);
+}
+
+LtOwned<cublasLtMatrixLayout_t> lt_layout(cudaDataType_t type, int64_t rows, int64_t cols,
+                                          int64_t ld) {
+  cublasLtMatrixLayout_t l = nullptr;
+  lt_check(cublasLtMatrixLayoutCreate(&l, type, static_cast<uint64_t>(rows),
+                                      static_cast<uint64_t>(cols), ld),
+           "cublasLtMatrixLayoutCreate");
+  return {l, cublasLtMatrixLayoutDestroy};
+}
+
+// The largest power of two, at most 256, that divides the address. cuBLASLt's
+// heuristic assumes 256-byte aligned operands unless told otherwise, and a
+// view into an arena may be less aligned.
+uint32_t alignment_of(const void* p) {
+  const auto u = reinterpret_cast<uintptr_t>(p);
+  uint32_t a = 256;
+  while (a > 1 && u % a != 0) a /= 2;
+  return a;
+}
+
+// One bias GEMM, row-major as the others: C = op(A) op(B) + bias per row.
+// `type` is A's, B's, C's and the bias's (fp32 or bf16); scale type fp32.
+struct BiasGemm {
+  const char* math;  // for the fallback's message: the MathMode, or "bf16"
+  cublasComputeType_t compute;
+  cudaDataType_t type;
+  size_t elem;  // bytes of one element of `type`
+  bool trans_a, trans_b;
+  int64_t m, n, k;
+  const void* a;
+  int64_t lda;
+  const void* b;
+  int64_t ldb;
+  const void* bias;
+  void* c;
+  int64_t ldc;
+};
+
+// What picks cuBLASLt's algorithm for a bias GEMM: everything but the
+// addresses themselves, whose alignments count instead.
+struct AlgoKey {
+  int device;
+  cublasComputeType_t compute;
+  cudaDataType_t type;
+  bool trans_a, trans_b;
+  int64_t m, n, k, lda, ldb, ldc;
+  uint32_t align_a, align_b, align_c;
+  auto operator<=>(const AlgoKey&) const = default;
+};
+
+// The heuristic's algorithm for a key, or why there is none (then the key
+// takes the two steps from then on, without asking again).
+struct AlgoChoice {
+  std::optional<cublasLtMatmulAlgo_t> algo;
+  std::string why;
+};
+
+// The heuristic runs once per key and process: a training step repeats the
+// same few shapes, and asking costs host time on every call.
+class AlgoCache {
+ public:
+  std::optional<AlgoChoice> find(const AlgoKey& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = choices_.find(key);
+    if (it == choices_.end()) return std::nullopt;
+    return it->second;
+  }
+  void put(const AlgoKey& key, AlgoChoice choice) {
+    std::lock_guard<std::mutex> lock(mu_);
+    choices_[key] = std::move(choice);
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<AlgoKey, AlgoChoice> choices_;
+};
+
+AlgoCache& algo_cache() {
+  static AlgoCache cache;
+  return cache;
+}
+
+// Runs g on cuBLASLt. Returns why it could not (no algorithm, or the
+// algorithm refused: CUBLAS_STATUS_NOT_SUPPORTED), or nothing when it ran;
+// any other failure throws.
+std::optional<std::string> lt_bias_gemm(Context& ctx, const BiasGemm& g) {
+  // cuBLASLt's heuristic can be told the alignment of A, B, C and D but not
+  // of the bias vector: a bias less aligned than a 16-byte load is not risked.
+  if (alignment_of(g.bias) < 16)
+    return fmt::format("the bias at {} is not 16-byte aligned", g.bias);
+  cublasLtHandle_t h = ctx.cublas_lt();
+  cublasLtMatmulDesc_t d = nullptr;
+  lt_check(cublasLtMatmulDescCreate(&d, g.compute, CUDA_R_32F), "cublasLtMatmulDescCreate");
+  const LtOwned<cublasLtMatmulDesc_t> desc(d, cublasLtMatmulDescDestroy);
+  // Column-major: cuBLASLt's A is our B and its B our A (see the top).
+  set_desc(d, CUBLASLT_MATMUL_DESC_TRANSA, op(g.trans_b), "CUBLASLT_MATMUL_DESC_TRANSA");
+  set_desc(d, CUBLASLT_MATMUL_DESC_TRANSB, op(g.trans_a), "CUBLASLT_MATMUL_DESC_TRANSB");
+  set_desc(d, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS,
+           "CUBLASLT_MATMUL_DESC_EPILOGUE");
+  set_desc(d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias, "CUBLASLT_MATMUL_DESC_BIAS_POINTER");
+  set_desc(d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, g.type, "CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE");
+  // As stored, before op(): our B is (n x k) column-major, (k x n) when
+  // transposed; our A (k x m), (m x k) when transposed; C (n x m).
+  const auto lb = lt_layout(g.type, g.trans_b ? g.k : g.n, g.trans_b ? g.n : g.k, g.ldb);
+  const auto la = lt_layout(g.type, g.trans_a ? g.m : g.k, g.trans_a ? g.k : g.m, g.lda);
+  const auto lc = lt_layout(g.type, g.n, g.m, g.ldc);
+  const uint64_t workspace = Context::cublas_lt_workspace_bytes();
+
+  const AlgoKey key{ctx.device(), g.compute, g.type, g.trans_a, g.trans_b, g.m, g.n, g.k,
+                    g.lda, g.ldb, g.ldc, alignment_of(g.a), alignment_of(g.b),
+                    alignment_of(g.c)};
+  std::optional<AlgoChoice> choice = algo_cache().find(key);
+  if (!choice) {
+    cublasLtMatmulPreference_t p = nullptr;
+    lt_check(cublasLtMatmulPreferenceCreate(&p), "cublasLtMatmulPreferenceCreate");
+    const LtOwned<cublasLtMatmulPreference_t> pref(p, cublasLtMatmulPreferenceDestroy);
+    set_pref(p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace,
+             "CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES");
+    set_pref(p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_b,
+             "CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES");
+    set_pref(p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_a,
+             "CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES");
+    set_pref(p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c,
+             "CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES");
+    set_pref(p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c,
+             "CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES");
+    cublasLtMatmulHeuristicResult_t best{};
+    int found = 0;
+    const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(h, d, lb.get(), la.get(), lc.get(),
+                                                            lc.get(), p, 1, &best, &found);
+    if (hs == CUBLAS_STATUS_NOT_SUPPORTED || (hs == CUBLAS_STATUS_SUCCESS && found == 0)) {
+      choice = AlgoChoice{std::nullopt,
+                          fmt::format("cublasLtMatmulAlgoGetHeuristic: {}, {} algorithms",
+                                      cublasGetStatusName(hs), found)};
+    } else {
+      lt_check(hs, "cublasLtMatmulAlgoGetHeuristic");
+      lt_check(best.state, "cublasLtMatmulAlgoGetHeuristic (its algorithm's state)");
+      choice = AlgoChoice{best.algo, {}};
+    }
+    algo_cache().put(key, *choice);
+  }
+  if (!choice->algo) return choice->why;
+
+  // D = 1 * op(A) op(B) + 0 * C + bias: C is D, and with beta 0 it is not read.
+  const float alpha = 1.0f, beta = 0.0f;
+  const cublasStatus_t ms =
+      cublasLtMatmul(h, d, &alpha, g.b, lb.get(), g.a, la.get(), &beta, g.c, lc.get(), g.c,
+                     lc.get(), &*choice->algo, ctx.cublas_lt_workspace(), workspace,
+                     ctx.compute_stream());
+  if (ms == CUBLAS_STATUS_NOT_SUPPORTED) {
+    std::string why = fmt::format("cublasLtMatmul refused its algorithm: {}",
+                                  cublasGetStatusName(ms));
+    algo_cache().put(key, AlgoChoice{std::nullopt, why});
+    return why;
+  }
+  lt_check(ms, "cublasLtMatmul");
+  return std::nullopt;
+}
+
+// Every row of C (m rows, ldc apart) = bias (n elements of g.elem bytes):
+// the bias copied into row 0, then rows [0, r) into [r, 2r) until all m are
+// filled (log2 m copies, no kernel). The bias already has C's type, so this
+// is exactly what zero + add_bias (fp32) or fill_rows (bf16) would write.
+void fill_bias_rows(Context& ctx, const BiasGemm& g) {
+  cudaStream_t s = ctx.compute_stream();
+  const size_t width = static_cast<size_t>(g.n) * g.elem;
+  const size_t pitch = static_cast<size_t>(g.ldc) * g.elem;
+  auto* c = static_cast<char*>(g.c);
+  WEFT_CUDA_CHECK(cudaMemcpyAsync(c, g.bias, width, cudaMemcpyDeviceToDevice, s));
+  for (int64_t done = 1; done < g.m; done *= 2) {
+    const auto rows = static_cast<size_t>(std::min(done, g.m - done));
+    WEFT_CUDA_CHECK(cudaMemcpy2DAsync(c + static_cast<size_t>(done) * pitch, pitch, c, pitch, width,
+                                      rows, cudaMemcpyDeviceToDevice, s));
+  }
+}
+
+// The bias GEMM, on cuBLASLt where it can; else the bias rows, then the
+// plain GEMM (beta 1) onto them.
+void bias_gemm(Context& ctx, const BiasGemm& g, const char* name) {
+  check(g.m >= 0 && g.n >= 0 && g.k >= 0, "{}: m, n, k ({}, {}, {}) must not be negative", name,
+        g.m, g.n, g.k);
+  if (g.m == 0 || g.n == 0) return;
+  check(g.ldc >= g.n, "{}: ldc ({}) is less than n ({}): rows of C would overlap", name, g.ldc,
+        g.n);
+  ctx.make_current();
+  if (g.k > 0) {
+    const std::optional<std::string> why = lt_bias_gemm(ctx, g);
+    if (!why) return;
+    if (ctx.count_bias_epilogue_fallback() == 0)
+      fmt::print(stderr,
+                 "weft: cuBLASLt has no bias-epilogue algorithm for {} ({} math, m {}, n {}, k {}, "
+                 "trans_a {}, trans_b {}, lda {}, ldb {}, ldc {}) ({}); adding the bias "
+                 "separately\n",
+                 name, g.math, g.m, g.n, g.k, g.trans_a, g.trans_b, g.lda, g.ldb, g.ldc, *why);
+  }
+  fill_bias_rows(ctx, g);
+  if (g.k == 0) return;  // C = the bias rows
+  gemm_any(ctx, g.compute, g.type, g.type, g.trans_a, g.trans_b, g.m, g.n, g.k, 1.0f, g.a, g.lda,
+           0, g.b, g.ldb, 0, 1.0f, g.c, g.ldc, 0, 1);
+}
+
 }  // namespace
+
+void gemm_bias(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m, int64_t n,
+               int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
+               const float* bias, float* c, int64_t ldc) {
+  bias_gemm(ctx,
+            {math_mode_name(mode), compute_type(mode), CUDA_R_32F, sizeof(float), trans_a, trans_b,
+             m, n, k, a, lda, b, ldb, bias, c, ldc},
+            "gemm_bias");
+}
+
+void gemm_bias_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                    const bf16* a, int64_t lda, const bf16* b, int64_t ldb, const bf16* bias,
+                    bf16* c, int64_t ldc) {
+  bias_gemm(ctx,
+            {"bf16", CUBLAS_COMPUTE_32F, CUDA_R_16BF, sizeof(bf16), trans_a, trans_b, m, n, k, a,
+             lda, b, ldb, bias, c, ldc},
+            "gemm_bias_bf16");
+}
 
 void gemm(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m, int64_t n,
           int64_t k, float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,

@@ -72,6 +72,26 @@ void gemm_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, i
 void gemm_bf16_out(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                    float alpha, const bf16* a, int64_t lda, const bf16* b, int64_t ldb,
                    float beta, bf16* c, int64_t ldc);
+// A linear layer's forward in one cuBLASLt call (CUBLASLT_EPILOGUE_BIAS):
+// C (m,n) = op(A) op(B) + bias in every row, bias (n), with C's previous
+// values not read. The bias is added to the fp32 accumulator in the epilogue,
+// so the result is what filling C's rows with the bias and then gemm() with
+// beta 1 gives, up to the order of the fp32 sum. When cuBLASLt has no
+// bias-epilogue algorithm for the shape (or refuses it, or the bias is not
+// 16-byte aligned), it is those two steps, and stderr says so once per
+// context (Context::bias_epilogue_fallbacks counts them). k 0: C's rows are
+// the bias. The algorithm is chosen once per shape, transposes, strides and
+// operand alignments; cuBLASLt's workspace is the Context's.
+// fp32 A, B, C and bias; the compute type of gemm() for `mode`.
+void gemm_bias(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m, int64_t n,
+               int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
+               const float* bias, float* c, int64_t ldc);
+// bf16 A, B, C and bias, fp32 accumulation (CUBLAS_COMPUTE_32F):
+// C = bf16(fp32 sum + float(bias)), rounded once; fill_rows then
+// gemm_bf16_out with beta 1 computes the same (up to the order of the sum).
+void gemm_bias_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                    const bf16* a, int64_t lda, const bf16* b, int64_t ldb, const bf16* bias,
+                    bf16* c, int64_t ldc);
 // `batch` independent GEMMs; matrix i of A, B, C starts stride_a/b/c elements after matrix i-1.
 void gemm_strided_batched(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m,
                           int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
