@@ -129,7 +129,7 @@ fi
 targets=(tests/test_nccl tests/cuda/test_cuda_allocator tests/cuda/test_cuda_kernels
          tests/cuda/test_cuda_layers tests/cuda/test_cuda_train tests/cuda/test_cuda_mpi
          tests/cuda/test_cuda_fused_attention tests/cuda/test_cuda_step_kernels
-         tests/cuda/test_cuda_bf16_kernels tests/test_parity
+         tests/cuda/test_cuda_bf16_kernels tests/cuda/test_cuda_gemm_bias tests/test_parity
          train_gpt bench/bench_cuda)
 if [ "$dry_run" = 1 ]; then build_limit=3600; else build_limit=$(limit_for 360); fi
 if ! timeout "$build_limit" ninja -C "$build" -j"$(nproc)" "${targets[@]}" >>"$log" 2>&1; then
@@ -187,6 +187,8 @@ run_test cuda_train tests/cuda/test_cuda_train 1
 run_test cuda_step_kernels tests/cuda/test_cuda_step_kernels 1
 # the bf16-activation kernels against their fp32 twins (fused attention with cuDNN)
 run_test cuda_bf16_kernels tests/cuda/test_cuda_bf16_kernels 1
+# cuBLASLt's bias-epilogue GEMMs against bias rows then the plain GEMM
+run_test cuda_gemm_bias tests/cuda/test_cuda_gemm_bias 1
 run_test cuda_mpi tests/cuda/test_cuda_mpi 1   # several ranks sharing the GPU (host-staged)
 # cuDNN's fused attention against the CPU (SKIP in a build without it)
 run_test cuda_fused_attention tests/cuda/test_cuda_fused_attention fused

@@ -1,0 +1,369 @@
+// The bias GEMMs of weft/cuda/kernels.h (cuBLASLt's bias epilogue) against
+// the two steps they replace: C's rows filled with the bias, then the plain
+// GEMM with beta 1 (gemm, gemm_bf16_out) onto them; and against an fp64
+// reference. Every transpose combination, ragged sizes (m 37, k 48, n 200 and
+// 123), packed rows and rows padded beyond their width (the padding must stay
+// untouched). Also: k 0 (C = the bias rows), m or n 0 (nothing written), a
+// repeated call allocates nothing, and bad input is refused.
+// Needs a GPU; exits 77 (SKIP) without one.
+#include "weft_config.h"
+
+#if WEFT_CUDA
+#include <weft/cuda/kernels.h>
+#include <weft/cuda/runtime.h>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "test_util.h"
+
+namespace weft::cuda {
+namespace {
+
+using weft::testing::contains;
+using weft::testing::error_message;
+using weft::testing::uniform;
+
+Context& ctx() { return context(0); }
+
+// Device copy of host values, and back.
+template <typename T>
+class Dev {
+ public:
+  explicit Dev(const std::vector<T>& host) : buf_(ctx(), static_cast<int64_t>(host.size())) {
+    upload(ctx(), buf_.data(), host.data(), buf_.bytes());
+  }
+  T* p() const { return buf_.data(); }
+  std::vector<T> host() const {
+    std::vector<T> h(static_cast<size_t>(buf_.size()));
+    download(ctx(), h.data(), buf_.data(), buf_.bytes());
+    return h;
+  }
+
+ private:
+  DeviceBuffer<T> buf_;
+};
+
+// One bias GEMM's operands, row-major, host side. With `padded`, every row
+// is wider than its logical width (ld > cols), so strides are exercised and
+// C's padding columns can be checked to stay untouched.
+struct Case {
+  bool ta, tb;
+  int64_t m, n, k, lda, ldb, ldc;
+  std::vector<float> a, b, bias, c;  // c: C before the call (never the answer)
+};
+
+Case make_case(bool ta, bool tb, int64_t m, int64_t n, int64_t k, bool padded, uint64_t seed) {
+  const int64_t pa = padded ? 3 : 0, pb = padded ? 5 : 0, pc = padded ? 2 : 0;
+  Case g{ta, tb, m, n, k, (ta ? m : k) + pa, (tb ? k : n) + pb, n + pc, {}, {}, {}, {}};
+  g.a = uniform((ta ? k : m) * g.lda, seed);
+  g.b = uniform((tb ? n : k) * g.ldb, seed + 1);
+  g.bias = uniform(n, seed + 2);
+  g.c = uniform(m * g.ldc, seed + 3, 50.0f, 60.0f);  // far from any answer
+  return g;
+}
+
+// The same case with A, B, bias and C rounded to bf16 (round to nearest
+// even, as cuda::to_bf16), for the bf16 GEMM and the bf16 math mode's
+// reference.
+Case rounded(Case g) {
+  for (std::vector<float>* v : {&g.a, &g.b, &g.bias, &g.c})
+    for (float& f : *v) f = to_float(to_bf16(f));
+  return g;
+}
+
+float a_at(const Case& g, int64_t i, int64_t l) {
+  return g.ta ? g.a[static_cast<size_t>(l * g.lda + i)] : g.a[static_cast<size_t>(i * g.lda + l)];
+}
+float b_at(const Case& g, int64_t l, int64_t j) {
+  return g.tb ? g.b[static_cast<size_t>(j * g.ldb + l)] : g.b[static_cast<size_t>(l * g.ldb + j)];
+}
+
+// fp64 reference: exact[i][j] = sum_l a_il b_lj + bias_j (exact to 2^-50 or
+// so), and abs[i][j] = sum_l |a_il b_lj| + |bias_j|, the scale of its
+// rounding errors.
+struct Reference {
+  std::vector<double> exact, abs;
+};
+Reference reference(const Case& g) {
+  Reference r{std::vector<double>(static_cast<size_t>(g.m * g.n)),
+              std::vector<double>(static_cast<size_t>(g.m * g.n))};
+  for (int64_t i = 0; i < g.m; ++i)
+    for (int64_t j = 0; j < g.n; ++j) {
+      double s = g.bias[static_cast<size_t>(j)], sa = std::fabs(s);
+      for (int64_t l = 0; l < g.k; ++l) {
+        const double p = static_cast<double>(a_at(g, i, l)) * b_at(g, l, j);
+        s += p;
+        sa += std::fabs(p);
+      }
+      r.exact[static_cast<size_t>(i * g.n + j)] = s;
+      r.abs[static_cast<size_t>(i * g.n + j)] = sa;
+    }
+  return r;
+}
+
+// C before the call with every row's first n columns set to the bias: what
+// zero + add_bias (fp32) or fill_rows (bf16, the bias already in bf16)
+// leaves for the GEMM with beta 1.
+template <typename T>
+std::vector<T> bias_rows(const Case& g, const std::vector<T>& c, const std::vector<T>& bias) {
+  std::vector<T> r = c;
+  for (int64_t i = 0; i < g.m; ++i)
+    std::copy(bias.begin(), bias.end(), r.begin() + i * g.ldc);
+  return r;
+}
+
+std::vector<bf16> to_bf16(const std::vector<float>& x) {
+  std::vector<bf16> r;
+  for (float f : x) r.push_back(cuda::to_bf16(f));
+  return r;
+}
+
+// C's padding columns [n, ldc) are what they were before the call.
+template <typename T>
+void expect_padding_untouched(const Case& g, const std::vector<T>& got,
+                              const std::vector<T>& before, const std::string& what) {
+  for (int64_t i = 0; i < g.m; ++i)
+    for (int64_t j = g.n; j < g.ldc; ++j) {
+      const size_t at = static_cast<size_t>(i * g.ldc + j);
+      ASSERT_EQ(std::memcmp(&got[at], &before[at], sizeof(T)), 0)
+          << what << ": padding column " << j << " of row " << i << " was written";
+    }
+}
+
+std::string describe(const Case& g) {
+  return fmt::format("m {} n {} k {} trans_a {} trans_b {} lda {} ldb {} ldc {}", g.m, g.n, g.k,
+                     g.ta, g.tb, g.lda, g.ldb, g.ldc);
+}
+
+// ------------------------------------------------------------ fp32 operands
+
+// gemm_bias in `mode` against the bias rows + gemm(mode, beta 1), and FP32
+// against fp64. Error model, u = 2^-24 (fp32's unit roundoff):
+// - each fp32 result is the k products and the bias summed in some order
+//   (cuBLAS's and cuBLASLt's kernels may split k differently), so it is
+//   within (k + 1) u (sum |a b| + |bias|) of the sum of those products
+//   (gamma_{k+1}, first order; an FMA only tightens it); two such results
+//   differ by at most twice that: (k + 1) 2^-23 (sum |a b| + |bias|);
+// - TF32, BF16 and FP16 round A and B inside cuBLAS's kernel. Where both
+//   kernels round to nearest the products are the same and only the sum's
+//   order differs; where one of them truncated instead (a mantissa of
+//   `unit`: tf32 and fp16 2^-10, bf16 2^-7, nearest by unit / 2), a product
+//   moves by up to 2 (unit + unit / 2) |a b|, i.e. 3 unit |a b|;
+// - fp16's subnormals (below 2^-14) lose relative precision: at most 2^-25
+//   absolute per input, 2 k 2^-25 more.
+// The test prints how much of the summation-only bound the worst element used.
+void check_gemm_bias(MathMode mode, double unit, double subnormal) {
+  const double u = std::ldexp(1.0, -24);
+  uint64_t seed = 100;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (int64_t n : {200, 123})
+        for (bool padded : {false, true}) {
+          const Case g = make_case(ta, tb, 37, n, 48, padded, seed += 10);
+          Dev<float> a(g.a), b(g.b), bias(g.bias), c(g.c), two_step(bias_rows(g, g.c, g.bias));
+          gemm_bias(ctx(), mode, ta, tb, g.m, g.n, g.k, a.p(), g.lda, b.p(), g.ldb, bias.p(),
+                    c.p(), g.ldc);
+          gemm(ctx(), mode, ta, tb, g.m, g.n, g.k, 1.0f, a.p(), g.lda, b.p(), g.ldb, 1.0f,
+               two_step.p(), g.ldc);
+          const std::vector<float> got = c.host(), want = two_step.host();
+          expect_padding_untouched(g, got, g.c, describe(g));
+          const Reference ref = reference(g);
+          const double k = static_cast<double>(g.k);
+          double worst = 0;
+          for (int64_t i = 0; i < g.m; ++i)
+            for (int64_t j = 0; j < g.n; ++j) {
+              const size_t at = static_cast<size_t>(i * g.ldc + j);
+              const double scale = ref.abs[static_cast<size_t>(i * g.n + j)];
+              const double sum_only = (k + 1) * 2 * u * scale;
+              const double bound = sum_only + 3 * unit * scale + 2 * k * subnormal;
+              const double diff = std::fabs(static_cast<double>(got[at]) - want[at]);
+              worst = std::max(worst, diff / sum_only);
+              ASSERT_LE(diff, bound) << math_mode_name(mode) << ", " << describe(g) << ", at ("
+                                     << i << ", " << j << "): gemm_bias " << got[at]
+                                     << ", bias rows + gemm " << want[at];
+              if (mode == MathMode::FP32) {
+                // One fp32 result against the exact sum: half the bound above.
+                const double exact = ref.exact[static_cast<size_t>(i * g.n + j)];
+                ASSERT_LE(std::fabs(got[at] - exact), (k + 1) * u * scale)
+                    << describe(g) << ", at (" << i << ", " << j << "): gemm_bias " << got[at]
+                    << ", exact " << exact;
+              }
+            }
+          fmt::print("{}, {}: worst element used {:.3f} of the summation-only bound\n",
+                     math_mode_name(mode), describe(g), worst);
+        }
+}
+
+TEST(CudaGemmBias, Fp32MatchesBiasRowsThenGemmAndTheExactSum) {
+  check_gemm_bias(MathMode::FP32, 0, 0);
+}
+
+TEST(CudaGemmBias, FastMathModesMatchBiasRowsThenGemm) {
+  check_gemm_bias(MathMode::TF32, std::ldexp(1.0, -10), 0);
+  check_gemm_bias(MathMode::BF16, std::ldexp(1.0, -7), 0);
+  check_gemm_bias(MathMode::FP16, std::ldexp(1.0, -10), std::ldexp(1.0, -25));
+}
+
+// ------------------------------------------------------------ bf16 operands
+
+// bf16's spacing at |v|: 2^(e - 7) for |v| in [2^e, 2^(e + 1)).
+double bf16_ulp(double v) {
+  if (v == 0) return std::ldexp(1.0, -133);  // the smallest subnormal
+  int e = 0;
+  std::frexp(v, &e);  // |v| in [2^(e - 1), 2^e)
+  return std::ldexp(1.0, e - 1 - 7);
+}
+
+// gemm_bias_bf16 against fill_rows + gemm_bf16_out (beta 1), and against
+// fp64. Both compute y = fp32 sum of the k exact products (bf16 x bf16 fits
+// fp32's mantissa) and the bias, then round y to bf16 once. Error model,
+// u = 2^-24, scale = sum |a b| + |bias|:
+// - the two fp32 sums differ by summation order only: at most
+//   (k + 1) 2^-23 scale (as above). Rounding each to bf16 gives the same
+//   value unless they straddle a rounding boundary, so most elements are
+//   bit-equal; a mismatching one is within that difference plus one bf16 ulp
+//   of the larger; and the mismatches are rare: the chance of a straddle is
+//   about the difference over an ulp (~1e-7 / 2^-9 here), so more than 1% of
+//   them means something else differs;
+// - against the exact sum: |y - exact| <= (k + 1) u scale, and rounding to
+//   nearest adds at most half an ulp, 2^-8 |y| <= 2^-8 (|exact| + that).
+TEST(CudaGemmBias, Bf16MatchesFillRowsThenGemmBf16OutAndTheExactSum) {
+  const double u = std::ldexp(1.0, -24);
+  uint64_t seed = 500;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (int64_t n : {200, 123})
+        for (bool padded : {false, true}) {
+          const Case g = rounded(make_case(ta, tb, 37, n, 48, padded, seed += 10));
+          const std::vector<bf16> c0 = to_bf16(g.c), bias0 = to_bf16(g.bias);
+          Dev<bf16> a(to_bf16(g.a)), b(to_bf16(g.b)), bias(bias0), c(c0),
+              two_step(bias_rows(g, c0, bias0));
+          gemm_bias_bf16(ctx(), ta, tb, g.m, g.n, g.k, a.p(), g.lda, b.p(), g.ldb, bias.p(), c.p(),
+                         g.ldc);
+          gemm_bf16_out(ctx(), ta, tb, g.m, g.n, g.k, 1.0f, a.p(), g.lda, b.p(), g.ldb, 1.0f,
+                        two_step.p(), g.ldc);
+          const std::vector<bf16> got = c.host(), want = two_step.host();
+          expect_padding_untouched(g, got, c0, describe(g));
+          const Reference ref = reference(g);
+          const double k = static_cast<double>(g.k);
+          int64_t mismatches = 0;
+          for (int64_t i = 0; i < g.m; ++i)
+            for (int64_t j = 0; j < g.n; ++j) {
+              const size_t at = static_cast<size_t>(i * g.ldc + j);
+              const size_t r = static_cast<size_t>(i * g.n + j);
+              const double gv = to_float(got[at]), wv = to_float(want[at]);
+              const double sum_only = (k + 1) * u * ref.abs[r];
+              if (got[at].bits != want[at].bits) {
+                ++mismatches;
+                ASSERT_LE(std::fabs(gv - wv),
+                          2 * sum_only + bf16_ulp(std::max(std::fabs(gv), std::fabs(wv))))
+                    << describe(g) << ", at (" << i << ", " << j << "): gemm_bias_bf16 " << gv
+                    << ", fill_rows + gemm_bf16_out " << wv;
+              }
+              const double exact = ref.exact[r];
+              ASSERT_LE(std::fabs(gv - exact),
+                        std::ldexp(1.0, -8) * (std::fabs(exact) + sum_only) + sum_only)
+                  << describe(g) << ", at (" << i << ", " << j << "): gemm_bias_bf16 " << gv
+                  << ", exact " << exact;
+            }
+          EXPECT_LE(mismatches, g.m * g.n / 100) << describe(g);
+          fmt::print("bf16, {}: {} of {} elements differ from the two-step path\n", describe(g),
+                     mismatches, g.m * g.n);
+        }
+}
+
+// ------------------------------------------------------------ the path taken, edges, memory
+
+// With every row stride a multiple of 16 bytes and the buffers from the
+// allocator (256-byte aligned), cuBLASLt has a bias-epilogue algorithm on
+// Hopper: the fused path runs, with no fallback counted.
+TEST(CudaGemmBias, AlignedShapesTakeTheEpilogue) {
+  const int64_t before = ctx().bias_epilogue_fallbacks();
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      const Case g = rounded(make_case(ta, tb, 64, 200, 48, false, 900));
+      Dev<float> a(g.a), b(g.b), bias(g.bias), c(g.c);
+      gemm_bias(ctx(), MathMode::FP32, ta, tb, g.m, g.n, g.k, a.p(), g.lda, b.p(), g.ldb,
+                bias.p(), c.p(), g.ldc);
+      Dev<bf16> a16(to_bf16(g.a)), b16(to_bf16(g.b)), bias16(to_bf16(g.bias)), c16(to_bf16(g.c));
+      gemm_bias_bf16(ctx(), ta, tb, g.m, g.n, g.k, a16.p(), g.lda, b16.p(), g.ldb, bias16.p(),
+                     c16.p(), g.ldc);
+      ctx().synchronize();
+    }
+  EXPECT_EQ(ctx().bias_epilogue_fallbacks(), before);
+}
+
+// k 0: every row of C is the bias, exactly (no GEMM to add); m 37 is not a
+// power of two, so the last doubling copy is a partial one. m 1 too.
+TEST(CudaGemmBias, ZeroDepthGivesTheBiasRows) {
+  for (int64_t m : {37, 1}) {
+    const Case g = rounded(make_case(false, false, m, 123, 0, true, 1000));
+    Dev<float> a(std::vector<float>(8)), b(std::vector<float>(8)), bias(g.bias), c(g.c);
+    gemm_bias(ctx(), MathMode::FP32, false, false, g.m, g.n, 0, a.p(), 1, b.p(), g.ldb, bias.p(),
+              c.p(), g.ldc);
+    const std::vector<float> got = c.host(), want = bias_rows(g, g.c, g.bias);
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0) << "m " << m;
+
+    const std::vector<bf16> c0 = to_bf16(g.c), bias0 = to_bf16(g.bias);
+    Dev<bf16> a16(std::vector<bf16>(8)), b16(std::vector<bf16>(8)), bias16(bias0), c16(c0);
+    gemm_bias_bf16(ctx(), false, false, g.m, g.n, 0, a16.p(), 1, b16.p(), g.ldb, bias16.p(),
+                   c16.p(), g.ldc);
+    const std::vector<bf16> got16 = c16.host(), want16 = bias_rows(g, c0, bias0);
+    EXPECT_EQ(std::memcmp(got16.data(), want16.data(), got16.size() * sizeof(bf16)), 0)
+        << "bf16, m " << m;
+  }
+}
+
+// m or n 0: nothing to compute, and C is not written.
+TEST(CudaGemmBias, EmptyOutputWritesNothing) {
+  const Case g = make_case(false, false, 4, 8, 8, false, 1100);
+  Dev<float> a(g.a), b(g.b), bias(g.bias), c(g.c);
+  gemm_bias(ctx(), MathMode::FP32, false, false, 0, g.n, g.k, a.p(), g.lda, b.p(), g.ldb,
+            bias.p(), c.p(), g.ldc);
+  gemm_bias(ctx(), MathMode::FP32, false, false, g.m, 0, g.k, a.p(), g.lda, b.p(), g.ldb,
+            bias.p(), c.p(), g.ldc);
+  EXPECT_EQ(c.host(), g.c);
+}
+
+// The handle and its workspace are made once per context: a second identical
+// call (the next step's) makes no cudaMalloc.
+TEST(CudaGemmBias, RepeatedCallAllocatesNothingNew) {
+  const Case g = make_case(true, false, 37, 200, 48, false, 1200);
+  Dev<float> a(g.a), b(g.b), bias(g.bias), c(g.c);
+  auto call = [&] {
+    gemm_bias(ctx(), MathMode::BF16, g.ta, g.tb, g.m, g.n, g.k, a.p(), g.lda, b.p(), g.ldb,
+              bias.p(), c.p(), g.ldc);
+    ctx().synchronize();
+  };
+  call();
+  const size_t mallocs = ctx().allocator().stats().device_mallocs;
+  call();
+  EXPECT_EQ(ctx().allocator().stats().device_mallocs, mallocs);
+}
+
+TEST(CudaGemmBias, BadInputIsRefusedNamingTheValue) {
+  const Case g = make_case(false, false, 4, 8, 8, false, 1300);
+  Dev<float> a(g.a), b(g.b), bias(g.bias), c(g.c);
+  const std::string ldc = error_message([&] {
+    gemm_bias(ctx(), MathMode::FP32, false, false, g.m, g.n, g.k, a.p(), g.lda, b.p(), g.ldb,
+              bias.p(), c.p(), 5);
+  });
+  EXPECT_TRUE(contains(ldc, "ldc (5) is less than n (8)")) << ldc;
+  const std::string neg = error_message([&] {
+    gemm_bias(ctx(), MathMode::FP32, false, false, g.m, g.n, -1, a.p(), g.lda, b.p(), g.ldb,
+              bias.p(), c.p(), g.ldc);
+  });
+  EXPECT_TRUE(contains(neg, "(4, 8, -1) must not be negative")) << neg;
+}
+
+}  // namespace
+}  // namespace weft::cuda
+#endif  // WEFT_CUDA
