@@ -3,8 +3,10 @@
 // GEMM with beta 1 (gemm, gemm_bf16_out) onto them; and against an fp64
 // reference. Every transpose combination, ragged sizes (m 37, k 48, n 200 and
 // 123), packed rows and rows padded beyond their width (the padding must stay
-// untouched). Also: k 0 (C = the bias rows), m or n 0 (nothing written), a
-// repeated call allocates nothing, and bad input is refused.
+// untouched). Also: aligned shapes take cuBLASLt's epilogue (no fallback
+// counted), an unaligned bias takes the two steps (counted, bit for bit),
+// k 0 (C = the bias rows), m or n 0 (nothing written), a repeated call
+// allocates nothing, and bad input is refused.
 // Needs a GPU; exits 77 (SKIP) without one.
 #include "weft_config.h"
 
@@ -299,6 +301,38 @@ TEST(CudaGemmBias, AlignedShapesTakeTheEpilogue) {
       ctx().synchronize();
     }
   EXPECT_EQ(ctx().bias_epilogue_fallbacks(), before);
+}
+
+// A bias that is not 16-byte aligned (here one element past an allocator
+// block) never goes to cuBLASLt: the fallback runs, is counted, and is the
+// bias rows then the very GEMM call of the two-step reference, so the result
+// is that reference bit for bit (cuBLAS gives the same bits for the same call
+// on the same GPU).
+TEST(CudaGemmBias, UnalignedBiasTakesTheTwoStepsBitForBit) {
+  const Case g = rounded(make_case(false, true, 37, 123, 48, true, 950));
+  std::vector<float> shifted = g.bias;
+  shifted.insert(shifted.begin(), 0.0f);
+  const int64_t before = ctx().bias_epilogue_fallbacks();
+
+  Dev<float> a(g.a), b(g.b), bias(shifted), c(g.c), two_step(bias_rows(g, g.c, g.bias));
+  gemm_bias(ctx(), MathMode::FP32, g.ta, g.tb, g.m, g.n, g.k, a.p(), g.lda, b.p(), g.ldb,
+            bias.p() + 1, c.p(), g.ldc);
+  gemm(ctx(), MathMode::FP32, g.ta, g.tb, g.m, g.n, g.k, 1.0f, a.p(), g.lda, b.p(), g.ldb, 1.0f,
+       two_step.p(), g.ldc);
+  const std::vector<float> got = c.host(), want = two_step.host();
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0);
+
+  const std::vector<bf16> c0 = to_bf16(g.c), bias0 = to_bf16(g.bias);
+  Dev<bf16> a16(to_bf16(g.a)), b16(to_bf16(g.b)), bias16(to_bf16(shifted)), c16(c0),
+      two_step16(bias_rows(g, c0, bias0));
+  gemm_bias_bf16(ctx(), g.ta, g.tb, g.m, g.n, g.k, a16.p(), g.lda, b16.p(), g.ldb,
+                 bias16.p() + 1, c16.p(), g.ldc);
+  gemm_bf16_out(ctx(), g.ta, g.tb, g.m, g.n, g.k, 1.0f, a16.p(), g.lda, b16.p(), g.ldb, 1.0f,
+                two_step16.p(), g.ldc);
+  const std::vector<bf16> got16 = c16.host(), want16 = two_step16.host();
+  EXPECT_EQ(std::memcmp(got16.data(), want16.data(), got16.size() * sizeof(bf16)), 0);
+
+  EXPECT_EQ(ctx().bias_epilogue_fallbacks(), before + 2);
 }
 
 // k 0: every row of C is the bias, exactly (no GEMM to add); m 37 is not a
