@@ -71,8 +71,11 @@ std::unique_ptr<LayerCtx> Linear::make_ctx() const { return std::make_unique<Ctx
 void Linear::forward(LayerCtx& ctx_, Arena&, std::span<const Tensor> in,
                      std::span<const Tensor> out) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  if (b_) ops::fill_rows(out[0], b_->value);
-  ops::gemm(in[0], false, gemm_operand(*w_, in[0].dtype()), false, out[0], 1.0f, b_ ? 1.0f : 0.0f);
+  const Tensor& w = gemm_operand(*w_, in[0].dtype());
+  if (b_)
+    ops::gemm_bias(in[0], false, w, false, b_->value, out[0]);
+  else
+    ops::gemm(in[0], false, w, false, out[0]);
   ctx.x = in[0];
 }
 

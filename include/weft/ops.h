@@ -64,6 +64,12 @@ void convert(const Tensor& src, const Tensor& dst);
 // c = alpha * op(a) op(b) + beta * c; op(x) is x or its transpose.
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,
           float alpha = 1.0f, float beta = 0.0f);
+// c = op(a) op(b) + bias (C) in every row: a linear layer's forward. On a GPU
+// one cuBLASLt GEMM adds the bias in its epilogue (a bf16 c takes the bias
+// rounded to bf16); elsewhere, and for mixed dtypes, fill_rows(c, bias) then
+// gemm(..., beta 1), which computes the same sums.
+void gemm_bias(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& bias,
+               const Tensor& c);
 // y (N, C) = row (C) in every row (a bias, before a GEMM accumulates onto it).
 void fill_rows(const Tensor& y, const Tensor& row);
 // y (N, C) += row (C) in every row.

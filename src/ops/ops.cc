@@ -280,6 +280,35 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
       });
 }
 
+void gemm_bias(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& bias,
+               const Tensor& c) {
+  const Device d = common_device("gemm_bias", {&a, &b, &bias, &c});
+  const int64_t ar = a.shape().rows(), ac = a.shape().last();
+  const int64_t br = b.shape().rows(), bc = b.shape().last();
+  const int64_t m = trans_a ? ac : ar, k = trans_a ? ar : ac;
+  const int64_t kb = trans_b ? bc : br, n = trans_b ? br : bc;
+  check(k == kb && c.shape().rows() == m && c.shape().last() == n,
+        "gemm_bias: op(a) is ({}, {}), op(b) ({}, {}), c {}: the shapes do not chain", m, k, kb,
+        n, c.shape().str());
+  check_numel("gemm_bias", "bias", bias, n);
+  const bool fp32 = is_f32(a) && is_f32(b) && is_f32(bias) && is_f32(c);
+  const bool bf16 = is_bf16(a) && is_bf16(b) && is_f32(bias) && is_bf16(c);
+  if ((fp32 || bf16) && on_gpu(d, "gemm_bias", [&](auto& cx) {
+        if (fp32) {
+          cuda::gemm_bias(cx, math_mode(d), trans_a, trans_b, m, n, k, f(a), ac, f(b), bc,
+                          f(bias), fw(c), n);
+          return;
+        }
+        const Tensor bias16 = Tensor::empty(bias.shape(), DType::BF16, d);
+        convert(bias, bias16);  // as fill_rows rounds it into a bf16 c
+        cuda::gemm_bias_bf16(cx, trans_a, trans_b, m, n, k, b16(a), ac, b16(b), bc, b16(bias16),
+                             b16w(c), n);
+      }))
+    return;
+  fill_rows(c, bias);
+  gemm(a, trans_a, b, trans_b, c, 1.0f, 1.0f);
+}
+
 void fill_rows(const Tensor& y, const Tensor& row) {
   if (any_bf16({&y, &row})) {
     if (is_bf16(y) && is_f32(row) && y.shape().last() == row.numel() &&
