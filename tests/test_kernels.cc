@@ -680,7 +680,8 @@ TEST(Determinism, WeightReductionsAreBitwiseIdenticalAcrossThreadCounts) {
 TEST(Ops, EmbeddingSlicesSumToTheWholeTable) {
   const int64_t b = 2, t = 5, c = 6, v = 12, parts = 3, rows = v / parts;
   Tensor tok = Tensor::empty({b, t}, DType::I32);
-  for (int64_t i = 0; i < b * t; ++i) tok.data<int32_t>()[i] = static_cast<int32_t>((7 * i + 3) % v);
+  for (int64_t i = 0; i < b * t; ++i)
+    tok.data<int32_t>()[i] = static_cast<int32_t>((7 * i + 3) % v);
   Tensor wte = testing::uniform_tensor({v, c}, 1), wpe = testing::uniform_tensor({t, c}, 2);
   Tensor whole = Tensor::zeros({b, t, c});
   ops::embedding_forward(tok, wte, 0, wpe, whole);
@@ -702,7 +703,8 @@ TEST(Ops, EmbeddingSlicesSumToTheWholeTable) {
     ops::embedding_backward(tok, dy, part, p * rows, pos);
     for (int64_t i = 0; i < part.numel(); ++i)
       ASSERT_EQ(part.data<float>()[i], dwte.data<float>()[p * rows * c + i]) << "slice " << p;
-    for (int64_t i = 0; i < pos.numel(); ++i) ASSERT_EQ(pos.data<float>()[i], dwpe.data<float>()[i]);
+    for (int64_t i = 0; i < pos.numel(); ++i)
+      ASSERT_EQ(pos.data<float>()[i], dwpe.data<float>()[i]);
   }
 }
 
@@ -765,7 +767,8 @@ TEST(Bf16Activations, ElementwiseOpsRoundTheirFp32ResultOnce) {
   ops::gelu_forward(xb, yb);
   Vec got = floats_of(yb);
   for (int64_t i = 0; i < n * c; ++i) {
-    const double u = x[z(i)], g = 0.5 * u * (1 + std::tanh(0.7978845608028654 * (u + 0.044715 * u * u * u)));
+    const double u = x[z(i)],
+                 g = 0.5 * u * (1 + std::tanh(0.7978845608028654 * (u + 0.044715 * u * u * u)));
     // Half a bf16 ulp (<= 2^-8 relative) from one rounding, plus fp32's tanh error.
     EXPECT_NEAR(got[z(i)], g, std::ldexp(std::abs(g), -8) + 1e-6) << "gelu " << i;
     EXPECT_EQ(got[z(i)], round_to_bf16(got[z(i)])) << "gelu " << i << " is not a bf16 value";

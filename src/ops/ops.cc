@@ -470,7 +470,8 @@ void layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, const 
                }))
       return;
     Widen wd;
-    layernorm_forward(wd.in(x), wd.in(w), wd.in(b), wd.out(y, false), wd.out(mean, false), wd.out(rstd, false), eps);
+    layernorm_forward(wd.in(x), wd.in(w), wd.in(b), wd.out(y, false), wd.out(mean, false),
+                      wd.out(rstd, false), eps);
     return wd.commit();
   }
   const Device d = common_device("layernorm_forward", {&x, &w, &b, &y, &mean, &rstd});
@@ -495,7 +496,8 @@ void layernorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w
                }))
       return;
     Widen wd;
-    layernorm_backward_input(wd.in(dy), wd.in(x), wd.in(w), wd.in(mean), wd.in(rstd), wd.out(dx, true));
+    layernorm_backward_input(wd.in(dy), wd.in(x), wd.in(w), wd.in(mean), wd.in(rstd),
+                             wd.out(dx, true));
     return wd.commit();
   }
   const Device d = common_device("layernorm_backward_input", {&dy, &x, &w, &mean, &rstd, &dx});
@@ -521,7 +523,8 @@ void layernorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& 
                }))
       return;
     Widen wd;
-    layernorm_backward_weight(wd.in(dy), wd.in(x), wd.in(mean), wd.in(rstd), wd.out(dw, true), wd.out(db, true));
+    layernorm_backward_weight(wd.in(dy), wd.in(x), wd.in(mean), wd.in(rstd), wd.out(dw, true),
+                              wd.out(db, true));
     return wd.commit();
   }
   const Device d = common_device("layernorm_backward_weight", {&dy, &x, &mean, &rstd, &dw, &db});
@@ -566,7 +569,9 @@ void rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w,
   on_device(
       d, "rmsnorm_backward_input",
       [&] { cpu::rmsnorm_backward_input(f(dy), f(x), f(w), f(rstd), fw(dx), n, c); },
-      [&](auto& cx) { cuda::rmsnorm_backward_input(cx, f(dy), f(x), f(w), f(rstd), fw(dx), n, c); });
+      [&](auto& cx) {
+        cuda::rmsnorm_backward_input(cx, f(dy), f(x), f(w), f(rstd), fw(dx), n, c);
+      });
 }
 
 void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rstd,
@@ -728,7 +733,8 @@ void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& pro
                         const Tensor& dqkv, const Tensor& scratch, int64_t heads, int64_t groups) {
   if (any_bf16({&dout, &qkv, &probs, &dqkv, &scratch})) {
     Widen wd;
-    attention_backward(wd.in(dout), wd.in(qkv), wd.in(probs), wd.out(dqkv, true), wd.out(scratch, false), heads, groups);
+    attention_backward(wd.in(dout), wd.in(qkv), wd.in(probs), wd.out(dqkv, true),
+                       wd.out(scratch, false), heads, groups);
     return wd.commit();
   }
   const Device d = common_device("attention_backward", {&dout, &qkv, &probs, &dqkv, &scratch});
@@ -736,8 +742,9 @@ void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& pro
   const int64_t b = qkv.dim(0), t = qkv.dim(1);
   check_numel("attention_backward", "dout", dout, b * t * heads * hd);
   check_numel("attention_backward", "dqkv", dqkv, qkv.numel());
-  check(scratch.numel() >= b * heads * t * t, "attention_backward: scratch holds {} floats, needs {}",
-        scratch.numel(), b * heads * t * t);
+  check(scratch.numel() >= b * heads * t * t,
+        "attention_backward: scratch holds {} floats, needs {}", scratch.numel(),
+        b * heads * t * t);
   on_device(
       d, "attention_backward",
       [&] {

@@ -26,32 +26,18 @@
 #include <cstdint>
 #include <vector>
 
+#include "cuda_test_util.h"
 #include "test_util.h"
 
 namespace weft::cuda {
 namespace {
 
+using test_util::Dev;
+using test_util::expect_within;
+
 using weft::testing::uniform;
 
 Context& ctx() { return context(0); }
-
-// Device copy of host values, and back.
-template <typename T>
-class Dev {
- public:
-  explicit Dev(const std::vector<T>& host) : buf_(ctx(), static_cast<int64_t>(host.size())) {
-    upload(ctx(), buf_.data(), host.data(), buf_.bytes());
-  }
-  T* p() const { return buf_.data(); }
-  std::vector<T> host() const {
-    std::vector<T> h(static_cast<size_t>(buf_.size()));
-    download(ctx(), h.data(), buf_.data(), buf_.bytes());
-    return h;
-  }
-
- private:
-  DeviceBuffer<T> buf_;
-};
 
 // Uniform values in [lo, hi) rounded to bf16.
 std::vector<bf16> bf16_uniform(int64_t n, uint64_t seed, float lo = -1.0f, float hi = 1.0f) {
@@ -91,28 +77,6 @@ void expect_same_bits(const std::vector<float>& got, const std::vector<float>& w
   EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size()
                      << " elements differ from the fp32 kernel's; first at " << first << ": got "
                      << got[first] << ", fp32 kernel " << want[first];
-}
-
-// Counts the elements outside their bound and reports the worst.
-void expect_within(const std::vector<float>& got, const std::vector<float>& want,
-                   const std::vector<double>& bound, const char* what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  ASSERT_EQ(bound.size(), want.size()) << what;
-  size_t bad = 0, worst = 0;
-  double worst_ratio = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double err = std::abs(static_cast<double>(got[i]) - static_cast<double>(want[i]));
-    const double ratio = err / bound[i];
-    if (!(ratio <= 1.0)) ++bad;  // NaN counts
-    if (!(ratio <= worst_ratio)) {
-      worst_ratio = ratio;
-      worst = i;
-    }
-  }
-  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size()
-                     << " elements outside the bound; worst at " << worst << ": got " << got[worst]
-                     << ", want " << want[worst] << ", bound " << bound[worst] << " (error / bound "
-                     << worst_ratio << ")";
 }
 
 // ---------------------------------------------------------------- LayerNorm

@@ -46,10 +46,13 @@
 #include <cmath>
 #include <vector>
 
+#include "cuda_test_util.h"
 #include "test_util.h"
 
 namespace weft {
 namespace {
+
+using cuda::test_util::expect_within;
 
 using weft::testing::contains;
 using weft::testing::error_message;
@@ -175,27 +178,6 @@ Reference reference(const Case& k, const std::vector<float>& qkv, const std::vec
     r.dqkv_bound[i] = kSecondOrder * (r.dqkv_bound[i] + kU * std::abs(x - init)) + 1e-6 * (x + init);
   }
   return r;
-}
-
-// Counts the elements outside their bound and reports the worst.
-void expect_within(const std::vector<float>& got, const std::vector<float>& want,
-                   const std::vector<double>& bound, const char* what) {
-  ASSERT_EQ(got.size(), want.size());
-  size_t bad = 0, worst = 0;
-  double worst_ratio = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double err = std::abs(static_cast<double>(got[i]) - static_cast<double>(want[i]));
-    const double ratio = err / bound[i];
-    if (!(ratio <= 1.0)) ++bad;  // NaN counts
-    if (!(ratio <= worst_ratio)) {
-      worst_ratio = ratio;
-      worst = i;
-    }
-  }
-  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size()
-                     << " elements outside the bf16 bound; worst at " << worst << ": got "
-                     << got[worst] << ", want " << want[worst] << ", bound " << bound[worst]
-                     << " (error / bound " << worst_ratio << ")";
 }
 
 void check_case(const Case& k) {

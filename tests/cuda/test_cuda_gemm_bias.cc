@@ -24,34 +24,19 @@
 #include <string>
 #include <vector>
 
+#include "cuda_test_util.h"
 #include "test_util.h"
 
 namespace weft::cuda {
 namespace {
+
+using test_util::Dev;
 
 using weft::testing::contains;
 using weft::testing::error_message;
 using weft::testing::uniform;
 
 Context& ctx() { return context(0); }
-
-// Device copy of host values, and back.
-template <typename T>
-class Dev {
- public:
-  explicit Dev(const std::vector<T>& host) : buf_(ctx(), static_cast<int64_t>(host.size())) {
-    upload(ctx(), buf_.data(), host.data(), buf_.bytes());
-  }
-  T* p() const { return buf_.data(); }
-  std::vector<T> host() const {
-    std::vector<T> h(static_cast<size_t>(buf_.size()));
-    download(ctx(), h.data(), buf_.data(), buf_.bytes());
-    return h;
-  }
-
- private:
-  DeviceBuffer<T> buf_;
-};
 
 // One bias GEMM's operands, row-major, host side. With `padded`, every row
 // is wider than its logical width (ld > cols), so strides are exercised and

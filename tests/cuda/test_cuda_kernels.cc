@@ -23,10 +23,13 @@
 #include <cstdio>
 #include <vector>
 
+#include "cuda_test_util.h"
 #include "test_util.h"
 
 namespace weft::cuda {
 namespace {
+
+using test_util::Dev;
 
 using weft::testing::contains;
 using weft::testing::error_message;
@@ -37,24 +40,6 @@ constexpr double kFp32 = 1e-5;
 constexpr double kTf32 = 5e-3;
 
 Context& ctx() { return context(0); }
-
-// Device copy of host values, and back.
-template <typename T>
-class Dev {
- public:
-  explicit Dev(const std::vector<T>& host) : buf_(ctx(), static_cast<int64_t>(host.size())) {
-    upload(ctx(), buf_.data(), host.data(), buf_.bytes());
-  }
-  T* p() const { return buf_.data(); }
-  std::vector<T> host() const {
-    std::vector<T> h(static_cast<size_t>(buf_.size()));
-    download(ctx(), h.data(), buf_.data(), buf_.bytes());
-    return h;
-  }
-
- private:
-  DeviceBuffer<T> buf_;
-};
 
 double rel(const std::vector<float>& got, const std::vector<float>& want) {
   EXPECT_EQ(got.size(), want.size());
