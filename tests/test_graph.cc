@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
 #include "layers/linear.h"
 #include "layers/residual.h"
 #include "models/gpt.h"
@@ -82,6 +84,36 @@ TEST(Graph, ActivationDtypeTypesTheValuesBetweenNodes) {
       EXPECT_EQ(v.dtype, DType::F32) << v.name;
     }
   EXPECT_THROW(m.graph.set_activation_dtype(DType::I32), Error);
+}
+
+// What a forward holds in its arena with bf16 activations: every value
+// between nodes at half its fp32 bytes, and everything else (the norms'
+// statistics, attention's probabilities, the logits, the inputs, the loss)
+// as in fp32. Predicted from the graph's shapes to the byte: the arena
+// rounds each tensor up to its 64-byte alignment (Arena::bytes_for).
+TEST(Graph, Bf16ActivationsHalveTheValuesAForwardHolds) {
+  auto forward_bytes = [](DType acts, size_t* between_fp32, size_t* between_bf16) {
+    GptModel m = build_gpt(gpt_preset("toy"), 2);
+    init_gpt(m, 1);
+    m.graph.set_activation_dtype(acts);
+    *between_fp32 = *between_bf16 = 0;
+    for (const Value& v : m.graph.values())
+      if (v.producer >= 0 && !v.consumers.empty()) {
+        *between_fp32 += Arena::bytes_for(v.shape, DType::F32);
+        *between_bf16 += Arena::bytes_for(v.shape, DType::BF16);
+      }
+    MicroBatch mb(m.graph);
+    mb.input(m.tokens).zero_();
+    mb.input(m.targets).zero_();
+    forward(m.graph, mb, 0, static_cast<int>(m.graph.nodes().size()));
+    return mb.arena().used();
+  };
+  size_t f32 = 0, b16 = 0;
+  const size_t fp32 = forward_bytes(DType::F32, &f32, &b16);
+  const size_t bf16 = forward_bytes(DType::BF16, &f32, &b16);
+  EXPECT_EQ(bf16, fp32 - f32 + b16);
+  std::printf("toy, B 2: a forward holds %zu bytes in fp32, %zu with bf16 activations\n", fp32,
+              bf16);
 }
 
 TEST(Graph, ShapeErrorsNameTheNodeAndShapes) {
