@@ -243,6 +243,32 @@ TEST(MpiMixedPrecision, Fp16AtDp2Pp2SkipsWhereOneProcessDoes) {
   EXPECT_FALSE(one.records.back().value("skipped", false)) << "the scale never fitted";
 }
 
+// --bf16 on real processes at dp 2 x pp 2: the stages send bf16 activations
+// through MPI, the same bytes one process keeps, so the losses and norms are
+// one process's to test_precision's bounds for the threads' layouts (1e-5
+// for the losses, 1e-4 for the norms after the first update).
+TEST(MpiMixedPrecision, Bf16ActivationsAtDp2Pp2GiveOneProcessRun) {
+  const std::string dir = testing::temp_dir("mpi-bf16");
+  std::string text;
+  for (int i = 0; i < 60; ++i) text += "It is a truth universally acknowledged, that a single. ";
+  testing::write_file(dir + "/text.txt", text);
+  const std::string flags =
+      "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+      "--micro-batch-size 1 --global-batch-size 4 --train-iters 5 --lr 3e-3 --bf16 "
+      "--threads 1 --comm-timeout 60 --data-path " + dir + "/text.txt";
+  const testing::TrainRun one = testing::run_train_gpt(1, flags, dir);
+  ASSERT_TRUE(one.ok) << one.output;
+  const testing::TrainRun four = testing::run_train_gpt(4, flags + " --pp 2", dir);
+  ASSERT_TRUE(four.ok) << four.command << "\n" << four.output;
+  ASSERT_EQ(four.records.size(), one.records.size());
+  for (size_t s = 0; s < one.records.size(); ++s) {
+    const double loss = one.records[s]["loss"], norm = one.records[s]["grad_norm"];
+    EXPECT_NEAR(four.records[s]["loss"].get<double>(), loss, 1e-5 * loss) << "step " << s + 1;
+    EXPECT_NEAR(four.records[s]["grad_norm"].get<double>(), norm, (s == 0 ? 1e-5 : 1e-4) * norm)
+        << "step " << s + 1;
+  }
+}
+
 // Polls `done` every 20 ms for up to two minutes; its last answer.
 bool wait_for(const std::function<bool()>& done) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
