@@ -26,6 +26,7 @@ class Linear final : public Layer {
   std::vector<Param*> params() const override;
   double flops(std::span<const Shape> in) const override;
   std::unique_ptr<LayerCtx> make_ctx() const override;
+  bool writes_input_grad(size_t) const override { return true; }
   ParallelRole role() const { return role_; }
   // The widths of the output's packed blocks.
   const std::vector<int64_t>& out_blocks() const { return out_blocks_; }

@@ -20,10 +20,18 @@ void Residual::forward(LayerCtx&, Arena&, std::span<const Tensor> in,
   ops::add(out[0], in[1]);
 }
 
-void Residual::backward_input(LayerCtx&, Arena&, std::span<const Tensor> grad_out,
+// In input order: where both inputs are one value, the first copies and the
+// second adds.
+void Residual::backward_input(LayerCtx& ctx, Arena&, std::span<const Tensor> grad_out,
                               std::span<const Tensor> grad_in) {
-  for (const Tensor& g : grad_in)
-    if (g.defined()) ops::add(g, grad_out[0]);
+  for (size_t i = 0; i < grad_in.size(); ++i) {
+    const Tensor& g = grad_in[i];
+    if (!g.defined()) continue;
+    if (ctx.fresh_grads_in & (1u << i))
+      g.copy_from(grad_out[0]);
+    else
+      ops::add(g, grad_out[0]);
+  }
 }
 
 }  // namespace weft

@@ -116,6 +116,36 @@ TEST(Graph, Bf16ActivationsHalveTheValuesAForwardHolds) {
               bf16);
 }
 
+// Gradients that a layer writes whole (linear layers, residual adds) get
+// uninitialised buffers: the second pass through one MicroBatch reuses the
+// first pass's arena, whose bytes hold the first pass's gradients at the
+// same places, so a layer that added to its fresh buffer instead of writing
+// it would give twice the gradients. Both passes must agree bit for bit.
+TEST(Graph, FreshGradientBuffersAreWrittenNotAddedTo) {
+  GptModel m = build_gpt(gpt_preset("toy"), 2);
+  init_gpt(m, 3);
+  MicroBatch mb(m.graph);
+  const int n = static_cast<int>(m.graph.nodes().size());
+  // Three passes: the first reset() replaces the arena's blocks by one (new
+  // memory, zeros from the system); the third pass reuses the second's bytes.
+  std::vector<std::vector<float>> grads[3];
+  for (auto& pass : grads) {
+    for (Param* p : m.graph.params()) p->grad.zero_();
+    for (int v : {m.tokens, m.targets}) {
+      Tensor t = mb.input(v);
+      for (int64_t i = 0; i < t.numel(); ++i) t.data<int32_t>()[i] = static_cast<int32_t>(i % 50);
+    }
+    forward(m.graph, mb, 0, n);
+    mb.seed_grad(m.io.loss, 1.0f);
+    backward(m.graph, mb, 0, n);
+    for (Param* p : m.graph.params())
+      pass.emplace_back(p->grad.data<float>(), p->grad.data<float>() + p->grad.numel());
+    mb.reset();
+  }
+  EXPECT_EQ(grads[0], grads[1]);
+  EXPECT_EQ(grads[0], grads[2]);
+}
+
 TEST(Graph, ShapeErrorsNameTheNodeAndShapes) {
   auto ps = std::make_shared<ParamStore>();
   Graph g(ps);

@@ -34,6 +34,12 @@ struct TpBuild;  // weft/tensor_parallel.h
 // What a layer saves between forward and backward; subclassed per layer.
 struct LayerCtx {
   virtual ~LayerCtx() = default;
+  // Bit i: the gradient buffer of input i is new to this backward_input and
+  // uninitialised, so the layer writes it rather than adding to it. Set by
+  // the runner, only for inputs the layer says it writes whole
+  // (Layer::writes_input_grad); 0 everywhere else, as when a layer is
+  // called directly: then every gradient is accumulated into.
+  uint32_t fresh_grads_in = 0;
 };
 
 class Layer {
@@ -57,6 +63,10 @@ class Layer {
   virtual void backward_input(LayerCtx& ctx, Arena& arena, std::span<const Tensor> grad_out,
                               std::span<const Tensor> grad_in) = 0;
   virtual void backward_weight(LayerCtx& /*ctx*/, Arena& /*arena*/) {}
+  // Whether backward_input, given a fresh buffer for input i's gradient
+  // (LayerCtx::fresh_grads_in), writes all of it. Then the runner need not
+  // zero it first: a memset and an extra read of every such gradient saved.
+  virtual bool writes_input_grad(size_t /*i*/) const { return false; }
 
   // This layer's form on one rank of a tensor-parallel group: the graph stays
   // logical, and a stage is instantiated per rank from it

@@ -54,6 +54,7 @@ class MicroBatch {
   friend void backward_input(const Graph&, MicroBatch&, int);
   friend void backward_weight(const Graph&, MicroBatch&, int);
   Tensor zero_grad(const Shape& shape);
+  Tensor new_grad(const Shape& shape);  // uninitialised, for a layer that writes it whole
   const Graph* graph_;
   Device device_;
   Arena arena_;

@@ -47,6 +47,11 @@ Tensor MicroBatch::zero_grad(const Shape& shape) {
   return Tensor::zeros(shape, DType::F32, device_);
 }
 
+Tensor MicroBatch::new_grad(const Shape& shape) {
+  if (device_.is_cpu()) return arena_.alloc(shape);
+  return Tensor::empty(shape, DType::F32, device_);
+}
+
 void MicroBatch::reset() {
   for (auto& t : values_) t = Tensor();
   for (auto& t : grads_) t = Tensor();
@@ -101,15 +106,28 @@ void backward_input(const Graph& g, MicroBatch& mb, int n) {
     if (!gr.defined()) gr = mb.zero_grad(g.values()[static_cast<size_t>(v)].shape);
     mb.out_buf_.push_back(gr);
   }
-  mb.in_buf_.clear();  // gradients of the inputs, accumulated into
-  for (int v : node.inputs) {
-    const Value& val = g.values()[static_cast<size_t>(v)];
-    Tensor& gr = mb.grads_[static_cast<size_t>(v)];
-    if (val.requires_grad && !gr.defined()) gr = mb.zero_grad(val.shape);
+  // Gradients of the inputs, accumulated into. The first node to reach a
+  // value (its last reader) gets a fresh buffer: uninitialised where the
+  // layer writes it whole (Layer::writes_input_grad), zeros otherwise.
+  mb.in_buf_.clear();
+  uint32_t fresh = 0;
+  for (size_t i = 0; i < node.inputs.size(); ++i) {
+    const Value& val = g.values()[static_cast<size_t>(node.inputs[i])];
+    Tensor& gr = mb.grads_[static_cast<size_t>(node.inputs[i])];
+    if (val.requires_grad && !gr.defined()) {
+      if (i < 32 && node.layer->writes_input_grad(i)) {
+        gr = mb.new_grad(val.shape);
+        fresh |= 1u << i;
+      } else {
+        gr = mb.zero_grad(val.shape);
+      }
+    }
     mb.in_buf_.push_back(val.requires_grad ? gr : Tensor());
   }
-  node.layer->backward_input(*mb.ctx_[static_cast<size_t>(n)], mb.arena_, mb.out_buf_,
-                             mb.in_buf_);
+  LayerCtx& ctx = *mb.ctx_[static_cast<size_t>(n)];
+  ctx.fresh_grads_in = fresh;
+  node.layer->backward_input(ctx, mb.arena_, mb.out_buf_, mb.in_buf_);
+  ctx.fresh_grads_in = 0;
 }
 
 void backward_weight(const Graph& g, MicroBatch& mb, int n) {
