@@ -76,11 +76,13 @@ void CausalSelfAttention::backward_input(LayerCtx& ctx_, Arena& arena,
                                          std::span<const Tensor> grad_in) {
   auto& ctx = static_cast<Ctx&>(ctx_);
   if (!grad_in[0].defined()) return;
+  const bool fresh = ctx.fresh_grads_in & 1u;  // then write dqkv, not add to it
   if (ctx.fused) {
     ops::attention_backward_fused(grad_out[0], ctx.qkv, ctx.out, ctx.lse, grad_in[0], heads_,
-                                  groups_);
+                                  groups_, !fresh);
     return;
   }
+  if (fresh) grad_in[0].zero_();  // the unfused backward only adds
   const int64_t b = ctx.qkv.dim(0), t = ctx.qkv.dim(1);
   Tensor scratch = arena.alloc({b, heads_, t, t});
   ops::attention_backward(grad_out[0], ctx.qkv, ctx.probs, grad_in[0], scratch, heads_, groups_);

@@ -31,6 +31,7 @@ class CausalSelfAttention final : public Layer {
   std::vector<Shape> output_shapes(std::span<const Shape> in) const override;
   double flops(std::span<const Shape> in) const override;
   std::unique_ptr<LayerCtx> make_ctx() const override;
+  bool writes_input_grad(size_t) const override { return true; }
   int64_t heads() const { return heads_; }
   int64_t groups() const { return groups_; }
   std::unique_ptr<Layer> tensor_parallel(TpBuild& build) const override;

@@ -29,7 +29,7 @@ void Gelu::backward_input(LayerCtx& ctx, Arena&, std::span<const Tensor> grad_ou
                           std::span<const Tensor> grad_in) {
   if (!grad_in[0].defined()) return;
   const Tensor& x = static_cast<Ctx&>(ctx).x;
-  ops::gelu_backward(grad_out[0], x, grad_in[0]);
+  ops::gelu_backward(grad_out[0], x, grad_in[0], !(ctx.fresh_grads_in & 1u));
 }
 
 }  // namespace weft

@@ -11,6 +11,7 @@ class Gelu final : public Layer {
   std::vector<Shape> output_shapes(std::span<const Shape> in) const override;
   double flops(std::span<const Shape> in) const override { return 10.0 * in[0].numel(); }
   std::unique_ptr<LayerCtx> make_ctx() const override;
+  bool writes_input_grad(size_t) const override { return true; }
   // Element-wise: the same layer on whatever slice the rank holds.
   std::unique_ptr<Layer> tensor_parallel(TpBuild& build) const override;
 

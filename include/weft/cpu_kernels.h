@@ -65,7 +65,8 @@ void rope_backward(const float* dy, float* dx, int64_t b, int64_t t, int64_t h, 
 
 // --- tanh-approximated GELU, element-wise over n values. ---
 void gelu_forward(const float* x, float* y, int64_t n);
-void gelu_backward(const float* dy, const float* x, float* dx, int64_t n);  // dx += ...
+// dx += dy gelu'(x); with accumulate false, dx = dy gelu'(x) (dx's old bytes unread).
+void gelu_backward(const float* dy, const float* x, float* dx, int64_t n, bool accumulate = true);
 
 // --- bias helpers ---
 void fill_rows(float* y, const float* row, int64_t n, int64_t c);       // y (N,C) = row

@@ -128,7 +128,8 @@ void rope_backward(const Tensor& dy, const Tensor& dqkv, int64_t heads, int64_t 
 // --- tanh-approximated GELU ---
 
 void gelu_forward(const Tensor& x, const Tensor& y);
-void gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx);  // dx +=
+// dx += dy gelu'(x); with accumulate false, dx = dy gelu'(x), its old bytes unread.
+void gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx, bool accumulate = true);
 
 // --- causal self-attention on a packed qkv (B, T, (H + 2G) D) -> out (B, T, H D) ---
 // H = heads query heads share G = groups key/value heads (G = H: multi-head).
@@ -164,10 +165,11 @@ bool attention_uses_fused(Device device, int64_t head_size);
 // of each row of the scaled, causally masked scores, all the backward needs.
 void attention_forward_fused(const Tensor& qkv, const Tensor& out, const Tensor& lse,
                              int64_t heads, int64_t groups);
-// dqkv += gradient; out and lse as attention_forward_fused left them.
+// dqkv += gradient (= with accumulate false: dqkv's old bytes unread); out
+// and lse as attention_forward_fused left them.
 void attention_backward_fused(const Tensor& dout, const Tensor& qkv, const Tensor& out,
                               const Tensor& lse, const Tensor& dqkv, int64_t heads,
-                              int64_t groups);
+                              int64_t groups, bool accumulate = true);
 
 // --- token and position embedding over a vocabulary slice ---
 // wte holds the rows of tokens [first, first + wte.rows); a token outside

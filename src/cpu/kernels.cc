@@ -225,7 +225,7 @@ void gelu_forward(const float* x, float* y, int64_t n) {
   }
 }
 
-void gelu_backward(const float* dy, const float* x, float* dx, int64_t n) {
+void gelu_backward(const float* dy, const float* x, float* dx, int64_t n, bool accumulate) {
   int64_t chunks = (n + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static)
   for (int64_t ch = 0; ch < chunks; ++ch) {
@@ -235,7 +235,10 @@ void gelu_backward(const float* dy, const float* x, float* dx, int64_t n) {
     ArrayF t = (kGeluScale * xv * (1.0f + kGeluCubic * x2)).tanh();
     ArrayF dudx = kGeluScale * (1.0f + 3.0f * kGeluCubic * x2);
     ArrayF grad = 0.5f * (1.0f + t) + 0.5f * xv * (1.0f - t.square()) * dudx;
-    MapF(dx + b, len) += CMapF(dy + b, len) * grad;
+    if (accumulate)
+      MapF(dx + b, len) += CMapF(dy + b, len) * grad;
+    else
+      MapF(dx + b, len) = CMapF(dy + b, len) * grad;
   }
 }
 

@@ -250,7 +250,7 @@ void forward_core(Context& ctx, const Key& k, const bf16* qkv16, bf16* o16, floa
 // The backward on bf16 qkv16 and o16: dout rounded to bf16, the bf16
 // gradient added into the fp32 dqkv.
 void backward_core(Context& ctx, const Key& k, const float* dout, const bf16* qkv16,
-                   const bf16* o16, const float* lse, float* dqkv) {
+                   const bf16* o16, const float* lse, float* dqkv, bool accumulate) {
   const int64_t n_qkv = qkv_size(k), n_out = out_size(k);
   DeviceBuffer<bf16> do16(ctx, n_out), dqkv16(ctx, n_qkv);
   to_bf16(ctx, dout, do16.data(), n_out);
@@ -272,7 +272,10 @@ void backward_core(Context& ctx, const Key& k, const float* dout, const bf16* qk
          {kDV, dbase + (k.h + k.g) * k.d}},
         "backward");
   }
-  add_bf16(ctx, dqkv16.data(), dqkv, n_qkv);
+  if (accumulate)
+    add_bf16(ctx, dqkv16.data(), dqkv, n_qkv);
+  else
+    to_float(ctx, dqkv16.data(), dqkv, n_qkv);  // a fresh dqkv: written, not read
 }
 
 }  // namespace
@@ -299,24 +302,24 @@ void fused_attention_forward(Context& ctx, const bf16* qkv, bf16* out, float* ls
 
 void fused_attention_backward(Context& ctx, const float* dout, const float* qkv, const float* out,
                               const float* lse, float* dqkv, int64_t b, int64_t t, int64_t h,
-                              int64_t g, int64_t d) {
+                              int64_t g, int64_t d, bool accumulate) {
   const Key k = key_of(b, t, h, g, d);
   ctx.make_current();
   const int64_t n_qkv = qkv_size(k), n_out = out_size(k);
   DeviceBuffer<bf16> qkv16(ctx, n_qkv), o16(ctx, n_out);
   to_bf16(ctx, qkv, qkv16.data(), n_qkv);
   to_bf16(ctx, out, o16.data(), n_out);
-  backward_core(ctx, k, dout, qkv16.data(), o16.data(), lse, dqkv);
+  backward_core(ctx, k, dout, qkv16.data(), o16.data(), lse, dqkv, accumulate);
 }
 
 void fused_attention_backward(Context& ctx, const float* dout, const bf16* qkv, const bf16* out,
                               const float* lse, float* dqkv, int64_t b, int64_t t, int64_t h,
-                              int64_t g, int64_t d) {
+                              int64_t g, int64_t d, bool accumulate) {
   const Key k = key_of(b, t, h, g, d);
   check_aligned(qkv, "qkv", k);
   check_aligned(out, "out", k);
   ctx.make_current();
-  backward_core(ctx, k, dout, qkv, out, lse, dqkv);
+  backward_core(ctx, k, dout, qkv, out, lse, dqkv, accumulate);
 }
 
 size_t fused_attention_graphs(Context& ctx) {

@@ -135,15 +135,17 @@ void gelu_forward(Context& ctx, const bf16* x, bf16* y, int64_t n) {
   WEFT_LAUNCH_CHECK("gelu_forward (bf16)");
 }
 
-void gelu_backward(Context& ctx, const float* dy, const float* x, float* dx, int64_t n) {
+void gelu_backward(Context& ctx, const float* dy, const float* x, float* dx, int64_t n,
+                   bool accumulate) {
   if (n == 0) return;
-  launch::gelu_backward(prepare(ctx), dy, x, dx, n);
+  launch::gelu_backward(prepare(ctx), dy, x, dx, n, accumulate);
   WEFT_LAUNCH_CHECK("gelu_backward");
 }
 
-void gelu_backward(Context& ctx, const float* dy, const bf16* x, float* dx, int64_t n) {
+void gelu_backward(Context& ctx, const float* dy, const bf16* x, float* dx, int64_t n,
+                   bool accumulate) {
   if (n == 0) return;
-  launch::gelu_backward(prepare(ctx), dy, raw(x), dx, n);
+  launch::gelu_backward(prepare(ctx), dy, raw(x), dx, n, accumulate);
   WEFT_LAUNCH_CHECK("gelu_backward (bf16)");
 }
 

@@ -282,15 +282,17 @@ __global__ void gelu_forward_kernel(const X* x, Y* y, int64_t n) {
   }
 }
 
+// dx += dy gelu'(x), or dx = dy gelu'(x) (dx unread) without accumulate.
 template <class X>
-__global__ void gelu_backward_kernel(const float* dy, const X* x, float* dx, int64_t n) {
+__global__ void gelu_backward_kernel(const float* dy, const X* x, float* dx, int64_t n,
+                                     bool accumulate) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
     const float xi = load(x, i), x2 = xi * xi;
     const float t = tanhf(kGeluScale * xi * (1.0f + kGeluCubic * x2));
     const float dudx = kGeluScale * (1.0f + 3.0f * kGeluCubic * x2);
     const float grad = 0.5f * (1.0f + t) + 0.5f * xi * (1.0f - t * t) * dudx;
-    dx[i] += dy[i] * grad;
+    dx[i] = accumulate ? dx[i] + dy[i] * grad : dy[i] * grad;
   }
 }
 
@@ -731,12 +733,14 @@ void gelu_forward(cudaStream_t s, const uint16_t* x, uint16_t* y, int64_t n) {
   gelu_forward_kernel<<<blocks_for(n), kThreads, 0, s>>>(bf(x), bf(y), n);
 }
 
-void gelu_backward(cudaStream_t s, const float* dy, const float* x, float* dx, int64_t n) {
-  gelu_backward_kernel<<<blocks_for(n), kThreads, 0, s>>>(dy, x, dx, n);
+void gelu_backward(cudaStream_t s, const float* dy, const float* x, float* dx, int64_t n,
+                   bool accumulate) {
+  gelu_backward_kernel<<<blocks_for(n), kThreads, 0, s>>>(dy, x, dx, n, accumulate);
 }
 
-void gelu_backward(cudaStream_t s, const float* dy, const uint16_t* x, float* dx, int64_t n) {
-  gelu_backward_kernel<<<blocks_for(n), kThreads, 0, s>>>(dy, bf(x), dx, n);
+void gelu_backward(cudaStream_t s, const float* dy, const uint16_t* x, float* dx, int64_t n,
+                   bool accumulate) {
+  gelu_backward_kernel<<<blocks_for(n), kThreads, 0, s>>>(dy, bf(x), dx, n, accumulate);
 }
 
 void add_bias(cudaStream_t s, float* y, const float* bias, int64_t n, int64_t c) {

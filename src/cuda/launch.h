@@ -50,8 +50,10 @@ void rope(cudaStream_t s, bool backward, const float* src, float* dst, int64_t b
           int64_t h, int64_t g, int64_t d, float base);
 void gelu_forward(cudaStream_t s, const float* x, float* y, int64_t n);
 void gelu_forward(cudaStream_t s, const uint16_t* x, uint16_t* y, int64_t n);
-void gelu_backward(cudaStream_t s, const float* dy, const float* x, float* dx, int64_t n);
-void gelu_backward(cudaStream_t s, const float* dy, const uint16_t* x, float* dx, int64_t n);
+void gelu_backward(cudaStream_t s, const float* dy, const float* x, float* dx, int64_t n,
+                   bool accumulate);
+void gelu_backward(cudaStream_t s, const float* dy, const uint16_t* x, float* dx, int64_t n,
+                   bool accumulate);
 void add_bias(cudaStream_t s, float* y, const float* bias, int64_t n, int64_t c);
 void add_inplace(cudaStream_t s, float* y, const float* x, int64_t n);
 void add_inplace(cudaStream_t s, uint16_t* y, const uint16_t* x, int64_t n);

@@ -685,22 +685,24 @@ void gelu_forward(const Tensor& x, const Tensor& y) {
       [&](auto& cx) { cuda::gelu_forward(cx, f(x), fw(y), x.numel()); });
 }
 
-void gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx) {
+void gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx, bool accumulate) {
   if (any_bf16({&dy, &x, &dx})) {
     if (is_bf16(x) && is_f32(dy) && is_f32(dx) && dx.numel() == x.numel() &&
         dy.numel() == x.numel() &&
         on_gpu(common_device("gelu_backward", {&dy, &x, &dx}), "gelu_backward",
-               [&](auto& cx) { cuda::gelu_backward(cx, f(dy), b16(x), fw(dx), x.numel()); }))
+               [&](auto& cx) {
+                 cuda::gelu_backward(cx, f(dy), b16(x), fw(dx), x.numel(), accumulate);
+               }))
       return;
     Widen wd;
-    gelu_backward(wd.in(dy), wd.in(x), wd.out(dx, true));
+    gelu_backward(wd.in(dy), wd.in(x), wd.out(dx, accumulate), accumulate);
     return wd.commit();
   }
   const Device d = common_device("gelu_backward", {&dy, &x, &dx});
   check_numel("gelu_backward", "dx", dx, x.numel());
   on_device(
-      d, "gelu_backward", [&] { cpu::gelu_backward(f(dy), f(x), fw(dx), x.numel()); },
-      [&](auto& cx) { cuda::gelu_backward(cx, f(dy), f(x), fw(dx), x.numel()); });
+      d, "gelu_backward", [&] { cpu::gelu_backward(f(dy), f(x), fw(dx), x.numel(), accumulate); },
+      [&](auto& cx) { cuda::gelu_backward(cx, f(dy), f(x), fw(dx), x.numel(), accumulate); });
 }
 
 // --- attention ---
@@ -856,7 +858,7 @@ void attention_forward_fused(const Tensor& qkv, const Tensor& out, const Tensor&
 
 void attention_backward_fused(const Tensor& dout, const Tensor& qkv, const Tensor& out,
                               const Tensor& lse, const Tensor& dqkv, int64_t heads,
-                              int64_t groups) {
+                              int64_t groups, bool accumulate) {
 #if WEFT_CUDNN
   if (is_f32(dout) && is_bf16(qkv) && is_bf16(out) && is_f32(lse) && is_f32(dqkv)) {
     const Device d = common_device("attention_backward_fused", {&dout, &qkv, &out, &lse, &dqkv});
@@ -868,14 +870,14 @@ void attention_backward_fused(const Tensor& dout, const Tensor& qkv, const Tenso
     check_numel("attention_backward_fused", "dqkv", dqkv, qkv.numel());
     if (on_gpu(d, "attention_backward_fused", [&](auto& cx) {
           cuda::fused_attention_backward(cx, f(dout), b16(qkv), b16(out), f(lse), fw(dqkv), b, t,
-                                         heads, groups, hd);
+                                         heads, groups, hd, accumulate);
         }))
       return;
   }
   if (any_bf16({&dout, &qkv, &out, &lse, &dqkv})) {
     Widen wd;
-    attention_backward_fused(wd.in(dout), wd.in(qkv), wd.in(out), wd.in(lse), wd.out(dqkv, true),
-                             heads, groups);
+    attention_backward_fused(wd.in(dout), wd.in(qkv), wd.in(out), wd.in(lse),
+                             wd.out(dqkv, accumulate), heads, groups, accumulate);
     return wd.commit();
   }
 #endif
@@ -892,8 +894,9 @@ void attention_backward_fused(const Tensor& dout, const Tensor& qkv, const Tenso
       [&](auto& cx) {
 #if WEFT_CUDNN
         cuda::fused_attention_backward(cx, f(dout), f(qkv), f(out), f(lse), fw(dqkv), b, t,
-                                       heads, groups, hd);
+                                       heads, groups, hd, accumulate);
 #else
+        (void)accumulate;
         (void)cx;
         throw Error("attention_backward_fused: weft was built without cuDNN's fused attention");
 #endif

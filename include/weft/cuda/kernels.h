@@ -136,8 +136,11 @@ void rope_backward(Context& ctx, const float* dy, float* dx, int64_t b, int64_t 
 // --- tanh-approximated GELU, element-wise ---
 void gelu_forward(Context& ctx, const float* x, float* y, int64_t n);
 void gelu_forward(Context& ctx, const bf16* x, bf16* y, int64_t n);
-void gelu_backward(Context& ctx, const float* dy, const float* x, float* dx, int64_t n);  // dx +=
-void gelu_backward(Context& ctx, const float* dy, const bf16* x, float* dx, int64_t n);   // dx +=
+// dx += dy gelu'(x), or dx = dy gelu'(x) with accumulate false (dx not read).
+void gelu_backward(Context& ctx, const float* dy, const float* x, float* dx, int64_t n,
+                   bool accumulate = true);
+void gelu_backward(Context& ctx, const float* dy, const bf16* x, float* dx, int64_t n,
+                   bool accumulate = true);
 
 // --- bias and element-wise helpers ---
 void add_bias(Context& ctx, float* y, const float* bias, int64_t n, int64_t c);  // y (N,C) += bias
@@ -272,10 +275,11 @@ void add_bf16(Context& ctx, const bf16* x, float* y, int64_t n);  // y += float(
 // what the backward needs instead of the probabilities.
 void fused_attention_forward(Context& ctx, const float* qkv, float* out, float* lse, int64_t b,
                              int64_t t, int64_t h, int64_t g, int64_t d);
-// dqkv += gradient; out and lse as the forward left them.
+// dqkv += gradient (= with accumulate false, dqkv unread); out and lse as
+// the forward left them.
 void fused_attention_backward(Context& ctx, const float* dout, const float* qkv, const float* out,
                               const float* lse, float* dqkv, int64_t b, int64_t t, int64_t h,
-                              int64_t g, int64_t d);
+                              int64_t g, int64_t d, bool accumulate = true);
 // bf16 activations: the same graphs, reading qkv and writing (then reading)
 // out directly, without the rounding and widening copies: the fp32 overloads'
 // computation on the widened qkv, out left in bf16. qkv and out must be
@@ -285,7 +289,7 @@ void fused_attention_forward(Context& ctx, const bf16* qkv, bf16* out, float* ls
                              int64_t t, int64_t h, int64_t g, int64_t d);
 void fused_attention_backward(Context& ctx, const float* dout, const bf16* qkv, const bf16* out,
                               const float* lse, float* dqkv, int64_t b, int64_t t, int64_t h,
-                              int64_t g, int64_t d);
+                              int64_t g, int64_t d, bool accumulate = true);
 // How many cuDNN graphs (one per shape and direction) this device has built.
 size_t fused_attention_graphs(Context& ctx);
 
