@@ -760,6 +760,38 @@ INSTANTIATE_TEST_SUITE_P(Layers, ParamLayers, ::testing::ValuesIn(kParamLayers),
 
 // --- layer-specific behaviour ---
 
+// A layer that writes its input gradients whole (Layer::writes_input_grad)
+// ignores what a fresh buffer held (LayerCtx::fresh_grads_in): NaN-filled
+// buffers give the gradients zeroed ones give, bit for bit.
+TEST(FreshGradients, LayersThatWriteTheirInputGradientsIgnoreWhatTheBuffersHeld) {
+  for (const char* name : {"linear_bias", "linear_nobias", "gelu", "residual", "attention",
+                           "attention_gqa"}) {
+    Case c = make_case(name);
+    Harness h(c);
+    const std::vector<Tensor> in = c.make_inputs(0);
+    auto zeroed = h.forward(in);
+    h.backward_input(*zeroed);
+    auto fresh = h.forward(in);
+    std::vector<Tensor> nan_starts;
+    uint32_t bits = 0;
+    for (size_t i = 0; i < in.size(); ++i) {
+      Tensor t = Tensor::empty(in[i].shape());
+      std::fill_n(t.data<float>(), t.numel(), std::nanf(""));
+      nan_starts.push_back(t);
+      ASSERT_TRUE(c.layer->writes_input_grad(i)) << name;
+      bits |= 1u << i;
+    }
+    fresh->ctx->fresh_grads_in = bits;
+    h.backward_input(*fresh, {}, nan_starts);
+    for (size_t i = 0; i < in.size(); ++i) {
+      const Tensor& a = zeroed->grad_in[i];
+      const Tensor& b = fresh->grad_in[i];
+      ASSERT_TRUE(a.defined() && b.defined()) << name;
+      EXPECT_EQ(0, std::memcmp(a.raw(), b.raw(), a.nbytes())) << name << " input " << i;
+    }
+  }
+}
+
 TEST(TiedLmHeadLoss, OutputIsTheSumOfTokenCrossEntropies) {
   Case c = make_case("lm_head");
   Harness h(c);

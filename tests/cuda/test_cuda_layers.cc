@@ -34,6 +34,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -84,7 +85,7 @@ struct Twin {
 void expect_same_on_both(Layer& cpu_layer, Layer& gpu_layer, Twin& twin,
                          const std::vector<Tensor>& inputs, const std::vector<bool>& need_grad,
                          const std::string& what, double tol = kFp32,
-                         DType act = DType::F32) {
+                         DType act = DType::F32, bool fresh = false) {
   std::vector<Shape> in_shapes;
   for (const Tensor& t : inputs) in_shapes.push_back(t.shape());
   const std::vector<Shape> out_shapes = cpu_layer.output_shapes(in_shapes);
@@ -118,6 +119,14 @@ void expect_same_on_both(Layer& cpu_layer, Layer& gpu_layer, Twin& twin,
     for (size_t k = 0; k < inputs.size(); ++k)
       r.grad_in.push_back(need_grad[k] ? Tensor::zeros(inputs[k].shape(), DType::F32, d)
                                        : Tensor());
+    // fresh: the buffers the layer writes whole hold NaN, as the runner's
+    // uninitialised ones may; a layer that added to them would give NaN.
+    ctx->fresh_grads_in = 0;
+    for (size_t k = 0; fresh && k < inputs.size(); ++k)
+      if (need_grad[k] && layer.writes_input_grad(k)) {
+        ops::fill(r.grad_in[k], std::nanf(""));
+        ctx->fresh_grads_in |= 1u << k;
+      }
     layer.backward_input(*ctx, arena, grad_out, r.grad_in);
     layer.backward_weight(*ctx, arena);
     return r;
@@ -313,6 +322,28 @@ TEST(CudaLayers, Bf16Activations) {
                         {uniform_tensor({kB * kT, kC}, 54), tokens(kB * kT, 55).view({kB * kT})},
                         {true, false}, "bf16 chunked lm head + cross-entropy", kBf16, bf16);
   }
+}
+
+// Fresh input-gradient buffers (LayerCtx::fresh_grads_in) are written, not
+// added to, on both devices: the same results as from zeroed buffers.
+TEST(CudaLayers, FreshInputGradientsAreWritten) {
+  Twin tw;
+  Param* w = tw.add("w", uniform_tensor({kC, 3 * kC}, 60));
+  Param* b = tw.add("b", uniform_tensor({3 * kC}, 61));
+  Linear lin_cpu(w, b), lin_gpu(tw.gpu_of(w), tw.gpu_of(b));
+  expect_same_on_both(lin_cpu, lin_gpu, tw, {uniform_tensor({kB, kT, kC}, 62)}, {true},
+                      "linear, fresh dx", kFp32, DType::F32, true);
+  Twin none;
+  Gelu gelu_cpu, gelu_gpu;
+  expect_same_on_both(gelu_cpu, gelu_gpu, none, {uniform_tensor({kB, kT, kC}, 63, -3.0f, 3.0f)},
+                      {true}, "gelu, fresh dx", kFp32, DType::F32, true);
+  Residual res_cpu, res_gpu;
+  expect_same_on_both(res_cpu, res_gpu, none,
+                      {uniform_tensor({kB, kT, kC}, 64), uniform_tensor({kB, kT, kC}, 65)},
+                      {true, true}, "residual, fresh dx", kFp32, DType::F32, true);
+  CausalSelfAttention attn_cpu(kHeads), attn_gpu(kHeads);
+  expect_same_on_both(attn_cpu, attn_gpu, none, {uniform_tensor({kB, kT, 3 * kC}, 66)}, {true},
+                      "attention, fresh dqkv", kFp32, DType::F32, true);
 }
 
 // The layers with a tensor-parallel group of one, on the GPU against the CPU.
