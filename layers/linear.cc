@@ -73,7 +73,7 @@ void Linear::forward(LayerCtx& ctx_, Arena&, std::span<const Tensor> in,
   auto& ctx = static_cast<Ctx&>(ctx_);
   const Tensor& w = gemm_operand(*w_, in[0].dtype());
   if (b_)
-    ops::gemm_bias(in[0], false, w, false, b_->value, out[0]);
+    ops::gemm_bias(in[0], false, w, false, gemm_operand(*b_, in[0].dtype()), out[0]);
   else
     ops::gemm(in[0], false, w, false, out[0]);
   ctx.x = in[0];

@@ -61,7 +61,7 @@ struct Param {
   int64_t true_rows = 0;
   // bf16 activations: value rounded to bf16, for the GEMMs of one batch's
   // forward and backward (a GEMM of two bf16 operands is cuBLAS's own; a
-  // bf16 and an fp32 one would widen). Made when the batch starts and
+  // bf16 and an fp32 one would widen) and the biases their epilogues add. Made when the batch starts and
   // dropped (undefined) when it ends, before anything changes value, so it
   // is never stale; value16_store keeps its memory from batch to batch.
   Tensor value16, value16_store;

@@ -65,8 +65,9 @@ class MicroBatch {
   std::vector<Tensor> in_buf_, out_buf_;
 };
 
-// bf16 activations (Graph::activation_dtype() BF16): the weight matrices'
-// bf16 copies (Param::value16) for one batch's forward and backward, made
+// bf16 activations (Graph::activation_dtype() BF16): the parameters' bf16
+// copies (Param::value16) for one batch's forward and backward (the GEMMs'
+// matrices and the biases their epilogues add), made
 // here from `params` and dropped on every way out of the scope, before the
 // optimizer changes the values. Nothing for an fp32 graph. `params` must
 // outlive the scope.

@@ -292,15 +292,20 @@ void gemm_bias(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, con
         n, c.shape().str());
   check_numel("gemm_bias", "bias", bias, n);
   const bool fp32 = is_f32(a) && is_f32(b) && is_f32(bias) && is_f32(c);
-  const bool bf16 = is_bf16(a) && is_bf16(b) && is_f32(bias) && is_bf16(c);
+  const bool bf16 = is_bf16(a) && is_bf16(b) && is_bf16(c);  // the bias either dtype
   if ((fp32 || bf16) && on_gpu(d, "gemm_bias", [&](auto& cx) {
         if (fp32) {
           cuda::gemm_bias(cx, math_mode(d), trans_a, trans_b, m, n, k, f(a), ac, f(b), bc,
                           f(bias), fw(c), n);
           return;
         }
-        const Tensor bias16 = Tensor::empty(bias.shape(), DType::BF16, d);
-        convert(bias, bias16);  // as fill_rows rounds it into a bf16 c
+        // An fp32 bias is rounded as fill_rows rounds it into a bf16 c (a
+        // training step's biases come rounded already: Param::value16).
+        Tensor bias16 = bias;
+        if (is_f32(bias)) {
+          bias16 = Tensor::empty(bias.shape(), DType::BF16, d);
+          convert(bias, bias16);
+        }
         cuda::gemm_bias_bf16(cx, trans_a, trans_b, m, n, k, b16(a), ac, b16(b), bc, b16(bias16),
                              b16w(c), n);
       }))

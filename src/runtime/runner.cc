@@ -61,8 +61,7 @@ void MicroBatch::reset() {
 Bf16Copies::Bf16Copies(const Graph& g, const std::vector<Param*>& params)
     : params_(params), made_(g.activation_dtype() == DType::BF16) {
   if (!made_) return;
-  for (Param* p : params_) {
-    if (p->value.rank() < 2) continue;  // biases and norms enter no GEMM
+  for (Param* p : params_) {  // matrices for the GEMMs, vectors for their biases
     if (!p->value16_store.defined() || p->value16_store.shape() != p->value.shape() ||
         !(p->value16_store.device() == p->value.device()))
       p->value16_store = Tensor::empty(p->value.shape(), DType::BF16, p->value.device());
