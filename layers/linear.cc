@@ -86,7 +86,8 @@ void Linear::backward_input(LayerCtx& ctx_, Arena&, std::span<const Tensor> grad
   ctx.dy = grad_out[0];
   if (!grad_in[0].defined()) return;
   const bool fresh = ctx.fresh_grads_in & 1u;  // beta 0: C is not read
-  ops::gemm(ctx.dy, false, w_->value, true, grad_in[0], 1.0f, fresh ? 0.0f : 1.0f);
+  ops::gemm(ctx.dy, false, gemm_operand(*w_, ctx.dy.dtype()), true, grad_in[0], 1.0f,
+            fresh ? 0.0f : 1.0f);
 }
 
 // dW (in, out) += x^T dy; db (out) += sum over rows of dy

@@ -6,7 +6,7 @@ namespace weft {
 
 Tensor copy_to_tp_grad_buffer(Communicator& group, Arena& arena, const Tensor& dx) {
   if (group.size() == 1) return dx;
-  return arena.zeros(dx.shape());
+  return arena.zeros(dx.shape(), dx.dtype());
 }
 
 void copy_to_tp_backward(Communicator& group, const Tensor& part, const Tensor& dx) {

@@ -121,9 +121,11 @@ TEST(Graph, Bf16ActivationsHalveTheValuesAForwardHolds) {
 // first pass's arena, whose bytes hold the first pass's gradients at the
 // same places, so a layer that added to its fresh buffer instead of writing
 // it would give twice the gradients. Both passes must agree bit for bit.
-TEST(Graph, FreshGradientBuffersAreWrittenNotAddedTo) {
+// Both with fp32 activations and with bf16 ones (whose gradients are bf16).
+void expect_fresh_buffers_written(DType acts) {
   GptModel m = build_gpt(gpt_preset("toy"), 2);
   init_gpt(m, 3);
+  m.graph.set_activation_dtype(acts);
   MicroBatch mb(m.graph);
   const int n = static_cast<int>(m.graph.nodes().size());
   // Three passes: the first reset() replaces the arena's blocks by one (new
@@ -144,6 +146,74 @@ TEST(Graph, FreshGradientBuffersAreWrittenNotAddedTo) {
   }
   EXPECT_EQ(grads[0], grads[1]);
   EXPECT_EQ(grads[0], grads[2]);
+}
+
+TEST(Graph, FreshGradientBuffersAreWrittenNotAddedTo) {
+  for (DType acts : {DType::F32, DType::BF16}) {
+    SCOPED_TRACE(dtype_name(acts));
+    expect_fresh_buffers_written(acts);
+  }
+}
+
+
+// With bf16 activations, each value's gradient is bf16 as the value is (what
+// a layer's I writes, what a pipeline stage sends back), and the parameters'
+// gradients stay fp32; they are the fp32-activation run's within bf16's
+// rounding, and not that run's bit for bit.
+TEST(Graph, Bf16ActivationsHaveBf16GradientsAndFp32ParameterGradients) {
+  auto grads = [](DType acts, int* bf16_grads) {
+    GptModel m = build_gpt(gpt_preset("toy"), 2);
+    init_gpt(m, 5);
+    m.graph.set_activation_dtype(acts);
+    MicroBatch mb(m.graph);
+    const int n = static_cast<int>(m.graph.nodes().size());
+    for (int v : {m.tokens, m.targets}) {
+      Tensor t = mb.input(v);
+      for (int64_t i = 0; i < t.numel(); ++i)
+        t.data<int32_t>()[i] = static_cast<int32_t>(i * 7 % 50);
+    }
+    for (Param* p : m.graph.params()) p->grad.zero_();
+    forward(m.graph, mb, 0, n);
+    mb.seed_grad(m.io.loss, 1.0f);
+    *bf16_grads = 0;
+    for (int k = n - 1; k >= 0; --k) {
+      backward_input(m.graph, mb, k);
+      for (int v : m.graph.nodes()[static_cast<size_t>(k)].inputs) {
+        const Value& val = m.graph.values()[static_cast<size_t>(v)];
+        if (!val.requires_grad) continue;
+        EXPECT_EQ(mb.grad(v).dtype(), val.dtype) << val.name;
+        *bf16_grads += mb.grad(v).dtype() == DType::BF16;
+      }
+      backward_weight(m.graph, mb, k);
+    }
+    std::vector<std::vector<float>> out;
+    for (Param* p : m.graph.params()) {
+      EXPECT_EQ(p->grad.dtype(), DType::F32) << p->name;
+      out.emplace_back(p->grad.data<float>(), p->grad.data<float>() + p->grad.numel());
+    }
+    return out;
+  };
+  int none = 0, some = 0;
+  const auto fp32 = grads(DType::F32, &none);
+  const auto bf16 = grads(DType::BF16, &some);
+  EXPECT_EQ(none, 0);
+  EXPECT_GT(some, 10);
+  // Each parameter's gradient against the fp32 run's, relative to the
+  // tensor's largest element: bf16 stores every activation and activation
+  // gradient with 8 significant bits (2^-9 relative), and a gradient element
+  // is a sum over the batch's rows of products of two such values, each
+  // after a chain of a few roundings through the toy model's 2 blocks: a
+  // few times 2^-8 of the tensor's scale: 2^-6.
+  ASSERT_EQ(fp32.size(), bf16.size());
+  bool identical = true;
+  for (size_t i = 0; i < fp32.size(); ++i) {
+    float scale = 0;
+    for (float x : fp32[i]) scale = std::max(scale, std::abs(x));
+    for (size_t j = 0; j < fp32[i].size(); ++j)
+      ASSERT_NEAR(bf16[i][j], fp32[i][j], std::ldexp(scale, -6)) << "parameter " << i;
+    identical = identical && fp32[i] == bf16[i];
+  }
+  EXPECT_FALSE(identical);
 }
 
 TEST(Graph, ShapeErrorsNameTheNodeAndShapes) {

@@ -206,7 +206,9 @@ TEST(Bf16Training, PipelineAndReplicasGiveTheSingleProcessRun) {
 // as the activations they are, as Megatron reduces them): each partial is
 // rounded once (2^-9 of itself) before the sum and the sum once after, where
 // one process rounds the whole sum once. That is one more bf16 rounding per
-// row-parallel output, the size of the GEMM input roundings both runs share:
+// row-parallel output (and per column-parallel input gradient, whose bf16
+// partials are summed the same way), the size of the GEMM input roundings
+// both runs share:
 // the losses stay within TracksFp32's bound of the single-process bf16 run,
 // and they are not that run's bit for bit.
 TEST(Bf16Training, TensorParallelismWithBf16ActivationsStaysWithinItsErrorModel) {

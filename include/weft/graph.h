@@ -55,8 +55,12 @@ class Graph {
   // activations (--bf16; weft/ops.h says how each operation reads and rounds
   // them). Every float value a node writes and another node reads takes this
   // dtype; graph inputs keep theirs, and so do values no node reads (the
-  // model's outputs, a loss), which stay F32 for the host. Gradients are F32
-  // whatever the values' dtype. Call it once the graph is whole.
+  // model's outputs, a loss), which stay F32 for the host. A value's
+  // gradient takes the value's dtype, as Megatron's --bf16 backward does (its
+  // autograd runs on bf16 tensors): the activations' gradients are BF16 too,
+  // rounded once per operation like the values; the parameters' gradients,
+  // master weights and optimizer state stay F32. Call it once the graph is
+  // whole.
   void set_activation_dtype(DType dtype);
   DType activation_dtype() const { return activation_dtype_; }
 

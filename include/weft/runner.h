@@ -53,8 +53,9 @@ class MicroBatch {
   friend void forward(const Graph&, MicroBatch&, int, int);
   friend void backward_input(const Graph&, MicroBatch&, int);
   friend void backward_weight(const Graph&, MicroBatch&, int);
-  Tensor zero_grad(const Shape& shape);
-  Tensor new_grad(const Shape& shape);  // uninitialised, for a layer that writes it whole
+  // A value's gradient, of the value's shape and dtype (weft/graph.h).
+  Tensor zero_grad(const Value& val);
+  Tensor new_grad(const Value& val);  // uninitialised, for a layer that writes it whole
   const Graph* graph_;
   Device device_;
   Arena arena_;

@@ -206,7 +206,7 @@ static void copy_local(const std::vector<int>& values, MicroBatch& from, MicroBa
     const Value& val = g.values()[static_cast<size_t>(v)];
     if (grads) {
       if (!val.requires_grad) continue;
-      Tensor t = to.arena().alloc(val.shape);
+      Tensor t = to.arena().alloc(val.shape, val.dtype);
       t.copy_from(from.grad(v));
       to.grad(v) = t;
     } else {
@@ -298,7 +298,8 @@ void PipelineExecutor::backward_input_action(int stage, int mb) {
     if (options_.recompute)
       for (int v : edge)
         if (work.grad(v).defined() && work.grad(v).raw() != s.mb.grad(v).raw())
-          keep += static_cast<double>(Arena::bytes_for(work.grad(v).shape()));
+          keep += static_cast<double>(
+              Arena::bytes_for(work.grad(v).shape(), work.grad(v).dtype()));
     bytes.i_keep = keep;
     if (schedule_.stage_rank[static_cast<size_t>(stage) - 1] == pp_.rank()) {
       Slot& prev = slot(stage - 1, mb, false);
@@ -308,7 +309,7 @@ void PipelineExecutor::backward_input_action(int stage, int mb) {
     } else if (options_.recompute) {
       for (int v : edge)  // keep what SEND_B sends, unless it already lives in the slot
         if (work.grad(v).defined() && work.grad(v).raw() != s.mb.grad(v).raw()) {
-          Tensor t = s.mb.arena().alloc(work.grad(v).shape());
+          Tensor t = s.mb.arena().alloc(work.grad(v).shape(), work.grad(v).dtype());
           t.copy_from(work.grad(v));
           s.mb.grad(v) = t;
         }
@@ -354,7 +355,7 @@ void PipelineExecutor::post_receive(const Action& a, size_t i) {
   for (size_t k = 0; k < vals.size(); ++k) {
     const Value& val = graph_.values()[static_cast<size_t>(vals[k])];
     if (!fwd && !val.requires_grad) continue;
-    Tensor t = s.mb.arena().alloc(val.shape, fwd ? val.dtype : DType::F32);
+    Tensor t = s.mb.arena().alloc(val.shape, val.dtype);  // a gradient takes its value's dtype
     receives_[i].push_back(pp_.irecv(t, peer, {kind, mb, from, static_cast<int>(k)}));
     (fwd ? s.mb.value(vals[k]) : s.mb.grad(vals[k])) = t;
   }

@@ -38,18 +38,18 @@ void MicroBatch::set_input(int v, const Tensor& src) {
 void MicroBatch::seed_grad(int v, float g) {
   const Value& val = graph_->values()[static_cast<size_t>(v)];
   Tensor& t = grads_[static_cast<size_t>(v)];
-  if (!t.defined()) t = arena_.alloc(val.shape);
+  if (!t.defined()) t = arena_.alloc(val.shape, val.dtype);
   ops::fill(t, g);
 }
 
-Tensor MicroBatch::zero_grad(const Shape& shape) {
-  if (device_.is_cpu()) return arena_.zeros(shape);
-  return Tensor::zeros(shape, DType::F32, device_);
+Tensor MicroBatch::zero_grad(const Value& val) {
+  if (device_.is_cpu()) return arena_.zeros(val.shape, val.dtype);
+  return Tensor::zeros(val.shape, val.dtype, device_);
 }
 
-Tensor MicroBatch::new_grad(const Shape& shape) {
-  if (device_.is_cpu()) return arena_.alloc(shape);
-  return Tensor::empty(shape, DType::F32, device_);
+Tensor MicroBatch::new_grad(const Value& val) {
+  if (device_.is_cpu()) return arena_.alloc(val.shape, val.dtype);
+  return Tensor::empty(val.shape, val.dtype, device_);
 }
 
 void MicroBatch::reset() {
@@ -102,7 +102,7 @@ void backward_input(const Graph& g, MicroBatch& mb, int n) {
   for (int v : node.outputs) {
     Tensor& gr = mb.grads_[static_cast<size_t>(v)];
     // An output nothing downstream used has a zero gradient.
-    if (!gr.defined()) gr = mb.zero_grad(g.values()[static_cast<size_t>(v)].shape);
+    if (!gr.defined()) gr = mb.zero_grad(g.values()[static_cast<size_t>(v)]);
     mb.out_buf_.push_back(gr);
   }
   // Gradients of the inputs, accumulated into. The first node to reach a
@@ -115,10 +115,10 @@ void backward_input(const Graph& g, MicroBatch& mb, int n) {
     Tensor& gr = mb.grads_[static_cast<size_t>(node.inputs[i])];
     if (val.requires_grad && !gr.defined()) {
       if (i < 32 && node.layer->writes_input_grad(i)) {
-        gr = mb.new_grad(val.shape);
+        gr = mb.new_grad(val);
         fresh |= 1u << i;
       } else {
-        gr = mb.zero_grad(val.shape);
+        gr = mb.zero_grad(val);
       }
     }
     mb.in_buf_.push_back(val.requires_grad ? gr : Tensor());
