@@ -15,10 +15,11 @@
 //             dO16 = bf16(dout); dq, dk, dv written by cuDNN into one packed
 //             bf16 buffer shaped like qkv; dqkv += float(that buffer).
 //
-// With bf16 activations (--bf16) qkv and out are cuDNN's bf16 tensors
-// themselves: the same graphs read and write them in place of qkv16 and O16,
-// and only dO (an fp32 gradient) is rounded and dqkv accumulated. Both
-// interfaces run one core (forward_core, backward_core) on bf16 pointers.
+// With bf16 activations (--bf16) qkv and out, and their gradients dout and
+// dqkv, are cuDNN's bf16 tensors themselves: the same graphs read and write
+// them in place of the scratch copies (a dqkv that is accumulated into gets
+// cuDNN's result through bf16 scratch and one rounded add). Both interfaces
+// run one core (forward_core, backward_core) on bf16 pointers.
 //
 // The backward's O is the forward's output read back, not a copy kept in bf16:
 // the runner keeps a micro-batch's values until its backward is done, so the
@@ -247,35 +248,26 @@ void forward_core(Context& ctx, const Key& k, const bf16* qkv16, bf16* o16, floa
       "forward");
 }
 
-// The backward on bf16 qkv16 and o16: dout rounded to bf16, the bf16
-// gradient added into the fp32 dqkv.
-void backward_core(Context& ctx, const Key& k, const float* dout, const bf16* qkv16,
-                   const bf16* o16, const float* lse, float* dqkv, bool accumulate) {
-  const int64_t n_qkv = qkv_size(k), n_out = out_size(k);
-  DeviceBuffer<bf16> do16(ctx, n_out), dqkv16(ctx, n_qkv);
-  to_bf16(ctx, dout, do16.data(), n_out);
-  {
-    DeviceState& s = state(ctx);
-    std::lock_guard lock(s.mu);
-    fe::graph::Graph& graph = graph_for(ctx, s, k, true);
-    const bf16* base = qkv16;
-    bf16* dbase = dqkv16.data();
-    run(ctx, s, graph, k,
-        {{kQ, mut(base)},
-         {kK, mut(base + k.h * k.d)},
-         {kV, mut(base + (k.h + k.g) * k.d)},
-         {kO, mut(o16)},
-         {kDO, do16.data()},
-         {kStats, mut(lse)},
-         {kDQ, dbase},
-         {kDK, dbase + k.h * k.d},
-         {kDV, dbase + (k.h + k.g) * k.d}},
-        "backward");
-  }
-  if (accumulate)
-    add_bf16(ctx, dqkv16.data(), dqkv, n_qkv);
-  else
-    to_float(ctx, dqkv16.data(), dqkv, n_qkv);  // a fresh dqkv: written, not read
+// The backward on bf16 qkv16, o16 and do16: cuDNN writes dq, dk and dv into
+// dqkv16 (packed like qkv), every element of it.
+void backward_core(Context& ctx, const Key& k, const bf16* do16, const bf16* qkv16,
+                   const bf16* o16, const float* lse, bf16* dqkv16) {
+  DeviceState& s = state(ctx);
+  std::lock_guard lock(s.mu);
+  fe::graph::Graph& graph = graph_for(ctx, s, k, true);
+  const bf16* base = qkv16;
+  bf16* dbase = dqkv16;
+  run(ctx, s, graph, k,
+      {{kQ, mut(base)},
+       {kK, mut(base + k.h * k.d)},
+       {kV, mut(base + (k.h + k.g) * k.d)},
+       {kO, mut(o16)},
+       {kDO, mut(do16)},
+       {kStats, mut(lse)},
+       {kDQ, dbase},
+       {kDK, dbase + k.h * k.d},
+       {kDV, dbase + (k.h + k.g) * k.d}},
+      "backward");
 }
 
 }  // namespace
@@ -306,20 +298,33 @@ void fused_attention_backward(Context& ctx, const float* dout, const float* qkv,
   const Key k = key_of(b, t, h, g, d);
   ctx.make_current();
   const int64_t n_qkv = qkv_size(k), n_out = out_size(k);
-  DeviceBuffer<bf16> qkv16(ctx, n_qkv), o16(ctx, n_out);
+  DeviceBuffer<bf16> qkv16(ctx, n_qkv), o16(ctx, n_out), do16(ctx, n_out), dqkv16(ctx, n_qkv);
   to_bf16(ctx, qkv, qkv16.data(), n_qkv);
   to_bf16(ctx, out, o16.data(), n_out);
-  backward_core(ctx, k, dout, qkv16.data(), o16.data(), lse, dqkv, accumulate);
+  to_bf16(ctx, dout, do16.data(), n_out);
+  backward_core(ctx, k, do16.data(), qkv16.data(), o16.data(), lse, dqkv16.data());
+  if (accumulate)
+    add_bf16(ctx, dqkv16.data(), dqkv, n_qkv);
+  else
+    to_float(ctx, dqkv16.data(), dqkv, n_qkv);  // a fresh dqkv: written, not read
 }
 
-void fused_attention_backward(Context& ctx, const float* dout, const bf16* qkv, const bf16* out,
-                              const float* lse, float* dqkv, int64_t b, int64_t t, int64_t h,
+void fused_attention_backward(Context& ctx, const bf16* dout, const bf16* qkv, const bf16* out,
+                              const float* lse, bf16* dqkv, int64_t b, int64_t t, int64_t h,
                               int64_t g, int64_t d, bool accumulate) {
   const Key k = key_of(b, t, h, g, d);
   check_aligned(qkv, "qkv", k);
   check_aligned(out, "out", k);
+  check_aligned(dout, "dout", k);
+  check_aligned(dqkv, "dqkv", k);
   ctx.make_current();
-  backward_core(ctx, k, dout, qkv, out, lse, dqkv, accumulate);
+  if (!accumulate) {  // a fresh dqkv: cuDNN writes it
+    backward_core(ctx, k, dout, qkv, out, lse, dqkv);
+    return;
+  }
+  DeviceBuffer<bf16> dqkv16(ctx, qkv_size(k));
+  backward_core(ctx, k, dout, qkv, out, lse, dqkv16.data());
+  add_inplace(ctx, dqkv, dqkv16.data(), qkv_size(k));
 }
 
 size_t fused_attention_graphs(Context& ctx) {

@@ -45,11 +45,11 @@ void layernorm_backward_input(Context& ctx, const float* dy, const float* x, con
   WEFT_LAUNCH_CHECK("layernorm_backward_input");
 }
 
-void layernorm_backward_input(Context& ctx, const float* dy, const bf16* x, const float* w,
-                              const float* mean, const float* rstd, float* dx, int64_t n,
+void layernorm_backward_input(Context& ctx, const bf16* dy, const bf16* x, const float* w,
+                              const float* mean, const float* rstd, bf16* dx, int64_t n,
                               int64_t c) {
   if (n == 0) return;
-  launch::layernorm_backward_input(prepare(ctx), dy, raw(x), w, mean, rstd, dx, n, c);
+  launch::layernorm_backward_input(prepare(ctx), raw(dy), raw(x), w, mean, rstd, raw(dx), n, c);
   WEFT_LAUNCH_CHECK("layernorm_backward_input (bf16)");
 }
 
@@ -61,11 +61,11 @@ void layernorm_backward_weight(Context& ctx, const float* dy, const float* x, co
   WEFT_LAUNCH_CHECK("column_sums (layernorm weight)");
 }
 
-void layernorm_backward_weight(Context& ctx, const float* dy, const bf16* x, const float* mean,
+void layernorm_backward_weight(Context& ctx, const bf16* dy, const bf16* x, const float* mean,
                                const float* rstd, float* dw, float* db, int64_t n, int64_t c) {
   if (n == 0 || c == 0) return;
   DeviceBuffer<float> partials(ctx, 2 * launch::column_slices(n) * c);
-  launch::column_sums(prepare(ctx), dy, raw(x), mean, rstd, dw, db, partials.data(), n, c);
+  launch::column_sums(prepare(ctx), raw(dy), raw(x), mean, rstd, dw, db, partials.data(), n, c);
   WEFT_LAUNCH_CHECK("column_sums (layernorm weight, bf16)");
 }
 
@@ -142,10 +142,10 @@ void gelu_backward(Context& ctx, const float* dy, const float* x, float* dx, int
   WEFT_LAUNCH_CHECK("gelu_backward");
 }
 
-void gelu_backward(Context& ctx, const float* dy, const bf16* x, float* dx, int64_t n,
+void gelu_backward(Context& ctx, const bf16* dy, const bf16* x, bf16* dx, int64_t n,
                    bool accumulate) {
   if (n == 0) return;
-  launch::gelu_backward(prepare(ctx), dy, raw(x), dx, n, accumulate);
+  launch::gelu_backward(prepare(ctx), raw(dy), raw(x), raw(dx), n, accumulate);
   WEFT_LAUNCH_CHECK("gelu_backward (bf16)");
 }
 
@@ -163,6 +163,14 @@ void sum_rows(Context& ctx, const float* dy, float* db, int64_t n, int64_t c) {
   WEFT_LAUNCH_CHECK("column_sums (sum_rows)");
 }
 
+void sum_rows(Context& ctx, const bf16* dy, float* db, int64_t n, int64_t c) {
+  if (n == 0 || c == 0) return;
+  DeviceBuffer<float> partials(ctx, launch::column_slices(n) * c);
+  launch::column_sums(prepare(ctx), raw(dy), static_cast<const uint16_t*>(nullptr), nullptr,
+                      nullptr, nullptr, db, partials.data(), n, c);
+  WEFT_LAUNCH_CHECK("column_sums (sum_rows, bf16)");
+}
+
 void add_inplace(Context& ctx, float* y, const float* x, int64_t n) {
   if (n == 0) return;
   launch::add_inplace(prepare(ctx), y, x, n);
@@ -173,6 +181,12 @@ void add_inplace(Context& ctx, bf16* y, const bf16* x, int64_t n) {
   if (n == 0) return;
   launch::add_inplace(prepare(ctx), raw(y), raw(x), n);
   WEFT_LAUNCH_CHECK("add_inplace (bf16)");
+}
+
+void add_inplace(Context& ctx, bf16* y, const float* x, int64_t n) {
+  if (n == 0) return;
+  launch::add_inplace(prepare(ctx), raw(y), x, n);
+  WEFT_LAUNCH_CHECK("add_inplace (bf16 += fp32)");
 }
 
 void fill_rows(Context& ctx, bf16* y, const float* row, int64_t n, int64_t c) {
@@ -267,6 +281,14 @@ void embedding_backward(Context& ctx, const int32_t* tokens, const float* dy, fl
   if (b * t * c == 0) return;
   launch::embedding_backward(prepare(ctx), tokens, dy, dwte, rows, first, dwpe, b, t, c);
   WEFT_LAUNCH_CHECK("embedding_backward");
+}
+
+void embedding_backward(Context& ctx, const int32_t* tokens, const bf16* dy, float* dwte,
+                        float* dwpe, int64_t b, int64_t t, int64_t c, int64_t rows,
+                        int64_t first) {
+  if (b * t * c == 0) return;
+  launch::embedding_backward(prepare(ctx), tokens, raw(dy), dwte, rows, first, dwpe, b, t, c);
+  WEFT_LAUNCH_CHECK("embedding_backward (bf16)");
 }
 
 void sgd(Context& ctx, float* p, const float* g, float* buf, int64_t n, float lr, float momentum,

@@ -102,29 +102,30 @@ __global__ void layernorm_forward_kernel(const X* x, const float* w, const float
 }
 
 // One warp per row: dx += (dy w - mean(dy w) - xhat mean(dy w xhat)) rstd;
-// x of activations X (float or bf16), gradients fp32.
-template <class X>
-__global__ void layernorm_backward_input_kernel(const float* dy, const X* x, const float* w,
-                                                const float* mean, const float* rstd, float* dx,
+// x of activations X, dy and dx of their gradients' type G (float, or bf16
+// with bf16 activations: dx read widened, the sum rounded once).
+template <class X, class G>
+__global__ void layernorm_backward_input_kernel(const G* dy, const X* x, const float* w,
+                                                const float* mean, const float* rstd, G* dx,
                                                 int64_t n, int64_t c) {
   const int64_t row = int64_t{blockIdx.x} * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (row >= n) return;
-  const float* dyr = dy + row * c;
+  const G* dyr = dy + row * c;
   const X* xr = x + row * c;
   const float m = mean[row], r = rstd[row];
   float dnorm_mean = 0, dnorm_xhat_mean = 0;
   for (int64_t j = lane; j < c; j += kWarp) {
-    const float dnorm = dyr[j] * w[j];
+    const float dnorm = load(dyr, j) * w[j];
     dnorm_mean += dnorm;
     dnorm_xhat_mean += dnorm * (load(xr, j) - m) * r;
   }
   dnorm_mean = warp_sum(dnorm_mean) / static_cast<float>(c);
   dnorm_xhat_mean = warp_sum(dnorm_xhat_mean) / static_cast<float>(c);
-  float* dxr = dx + row * c;
+  G* dxr = dx + row * c;
   for (int64_t j = lane; j < c; j += kWarp) {
     const float xhat = (load(xr, j) - m) * r;
-    dxr[j] += (dyr[j] * w[j] - dnorm_mean - xhat * dnorm_xhat_mean) * r;
+    store(dxr, j, load(dxr, j) + (load(dyr, j) * w[j] - dnorm_mean - xhat * dnorm_xhat_mean) * r);
   }
 }
 
@@ -227,8 +228,8 @@ __global__ void rope_kernel(const float* src, float* dst, int64_t rows, int64_t 
 // activations X (float or bf16).
 constexpr int kColTile = 32, kRowLanes = 8;
 
-template <bool norm, class X>
-__global__ void column_partials_kernel(const float* dy, const X* x, const float* mean,
+template <bool norm, class X, class G>
+__global__ void column_partials_kernel(const G* dy, const X* x, const float* mean,
                                        const float* rstd, float* part_dw, float* part_db,
                                        int64_t n, int64_t c) {
   __shared__ float sw[kRowLanes][kColTile], sb[kRowLanes][kColTile];
@@ -238,7 +239,7 @@ __global__ void column_partials_kernel(const float* dy, const X* x, const float*
   if (col < c) {
     for (int64_t i = int64_t{blockIdx.y} * kRowLanes + threadIdx.y; i < n;
          i += slices * kRowLanes) {
-      const float g = dy[i * c + col];
+      const float g = load(dy, i * c + col);
       acc_b += g;
       if constexpr (norm) acc_w += g * (load(x, i * c + col) - mean[i]) * rstd[i];
     }
@@ -282,17 +283,18 @@ __global__ void gelu_forward_kernel(const X* x, Y* y, int64_t n) {
   }
 }
 
-// dx += dy gelu'(x), or dx = dy gelu'(x) (dx unread) without accumulate.
-template <class X>
-__global__ void gelu_backward_kernel(const float* dy, const X* x, float* dx, int64_t n,
-                                     bool accumulate) {
+// dx += dy gelu'(x), or dx = dy gelu'(x) (dx unread) without accumulate;
+// dy and dx of the gradients' type G.
+template <class X, class G>
+__global__ void gelu_backward_kernel(const G* dy, const X* x, G* dx, int64_t n, bool accumulate) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
     const float xi = load(x, i), x2 = xi * xi;
     const float t = tanhf(kGeluScale * xi * (1.0f + kGeluCubic * x2));
     const float dudx = kGeluScale * (1.0f + 3.0f * kGeluCubic * x2);
     const float grad = 0.5f * (1.0f + t) + 0.5f * xi * (1.0f - t * t) * dudx;
-    dx[i] = accumulate ? dx[i] + dy[i] * grad : dy[i] * grad;
+    const float d = load(dy, i) * grad;
+    store(dx, i, accumulate ? load(dx, i) + d : d);
   }
 }
 
@@ -304,9 +306,9 @@ __global__ void add_bias_kernel(float* y, const float* bias, int64_t n, int64_t 
     y[i] += bias[i % c];
 }
 
-// y, x of one element type T (float or bf16): y = y + x in fp32, stored as T.
-template <class T>
-__global__ void add_inplace_kernel(T* y, const T* x, int64_t n) {
+// y, x of element types Y, X (float or bf16): y = y + x in fp32, stored as Y.
+template <class Y, class X>
+__global__ void add_inplace_kernel(Y* y, const X* x, int64_t n) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x)
     store(y, i, load(y, i) + load(x, i));
@@ -496,23 +498,25 @@ __global__ void embedding_forward_kernel(const int32_t* tokens, const float* wte
   }
 }
 
-__global__ void embedding_backward_wte_kernel(const int32_t* tokens, const float* dy, float* dwte,
+template <class G>
+__global__ void embedding_backward_wte_kernel(const int32_t* tokens, const G* dy, float* dwte,
                                               int64_t rows, int64_t first, int64_t n, int64_t c) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n * c;
        i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t row = i / c, j = i % c;
     const int64_t e = int64_t{tokens[row]} - first;
-    if (e >= 0 && e < rows) atomicAdd(dwte + e * c + j, dy[i]);
+    if (e >= 0 && e < rows) atomicAdd(dwte + e * c + j, load(dy, i));
   }
 }
 
 // dwpe[t, j] += sum over b of dy[b, t, j], summed in batch order.
-__global__ void embedding_backward_wpe_kernel(const float* dy, float* dwpe, int64_t b, int64_t t,
+template <class G>
+__global__ void embedding_backward_wpe_kernel(const G* dy, float* dwpe, int64_t b, int64_t t,
                                               int64_t c) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < t * c;
        i += int64_t{gridDim.x} * blockDim.x) {
     float s = 0;
-    for (int64_t bi = 0; bi < b; ++bi) s += dy[bi * t * c + i];
+    for (int64_t bi = 0; bi < b; ++bi) s += load(dy, bi * t * c + i);
     dwpe[i] += s;
   }
 }
@@ -631,9 +635,9 @@ static_assert(sizeof(uint16_t) == sizeof(__nv_bfloat16), "bf16 is 2 bytes");
 const __nv_bfloat16* bf(const uint16_t* p) { return reinterpret_cast<const __nv_bfloat16*>(p); }
 __nv_bfloat16* bf(uint16_t* p) { return reinterpret_cast<__nv_bfloat16*>(p); }
 
-// column_sums for either type of x.
-template <class X>
-void column_sums_of(cudaStream_t s, const float* dy, const X* x, const float* mean,
+// column_sums for either type of x and dy.
+template <class X, class G>
+void column_sums_of(cudaStream_t s, const G* dy, const X* x, const float* mean,
                     const float* rstd, float* dw, float* db, float* partials, int64_t n,
                     int64_t c) {
   const int64_t slices = column_slices(n);
@@ -643,12 +647,12 @@ void column_sums_of(cudaStream_t s, const float* dy, const X* x, const float* me
   float* part_db = partials;
   if (dw != nullptr) {
     float* part_dw = partials + slices * c;
-    column_partials_kernel<true, X><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_dw, part_db, n,
-                                                           c);
+    column_partials_kernel<true, X, G><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_dw, part_db,
+                                                              n, c);
     column_finish_kernel<<<blocks_for(c), kThreads, 0, s>>>(part_dw, dw, slices, c);
   } else {
-    column_partials_kernel<false, X><<<grid, block, 0, s>>>(dy, x, mean, rstd, nullptr, part_db,
-                                                            n, c);
+    column_partials_kernel<false, X, G><<<grid, block, 0, s>>>(dy, x, mean, rstd, nullptr, part_db,
+                                                               n, c);
   }
   column_finish_kernel<<<blocks_for(c), kThreads, 0, s>>>(part_db, db, slices, c);
 }
@@ -675,11 +679,11 @@ void layernorm_backward_input(cudaStream_t s, const float* dy, const float* x, c
                                                                      c);
 }
 
-void layernorm_backward_input(cudaStream_t s, const float* dy, const uint16_t* x, const float* w,
-                              const float* mean, const float* rstd, float* dx, int64_t n,
-                              int64_t c) {
-  layernorm_backward_input_kernel<<<row_blocks(n), kThreads, 0, s>>>(dy, bf(x), w, mean, rstd, dx,
-                                                                     n, c);
+void layernorm_backward_input(cudaStream_t s, const uint16_t* dy, const uint16_t* x,
+                              const float* w, const float* mean, const float* rstd, uint16_t* dx,
+                              int64_t n, int64_t c) {
+  layernorm_backward_input_kernel<<<row_blocks(n), kThreads, 0, s>>>(bf(dy), bf(x), w, mean, rstd,
+                                                                     bf(dx), n, c);
 }
 
 // About 16 rows per thread of the first pass, at most 128 slices.
@@ -692,9 +696,9 @@ void column_sums(cudaStream_t s, const float* dy, const float* x, const float* m
   column_sums_of(s, dy, x, mean, rstd, dw, db, partials, n, c);
 }
 
-void column_sums(cudaStream_t s, const float* dy, const uint16_t* x, const float* mean,
+void column_sums(cudaStream_t s, const uint16_t* dy, const uint16_t* x, const float* mean,
                  const float* rstd, float* dw, float* db, float* partials, int64_t n, int64_t c) {
-  column_sums_of(s, dy, bf(x), mean, rstd, dw, db, partials, n, c);
+  column_sums_of(s, bf(dy), bf(x), mean, rstd, dw, db, partials, n, c);
 }
 
 void rmsnorm_forward(cudaStream_t s, const float* x, const float* w, float* y, float* rstd,
@@ -738,9 +742,9 @@ void gelu_backward(cudaStream_t s, const float* dy, const float* x, float* dx, i
   gelu_backward_kernel<<<blocks_for(n), kThreads, 0, s>>>(dy, x, dx, n, accumulate);
 }
 
-void gelu_backward(cudaStream_t s, const float* dy, const uint16_t* x, float* dx, int64_t n,
+void gelu_backward(cudaStream_t s, const uint16_t* dy, const uint16_t* x, uint16_t* dx, int64_t n,
                    bool accumulate) {
-  gelu_backward_kernel<<<blocks_for(n), kThreads, 0, s>>>(dy, bf(x), dx, n, accumulate);
+  gelu_backward_kernel<<<blocks_for(n), kThreads, 0, s>>>(bf(dy), bf(x), bf(dx), n, accumulate);
 }
 
 void add_bias(cudaStream_t s, float* y, const float* bias, int64_t n, int64_t c) {
@@ -753,6 +757,10 @@ void add_inplace(cudaStream_t s, float* y, const float* x, int64_t n) {
 
 void add_inplace(cudaStream_t s, uint16_t* y, const uint16_t* x, int64_t n) {
   add_inplace_kernel<<<blocks_for(n), kThreads, 0, s>>>(bf(y), bf(x), n);
+}
+
+void add_inplace(cudaStream_t s, uint16_t* y, const float* x, int64_t n) {
+  add_inplace_kernel<<<blocks_for(n), kThreads, 0, s>>>(bf(y), x, n);
 }
 
 void fill_rows(cudaStream_t s, uint16_t* y, const float* row, int64_t n, int64_t c) {
@@ -826,6 +834,15 @@ void embedding_backward(cudaStream_t s, const int32_t* tokens, const float* dy, 
                                                                            first, b * t, c);
   if (dwpe != nullptr)
     embedding_backward_wpe_kernel<<<blocks_for(t * c), kThreads, 0, s>>>(dy, dwpe, b, t, c);
+}
+
+void embedding_backward(cudaStream_t s, const int32_t* tokens, const uint16_t* dy, float* dwte,
+                        int64_t rows, int64_t first, float* dwpe, int64_t b, int64_t t,
+                        int64_t c) {
+  embedding_backward_wte_kernel<<<blocks_for(b * t * c), kThreads, 0, s>>>(tokens, bf(dy), dwte,
+                                                                           rows, first, b * t, c);
+  if (dwpe != nullptr)
+    embedding_backward_wpe_kernel<<<blocks_for(t * c), kThreads, 0, s>>>(bf(dy), dwpe, b, t, c);
 }
 
 void adamw(cudaStream_t s, float* p, const float* g, float* m, float* v, int64_t n, float beta1,

@@ -25,16 +25,16 @@ void layernorm_forward(cudaStream_t s, const uint16_t* x, const float* w, const 
 void layernorm_backward_input(cudaStream_t s, const float* dy, const float* x, const float* w,
                               const float* mean, const float* rstd, float* dx, int64_t n,
                               int64_t c);
-void layernorm_backward_input(cudaStream_t s, const float* dy, const uint16_t* x, const float* w,
-                              const float* mean, const float* rstd, float* dx, int64_t n,
-                              int64_t c);
+void layernorm_backward_input(cudaStream_t s, const uint16_t* dy, const uint16_t* x,
+                              const float* w, const float* mean, const float* rstd, uint16_t* dx,
+                              int64_t n, int64_t c);
 
 // --- column sums over rows: db += sum_i dy[i]; with x/mean/rstd also dw += sum_i dy xhat ---
 // Row slices of the first pass; `partials` holds (dw ? 2 : 1) * slices * c floats.
 int64_t column_slices(int64_t n);
 void column_sums(cudaStream_t s, const float* dy, const float* x, const float* mean,
                  const float* rstd, float* dw, float* db, float* partials, int64_t n, int64_t c);
-void column_sums(cudaStream_t s, const float* dy, const uint16_t* x, const float* mean,
+void column_sums(cudaStream_t s, const uint16_t* dy, const uint16_t* x, const float* mean,
                  const float* rstd, float* dw, float* db, float* partials, int64_t n, int64_t c);
 
 // --- element-wise ---
@@ -52,11 +52,12 @@ void gelu_forward(cudaStream_t s, const float* x, float* y, int64_t n);
 void gelu_forward(cudaStream_t s, const uint16_t* x, uint16_t* y, int64_t n);
 void gelu_backward(cudaStream_t s, const float* dy, const float* x, float* dx, int64_t n,
                    bool accumulate);
-void gelu_backward(cudaStream_t s, const float* dy, const uint16_t* x, float* dx, int64_t n,
+void gelu_backward(cudaStream_t s, const uint16_t* dy, const uint16_t* x, uint16_t* dx, int64_t n,
                    bool accumulate);
 void add_bias(cudaStream_t s, float* y, const float* bias, int64_t n, int64_t c);
 void add_inplace(cudaStream_t s, float* y, const float* x, int64_t n);
 void add_inplace(cudaStream_t s, uint16_t* y, const uint16_t* x, int64_t n);
+void add_inplace(cudaStream_t s, uint16_t* y, const float* x, int64_t n);
 void fill_rows(cudaStream_t s, uint16_t* y, const float* row, int64_t n, int64_t c);
 void scale_inplace(cudaStream_t s, float* y, float scale, int64_t n);
 
@@ -81,6 +82,9 @@ void embedding_forward(cudaStream_t s, const int32_t* tokens, const float* wte, 
                        int64_t first, const float* wpe, uint16_t* y, int64_t b, int64_t t,
                        int64_t c);
 void embedding_backward(cudaStream_t s, const int32_t* tokens, const float* dy, float* dwte,
+                        int64_t rows, int64_t first, float* dwpe, int64_t b, int64_t t,
+                        int64_t c);
+void embedding_backward(cudaStream_t s, const int32_t* tokens, const uint16_t* dy, float* dwte,
                         int64_t rows, int64_t first, float* dwpe, int64_t b, int64_t t,
                         int64_t c);
 

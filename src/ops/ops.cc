@@ -149,6 +149,7 @@ class Widen {
 
 bool is_bf16(const Tensor& t) { return t.dtype() == DType::BF16; }
 bool is_f32(const Tensor& t) { return t.dtype() == DType::F32; }
+bool is_i32(const Tensor& t) { return t.dtype() == DType::I32; }
 const cuda::bf16* b16(const Tensor& t) { return t.data<cuda::bf16>(); }
 cuda::bf16* b16w(const Tensor& t) { return t.data<cuda::bf16>(); }
 
@@ -352,6 +353,11 @@ void add_rows(const Tensor& y, const Tensor& row) {
 
 void sum_rows(const Tensor& dy, const Tensor& db) {
   if (any_bf16({&dy, &db})) {
+    if (is_bf16(dy) && is_f32(db) && db.numel() == dy.shape().last() &&
+        on_gpu(common_device("sum_rows", {&dy, &db}), "sum_rows", [&](auto& cx) {
+          cuda::sum_rows(cx, b16(dy), fw(db), dy.shape().rows(), dy.shape().last());
+        }))
+      return;
     Widen wd;
     sum_rows(wd.in(dy), wd.out(db, true));
     return wd.commit();
@@ -368,9 +374,13 @@ void sum_rows(const Tensor& dy, const Tensor& db) {
 
 void add(const Tensor& y, const Tensor& x) {
   if (any_bf16({&y, &x})) {
-    if (is_bf16(y) && is_bf16(x) && x.numel() == y.numel() &&
-        on_gpu(common_device("add", {&y, &x}), "add",
-               [&](auto& cx) { cuda::add_inplace(cx, b16w(y), b16(x), y.numel()); }))
+    if (is_bf16(y) && x.numel() == y.numel() &&
+        on_gpu(common_device("add", {&y, &x}), "add", [&](auto& cx) {
+          if (is_bf16(x))
+            cuda::add_inplace(cx, b16w(y), b16(x), y.numel());
+          else
+            cuda::add_inplace(cx, b16w(y), f(x), y.numel());
+        }))
       return;
     Widen wd;
     add(wd.out(y, true), wd.in(x));
@@ -493,11 +503,12 @@ void layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, const 
 void layernorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w,
                               const Tensor& mean, const Tensor& rstd, const Tensor& dx) {
   if (any_bf16({&dy, &x, &w, &mean, &rstd, &dx})) {
-    if (is_bf16(x) && is_f32(dy) && is_f32(w) && is_f32(dx) &&
+    if (is_bf16(x) && is_bf16(dy) && is_f32(w) && is_bf16(dx) && is_f32(mean) && is_f32(rstd) &&
+        dy.numel() == x.numel() && dx.numel() == x.numel() &&
         on_gpu(common_device("layernorm_backward_input", {&dy, &x, &w, &mean, &rstd, &dx}),
                "layernorm_backward_input", [&](auto& cx) {
-                 cuda::layernorm_backward_input(cx, f(dy), b16(x), f(w), f(mean), f(rstd),
-                                                fw(dx), x.shape().rows(), x.shape().last());
+                 cuda::layernorm_backward_input(cx, b16(dy), b16(x), f(w), f(mean), f(rstd),
+                                                b16w(dx), x.shape().rows(), x.shape().last());
                }))
       return;
     Widen wd;
@@ -520,10 +531,11 @@ void layernorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w
 void layernorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& mean,
                                const Tensor& rstd, const Tensor& dw, const Tensor& db) {
   if (any_bf16({&dy, &x, &mean, &rstd, &dw, &db})) {
-    if (is_bf16(x) && is_f32(dy) && is_f32(dw) && is_f32(db) &&
+    if (is_bf16(x) && is_bf16(dy) && is_f32(dw) && is_f32(db) && is_f32(mean) &&
+        is_f32(rstd) && dy.numel() == x.numel() &&
         on_gpu(common_device("layernorm_backward_weight", {&dy, &x, &mean, &rstd, &dw, &db}),
                "layernorm_backward_weight", [&](auto& cx) {
-                 cuda::layernorm_backward_weight(cx, f(dy), b16(x), f(mean), f(rstd), fw(dw),
+                 cuda::layernorm_backward_weight(cx, b16(dy), b16(x), f(mean), f(rstd), fw(dw),
                                                  fw(db), x.shape().rows(), x.shape().last());
                }))
       return;
@@ -692,11 +704,11 @@ void gelu_forward(const Tensor& x, const Tensor& y) {
 
 void gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx, bool accumulate) {
   if (any_bf16({&dy, &x, &dx})) {
-    if (is_bf16(x) && is_f32(dy) && is_f32(dx) && dx.numel() == x.numel() &&
+    if (is_bf16(x) && is_bf16(dy) && is_bf16(dx) && dx.numel() == x.numel() &&
         dy.numel() == x.numel() &&
         on_gpu(common_device("gelu_backward", {&dy, &x, &dx}), "gelu_backward",
                [&](auto& cx) {
-                 cuda::gelu_backward(cx, f(dy), b16(x), fw(dx), x.numel(), accumulate);
+                 cuda::gelu_backward(cx, b16(dy), b16(x), b16w(dx), x.numel(), accumulate);
                }))
       return;
     Widen wd;
@@ -865,7 +877,7 @@ void attention_backward_fused(const Tensor& dout, const Tensor& qkv, const Tenso
                               const Tensor& lse, const Tensor& dqkv, int64_t heads,
                               int64_t groups, bool accumulate) {
 #if WEFT_CUDNN
-  if (is_f32(dout) && is_bf16(qkv) && is_bf16(out) && is_f32(lse) && is_f32(dqkv)) {
+  if (is_bf16(dout) && is_bf16(qkv) && is_bf16(out) && is_f32(lse) && is_bf16(dqkv)) {
     const Device d = common_device("attention_backward_fused", {&dout, &qkv, &out, &lse, &dqkv});
     const int64_t hd = qkv_head_size("attention_backward_fused", qkv, heads, groups);
     const int64_t b = qkv.dim(0), t = qkv.dim(1);
@@ -874,8 +886,8 @@ void attention_backward_fused(const Tensor& dout, const Tensor& qkv, const Tenso
     check_numel("attention_backward_fused", "lse", lse, b * heads * t);
     check_numel("attention_backward_fused", "dqkv", dqkv, qkv.numel());
     if (on_gpu(d, "attention_backward_fused", [&](auto& cx) {
-          cuda::fused_attention_backward(cx, f(dout), b16(qkv), b16(out), f(lse), fw(dqkv), b, t,
-                                         heads, groups, hd, accumulate);
+          cuda::fused_attention_backward(cx, b16(dout), b16(qkv), b16(out), f(lse), b16w(dqkv), b,
+                                         t, heads, groups, hd, accumulate);
         }))
       return;
   }
@@ -952,6 +964,15 @@ void embedding_forward(const Tensor& tokens, const Tensor& wte, int64_t first, c
 void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, int64_t first,
                         const Tensor& dwpe) {
   if (any_bf16({&dy, &dwte, &dwpe})) {
+    if (is_bf16(dy) && is_f32(dwte) && (!dwpe.defined() || is_f32(dwpe)) &&
+        is_i32(tokens) && dy.numel() == tokens.numel() * dwte.dim(1) &&
+        on_gpu(common_device("embedding_backward", {&tokens, &dy, &dwte, &dwpe}),
+               "embedding_backward", [&](auto& cx) {
+                 float* pos = dwpe.defined() && dwpe.numel() > 0 ? fw(dwpe) : nullptr;
+                 cuda::embedding_backward(cx, i32(tokens), b16(dy), fw(dwte), pos, tokens.dim(0),
+                                          tokens.dim(1), dwte.dim(1), dwte.dim(0), first);
+               }))
+      return;
     Widen wd;
     embedding_backward(tokens, wd.in(dy), wd.out(dwte, true), first, wd.out(dwpe, true));
     return wd.commit();

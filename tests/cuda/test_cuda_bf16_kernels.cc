@@ -5,8 +5,11 @@
 // rounds once on the store, so:
 //   - a bf16 output equals, bit for bit, the host's round-to-nearest-even of
 //     the fp32 kernel's output (cuda::to_bf16, __float2bfloat16_rn's twin);
-//   - an fp32 output (mean, rstd, dx, dw, db) equals the fp32 kernel's bit
-//     for bit.
+//   - an fp32 output (mean, rstd, dw, db) equals the fp32 kernel's bit for
+//     bit.
+// Gradients of bf16 activations are bf16 too (dy, dx); a gradient that is
+// accumulated into is read widened, so the fp32 kernel, given the widened
+// starting values, computes exactly what the bf16 one rounds.
 // The GEMM (cuBLAS may pick another algorithm for bf16 C) and cuDNN's fused
 // attention (its backward accumulates in an order that varies from run to
 // run) are held to error models written beside them instead. Shapes are
@@ -86,9 +89,10 @@ void expect_same_bits(const std::vector<float>& got, const std::vector<float>& w
 TEST(CudaBf16LayerNorm, EveryOutputIsTheFp32KernelsOutputRounded) {
   for (auto [n, c] : {std::pair<int64_t, int64_t>{45, 200}, {8192 + 13, 96}}) {
     SCOPED_TRACE(::testing::Message() << "n " << n << " c " << c);
-    const std::vector<bf16> x16 = bf16_uniform(n * c, 1, -2.0f, 3.0f);
+    const std::vector<bf16> x16 = bf16_uniform(n * c, 1, -2.0f, 3.0f),
+                            dy16 = bf16_uniform(n * c, 4), dx16 = bf16_uniform(n * c, 5);
     const std::vector<float> x = widened(x16), w = uniform(c, 2), b = uniform(c, 3),
-                             dy = uniform(n * c, 4), dx0 = uniform(n * c, 5), dw0 = uniform(c, 6),
+                             dy = widened(dy16), dx0 = widened(dx16), dw0 = uniform(c, 6),
                              db0 = uniform(c, 7), junk = uniform(n * c, 8);
     // fp32 kernels on the widened input
     Dev<float> fx(x), fw(w), fb(b), fdy(dy), fy(junk), fmean(uniform(n, 9)), frstd(uniform(n, 10));
@@ -98,16 +102,16 @@ TEST(CudaBf16LayerNorm, EveryOutputIsTheFp32KernelsOutputRounded) {
     layernorm_backward_weight(ctx(), fdy.p(), fx.p(), fmean.p(), frstd.p(), fdw.p(), fdb.p(), n,
                               c);
     // bf16 overloads; outputs start as other values than the fp32 run's
-    Dev<bf16> hx(x16), hy(bf16_uniform(n * c, 11));
-    Dev<float> hmean(uniform(n, 12)), hrstd(uniform(n, 13)), hdx(dx0), hdw(dw0), hdb(db0);
+    Dev<bf16> hx(x16), hy(bf16_uniform(n * c, 11)), hdy(dy16), hdx(dx16);
+    Dev<float> hmean(uniform(n, 12)), hrstd(uniform(n, 13)), hdw(dw0), hdb(db0);
     layernorm_forward(ctx(), hx.p(), fw.p(), fb.p(), hy.p(), hmean.p(), hrstd.p(), n, c, 1e-5f);
-    layernorm_backward_input(ctx(), fdy.p(), hx.p(), fw.p(), hmean.p(), hrstd.p(), hdx.p(), n, c);
-    layernorm_backward_weight(ctx(), fdy.p(), hx.p(), hmean.p(), hrstd.p(), hdw.p(), hdb.p(), n,
+    layernorm_backward_input(ctx(), hdy.p(), hx.p(), fw.p(), hmean.p(), hrstd.p(), hdx.p(), n, c);
+    layernorm_backward_weight(ctx(), hdy.p(), hx.p(), hmean.p(), hrstd.p(), hdw.p(), hdb.p(), n,
                               c);
     expect_rounded(hy.host(), fy.host(), "y");
     expect_same_bits(hmean.host(), fmean.host(), "mean");
     expect_same_bits(hrstd.host(), frstd.host(), "rstd");
-    expect_same_bits(hdx.host(), fdx.host(), "dx");
+    expect_rounded(hdx.host(), fdx.host(), "dx");
     expect_same_bits(hdw.host(), fdw.host(), "dw");
     expect_same_bits(hdb.host(), fdb.host(), "db");
   }
@@ -115,19 +119,23 @@ TEST(CudaBf16LayerNorm, EveryOutputIsTheFp32KernelsOutputRounded) {
 
 // ---------------------------------------------------------------- GELU
 
-TEST(CudaBf16Gelu, ForwardRoundsTheFp32OutputAndBackwardIsTheFp32Gradient) {
+// Both backwards: accumulating into dx, and writing a fresh one.
+TEST(CudaBf16Gelu, EveryOutputIsTheFp32KernelsOutputRounded) {
   const int64_t n = 100003;
-  const std::vector<bf16> x16 = bf16_uniform(n, 21, -5.0f, 5.0f);
-  const std::vector<float> dy = uniform(n, 22), dx0 = uniform(n, 23);
-  Dev<float> fx(widened(x16)), fy(uniform(n, 24)), fdy(dy), fdx(dx0);
+  const std::vector<bf16> x16 = bf16_uniform(n, 21, -5.0f, 5.0f), dy16 = bf16_uniform(n, 22),
+                          dx16 = bf16_uniform(n, 23);
+  Dev<float> fx(widened(x16)), fy(uniform(n, 24)), fdy(widened(dy16)), fdx(widened(dx16)),
+      ffresh(uniform(n, 26));
   gelu_forward(ctx(), fx.p(), fy.p(), n);
   gelu_backward(ctx(), fdy.p(), fx.p(), fdx.p(), n);
-  Dev<bf16> hx(x16), hy(bf16_uniform(n, 25));
-  Dev<float> hdx(dx0);
+  gelu_backward(ctx(), fdy.p(), fx.p(), ffresh.p(), n, false);
+  Dev<bf16> hx(x16), hy(bf16_uniform(n, 25)), hdy(dy16), hdx(dx16), hfresh(bf16_uniform(n, 27));
   gelu_forward(ctx(), hx.p(), hy.p(), n);
-  gelu_backward(ctx(), fdy.p(), hx.p(), hdx.p(), n);
+  gelu_backward(ctx(), hdy.p(), hx.p(), hdx.p(), n);
+  gelu_backward(ctx(), hdy.p(), hx.p(), hfresh.p(), n, false);
   expect_rounded(hy.host(), fy.host(), "gelu y");
-  expect_same_bits(hdx.host(), fdx.host(), "gelu dx");
+  expect_rounded(hdx.host(), fdx.host(), "gelu dx, accumulated");
+  expect_rounded(hfresh.host(), ffresh.host(), "gelu dx, fresh");
 }
 
 // ---------------------------------------------------------------- element-wise
@@ -141,6 +149,42 @@ TEST(CudaBf16Helpers, AddInPlaceRoundsTheFp32Sum) {
   Dev<bf16> hy(y16), hx(x16);
   add_inplace(ctx(), hy.p(), hx.p(), n);
   expect_rounded(hy.host(), fy.host(), "y + x");
+}
+
+// y (bf16) += x (fp32): the fp32 sum of the widened y and x, rounded once.
+TEST(CudaBf16Helpers, AddingFp32IntoBf16RoundsTheFp32Sum) {
+  const int64_t n = 70001;
+  const std::vector<bf16> y16 = bf16_uniform(n, 101);
+  const std::vector<float> x = uniform(n, 102);
+  Dev<float> fy(widened(y16)), fx(x);
+  add_inplace(ctx(), fy.p(), fx.p(), n);
+  Dev<bf16> hy(y16);
+  add_inplace(ctx(), hy.p(), fx.p(), n);
+  expect_rounded(hy.host(), fy.host(), "y += x");
+}
+
+// The bias gradient (column sums) and the embedding's gradients from a bf16
+// dy: each element widened, then the fp32 kernels' sums in their order, so
+// the fp32 results bit for bit. The tokens are distinct, so that no two
+// atomic adds meet on one dwte element (their order would vary).
+TEST(CudaBf16Helpers, GradientSumsFromBf16DyAreTheFp32Sums) {
+  const int64_t b = 3, t = 37, c = 77, rows = 200;
+  const std::vector<bf16> dy16 = bf16_uniform(b * t * c, 111);
+  const std::vector<float> db0 = uniform(c, 112), dwte0 = uniform(rows * c, 113),
+                           dwpe0 = uniform(t * c, 114);
+  std::vector<int32_t> ids;
+  for (int64_t i = 0; i < b * t; ++i) ids.push_back(static_cast<int32_t>(i + 50));
+  Dev<int32_t> tokens(ids);
+  Dev<float> fdy(widened(dy16)), fdb(db0), fdwte(dwte0), fdwpe(dwpe0);
+  sum_rows(ctx(), fdy.p(), fdb.p(), b * t, c);
+  embedding_backward(ctx(), tokens.p(), fdy.p(), fdwte.p(), fdwpe.p(), b, t, c, rows, 20);
+  Dev<bf16> hdy(dy16);
+  Dev<float> hdb(db0), hdwte(dwte0), hdwpe(dwpe0);
+  sum_rows(ctx(), hdy.p(), hdb.p(), b * t, c);
+  embedding_backward(ctx(), tokens.p(), hdy.p(), hdwte.p(), hdwpe.p(), b, t, c, rows, 20);
+  expect_same_bits(hdb.host(), fdb.host(), "db");
+  expect_same_bits(hdwte.host(), fdwte.host(), "dwte");
+  expect_same_bits(hdwpe.host(), fdwpe.host(), "dwpe");
 }
 
 TEST(CudaBf16Helpers, FillRowsRoundsTheRowIntoEveryRow) {
@@ -246,8 +290,13 @@ TEST(CudaBf16Gemm, OutputWithinOneBf16RoundingOfTheExactProduct) {
 TEST(CudaBf16Runtime, RepeatedCallsAllocateNothingNew) {
   const int64_t n = 45, c = 200;
   Dev<bf16> x(bf16_uniform(n * c, 71)), y(bf16_uniform(n * c, 72)), h(bf16_uniform(n * c, 73));
-  Dev<float> w(uniform(c, 74)), b(uniform(c, 75)), dy(uniform(n * c, 76)), dx(uniform(n * c, 77));
+  Dev<bf16> dy(bf16_uniform(n * c, 76)), dx(bf16_uniform(n * c, 77));
+  Dev<float> w(uniform(c, 74)), b(uniform(c, 75));
   Dev<float> mean(uniform(n, 78)), rstd(uniform(n, 79)), dw(uniform(c, 80)), db(uniform(c, 81));
+  std::vector<int32_t> ids;
+  for (int64_t i = 0; i < n; ++i) ids.push_back(static_cast<int32_t>(i * 7 % 50));
+  Dev<int32_t> tokens(ids);
+  Dev<float> dwte(uniform(50 * c, 82));
   auto step = [&] {
     fill_rows(ctx(), y.p(), b.p(), n, c);
     layernorm_forward(ctx(), x.p(), w.p(), b.p(), y.p(), mean.p(), rstd.p(), n, c, 1e-5f);
@@ -256,6 +305,8 @@ TEST(CudaBf16Runtime, RepeatedCallsAllocateNothingNew) {
     gelu_backward(ctx(), dy.p(), y.p(), dx.p(), n * c);
     layernorm_backward_input(ctx(), dy.p(), x.p(), w.p(), mean.p(), rstd.p(), dx.p(), n, c);
     layernorm_backward_weight(ctx(), dy.p(), x.p(), mean.p(), rstd.p(), dw.p(), db.p(), n, c);
+    sum_rows(ctx(), dy.p(), db.p(), n, c);
+    embedding_backward(ctx(), tokens.p(), dy.p(), dwte.p(), nullptr, 1, n, c, 50);
     gemm_bf16_out(ctx(), false, true, n, n, c, 1.0f, x.p(), c, h.p(), c, 0.0f, y.p(), n);
     ctx().synchronize();
   };
@@ -284,8 +335,9 @@ struct Case {
 };
 
 // The bf16 interface runs the graphs the fp32 interface built (no new graph)
-// on the same bf16 bits: the fp32 interface rounds qkv to bf16 (exact here),
-// and for the backward rounds its widened out back to the same bf16 O.
+// on the same bf16 bits: the fp32 interface rounds qkv and dout to bf16
+// (exact here: they are bf16 values), and for the backward rounds its
+// widened out back to the same bf16 O.
 //
 // Forward: cuDNN rounds its fp32 O once to bf16. The fp32 interface widens
 // that bf16 O, exactly. Two runs of one plan on the same bits give fp32
@@ -301,7 +353,10 @@ struct Case {
 // summed in fp32 (at most T terms per query head, T H / G for a key/value
 // head), the values before rounding differ by at most 2 T (H / G) 2^-24 A, A
 // the sum of the terms' magnitudes; each is then
-// rounded to bf16 (2^-8 of it) and added to dqkv0 in fp32 (2^-24 of the sum).
+// rounded to bf16 (2^-8 of it) and added to dqkv0: in fp32 by the fp32
+// interface (2^-24 of the sum), rounded to bf16 by the bf16 one (2^-8 of the
+// sum). A fresh dqkv (accumulate false) is cuDNN's bf16 result itself in the
+// bf16 interface, that result widened in the fp32 one.
 // With scale = 1/sqrt(D), p_ij <= 1, sum_j p_ij = 1 and |dS_ij| <= 2 p_ij
 // |dO_i|_1 max|v| (|dP_ij - D_i| <= 2 |dO_i|_1 max|v|), per query head:
 //   dq_i: A <= 2 scale max|k| max|v| |dO_i|_1
@@ -315,25 +370,30 @@ class Bf16FusedAttention : public ::testing::Test {
 
 void Bf16FusedAttention::check_case(const Case& k, uint64_t seed) {
   const int64_t n_qkv = k.b * k.t * k.w(), n_out = k.b * k.t * k.c(), n_lse = k.b * k.h * k.t;
-  const std::vector<bf16> qkv16 = bf16_uniform(n_qkv, seed);
-  const std::vector<float> qkv = widened(qkv16), dout = uniform(n_out, seed + 1),
-                           dqkv0 = uniform(n_qkv, seed + 2);
+  const std::vector<bf16> qkv16 = bf16_uniform(n_qkv, seed), dout16 = bf16_uniform(n_out, seed + 1),
+                          dqkv16 = bf16_uniform(n_qkv, seed + 2);
+  const std::vector<float> qkv = widened(qkv16), dout = widened(dout16), dqkv0 = widened(dqkv16);
   Context& cx = ctx();
 
   // The fp32 interface.
   Dev<float> fqkv(qkv), fout(uniform(n_out, seed + 3)), flse(uniform(n_lse, seed + 4));
-  Dev<float> fdout(dout), fdqkv(dqkv0);
+  Dev<float> fdout(dout), fdqkv(dqkv0), ffresh(uniform(n_qkv, seed + 7));
   fused_attention_forward(cx, fqkv.p(), fout.p(), flse.p(), k.b, k.t, k.h, k.g, k.d);
   fused_attention_backward(cx, fdout.p(), fqkv.p(), fout.p(), flse.p(), fdqkv.p(), k.b, k.t, k.h,
                            k.g, k.d);
+  fused_attention_backward(cx, fdout.p(), fqkv.p(), fout.p(), flse.p(), ffresh.p(), k.b, k.t, k.h,
+                           k.g, k.d, false);
   const size_t graphs = fused_attention_graphs(cx);
 
   // The bf16 interface, its outputs starting elsewhere.
-  Dev<bf16> hqkv(qkv16), hout(bf16_uniform(n_out, seed + 5));
-  Dev<float> hlse(uniform(n_lse, seed + 6)), hdqkv(dqkv0);
+  Dev<bf16> hqkv(qkv16), hout(bf16_uniform(n_out, seed + 5)), hdout(dout16), hdqkv(dqkv16),
+      hfresh(bf16_uniform(n_qkv, seed + 8));
+  Dev<float> hlse(uniform(n_lse, seed + 6));
   fused_attention_forward(cx, hqkv.p(), hout.p(), hlse.p(), k.b, k.t, k.h, k.g, k.d);
-  fused_attention_backward(cx, fdout.p(), hqkv.p(), hout.p(), hlse.p(), hdqkv.p(), k.b, k.t, k.h,
+  fused_attention_backward(cx, hdout.p(), hqkv.p(), hout.p(), hlse.p(), hdqkv.p(), k.b, k.t, k.h,
                            k.g, k.d);
+  fused_attention_backward(cx, hdout.p(), hqkv.p(), hout.p(), hlse.p(), hfresh.p(), k.b, k.t, k.h,
+                           k.g, k.d, false);
   EXPECT_EQ(fused_attention_graphs(cx), graphs) << "the bf16 interface built its own graphs";
 
   const double u = std::ldexp(1.0, -8), u32 = std::ldexp(1.0, -24);
@@ -376,21 +436,29 @@ void Bf16FusedAttention::check_case(const Case& k, uint64_t seed) {
         }
       }
     }
-  const std::vector<float> dq_got = hdqkv.host(), dq_want = fdqkv.host();
+  const std::vector<float> dq_got = widened(hdqkv.host()), dq_want = fdqkv.host();
   std::vector<double> dq_bound;
   for (size_t i = 0; i < dq_want.size(); ++i) {
     const double x0 = dqkv0[i], g1 = std::abs(dq_got[i] - x0), g2 = std::abs(dq_want[i] - x0);
     dq_bound.push_back(2 * k.t * per * u32 * a[i] + u * (1 + 2 * u) * (g1 + g2) +
-                       u32 * (std::abs(dq_got[i]) + std::abs(dq_want[i])));
+                       u * (std::abs(dq_got[i]) + std::abs(dq_want[i])));
   }
   expect_within(dq_got, dq_want, dq_bound, "dqkv");
+  const std::vector<float> fresh_got = widened(hfresh.host()), fresh_want = ffresh.host();
+  std::vector<double> fresh_bound;
+  for (size_t i = 0; i < fresh_want.size(); ++i)
+    fresh_bound.push_back(2 * k.t * per * u32 * a[i] +
+                          u * (1 + 2 * u) * (std::abs(fresh_got[i]) + std::abs(fresh_want[i])));
+  expect_within(fresh_got, fresh_want, fresh_bound, "dqkv, fresh");
 
   // A repeat allocates nothing: graphs and scratch are reused.
   cx.synchronize();
   const size_t mallocs = cx.allocator().stats().device_mallocs;
   fused_attention_forward(cx, hqkv.p(), hout.p(), hlse.p(), k.b, k.t, k.h, k.g, k.d);
-  fused_attention_backward(cx, fdout.p(), hqkv.p(), hout.p(), hlse.p(), hdqkv.p(), k.b, k.t, k.h,
+  fused_attention_backward(cx, hdout.p(), hqkv.p(), hout.p(), hlse.p(), hdqkv.p(), k.b, k.t, k.h,
                            k.g, k.d);
+  fused_attention_backward(cx, hdout.p(), hqkv.p(), hout.p(), hlse.p(), hfresh.p(), k.b, k.t, k.h,
+                           k.g, k.d, false);
   cx.synchronize();
   EXPECT_EQ(cx.allocator().stats().device_mallocs, mallocs);
 }

@@ -81,7 +81,8 @@ struct Twin {
 // gradients start at zero and need_grad[i] says which are wanted) and
 // backward_weight on both devices; compares everything.
 // With act BF16 the float inputs and the outputs (but a loss) are bf16
-// tensors, as --bf16 stores activations; gradients stay fp32.
+// tensors, as --bf16 stores activations, and so are their gradients; the
+// parameters' gradients stay fp32.
 void expect_same_on_both(Layer& cpu_layer, Layer& gpu_layer, Twin& twin,
                          const std::vector<Tensor>& inputs, const std::vector<bool>& need_grad,
                          const std::string& what, double tol = kFp32,
@@ -93,18 +94,16 @@ void expect_same_on_both(Layer& cpu_layer, Layer& gpu_layer, Twin& twin,
   struct Run {
     std::vector<Tensor> out, grad_in;
   };
+  auto narrowed = [&](Tensor x, Device d) {
+    if (x.dtype() != DType::F32 || act == DType::F32) return x;
+    Tensor narrow = Tensor::empty(x.shape(), act, d);
+    ops::convert(x, narrow);
+    return narrow;
+  };
   auto run = [&](Layer& layer, Device d) {
     Arena arena(d);
     std::vector<Tensor> in;
-    for (const Tensor& t : inputs) {
-      Tensor x = on(t, d);
-      if (x.dtype() == DType::F32 && act != DType::F32) {
-        Tensor narrow = Tensor::empty(x.shape(), act, d);
-        ops::convert(x, narrow);
-        x = narrow;
-      }
-      in.push_back(x);
-    }
+    for (const Tensor& t : inputs) in.push_back(narrowed(on(t, d), d));
     Run r;
     for (const Shape& s : out_shapes)
       r.out.push_back(Tensor::zeros(s, s.numel() == 1 ? DType::F32 : act, d));
@@ -112,12 +111,12 @@ void expect_same_on_both(Layer& cpu_layer, Layer& gpu_layer, Twin& twin,
     layer.forward(*ctx, arena, in, r.out);
     std::vector<Tensor> grad_out;
     for (size_t k = 0; k < out_shapes.size(); ++k)
-      grad_out.push_back(on(out_shapes[k].numel() == 1 ? Tensor::zeros({1})
-                                                       : uniform_tensor(out_shapes[k], 100 + k),
-                            d));
+      grad_out.push_back(out_shapes[k].numel() == 1
+                             ? on(Tensor::zeros({1}), d)
+                             : narrowed(on(uniform_tensor(out_shapes[k], 100 + k), d), d));
     if (out_shapes.size() == 1 && out_shapes[0].numel() == 1) ops::set_item(grad_out[0], 0.37f);
     for (size_t k = 0; k < inputs.size(); ++k)
-      r.grad_in.push_back(need_grad[k] ? Tensor::zeros(inputs[k].shape(), DType::F32, d)
+      r.grad_in.push_back(need_grad[k] ? Tensor::zeros(inputs[k].shape(), in[k].dtype(), d)
                                        : Tensor());
     // fresh: the buffers the layer writes whole hold NaN, as the runner's
     // uninitialised ones may; a layer that added to them would give NaN.
@@ -143,7 +142,8 @@ void expect_same_on_both(Layer& cpu_layer, Layer& gpu_layer, Twin& twin,
         << what << ": output " << k;
   for (size_t k = 0; k < c.grad_in.size(); ++k) {
     if (!need_grad[k]) continue;
-    EXPECT_LT(rel_error(on(g.grad_in[k], Device::cpu()), c.grad_in[k]), tol)
+    EXPECT_EQ(g.grad_in[k].dtype(), c.grad_in[k].dtype()) << what << ": gradient of input " << k;
+    EXPECT_LT(rel_error(fp32_on_host(g.grad_in[k]), fp32_on_host(c.grad_in[k])), tol)
         << what << ": gradient of input " << k;
   }
   for (size_t i = 0; i < twin.cpu.size(); ++i)
@@ -262,8 +262,9 @@ TEST(CudaLayers, EmbeddingAndTiedLmHead) {
 // in fp32 summation order (~1e-6 relative); a bf16 output then either
 // agrees or, where the two fp32 results straddle a rounding boundary (a
 // fraction ~1e-6 / 2^-8 of the elements), differs by one bf16 ulp (2^-8):
-// sqrt(4e-4) x 2^-8 ~ 1e-4 of the norm. The gradients inherit as much
-// through the GEMMs' rounded operands. 1e-3 holds that with margin; reading
+// sqrt(4e-4) x 2^-8 ~ 1e-4 of the norm. The input gradients are bf16
+// outputs too (the same argument), and the parameters' fp32 gradients
+// inherit as much through the GEMMs' rounded operands. 1e-3 holds that with margin; reading
 // bf16 bytes as fp32, or the reverse, gives O(1).
 TEST(CudaLayers, Bf16Activations) {
   constexpr double kBf16 = 1e-3;

@@ -108,13 +108,15 @@ void layernorm_forward(Context& ctx, const bf16* x, const float* w, const float*
 void layernorm_backward_input(Context& ctx, const float* dy, const float* x, const float* w,
                               const float* mean, const float* rstd, float* dx, int64_t n,
                               int64_t c);
-void layernorm_backward_input(Context& ctx, const float* dy, const bf16* x, const float* w,
-                              const float* mean, const float* rstd, float* dx, int64_t n,
+// bf16 activations: dy and dx bf16 like x (their gradients are), dx read
+// widened and the sum rounded once.
+void layernorm_backward_input(Context& ctx, const bf16* dy, const bf16* x, const float* w,
+                              const float* mean, const float* rstd, bf16* dx, int64_t n,
                               int64_t c);
 // dw, db (C) += d/dw, d/db
 void layernorm_backward_weight(Context& ctx, const float* dy, const float* x, const float* mean,
                                const float* rstd, float* dw, float* db, int64_t n, int64_t c);
-void layernorm_backward_weight(Context& ctx, const float* dy, const bf16* x, const float* mean,
+void layernorm_backward_weight(Context& ctx, const bf16* dy, const bf16* x, const float* mean,
                                const float* rstd, float* dw, float* db, int64_t n, int64_t c);
 
 // --- RMSNorm, SwiGLU and rotary embedding: cpu_kernels.h's twins ---
@@ -139,14 +141,16 @@ void gelu_forward(Context& ctx, const bf16* x, bf16* y, int64_t n);
 // dx += dy gelu'(x), or dx = dy gelu'(x) with accumulate false (dx not read).
 void gelu_backward(Context& ctx, const float* dy, const float* x, float* dx, int64_t n,
                    bool accumulate = true);
-void gelu_backward(Context& ctx, const float* dy, const bf16* x, float* dx, int64_t n,
+void gelu_backward(Context& ctx, const bf16* dy, const bf16* x, bf16* dx, int64_t n,
                    bool accumulate = true);
 
 // --- bias and element-wise helpers ---
 void add_bias(Context& ctx, float* y, const float* bias, int64_t n, int64_t c);  // y (N,C) += bias
 void sum_rows(Context& ctx, const float* dy, float* db, int64_t n, int64_t c);   // db (C) += sum dy
 void add_inplace(Context& ctx, float* y, const float* x, int64_t n);             // y += x
+void sum_rows(Context& ctx, const bf16* dy, float* db, int64_t n, int64_t c);    // db += sum dy
 void add_inplace(Context& ctx, bf16* y, const bf16* x, int64_t n);  // y = bf16(float(y) + float(x))
+void add_inplace(Context& ctx, bf16* y, const float* x, int64_t n);  // y = bf16(float(y) + x)
 // Every row of y (N, C) = bf16(row): a bias placed before a GEMM (beta 1)
 // accumulates onto it, in place of add_bias after it.
 void fill_rows(Context& ctx, bf16* y, const float* row, int64_t n, int64_t c);
@@ -207,6 +211,10 @@ void embedding_forward(Context& ctx, const int32_t* tokens, const float* wte, co
 // dwte[tokens[i] - first] += dy[i] (atomic scatter-add) for this slice's
 // tokens; dwpe[t] += sum_b dy[b, t]
 void embedding_backward(Context& ctx, const int32_t* tokens, const float* dy, float* dwte,
+                        float* dwpe, int64_t b, int64_t t, int64_t c, int64_t rows = INT64_MAX,
+                        int64_t first = 0);
+// The same from a bf16 dy (bf16 activations' gradient), each element widened.
+void embedding_backward(Context& ctx, const int32_t* tokens, const bf16* dy, float* dwte,
                         float* dwpe, int64_t b, int64_t t, int64_t c, int64_t rows = INT64_MAX,
                         int64_t first = 0);
 
@@ -282,13 +290,15 @@ void fused_attention_backward(Context& ctx, const float* dout, const float* qkv,
                               int64_t g, int64_t d, bool accumulate = true);
 // bf16 activations: the same graphs, reading qkv and writing (then reading)
 // out directly, without the rounding and widening copies: the fp32 overloads'
-// computation on the widened qkv, out left in bf16. qkv and out must be
-// 16-byte aligned (the alignment the graphs declare to cuDNN). dout and dqkv
-// stay fp32: dout is rounded to bf16 scratch, dqkv accumulated as above.
+// computation on the widened qkv, out left in bf16. Their gradients dout and
+// dqkv are bf16 too: dout is read as it is, and cuDNN writes a fresh dqkv
+// (accumulate false) itself; otherwise it writes bf16 scratch that is added
+// to dqkv (one rounding). qkv, out, dout and dqkv must be 16-byte aligned
+// (the alignment the graphs declare to cuDNN).
 void fused_attention_forward(Context& ctx, const bf16* qkv, bf16* out, float* lse, int64_t b,
                              int64_t t, int64_t h, int64_t g, int64_t d);
-void fused_attention_backward(Context& ctx, const float* dout, const bf16* qkv, const bf16* out,
-                              const float* lse, float* dqkv, int64_t b, int64_t t, int64_t h,
+void fused_attention_backward(Context& ctx, const bf16* dout, const bf16* qkv, const bf16* out,
+                              const float* lse, bf16* dqkv, int64_t b, int64_t t, int64_t h,
                               int64_t g, int64_t d, bool accumulate = true);
 // How many cuDNN graphs (one per shape and direction) this device has built.
 size_t fused_attention_graphs(Context& ctx);
