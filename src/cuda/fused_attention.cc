@@ -27,6 +27,10 @@
 // query heads of its group itself (grouped-query attention: query head i
 // reads key/value head i / (H / G), cuDNN's convention too).
 //
+// At T = 1 cuDNN has no backward (cudnn-frontend refuses s_q = s_kv = 1);
+// one position needs none: dq = dk = 0 and dv is dO summed over each group's
+// query heads, written into the same bf16 buffer by one element-wise kernel.
+//
 // Graphs are built once per (B, T, H, G, D) and direction and kept for the
 // life of the process, with one cuDNN handle per device; a call after the
 // first of its shape builds nothing, and every scratch buffer (bf16 copies,
@@ -34,6 +38,7 @@
 #include <weft/cuda/kernels.h>
 
 #include "src/cuda/check.h"
+#include "src/cuda/launch.h"
 
 #include <cudnn.h>
 #include <cudnn_frontend.h>
@@ -252,6 +257,18 @@ void forward_core(Context& ctx, const Key& k, const bf16* qkv16, bf16* o16, floa
 // dqkv16 (packed like qkv), every element of it.
 void backward_core(Context& ctx, const Key& k, const bf16* do16, const bf16* qkv16,
                    const bf16* o16, const float* lse, bf16* dqkv16) {
+  if (k.t == 1) {
+    // cudnn-frontend's sdpa_backward refuses s_q = s_kv = 1 at validate()
+    // (GRAPH_NOT_SUPPORTED, "s_q = s_kv = 1 is not supported."). With one
+    // position the gradient needs no attention at all: dq = dk = 0 and dv
+    // sums dO over its group's query heads, written as cuDNN would write it.
+    launch::attention_one_position_backward(ctx.compute_stream(),
+                                            reinterpret_cast<const uint16_t*>(do16),
+                                            reinterpret_cast<uint16_t*>(dqkv16), k.b, k.h, k.g,
+                                            k.d);
+    WEFT_LAUNCH_CHECK("attention_one_position_backward");
+    return;
+  }
   DeviceState& s = state(ctx);
   std::lock_guard lock(s.mu);
   fe::graph::Graph& graph = graph_for(ctx, s, k, true);

@@ -123,6 +123,11 @@ void reduce(cudaStream_t s, const float* x, int64_t n, bool square, double* part
 void to_bf16(cudaStream_t s, const float* x, uint16_t* y, int64_t n);
 void to_float(cudaStream_t s, const uint16_t* x, float* y, int64_t n);
 void add_bf16(cudaStream_t s, const uint16_t* x, float* y, int64_t n);  // y += x
+// The fused attention's backward at T = 1, which cuDNN's SDPA backward
+// refuses: dqkv (B, (H + 2G) D) = 0 for q and k, and for value head j the
+// sum of dout (B, H D) over its query heads j (H / G) .. (j + 1) (H / G) - 1.
+void attention_one_position_backward(cudaStream_t s, const uint16_t* dout, uint16_t* dqkv,
+                                     int64_t b, int64_t h, int64_t g, int64_t d);
 
 // --- attention pieces (src/cuda/attention.cu) ---
 // qkv (B, T, (H + 2G) D) -> q, k, v (B, H, T, D): query head i gets key/value

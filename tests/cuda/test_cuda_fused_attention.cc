@@ -219,7 +219,8 @@ class FusedAttention : public ::testing::Test {
 TEST_F(FusedAttention, MatchesCpuWithinTheBf16Model) {
   check_case({2, 64, 4, 4, 64});   // multi-head, GPT-2's head size
   check_case({2, 37, 3, 3, 32});   // ragged T
-  check_case({1, 1, 2, 2, 16});    // a single position
+  check_case({1, 1, 2, 2, 16});    // a single position (no cuDNN backward: see the source)
+  check_case({2, 1, 6, 2, 16});    // a single position, grouped-query: dv sums 3 heads
   check_case({2, 48, 6, 2, 16});   // grouped-query: 3 query heads a group
   check_case({1, 40, 4, 1, 128});  // one key/value head, the largest head size
 }
