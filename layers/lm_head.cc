@@ -130,14 +130,21 @@ void TiedLmHeadLoss::forward_chunked(LayerCtx& ctx_, Arena& arena, std::span<con
   const Tensor losses = arena.alloc({n});
   const Tensor x = in[0].view({n, c}), targets = in[1].view({n});
   const Tensor& w = gemm_operand(*wte_, in[0].dtype());
+  // bf16 activations: the dlogits go to a bf16 buffer, so that both
+  // backward GEMMs read bf16 operands (they would round them to bf16
+  // anyway) with the weight's bf16 copy; otherwise they replace the logits.
+  const bool narrow = in[0].dtype() == DType::BF16;
+  const Tensor buf16 = narrow ? arena.alloc({rows, v}, DType::BF16) : buf;
   for (int64_t r0 = 0; r0 < n; r0 += rows) {
     const int64_t r1 = std::min(n, r0 + rows);
     const Tensor xc = x.slice0(r0, r1), logits = buf.slice0(0, r1 - r0);
+    const Tensor dlogits = buf16.slice0(0, r1 - r0);
     ops::gemm(xc, false, w, true, logits);
     if (real < v) ops::mask_columns(logits, real);
-    ops::fused_cross_entropy_rows(logits, targets.slice0(r0, r1), losses.slice0(r0, r1), 1.0f);
-    ops::gemm(logits, false, wte_->value, false, ctx.dx_unit.slice0(r0, r1));
-    ops::gemm(logits, true, xc, false, ctx.dw_unit, 1.0f, 1.0f);
+    ops::fused_cross_entropy_rows(logits, targets.slice0(r0, r1), losses.slice0(r0, r1), 1.0f,
+                                  dlogits);
+    ops::gemm(dlogits, false, narrow ? w : wte_->value, false, ctx.dx_unit.slice0(r0, r1));
+    ops::gemm(dlogits, true, xc, false, ctx.dw_unit, 1.0f, 1.0f);
   }
   ops::set_item(out[0], static_cast<float>(ops::sum(losses)));  // the one wait for a GPU
 }

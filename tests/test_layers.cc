@@ -1007,5 +1007,60 @@ TEST(Linear, ShapesAndParams) {
   EXPECT_THROW(Linear(w, wrong_b), Error);
 }
 
+
+// bf16 activations: the chunked LM head writes its dlogits in bf16 for the
+// backward GEMMs, which read the weight's bf16 copy; the whole head keeps
+// fp32 probabilities and its GEMMs round them. With bf16 GEMMs (both round
+// every operand to bf16) and a loss gradient of 0.5 (a power of two, so
+// rounding p - onehot and then scaling equals rounding the scaled value),
+// both GEMMs get the same bf16 operands and differ only in fp32 summation
+// order (~1e-6 relative): the loss agrees to that, and a bf16 dx element
+// either agrees or, where the two fp32 sums straddle a rounding boundary,
+// is one bf16 unit (2^-8) apart: 1e-3 of the norm bounds both with margin.
+TEST(TiedLmHeadLoss, ChunkedBf16DlogitsGiveTheWholeHeadsGradients) {
+  struct Precision {
+    Precision() { ops::set_matmul_precision(Device::cpu(), ops::MatmulPrecision::Bf16); }
+    ~Precision() { ops::set_matmul_precision(Device::cpu(), ops::MatmulPrecision::Fp32); }
+  } precision;
+  const int64_t n = 11, c = 16, v = 37;
+  struct Run {
+    double loss;
+    Tensor dx, dw;
+  };
+  auto run = [&](bool chunked) {
+    ParamStore s;
+    Param* wte = make_param(s, "wte", {v, c}, 0.5f, 0.0f, 7);
+    wte->value16 = Tensor::empty(wte->value.shape(), DType::BF16);
+    ops::convert(wte->value, wte->value16);
+    TiedLmHeadLoss head(wte);
+    if (chunked) head.set_chunk_rows(4);
+    Tensor x32 = Tensor::empty({n, c}), targets = Tensor::empty({n}, DType::I32);
+    fill_uniform(x32, 8);
+    for (int64_t i = 0; i < n; ++i) targets.data<int32_t>()[i] = static_cast<int32_t>(i * 5 % v);
+    Tensor x = Tensor::empty({n, c}, DType::BF16), loss = Tensor::zeros({1});
+    ops::convert(x32, x);
+    Arena arena;
+    auto ctx = head.make_ctx();
+    const Tensor in[2] = {x, targets}, out[1] = {loss};
+    head.forward(*ctx, arena, in, out);
+    Tensor g = Tensor::zeros({1});
+    ops::set_item(g, 0.5f);
+    Run r{ops::item(loss), Tensor::zeros({n, c}, DType::BF16), Tensor()};
+    const Tensor grad_out[1] = {g}, grad_in[2] = {r.dx, Tensor()};
+    head.backward_input(*ctx, arena, grad_out, grad_in);
+    head.backward_weight(*ctx, arena);
+    r.dw = wte->grad;
+    Tensor dx32 = Tensor::empty({n, c});
+    ops::convert(r.dx, dx32);
+    r.dx = dx32;
+    return r;
+  };
+  const Run whole = run(false), chunked = run(true);
+  EXPECT_NEAR(chunked.loss, whole.loss, 1e-5 * whole.loss);
+  EXPECT_LT(testing::rel_error(chunked.dx, whole.dx), 1e-3);
+  EXPECT_LT(testing::rel_error(chunked.dw, whole.dw), 1e-3);
+  EXPECT_GT(testing::rel_error(chunked.dw, Tensor::zeros({v, c})), 0.5) << "no gradient at all";
+}
+
 }  // namespace
 }  // namespace weft

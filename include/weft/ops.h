@@ -207,6 +207,12 @@ double fused_cross_entropy(const Tensor& logits, const Tensor& targets, const Te
 // sums its losses once, with sum()).
 void fused_cross_entropy_rows(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                               float scale);
+// The same into a separate dlogits of logits' shape, F32 or BF16 (rounded
+// once: bf16 activations' LM head, whose backward GEMMs round them to bf16
+// anyway); logits are left as they were on a GPU, and may be changed on the
+// CPU.
+void fused_cross_entropy_rows(const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                              float scale, const Tensor& dlogits);
 // dlogits (N, V) = (probs - onehot(target - first)) * scale; may alias probs.
 // With first != 0 or a slice of the vocabulary, targets outside it add nothing.
 void cross_entropy_backward(const Tensor& probs, const Tensor& targets, int64_t first,

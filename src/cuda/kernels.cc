@@ -236,6 +236,14 @@ void fused_cross_entropy(Context& ctx, float* logits, const int32_t* targets, fl
   WEFT_LAUNCH_CHECK("fused_cross_entropy");
 }
 
+void fused_cross_entropy(Context& ctx, const float* logits, bf16* dlogits, const int32_t* targets,
+                         float* losses, float scale, int64_t n, int64_t v) {
+  if (n == 0) return;
+  check_rows(n, "fused_cross_entropy");
+  launch::cross_entropy_bf16(prepare(ctx), logits, raw(dlogits), targets, losses, scale, n, v);
+  WEFT_LAUNCH_CHECK("fused_cross_entropy (bf16 dlogits)");
+}
+
 void row_max(Context& ctx, const float* logits, float* m, int64_t n, int64_t v) {
   if (n == 0) return;
   check_rows(n, "row_max");

@@ -365,11 +365,14 @@ __device__ void online_add(const float (&x)[kWidth], float& m, float& s) {
 // (The two-pass softmax kernel and the backward's elementwise kernel read it
 // four times and wrote it twice.)
 // `vec`: v % 4 == 0 and the logits 16-byte aligned, so rows load as float4.
-template <bool fused, bool vec>
-__global__ void cross_entropy_kernel(float* logits, const int32_t* targets, float* losses,
-                                     float scale, int64_t v) {
+// The output goes to `dst` (N, V) of type D: the logits themselves (float,
+// in place), or a bf16 array (bf16 activations' dlogits, each rounded once).
+template <bool fused, bool vec, class D>
+__global__ void cross_entropy_kernel(const float* logits, D* dst, const int32_t* targets,
+                                     float* losses, float scale, int64_t v) {
   __shared__ float shared[kRowThreads / kWarp];
-  float* row = logits + int64_t{blockIdx.x} * v;
+  const float* row = logits + int64_t{blockIdx.x} * v;
+  D* drow = dst + int64_t{blockIdx.x} * v;
   const int32_t target = targets[blockIdx.x];
   float m = -INFINITY, s = 0.0f;
   if constexpr (vec) {
@@ -402,17 +405,24 @@ __global__ void cross_entropy_kernel(float* logits, const int32_t* targets, floa
       return p;
   };
   if constexpr (vec) {
-    float4* row4 = reinterpret_cast<float4*>(row);
+    const float4* row4 = reinterpret_cast<const float4*>(row);
     for (int64_t j = threadIdx.x; j < v / 4; j += blockDim.x) {
       float4 q = row4[j];
       q.x = out(4 * j, q.x);
       q.y = out(4 * j + 1, q.y);
       q.z = out(4 * j + 2, q.z);
       q.w = out(4 * j + 3, q.w);
-      row4[j] = q;
+      if constexpr (sizeof(D) == sizeof(float)) {
+        reinterpret_cast<float4*>(drow)[j] = q;
+      } else {
+        store(drow, 4 * j, q.x);
+        store(drow, 4 * j + 1, q.y);
+        store(drow, 4 * j + 2, q.z);
+        store(drow, 4 * j + 3, q.w);
+      }
     }
   } else {
-    for (int64_t j = threadIdx.x; j < v; j += blockDim.x) row[j] = out(j, row[j]);
+    for (int64_t j = threadIdx.x; j < v; j += blockDim.x) store(drow, j, out(j, row[j]));
   }
   if (threadIdx.x == 0) losses[blockIdx.x] = valid ? logf(s) - target_logit : NAN;
 }
@@ -802,16 +812,28 @@ void cross_entropy(cudaStream_t s, float* logits, const int32_t* targets, float*
   const unsigned rows = static_cast<unsigned>(n);
   const bool vec = v % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   if (fused && vec)
-    cross_entropy_kernel<true, true><<<rows, kRowThreads, 0, s>>>(logits, targets, losses, scale, v);
+    cross_entropy_kernel<true, true><<<rows, kRowThreads, 0, s>>>(logits, logits, targets, losses,
+                                                                  scale, v);
   else if (fused)
-    cross_entropy_kernel<true, false><<<rows, kRowThreads, 0, s>>>(logits, targets, losses, scale,
-                                                                   v);
+    cross_entropy_kernel<true, false><<<rows, kRowThreads, 0, s>>>(logits, logits, targets, losses,
+                                                                   scale, v);
   else if (vec)
-    cross_entropy_kernel<false, true><<<rows, kRowThreads, 0, s>>>(logits, targets, losses, scale,
-                                                                   v);
+    cross_entropy_kernel<false, true><<<rows, kRowThreads, 0, s>>>(logits, logits, targets, losses,
+                                                                   scale, v);
   else
-    cross_entropy_kernel<false, false><<<rows, kRowThreads, 0, s>>>(logits, targets, losses, scale,
-                                                                    v);
+    cross_entropy_kernel<false, false><<<rows, kRowThreads, 0, s>>>(logits, logits, targets,
+                                                                    losses, scale, v);
+}
+
+void cross_entropy_bf16(cudaStream_t s, const float* logits, uint16_t* dlogits,
+                        const int32_t* targets, float* losses, float scale, int64_t n, int64_t v) {
+  const unsigned rows = static_cast<unsigned>(n);
+  if (v % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0)
+    cross_entropy_kernel<true, true><<<rows, kRowThreads, 0, s>>>(logits, bf(dlogits), targets,
+                                                                  losses, scale, v);
+  else
+    cross_entropy_kernel<true, false><<<rows, kRowThreads, 0, s>>>(logits, bf(dlogits), targets,
+                                                                   losses, scale, v);
 }
 
 void cross_entropy_backward(cudaStream_t s, const float* probs, const int32_t* targets,

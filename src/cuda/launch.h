@@ -65,6 +65,9 @@ void scale_inplace(cudaStream_t s, float* y, float scale, int64_t n);
 void mask_columns(cudaStream_t s, float* logits, int64_t n, int64_t v, int64_t from);
 void cross_entropy(cudaStream_t s, float* logits, const int32_t* targets, float* losses,
                    float scale, bool fused, int64_t n, int64_t v);
+// The fused classifier's dlogits into a separate bf16 (N, V), logits unread after.
+void cross_entropy_bf16(cudaStream_t s, const float* logits, uint16_t* dlogits,
+                        const int32_t* targets, float* losses, float scale, int64_t n, int64_t v);
 void cross_entropy_backward(cudaStream_t s, const float* probs, const int32_t* targets,
                             float* dlogits, float scale, int64_t n, int64_t v, int64_t first);
 

@@ -1065,6 +1065,34 @@ void fused_cross_entropy_rows(const Tensor& logits, const Tensor& targets, const
       });
 }
 
+void fused_cross_entropy_rows(const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                              float scale, const Tensor& dlogits) {
+  check(dlogits.shape() == logits.shape(),
+        "fused_cross_entropy_rows: dlogits {} for logits {}: the shapes must match",
+        dlogits.shape().str(), logits.shape().str());
+  check_dtype("fused_cross_entropy_rows", "logits", logits, DType::F32);
+  if (dlogits.raw() == logits.raw()) return fused_cross_entropy_rows(logits, targets, losses, scale);
+  if (is_bf16(dlogits)) {
+    const Device d = common_device("fused_cross_entropy_rows", {&logits, &targets, &losses,
+                                                                &dlogits});
+    check_dtype("fused_cross_entropy_rows", "targets", targets, DType::I32);
+    const int64_t n = logits.shape().rows(), v = logits.shape().last();
+    check_numel("fused_cross_entropy_rows", "targets", targets, n);
+    check_numel("fused_cross_entropy_rows", "losses", losses, n);
+    if (on_gpu(d, "fused_cross_entropy_rows", [&](auto& cx) {
+          cuda::fused_cross_entropy(cx, f(logits), b16w(dlogits), i32(targets), fw(losses), scale,
+                                    n, v);
+        }))
+      return;
+    fused_cross_entropy_rows(logits, targets, losses, scale);  // the CPU: in place, then rounded
+    convert(logits, dlogits);
+    return;
+  }
+  check_dtype("fused_cross_entropy_rows", "dlogits", dlogits, DType::F32);
+  dlogits.copy_from(logits);
+  fused_cross_entropy_rows(dlogits, targets, losses, scale);
+}
+
 void cross_entropy_backward(const Tensor& probs, const Tensor& targets, int64_t first,
                             const Tensor& dlogits, float scale) {
   if (any_bf16({&probs, &dlogits})) {

@@ -186,6 +186,11 @@ void cross_entropy_backward(Context& ctx, const float* probs, const int32_t* tar
 // replaced in place by dlogits = (softmax - onehot) * scale.
 void fused_cross_entropy(Context& ctx, float* logits, const int32_t* targets, float* losses,
                          float scale, int64_t n, int64_t v);
+// The same with dlogits written to a separate bf16 (N, V), each rounded
+// once (bf16 activations: the LM head's backward GEMMs read them as bf16);
+// the logits are only read.
+void fused_cross_entropy(Context& ctx, const float* logits, bf16* dlogits, const int32_t* targets,
+                         float* losses, float scale, int64_t n, int64_t v);
 
 // --- the vocabulary-parallel cross-entropy's local steps (cpu_kernels.h's
 // row_max, exp_and_stats, normalise_and_loss), logits (N, V) of vocabulary
