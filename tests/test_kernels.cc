@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -848,6 +849,104 @@ TEST(Ops, DevicesAreCheckedBeforeAnyKernel) {
   EXPECT_TRUE(contains(msg, cuda_built() ? "no such CUDA device (0 visible)"
                                          : "weft was built without CUDA"))
       << msg;
+}
+
+
+// --- many tensors at once (the gradient norm and clipping) ---
+
+// Sizes around a GPU chunk (16384 elements): empty, under one, one and a
+// bit, several and a remainder, and small ones between.
+const std::vector<int64_t> kMultiSizes = {0, 1, 16383, 16385, 3 * 16384 + 5, 7, 0, 100003};
+
+std::vector<Tensor> multi_tensors(uint64_t seed) {
+  std::vector<Tensor> xs;
+  for (const int64_t n : kMultiSizes)
+    xs.push_back(testing::uniform_tensor({n}, seed++, -3.0f, 2.0f));
+  return xs;
+}
+
+// The CPU's sum is the per-tensor loop's, bit for bit (what GradSync and
+// grad_norm computed before, so no layout's numbers change), and the exact
+// sum's to double rounding: a float's square is exact in double, and a sum
+// of m non-negative doubles in any order is within (m - 1) 2^-53 of the
+// exact sum relative, so the loop and the sequential reference below differ
+// by at most 2 m 2^-53 = m 2^-52 of it.
+TEST(MultiTensor, SumSquaresIsThePerTensorLoop) {
+  const std::vector<Tensor> xs = multi_tensors(50);
+  double loop = 0, exact = 0;
+  int64_t m = 0;
+  for (const Tensor& x : xs) {
+    loop += ops::sum_squares(x);
+    for (int64_t i = 0; i < x.numel(); ++i)
+      exact += static_cast<double>(x.data<float>()[i]) * x.data<float>()[i];
+    m += x.numel();
+  }
+  std::shared_ptr<void> cache;
+  const double got = ops::sum_squares_multi(xs, cache);
+  EXPECT_EQ(got, loop);
+  EXPECT_NEAR(got, exact, static_cast<double>(m) * std::ldexp(1.0, -52) * exact);
+  EXPECT_EQ(ops::sum_squares_multi(xs, cache), got);  // again, with the same cache
+  // Accumulated in double: 1e20 squared overflows float but not the sum.
+  const std::vector<Tensor> big = {Tensor::empty({1}), Tensor::empty({2})};
+  big[0].data<float>()[0] = 1e20f;
+  big[1].data<float>()[0] = -1e20f, big[1].data<float>()[1] = 1e20f;
+  std::shared_ptr<void> big_cache;
+  EXPECT_EQ(ops::sum_squares_multi(big, big_cache),
+            ops::sum_squares(big[0]) + ops::sum_squares(big[1]));
+  EXPECT_GT(ops::sum_squares_multi(big, big_cache), 2.9e40);
+  // No tensors, or none with an element: 0.
+  std::shared_ptr<void> none;
+  EXPECT_EQ(ops::sum_squares_multi({}, none), 0.0);
+  EXPECT_EQ(ops::sum_squares_multi({Tensor::zeros({0}), Tensor::zeros({0, 3})}, none), 0.0);
+}
+
+// scale_multi is scale on each tensor, bit for bit, and that is the float
+// product x * s of every element (s = 0.7 is no power of two: most products
+// round). Tensors outside the list are left alone.
+TEST(MultiTensor, ScaleIsThePerTensorScale) {
+  const float s = 0.7f;
+  const std::vector<Tensor> xs = multi_tensors(60), one = multi_tensors(60),
+                            before = multi_tensors(60);
+  const Tensor outside = testing::uniform_tensor({5}, 99);
+  std::shared_ptr<void> cache;
+  ops::scale_multi(xs, s, cache);
+  for (size_t t = 0; t < xs.size(); ++t) {
+    ops::scale(one[t], s);
+    const int64_t n = xs[t].numel();
+    if (n == 0) continue;  // (an empty tensor's data may be null: nothing to compare)
+    EXPECT_EQ(std::memcmp(xs[t].data<float>(), one[t].data<float>(), z(n) * sizeof(float)), 0)
+        << "tensor " << t << " (" << n << " elements)";
+    int bad = 0;
+    for (int64_t i = 0; i < n; ++i) bad += xs[t].data<float>()[i] != before[t].data<float>()[i] * s;
+    EXPECT_EQ(bad, 0) << "tensor " << t;
+  }
+  const Tensor fresh = testing::uniform_tensor({5}, 99);
+  EXPECT_EQ(std::memcmp(outside.data<float>(), fresh.data<float>(), 5 * sizeof(float)), 0);
+  std::shared_ptr<void> none;
+  ops::scale_multi({}, s, none);  // nothing to do, and no error
+}
+
+// A bf16 tensor (no caller passes one: gradients are fp32) and tensors on two
+// devices are refused, naming the tensor, before any kernel. (Host bytes
+// labelled cuda:0 are never dereferenced: the check comes first.)
+TEST(MultiTensor, RefusesBf16AndMixedDevices) {
+  std::shared_ptr<void> cache;
+  const std::vector<Tensor> mixed_dtypes = {Tensor::zeros({4}), bf16_of({1, 2, 3}, {3})};
+  std::string msg = error_message([&] { ops::sum_squares_multi(mixed_dtypes, cache); });
+  EXPECT_TRUE(
+      contains(msg, "sum_squares_multi: tensor 1 of 2 [3] is BF16; every tensor must be F32"))
+      << msg;
+  msg = error_message([&] { ops::scale_multi(mixed_dtypes, 2.0f, cache); });
+  EXPECT_TRUE(contains(msg, "scale_multi: tensor 1 of 2 [3] is BF16")) << msg;
+  std::vector<float> bytes(8);
+  const std::vector<Tensor> mixed_devices = {
+      Tensor::zeros({8}), Tensor(bytes.data(), Shape{8}, DType::F32, Device::cuda(0))};
+  msg = error_message([&] { ops::sum_squares_multi(mixed_devices, cache); });
+  EXPECT_TRUE(contains(
+      msg, "sum_squares_multi: tensors on cpu and cuda:0; every operand must be on one device"))
+      << msg;
+  msg = error_message([&] { ops::scale_multi(mixed_devices, 2.0f, cache); });
+  EXPECT_TRUE(contains(msg, "scale_multi: tensors on cpu and cuda:0")) << msg;
 }
 
 }  // namespace

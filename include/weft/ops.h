@@ -84,6 +84,20 @@ void scale(const Tensor& y, float s);        // y *= s
 double sum_squares(const Tensor& x);         // sum of x^2, accumulated in double
 double sum(const Tensor& x);                 // sum of x, accumulated in double
 
+// Several fp32 tensors at once (a model's gradients: the norm and clipping),
+// on one device. On a GPU each is one launch (and the sum one wait) over a
+// device table of the tensors kept in `cache`, as adamw_multi's: made on the
+// first call, rebuilt only when the tensors change, so a steady step
+// allocates nothing. Give each tensor list its own cache: one that serves
+// two lists rebuilds on every call.
+// The sum over the tensors of sum_squares(x), in double. The CPU adds
+// sum_squares(x) of each in turn to 0, so it gives what that loop gives, bit
+// for bit; a GPU adds fixed chunks' partials in a fixed order (the same bits
+// on every call, the CPU's to double rounding). No tensors: 0.
+double sum_squares_multi(const std::vector<Tensor>& xs, std::shared_ptr<void>& cache);
+// x *= s for every tensor: scale(x, s) on each, bit for bit.
+void scale_multi(const std::vector<Tensor>& xs, float s, std::shared_ptr<void>& cache);
+
 // A one-element tensor's value, and setting it (the loss and its seed gradient).
 float item(const Tensor& t);
 void set_item(const Tensor& t, float value);

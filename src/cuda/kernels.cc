@@ -358,6 +358,48 @@ void adamw_multi(Context& ctx, const std::vector<AdamWTensor>& tensors, AdamWTab
   WEFT_LAUNCH_CHECK("adamw_multi");
 }
 
+void MultiTensorTable::update(Context& ctx, const std::vector<MultiTensor>& tensors) {
+  if (tensors == key_) return;
+  std::vector<launch::MultiChunk> chunks;
+  for (const MultiTensor& t : tensors) {
+    check(t.n >= 0, "a multi-tensor table: a tensor of {} elements", t.n);
+    for (int64_t at = 0; at < t.n; at += launch::kMultiChunk)
+      chunks.push_back({t.x + at, std::min(launch::kMultiChunk, t.n - at)});
+  }
+  const int64_t words = static_cast<int64_t>(chunks.size() * sizeof(launch::MultiChunk) /
+                                             sizeof(int64_t));
+  if (words_.size() < words) words_ = DeviceBuffer<int64_t>(ctx, words);
+  if (words > 0) upload(ctx, words_.data(), chunks.data(), chunks.size() * sizeof chunks[0]);
+  key_ = tensors;
+  chunks_ = static_cast<int64_t>(chunks.size());
+  ++builds_;
+}
+
+double sum_squares_multi(Context& ctx, const std::vector<MultiTensor>& tensors,
+                         MultiTensorTable& table) {
+  table.update(ctx, tensors);
+  if (table.chunks_ == 0) return 0.0;
+  if (table.sums_.size() < table.chunks_ + 1)
+    table.sums_ = DeviceBuffer<double>(ctx, table.chunks_ + 1);
+  launch::sum_squares_multi(prepare(ctx),
+                            reinterpret_cast<const launch::MultiChunk*>(table.words_.data()),
+                            table.chunks_, table.sums_.data());
+  WEFT_LAUNCH_CHECK("sum_squares_multi");
+  double r = 0;
+  download(ctx, &r, table.sums_.data() + table.chunks_, sizeof r);  // the one wait
+  return r;
+}
+
+void scale_multi(Context& ctx, const std::vector<MultiTensor>& tensors, float s,
+                 MultiTensorTable& table) {
+  table.update(ctx, tensors);
+  if (table.chunks_ == 0) return;
+  launch::scale_multi(prepare(ctx),
+                      reinterpret_cast<const launch::MultiChunk*>(table.words_.data()),
+                      table.chunks_, s);
+  WEFT_LAUNCH_CHECK("scale_multi");
+}
+
 namespace {
 void reduce(Context& ctx, const float* x, int64_t n, bool square, double* out) {
   DeviceBuffer<double> partials(ctx, launch::reduce_blocks(n));

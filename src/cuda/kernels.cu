@@ -614,6 +614,34 @@ __global__ void reduce_finish_kernel(const double* part, int64_t count, double* 
   if (threadIdx.x == 0) *out = s;
 }
 
+// ---------------------------------------------------------------- many tensors at once
+
+// Pass 1 of sum_squares_multi: blocks grid-stride over the table's chunks,
+// threads over a chunk's elements; each chunk's sum goes to sums[c]. All
+// threads of a block run the same chunks, so every one of them reaches
+// block_reduce's barriers. A float's square is exact in double.
+__global__ void sum_squares_multi_kernel(const MultiChunk* chunks, int64_t count, double* sums) {
+  __shared__ double shared[kThreads / kWarp];
+  for (int64_t c = blockIdx.x; c < count; c += gridDim.x) {
+    const MultiChunk k = chunks[c];
+    double s = 0;
+    for (int64_t i = threadIdx.x; i < k.n; i += blockDim.x) {
+      const double xi = k.x[i];
+      s += xi * xi;
+    }
+    s = block_reduce(s, shared, Add{});
+    if (threadIdx.x == 0) sums[c] = s;
+  }
+}
+
+// scale_inplace_kernel's multiply on every chunk of the table.
+__global__ void scale_multi_kernel(const MultiChunk* chunks, int64_t count, float scale) {
+  for (int64_t c = blockIdx.x; c < count; c += gridDim.x) {
+    const MultiChunk k = chunks[c];
+    for (int64_t i = threadIdx.x; i < k.n; i += blockDim.x) k.x[i] *= scale;
+  }
+}
+
 // ---------------------------------------------------------------- bf16
 
 __global__ void to_bf16_kernel(const float* x, __nv_bfloat16* y, int64_t n) {
@@ -918,6 +946,18 @@ void reduce(cudaStream_t s, const float* x, int64_t n, bool square, double* part
   else
     reduce_partials_kernel<false><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(x, n, partials);
   reduce_finish_kernel<<<1, kThreads, 0, s>>>(partials, blocks, out);
+}
+
+void sum_squares_multi(cudaStream_t s, const MultiChunk* chunks, int64_t count, double* sums) {
+  const unsigned blocks = static_cast<unsigned>(std::clamp<int64_t>(count, 1, int64_t{1} << 16));
+  sum_squares_multi_kernel<<<blocks, kThreads, 0, s>>>(chunks, count, sums);
+  // The partials in a fixed order (reduce's second pass), into sums[count].
+  reduce_finish_kernel<<<1, kThreads, 0, s>>>(sums, count, sums + count);
+}
+
+void scale_multi(cudaStream_t s, const MultiChunk* chunks, int64_t count, float scale) {
+  const unsigned blocks = static_cast<unsigned>(std::clamp<int64_t>(count, 1, int64_t{1} << 16));
+  scale_multi_kernel<<<blocks, kThreads, 0, s>>>(chunks, count, scale);
 }
 
 void to_bf16(cudaStream_t s, const float* x, uint16_t* y, int64_t n) {

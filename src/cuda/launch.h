@@ -118,6 +118,24 @@ void adamw_multi(cudaStream_t s, const AdamWChunk* chunks, int64_t count, float 
                  float beta2, float eps, float step_size, float bc2_sqrt, float decay_on,
                  float decay_off);
 
+// One chunk of a tensor in MultiTensorTable's device table: n elements from x
+// (already offset to the chunk).
+struct MultiChunk {
+  float* x;
+  int64_t n;
+};
+static_assert(sizeof(MultiChunk) == 2 * sizeof(int64_t),
+              "MultiTensorTable stores chunks as 2 words");
+// Elements per chunk: blocks of 256 threads, 64 elements each.
+constexpr int64_t kMultiChunk = 16384;
+// sums[c] = sum of x^2 over chunk c (in double), for every chunk of the
+// table, then sums[count] = the sum of those partials in a fixed order. One
+// partial per chunk, whatever the grid, so the total's bits depend only on
+// the chunks. count >= 1; sums holds count + 1 doubles.
+void sum_squares_multi(cudaStream_t s, const MultiChunk* chunks, int64_t count, double* sums);
+// x *= scale over every chunk of the table.
+void scale_multi(cudaStream_t s, const MultiChunk* chunks, int64_t count, float scale);
+
 // --- reductions: *out = sum x (or x^2), in double; `partials` holds reduce_blocks(n) doubles ---
 int64_t reduce_blocks(int64_t n);
 void reduce(cudaStream_t s, const float* x, int64_t n, bool square, double* partials, double* out);

@@ -435,6 +435,68 @@ double sum(const Tensor& x) {
       [&](auto& cx) { return cuda::sum_to_host(cx, f(x), x.numel()); });
 }
 
+namespace {
+// The device of a multi-tensor call, once every tensor is checked: fp32 (a
+// bf16 one has no caller: gradients are fp32), defined, and on the device of
+// the others that hold elements. No elements at all: the CPU.
+Device multi_device(const char* op, const std::vector<Tensor>& xs) {
+  const Tensor* first = nullptr;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const Tensor& x = xs[i];
+    check(x.defined(), "{}: tensor {} of {} {} has no storage", op, i, xs.size(),
+          x.shape().str());
+    check(x.dtype() == DType::F32, "{}: tensor {} of {} {} is {}; every tensor must be F32", op,
+          i, xs.size(), x.shape().str(), dtype_name(x.dtype()));
+    if (x.raw() == nullptr) continue;
+    if (first == nullptr) first = &x;
+    check(x.device() == first->device(),
+          "{}: tensors on {} and {}; every operand must be on one device", op,
+          first->device().str(), x.device().str());
+  }
+  return first != nullptr ? first->device() : Device::cpu();
+}
+
+// The device table of sum_squares_multi and scale_multi, made on the first
+// call, with this call's tensors in its scratch list. A template, as the CUDA
+// branches are, so that a build without CUDA never instantiates it.
+template <typename Table = cuda::MultiTensorTable>
+Table& multi_table(std::shared_ptr<void>& cache, const std::vector<Tensor>& xs) {
+  if (!cache) cache = std::make_shared<Table>();
+  auto& table = *static_cast<Table*>(cache.get());
+  table.scratch.clear();  // keeps its capacity
+  for (const Tensor& x : xs) table.scratch.push_back({fw(x), x.numel()});
+  return table;
+}
+}  // namespace
+
+double sum_squares_multi(const std::vector<Tensor>& xs, std::shared_ptr<void>& cache) {
+  const Device d = multi_device("sum_squares_multi", xs);
+  return on_device(
+      d, "sum_squares_multi",
+      [&] {
+        double s = 0;  // in order, as a loop over sum_squares adds them
+        for (const Tensor& x : xs) s += cpu::sum_squares(f(x), x.numel());
+        return s;
+      },
+      [&](auto& cx) {
+        cuda::MultiTensorTable& table = multi_table(cache, xs);
+        return cuda::sum_squares_multi(cx, table.scratch, table);
+      });
+}
+
+void scale_multi(const std::vector<Tensor>& xs, float s, std::shared_ptr<void>& cache) {
+  const Device d = multi_device("scale_multi", xs);
+  on_device(
+      d, "scale_multi",
+      [&] {
+        for (const Tensor& x : xs) cpu::scale_inplace(fw(x), s, x.numel());
+      },
+      [&](auto& cx) {
+        cuda::MultiTensorTable& table = multi_table(cache, xs);
+        cuda::scale_multi(cx, table.scratch, s, table);
+      });
+}
+
 float item(const Tensor& t) {
   check_numel("item", "the tensor", t, 1);
   check_dtype("item", "the tensor", t, DType::F32);

@@ -7,7 +7,10 @@
 //   kSeqLengths (B = 2 up to T = 129, then 1);
 // - the multi-tensor AdamW (ops::adamw_multi: one launch over every tensor)
 //   against the per-tensor one, bit for bit, over several steps, with no
-//   cudaMalloc once its table is built.
+//   cudaMalloc once its table is built;
+// - the gradient norm's and clipping's multi-tensor calls
+//   (ops::sum_squares_multi: one wait for every tensor; ops::scale_multi)
+//   against the CPU, the table built once and no cudaMalloc after.
 // Needs a GPU; exits 77 (SKIP) without one.
 #include "weft_config.h"
 
@@ -323,6 +326,112 @@ TEST(CudaAdamWMulti, RebuildsOnlyWhenTheTensorsChange) {
   const Tensor after = on(p[1], Device::cpu());
   EXPECT_EQ(std::memcmp(before.data<float>(), after.data<float>(), 70000 * sizeof(float)), 0);
   EXPECT_NE(on(p[0], Device::cpu()).data<float>()[0], 0.0f);  // and the first did
+}
+
+// ---------------------------------------------------------------- the gradient norm and clipping
+
+// Sizes around a chunk (16384 elements): empty, under one, one and a bit,
+// several and a remainder, one of 74 chunks (1.2 million elements), with
+// small ones between.
+const std::vector<int64_t> kNormSizes = {0, 1, 16383, 16385, 3 * 16384 + 5, 7, 50304 * 24 + 1, 0,
+                                         100003};
+
+int64_t chunks_of(const std::vector<int64_t>& sizes) {
+  int64_t c = 0;
+  for (const int64_t n : sizes) c += (n + 16383) / 16384;
+  return c;
+}
+
+struct NormSet {
+  std::vector<Tensor> host, gpu;
+};
+NormSet norm_set(const std::vector<int64_t>& sizes, uint64_t seed) {
+  NormSet s;
+  for (const int64_t n : sizes) {
+    s.host.push_back(host_tensor(uniform(n, seed++, -3.0f, 2.0f), {n}));
+    s.gpu.push_back(on(s.host.back(), kGpu));
+  }
+  return s;
+}
+
+// Error model: both sides add exact terms (a float's square is exact in
+// double), non-negative, in double: the CPU tensor by tensor, the GPU by
+// chunk partials and a fixed tree. Any order of m such terms is within
+// (m - 1) 2^-53 of the exact sum, relative, so the two differ by at most
+// 2 m 2^-53 = m 2^-52 of it. The GPU's order is fixed by the chunks alone,
+// so every call gives the same bits; the table is built once for the set,
+// and a steady call takes no memory from cudaMalloc.
+TEST(CudaMultiTensor, SumSquaresMatchesTheCpuOnceBuiltAndDeterministic) {
+  const NormSet s = norm_set(kNormSizes, 70);
+  int64_t m = 0;
+  for (const int64_t n : kNormSizes) m += n;
+  std::shared_ptr<void> host_cache, cache;
+  const double want = ops::sum_squares_multi(s.host, host_cache);
+  const double got = ops::sum_squares_multi(s.gpu, cache);
+  EXPECT_NEAR(got, want, static_cast<double>(m) * std::ldexp(1.0, -52) * want);
+  auto& table = *static_cast<cuda::MultiTensorTable*>(cache.get());
+  EXPECT_EQ(table.builds(), 1);
+  EXPECT_EQ(table.chunks(), chunks_of(kNormSizes));
+  const size_t mallocs = cuda::context(0).allocator().stats().device_mallocs;
+  for (int k = 0; k < 3; ++k) {
+    const double again = ops::sum_squares_multi(s.gpu, cache);
+    EXPECT_EQ(std::memcmp(&again, &got, sizeof got), 0) << "call " << k + 2 << ": " << again
+                                                        << " after " << got;
+  }
+  EXPECT_EQ(table.builds(), 1);
+  EXPECT_EQ(cuda::context(0).allocator().stats().device_mallocs, mallocs);
+
+  // Another set (a subset: two tensors) rebuilds the table and sums only its tensors.
+  const std::vector<Tensor> two = {s.gpu[3], s.gpu[6]}, two_host = {s.host[3], s.host[6]};
+  const double want_two = ops::sum_squares_multi(two_host, host_cache);
+  EXPECT_NEAR(ops::sum_squares_multi(two, cache), want_two,
+              static_cast<double>(kNormSizes[3] + kNormSizes[6]) * std::ldexp(1.0, -52) * want_two);
+  EXPECT_EQ(table.builds(), 2);
+  EXPECT_EQ(table.chunks(), chunks_of({kNormSizes[3], kNormSizes[6]}));
+
+  // Accumulated in double on the GPU too: 1e20 squared overflows float.
+  std::vector<float> big(20000, 1e20f);
+  const std::vector<Tensor> big_gpu = {on(host_tensor(big, {20000}), kGpu)};
+  std::shared_ptr<void> big_cache;
+  const double b = ops::sum_squares_multi(big_gpu, big_cache);
+  const double b_want = 20000.0 * static_cast<double>(1e20f) * static_cast<double>(1e20f);
+  EXPECT_NEAR(b, b_want, 20000.0 * std::ldexp(1.0, -52) * b_want);
+
+  // No tensors, or none with an element: 0, and no table to build.
+  std::shared_ptr<void> none;
+  EXPECT_EQ(ops::sum_squares_multi({}, none), 0.0);
+  EXPECT_EQ(ops::sum_squares_multi({Tensor::zeros({0}, DType::F32, kGpu)}, none), 0.0);
+}
+
+// scale_multi on the GPU is the CPU's scale, bit for bit (one correctly
+// rounded float product per element on both), and the GPU's per-tensor
+// scale; a steady call reuses its table and allocates nothing.
+TEST(CudaMultiTensor, ScaleEqualsTheCpuBitForBit) {
+  const float f = 0.7f;  // no power of two: most products round
+  const NormSet s = norm_set(kNormSizes, 90);
+  const NormSet one = norm_set(kNormSizes, 90);
+  const Tensor outside = on(host_tensor(uniform(5, 9), {5}), kGpu);
+  std::shared_ptr<void> host_cache, cache;
+  ops::scale_multi(s.gpu, f, cache);
+  ops::scale_multi(s.host, f, host_cache);
+  for (size_t t = 0; t < kNormSizes.size(); ++t) {
+    ops::scale(one.gpu[t], f);
+    const Tensor got = on(s.gpu[t], Device::cpu()), per_tensor = on(one.gpu[t], Device::cpu());
+    const size_t bytes = static_cast<size_t>(kNormSizes[t]) * sizeof(float);
+    if (bytes == 0) continue;  // (an empty tensor's data may be null: nothing to compare)
+    EXPECT_EQ(std::memcmp(got.data<float>(), s.host[t].data<float>(), bytes), 0)
+        << "tensor " << t << " (" << kNormSizes[t] << " elements) against the CPU";
+    EXPECT_EQ(std::memcmp(got.data<float>(), per_tensor.data<float>(), bytes), 0)
+        << "tensor " << t << " against ops::scale";
+  }
+  const Tensor outside_after = on(outside, Device::cpu());
+  const std::vector<float> outside_want = uniform(5, 9);
+  EXPECT_EQ(std::memcmp(outside_after.data<float>(), outside_want.data(), 5 * sizeof(float)), 0);
+  auto& table = *static_cast<cuda::MultiTensorTable*>(cache.get());
+  const size_t mallocs = cuda::context(0).allocator().stats().device_mallocs;
+  ops::scale_multi(s.gpu, 1.0f / f, cache);
+  EXPECT_EQ(table.builds(), 1);
+  EXPECT_EQ(cuda::context(0).allocator().stats().device_mallocs, mallocs);
 }
 
 }  // namespace

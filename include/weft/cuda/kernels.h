@@ -263,6 +263,47 @@ class AdamWTable {
 void adamw_multi(Context& ctx, const std::vector<AdamWTensor>& tensors, AdamWTable& table,
                  float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
 
+// --- sums of squares and scaling over many tensors (the gradient norm and clipping) ---
+// One tensor: n elements from x.
+struct MultiTensor {
+  float* x;
+  int64_t n;
+  bool operator==(const MultiTensor&) const = default;
+};
+// The device table of sum_squares_multi and scale_multi, as AdamWTable: each
+// tensor's chunks, uploaded on the first call and again only when the
+// tensors change, with sum_squares_multi's partial sums beside it; the
+// caching allocator's memory, held from one step to the next.
+class MultiTensorTable {
+ public:
+  int64_t chunks() const { return chunks_; }
+  int64_t builds() const { return builds_; }  // uploads so far
+  // The caller's list for this call, kept here so that a steady step
+  // allocates nothing on the host either.
+  std::vector<MultiTensor> scratch;
+
+ private:
+  friend double sum_squares_multi(Context&, const std::vector<MultiTensor>&, MultiTensorTable&);
+  friend void scale_multi(Context&, const std::vector<MultiTensor>&, float, MultiTensorTable&);
+  // Chunks and uploads `tensors` unless they are the ones the table holds.
+  void update(Context& ctx, const std::vector<MultiTensor>& tensors);
+  std::vector<MultiTensor> key_;  // the tensors the table was built from
+  DeviceBuffer<int64_t> words_;   // chunks_ launch::MultiChunk records, 2 words each
+  DeviceBuffer<double> sums_;     // one partial per chunk, then the total
+  int64_t chunks_ = 0, builds_ = 0;
+};
+// The sum over every tensor of sum x^2, in double: one launch writes each
+// chunk's partial, a second adds the partials in a fixed order (the same
+// bits on every call), and one download brings the total back: one wait
+// for the compute stream however many tensors. Zero tensors (or elements)
+// give 0 without a launch or a wait.
+double sum_squares_multi(Context& ctx, const std::vector<MultiTensor>& tensors,
+                         MultiTensorTable& table);
+// x *= s in every tensor, as scale_inplace on each (the same float
+// multiply, so the same bits), in one launch.
+void scale_multi(Context& ctx, const std::vector<MultiTensor>& tensors, float s,
+                 MultiTensorTable& table);
+
 // --- SGD with momentum, PyTorch semantics, as cpu::sgd ---
 void sgd(Context& ctx, float* p, const float* g, float* buf, int64_t n, float lr, float momentum,
          float weight_decay);
