@@ -315,12 +315,13 @@ TEST(Train, ClippingScalesToTheMaxNorm) {
   ga[0] = 3, ga[1] = 0, ga[2] = 0;
   for (int i = 0; i < 4; ++i) b->grad.data<float>()[i] = 2;  // norm 4
   std::vector<Param*> ps_all = {a, b};
-  const double norm = grad_norm(ps_all);
+  GradTables tables;
+  const double norm = grad_norm(ps_all, tables);
   EXPECT_DOUBLE_EQ(norm, 5.0);
-  clip_grads(ps_all, 1.0, norm);
-  EXPECT_NEAR(grad_norm(ps_all), 1.0, 1e-6);
-  clip_grads(ps_all, 10.0, 1.0);  // below the limit: untouched
-  EXPECT_NEAR(grad_norm(ps_all), 1.0, 1e-6);
+  clip_grads(ps_all, 1.0, norm, tables);
+  EXPECT_NEAR(grad_norm(ps_all, tables), 1.0, 1e-6);
+  clip_grads(ps_all, 10.0, 1.0, tables);  // below the limit: untouched
+  EXPECT_NEAR(grad_norm(ps_all, tables), 1.0, 1e-6);
 }
 
 // The MLP model trains through the same runner with its own loss.

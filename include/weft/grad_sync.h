@@ -191,6 +191,8 @@ class GradSync {
   bool reduce_ = true;  // set_reduce
   bool compressing_ = false;  // PowerSGD this step
   Tensor scalar_;
+  // grad_norm's and clip's gradient lists and device tables, kept between steps.
+  GradTables tables_;
 };
 
 }  // namespace weft

@@ -79,11 +79,23 @@ class Sgd final : public Optimizer {
   std::vector<Tensor> buf_;
 };
 
-// Total L2 norm of all gradients (each parameter once), in double.
-double grad_norm(const std::vector<Param*>& params);
+// What grad_norm and clip_grads keep from one step to the next: the list of
+// gradients they hand to ops::sum_squares_multi and ops::scale_multi, and a
+// device table for each of those (on a GPU: one launch over every gradient,
+// and for the norm one wait). One per parameter list, held by the caller, so
+// a steady step allocates nothing; the norm's and the clip's tables are
+// apart, so they may serve two different lists.
+struct GradTables {
+  std::vector<Tensor> grads;
+  std::shared_ptr<void> norm, clip;
+};
+// Total L2 norm of all gradients (each parameter once), in double: the sum of
+// their sums of squares, in the order of `params`.
+double grad_norm(const std::vector<Param*>& params, GradTables& tables);
 // Scales gradients by max_norm / (norm + 1e-6) when that is below 1, as
 // torch.nn.utils.clip_grad_norm_ does. max_norm <= 0 disables clipping.
-void clip_grads(const std::vector<Param*>& params, double max_norm, double norm);
+void clip_grads(const std::vector<Param*>& params, double max_norm, double norm,
+                GradTables& tables);
 void zero_grads(const std::vector<Param*>& params);
 
 enum class LrDecay { Constant, Cosine };

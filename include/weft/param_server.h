@@ -170,6 +170,7 @@ class PsServer {
   std::vector<Param*> mine_;  // this server's tensors, in model order
   std::vector<Tensor> sum_;   // S = 0: a worker's gradients before they join the sum
   std::vector<Tensor> grads_;  // mine_'s gradients, where a step's sum or update is assembled
+  GradTables tables_;          // the norm's and the clipping's (weft/optimizer.h)
   std::unique_ptr<Optimizer> optimizer_;
   std::vector<std::unique_ptr<Worker>> worker_;  // per worker
   std::vector<int64_t> pushed_;                // per worker: steps pushed

@@ -346,12 +346,16 @@ void GradSync::finish() {
     stats_.reduce_ms = std::chrono::duration<double, std::milli>(t1 - first_launch_).count();
 }
 
+// The sum of squares of every counted gradient (distributed: of the counted
+// parameters' pieces of this replica's shards) in one ops::sum_squares_multi
+// call: on a GPU one wait, not one per tensor. The list is rebuilt in place
+// each step, in the order a loop over them would add them.
 double GradSync::grad_norm() {
-  double local = 0;
+  std::vector<Tensor>& xs = tables_.grads;
+  xs.clear();  // keeps its capacity
   if (!distributed()) {
     for (size_t i = 0; i < params_.size(); ++i)
-      if (norm_counts_[i])
-        local += ops::sum_squares(params_[i]->grad);
+      if (norm_counts_[i]) xs.push_back(params_[i]->grad);
   } else {
     const int64_t r = groups_.dp_rank();
     for (auto& bp : buckets_) {
@@ -361,10 +365,11 @@ double GradSync::grad_norm() {
         if (!norm_counts_[static_cast<size_t>(b.params[k])]) continue;
         const int64_t n = params_[static_cast<size_t>(b.params[k])]->value.numel();
         const Overlap o = overlap(b.offset[k], b.offset[k] + n, lo, lo + s);
-        if (!o.empty()) local += ops::sum_squares(elements(b.shard_grad, o.lo - lo, o.hi - o.lo));
+        if (!o.empty()) xs.push_back(elements(b.shard_grad, o.lo - lo, o.hi - o.lo));
       }
     }
   }
+  const double local = ops::sum_squares_multi(xs, tables_.norm);
   scalar_.data<float>()[0] = static_cast<float>(local);
   if (distributed()) groups_.dp->all_reduce(scalar_, ReduceOp::Sum);
   if (groups_.tp) groups_.tp->all_reduce(scalar_, ReduceOp::Sum);
@@ -373,11 +378,14 @@ double GradSync::grad_norm() {
 }
 
 void GradSync::clip(double max_norm, double norm) {
-  if (!distributed()) return clip_grads(params_, max_norm, norm);
+  if (!distributed()) return clip_grads(params_, max_norm, norm, tables_);
   if (max_norm <= 0) return;
   const double coef = max_norm / (norm + 1e-6);
   if (coef >= 1.0) return;
-  for (auto& b : buckets_) ops::scale(b->shard_grad, static_cast<float>(coef));
+  std::vector<Tensor>& xs = tables_.grads;
+  xs.clear();  // keeps its capacity
+  for (auto& b : buckets_) xs.push_back(b->shard_grad);
+  ops::scale_multi(xs, static_cast<float>(coef), tables_.clip);
 }
 
 void GradSync::step(float lr) {

@@ -73,17 +73,24 @@ std::vector<std::pair<std::string, Tensor>> AdamW::state() {
   return s;
 }
 
-double grad_norm(const std::vector<Param*>& params) {
-  double s = 0;
-  for (Param* p : params) s += ops::sum_squares(p->grad);
-  return std::sqrt(s);
+namespace {
+const std::vector<Tensor>& grads_of(const std::vector<Param*>& params, GradTables& tables) {
+  tables.grads.clear();  // keeps its capacity
+  for (Param* p : params) tables.grads.push_back(p->grad);
+  return tables.grads;
+}
+}  // namespace
+
+double grad_norm(const std::vector<Param*>& params, GradTables& tables) {
+  return std::sqrt(ops::sum_squares_multi(grads_of(params, tables), tables.norm));
 }
 
-void clip_grads(const std::vector<Param*>& params, double max_norm, double norm) {
+void clip_grads(const std::vector<Param*>& params, double max_norm, double norm,
+                GradTables& tables) {
   if (max_norm <= 0) return;
   double coef = max_norm / (norm + 1e-6);
   if (coef >= 1.0) return;
-  for (Param* p : params) ops::scale(p->grad, static_cast<float>(coef));
+  ops::scale_multi(grads_of(params, tables), static_cast<float>(coef), tables.clip);
 }
 
 void zero_grads(const std::vector<Param*>& params) {

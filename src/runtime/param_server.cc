@@ -441,12 +441,11 @@ void PsServer::round(int64_t step) {
     assemble(w, sum_);
     for (size_t t = 0; t < mine_.size(); ++t) ops::add(grads_[t], sum_[t]);
   }
-  double local = 0;
-  for (const Tensor& g : grads_) local += ops::sum_squares(g);
+  const double local = ops::sum_squares_multi(grads_, tables_.norm);
   norm_.data<float>()[0] = static_cast<float>(local);
   servers_.all_reduce(norm_, ReduceOp::Sum);
   const double grad_norm = std::sqrt(static_cast<double>(norm_.data<float>()[0]));
-  clip_grads(mine_, config_.clip_grad, grad_norm);
+  clip_grads(mine_, config_.clip_grad, grad_norm, tables_);
   optimizer_->step(config_.lr.at(step));
   ++version_;
   ++histogram_[0];
@@ -468,7 +467,7 @@ void PsServer::apply(int w) {
   const double n = static_cast<double>(workers_);
   const double norm = n * std::sqrt(std::max(0.0, static_cast<double>(push_field(first.push, 1))));
   assemble(w, grads_);
-  clip_grads(mine_, config_.clip_grad / n, norm / n);
+  clip_grads(mine_, config_.clip_grad / n, norm / n, tables_);
   const float lr = config_.lr.at(step);
   optimizer_->step(config_.optimizer == OptimizerKind::Adam ? lr / static_cast<float>(n) : lr);
   const int64_t stale = version_ - read;
