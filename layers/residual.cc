@@ -16,8 +16,7 @@ std::unique_ptr<Layer> Residual::tensor_parallel(TpBuild&) const {
 
 void Residual::forward(LayerCtx&, Arena&, std::span<const Tensor> in,
                        std::span<const Tensor> out) {
-  out[0].copy_from(in[0]);
-  ops::add(out[0], in[1]);
+  ops::add(in[0], in[1], out[0]);
 }
 
 // In input order: where both inputs are one value, the first copies and the

@@ -80,6 +80,9 @@ void sum_rows(const Tensor& dy, const Tensor& db);
 // --- element-wise ---
 
 void add(const Tensor& y, const Tensor& x);  // y += x, the same element count
+// y = a + b, the same element count, each sum rounded once (what y = a, then
+// y += b, gives; on a GPU one kernel for tensors of one dtype).
+void add(const Tensor& a, const Tensor& b, const Tensor& y);
 void scale(const Tensor& y, float s);        // y *= s
 double sum_squares(const Tensor& x);         // sum of x^2, accumulated in double
 double sum(const Tensor& x);                 // sum of x, accumulated in double

@@ -183,6 +183,18 @@ void add_inplace(Context& ctx, bf16* y, const bf16* x, int64_t n) {
   WEFT_LAUNCH_CHECK("add_inplace (bf16)");
 }
 
+void add(Context& ctx, const float* a, const float* b, float* y, int64_t n) {
+  if (n == 0) return;
+  launch::add(prepare(ctx), a, b, y, n);
+  WEFT_LAUNCH_CHECK("add");
+}
+
+void add(Context& ctx, const bf16* a, const bf16* b, bf16* y, int64_t n) {
+  if (n == 0) return;
+  launch::add(prepare(ctx), raw(a), raw(b), raw(y), n);
+  WEFT_LAUNCH_CHECK("add (bf16)");
+}
+
 void add_inplace(Context& ctx, bf16* y, const float* x, int64_t n) {
   if (n == 0) return;
   launch::add_inplace(prepare(ctx), raw(y), x, n);

@@ -314,6 +314,14 @@ __global__ void add_inplace_kernel(Y* y, const X* x, int64_t n) {
     store(y, i, load(y, i) + load(x, i));
 }
 
+// y = a + b in fp32, stored as T (the residual add).
+template <class T>
+__global__ void add_kernel(const T* a, const T* b, T* y, int64_t n) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    store(y, i, load(a, i) + load(b, i));
+}
+
 // Every row of y (N, C) = row (C), stored as Y: a bias that a GEMM with beta 1
 // then accumulates onto.
 template <class Y>
@@ -817,6 +825,14 @@ void add_inplace(cudaStream_t s, float* y, const float* x, int64_t n) {
 
 void add_inplace(cudaStream_t s, uint16_t* y, const uint16_t* x, int64_t n) {
   add_inplace_kernel<<<blocks_for(n), kThreads, 0, s>>>(bf(y), bf(x), n);
+}
+
+void add(cudaStream_t s, const float* a, const float* b, float* y, int64_t n) {
+  add_kernel<<<blocks_for(n), kThreads, 0, s>>>(a, b, y, n);
+}
+
+void add(cudaStream_t s, const uint16_t* a, const uint16_t* b, uint16_t* y, int64_t n) {
+  add_kernel<<<blocks_for(n), kThreads, 0, s>>>(bf(a), bf(b), bf(y), n);
 }
 
 void add_inplace(cudaStream_t s, uint16_t* y, const float* x, int64_t n) {

@@ -393,6 +393,23 @@ void add(const Tensor& y, const Tensor& x) {
       [&](auto& cx) { cuda::add_inplace(cx, fw(y), f(x), y.numel()); });
 }
 
+void add(const Tensor& a, const Tensor& b, const Tensor& y) {
+  const Device d = common_device("add", {&a, &b, &y});
+  check_numel("add", "a", a, y.numel());
+  check_numel("add", "b", b, y.numel());
+  const bool same = a.dtype() == y.dtype() && b.dtype() == y.dtype();
+  if (same && (is_f32(y) || is_bf16(y)) && on_gpu(d, "add", [&](auto& cx) {
+        if (is_f32(y))
+          cuda::add(cx, f(a), f(b), fw(y), y.numel());
+        else
+          cuda::add(cx, b16(a), b16(b), b16w(y), y.numel());
+      }))
+    return;
+  if (y.raw() == b.raw()) return add(y, a);  // fp32 addition commutes, bit for bit
+  y.copy_from(a);
+  add(y, b);
+}
+
 void scale(const Tensor& y, float s) {
   if (any_bf16({&y})) {
     Widen wd;

@@ -151,6 +151,22 @@ TEST(CudaBf16Helpers, AddInPlaceRoundsTheFp32Sum) {
   expect_rounded(hy.host(), fy.host(), "y + x");
 }
 
+// y = a + b: fp32 sums bit for bit as the host adds them; bf16 ones the
+// fp32 sums of the widened a and b, rounded once.
+TEST(CudaBf16Helpers, AddOfTwoRoundsTheFp32Sum) {
+  const int64_t n = 70001;
+  const std::vector<bf16> a16 = bf16_uniform(n, 103), b16 = bf16_uniform(n, 104);
+  const std::vector<float> a = widened(a16), b = widened(b16);
+  Dev<float> fa(a), fb(b), fy(uniform(n, 105));
+  add(ctx(), fa.p(), fb.p(), fy.p(), n);
+  std::vector<float> want;
+  for (size_t i = 0; i < a.size(); ++i) want.push_back(a[i] + b[i]);
+  expect_same_bits(fy.host(), want, "fp32 a + b");
+  Dev<bf16> ha(a16), hb(b16), hy(bf16_uniform(n, 106));
+  add(ctx(), ha.p(), hb.p(), hy.p(), n);
+  expect_rounded(hy.host(), want, "bf16 a + b");
+}
+
 // y (bf16) += x (fp32): the fp32 sum of the widened y and x, rounded once.
 TEST(CudaBf16Helpers, AddingFp32IntoBf16RoundsTheFp32Sum) {
   const int64_t n = 70001;

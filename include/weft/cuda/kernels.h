@@ -151,6 +151,8 @@ void add_inplace(Context& ctx, float* y, const float* x, int64_t n);            
 void sum_rows(Context& ctx, const bf16* dy, float* db, int64_t n, int64_t c);    // db += sum dy
 void add_inplace(Context& ctx, bf16* y, const bf16* x, int64_t n);  // y = bf16(float(y) + float(x))
 void add_inplace(Context& ctx, bf16* y, const float* x, int64_t n);  // y = bf16(float(y) + x)
+void add(Context& ctx, const float* a, const float* b, float* y, int64_t n);  // y = a + b
+void add(Context& ctx, const bf16* a, const bf16* b, bf16* y, int64_t n);     // rounded once
 // Every row of y (N, C) = bf16(row): a bias placed before a GEMM (beta 1)
 // accumulates onto it, in place of add_bias after it.
 void fill_rows(Context& ctx, bf16* y, const float* row, int64_t n, int64_t c);
