@@ -215,6 +215,12 @@ Trainer::~Trainer() {
 
 double Trainer::compute_gradients(int64_t step) { return run_batch(data_, step); }
 
+void Trainer::scale_grads(float s) {
+  grads_.clear();  // keeps its capacity
+  for (Param* p : sync_->params()) grads_.push_back(p->grad);
+  ops::scale_multi(grads_, s, scale_table_);
+}
+
 double Trainer::evaluate(const BatchSource& data, int64_t iters) {
   check(iters > 0, "evaluation needs at least one batch, got {}", iters);
   const ReplicaBatches replica(data, par_.groups.dp_rank() *
@@ -309,11 +315,11 @@ StepRecord Trainer::train_step() {
     // Local SGD: this replica's gradients, unreduced, are (1 / dp) of its own
     // mean gradient (the loss is seeded for the global batch).
     if (local() && par_.groups.dp_size() > 1)
-      for (Param* p : sync_->params()) ops::scale(p->grad, static_cast<float>(par_.groups.dp_size()));
+      scale_grads(static_cast<float>(par_.groups.dp_size()));
     if (scaling()) {  // the gradients of the mean loss, from those of scale x the loss
       r.loss_scale = scale_;
       const float inv = static_cast<float>(1.0 / scale_);
-      for (Param* p : sync_->params()) ops::scale(p->grad, inv);
+      scale_grads(inv);
     }
     r.grad_norm = sync_->grad_norm();
     if (par_.pipeline != nullptr) r.bubble_frac = par_.pipeline->bubble_fraction();
