@@ -70,6 +70,15 @@ struct Twin {
     g.shard.full = value.shape();
     return &c;
   }
+  // The bf16 copies a --bf16 batch gives every parameter (Bf16Copies), on
+  // both devices: the layers' GEMMs then read them, as in training.
+  void make_bf16_copies() {
+    for (auto* side : {&cpu, &gpu})
+      for (Param& p : *side) {
+        p.value16 = Tensor::empty(p.value.shape(), DType::BF16, p.value.device());
+        ops::convert(p.value, p.value16);
+      }
+  }
   Param* gpu_of(const Param* p) {
     for (size_t i = 0; i < cpu.size(); ++i)
       if (&cpu[i] == p) return &gpu[i];
@@ -286,6 +295,9 @@ TEST(CudaLayers, Bf16Activations) {
     Linear cpu(w, b), gpu(tw.gpu_of(w), tw.gpu_of(b));
     expect_same_on_both(cpu, gpu, tw, {uniform_tensor({kB, kT, kC}, 42)}, {true}, "bf16 linear",
                         kBf16, bf16);
+    tw.make_bf16_copies();
+    expect_same_on_both(cpu, gpu, tw, {uniform_tensor({kB, kT, kC}, 42)}, {true},
+                        "bf16 linear on the weights' bf16 copies", kBf16, bf16);
   }
   {
     Twin tw;
@@ -322,6 +334,11 @@ TEST(CudaLayers, Bf16Activations) {
     expect_same_on_both(head_cpu, head_gpu, head,
                         {uniform_tensor({kB * kT, kC}, 54), tokens(kB * kT, 55).view({kB * kT})},
                         {true, false}, "bf16 chunked lm head + cross-entropy", kBf16, bf16);
+    head.make_bf16_copies();
+    expect_same_on_both(head_cpu, head_gpu, head,
+                        {uniform_tensor({kB * kT, kC}, 54), tokens(kB * kT, 55).view({kB * kT})},
+                        {true, false}, "bf16 chunked lm head on the table's bf16 copy", kBf16,
+                        bf16);
   }
 }
 
