@@ -94,10 +94,11 @@ void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
     Tensor losses = arena.alloc({n});
     if (!ctx.probs.device().is_cpu()) {
       // One kernel from logits to the losses and dlogits (p - onehot): no
-      // elementwise pass over (N, V) is left for the backward.
+      // elementwise pass over (N, V) is left for the backward. The loss is
+      // summed on the GPU: nothing waits for it here.
       ctx.unit_dlogits = true;
-      ops::set_item(out[0],
-                    static_cast<float>(ops::fused_cross_entropy(ctx.probs, in[1], losses, 1.0f)));
+      ops::fused_cross_entropy_rows(ctx.probs, in[1], losses, 1.0f);
+      ops::sum(losses, out[0]);
       return;
     }
     ops::set_item(out[0], static_cast<float>(ops::softmax_cross_entropy(ctx.probs, in[1], losses)));
@@ -146,7 +147,7 @@ void TiedLmHeadLoss::forward_chunked(LayerCtx& ctx_, Arena& arena, std::span<con
     ops::gemm(dlogits, false, narrow ? w : wte_->value, false, ctx.dx_unit.slice0(r0, r1));
     ops::gemm(dlogits, true, xc, false, ctx.dw_unit, 1.0f, 1.0f);
   }
-  ops::set_item(out[0], static_cast<float>(ops::sum(losses)));  // the one wait for a GPU
+  ops::sum(losses, out[0]);  // on the device: nothing waits for a GPU here
 }
 
 // dlogits_r = (p_r - onehot_r(target)) * g, where g = d loss_total / d (this
@@ -155,7 +156,7 @@ void TiedLmHeadLoss::backward_input(LayerCtx& ctx_, Arena& arena,
                                     std::span<const Tensor> grad_out,
                                     std::span<const Tensor> grad_in) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const float g = ops::item(grad_out[0]);
+  const float g = ctx.seeded_grad_out ? *ctx.seeded_grad_out : ops::item(grad_out[0]);
   if (ctx.chunked) {
     ctx.g = g;
     if (!grad_in[0].defined()) return;

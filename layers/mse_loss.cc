@@ -33,7 +33,7 @@ void MseLoss::forward(LayerCtx& ctx_, Arena&, std::span<const Tensor> in,
 void MseLoss::backward_input(LayerCtx& ctx_, Arena&, std::span<const Tensor> grad_out,
                              std::span<const Tensor> grad_in) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const float g = ops::item(grad_out[0]);
+  const float g = ctx.seeded_grad_out ? *ctx.seeded_grad_out : ops::item(grad_out[0]);
   for (int k = 0; k < 2; ++k) {
     if (!grad_in[static_cast<size_t>(k)].defined()) continue;
     ops::mse_backward(ctx.pred, ctx.target, k == 0 ? g : -g, grad_in[static_cast<size_t>(k)]);

@@ -23,6 +23,7 @@
 #include <weft/tensor.h>
 
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -40,6 +41,11 @@ struct LayerCtx {
   // (Layer::writes_input_grad); 0 everywhere else, as when a layer is
   // called directly: then every gradient is accumulated into.
   uint32_t fresh_grads_in = 0;
+  // The gradient of the layer's one output when the runner seeded it with a
+  // scalar the host knows (MicroBatch::seed_grad: the loss's), during
+  // backward_input only; empty otherwise. A loss layer reads it here rather
+  // than reading its gradient tensor back, which waits for a GPU.
+  std::optional<float> seeded_grad_out;
 };
 
 class Layer {

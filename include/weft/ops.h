@@ -86,6 +86,9 @@ void add(const Tensor& a, const Tensor& b, const Tensor& y);
 void scale(const Tensor& y, float s);        // y *= s
 double sum_squares(const Tensor& x);         // sum of x^2, accumulated in double
 double sum(const Tensor& x);                 // sum of x, accumulated in double
+// out (one F32 element) = float(sum(x)), left on x's device: nothing waits
+// for a GPU (sum(x) returns it to the host, which waits).
+void sum(const Tensor& x, const Tensor& out);
 
 // Several fp32 tensors at once (a model's gradients: the norm and clipping),
 // on one device. On a GPU each is one launch (and the sum one wait) over a

@@ -64,6 +64,9 @@ class MicroBatch {
   std::vector<Tensor> grads_;
   // Reused per call so that a step allocates nothing.
   std::vector<Tensor> in_buf_, out_buf_;
+  // The value seed_grad last seeded, and with what (LayerCtx::seeded_grad_out).
+  int seeded_ = -1;
+  float seed_ = 0;
 };
 
 // bf16 activations (Graph::activation_dtype() BF16): the parameters' bf16

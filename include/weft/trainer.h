@@ -242,6 +242,9 @@ class Trainer {
   std::unique_ptr<GradSync> sync_;
   MicroBatch mb_;
   std::vector<Tensor> host_inputs_;  // one micro-batch's inputs, staged on the host for a GPU
+  // A GPU batch's micro-batch losses, gathered on the device and read back
+  // once after the backward (one wait per batch, not one per micro-batch).
+  Tensor device_losses_, host_losses_;
   std::vector<Tensor> inputs_;       // reused per micro-batch, so a step allocates nothing
   int64_t steps_done_ = 0;
   std::set<const Param*> owned_;  // counted and saved by this rank (its pipeline share)

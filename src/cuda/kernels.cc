@@ -422,6 +422,12 @@ void reduce(Context& ctx, const float* x, int64_t n, bool square, double* out) {
 
 void sum(Context& ctx, const float* x, int64_t n, double* out) { reduce(ctx, x, n, false, out); }
 
+void sum(Context& ctx, const float* x, int64_t n, float* out) {
+  DeviceBuffer<double> partials(ctx, launch::reduce_blocks(n));
+  launch::reduce(prepare(ctx), x, n, false, partials.data(), out);
+  WEFT_LAUNCH_CHECK("reduce (to a float)");
+}
+
 void sum_squares(Context& ctx, const float* x, int64_t n, double* out) {
   reduce(ctx, x, n, true, out);
 }

@@ -614,12 +614,15 @@ __global__ void reduce_partials_kernel(const float* x, int64_t n, double* part) 
 }
 
 // Pass 2: one block adds the partials.
-__global__ void reduce_finish_kernel(const double* part, int64_t count, double* out) {
+// The double total into *out as Out: double, or float rounded to nearest
+// (the host's static_cast<float>).
+template <class Out>
+__global__ void reduce_finish_kernel(const double* part, int64_t count, Out* out) {
   __shared__ double shared[kThreads / kWarp];
   double s = 0;
   for (int64_t i = threadIdx.x; i < count; i += blockDim.x) s += part[i];
   s = block_reduce(s, shared, Add{});
-  if (threadIdx.x == 0) *out = s;
+  if (threadIdx.x == 0) *out = static_cast<Out>(s);
 }
 
 // ---------------------------------------------------------------- many tensors at once
@@ -954,14 +957,27 @@ void sgd(cudaStream_t s, float* p, const float* g, float* buf, int64_t n, float 
 
 int64_t reduce_blocks(int64_t n) { return std::min<int64_t>(blocks_for(n), kReduceBlocks); }
 
-void reduce(cudaStream_t s, const float* x, int64_t n, bool square, double* partials,
-            double* out) {
+namespace {
+template <class Out>
+void reduce_into(cudaStream_t s, const float* x, int64_t n, bool square, double* partials,
+                 Out* out) {
   const int64_t blocks = reduce_blocks(n);
   if (square)
     reduce_partials_kernel<true><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(x, n, partials);
   else
     reduce_partials_kernel<false><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(x, n, partials);
   reduce_finish_kernel<<<1, kThreads, 0, s>>>(partials, blocks, out);
+}
+}  // namespace
+
+void reduce(cudaStream_t s, const float* x, int64_t n, bool square, double* partials,
+            double* out) {
+  reduce_into(s, x, n, square, partials, out);
+}
+
+void reduce(cudaStream_t s, const float* x, int64_t n, bool square, double* partials,
+            float* out) {
+  reduce_into(s, x, n, square, partials, out);
 }
 
 void sum_squares_multi(cudaStream_t s, const MultiChunk* chunks, int64_t count, double* sums) {

@@ -141,6 +141,8 @@ void scale_multi(cudaStream_t s, const MultiChunk* chunks, int64_t count, float 
 // --- reductions: *out = sum x (or x^2), in double; `partials` holds reduce_blocks(n) doubles ---
 int64_t reduce_blocks(int64_t n);
 void reduce(cudaStream_t s, const float* x, int64_t n, bool square, double* partials, double* out);
+// The same total rounded to a float *out (on the device: nothing waits).
+void reduce(cudaStream_t s, const float* x, int64_t n, bool square, double* partials, float* out);
 
 // --- bf16 ---
 void to_bf16(cudaStream_t s, const float* x, uint16_t* y, int64_t n);

@@ -514,6 +514,19 @@ void scale_multi(const std::vector<Tensor>& xs, float s, std::shared_ptr<void>& 
       });
 }
 
+void sum(const Tensor& x, const Tensor& out) {
+  check_numel("sum", "out", out, 1);
+  check_dtype("sum", "out", out, DType::F32);
+  if (any_bf16({&x})) {
+    Widen wd;
+    return sum(wd.in(x), out);
+  }
+  const Device d = common_device("sum", {&x, &out});
+  on_device(
+      d, "sum", [&] { fw(out)[0] = static_cast<float>(sum(x)); },
+      [&](auto& cx) { cuda::sum(cx, f(x), x.numel(), fw(out)); });
+}
+
 float item(const Tensor& t) {
   check_numel("item", "the tensor", t, 1);
   check_dtype("item", "the tensor", t, DType::F32);

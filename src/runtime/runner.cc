@@ -40,6 +40,8 @@ void MicroBatch::seed_grad(int v, float g) {
   Tensor& t = grads_[static_cast<size_t>(v)];
   if (!t.defined()) t = arena_.alloc(val.shape, val.dtype);
   ops::fill(t, g);
+  seeded_ = t.numel() == 1 ? v : -1;
+  seed_ = g;
 }
 
 Tensor MicroBatch::zero_grad(const Value& val) {
@@ -55,6 +57,7 @@ Tensor MicroBatch::new_grad(const Value& val) {
 void MicroBatch::reset() {
   for (auto& t : values_) t = Tensor();
   for (auto& t : grads_) t = Tensor();
+  seeded_ = -1;
   arena_.reset();
 }
 
@@ -125,8 +128,10 @@ void backward_input(const Graph& g, MicroBatch& mb, int n) {
   }
   LayerCtx& ctx = *mb.ctx_[static_cast<size_t>(n)];
   ctx.fresh_grads_in = fresh;
+  if (node.outputs.size() == 1 && node.outputs[0] == mb.seeded_) ctx.seeded_grad_out = mb.seed_;
   node.layer->backward_input(ctx, mb.arena_, mb.out_buf_, mb.in_buf_);
   ctx.fresh_grads_in = 0;
+  ctx.seeded_grad_out.reset();
 }
 
 void backward_weight(const Graph& g, MicroBatch& mb, int n) {

@@ -271,7 +271,15 @@ double Trainer::run_batch(const BatchSource& batches, int64_t step) {
           mb_.input(g_.inputs[k]).copy_from(host_inputs_[k]);
       }
       forward(graph, mb_, 0, n);
-      loss_sum += static_cast<double>(ops::item(mb_.value(g_.loss)));
+      if (opt_.device.is_cpu()) {
+        loss_sum += static_cast<double>(ops::item(mb_.value(g_.loss)));
+      } else {
+        if (device_losses_.numel() != micro_batches_) {
+          device_losses_ = Tensor::empty({micro_batches_}, DType::F32, opt_.device);
+          host_losses_ = Tensor::empty({micro_batches_});
+        }
+        device_losses_.slice0(j, j + 1).copy_from(mb_.value(g_.loss).view({1}));
+      }
       mb_.seed_grad(g_.loss, seed * static_cast<float>(scale_));
       for (int k = n - 1; k >= 0; --k) {
         backward_input(graph, mb_, k);
@@ -279,6 +287,11 @@ double Trainer::run_batch(const BatchSource& batches, int64_t step) {
         sync_->weight_done(k);
       }
       mb_.reset();
+    }
+    if (!opt_.device.is_cpu()) {  // the losses in micro-batch order, as the CPU adds them
+      host_losses_.copy_from(device_losses_);
+      for (int64_t j = 0; j < micro_batches_; ++j)
+        loss_sum += static_cast<double>(host_losses_.data<float>()[j]);
     }
     loss = loss_sum / static_cast<double>(opt_.global_batch * g_.terms_per_sample);
   }

@@ -312,6 +312,7 @@ void sgd(Context& ctx, float* p, const float* g, float* buf, int64_t n, float lr
 
 // --- reductions into one double on the device (deterministic two-pass trees) ---
 void sum(Context& ctx, const float* x, int64_t n, double* out);          // *out = sum x
+void sum(Context& ctx, const float* x, int64_t n, float* out);  // *out = float(sum x in double)
 void sum_squares(Context& ctx, const float* x, int64_t n, double* out);  // *out = sum x^2
 // The same, brought back to the host (waits for the compute stream).
 double sum_to_host(Context& ctx, const float* x, int64_t n);
