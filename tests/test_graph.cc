@@ -156,6 +156,38 @@ TEST(Graph, FreshGradientBuffersAreWrittenNotAddedTo) {
 }
 
 
+// A loss layer takes its gradient from the runner's seed (what seed_grad
+// was given, known on the host) rather than reading the gradient tensor back,
+// which on a GPU would wait for it: a seed tensor overwritten after seeding
+// changes nothing, and the parameter gradients are the seed's.
+TEST(Graph, ALossLayerTakesItsSeededGradientFromTheRunner) {
+  auto grads = [](bool overwrite) {
+    GptModel m = build_gpt(gpt_preset("toy"), 2);
+    init_gpt(m, 9);
+    MicroBatch mb(m.graph);
+    const int n = static_cast<int>(m.graph.nodes().size());
+    for (int v : {m.tokens, m.targets}) {
+      Tensor t = mb.input(v);
+      for (int64_t i = 0; i < t.numel(); ++i)
+        t.data<int32_t>()[i] = static_cast<int32_t>(i * 3 % 50);
+    }
+    for (Param* p : m.graph.params()) p->grad.zero_();
+    forward(m.graph, mb, 0, n);
+    mb.seed_grad(m.io.loss, 0.25f);
+    if (overwrite) ops::fill(mb.grad(m.io.loss), 7.0f);
+    backward(m.graph, mb, 0, n);
+    std::vector<float> out;
+    for (Param* p : m.graph.params())
+      out.insert(out.end(), p->grad.data<float>(), p->grad.data<float>() + p->grad.numel());
+    return out;
+  };
+  const std::vector<float> seeded = grads(false);
+  EXPECT_EQ(grads(true), seeded);
+  bool nonzero = false;
+  for (float g : seeded) nonzero = nonzero || g != 0.0f;
+  EXPECT_TRUE(nonzero);
+}
+
 // With bf16 activations, each value's gradient is bf16 as the value is (what
 // a layer's I writes, what a pipeline stage sends back), and the parameters'
 // gradients stay fp32; they are the fp32-activation run's within bf16's

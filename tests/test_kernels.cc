@@ -407,6 +407,24 @@ TEST(SumSquares, MatchesDouble) {
   EXPECT_NEAR(cpu::sum_squares(big.data(), 2), 2.0 * 1e20f * 1e20f, 1e28);
 }
 
+// sum(x, out): the double sum rounded to float, into a tensor (and from
+// bf16 values, widened), exactly what float(sum(x)) gives.
+TEST(Sum, IntoATensorIsTheDoubleSumRounded) {
+  const Vec x = testing::uniform(100003, 44, -3.0f, 2.0f);
+  Tensor t = Tensor::empty({static_cast<int64_t>(x.size())}), out = Tensor::zeros({1});
+  std::copy(x.begin(), x.end(), t.data<float>());
+  ops::sum(t, out);
+  EXPECT_EQ(ops::item(out), static_cast<float>(ops::sum(t)));
+  double want = 0;
+  for (float v : x) want += v;
+  EXPECT_NEAR(ops::item(out), want, 1e-6 * std::abs(want) + 1e-3);
+  Tensor narrow = Tensor::empty(t.shape(), DType::BF16);
+  ops::convert(t, narrow);
+  ops::sum(narrow, out);
+  EXPECT_EQ(ops::item(out), static_cast<float>(ops::sum(narrow)));
+  EXPECT_THROW(ops::sum(t, Tensor::zeros({2})), Error);
+}
+
 // --- attention ---
 
 struct AttnRef {

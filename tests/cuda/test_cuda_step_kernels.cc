@@ -172,6 +172,37 @@ void check_classifier(const ClassifierCase& c, uint64_t seed) {
       << "V " << v << " T " << c.t;
   EXPECT_LE(std::fabs(gpu_total2 - total), loss_bound + 1e-12 * std::fabs(total))
       << "V " << v << " T " << c.t;
+
+  // The same kernel writing bf16 dlogits to a separate buffer (bf16
+  // activations' chunked LM head): the in-place fp32 dlogits rounded, bit
+  // for bit (one arithmetic, another store), the same losses, the logits
+  // unchanged. And the loss summed on the device (ops::sum into a tensor)
+  // is the host's sum of the same losses rounded to float: the same
+  // reduction kernels.
+  Tensor gl = on(logits, kGpu), gbl = Tensor::zeros({n}, DType::F32, kGpu);
+  ops::mask_columns(gl, c.real);
+  const Tensor masked = on(gl, Device::cpu());
+  Tensor gd16 = Tensor::empty({n, v}, DType::BF16, kGpu);
+  ops::fused_cross_entropy_rows(gl, gt, gbl, scale, gd16);
+  Tensor d16 = Tensor::empty({n, v});
+  ops::convert(on(gd16, Device::cpu()), d16);
+  const Tensor got_bl = on(gbl, Device::cpu()), after = on(gl, Device::cpu());
+  int off = 0;
+  for (int64_t i = 0; i < n * v && off < 10; ++i) {
+    const float want = cuda::to_float(cuda::to_bf16(dg[i]));
+    if (std::memcmp(&want, d16.data<float>() + i, sizeof(float)) != 0 ||
+        std::memcmp(after.data<float>() + i, masked.data<float>() + i, sizeof(float)) != 0) {
+      ++off;
+      ADD_FAILURE() << "bf16 dlogits at " << i << ": " << d16.data<float>()[i] << ", want "
+                    << want << "; logit after " << after.data<float>()[i]
+                    << " (before " << masked.data<float>()[i] << "); V " << v << " T " << c.t;
+    }
+  }
+  EXPECT_EQ(std::memcmp(got_bl.data<float>(), got_l.data<float>(), sizeof(float) * n), 0)
+      << "bf16-dlogits losses; V " << v << " T " << c.t;
+  Tensor on_device = Tensor::zeros({1}, DType::F32, kGpu);
+  ops::sum(gfl, on_device);
+  EXPECT_EQ(ops::item(on_device), static_cast<float>(gpu_total)) << "V " << v << " T " << c.t;
 }
 
 TEST(CudaFusedClassifier, MatchesCpuAtEverySequenceLength) {
