@@ -159,6 +159,10 @@ class PipelineExecutor {
   std::vector<Tensor> inputs_;       // the data inputs being filled, reused
   std::vector<Tensor> host_inputs_;  // on a device: filled here, then copied up
   double loss_sum_ = 0;
+  // On a device, the last stage's micro-batch losses, gathered there and
+  // read once the schedule has run (no wait for the GPU inside it).
+  Tensor device_losses_, host_losses_;
+  std::vector<int> loss_order_;  // the micro-batches in the order their forwards ran
   int peak_slots_ = 0, slots_in_use_ = 0;
   int peak_stashed_ = 0, stashed_ = 0;
   double peak_bytes_ = 0;

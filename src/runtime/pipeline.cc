@@ -244,8 +244,18 @@ void PipelineExecutor::forward_action(int stage, int mb, int64_t step) {
   MicroBatch& work = options_.recompute ? *work_ : s.mb;
   if (options_.recompute) share_inputs(s.mb, work, stage);
   forward(graph_, work, begin, end);
-  if (stage == schedule_.stages() - 1)
-    loss_sum_ += static_cast<double>(ops::item(work.value(io_.loss)));
+  if (stage == schedule_.stages() - 1) {
+    if (options_.device.is_cpu()) {
+      loss_sum_ += static_cast<double>(ops::item(work.value(io_.loss)));
+    } else {
+      if (device_losses_.numel() != schedule_.micro_batches) {
+        device_losses_ = Tensor::empty({schedule_.micro_batches}, DType::F32, options_.device);
+        host_losses_ = Tensor::empty({schedule_.micro_batches});
+      }
+      device_losses_.slice0(mb, mb + 1).copy_from(work.value(io_.loss).view({1}));
+      loss_order_.push_back(mb);
+    }
+  }
   if (!options_.recompute) {
     bytes.f = used(s.mb) - before;
     note_memory();
@@ -402,6 +412,7 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
   micro_batch_size_ = micro_batch;
   step_ = step;
   loss_sum_ = 0;
+  loss_order_.clear();
   peak_slots_ = 0;
   peak_stashed_ = 0;
   peak_bytes_ = 0;
@@ -498,6 +509,11 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
       sl->stage = -1;
     }
   reduce_tied();
+  // A device's losses, added in the order their forwards ran, as the CPU adds them.
+  if (!loss_order_.empty()) {
+    host_losses_.copy_from(device_losses_);
+    for (int j : loss_order_) loss_sum_ += static_cast<double>(host_losses_.data<float>()[j]);
+  }
   // One collective for the loss and the bubble: every rank's (loss, busy,
   // span). Only the last stage's rank holds a loss, so the sum is exact.
   float* stats = step_stats_.data<float>();
