@@ -116,6 +116,15 @@ TEST(Graph, Bf16ActivationsHalveTheValuesAForwardHolds) {
               bf16);
 }
 
+// The toy model's tokens and targets: i * stride % 50 at position i.
+void fill_tokens(const GptModel& m, MicroBatch& mb, int64_t stride) {
+  for (int v : {m.tokens, m.targets}) {
+    Tensor t = mb.input(v);
+    for (int64_t i = 0; i < t.numel(); ++i)
+      t.data<int32_t>()[i] = static_cast<int32_t>(i * stride % 50);
+  }
+}
+
 // Gradients that a layer writes whole (linear layers, residual adds) get
 // uninitialised buffers: the second pass through one MicroBatch reuses the
 // first pass's arena, whose bytes hold the first pass's gradients at the
@@ -133,10 +142,7 @@ void expect_fresh_buffers_written(DType acts) {
   std::vector<std::vector<float>> grads[3];
   for (auto& pass : grads) {
     for (Param* p : m.graph.params()) p->grad.zero_();
-    for (int v : {m.tokens, m.targets}) {
-      Tensor t = mb.input(v);
-      for (int64_t i = 0; i < t.numel(); ++i) t.data<int32_t>()[i] = static_cast<int32_t>(i % 50);
-    }
+    fill_tokens(m, mb, 1);
     forward(m.graph, mb, 0, n);
     mb.seed_grad(m.io.loss, 1.0f);
     backward(m.graph, mb, 0, n);
@@ -166,11 +172,7 @@ TEST(Graph, ALossLayerTakesItsSeededGradientFromTheRunner) {
     init_gpt(m, 9);
     MicroBatch mb(m.graph);
     const int n = static_cast<int>(m.graph.nodes().size());
-    for (int v : {m.tokens, m.targets}) {
-      Tensor t = mb.input(v);
-      for (int64_t i = 0; i < t.numel(); ++i)
-        t.data<int32_t>()[i] = static_cast<int32_t>(i * 3 % 50);
-    }
+    fill_tokens(m, mb, 3);
     for (Param* p : m.graph.params()) p->grad.zero_();
     forward(m.graph, mb, 0, n);
     mb.seed_grad(m.io.loss, 0.25f);
@@ -199,11 +201,7 @@ TEST(Graph, Bf16ActivationsHaveBf16GradientsAndFp32ParameterGradients) {
     m.graph.set_activation_dtype(acts);
     MicroBatch mb(m.graph);
     const int n = static_cast<int>(m.graph.nodes().size());
-    for (int v : {m.tokens, m.targets}) {
-      Tensor t = mb.input(v);
-      for (int64_t i = 0; i < t.numel(); ++i)
-        t.data<int32_t>()[i] = static_cast<int32_t>(i * 7 % 50);
-    }
+    fill_tokens(m, mb, 7);
     for (Param* p : m.graph.params()) p->grad.zero_();
     forward(m.graph, mb, 0, n);
     mb.seed_grad(m.io.loss, 1.0f);
