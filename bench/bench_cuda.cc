@@ -263,7 +263,7 @@ int run(const Options& o) {
   fmt::print("|---|---:|---:|---:|---:|---:|---:|---:|\n");
   std::fflush(stdout);
   // --profile's tables come after the main one, which stays one table.
-  std::vector<std::string> tables;
+  std::vector<std::string> tables, widen_lines;
   for (const std::string& name : o.modes) {
     const size_t plus = name.find('+');
     const std::string precision = name.substr(0, plus);
@@ -292,6 +292,7 @@ int run(const Options& o) {
       for (int i = 0; i < o.warmup; ++i) trainer.train_step();
       ctx.synchronize();
       const size_t mallocs = ctx.allocator().stats().device_mallocs;
+      weft::ops::reset_widened_ops();
       std::vector<double> steps;
       for (int i = 0; i < o.steps; ++i) {
         const auto t0 = Clock::now();
@@ -301,6 +302,17 @@ int run(const Options& o) {
       }
       std::sort(steps.begin(), steps.end());
       step_s = steps[steps.size() / 2];
+      // Operations that had no kernel for their dtypes on the GPU and
+      // widened bf16 tensors to fp32 around an fp32 one, per timed step.
+      nlohmann::json widened = nlohmann::json::object();
+      std::string widened_line;
+      for (const auto& [op, count] : weft::ops::widened_ops()) {
+        const double per_step = static_cast<double>(count) / o.steps;
+        widened[op] = per_step;
+        widened_line += fmt::format("{}{} x {:g}", widened_line.empty() ? "" : ", ", op, per_step);
+      }
+      widen_lines.push_back(fmt::format("- {}: {}\n", name,
+                                        widened_line.empty() ? "none" : widened_line));
       const weft::cuda::AllocatorStats stats = ctx.allocator().stats();
       const double tok_s = static_cast<double>(tokens) / step_s;
       const double tflops = cfg.train_flops_per_token() * tok_s / 1e12;
@@ -333,7 +345,8 @@ int run(const Options& o) {
              {"mfu", tflops / o.peak_tflops},
              {"loss", loss},
              {"peak_gib", peak_gib},
-             {"cuda_mallocs", stats.device_mallocs - mallocs}};
+             {"cuda_mallocs", stats.device_mallocs - mallocs},
+             {"widened_per_step", widened}};
     }  // the Trainer's activations and optimizer state go back to the cache
     std::fflush(stdout);
     if (o.profile) {
@@ -350,6 +363,9 @@ int run(const Options& o) {
       weft::check(json.good(), "--json {}: cannot write", o.json);
     }
   }
+  fmt::print("\nwidened to fp32 around an fp32 kernel, calls per timed step (no kernel for "
+             "their dtypes on the GPU):\n");
+  for (const std::string& l : widen_lines) fmt::print("{}", l);
   for (const std::string& t : tables) fmt::print("{}", t);
   return 0;
 }

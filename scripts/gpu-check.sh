@@ -325,9 +325,11 @@ for row in "${results[@]}"; do
 done
 if [ "$bench_rc" != 77 ] && [ -s "$logs/bench_cuda.out" ]; then  # all it printed, if it ran
   echo
-  # Its header lines, each table and the blank lines between them.
+  # Its header lines, each table, the list of operations widened to fp32
+  # per mode, and the blank lines between them.
   awk '/^(weft bench_cuda|profile of)/ { print; print ""; next } /^\|/ { print; table = 1; next }
-       table { print ""; table = 0 }' "$logs/bench_cuda.out"
+       /^widened to fp32/ { print; next } /^- / { print; list = 1; next }
+       table { print ""; table = 0 } list { print ""; list = 0 }' "$logs/bench_cuda.out"
 fi
 if [ -s "$logs/bench_cuda.jsonl" ]; then
   echo

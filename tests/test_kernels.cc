@@ -407,6 +407,23 @@ TEST(SumSquares, MatchesDouble) {
   EXPECT_NEAR(cpu::sum_squares(big.data(), 2), 2.0 * 1e20f * 1e20f, 1e28);
 }
 
+// An operation that widens bf16 tensors to fp32 (every one on the CPU) is
+// counted once per call, under its own name; an fp32 call is not.
+TEST(Ops, WideningIsCountedPerOperation) {
+  ops::reset_widened_ops();
+  Tensor x = Tensor::zeros({4, 8}), y = Tensor::zeros({4, 8});
+  ops::gelu_forward(x, y);
+  EXPECT_TRUE(ops::widened_ops().empty());
+  Tensor x16 = Tensor::zeros({4, 8}, DType::BF16), y16 = Tensor::zeros({4, 8}, DType::BF16);
+  ops::gelu_forward(x16, y16);
+  ops::gelu_forward(x16, y16);
+  ops::add(y16, x16);
+  const std::map<std::string, int64_t> got = ops::widened_ops();
+  EXPECT_EQ(got, (std::map<std::string, int64_t>{{"add", 1}, {"gelu_forward", 2}}));
+  ops::reset_widened_ops();
+  EXPECT_TRUE(ops::widened_ops().empty());
+}
+
 // sum(x, out): the double sum rounded to float, into a tensor (and from
 // bf16 values, widened), exactly what float(sum(x)) gives.
 TEST(Sum, IntoATensorIsTheDoubleSumRounded) {

@@ -33,6 +33,7 @@
 #include <weft/tensor.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -58,6 +59,12 @@ MatmulPrecision matmul_precision(Device device);
 // dst = src: F32 to BF16 (round to nearest even), BF16 to F32 (exact), or a
 // copy between tensors of one dtype; the same element count.
 void convert(const Tensor& src, const Tensor& dst);
+// How many calls of each operation (by name) found no bf16 kernel for their
+// tensors' dtypes on their device and widened bf16 tensors to fp32 around
+// an fp32 one, since the last reset (every call on the CPU; on a GPU, the
+// ones a --bf16 step still pays conversions for). Thread-safe.
+std::map<std::string, int64_t> widened_ops();
+void reset_widened_ops();
 
 // --- matrices ---
 

@@ -19,6 +19,9 @@
 #include <array>
 #include <atomic>
 #include <initializer_list>
+#include <map>
+#include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -116,6 +119,15 @@ bool any_bf16(std::initializer_list<const Tensor*> ts) {
   return false;
 }
 
+std::mutex& widened_mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::map<std::string, int64_t>& widened_counts() {
+  static std::map<std::string, int64_t> counts;
+  return counts;
+}
+
 // fp32 stand-ins for the BF16 tensors of an operation that has no bf16
 // kernel on their device: in() widens a copy (exactly: every bf16 value is
 // an fp32 value); out() gives an fp32 tensor for an output, holding its
@@ -126,14 +138,17 @@ bool any_bf16(std::initializer_list<const Tensor*> ts) {
 // its compute stream like the kernels.
 class Widen {
  public:
+  explicit Widen(const char* op) : op_(op) {}
   Tensor in(const Tensor& t) {
     if (!t.defined() || t.dtype() != DType::BF16) return t;
+    count();
     Tensor w = Tensor::empty(t.shape(), DType::F32, t.device());
     convert(t, w);
     return w;
   }
   Tensor out(const Tensor& t, bool accumulate) {
     if (!t.defined() || t.dtype() != DType::BF16) return t;
+    count();
     Tensor w = accumulate ? in(t) : Tensor::empty(t.shape(), DType::F32, t.device());
     back_.emplace_back(t, w);
     return w;
@@ -144,6 +159,14 @@ class Widen {
   }
 
  private:
+  void count() {  // once per operation, on the tensors' device
+    if (counted_) return;
+    counted_ = true;
+    std::lock_guard lock(widened_mu());
+    ++widened_counts()[op_];
+  }
+  const char* op_;
+  bool counted_ = false;
   std::vector<std::pair<Tensor, Tensor>> back_;
 };
 
@@ -208,6 +231,16 @@ const char* matmul_precision_name(MatmulPrecision p) {
   return "?";
 }
 
+std::map<std::string, int64_t> widened_ops() {
+  std::lock_guard lock(widened_mu());
+  return widened_counts();
+}
+
+void reset_widened_ops() {
+  std::lock_guard lock(widened_mu());
+  widened_counts().clear();
+}
+
 void set_matmul_precision(Device device, MatmulPrecision precision) {
   if (device.is_cpu()) {
     check(precision != MatmulPrecision::Tf32,
@@ -265,7 +298,7 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
                             fw(c), n);
         }))
       return;
-    Widen wd;
+    Widen wd(__func__);
     gemm(wd.in(a), trans_a, wd.in(b), trans_b, wd.out(c, beta != 0.0f), alpha, beta);
     return wd.commit();
   }
@@ -322,7 +355,7 @@ void fill_rows(const Tensor& y, const Tensor& row) {
           cuda::fill_rows(cx, b16w(y), f(row), y.shape().rows(), y.shape().last());
         }))
       return;
-    Widen wd;
+    Widen wd(__func__);
     fill_rows(wd.out(y, false), wd.in(row));
     return wd.commit();
   }
@@ -339,7 +372,7 @@ void fill_rows(const Tensor& y, const Tensor& row) {
 
 void add_rows(const Tensor& y, const Tensor& row) {
   if (any_bf16({&y, &row})) {
-    Widen wd;
+    Widen wd(__func__);
     add_rows(wd.out(y, true), wd.in(row));
     return wd.commit();
   }
@@ -358,7 +391,7 @@ void sum_rows(const Tensor& dy, const Tensor& db) {
           cuda::sum_rows(cx, b16(dy), fw(db), dy.shape().rows(), dy.shape().last());
         }))
       return;
-    Widen wd;
+    Widen wd(__func__);
     sum_rows(wd.in(dy), wd.out(db, true));
     return wd.commit();
   }
@@ -382,7 +415,7 @@ void add(const Tensor& y, const Tensor& x) {
             cuda::add_inplace(cx, b16w(y), f(x), y.numel());
         }))
       return;
-    Widen wd;
+    Widen wd(__func__);
     add(wd.out(y, true), wd.in(x));
     return wd.commit();
   }
@@ -412,7 +445,7 @@ void add(const Tensor& a, const Tensor& b, const Tensor& y) {
 
 void scale(const Tensor& y, float s) {
   if (any_bf16({&y})) {
-    Widen wd;
+    Widen wd(__func__);
     scale(wd.out(y, true), s);
     return wd.commit();
   }
@@ -424,7 +457,7 @@ void scale(const Tensor& y, float s) {
 
 double sum_squares(const Tensor& x) {
   if (any_bf16({&x})) {
-    Widen wd;
+    Widen wd(__func__);
     const double r = sum_squares(wd.in(x));
     wd.commit();
     return r;
@@ -437,7 +470,7 @@ double sum_squares(const Tensor& x) {
 
 double sum(const Tensor& x) {
   if (any_bf16({&x})) {
-    Widen wd;
+    Widen wd(__func__);
     return sum(wd.in(x));
   }
   const Device d = common_device("sum", {&x});
@@ -518,7 +551,7 @@ void sum(const Tensor& x, const Tensor& out) {
   check_numel("sum", "out", out, 1);
   check_dtype("sum", "out", out, DType::F32);
   if (any_bf16({&x})) {
-    Widen wd;
+    Widen wd(__func__);
     return sum(wd.in(x), out);
   }
   const Device d = common_device("sum", {&x, &out});
@@ -576,7 +609,7 @@ void layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, const 
                                          x.shape().rows(), x.shape().last(), eps);
                }))
       return;
-    Widen wd;
+    Widen wd(__func__);
     layernorm_forward(wd.in(x), wd.in(w), wd.in(b), wd.out(y, false), wd.out(mean, false),
                       wd.out(rstd, false), eps);
     return wd.commit();
@@ -603,7 +636,7 @@ void layernorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w
                                                 b16w(dx), x.shape().rows(), x.shape().last());
                }))
       return;
-    Widen wd;
+    Widen wd(__func__);
     layernorm_backward_input(wd.in(dy), wd.in(x), wd.in(w), wd.in(mean), wd.in(rstd),
                              wd.out(dx, true));
     return wd.commit();
@@ -631,7 +664,7 @@ void layernorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& 
                                                  fw(db), x.shape().rows(), x.shape().last());
                }))
       return;
-    Widen wd;
+    Widen wd(__func__);
     layernorm_backward_weight(wd.in(dy), wd.in(x), wd.in(mean), wd.in(rstd), wd.out(dw, true),
                               wd.out(db, true));
     return wd.commit();
@@ -653,7 +686,7 @@ void layernorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& 
 void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd,
                      float eps) {
   if (any_bf16({&x, &w, &y, &rstd})) {
-    Widen wd;
+    Widen wd(__func__);
     rmsnorm_forward(wd.in(x), wd.in(w), wd.out(y, false), wd.out(rstd, false), eps);
     return wd.commit();
   }
@@ -669,7 +702,7 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Te
 void rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w,
                             const Tensor& rstd, const Tensor& dx) {
   if (any_bf16({&dy, &x, &w, &rstd, &dx})) {
-    Widen wd;
+    Widen wd(__func__);
     rmsnorm_backward_input(wd.in(dy), wd.in(x), wd.in(w), wd.in(rstd), wd.out(dx, true));
     return wd.commit();
   }
@@ -686,7 +719,7 @@ void rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w,
 void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rstd,
                              const Tensor& dw) {
   if (any_bf16({&dy, &x, &rstd, &dw})) {
-    Widen wd;
+    Widen wd(__func__);
     rmsnorm_backward_weight(wd.in(dy), wd.in(x), wd.in(rstd), wd.out(dw, true));
     return wd.commit();
   }
@@ -700,7 +733,7 @@ void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rs
 
 void swiglu_forward(const Tensor& x, const Tensor& y) {
   if (any_bf16({&x, &y})) {
-    Widen wd;
+    Widen wd(__func__);
     swiglu_forward(wd.in(x), wd.out(y, false));
     return wd.commit();
   }
@@ -716,7 +749,7 @@ void swiglu_forward(const Tensor& x, const Tensor& y) {
 
 void swiglu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx) {
   if (any_bf16({&dy, &x, &dx})) {
-    Widen wd;
+    Widen wd(__func__);
     swiglu_backward(wd.in(dy), wd.in(x), wd.out(dx, true));
     return wd.commit();
   }
@@ -743,7 +776,7 @@ int64_t qkv_head_size(const char* op, const Tensor& qkv, int64_t heads, int64_t 
 
 void rope_forward(const Tensor& qkv, const Tensor& y, int64_t heads, int64_t groups, float base) {
   if (any_bf16({&qkv, &y})) {
-    Widen wd;
+    Widen wd(__func__);
     rope_forward(wd.in(qkv), wd.out(y, false), heads, groups, base);
     return wd.commit();
   }
@@ -761,7 +794,7 @@ void rope_forward(const Tensor& qkv, const Tensor& y, int64_t heads, int64_t gro
 void rope_backward(const Tensor& dy, const Tensor& dqkv, int64_t heads, int64_t groups,
                    float base) {
   if (any_bf16({&dy, &dqkv})) {
-    Widen wd;
+    Widen wd(__func__);
     rope_backward(wd.in(dy), wd.out(dqkv, true), heads, groups, base);
     return wd.commit();
   }
@@ -783,7 +816,7 @@ void gelu_forward(const Tensor& x, const Tensor& y) {
         on_gpu(common_device("gelu_forward", {&x, &y}), "gelu_forward",
                [&](auto& cx) { cuda::gelu_forward(cx, b16(x), b16w(y), x.numel()); }))
       return;
-    Widen wd;
+    Widen wd(__func__);
     gelu_forward(wd.in(x), wd.out(y, false));
     return wd.commit();
   }
@@ -803,7 +836,7 @@ void gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx, bool acc
                  cuda::gelu_backward(cx, b16(dy), b16(x), b16w(dx), x.numel(), accumulate);
                }))
       return;
-    Widen wd;
+    Widen wd(__func__);
     gelu_backward(wd.in(dy), wd.in(x), wd.out(dx, accumulate), accumulate);
     return wd.commit();
   }
@@ -819,7 +852,7 @@ void gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx, bool acc
 void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t heads,
                        int64_t groups) {
   if (any_bf16({&qkv, &out, &probs})) {
-    Widen wd;
+    Widen wd(__func__);
     attention_forward(wd.in(qkv), wd.out(out, false), wd.out(probs, false), heads, groups);
     return wd.commit();
   }
@@ -843,7 +876,7 @@ void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs
 void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
                         const Tensor& dqkv, const Tensor& scratch, int64_t heads, int64_t groups) {
   if (any_bf16({&dout, &qkv, &probs, &dqkv, &scratch})) {
-    Widen wd;
+    Widen wd(__func__);
     attention_backward(wd.in(dout), wd.in(qkv), wd.in(probs), wd.out(dqkv, true),
                        wd.out(scratch, false), heads, groups);
     return wd.commit();
@@ -942,7 +975,7 @@ void attention_forward_fused(const Tensor& qkv, const Tensor& out, const Tensor&
   }
   // (Without cuDNN the call below refuses whatever the dtypes.)
   if (any_bf16({&qkv, &out, &lse})) {
-    Widen wd;
+    Widen wd(__func__);
     attention_forward_fused(wd.in(qkv), wd.out(out, false), wd.out(lse, false), heads, groups);
     return wd.commit();
   }
@@ -984,7 +1017,7 @@ void attention_backward_fused(const Tensor& dout, const Tensor& qkv, const Tenso
       return;
   }
   if (any_bf16({&dout, &qkv, &out, &lse, &dqkv})) {
-    Widen wd;
+    Widen wd(__func__);
     attention_backward_fused(wd.in(dout), wd.in(qkv), wd.in(out), wd.in(lse),
                              wd.out(dqkv, accumulate), heads, groups, accumulate);
     return wd.commit();
@@ -1036,7 +1069,7 @@ void embedding_forward(const Tensor& tokens, const Tensor& wte, int64_t first, c
                                          wte.dim(0), first);
                }))
       return;
-    Widen wd;
+    Widen wd(__func__);
     embedding_forward(tokens, wd.in(wte), first, wd.in(wpe), wd.out(y, false));
     return wd.commit();
   }
@@ -1065,7 +1098,7 @@ void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dw
                                           tokens.dim(1), dwte.dim(1), dwte.dim(0), first);
                }))
       return;
-    Widen wd;
+    Widen wd(__func__);
     embedding_backward(tokens, wd.in(dy), wd.out(dwte, true), first, wd.out(dwpe, true));
     return wd.commit();
   }
@@ -1097,7 +1130,7 @@ void mask_columns(const Tensor& logits, int64_t from) {
 
 double softmax_cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& losses) {
   if (any_bf16({&logits, &losses})) {
-    Widen wd;
+    Widen wd(__func__);
     const double r = softmax_cross_entropy(wd.out(logits, true), targets, wd.out(losses, false));
     wd.commit();
     return r;
@@ -1188,7 +1221,7 @@ void fused_cross_entropy_rows(const Tensor& logits, const Tensor& targets, const
 void cross_entropy_backward(const Tensor& probs, const Tensor& targets, int64_t first,
                             const Tensor& dlogits, float scale) {
   if (any_bf16({&probs, &dlogits})) {
-    Widen wd;
+    Widen wd(__func__);
     cross_entropy_backward(wd.in(probs), targets, first, wd.out(dlogits, false), scale);
     return wd.commit();
   }
@@ -1205,7 +1238,7 @@ void cross_entropy_backward(const Tensor& probs, const Tensor& targets, int64_t 
 
 void row_max(const Tensor& logits, const Tensor& max) {
   if (any_bf16({&logits, &max})) {
-    Widen wd;
+    Widen wd(__func__);
     row_max(wd.in(logits), wd.out(max, false));
     return wd.commit();
   }
@@ -1220,7 +1253,7 @@ void row_max(const Tensor& logits, const Tensor& max) {
 void exp_and_stats(const Tensor& logits, const Tensor& targets, int64_t first, const Tensor& max,
                    const Tensor& stats) {
   if (any_bf16({&logits, &max, &stats})) {
-    Widen wd;
+    Widen wd(__func__);
     exp_and_stats(wd.out(logits, true), targets, first, wd.in(max), wd.out(stats, false));
     return wd.commit();
   }
@@ -1241,7 +1274,7 @@ void exp_and_stats(const Tensor& logits, const Tensor& targets, int64_t first, c
 
 double normalise_and_loss(const Tensor& exps, const Tensor& stats) {
   if (any_bf16({&exps, &stats})) {
-    Widen wd;
+    Widen wd(__func__);
     const double r = normalise_and_loss(wd.out(exps, true), wd.in(stats));
     wd.commit();
     return r;
@@ -1261,7 +1294,7 @@ double normalise_and_loss(const Tensor& exps, const Tensor& stats) {
 
 double mse_loss(const Tensor& pred, const Tensor& target) {
   if (any_bf16({&pred, &target})) {
-    Widen wd;
+    Widen wd(__func__);
     const double r = mse_loss(wd.in(pred), wd.in(target));
     wd.commit();
     return r;
@@ -1275,7 +1308,7 @@ double mse_loss(const Tensor& pred, const Tensor& target) {
 
 void mse_backward(const Tensor& pred, const Tensor& target, float g, const Tensor& dx) {
   if (any_bf16({&pred, &target, &dx})) {
-    Widen wd;
+    Widen wd(__func__);
     mse_backward(wd.in(pred), wd.in(target), g, wd.out(dx, true));
     return wd.commit();
   }
