@@ -62,7 +62,9 @@ void convert(const Tensor& src, const Tensor& dst);
 // How many calls of each operation (by name) found no bf16 kernel for their
 // tensors' dtypes on their device and widened bf16 tensors to fp32 around
 // an fp32 one, since the last reset (every call on the CPU; on a GPU, the
-// ones a --bf16 step still pays conversions for). Thread-safe.
+// ones a --bf16 step still pays conversions for); a GPU GEMM that rounds
+// an fp32 operand to bf16 first counts too, as "gemm (an fp32 operand
+// rounded to bf16)". Thread-safe.
 std::map<std::string, int64_t> widened_ops();
 void reset_widened_ops();
 

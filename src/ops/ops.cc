@@ -283,6 +283,10 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
         is_bf16(a) != is_bf16(b) && (is_f32(a) || is_f32(b)) &&
         (is_bf16(a) ? b : a).numel() <= (is_bf16(a) ? a : b).numel()) {
       const Tensor& wide = is_bf16(a) ? b : a;
+      {
+        std::lock_guard lock(widened_mu());
+        ++widened_counts()["gemm (an fp32 operand rounded to bf16)"];
+      }
       const Tensor narrow = Tensor::empty(wide.shape(), DType::BF16, d);
       convert(wide, narrow);
       return is_bf16(a) ? gemm(a, trans_a, narrow, trans_b, c, alpha, beta)
