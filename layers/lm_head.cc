@@ -13,7 +13,8 @@ namespace {
 struct Ctx : LayerCtx {
   Tensor x;        // (N, C)
   Tensor targets;  // (N)
-  Tensor probs;    // (N, V or V/tp); turned into dlogits in place by backward_input
+  Tensor probs;    // (N, V or V/tp); turned into dlogits in place by backward_input, or
+                   // by the forward (unit_dlogits), then bf16 with bf16 activations
   Tensor logits;   // (N, V or V/tp), only with keep_logits
   // On a GPU without vocabulary parallelism the forward leaves probs as
   // dlogits for a loss gradient of 1 (the fused classifier), and the
@@ -97,7 +98,16 @@ void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
       // elementwise pass over (N, V) is left for the backward. The loss is
       // summed on the GPU: nothing waits for it here.
       ctx.unit_dlogits = true;
-      ops::fused_cross_entropy_rows(ctx.probs, in[1], losses, 1.0f);
+      if (in[0].dtype() == DType::BF16) {
+        // bf16 activations: the dlogits in bf16 (one rounding, which the
+        // backward GEMMs would make anyway), so that those GEMMs read bf16
+        // operands with the table's bf16 copy.
+        const Tensor dlogits = arena.alloc({n, v}, DType::BF16);
+        ops::fused_cross_entropy_rows(ctx.probs, in[1], losses, 1.0f, dlogits);
+        ctx.probs = dlogits;
+      } else {
+        ops::fused_cross_entropy_rows(ctx.probs, in[1], losses, 1.0f);
+      }
       ops::sum(losses, out[0]);
       return;
     }
@@ -171,7 +181,8 @@ void TiedLmHeadLoss::backward_input(LayerCtx& ctx_, Arena& arena,
   const float alpha = ctx.unit_dlogits ? ctx.g : 1.0f;
   if (!grad_in[0].defined()) return;
   if (!group_) {
-    ops::gemm(ctx.probs, false, wte_->value, false, grad_in[0], alpha, 1.0f);
+    ops::gemm(ctx.probs, false, gemm_operand(*wte_, ctx.probs.dtype()), false, grad_in[0], alpha,
+              1.0f);
     return;
   }
   const Tensor part = copy_to_tp_grad_buffer(*group_, arena, grad_in[0]);

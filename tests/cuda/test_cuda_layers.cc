@@ -335,6 +335,11 @@ TEST(CudaLayers, Bf16Activations) {
                         {uniform_tensor({kB * kT, kC}, 54), tokens(kB * kT, 55).view({kB * kT})},
                         {true, false}, "bf16 chunked lm head + cross-entropy", kBf16, bf16);
     head.make_bf16_copies();
+    TiedLmHeadLoss whole_cpu(table), whole_gpu(head.gpu_of(table));  // the GPU: bf16 dlogits
+    expect_same_on_both(whole_cpu, whole_gpu, head,
+                        {uniform_tensor({kB * kT, kC}, 56), tokens(kB * kT, 57).view({kB * kT})},
+                        {true, false}, "bf16 lm head (whole) on the table's bf16 copy", kBf16,
+                        bf16);
     expect_same_on_both(head_cpu, head_gpu, head,
                         {uniform_tensor({kB * kT, kC}, 54), tokens(kB * kT, 55).view({kB * kT})},
                         {true, false}, "bf16 chunked lm head on the table's bf16 copy", kBf16,

@@ -15,6 +15,7 @@
 
 #include "models/gpt.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -114,6 +115,9 @@ TokenData text_tokens() {
 
 // The same with --bf16's activations: the weights' bf16 copies keep their
 // memory from step to step, and widened temporaries come from the free lists.
+// With cuDNN's attention, every operation of a steady --bf16 step has a
+// kernel for its dtypes on the GPU: nothing is widened to fp32
+// (ops::widened_ops; bench_cuda lists the same for GPT-2).
 TEST(CudaTrain, SteadyStepsCallNoCudaMalloc) {
   for (bool bf16 : {false, true}) {
     const GptConfig cfg = small_config();
@@ -133,9 +137,16 @@ TEST(CudaTrain, SteadyStepsCallNoCudaMalloc) {
     t.train_step();
     t.train_step();
     const size_t before = cuda::context(0).allocator().stats().device_mallocs;
+    ops::reset_widened_ops();
     for (int i = 0; i < 3; ++i) t.train_step();
     EXPECT_EQ(cuda::context(0).allocator().stats().device_mallocs, before)
         << (bf16 ? "bf16 activations" : "fp32");
+#if WEFT_CUDNN
+    std::string widened;
+    for (const auto& [op, count] : ops::widened_ops()) widened += fmt::format(" {} x {}", op, count);
+    EXPECT_TRUE(widened.empty()) << (bf16 ? "bf16 activations" : "fp32") << ", widened in 3 steps:"
+                                 << widened;
+#endif
     ops::set_matmul_precision(Device::cuda(0), ops::MatmulPrecision::Fp32);
   }
 }
