@@ -99,6 +99,10 @@ Context::Context(int device) : device_(device) {
     WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     *ev = e;
   }
+  for (CUevent_st*& ev : small_done_) {
+    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    ev = e;
+  }
   allocator_ = std::make_unique<CachingAllocator>(std::make_unique<CudaBackend>(device), compute_);
 }
 
@@ -111,6 +115,7 @@ Context::~Context() {
   allocator_->release(cublas_lt_workspace_);
   allocator_.reset();
   for (CUevent_st* ev : {compute_done_, comm_done_, staging_done_}) cudaEventDestroy(ev);
+  for (CUevent_st* ev : small_done_) cudaEventDestroy(ev);
   cudaStreamDestroy(compute_);
   cudaStreamDestroy(comm_);
 }
@@ -167,6 +172,19 @@ void Context::synchronize() const {
 }
 
 PinnedBuffer& Context::staging(size_t bytes) {
+  if (bytes <= kSmallStaging) {
+    const int k = next_small_;
+    next_small_ = (next_small_ + 1) % kSmallSlots;
+    if (small_pending_[static_cast<size_t>(k)]) {
+      WEFT_CUDA_CHECK(cudaEventSynchronize(small_done_[static_cast<size_t>(k)]));
+      small_pending_[static_cast<size_t>(k)] = false;
+    }
+    PinnedBuffer& b = small_[static_cast<size_t>(k)];
+    if (b.bytes() < kSmallStaging) b = PinnedBuffer(kSmallStaging);
+    staged_slot_ = k;
+    return b;
+  }
+  staged_slot_ = -1;
   if (staging_pending_) {
     WEFT_CUDA_CHECK(cudaEventSynchronize(staging_done_));
     staging_pending_ = false;
@@ -176,6 +194,12 @@ PinnedBuffer& Context::staging(size_t bytes) {
 }
 
 void Context::staging_in_flight() {
+  if (staged_slot_ >= 0) {
+    const auto k = static_cast<size_t>(staged_slot_);
+    WEFT_CUDA_CHECK(cudaEventRecord(small_done_[k], compute_));
+    small_pending_[k] = true;
+    return;
+  }
   WEFT_CUDA_CHECK(cudaEventRecord(staging_done_, compute_));
   staging_pending_ = true;
 }

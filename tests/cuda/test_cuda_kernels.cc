@@ -619,6 +619,29 @@ TEST(CudaRuntime, PinnedCopiesRoundTripAndGrow) {
   EXPECT_EQ(d.host(), big);
 }
 
+// Small uploads rotate through Context::kSmallSlots pinned buffers, each
+// reused only once the copy that last read it has run. Queued behind long
+// compute work, more uploads than there are slots must still each land
+// with their own values (a slot refilled too early would hand a later
+// upload's values to an earlier copy).
+TEST(CudaRuntime, SmallUploadsBehindQueuedWorkEachLand) {
+  const int64_t n = int64_t{1} << 22;
+  Dev<float> busy(uniform(n, 122));
+  for (int i = 0; i < 50; ++i) scale_inplace(ctx(), busy.p(), 1.0f, n);
+  std::vector<std::vector<float>> want;
+  std::vector<DeviceBuffer<float>> got;
+  for (int k = 0; k < 3 * Context::kSmallSlots + 1; ++k) {
+    want.push_back(uniform(1000 + k, 200 + static_cast<uint64_t>(k)));
+    got.emplace_back(ctx(), static_cast<int64_t>(want.back().size()));
+    upload(ctx(), got.back().data(), want.back().data(), got.back().bytes());
+  }
+  for (size_t k = 0; k < want.size(); ++k) {
+    std::vector<float> back(want[k].size());
+    download(ctx(), back.data(), got[k].data(), got[k].bytes());
+    EXPECT_EQ(back, want[k]) << "upload " << k;
+  }
+}
+
 TEST(CudaRuntime, ErrorsNameTheCallAndTheValues) {
   EXPECT_TRUE(contains(error_message([] { ctx().allocator().allocate(size_t{1} << 50); }),
                        "out of device memory allocating 1125899906842624 bytes"));

@@ -8,7 +8,7 @@
 //   - a CachingAllocator: freed blocks go to per-size-class free lists and the
 //     next request of that class reuses them, so a training step that repeats
 //     the previous step's allocations makes no cudaMalloc at all;
-//   - a pinned (page-locked) staging buffer for host <-> device copies.
+//   - pinned (page-locked) staging buffers for host <-> device copies.
 //
 //   cuda::Context& ctx = cuda::context(0);
 //   cuda::DeviceBuffer<float> x(ctx, n);          // from the caching allocator
@@ -31,6 +31,7 @@
 
 #include <weft/error.h>
 
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -211,16 +212,25 @@ class Context {
   // Blocks the host until both streams are idle.
   void synchronize() const;
 
-  // Bytes of the pinned staging buffer (grown on demand by upload/download).
+  // Bytes of the pinned staging buffer for large copies (grown on demand by
+  // upload/download).
   size_t staging_bytes() const { return staging_.bytes(); }
+  // Copies of at most this many bytes (a micro-batch's tokens) go through a
+  // ring of small pinned buffers instead: an upload waits only for the copy
+  // that used its slot kSmallSlots uploads ago, not for the last one, which
+  // is queued behind everything the GPU has yet to run.
+  static constexpr size_t kSmallStaging = size_t{1} << 20;
+  static constexpr int kSmallSlots = 8;
 
  private:
   friend void upload(Context& ctx, void* dst, const void* src, size_t bytes);
   friend void download(Context& ctx, void* dst, const void* src, size_t bytes);
-  // The pinned staging buffer, grown to at least `bytes`, once any copy still
-  // reading it has finished. Called with staging_mu_ held.
+  // A pinned staging buffer of at least `bytes`, once any copy still reading
+  // it has finished: the next small slot, or the large buffer, grown. Called
+  // with staging_mu_ held.
   PinnedBuffer& staging(size_t bytes);
-  // Records that an asynchronous copy from the staging buffer was queued.
+  // Records that an asynchronous copy from the buffer staging() last gave
+  // was queued.
   void staging_in_flight();
 
   int device_;
@@ -239,6 +249,11 @@ class Context {
   void* cublas_lt_workspace_ = nullptr;
   std::atomic<int64_t> bias_fallbacks_{0};
   PinnedBuffer staging_;
+  std::array<PinnedBuffer, kSmallSlots> small_;
+  std::array<CUevent_st*, kSmallSlots> small_done_{};
+  std::array<bool, kSmallSlots> small_pending_{};
+  int next_small_ = 0;
+  int staged_slot_ = -1;  // the small slot staging() last gave, -1 for the large buffer
   std::mutex staging_mu_;
 };
 
