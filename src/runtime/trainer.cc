@@ -255,6 +255,7 @@ double Trainer::run_batch(const BatchSource& batches, int64_t step) {
   if (par_.pipeline != nullptr) {
     par_.pipeline->set_loss_scale(static_cast<float>(scale_));
     loss = par_.pipeline->run(batches, step, opt_.micro_batch, opt_.global_batch);
+    sync_->finish();
   } else {
     const Graph& graph = *g_.graph;
     const int n = static_cast<int>(graph.nodes().size());
@@ -288,6 +289,7 @@ double Trainer::run_batch(const BatchSource& batches, int64_t step) {
       }
       mb_.reset();
     }
+    sync_->finish();  // the last buckets' reductions go out before the host waits
     if (!opt_.device.is_cpu()) {  // the losses in micro-batch order, as the CPU adds them
       host_losses_.copy_from(device_losses_);
       for (int64_t j = 0; j < micro_batches_; ++j)
@@ -295,7 +297,6 @@ double Trainer::run_batch(const BatchSource& batches, int64_t step) {
     }
     loss = loss_sum / static_cast<double>(opt_.global_batch * g_.terms_per_sample);
   }
-  sync_->finish();
   if (par_.groups.dp_size() > 1 && par_.ps == nullptr) {  // servers sum a worker's loss
     scalar_.data<float>()[0] = static_cast<float>(loss);
     par_.groups.dp->all_reduce(scalar_, ReduceOp::Sum);
