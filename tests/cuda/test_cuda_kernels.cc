@@ -627,14 +627,17 @@ TEST(CudaRuntime, PinnedCopiesRoundTripAndGrow) {
 TEST(CudaRuntime, SmallUploadsBehindQueuedWorkEachLand) {
   const int64_t n = int64_t{1} << 22;
   Dev<float> busy(uniform(n, 122));
-  for (int i = 0; i < 50; ++i) scale_inplace(ctx(), busy.p(), 1.0f, n);
+  // Every buffer first (no allocation between the uploads), then about
+  // 50 ms of queued work (2000 passes over 16 MiB), then the uploads.
   std::vector<std::vector<float>> want;
   std::vector<DeviceBuffer<float>> got;
   for (int k = 0; k < 3 * Context::kSmallSlots + 1; ++k) {
     want.push_back(uniform(1000 + k, 200 + static_cast<uint64_t>(k)));
     got.emplace_back(ctx(), static_cast<int64_t>(want.back().size()));
-    upload(ctx(), got.back().data(), want.back().data(), got.back().bytes());
   }
+  for (int i = 0; i < 2000; ++i) scale_inplace(ctx(), busy.p(), 1.0f, n);
+  for (size_t k = 0; k < want.size(); ++k)
+    upload(ctx(), got[k].data(), want[k].data(), got[k].bytes());
   for (size_t k = 0; k < want.size(); ++k) {
     std::vector<float> back(want[k].size());
     download(ctx(), back.data(), got[k].data(), got[k].bytes());
