@@ -232,8 +232,9 @@ double softmax_cross_entropy(const Tensor& logits, const Tensor& targets, const 
 // the two steps (softmax_cross_entropy, then cross_entropy_backward in place).
 double fused_cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                            float scale);
-// The same without the sum, so nothing waits for a GPU (the chunked LM head
-// sums its losses once, with sum()).
+// The same without the sum, so nothing waits for a GPU (the LM head sums its
+// losses on the device, with sum(losses, out)); fused_cross_entropy is this,
+// then sum(losses).
 void fused_cross_entropy_rows(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                               float scale);
 // The same into a separate dlogits of logits' shape, F32 or BF16 (rounded

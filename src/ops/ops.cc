@@ -1153,36 +1153,35 @@ double softmax_cross_entropy(const Tensor& logits, const Tensor& targets, const 
       });
 }
 
+namespace {
+// The fused classifier's checks: fp32 logits (N, V), N int32 targets, N
+// losses, all on one device (and dlogits, when given, of the logits' shape).
+// Returns that device.
+Device check_classifier(const char* op, const Tensor& logits, const Tensor& targets,
+                        const Tensor& losses, const Tensor& dlogits = Tensor()) {
+  const Device d = dlogits.defined() ? common_device(op, {&logits, &targets, &losses, &dlogits})
+                                     : common_device(op, {&logits, &targets, &losses});
+  check_dtype(op, "logits", logits, DType::F32);
+  check_dtype(op, "targets", targets, DType::I32);
+  check_numel(op, "targets", targets, logits.shape().rows());
+  check_numel(op, "losses", losses, logits.shape().rows());
+  check(!dlogits.defined() || dlogits.shape() == logits.shape(),
+        "{}: dlogits {} for logits {}: the shapes must match", op, dlogits.shape().str(),
+        logits.shape().str());
+  return d;
+}
+}  // namespace
+
 double fused_cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                            float scale) {
-  const Device d = common_device("fused_cross_entropy", {&logits, &targets, &losses});
-  check_dtype("fused_cross_entropy", "logits", logits, DType::F32);
-  check_dtype("fused_cross_entropy", "targets", targets, DType::I32);
-  const int64_t n = logits.shape().rows(), v = logits.shape().last();
-  check_numel("fused_cross_entropy", "targets", targets, n);
-  check_numel("fused_cross_entropy", "losses", losses, n);
-  return on_device(
-      d, "fused_cross_entropy",
-      [&] {
-        const double total =
-            cpu::softmax_cross_entropy(fw(logits), i32(targets), fw(losses), n, v);
-        cpu::cross_entropy_backward(f(logits), i32(targets), fw(logits), scale, n, v, 0);
-        return total;
-      },
-      [&](auto& cx) {
-        cuda::fused_cross_entropy(cx, fw(logits), i32(targets), fw(losses), scale, n, v);
-        return cuda::sum_to_host(cx, f(losses), n);
-      });
+  fused_cross_entropy_rows(logits, targets, losses, scale);
+  return sum(losses);
 }
 
 void fused_cross_entropy_rows(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                               float scale) {
-  const Device d = common_device("fused_cross_entropy_rows", {&logits, &targets, &losses});
-  check_dtype("fused_cross_entropy_rows", "logits", logits, DType::F32);
-  check_dtype("fused_cross_entropy_rows", "targets", targets, DType::I32);
+  const Device d = check_classifier("fused_cross_entropy_rows", logits, targets, losses);
   const int64_t n = logits.shape().rows(), v = logits.shape().last();
-  check_numel("fused_cross_entropy_rows", "targets", targets, n);
-  check_numel("fused_cross_entropy_rows", "losses", losses, n);
   on_device(
       d, "fused_cross_entropy_rows",
       [&] {
@@ -1196,21 +1195,12 @@ void fused_cross_entropy_rows(const Tensor& logits, const Tensor& targets, const
 
 void fused_cross_entropy_rows(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                               float scale, const Tensor& dlogits) {
-  check(dlogits.shape() == logits.shape(),
-        "fused_cross_entropy_rows: dlogits {} for logits {}: the shapes must match",
-        dlogits.shape().str(), logits.shape().str());
-  check_dtype("fused_cross_entropy_rows", "logits", logits, DType::F32);
+  const Device d = check_classifier("fused_cross_entropy_rows", logits, targets, losses, dlogits);
   if (dlogits.raw() == logits.raw()) return fused_cross_entropy_rows(logits, targets, losses, scale);
   if (is_bf16(dlogits)) {
-    const Device d = common_device("fused_cross_entropy_rows", {&logits, &targets, &losses,
-                                                                &dlogits});
-    check_dtype("fused_cross_entropy_rows", "targets", targets, DType::I32);
-    const int64_t n = logits.shape().rows(), v = logits.shape().last();
-    check_numel("fused_cross_entropy_rows", "targets", targets, n);
-    check_numel("fused_cross_entropy_rows", "losses", losses, n);
     if (on_gpu(d, "fused_cross_entropy_rows", [&](auto& cx) {
           cuda::fused_cross_entropy(cx, f(logits), b16w(dlogits), i32(targets), fw(losses), scale,
-                                    n, v);
+                                    logits.shape().rows(), logits.shape().last());
         }))
       return;
     fused_cross_entropy_rows(logits, targets, losses, scale);  // the CPU: in place, then rounded
