@@ -45,6 +45,13 @@
 // of the step; the rest of the step ("outside the nodes") is uploads, the
 // host's waits and the GPU's idle gaps between nodes. With --json, each
 // mode's object gets "profile": every node's seconds and the update's parts.
+//
+// --kernel-profile opens the CUDA profiler's collection range around each
+// mode's first timed step and nothing else, so that `ncu --profile-from-start
+// off --metrics gpu__time_duration.sum --csv bench_cuda --modes bf16+fused
+// --steps 1 --kernel-profile` records every kernel of one whole step and none
+// of the set-up, warm-up or other steps (bench/kernel_table.py sums them by
+// kernel; scripts/gpu-check.sh runs it).
 #include <weft/device.h>
 
 #include "weft_config.h"
@@ -86,6 +93,7 @@ struct Options {
   int64_t vocab_divisor = 128;  // train_gpt's --make-vocab-size-divisible-by
   std::string json;             // --json FILE: one JSON line per mode
   bool profile = false;         // --profile: where each mode's step time goes
+  bool kernel_profile = false;  // --kernel-profile: the profiler's range around one step
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -116,9 +124,11 @@ Options parse(int argc, char** argv) {
     else if (a == "--make-vocab-size-divisible-by") o.vocab_divisor = std::stoll(value());
     else if (a == "--json") o.json = value();
     else if (a == "--profile") o.profile = true;
+    else if (a == "--kernel-profile") o.kernel_profile = true;
     else
       throw weft::Error("unknown argument '{}' (--model, --batch, --steps, --warmup, --modes, "
-                        "--peak-tflops, --make-vocab-size-divisible-by, --json, --profile)",
+                        "--peak-tflops, --make-vocab-size-divisible-by, --json, --profile, "
+                        "--kernel-profile)",
                         a);
   }
   if (o.modes.empty()) {
@@ -295,10 +305,13 @@ int run(const Options& o) {
       weft::ops::reset_widened_ops();
       std::vector<double> steps;
       for (int i = 0; i < o.steps; ++i) {
+        const bool record = o.kernel_profile && i == 0;
+        if (record) weft::cuda::profiler_start(ctx);
         const auto t0 = Clock::now();
         loss = trainer.train_step().loss;
         ctx.synchronize();
         steps.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+        if (record) weft::cuda::profiler_stop(ctx);
       }
       std::sort(steps.begin(), steps.end());
       step_s = steps[steps.size() / 2];

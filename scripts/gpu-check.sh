@@ -34,7 +34,14 @@
 # of python3 and /opt/torch/.venv/bin/python3 whose torch sees a GPU),
 # WEFT_PYTORCH (0: leave PyTorch's baseline out, e.g. for a quick second try),
 # WEFT_GPU_DEADLINE (seconds, default 540: the whole check's deadline; steps
-# are cut to it and the table still prints, so run it in a call of 10 minutes).
+# are cut to it and the table still prints, so run it in a call of 10 minutes),
+# WEFT_KERNEL_PROFILE (0: no kernel profile; otherwise, where Nsight Compute's
+# ncu is found and at least 90 s of the deadline are left after PyTorch, one
+# --bf16 step of bench_cuda runs under ncu and bench/kernel_table.py prints its
+# kernels by GPU time: not a check, a row says what happened),
+# WEFT_GPU_LOGS_TO (a folder; default $OUT where that is set: every log of the
+# check, the kernel profile's CSV and the bench's JSON lines are copied there
+# when the check ends, however it ends).
 # Each row is also printed as it completes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +55,16 @@ esac
 
 build=${WEFT_GPU_BUILD:-build-gpu}
 logs=$(mktemp -d /tmp/weft-gpu-check.XXXXXX)  # every command's output
+# Whole logs outlive the machine when they are copied where its caller
+# collects files: a failing test's first assertion is often far above the
+# lines printed here.
+logs_to=${WEFT_GPU_LOGS_TO:-${OUT:-}}
+copy_logs() {
+  if [ -n "$logs_to" ] && mkdir -p "$logs_to/gpu-check-logs" 2>/dev/null; then
+    cp -r "$logs"/. "$logs_to/gpu-check-logs/" 2>/dev/null || true
+  fi
+}
+trap copy_logs EXIT
 start=$(date +%s)
 # One deadline for the whole check, WEFT_GPU_DEADLINE seconds from its start
 # (default 540): each step's time limit is cut to what is left of it, less
@@ -170,8 +187,13 @@ run_test() {  # name binary needs_gpu [timeout seconds, default 240]
   if [ "$rc" != "$want" ]; then
     result="$result, expected $([ "$want" = 77 ] && echo SKIP || echo PASS)"
     failed=1
+    # GoogleTest's first failures (file:line and the values), then the end.
+    if grep -q ': Failure$' "$logs/$name.out"; then
+      echo "---- $name: its first failures ----"
+      grep -A 6 -m 4 ': Failure$' "$logs/$name.out" | cut -c 1-400
+    fi
     echo "---- $name: last lines of $logs/$name.out ----"
-    tail -n 40 "$logs/$name.out"
+    tail -n 25 "$logs/$name.out" | cut -c 1-400
   fi
   add_row "$name|$result|$((ms / 1000)).$(((ms % 1000) / 100))"
 }
@@ -313,6 +335,40 @@ else
   add_row "pytorch_gpt_cuda (baseline, not a check)|$py_result|$(( $(date +%s) - t0 ))"
 fi
 
+# --- where the --bf16 step's GPU time goes, kernel by kernel (not a check) ---
+ncu_bin=""
+for candidate in ncu /usr/local/cuda/bin/ncu; do
+  if command -v "$candidate" >/dev/null; then ncu_bin=$(command -v "$candidate"); break; fi
+done
+kernel_table=""
+if [ "$dry_run" = 1 ]; then
+  :
+elif [ "${WEFT_KERNEL_PROFILE:-1}" = 0 ]; then
+  add_row "kernel profile (ncu, not a check)|skipped (WEFT_KERNEL_PROFILE=0)|0"
+elif [ -z "$ncu_bin" ]; then
+  add_row "kernel profile (ncu, not a check)|skipped (no ncu)|0"
+elif [ "$(limit_for 90)" -lt 90 ]; then
+  add_row "kernel profile (ncu, not a check)|skipped: $(limit_for 90) s left before the deadline, 90 needed (rerun with WEFT_PYTORCH=0)|0"
+else
+  t0=$(date +%s)
+  kmode=bf16
+  if [ "$fused" = yes ]; then kmode=bf16+fused; fi
+  ncu_rc=0
+  # shellcheck disable=SC2086
+  timeout "$(limit_for 150)" "$ncu_bin" --profile-from-start off --metrics gpu__time_duration.sum \
+    --csv --print-units base --log-file "$logs/kernels.csv" \
+    "$build/bench/bench_cuda" --modes "$kmode" --warmup 1 --steps 1 --kernel-profile \
+    ${WEFT_BENCH_ARGS:-} >"$logs/kernel_profile.out" 2>&1 || ncu_rc=$?
+  if [ "$ncu_rc" = 0 ] && kernel_table=$("${py:-python3}" bench/kernel_table.py "$logs/kernels.csv" 2>&1); then
+    add_row "kernel profile (ncu, not a check)|ok: one $kmode step|$(( $(date +%s) - t0 ))"
+  else
+    add_row "kernel profile (ncu, not a check)|failed (ncu exit $ncu_rc): see $logs/kernel_profile.out|$(( $(date +%s) - t0 ))"
+    tail -n 15 "$logs/kernel_profile.out"
+    [ -n "$kernel_table" ] && echo "$kernel_table" | tail -n 5
+    kernel_table=""
+  fi
+fi
+
 # --- report ---
 echo
 echo "weft gpu-check$([ "$dry_run" = 1 ] && echo ' --dry-run') | GPUs: $gpus$([ "$gpus" -gt 0 ] && echo " ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1))")"
@@ -342,6 +398,12 @@ if [ -s "$logs/bench_cuda.jsonl" ]; then
     table_args+=(--pytorch-note "no rows written")
   fi
   "${py:-python3}" bench/cuda_table.py "${table_args[@]}" || echo "gpu-check: bench/cuda_table.py failed" >&2
+fi
+if [ -n "$kernel_table" ]; then
+  echo
+  echo "one ${kmode} step's kernels by GPU time (ncu, launches serialised; the sum is GPU work, not the step's wall time):"
+  echo
+  echo "$kernel_table"
 fi
 if [ "$fused" = no ]; then
   echo

@@ -4,6 +4,7 @@
 #include "src/cuda/check.h"
 
 #include <cublasLt.h>
+#include <cuda_profiler_api.h>
 
 #include <cstring>
 
@@ -289,6 +290,16 @@ void zero(Context& ctx, void* dst, size_t bytes, StreamKind on) {
   if (bytes == 0) return;
   ctx.make_current();
   WEFT_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream_of(ctx, on)));
+}
+
+void profiler_start(Context& ctx) {
+  ctx.make_current();
+  WEFT_CUDA_CHECK(cudaProfilerStart());
+}
+
+void profiler_stop(Context& ctx) {
+  ctx.make_current();
+  WEFT_CUDA_CHECK(cudaProfilerStop());
 }
 
 }  // namespace weft::cuda

@@ -300,6 +300,13 @@ void copy_device(Context& ctx, void* dst, const void* src, size_t bytes,
 // Sets `bytes` bytes to zero, queued on the compute (or the communication) stream.
 void zero(Context& ctx, void* dst, size_t bytes, StreamKind on = StreamKind::Compute);
 
+// The CUDA profiler's collection range (cudaProfilerStart / Stop): a kernel
+// profiler started with collection off (`ncu --profile-from-start off`)
+// records only the kernels launched between the two. Outside a profiler both
+// do nothing.
+void profiler_start(Context& ctx);
+void profiler_stop(Context& ctx);
+
 // A typed block from a context's caching allocator, returned when destroyed.
 template <typename T>
 class DeviceBuffer {
