@@ -354,11 +354,12 @@ else
   kmode=bf16
   if [ "$fused" = yes ]; then kmode=bf16+fused; fi
   ncu_rc=0
+  # WEFT_BENCH_ARGS's shape, with this one mode and step (the last flag wins).
   # shellcheck disable=SC2086
   timeout "$(limit_for 150)" "$ncu_bin" --profile-from-start off --metrics gpu__time_duration.sum \
     --csv --print-units base --log-file "$logs/kernels.csv" \
-    "$build/bench/bench_cuda" --modes "$kmode" --warmup 1 --steps 1 --kernel-profile \
-    ${WEFT_BENCH_ARGS:-} >"$logs/kernel_profile.out" 2>&1 || ncu_rc=$?
+    "$build/bench/bench_cuda" ${WEFT_BENCH_ARGS:-} --modes "$kmode" --warmup 1 --steps 1 \
+    --kernel-profile >"$logs/kernel_profile.out" 2>&1 || ncu_rc=$?
   if [ "$ncu_rc" = 0 ] && kernel_table=$("${py:-python3}" bench/kernel_table.py "$logs/kernels.csv" 2>&1); then
     add_row "kernel profile (ncu, not a check)|ok: one $kmode step|$(( $(date +%s) - t0 ))"
   else

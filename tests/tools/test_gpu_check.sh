@@ -66,8 +66,19 @@ stub "$build/train_gpt" 'case "$*" in
   *--bf16*) echo "mean loss of the last 50 steps: ${BF16_MEAN} nats" ;;
   *) echo "mean loss of the last 50 steps: 3.0000 nats" ;;
 esac'
-stub "$build/bench/bench_cuda" 'json=""
-while [ $# -gt 0 ]; do case "$1" in --json) json=$2; shift 2 ;; *) shift ;; esac; done
+# bench_cuda; under the kernel profile, one mode and one step whatever
+# WEFT_BENCH_ARGS said before them (exit 3 otherwise).
+stub "$build/bench/bench_cuda" 'json="" modes="" steps="" kp=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --json) json=$2; shift 2 ;;
+    --modes) modes=$2; shift 2 ;;
+    --steps) steps=$2; shift 2 ;;
+    --kernel-profile) kp=1; shift ;;
+    *) shift ;;
+  esac
+done
+if [ "$kp" = 1 ] && { [ "$modes" != bf16+fused ] || [ "$steps" != 1 ]; }; then exit 3; fi
 echo "weft bench_cuda | model gpt2"; echo
 echo "| mode | step ms |"; echo "|---|---:|"; echo "| bf16+fused | 40.0 |"
 if [ -n "$json" ]; then
@@ -88,7 +99,8 @@ run_check() {  # output file, out folder, then VAR=value settings
 }
 
 mkdir -p "$work/out1"
-run_check "$work/run1" "$work/out1" BF16_MEAN=3.0200 WEFT_GPU_DEADLINE=400
+run_check "$work/run1" "$work/out1" BF16_MEAN=3.0200 WEFT_GPU_DEADLINE=400 \
+  WEFT_BENCH_ARGS="--modes tf32,bf16+fused --steps 3"
 [ "$rc" = 1 ] || { echo "FAIL: a failing test must fail the check (exit $rc)"; fail=1; }
 expect "the failing test's row" '^\| cuda_layers \| FAIL \(exit 1\), expected PASS \|' "$work/run1"
 expect "its first GoogleTest failure, though 60 lines came after it" \
