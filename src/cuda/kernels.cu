@@ -458,7 +458,8 @@ __device__ void online_add(const float (&x)[kWidth], float& m, float& s) {
 // of an SM's shared memory, so it is not kept on chip between the two reads.
 // (The two-pass softmax kernel and the backward's elementwise kernel read it
 // four times and wrote it twice.)
-// `vec`: v % 4 == 0 and the logits 16-byte aligned, so rows load as float4.
+// `vec`: v % 4 == 0 and the logits 16-byte aligned, so rows load as float4
+// (and, bf16, dst 8-byte aligned: each four store as one 8-byte access).
 // The output goes to `dst` (N, V) of type D: the logits themselves (float,
 // in place), or a bf16 array (bf16 activations' dlogits, each rounded once).
 template <bool fused, bool vec, class D>
@@ -508,11 +509,12 @@ __global__ void cross_entropy_kernel(const float* logits, D* dst, const int32_t*
       q.w = out(4 * j + 3, q.w);
       if constexpr (sizeof(D) == sizeof(float)) {
         reinterpret_cast<float4*>(drow)[j] = q;
-      } else {
-        store(drow, 4 * j, q.x);
-        store(drow, 4 * j + 1, q.y);
-        store(drow, 4 * j + 2, q.z);
-        store(drow, 4 * j + 3, q.w);
+      } else {  // four bf16 in one 8-byte store, each rounded as store() rounds it
+        uint2 raw;
+        auto* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+        h[0] = __halves2bfloat162(__float2bfloat16_rn(q.x), __float2bfloat16_rn(q.y));
+        h[1] = __halves2bfloat162(__float2bfloat16_rn(q.z), __float2bfloat16_rn(q.w));
+        reinterpret_cast<uint2*>(drow)[j] = raw;
       }
     }
   } else {
@@ -983,7 +985,8 @@ void cross_entropy(cudaStream_t s, float* logits, const int32_t* targets, float*
 void cross_entropy_bf16(cudaStream_t s, const float* logits, uint16_t* dlogits,
                         const int32_t* targets, float* losses, float scale, int64_t n, int64_t v) {
   const unsigned rows = static_cast<unsigned>(n);
-  if (v % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0)
+  if (v % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(dlogits) % 8 == 0)
     cross_entropy_kernel<true, true><<<rows, kRowThreads, 0, s>>>(logits, bf(dlogits), targets,
                                                                   losses, scale, v);
   else
