@@ -27,6 +27,7 @@
 #include <weft/trainer.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -72,9 +73,13 @@ class PipelineExecutor {
   // loss is seeded with 1 / (global_batch x the model's terms per sample)
   // (global_batch 0: this pipeline's micro-batches make the whole batch, as
   // without data parallelism). Returns this pipeline's loss sum over that
-  // term count (on every pipeline rank).
+  // term count (on every pipeline rank). `before_loss_wait`, when given, runs
+  // after the last action and the tied sums, before the host waits for the
+  // device's losses: the Trainer sends its last gradient buckets there, so
+  // that their reductions are queued behind the backward rather than after
+  // the wait.
   double run(const BatchSource& data, int64_t step, int64_t micro_batch,
-             int64_t global_batch = 0);
+             int64_t global_batch = 0, const std::function<void()>& before_loss_wait = {});
   // fp16's loss scale: the seed above is multiplied by it (the Trainer
   // unscales the gradients). 1 unless set.
   void set_loss_scale(float scale) { loss_scale_ = scale; }

@@ -406,7 +406,7 @@ void PipelineExecutor::end_p2p_step(const sched::P2pStep& st, int64_t step, size
 }
 
 double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micro_batch,
-                             int64_t global_batch) {
+                             int64_t global_batch, const std::function<void()>& before_loss_wait) {
   data_ = &data;
   global_batch_ = global_batch > 0 ? global_batch : schedule_.micro_batches * micro_batch;
   micro_batch_size_ = micro_batch;
@@ -509,6 +509,7 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
       sl->stage = -1;
     }
   reduce_tied();
+  if (before_loss_wait) before_loss_wait();
   // A device's losses, added in the order their forwards ran, as the CPU adds them.
   if (!loss_order_.empty()) {
     host_losses_.copy_from(device_losses_);

@@ -254,8 +254,9 @@ double Trainer::run_batch(const BatchSource& batches, int64_t step) {
   double loss = 0;
   if (par_.pipeline != nullptr) {
     par_.pipeline->set_loss_scale(static_cast<float>(scale_));
-    loss = par_.pipeline->run(batches, step, opt_.micro_batch, opt_.global_batch);
-    sync_->finish();
+    // The last buckets' reductions go out before the host waits for the losses.
+    loss = par_.pipeline->run(batches, step, opt_.micro_batch, opt_.global_batch,
+                              [this] { sync_->finish(); });
   } else {
     const Graph& graph = *g_.graph;
     const int n = static_cast<int>(graph.nodes().size());
