@@ -62,6 +62,13 @@ std::unique_ptr<Layer> TiedLmHeadLoss::tensor_parallel(TpBuild& build) const {
   return head;
 }
 
+int64_t TiedLmHeadLoss::chunk_rows(int64_t n, int64_t v, const Device& d) {
+  const int64_t most = std::max<int64_t>(1, chunk_bytes(d) / (4 * std::max<int64_t>(1, v)));
+  if (n <= most) return std::max<int64_t>(1, n);
+  const int64_t chunks = (n + most - 1) / most;
+  return (n + chunks - 1) / chunks;  // even chunks: the last is not a sliver
+}
+
 std::unique_ptr<LayerCtx> TiedLmHeadLoss::make_ctx() const { return std::make_unique<Ctx>(); }
 
 const Tensor& TiedLmHeadLoss::logits(LayerCtx& ctx) { return static_cast<Ctx&>(ctx).logits; }
@@ -76,7 +83,7 @@ void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
   ctx.x = in[0];
   ctx.targets = in[1];
   ctx.unit_dlogits = ctx.chunked = false;
-  const int64_t rows = chunk_rows_ > 0 ? chunk_rows_ : std::max<int64_t>(1, kChunkBytes / (4 * v));
+  const int64_t rows = chunk_rows_ > 0 ? chunk_rows_ : chunk_rows(n, v, in[0].device());
   if (group_ == nullptr && !keep_logits_ && n > rows) {
     forward_chunked(ctx, arena, in, out, rows);
     return;
@@ -135,7 +142,7 @@ void TiedLmHeadLoss::forward_chunked(LayerCtx& ctx_, Arena& arena, std::span<con
   const int64_t n = in[0].shape().rows(), c = in[0].shape().last(), v = wte_->value.dim(0);
   const int64_t real = std::clamp<int64_t>(vocab_ - first_, 0, v);
   ctx.chunked = true;
-  ctx.dx_unit = arena.zeros({n, c});
+  ctx.dx_unit = arena.alloc({n, c});  // every row written by its chunk's GEMM (beta 0)
   ctx.dw_unit = arena.zeros({v, c});
   const Tensor buf = arena.alloc({rows, v});
   const Tensor losses = arena.alloc({n});

@@ -19,7 +19,7 @@
 // Without a group (or a group of one) the whole vocabulary is here and the
 // softmax and loss are one fused pass.
 //
-// Chunked: where the logits (N, V) would take more than kChunkBytes (GPT-2
+// Chunked: where the logits (N, V) would take more than chunk_bytes() (GPT-2
 // at B 16, T 1024: 3.1 GiB in fp32), without a group and with the logits
 // not kept, the forward goes through the rows a chunk at a
 // time: logits, loss and dlogits for a loss gradient of 1 (the fused
@@ -56,9 +56,20 @@ class TiedLmHeadLoss final : public Layer {
   // -inf in the padding columns) in the ctx after forward, for sampling and
   // tests.
   void set_keep_logits(bool keep) { keep_logits_ = keep; }
-  // Rows per chunk (tests); 0, the default: as many as kChunkBytes of logits hold.
+  // Rows per chunk (tests); 0, the default: chunk_rows(n, v, device).
   void set_chunk_rows(int64_t rows) { chunk_rows_ = rows; }
-  static constexpr int64_t kChunkBytes = int64_t{256} << 20;
+  // The most fp32 logits a chunk holds: 256 MiB on the CPU; 1 GiB on a GPU,
+  // where fewer, larger chunks keep the GEMMs large (GPT-2 at B 16, T 1024:
+  // 4 chunks of 4096 rows rather than 13 of 1261) and re-read and re-write
+  // the fp32 (V, C) weight-gradient accumulator 4 times rather than 13
+  // (0.31 GB each), for 1.5 GiB of logits and bf16 dlogits rather than 0.4.
+  static int64_t chunk_bytes(const Device& d) {
+    return d.is_cpu() ? int64_t{256} << 20 : int64_t{1} << 30;
+  }
+  // Rows per chunk for n rows of v logits on `d`: the rows split evenly over
+  // the fewest chunks whose logits fit chunk_bytes(d); n when they all fit
+  // (no chunking).
+  static int64_t chunk_rows(int64_t n, int64_t v, const Device& d);
   // Logits of the last forward on this ctx (needs set_keep_logits(true)):
   // columns first_token() .. of the full logits.
   static const Tensor& logits(LayerCtx& ctx);

@@ -1008,6 +1008,27 @@ TEST(Linear, ShapesAndParams) {
 }
 
 
+// The automatic chunks: the fewest whose fp32 logits fit the device's
+// budget, the rows split evenly over them, and no chunking where all fit.
+TEST(TiedLmHeadLoss, ChunksAreTheFewestThatFitSplitEvenly) {
+  const Device cpu = Device::cpu(), gpu = Device::cuda(0);
+  const int64_t n = 16 * 1024, v = 50304;  // GPT-2 at B 16, T 1024, padded vocabulary
+  EXPECT_EQ(TiedLmHeadLoss::chunk_rows(n, v, gpu), 4096);  // 4 chunks of 0.77 GiB
+  EXPECT_EQ(TiedLmHeadLoss::chunk_rows(n, v, cpu), 1261);  // 13 chunks, the last of 1252
+  for (const Device& d : {cpu, gpu})
+    for (int64_t rows : {int64_t{1}, int64_t{7}, n - 1, n, n + 1, 3 * n}) {
+      const int64_t r = TiedLmHeadLoss::chunk_rows(rows, v, d);
+      const int64_t most = TiedLmHeadLoss::chunk_bytes(d) / (4 * v);
+      const int64_t chunks = (rows + r - 1) / r;
+      EXPECT_LE(r, std::max<int64_t>(most, 1)) << rows;  // a chunk's logits fit
+      EXPECT_EQ(chunks, (rows + most - 1) / most) << rows;  // in the fewest chunks
+      EXPECT_GT(rows - (chunks - 1) * r, r - chunks) << rows;  // the last is not a sliver
+    }
+  EXPECT_EQ(TiedLmHeadLoss::chunk_rows(100, 64, cpu), 100);  // all fit: one chunk
+  // Wider than the budget holds in one row: a row per chunk.
+  EXPECT_EQ(TiedLmHeadLoss::chunk_rows(5, int64_t{1} << 27, cpu), 1);
+}
+
 // bf16 activations: the chunked LM head writes its dlogits in bf16 for the
 // backward GEMMs, which read the weight's bf16 copy; the whole head keeps
 // fp32 probabilities and its GEMMs round them. With bf16 GEMMs (both round
