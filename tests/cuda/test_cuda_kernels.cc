@@ -19,8 +19,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <type_traits>
 #include <vector>
 
 #include "cuda_test_util.h"
@@ -208,31 +211,38 @@ TEST(CudaGemm, StridedBatchedIsALoopOfGemms) {
 
 // ---------------------------------------------------------------- LayerNorm, GELU, helpers
 
+// C 200 and 768 (GPT-2's width) take the 16-byte kernels (1 and 3 groups of 8
+// per lane; C 200 fills 25 of a warp's 32), C 77 the scalar ones. Both sum a
+// row in another order than the CPU's loop; at these widths that moves the
+// results by a few fp32 roundings, far inside kFp32.
 TEST(CudaLayerNorm, ForwardAndBothBackwardsMatchCpu) {
-  const int64_t n = 45, c = 200;  // c not a multiple of 32
-  const std::vector<float> x = uniform(n * c, 21, -2.0f, 3.0f), w = uniform(c, 22),
-                           b = uniform(c, 23), dy = uniform(n * c, 24);
-  std::vector<float> y(n * c), mean(n), rstd(n);
-  cpu::layernorm_forward(x.data(), w.data(), b.data(), y.data(), mean.data(), rstd.data(), n, c,
-                         1e-5f);
-  // Gradients accumulate onto what is already there.
-  std::vector<float> dx = uniform(n * c, 25), dw = uniform(c, 26), db = uniform(c, 27);
-  Dev<float> gdx(dx), gdw(dw), gdb(db);
-  cpu::layernorm_backward_input(dy.data(), x.data(), w.data(), mean.data(), rstd.data(), dx.data(),
-                                n, c);
-  cpu::layernorm_backward_weight(dy.data(), x.data(), mean.data(), rstd.data(), dw.data(),
-                                 db.data(), n, c);
+  const int64_t n = 45;
+  for (int64_t c : {200, 77, 768}) {
+    SCOPED_TRACE(::testing::Message() << "c " << c);
+    const std::vector<float> x = uniform(n * c, 21, -2.0f, 3.0f), w = uniform(c, 22),
+                             b = uniform(c, 23), dy = uniform(n * c, 24);
+    std::vector<float> y(n * c), mean(n), rstd(n);
+    cpu::layernorm_forward(x.data(), w.data(), b.data(), y.data(), mean.data(), rstd.data(), n, c,
+                           1e-5f);
+    // Gradients accumulate onto what is already there.
+    std::vector<float> dx = uniform(n * c, 25), dw = uniform(c, 26), db = uniform(c, 27);
+    Dev<float> gdx(dx), gdw(dw), gdb(db);
+    cpu::layernorm_backward_input(dy.data(), x.data(), w.data(), mean.data(), rstd.data(),
+                                  dx.data(), n, c);
+    cpu::layernorm_backward_weight(dy.data(), x.data(), mean.data(), rstd.data(), dw.data(),
+                                   db.data(), n, c);
 
-  Dev<float> gx(x), gw(w), gb(b), gdy(dy), gy(zeros(n * c)), gmean(zeros(n)), grstd(zeros(n));
-  layernorm_forward(ctx(), gx.p(), gw.p(), gb.p(), gy.p(), gmean.p(), grstd.p(), n, c, 1e-5f);
-  EXPECT_LT(rel(gy.host(), y), kFp32);
-  EXPECT_LT(rel(gmean.host(), mean), kFp32);
-  EXPECT_LT(rel(grstd.host(), rstd), kFp32);
-  layernorm_backward_input(ctx(), gdy.p(), gx.p(), gw.p(), gmean.p(), grstd.p(), gdx.p(), n, c);
-  layernorm_backward_weight(ctx(), gdy.p(), gx.p(), gmean.p(), grstd.p(), gdw.p(), gdb.p(), n, c);
-  EXPECT_LT(rel(gdx.host(), dx), kFp32);
-  EXPECT_LT(rel(gdw.host(), dw), kFp32);
-  EXPECT_LT(rel(gdb.host(), db), kFp32);
+    Dev<float> gx(x), gw(w), gb(b), gdy(dy), gy(zeros(n * c)), gmean(zeros(n)), grstd(zeros(n));
+    layernorm_forward(ctx(), gx.p(), gw.p(), gb.p(), gy.p(), gmean.p(), grstd.p(), n, c, 1e-5f);
+    EXPECT_LT(rel(gy.host(), y), kFp32);
+    EXPECT_LT(rel(gmean.host(), mean), kFp32);
+    EXPECT_LT(rel(grstd.host(), rstd), kFp32);
+    layernorm_backward_input(ctx(), gdy.p(), gx.p(), gw.p(), gmean.p(), grstd.p(), gdx.p(), n, c);
+    layernorm_backward_weight(ctx(), gdy.p(), gx.p(), gmean.p(), grstd.p(), gdw.p(), gdb.p(), n, c);
+    EXPECT_LT(rel(gdx.host(), dx), kFp32);
+    EXPECT_LT(rel(gdw.host(), dw), kFp32);
+    EXPECT_LT(rel(gdb.host(), db), kFp32);
+  }
 }
 
 TEST(CudaLayerNorm, WeightGradientOverManyRowsUsesEverySlice) {
@@ -262,6 +272,52 @@ TEST(CudaGelu, ForwardAndBackwardMatchCpu) {
   gelu_backward(ctx(), gdy.p(), gx.p(), gdx.p(), n);
   EXPECT_LT(rel(gy.host(), y), kFp32);
   EXPECT_LT(rel(gdx.host(), dx), kFp32);
+}
+
+// How many of got's floats differ from want's, bit for bit.
+size_t differing_bits(const std::vector<float>& got, const std::vector<float>& want) {
+  EXPECT_EQ(got.size(), want.size());
+  size_t bad = 0;
+  for (size_t i = 0; i < std::min(got.size(), want.size()); ++i)
+    if (std::bit_cast<uint32_t>(got[i]) != std::bit_cast<uint32_t>(want[i])) ++bad;
+  return bad;
+}
+
+// The column sums (the LayerNorm weight and bias gradients, sum_rows) take a
+// 16-byte kernel on 16-byte aligned rows of a width that is a multiple of 8,
+// the scalar one otherwise; both add each column's rows in one order, so the
+// sums are the same bits. The same values are given at an aligned address
+// and one element past one, fp32 and bf16.
+TEST(CudaHelpers, ColumnSumsAreTheSameBitsFromAlignedAndUnalignedRows) {
+  const int64_t n = 4096 + 13, c = 776;  // 33 row slices; 4 tiles of 256 columns, the last 8
+  const std::vector<float> x = uniform(n * c, 61, -2.0f, 3.0f), dy = uniform(n * c, 62),
+                           mean = uniform(n, 63), rstd = uniform(n, 64, 0.5f, 2.0f),
+                           dw0 = uniform(c, 65), db0 = uniform(c, 66);
+  auto check = [&](const auto& hx, const auto& hdy, const char* what) {
+    SCOPED_TRACE(what);
+    using T = typename std::decay_t<decltype(hx)>::value_type;
+    auto one_in = [](std::vector<T> v) {
+      v.insert(v.begin(), T{});
+      return v;
+    };
+    Dev<T> ax(hx), ady(hdy), ux(one_in(hx)), udy(one_in(hdy));
+    Dev<float> gmean(mean), grstd(rstd), adw(dw0), adb(db0), udw(dw0), udb(db0), arows(db0),
+        urows(db0);
+    layernorm_backward_weight(ctx(), ady.p(), ax.p(), gmean.p(), grstd.p(), adw.p(), adb.p(), n,
+                              c);
+    layernorm_backward_weight(ctx(), udy.p() + 1, ux.p() + 1, gmean.p(), grstd.p(), udw.p(),
+                              udb.p(), n, c);
+    sum_rows(ctx(), ady.p(), arows.p(), n, c);
+    sum_rows(ctx(), udy.p() + 1, urows.p(), n, c);
+    EXPECT_EQ(differing_bits(adw.host(), udw.host()), 0u) << "dw";
+    EXPECT_EQ(differing_bits(adb.host(), udb.host()), 0u) << "db";
+    EXPECT_EQ(differing_bits(arows.host(), urows.host()), 0u) << "sum_rows";
+  };
+  check(x, dy, "fp32");
+  std::vector<bf16> x16, dy16;
+  for (float f : x) x16.push_back(to_bf16(f));
+  for (float f : dy) dy16.push_back(to_bf16(f));
+  check(x16, dy16, "bf16");
 }
 
 TEST(CudaHelpers, BiasRowSumsAddAndScaleMatchCpu) {
