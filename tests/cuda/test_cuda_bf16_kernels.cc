@@ -87,14 +87,16 @@ void expect_same_bits(const std::vector<float>& got, const std::vector<float>& w
 // Forward, both backwards, on ragged shapes and on enough rows for the
 // weight gradient's column sums to use many row slices. Widths that are
 // multiples of 8 take the 16-byte kernels, each lane owning 1 (C 200: 25 of a
-// warp's 32 groups; C 96), 3 (C 768), 6 (C 1288) or 8 (C 1800, the last
-// partial) groups of 8; C 77 (not a multiple of 8) and C 2056 (past 2048)
-// take the scalar ones.
+// warp's 32 groups; C 96), 2 (C 392), 3 (C 768), 4 (C 1024), 6 (C 1288) or 8
+// (C 1800, the last partial) groups of 8; C 77 (not a multiple of 8) and
+// C 2056 (past 2048) take the scalar ones.
 TEST(CudaBf16LayerNorm, EveryOutputIsTheFp32KernelsOutputRounded) {
   for (auto [n, c] : {std::pair<int64_t, int64_t>{45, 200},
                       {8192 + 13, 96},
                       {9, 77},
+                      {6, 392},
                       {33, 768},
+                      {11, 1024},
                       {5, 1288},
                       {7, 1800},
                       {3, 2056}}) {
