@@ -984,5 +984,80 @@ TEST(MultiTensor, RefusesBf16AndMixedDevices) {
   EXPECT_TRUE(contains(msg, "scale_multi: tensors on cpu and cuda:0")) << msg;
 }
 
+// --- many tensors' bf16 copies (a --bf16 step's weights) ---
+
+// convert_multi is convert on each pair, bit for bit: the same rounding to
+// nearest even, ties included (1 + 2^-8 ties to 1, 1 + 3 x 2^-8 to
+// 1 + 2^-6), infinities kept and a NaN kept a NaN; a 2-D pair and empty
+// ones among ragged sizes. Destinations outside the list are left alone.
+TEST(MultiTensor, ConvertMultiIsThePerTensorConvert) {
+  std::vector<Tensor> srcs = multi_tensors(80);
+  srcs.push_back(testing::uniform_tensor({3, 5}, 88, -1e5f, 1e5f));
+  const Vec special = {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, -(1.0f + 0x1p-8f), 0x1p-130f,
+                       INFINITY, -INFINITY, NAN, 3.0e38f, -0.0f};
+  std::copy(special.begin(), special.end(), srcs[3].data<float>());  // 16385 elements
+  std::vector<Tensor> dsts, want;
+  for (const Tensor& x : srcs) {
+    dsts.push_back(Tensor::zeros(x.shape(), DType::BF16));
+    want.push_back(Tensor::zeros(x.shape(), DType::BF16));
+    ops::convert(x, want.back());
+  }
+  const Tensor outside = Tensor::zeros({4}, DType::BF16);
+  std::shared_ptr<void> cache;
+  for (int call = 0; call < 2; ++call) {  // again with the same cache
+    ops::convert_multi(srcs, dsts, cache);
+    for (size_t t = 0; t < srcs.size(); ++t) {
+      const int64_t n = srcs[t].numel();
+      if (n == 0) continue;  // (an empty tensor's data may be null: nothing to compare)
+      EXPECT_EQ(std::memcmp(dsts[t].data<uint16_t>(), want[t].data<uint16_t>(),
+                            z(n) * sizeof(uint16_t)),
+                0)
+          << "call " << call << ", tensor " << t << " (" << n << " elements)";
+    }
+  }
+  const Vec got = floats_of(dsts[3]);
+  EXPECT_EQ(Vec(got.begin(), got.begin() + 6),
+            (Vec{1.0f, 1.0f + 0x1p-6f, -1.0f, 0x1p-130f, INFINITY, -INFINITY}));
+  EXPECT_TRUE(std::isnan(got[6]));
+  EXPECT_EQ(floats_of(outside), (Vec{0, 0, 0, 0}));
+  std::shared_ptr<void> none;
+  ops::convert_multi({}, {}, none);  // nothing to do, and no error
+}
+
+// Every pair is checked before any is written, and an error names the pair
+// and the rule: list lengths, dtypes (F32 to BF16 only: a convert_multi of
+// any other kind has no caller), shapes (equal, not only element counts),
+// storage, and one device. (Host bytes labelled cuda:0 are never
+// dereferenced: the checks come first.)
+TEST(MultiTensor, ConvertMultiRefusesBadPairsBeforeWriting) {
+  std::shared_ptr<void> cache;
+  const Tensor a = Tensor::empty({6}), a16 = Tensor::zeros({6}, DType::BF16);
+  ops::fill(a, 1.5f);
+  auto refused = [&](const std::vector<Tensor>& srcs, const std::vector<Tensor>& dsts) {
+    const std::string msg = error_message([&] { ops::convert_multi(srcs, dsts, cache); });
+    EXPECT_EQ(floats_of(a16), (Vec(6, 0.0f))) << "written before the error: " << msg;
+    return msg;
+  };
+  std::string msg = refused({a, a}, {a16});
+  EXPECT_TRUE(contains(msg, "convert_multi: 2 sources for 1 destinations")) << msg;
+  msg = refused({a, a}, {a16, Tensor::zeros({6})});
+  EXPECT_TRUE(
+      contains(msg, "convert_multi: pair 1 of 2 is F32 to F32; every pair must be F32 to BF16"))
+      << msg;
+  msg = refused({a, bf16_of({1, 2}, {2})}, {a16, Tensor::zeros({2}, DType::BF16)});
+  EXPECT_TRUE(contains(msg, "pair 1 of 2 is BF16 to BF16")) << msg;
+  msg = refused({a, Tensor::zeros({6})}, {a16, Tensor::zeros({2, 3}, DType::BF16)});
+  EXPECT_TRUE(contains(msg, "convert_multi: pair 1 of 2 is [6] into [2, 3]; shapes must match"))
+      << msg;
+  msg = refused({a, Tensor()}, {a16, Tensor::zeros({6}, DType::BF16)});
+  EXPECT_TRUE(contains(msg, "convert_multi: pair 1 of 2 has no storage")) << msg;
+  std::vector<uint16_t> bytes(8);
+  msg = refused({a, Tensor::zeros({8})},
+                {a16, Tensor(bytes.data(), Shape{8}, DType::BF16, Device::cuda(0))});
+  EXPECT_TRUE(contains(
+      msg, "convert_multi: tensors on cpu and cuda:0; every operand must be on one device"))
+      << msg;
+}
+
 }  // namespace
 }  // namespace weft

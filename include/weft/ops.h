@@ -59,6 +59,15 @@ MatmulPrecision matmul_precision(Device device);
 // dst = src: F32 to BF16 (round to nearest even), BF16 to F32 (exact), or a
 // copy between tensors of one dtype; the same element count.
 void convert(const Tensor& src, const Tensor& dst);
+// dsts[i] = srcs[i] rounded to bf16 for every i: F32 sources, BF16
+// destinations of the same shapes, on one device (a --bf16 step's weight
+// copies). On a GPU one launch rounds them all, with convert's rounding (the
+// same bits), over a device table of the tensors kept in `cache`, as
+// sum_squares_multi's: made on the first call, rebuilt only when the tensors
+// change, so a steady step allocates nothing. The CPU calls convert on each
+// pair in turn.
+void convert_multi(const std::vector<Tensor>& srcs, const std::vector<Tensor>& dsts,
+                   std::shared_ptr<void>& cache);
 // How many calls of each operation (by name) found no bf16 kernel for their
 // tensors' dtypes on their device and widened bf16 tensors to fp32 around
 // an fp32 one, since the last reset (every call on the CPU; on a GPU, the

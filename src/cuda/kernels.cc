@@ -412,6 +412,29 @@ void scale_multi(Context& ctx, const std::vector<MultiTensor>& tensors, float s,
   WEFT_LAUNCH_CHECK("scale_multi");
 }
 
+void to_bf16_multi(Context& ctx, const std::vector<ConvertTensor>& tensors, ConvertTable& table) {
+  if (tensors != table.key_) {  // a new list: chunk it and upload the table
+    std::vector<launch::ConvertChunk> chunks;
+    for (const ConvertTensor& t : tensors) {
+      check(t.n >= 0, "to_bf16_multi: a tensor of {} elements", t.n);
+      for (int64_t at = 0; at < t.n; at += launch::kMultiChunk)
+        chunks.push_back({t.x + at, raw(t.y + at), std::min(launch::kMultiChunk, t.n - at)});
+    }
+    const int64_t words = static_cast<int64_t>(chunks.size() * sizeof(launch::ConvertChunk) /
+                                               sizeof(int64_t));
+    if (table.words_.size() < words) table.words_ = DeviceBuffer<int64_t>(ctx, words);
+    if (words > 0) upload(ctx, table.words_.data(), chunks.data(), chunks.size() * sizeof chunks[0]);
+    table.key_ = tensors;
+    table.chunks_ = static_cast<int64_t>(chunks.size());
+    ++table.builds_;
+  }
+  if (table.chunks_ == 0) return;
+  launch::to_bf16_multi(prepare(ctx),
+                        reinterpret_cast<const launch::ConvertChunk*>(table.words_.data()),
+                        table.chunks_);
+  WEFT_LAUNCH_CHECK("to_bf16_multi");
+}
+
 namespace {
 void reduce(Context& ctx, const float* x, int64_t n, bool square, double* out) {
   DeviceBuffer<double> partials(ctx, launch::reduce_blocks(n));

@@ -930,6 +930,17 @@ __global__ void to_bf16_kernel(const float* x, __nv_bfloat16* y, int64_t n) {
     y[i] = __float2bfloat16_rn(x[i]);
 }
 
+// to_bf16_kernel's rounding (the same intrinsic, so the same bits) on every
+// chunk of the table: blocks grid-stride over the chunks, threads over a
+// chunk's elements.
+__global__ void to_bf16_multi_kernel(const ConvertChunk* chunks, int64_t count) {
+  for (int64_t c = blockIdx.x; c < count; c += gridDim.x) {
+    const ConvertChunk k = chunks[c];
+    __nv_bfloat16* y = reinterpret_cast<__nv_bfloat16*>(k.y);
+    for (int64_t i = threadIdx.x; i < k.n; i += blockDim.x) y[i] = __float2bfloat16_rn(k.x[i]);
+  }
+}
+
 __global__ void to_float_kernel(const __nv_bfloat16* x, float* y, int64_t n) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x)
@@ -1351,6 +1362,11 @@ void scale_multi(cudaStream_t s, const MultiChunk* chunks, int64_t count, float 
 
 void to_bf16(cudaStream_t s, const float* x, uint16_t* y, int64_t n) {
   to_bf16_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, bf(y), n);
+}
+
+void to_bf16_multi(cudaStream_t s, const ConvertChunk* chunks, int64_t count) {
+  const unsigned blocks = static_cast<unsigned>(std::clamp<int64_t>(count, 1, int64_t{1} << 16));
+  to_bf16_multi_kernel<<<blocks, kThreads, 0, s>>>(chunks, count);
 }
 
 void to_float(cudaStream_t s, const uint16_t* x, float* y, int64_t n) {

@@ -138,6 +138,18 @@ void sum_squares_multi(cudaStream_t s, const MultiChunk* chunks, int64_t count, 
 // x *= scale over every chunk of the table.
 void scale_multi(cudaStream_t s, const MultiChunk* chunks, int64_t count, float scale);
 
+// One chunk of a tensor in ConvertTable's device table: n elements of x
+// rounded into y (both already offset to the chunk), kMultiChunk at most.
+struct ConvertChunk {
+  const float* x;
+  uint16_t* y;
+  int64_t n;
+};
+static_assert(sizeof(ConvertChunk) == 3 * sizeof(int64_t), "ConvertTable stores chunks as 3 words");
+// y = x rounded to nearest even bf16 (to_bf16's rounding) over every chunk
+// of the table.
+void to_bf16_multi(cudaStream_t s, const ConvertChunk* chunks, int64_t count);
+
 // --- reductions: *out = sum x (or x^2), in double; `partials` holds reduce_blocks(n) doubles ---
 int64_t reduce_blocks(int64_t n);
 void reduce(cudaStream_t s, const float* x, int64_t n, bool square, double* partials, double* out);

@@ -221,6 +221,46 @@ void convert(const Tensor& src, const Tensor& dst) {
       });
 }
 
+void convert_multi(const std::vector<Tensor>& srcs, const std::vector<Tensor>& dsts,
+                   std::shared_ptr<void>& cache) {
+  check(srcs.size() == dsts.size(), "convert_multi: {} sources for {} destinations", srcs.size(),
+        dsts.size());
+  // Every pair checked before anything is written; the device is the first
+  // one of a tensor that holds elements (none: the CPU, with nothing to do).
+  const Tensor* first = nullptr;
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    const Tensor &x = srcs[i], &y = dsts[i];
+    check(x.defined() && y.defined(), "convert_multi: pair {} of {} has no storage ({} into {})",
+          i, srcs.size(), x.defined() ? "a tensor" : "none", y.defined() ? "a tensor" : "none");
+    check(x.dtype() == DType::F32 && y.dtype() == DType::BF16,
+          "convert_multi: pair {} of {} is {} to {}; every pair must be F32 to BF16", i,
+          srcs.size(), dtype_name(x.dtype()), dtype_name(y.dtype()));
+    check(x.shape() == y.shape(), "convert_multi: pair {} of {} is {} into {}; shapes must match",
+          i, srcs.size(), x.shape().str(), y.shape().str());
+    for (const Tensor* t : {&x, &y}) {
+      if (t->raw() == nullptr) continue;
+      if (first == nullptr) first = t;
+      check(t->device() == first->device(),
+            "convert_multi: tensors on {} and {}; every operand must be on one device",
+            first->device().str(), t->device().str());
+    }
+  }
+  const Device d = first != nullptr ? first->device() : Device::cpu();
+  on_device(
+      d, "convert_multi",
+      [&] {
+        for (size_t i = 0; i < srcs.size(); ++i) convert(srcs[i], dsts[i]);
+      },
+      [&](auto& cx) {
+        if (!cache) cache = std::make_shared<cuda::ConvertTable>();
+        auto& table = *static_cast<cuda::ConvertTable*>(cache.get());
+        table.scratch.clear();  // keeps its capacity
+        for (size_t i = 0; i < srcs.size(); ++i)
+          table.scratch.push_back({f(srcs[i]), b16w(dsts[i]), srcs[i].numel()});
+        cuda::to_bf16_multi(cx, table.scratch, table);
+      });
+}
+
 const char* matmul_precision_name(MatmulPrecision p) {
   switch (p) {
     case MatmulPrecision::Fp32: return "fp32";

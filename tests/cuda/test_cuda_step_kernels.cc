@@ -10,7 +10,9 @@
 //   cudaMalloc once its table is built;
 // - the gradient norm's and clipping's multi-tensor calls
 //   (ops::sum_squares_multi: one wait for every tensor; ops::scale_multi)
-//   against the CPU, the table built once and no cudaMalloc after.
+//   against the CPU, the table built once and no cudaMalloc after;
+// - a --bf16 step's weight copies (ops::convert_multi: one launch for every
+//   tensor) against convert on each, bit for bit, the table built once.
 // Needs a GPU; exits 77 (SKIP) without one.
 #include "weft_config.h"
 
@@ -463,6 +465,91 @@ TEST(CudaMultiTensor, ScaleEqualsTheCpuBitForBit) {
   ops::scale_multi(s.gpu, 1.0f / f, cache);
   EXPECT_EQ(table.builds(), 1);
   EXPECT_EQ(cuda::context(0).allocator().stats().device_mallocs, mallocs);
+}
+
+// ---------------------------------------------------------------- the weights' bf16 copies
+
+// Sizes around a chunk (16384 elements): empty ones, under one, exactly
+// one, one and a bit, several and a remainder, a LayerNorm's 768, and one of
+// 74 chunks (GPT-2's tied embedding's rows, a slice of them).
+const std::vector<int64_t> kConvertSizes = {0,   1, 16383, 16384, 16385, 3 * 16384 + 5, 768, 0,
+                                            50304 * 24 + 1, 7};
+
+// Rounding to bf16 is exact arithmetic (no accumulation, one rounding per
+// element), and convert_multi's kernel rounds with the per-tensor kernel's
+// intrinsic, so the copies are equal bit for bit: to GPU convert on each
+// tensor, and to the CPU's to_bf16 (round to nearest even; NaN checked as a
+// NaN only). Ties, an overflow to infinity, infinities, a subnormal and a NaN
+// sit at a chunk's edge. A second call with the same tensors reuses the
+// table (no rebuild, no cudaMalloc) and copies the values as they are then;
+// another list rebuilds it and writes only its own tensors.
+TEST(CudaMultiTensor, ConvertEqualsThePerTensorConvertBitForBit) {
+  std::vector<Tensor> host, srcs, dsts, want;
+  uint64_t seed = 300;
+  for (const int64_t n : kConvertSizes) {
+    host.push_back(host_tensor(uniform(n, seed++, -4.0f, 4.0f), {n}));
+    if (n == 16385) {  // the last 8 elements: across the first chunk's end (16384)
+      const std::vector<float> special = {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, 3.4e38f, INFINITY,
+                                          -INFINITY,      0x1p-140f,          -0.0f,   NAN};
+      std::copy(special.begin(), special.end(), host.back().data<float>() + n - 8);
+    }
+    srcs.push_back(on(host.back(), kGpu));
+    dsts.push_back(Tensor::zeros({n}, DType::BF16, kGpu));
+    want.push_back(Tensor::zeros({n}, DType::BF16, kGpu));
+  }
+  // Bits of the GPU's copies against GPU convert on each tensor and the CPU's.
+  auto expect_same = [&](const char* when) {
+    for (size_t t = 0; t < kConvertSizes.size(); ++t) {
+      const int64_t n = kConvertSizes[t];
+      if (n == 0) continue;  // (an empty tensor's data may be null: nothing to compare)
+      ops::convert(srcs[t], want[t]);
+      const Tensor got = on(dsts[t], Device::cpu()), per_tensor = on(want[t], Device::cpu());
+      const Tensor src = on(srcs[t], Device::cpu());
+      EXPECT_EQ(std::memcmp(got.raw(), per_tensor.raw(), static_cast<size_t>(n) * 2), 0)
+          << when << ": tensor " << t << " (" << n << " elements) against ops::convert";
+      int64_t bad = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = src.data<float>()[i];
+        const uint16_t g = got.data<uint16_t>()[i];
+        bad += std::isnan(x) ? !std::isnan(cuda::to_float(cuda::bf16{g})) : g != cuda::to_bf16(x).bits;
+      }
+      EXPECT_EQ(bad, 0) << when << ": tensor " << t << " against the CPU's rounding";
+    }
+  };
+  std::shared_ptr<void> cache;
+  ops::convert_multi(srcs, dsts, cache);
+  expect_same("first call");
+  auto& table = *static_cast<cuda::ConvertTable*>(cache.get());
+  EXPECT_EQ(table.builds(), 1);
+  EXPECT_EQ(table.chunks(), chunks_of(kConvertSizes));
+
+  // New values in the same tensors (an optimizer step): the same table.
+  for (const Tensor& x : srcs) ops::scale(x, 0.3f);
+  const size_t mallocs = cuda::context(0).allocator().stats().device_mallocs;
+  ops::convert_multi(srcs, dsts, cache);
+  EXPECT_EQ(table.builds(), 1);
+  EXPECT_EQ(cuda::context(0).allocator().stats().device_mallocs, mallocs);
+  expect_same("second call, new values");
+
+  // Another list (two of the tensors) rebuilds the table; the others keep
+  // the second call's copies.
+  const Tensor kept = on(dsts[4], Device::cpu());
+  for (const Tensor& x : srcs) ops::scale(x, 2.0f);
+  ops::convert_multi({srcs[3], srcs[8]}, {dsts[3], dsts[8]}, cache);
+  EXPECT_EQ(table.builds(), 2);
+  EXPECT_EQ(table.chunks(), chunks_of({kConvertSizes[3], kConvertSizes[8]}));
+  const Tensor kept_after = on(dsts[4], Device::cpu());
+  EXPECT_EQ(std::memcmp(kept.raw(), kept_after.raw(), static_cast<size_t>(kConvertSizes[4]) * 2),
+            0);
+  ops::convert(srcs[3], want[3]);
+  const Tensor got3 = on(dsts[3], Device::cpu()), want3 = on(want[3], Device::cpu());
+  EXPECT_EQ(std::memcmp(got3.raw(), want3.raw(), static_cast<size_t>(kConvertSizes[3]) * 2), 0);
+
+  // No tensors, or none with an element: nothing launched, no error.
+  std::shared_ptr<void> none;
+  ops::convert_multi({}, {}, none);
+  ops::convert_multi({Tensor::zeros({0}, DType::F32, kGpu)},
+                     {Tensor::zeros({0}, DType::BF16, kGpu)}, none);
 }
 
 }  // namespace

@@ -306,6 +306,37 @@ double sum_squares_multi(Context& ctx, const std::vector<MultiTensor>& tensors,
 void scale_multi(Context& ctx, const std::vector<MultiTensor>& tensors, float s,
                  MultiTensorTable& table);
 
+// --- fp32 to bf16 over many tensors (a --bf16 step's weight copies) ---
+// One tensor: n elements of x rounded into y.
+struct ConvertTensor {
+  const float* x;
+  bf16* y;
+  int64_t n;
+  bool operator==(const ConvertTensor&) const = default;
+};
+// The device table of to_bf16_multi, as MultiTensorTable: each tensor's
+// chunks (pointers and sizes), uploaded on the first call and again only
+// when the tensors change; the caching allocator's memory, held from one
+// step to the next.
+class ConvertTable {
+ public:
+  int64_t chunks() const { return chunks_; }
+  int64_t builds() const { return builds_; }  // uploads so far
+  // The caller's list for this call, kept here so that a steady step
+  // allocates nothing on the host either.
+  std::vector<ConvertTensor> scratch;
+
+ private:
+  friend void to_bf16_multi(Context&, const std::vector<ConvertTensor>&, ConvertTable&);
+  std::vector<ConvertTensor> key_;  // the tensors the table was built from
+  DeviceBuffer<int64_t> words_;     // chunks_ launch::ConvertChunk records, 3 words each
+  int64_t chunks_ = 0, builds_ = 0;
+};
+// y = x rounded to bf16 in every tensor, as to_bf16 on each (the same
+// rounding to nearest even, so the same bits), in one launch. Zero tensors
+// (or elements) launch nothing.
+void to_bf16_multi(Context& ctx, const std::vector<ConvertTensor>& tensors, ConvertTable& table);
+
 // --- SGD with momentum, PyTorch semantics, as cpu::sgd ---
 void sgd(Context& ctx, float* p, const float* g, float* buf, int64_t n, float lr, float momentum,
          float weight_decay);
