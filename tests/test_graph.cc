@@ -1,10 +1,14 @@
 // Graphs: shapes, parameter counts and FLOPs of the models, and shape errors.
 #include <weft/graph.h>
+#include <weft/ops.h>
 #include <weft/runner.h>
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <vector>
 
 #include "layers/linear.h"
 #include "layers/residual.h"
@@ -244,6 +248,51 @@ TEST(Graph, Bf16ActivationsHaveBf16GradientsAndFp32ParameterGradients) {
     identical = identical && fp32[i] == bf16[i];
   }
   EXPECT_FALSE(identical);
+}
+
+// A --bf16 batch's weight copies (Bf16Copies, one ops::convert_multi): in
+// the scope every parameter's value16 is its value rounded to bf16, bit for
+// bit what convert gives it alone; out of it value16 is dropped. A second
+// batch reuses the copies' memory and the lists' capacity, and rounds the
+// values as they are then (the optimizer's update between batches); the
+// lists hold no tensor between batches. An fp32 graph makes no copy.
+TEST(Graph, Bf16CopiesRoundEveryWeightAndReuseTheirMemory) {
+  GptModel m = build_gpt(gpt_preset("toy"), 2);
+  init_gpt(m, 9);
+  const std::vector<Param*> params = m.graph.params();
+  Bf16Tables tables;
+  {
+    const Bf16Copies none(m.graph, params, tables);
+    for (const Param* p : params)
+      EXPECT_FALSE(p->value16.defined() || p->value16_store.defined()) << p->name;
+  }
+  m.graph.set_activation_dtype(DType::BF16);
+  std::vector<const void*> stores;
+  for (int batch = 0; batch < 2; ++batch) {
+    SCOPED_TRACE(batch);
+    if (batch == 1)
+      for (Param* p : params) ops::scale(p->value, 0.75f);
+    {
+      const Bf16Copies copies(m.graph, params, tables);
+      EXPECT_TRUE(tables.values.empty() && tables.copies.empty());
+      for (size_t i = 0; i < params.size(); ++i) {
+        const Param& p = *params[i];
+        ASSERT_TRUE(p.value16.defined()) << p.name;
+        ASSERT_EQ(p.value16.dtype(), DType::BF16) << p.name;
+        ASSERT_EQ(p.value16.shape(), p.value.shape()) << p.name;
+        const Tensor want = Tensor::empty(p.value.shape(), DType::BF16);
+        ops::convert(p.value, want);
+        EXPECT_EQ(std::memcmp(p.value16.raw(), want.raw(),
+                              static_cast<size_t>(p.value.numel()) * sizeof(uint16_t)),
+                  0)
+            << p.name;
+        if (batch == 0) stores.push_back(p.value16.raw());
+        EXPECT_EQ(p.value16.raw(), stores[i]) << p.name << ": the copy moved";
+      }
+    }
+    for (const Param* p : params) EXPECT_FALSE(p->value16.defined()) << p->name;
+  }
+  EXPECT_GE(tables.values.capacity(), params.size());
 }
 
 TEST(Graph, ShapeErrorsNameTheNodeAndShapes) {

@@ -75,9 +75,21 @@ class MicroBatch {
 // here from `params` and dropped on every way out of the scope, before the
 // optimizer changes the values. Nothing for an fp32 graph. `params` must
 // outlive the scope.
+//
+// All copies are one ops::convert_multi (on a GPU one launch, not one per
+// parameter), whose lists and device table live in `tables`: the caller
+// keeps one Bf16Tables per parameter list from batch to batch (as it keeps
+// GradTables), so a steady batch allocates nothing, on the host or the
+// device. Passed in rather than cached here by parameter list: a scope
+// object has nowhere of its own to keep it, and a process-wide cache would
+// be shared by the ranks that run as threads of one process.
+struct Bf16Tables {
+  std::vector<Tensor> values, copies;  // this batch's lists (emptied after the call)
+  std::shared_ptr<void> convert;       // ops::convert_multi's device table
+};
 class Bf16Copies {
  public:
-  Bf16Copies(const Graph& g, const std::vector<Param*>& params);
+  Bf16Copies(const Graph& g, const std::vector<Param*>& params, Bf16Tables& tables);
   ~Bf16Copies();
   Bf16Copies(const Bf16Copies&) = delete;
   Bf16Copies& operator=(const Bf16Copies&) = delete;

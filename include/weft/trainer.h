@@ -262,6 +262,7 @@ class Trainer {
   // (local SGD's x dp, loss scaling's 1 / scale: one launch on a GPU).
   std::vector<Tensor> grads_;
   std::shared_ptr<void> scale_table_;
+  Bf16Tables bf16_tables_;  // --bf16: the weights' copies, one launch on a GPU (run_batch)
   void scale_grads(float s);
   std::deque<double> recent_losses_;  // the loss-spike check's window (updated steps only)
   int64_t skipped_ = 0;               // steps whose update a loss spike skipped

@@ -104,7 +104,8 @@ CostModel profile_costs(const Graph& g, const ModelIO& io, const BatchSource& da
       host.push_back(Tensor::zeros(val.shape, val.dtype));
     }
   const std::vector<Param*> params = g.params();
-  const Bf16Copies copies(g, params);  // as a training step has them
+  Bf16Tables bf16_tables;
+  const Bf16Copies copies(g, params, bf16_tables);  // as a training step has them
   // One untimed pass first: it plans the arena and warms the caches.
   for (int r = -1; r < repeats; ++r) {
     if (device.is_cpu()) {

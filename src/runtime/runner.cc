@@ -61,16 +61,25 @@ void MicroBatch::reset() {
   arena_.reset();
 }
 
-Bf16Copies::Bf16Copies(const Graph& g, const std::vector<Param*>& params)
+Bf16Copies::Bf16Copies(const Graph& g, const std::vector<Param*>& params, Bf16Tables& tables)
     : params_(params), made_(g.activation_dtype() == DType::BF16) {
   if (!made_) return;
+  tables.values.clear();  // both keep their capacity
+  tables.copies.clear();
   for (Param* p : params_) {  // matrices for the GEMMs, vectors for their biases
     if (!p->value16_store.defined() || p->value16_store.shape() != p->value.shape() ||
         !(p->value16_store.device() == p->value.device()))
       p->value16_store = Tensor::empty(p->value.shape(), DType::BF16, p->value.device());
-    ops::convert(p->value, p->value16_store);
-    p->value16 = p->value16_store;
+    tables.values.push_back(p->value);
+    tables.copies.push_back(p->value16_store);
   }
+  ops::convert_multi(tables.values, tables.copies, tables.convert);
+  // The lists hold no tensor between batches (a parameter's replaced value
+  // is not kept alive here); the device table keeps only pointers, compared
+  // on the next call.
+  tables.values.clear();
+  tables.copies.clear();
+  for (Param* p : params_) p->value16 = p->value16_store;
 }
 
 Bf16Copies::~Bf16Copies() {

@@ -249,7 +249,7 @@ double Trainer::evaluate(const BatchSource& data, int64_t iters) {
 }
 
 double Trainer::run_batch(const BatchSource& batches, int64_t step) {
-  const Bf16Copies copies(*g_.graph, sync_->params());
+  const Bf16Copies copies(*g_.graph, sync_->params(), bf16_tables_);
   sync_->begin(micro_batches_);
   double loss = 0;
   if (par_.pipeline != nullptr) {
