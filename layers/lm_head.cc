@@ -14,7 +14,8 @@ struct Ctx : LayerCtx {
   Tensor x;        // (N, C)
   Tensor targets;  // (N)
   Tensor probs;    // (N, V or V/tp); turned into dlogits in place by backward_input, or
-                   // by the forward (unit_dlogits), then bf16 with bf16 activations
+                   // by the forward (unit_dlogits); bf16 with bf16 activations (the
+                   // logits, then the dlogits in their place)
   Tensor logits;   // (N, V or V/tp), only with keep_logits
   // On a GPU without vocabulary parallelism the forward leaves probs as
   // dlogits for a loss gradient of 1 (the fused classifier), and the
@@ -62,8 +63,10 @@ std::unique_ptr<Layer> TiedLmHeadLoss::tensor_parallel(TpBuild& build) const {
   return head;
 }
 
-int64_t TiedLmHeadLoss::chunk_rows(int64_t n, int64_t v, const Device& d) {
-  const int64_t most = std::max<int64_t>(1, chunk_bytes(d) / (4 * std::max<int64_t>(1, v)));
+int64_t TiedLmHeadLoss::chunk_rows(int64_t n, int64_t v, const Device& d, int64_t elem_bytes) {
+  check(elem_bytes > 0, "lm head: a logit of {} bytes", elem_bytes);
+  const int64_t most =
+      std::max<int64_t>(1, chunk_bytes(d) / (elem_bytes * std::max<int64_t>(1, v)));
   if (n <= most) return std::max<int64_t>(1, n);
   const int64_t chunks = (n + most - 1) / most;
   return (n + chunks - 1) / chunks;  // even chunks: the last is not a sliver
@@ -83,16 +86,29 @@ void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
   ctx.x = in[0];
   ctx.targets = in[1];
   ctx.unit_dlogits = ctx.chunked = false;
-  const int64_t rows = chunk_rows_ > 0 ? chunk_rows_ : chunk_rows(n, v, in[0].device());
+  // bf16 logits (see lm_head.h); the chunked head has neither a group nor kept logits.
+  const bool narrow = in[0].dtype() == DType::BF16 && !keep_logits_ && !split();
+  const int64_t rows =
+      chunk_rows_ > 0 ? chunk_rows_ : chunk_rows(n, v, in[0].device(), narrow ? 2 : 4);
   if (group_ == nullptr && !keep_logits_ && n > rows) {
     forward_chunked(ctx, arena, in, out, rows);
     return;
   }
-  ctx.probs = arena.alloc({n, v});
-  ops::gemm(in[0], false, gemm_operand(*wte_, in[0].dtype()), true, ctx.probs);
   // Padding rows of wte (tokens vocab_.. of a padded table): their logits are
   // -inf, so their probabilities, dlogits and gradients are exactly zero.
   const int64_t real = std::clamp<int64_t>(vocab_ - first_, 0, v);
+  if (narrow) {  // bf16 logits, then bf16 dlogits in their place, on every device
+    ctx.probs = arena.alloc({n, v}, DType::BF16);
+    ops::gemm(in[0], false, gemm_operand(*wte_, DType::BF16), true, ctx.probs);
+    if (real < v) ops::mask_columns(ctx.probs, real);
+    const Tensor losses = arena.alloc({n});
+    ops::fused_cross_entropy_rows(ctx.probs, in[1], losses, 1.0f, ctx.probs);
+    ctx.unit_dlogits = true;
+    ops::sum(losses, out[0]);  // on the device: nothing waits for a GPU here
+    return;
+  }
+  ctx.probs = arena.alloc({n, v});
+  ops::gemm(in[0], false, gemm_operand(*wte_, in[0].dtype()), true, ctx.probs);
   if (real < v) ops::mask_columns(ctx.probs, real);
   if (keep_logits_) {
     ctx.logits = arena.alloc({n, v});
@@ -106,9 +122,9 @@ void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
       // summed on the GPU: nothing waits for it here.
       ctx.unit_dlogits = true;
       if (in[0].dtype() == DType::BF16) {
-        // bf16 activations: the dlogits in bf16 (one rounding, which the
-        // backward GEMMs would make anyway), so that those GEMMs read bf16
-        // operands with the table's bf16 copy.
+        // bf16 activations with the logits kept (fp32): the dlogits in bf16
+        // (one rounding, which the backward GEMMs would make anyway), so
+        // that those GEMMs read bf16 operands with the table's bf16 copy.
         const Tensor dlogits = arena.alloc({n, v}, DType::BF16);
         ops::fused_cross_entropy_rows(ctx.probs, in[1], losses, 1.0f, dlogits);
         ctx.probs = dlogits;
@@ -144,25 +160,23 @@ void TiedLmHeadLoss::forward_chunked(LayerCtx& ctx_, Arena& arena, std::span<con
   ctx.chunked = true;
   ctx.dx_unit = arena.alloc({n, c});  // every row written by its chunk's GEMM (beta 0)
   ctx.dw_unit = arena.zeros({v, c});
-  const Tensor buf = arena.alloc({rows, v});
+  // bf16 activations: bf16 logits, replaced by bf16 dlogits that both
+  // backward GEMMs read with the weight's bf16 copy; otherwise fp32 logits
+  // replaced by fp32 dlogits. Either way, in place.
+  const bool narrow = in[0].dtype() == DType::BF16;
+  const Tensor buf = arena.alloc({rows, v}, narrow ? DType::BF16 : DType::F32);
   const Tensor losses = arena.alloc({n});
   const Tensor x = in[0].view({n, c}), targets = in[1].view({n});
   const Tensor& w = gemm_operand(*wte_, in[0].dtype());
-  // bf16 activations: the dlogits go to a bf16 buffer, so that both
-  // backward GEMMs read bf16 operands (they would round them to bf16
-  // anyway) with the weight's bf16 copy; otherwise they replace the logits.
-  const bool narrow = in[0].dtype() == DType::BF16;
-  const Tensor buf16 = narrow ? arena.alloc({rows, v}, DType::BF16) : buf;
   for (int64_t r0 = 0; r0 < n; r0 += rows) {
     const int64_t r1 = std::min(n, r0 + rows);
     const Tensor xc = x.slice0(r0, r1), logits = buf.slice0(0, r1 - r0);
-    const Tensor dlogits = buf16.slice0(0, r1 - r0);
     ops::gemm(xc, false, w, true, logits);
     if (real < v) ops::mask_columns(logits, real);
     ops::fused_cross_entropy_rows(logits, targets.slice0(r0, r1), losses.slice0(r0, r1), 1.0f,
-                                  dlogits);
-    ops::gemm(dlogits, false, narrow ? w : wte_->value, false, ctx.dx_unit.slice0(r0, r1));
-    ops::gemm(dlogits, true, xc, false, ctx.dw_unit, 1.0f, 1.0f);
+                                  logits);
+    ops::gemm(logits, false, w, false, ctx.dx_unit.slice0(r0, r1));
+    ops::gemm(logits, true, xc, false, ctx.dw_unit, 1.0f, 1.0f);
   }
   ops::sum(losses, out[0]);  // on the device: nothing waits for a GPU here
 }

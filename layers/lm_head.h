@@ -28,6 +28,14 @@
 // head then holds one chunk of logits, dx and dwte (fp32) instead of all the
 // logits; its F does the work of I and W. The same on every device.
 //
+// bf16 activations (the input x is bf16), without a group and with the
+// logits not kept: the logits GEMM writes bf16 logits (rounded once, as
+// PyTorch's autocast and llm.c keep them), the classifier reads them in fp32
+// and overwrites them with bf16 dlogits, and the backward GEMMs read those
+// with the table's bf16 copy. Half the bytes of fp32 logits, and no second
+// (N, V) buffer for the dlogits. The loss is computed in fp32 from the
+// rounded logits.
+//
 // A padded table (wte->true_rows, Megatron's --make-vocab-size-divisible-by)
 // has rows past the true vocabulary V. Their logits are set to -inf before
 // either softmax, so they take no probability, and their dlogits and wte
@@ -58,18 +66,19 @@ class TiedLmHeadLoss final : public Layer {
   void set_keep_logits(bool keep) { keep_logits_ = keep; }
   // Rows per chunk (tests); 0, the default: chunk_rows(n, v, device).
   void set_chunk_rows(int64_t rows) { chunk_rows_ = rows; }
-  // The most fp32 logits a chunk holds: 256 MiB on the CPU; 1 GiB on a GPU,
-  // where fewer, larger chunks keep the GEMMs large (GPT-2 at B 16, T 1024:
-  // 4 chunks of 4096 rows rather than 13 of 1261) and re-read and re-write
-  // the fp32 (V, C) weight-gradient accumulator 4 times rather than 13
-  // (0.31 GB each), for 1.5 GiB of logits and bf16 dlogits rather than 0.4.
+  // The most bytes of logits a chunk holds: 256 MiB on the CPU; 1 GiB on a
+  // GPU, where fewer, larger chunks keep the GEMMs large and re-read and
+  // re-write the fp32 (V, C) weight-gradient accumulator (0.31 GB for
+  // GPT-2) fewer times. GPT-2 at B 16, T 1024 on a GPU: 4 chunks of 4096
+  // rows of fp32 logits, or 2 chunks of 8192 rows of bf16 logits (0.77 GiB
+  // each); 13 chunks of 1261 fp32 rows on the CPU.
   static int64_t chunk_bytes(const Device& d) {
     return d.is_cpu() ? int64_t{256} << 20 : int64_t{1} << 30;
   }
-  // Rows per chunk for n rows of v logits on `d`: the rows split evenly over
-  // the fewest chunks whose logits fit chunk_bytes(d); n when they all fit
-  // (no chunking).
-  static int64_t chunk_rows(int64_t n, int64_t v, const Device& d);
+  // Rows per chunk for n rows of v logits of `elem_bytes` each (4 fp32, 2
+  // bf16) on `d`: the rows split evenly over the fewest chunks whose logits
+  // fit chunk_bytes(d); n when they all fit (no chunking).
+  static int64_t chunk_rows(int64_t n, int64_t v, const Device& d, int64_t elem_bytes = 4);
   // Logits of the last forward on this ctx (needs set_keep_logits(true)):
   // columns first_token() .. of the full logits.
   static const Tensor& logits(LayerCtx& ctx);

@@ -91,10 +91,11 @@ TEST(Graph, ActivationDtypeTypesTheValuesBetweenNodes) {
 }
 
 // What a forward holds in its arena with bf16 activations: every value
-// between nodes at half its fp32 bytes, and everything else (the norms'
-// statistics, attention's probabilities, the logits, the inputs, the loss)
-// as in fp32. Predicted from the graph's shapes to the byte: the arena
-// rounds each tensor up to its 64-byte alignment (Arena::bytes_for).
+// between nodes at half its fp32 bytes, the LM head's logits (N, V) too
+// (bf16, replaced by bf16 dlogits in place), and everything else (the
+// norms' statistics, attention's probabilities, the losses, the inputs, the
+// loss) as in fp32. Predicted from the graph's shapes to the byte: the
+// arena rounds each tensor up to its 64-byte alignment (Arena::bytes_for).
 TEST(Graph, Bf16ActivationsHalveTheValuesAForwardHolds) {
   auto forward_bytes = [](DType acts, size_t* between_fp32, size_t* between_bf16) {
     GptModel m = build_gpt(gpt_preset("toy"), 2);
@@ -115,7 +116,11 @@ TEST(Graph, Bf16ActivationsHalveTheValuesAForwardHolds) {
   size_t f32 = 0, b16 = 0;
   const size_t fp32 = forward_bytes(DType::F32, &f32, &b16);
   const size_t bf16 = forward_bytes(DType::BF16, &f32, &b16);
-  EXPECT_EQ(bf16, fp32 - f32 + b16);
+  const GptModel shapes = build_gpt(gpt_preset("toy"), 2);
+  const Shape logits{shapes.graph.values()[static_cast<size_t>(shapes.targets)].shape.numel(),
+                     shapes.head->params()[0]->value.dim(0)};
+  EXPECT_EQ(bf16, fp32 - f32 + b16 - Arena::bytes_for(logits, DType::F32) +
+                      Arena::bytes_for(logits, DType::BF16));
   std::printf("toy, B 2: a forward holds %zu bytes in fp32, %zu with bf16 activations\n", fp32,
               bf16);
 }

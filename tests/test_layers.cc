@@ -3,6 +3,7 @@
 // flight, accumulation into gradient buffers, and undefined gradients for inputs.
 #include <gtest/gtest.h>
 #include <weft/arena.h>
+#include <weft/bf16.h>
 #include <weft/layer.h>
 #include <weft/ops.h>
 #include <weft/param.h>
@@ -1015,6 +1016,8 @@ TEST(TiedLmHeadLoss, ChunksAreTheFewestThatFitSplitEvenly) {
   const int64_t n = 16 * 1024, v = 50304;  // GPT-2 at B 16, T 1024, padded vocabulary
   EXPECT_EQ(TiedLmHeadLoss::chunk_rows(n, v, gpu), 4096);  // 4 chunks of 0.77 GiB
   EXPECT_EQ(TiedLmHeadLoss::chunk_rows(n, v, cpu), 1261);  // 13 chunks, the last of 1252
+  EXPECT_EQ(TiedLmHeadLoss::chunk_rows(n, v, gpu, 2), 8192);  // bf16 logits: 2 of 0.77 GiB
+  EXPECT_THROW(TiedLmHeadLoss::chunk_rows(n, v, gpu, 0), Error);
   for (const Device& d : {cpu, gpu})
     for (int64_t rows : {int64_t{1}, int64_t{7}, n - 1, n, n + 1, 3 * n}) {
       const int64_t r = TiedLmHeadLoss::chunk_rows(rows, v, d);
@@ -1029,15 +1032,18 @@ TEST(TiedLmHeadLoss, ChunksAreTheFewestThatFitSplitEvenly) {
   EXPECT_EQ(TiedLmHeadLoss::chunk_rows(5, int64_t{1} << 27, cpu), 1);
 }
 
-// bf16 activations: the chunked LM head writes its dlogits in bf16 for the
-// backward GEMMs, which read the weight's bf16 copy; the whole head keeps
-// fp32 probabilities and its GEMMs round them. With bf16 GEMMs (both round
-// every operand to bf16) and a loss gradient of 0.5 (a power of two, so
-// rounding p - onehot and then scaling equals rounding the scaled value),
-// both GEMMs get the same bf16 operands and differ only in fp32 summation
-// order (~1e-6 relative): the loss agrees to that, and a bf16 dx element
-// either agrees or, where the two fp32 sums straddle a rounding boundary,
-// is one bf16 unit (2^-8) apart: 1e-3 of the norm bounds both with margin.
+// bf16 activations: the chunked and the whole LM head both write bf16
+// logits, replace them by bf16 dlogits and run the backward GEMMs on those
+// with the weight's bf16 copy. With bf16 GEMMs (both round every operand to
+// bf16) and a loss gradient of 0.5 (a power of two, so rounding p - onehot
+// and then scaling equals rounding the scaled value), both get the same
+// bf16 operands and differ at most in fp32 summation order (~1e-6
+// relative). A bf16 logit, dlogit or dx element either agrees or, where the
+// two fp32 sums straddle a rounding boundary, is one bf16 unit (2^-8
+// relative) apart; a logit one unit off moves its row's loss by at most
+// twice that unit (the loss's gradient in the logits has an L1 norm of at
+// most 2), under 1e-3 of this loss (about 11 log 37). 1e-3 bounds all three
+// with margin; a lost or doubled chunk is off by a third or more.
 TEST(TiedLmHeadLoss, ChunkedBf16DlogitsGiveTheWholeHeadsGradients) {
   struct Precision {
     Precision() { ops::set_matmul_precision(Device::cpu(), ops::MatmulPrecision::Bf16); }
@@ -1077,10 +1083,88 @@ TEST(TiedLmHeadLoss, ChunkedBf16DlogitsGiveTheWholeHeadsGradients) {
     return r;
   };
   const Run whole = run(false), chunked = run(true);
-  EXPECT_NEAR(chunked.loss, whole.loss, 1e-5 * whole.loss);
+  EXPECT_NEAR(chunked.loss, whole.loss, 1e-3 * whole.loss);
   EXPECT_LT(testing::rel_error(chunked.dx, whole.dx), 1e-3);
   EXPECT_LT(testing::rel_error(chunked.dw, whole.dw), 1e-3);
   EXPECT_GT(testing::rel_error(chunked.dw, Tensor::zeros({v, c})), 0.5) << "no gradient at all";
+}
+
+// bf16 activations: the head's loss is the softmax cross-entropy of the
+// logits rounded to bf16 (as PyTorch's autocast and llm.c compute it), and
+// its dx comes from bf16 dlogits, whole or chunked. The inputs make every
+// logit a + s b exact in fp32 (x = (1, s) and rows (a, b) of a few
+// significant bits), so the GEMM's fp32 logit is exact and its bf16
+// rounding is known: the reference rounds the same values in double. What
+// is left is the fp32 classifier's error, about (V + 10) 2^-24 of a row's
+// loss, far under the 1e-5 bound per row; the loss of the unrounded logits
+// is 100 times that bound away, so fp32 logits would fail. A dlogit is
+// fp32 p - onehot rounded once: it may round one bf16 unit (2^-8 of it)
+// away from the double reference's rounding where the two straddle a
+// boundary, so dx's bound is 2^-8 sum_j |d_j| |w_j| plus fp32 sums.
+TEST(TiedLmHeadLoss, Bf16ActivationsGiveTheLossOfBf16Logits) {
+  const int64_t n = 6, c = 2, v = 37;
+  ParamStore s;
+  Param* wte = make_param(s, "wte", {v, c}, 0.5f, 0.0f, 3);
+  for (int64_t j = 0; j < v; ++j) {
+    float* row = wte->value.data<float>() + j * c;
+    row[0] = round_to_bf16(row[0] * 4.0f);                             // a: 8 bits
+    row[1] = static_cast<float>(2 * (j % 7) + 1) * std::ldexp(1.0f, -9);  // b: odd units of 2^-9
+  }
+  wte->value16 = Tensor::empty(wte->value.shape(), DType::BF16);
+  ops::convert(wte->value, wte->value16);
+  Tensor x32 = Tensor::empty({n, c}), targets = Tensor::empty({n}, DType::I32);
+  for (int64_t i = 0; i < n; ++i) {
+    x32.data<float>()[i * c] = 1.0f;
+    x32.data<float>()[i * c + 1] = static_cast<float>(1 + i % 3);
+    targets.data<int32_t>()[i] = static_cast<int32_t>((i * 11) % v);
+  }
+  Tensor x = Tensor::empty({n, c}, DType::BF16);
+  ops::convert(x32, x);
+  // The reference in double: logits, rounded and not, the loss, and dx for g.
+  const float g = 0.25f;
+  double want = 0, unrounded = 0;
+  std::vector<double> dx_want(n * c, 0.0), dx_bound(n * c, 0.0);
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<double> z(v), zr(v);
+    double m = -1e300, mr = -1e300;
+    for (int64_t j = 0; j < v; ++j) {
+      const float* w = wte->value.data<float>() + j * c;
+      const float exact = w[0] * x32.data<float>()[i * c] + w[1] * x32.data<float>()[i * c + 1];
+      zr[j] = exact;
+      z[j] = round_to_bf16(exact);
+      m = std::max(m, z[j]), mr = std::max(mr, zr[j]);
+    }
+    double se = 0, ser = 0;
+    for (int64_t j = 0; j < v; ++j) se += std::exp(z[j] - m), ser += std::exp(zr[j] - mr);
+    const int32_t t = targets.data<int32_t>()[i];
+    want += std::log(se) + m - z[t];
+    unrounded += std::log(ser) + mr - zr[t];
+    for (int64_t j = 0; j < v; ++j) {
+      const double d = round_to_bf16(static_cast<float>(std::exp(z[j] - m) / se - (j == t)));
+      for (int64_t k = 0; k < c; ++k) {
+        const double w = wte->value.data<float>()[j * c + k];
+        dx_want[i * c + k] += g * d * w;
+        dx_bound[i * c + k] += g * (std::ldexp(std::fabs(d), -8) + 1e-6) * std::fabs(w);
+      }
+    }
+  }
+  const double bound = 1e-5 * static_cast<double>(n);
+  ASSERT_GT(std::fabs(unrounded - want), 100 * bound) << "the inputs do not tell bf16 logits";
+  for (const int64_t rows : {int64_t{0}, int64_t{4}}) {  // whole, then chunks of 4 rows
+    TiedLmHeadLoss head(wte);
+    head.set_chunk_rows(rows);
+    Tensor loss = Tensor::zeros({1}), gt = Tensor::zeros({1});
+    ops::set_item(gt, g);
+    Tensor dx = Tensor::zeros({n, c});
+    Arena arena;
+    auto ctx = head.make_ctx();
+    const Tensor in[2] = {x, targets}, out[1] = {loss}, grad_out[1] = {gt}, grad_in[2] = {dx, Tensor()};
+    head.forward(*ctx, arena, in, out);
+    EXPECT_NEAR(ops::item(loss), want, bound) << "rows " << rows;
+    head.backward_input(*ctx, arena, grad_out, grad_in);
+    for (int64_t e = 0; e < n * c; ++e)
+      EXPECT_NEAR(dx.data<float>()[e], dx_want[e], dx_bound[e] + 1e-6) << "rows " << rows << " at " << e;
+  }
 }
 
 }  // namespace

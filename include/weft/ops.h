@@ -248,8 +248,9 @@ void fused_cross_entropy_rows(const Tensor& logits, const Tensor& targets, const
                               float scale);
 // The same into a separate dlogits of logits' shape, F32 or BF16 (rounded
 // once: bf16 activations' LM head, whose backward GEMMs round them to bf16
-// anyway); logits are left as they were on a GPU, and may be changed on the
-// CPU.
+// anyway); fp32 logits are left as they were on a GPU, and may be changed on
+// the CPU. BF16 logits (read exactly, computed in fp32) need BF16 dlogits,
+// which may be the logits themselves.
 void fused_cross_entropy_rows(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                               float scale, const Tensor& dlogits);
 // dlogits (N, V) = (probs - onehot(target - first)) * scale; may alias probs.

@@ -225,6 +225,12 @@ void mask_columns(Context& ctx, float* logits, int64_t n, int64_t v, int64_t fro
   WEFT_LAUNCH_CHECK("mask_columns");
 }
 
+void mask_columns(Context& ctx, bf16* logits, int64_t n, int64_t v, int64_t from) {
+  if (n == 0 || from >= v) return;
+  launch::mask_columns_bf16(prepare(ctx), raw(logits), n, v, from);
+  WEFT_LAUNCH_CHECK("mask_columns (bf16)");
+}
+
 void softmax_cross_entropy(Context& ctx, float* logits, const int32_t* targets, float* losses,
                            int64_t n, int64_t v) {
   if (n == 0) return;
@@ -254,6 +260,15 @@ void fused_cross_entropy(Context& ctx, const float* logits, bf16* dlogits, const
   check_rows(n, "fused_cross_entropy");
   launch::cross_entropy_bf16(prepare(ctx), logits, raw(dlogits), targets, losses, scale, n, v);
   WEFT_LAUNCH_CHECK("fused_cross_entropy (bf16 dlogits)");
+}
+
+void fused_cross_entropy(Context& ctx, const bf16* logits, bf16* dlogits, const int32_t* targets,
+                         float* losses, float scale, int64_t n, int64_t v) {
+  if (n == 0) return;
+  check_rows(n, "fused_cross_entropy");
+  launch::cross_entropy_bf16_logits(prepare(ctx), raw(logits), raw(dlogits), targets, losses,
+                                    scale, n, v);
+  WEFT_LAUNCH_CHECK("fused_cross_entropy (bf16 logits)");
 }
 
 void row_max(Context& ctx, const float* logits, float* m, int64_t n, int64_t v) {

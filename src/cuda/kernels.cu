@@ -643,24 +643,41 @@ __device__ void online_add(const float (&x)[kWidth], float& m, float& s) {
 // (and, bf16, dst 8-byte aligned: each four store as one 8-byte access).
 // The output goes to `dst` (N, V) of type D: the logits themselves (float,
 // in place), or a bf16 array (bf16 activations' dlogits, each rounded once).
-template <bool fused, bool vec, class D>
-__global__ void cross_entropy_kernel(const float* logits, D* dst, const int32_t* targets,
+// The logits are float or bf16 (bf16 activations' LM head, whose logits
+// GEMM rounds its output once); `dst` may be `logits` itself, of either
+// type: each element is read (by the thread that writes it) before it is
+// written, and the target's logit is read before any is written.
+// `vec` with bf16 logits: v % 4 == 0 and logits and dst 8-byte aligned, four
+// logits loaded as one 8-byte access.
+template <class S>
+__device__ __forceinline__ float4 load4(const S* row, int64_t j) {
+  if constexpr (sizeof(S) == sizeof(float)) {
+    return reinterpret_cast<const float4*>(row)[j];
+  } else {
+    const uint2 raw = reinterpret_cast<const uint2*>(row)[j];
+    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
+    return make_float4(a.x, a.y, b.x, b.y);
+  }
+}
+
+template <bool fused, bool vec, class S, class D>
+__global__ void cross_entropy_kernel(const S* logits, D* dst, const int32_t* targets,
                                      float* losses, float scale, int64_t v) {
   __shared__ float shared[kRowThreads / kWarp];
-  const float* row = logits + int64_t{blockIdx.x} * v;
+  const S* row = logits + int64_t{blockIdx.x} * v;
   D* drow = dst + int64_t{blockIdx.x} * v;
   const int32_t target = targets[blockIdx.x];
   float m = -INFINITY, s = 0.0f;
   if constexpr (vec) {
-    const float4* row4 = reinterpret_cast<const float4*>(row);
     for (int64_t j = threadIdx.x; j < v / 4; j += blockDim.x) {
-      const float4 q = row4[j];
+      const float4 q = load4(row, j);
       const float x[4] = {q.x, q.y, q.z, q.w};
       online_add<4>(x, m, s);
     }
   } else {
     for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
-      const float x[1] = {row[j]};
+      const float x[1] = {load(row, j)};
       online_add<1>(x, m, s);
     }
   }
@@ -670,7 +687,7 @@ __global__ void cross_entropy_kernel(const float* logits, D* dst, const int32_t*
   s = block_reduce(m == -INFINITY ? s : s * expf(m - mx), shared, Add{});
   const bool valid = target >= 0 && target < v;
   // Read the target's logit before the output pass overwrites the row.
-  const float target_logit = valid ? row[target] - mx : 0.0f;
+  const float target_logit = valid ? load(row, target) - mx : 0.0f;
   __syncthreads();
   const float inv = 1.0f / s;
   auto out = [&](int64_t j, float x) {
@@ -681,9 +698,8 @@ __global__ void cross_entropy_kernel(const float* logits, D* dst, const int32_t*
       return p;
   };
   if constexpr (vec) {
-    const float4* row4 = reinterpret_cast<const float4*>(row);
     for (int64_t j = threadIdx.x; j < v / 4; j += blockDim.x) {
-      float4 q = row4[j];
+      float4 q = load4(row, j);
       q.x = out(4 * j, q.x);
       q.y = out(4 * j + 1, q.y);
       q.z = out(4 * j + 2, q.z);
@@ -699,17 +715,19 @@ __global__ void cross_entropy_kernel(const float* logits, D* dst, const int32_t*
       }
     }
   } else {
-    for (int64_t j = threadIdx.x; j < v; j += blockDim.x) store(drow, j, out(j, row[j]));
+    for (int64_t j = threadIdx.x; j < v; j += blockDim.x) store(drow, j, out(j, load(row, j)));
   }
   if (threadIdx.x == 0) losses[blockIdx.x] = valid ? logf(s) - target_logit : NAN;
 }
 
-// Columns [from, v) of each row = -inf: a padded vocabulary's logits.
-__global__ void mask_columns_kernel(float* logits, int64_t n, int64_t v, int64_t from) {
+// Columns [from, v) of each row = -inf: a padded vocabulary's logits (float
+// or bf16, whose -inf is exact).
+template <class T>
+__global__ void mask_columns_kernel(T* logits, int64_t n, int64_t v, int64_t from) {
   const int64_t w = v - from;
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n * w;
        i += int64_t{gridDim.x} * blockDim.x)
-    logits[(i / w) * v + from + i % w] = -INFINITY;
+    store(logits, (i / w) * v + from + i % w, -INFINITY);
 }
 
 // The vocabulary-parallel cross-entropy's local steps, one block per row of
@@ -1221,6 +1239,10 @@ void mask_columns(cudaStream_t s, float* logits, int64_t n, int64_t v, int64_t f
   mask_columns_kernel<<<blocks_for(n * (v - from)), kThreads, 0, s>>>(logits, n, v, from);
 }
 
+void mask_columns_bf16(cudaStream_t s, uint16_t* logits, int64_t n, int64_t v, int64_t from) {
+  mask_columns_kernel<<<blocks_for(n * (v - from)), kThreads, 0, s>>>(bf(logits), n, v, from);
+}
+
 void cross_entropy(cudaStream_t s, float* logits, const int32_t* targets, float* losses,
                    float scale, bool fused, int64_t n, int64_t v) {
   const unsigned rows = static_cast<unsigned>(n);
@@ -1249,6 +1271,19 @@ void cross_entropy_bf16(cudaStream_t s, const float* logits, uint16_t* dlogits,
   else
     cross_entropy_kernel<true, false><<<rows, kRowThreads, 0, s>>>(logits, bf(dlogits), targets,
                                                                    losses, scale, v);
+}
+
+void cross_entropy_bf16_logits(cudaStream_t s, const uint16_t* logits, uint16_t* dlogits,
+                               const int32_t* targets, float* losses, float scale, int64_t n,
+                               int64_t v) {
+  const unsigned rows = static_cast<unsigned>(n);
+  if (v % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 8 == 0 &&
+      reinterpret_cast<uintptr_t>(dlogits) % 8 == 0)
+    cross_entropy_kernel<true, true><<<rows, kRowThreads, 0, s>>>(bf(logits), bf(dlogits),
+                                                                  targets, losses, scale, v);
+  else
+    cross_entropy_kernel<true, false><<<rows, kRowThreads, 0, s>>>(bf(logits), bf(dlogits),
+                                                                   targets, losses, scale, v);
 }
 
 void cross_entropy_backward(cudaStream_t s, const float* probs, const int32_t* targets,

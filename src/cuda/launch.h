@@ -65,11 +65,16 @@ void scale_inplace(cudaStream_t s, float* y, float scale, int64_t n);
 
 // --- cross-entropy, one block per row (n < 2^31) ---
 void mask_columns(cudaStream_t s, float* logits, int64_t n, int64_t v, int64_t from);
+void mask_columns_bf16(cudaStream_t s, uint16_t* logits, int64_t n, int64_t v, int64_t from);
 void cross_entropy(cudaStream_t s, float* logits, const int32_t* targets, float* losses,
                    float scale, bool fused, int64_t n, int64_t v);
 // The fused classifier's dlogits into a separate bf16 (N, V), logits unread after.
 void cross_entropy_bf16(cudaStream_t s, const float* logits, uint16_t* dlogits,
                         const int32_t* targets, float* losses, float scale, int64_t n, int64_t v);
+// The same from bf16 logits; dlogits may be the logits themselves.
+void cross_entropy_bf16_logits(cudaStream_t s, const uint16_t* logits, uint16_t* dlogits,
+                               const int32_t* targets, float* losses, float scale, int64_t n,
+                               int64_t v);
 void cross_entropy_backward(cudaStream_t s, const float* probs, const int32_t* targets,
                             float* dlogits, float scale, int64_t n, int64_t v, int64_t first);
 

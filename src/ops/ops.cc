@@ -1162,11 +1162,18 @@ void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dw
 
 void mask_columns(const Tensor& logits, int64_t from) {
   const Device d = common_device("mask_columns", {&logits});
-  check_dtype("mask_columns", "logits", logits, DType::F32);
   const int64_t n = logits.shape().rows(), v = logits.shape().last();
   check(from >= 0 && from <= v, "mask_columns: column {} is outside the {} columns of {}", from, v,
         logits.shape().str());
   if (from == v) return;
+  if (is_bf16(logits)) {  // -inf is exact in bf16: the widened path gives the same bits
+    if (on_gpu(d, "mask_columns", [&](auto& cx) { cuda::mask_columns(cx, b16w(logits), n, v, from); }))
+      return;
+    Widen wd(__func__);
+    mask_columns(wd.out(logits, true), from);
+    return wd.commit();
+  }
+  check_dtype("mask_columns", "logits", logits, DType::F32);
   on_device(
       d, "mask_columns", [&] { cpu::mask_columns(fw(logits), n, v, from); },
       [&](auto& cx) { cuda::mask_columns(cx, fw(logits), n, v, from); });
@@ -1194,14 +1201,17 @@ double softmax_cross_entropy(const Tensor& logits, const Tensor& targets, const 
 }
 
 namespace {
-// The fused classifier's checks: fp32 logits (N, V), N int32 targets, N
-// losses, all on one device (and dlogits, when given, of the logits' shape).
-// Returns that device.
+// The fused classifier's checks: logits (N, V), fp32 (or bf16 with bf16
+// dlogits), N int32 targets, N losses, all on one device (and dlogits, when
+// given, of the logits' shape). Returns that device.
 Device check_classifier(const char* op, const Tensor& logits, const Tensor& targets,
                         const Tensor& losses, const Tensor& dlogits = Tensor()) {
   const Device d = dlogits.defined() ? common_device(op, {&logits, &targets, &losses, &dlogits})
                                      : common_device(op, {&logits, &targets, &losses});
-  check_dtype(op, "logits", logits, DType::F32);
+  if (is_bf16(logits) && dlogits.defined())
+    check_dtype(op, "dlogits (for bf16 logits)", dlogits, DType::BF16);
+  else
+    check_dtype(op, "logits", logits, DType::F32);
   check_dtype(op, "targets", targets, DType::I32);
   check_numel(op, "targets", targets, logits.shape().rows());
   check_numel(op, "losses", losses, logits.shape().rows());
@@ -1236,6 +1246,18 @@ void fused_cross_entropy_rows(const Tensor& logits, const Tensor& targets, const
 void fused_cross_entropy_rows(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                               float scale, const Tensor& dlogits) {
   const Device d = check_classifier("fused_cross_entropy_rows", logits, targets, losses, dlogits);
+  if (is_bf16(logits)) {  // bf16 dlogits too; they may be the logits themselves
+    if (on_gpu(d, "fused_cross_entropy_rows", [&](auto& cx) {
+          cuda::fused_cross_entropy(cx, b16(logits), b16w(dlogits), i32(targets), fw(losses),
+                                    scale, logits.shape().rows(), logits.shape().last());
+        }))
+      return;
+    Widen wd(__func__);  // the CPU: the fp32 classifier on the exact widened logits, rounded once
+    const Tensor wide = wd.in(logits);
+    fused_cross_entropy_rows(wide, targets, losses, scale);
+    convert(wide, dlogits);
+    return;
+  }
   if (dlogits.raw() == logits.raw()) return fused_cross_entropy_rows(logits, targets, losses, scale);
   if (is_bf16(dlogits)) {
     if (on_gpu(d, "fused_cross_entropy_rows", [&](auto& cx) {

@@ -123,13 +123,14 @@ void expect_same_on_both(Layer& cpu_layer, Layer& gpu_layer, Twin& twin,
       grad_out.push_back(out_shapes[k].numel() == 1
                              ? on(Tensor::zeros({1}), d)
                              : narrowed(on(uniform_tensor(out_shapes[k], 100 + k), d), d));
-    // A loss's gradient: a power of two, so that the GPU's whole LM head with
-    // bf16 activations, which rounds the unit dlogits (p - onehot) to bf16 and
-    // scales by it in its GEMMs' alpha, and the CPU's, which rounds the scaled
-    // dlogits, give the GEMMs the same bf16 operands (as
+    // A loss's gradient: a power of two. The LM head with bf16 activations
+    // rounds the unit dlogits (p - onehot) to bf16 on both devices and scales
+    // by g in its GEMMs' alpha; a power of two keeps that equal to rounding
+    // the scaled dlogits, so any path that scales first gives the GEMMs the
+    // same bf16 operands (as
     // TiedLmHeadLoss.ChunkedBf16DlogitsGiveTheWholeHeadsGradients argues). With
-    // 0.37 each dlogit rounds differently, up to a bf16 unit apart: ~3e-3 of
-    // dx's norm, past kBf16.
+    // 0.37 each dlogit may round differently, up to a bf16 unit apart: ~3e-3
+    // of dx's norm, past kBf16.
     if (out_shapes.size() == 1 && out_shapes[0].numel() == 1) ops::set_item(grad_out[0], 0.5f);
     for (size_t k = 0; k < inputs.size(); ++k)
       r.grad_in.push_back(need_grad[k] ? Tensor::zeros(inputs[k].shape(), in[k].dtype(), d)

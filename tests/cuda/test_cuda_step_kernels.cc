@@ -205,6 +205,50 @@ void check_classifier(const ClassifierCase& c, uint64_t seed) {
   Tensor on_device = Tensor::zeros({1}, DType::F32, kGpu);
   ops::sum(gfl, on_device);
   EXPECT_EQ(ops::item(on_device), static_cast<float>(gpu_total)) << "V " << v << " T " << c.t;
+
+  // bf16 logits (bf16 activations' LM head), masked by the bf16 kernel and
+  // replaced in place by bf16 dlogits: the kernel loads each logit widened
+  // exactly and groups the row as the fp32 kernel does (four at a time where
+  // v % 4 == 0, else one), so it gives, bit for bit, the fp32 classifier on
+  // the widened logits, its dlogits rounded once. The same into a separate
+  // bf16 buffer, the logits left as they were.
+  Tensor g16 = Tensor::empty({n, v}, DType::BF16, kGpu);
+  ops::convert(on(logits, kGpu), g16);
+  ops::mask_columns(g16, c.real);
+  Tensor wide = Tensor::empty({n, v}, DType::F32, kGpu);
+  ops::convert(g16, wide);
+  const Tensor logits16 = on(g16, Device::cpu());
+  Tensor wl = Tensor::zeros({n}, DType::F32, kGpu), l16 = Tensor::zeros({n}, DType::F32, kGpu);
+  Tensor l16b = Tensor::zeros({n}, DType::F32, kGpu);
+  ops::fused_cross_entropy_rows(wide, gt, wl, scale);
+  Tensor apart = Tensor::empty({n, v}, DType::BF16, kGpu);
+  ops::fused_cross_entropy_rows(g16, gt, l16b, scale, apart);
+  const Tensor unchanged = on(g16, Device::cpu());
+  ops::fused_cross_entropy_rows(g16, gt, l16, scale, g16);
+  const Tensor want_d = on(wide, Device::cpu());
+  const Tensor got_in = on(g16, Device::cpu()), got_apart = on(apart, Device::cpu());
+  const uint16_t* in_place = got_in.data<uint16_t>();
+  const uint16_t* separate = got_apart.data<uint16_t>();
+  off = 0;
+  for (int64_t i = 0; i < n * v && off < 10; ++i) {
+    const uint16_t want = cuda::to_bf16(want_d.data<float>()[i]).bits;
+    if (in_place[i] != want || separate[i] != want ||
+        unchanged.data<uint16_t>()[i] != logits16.data<uint16_t>()[i]) {
+      ++off;
+      ADD_FAILURE() << "bf16-logit dlogits at " << i << ": in place " << in_place[i]
+                    << ", separate " << separate[i] << ", want " << want << "; V " << v << " T "
+                    << c.t;
+    }
+  }
+  for (int64_t j = c.real; j < v; ++j)  // the bf16 mask: -inf exactly
+    EXPECT_EQ(logits16.data<uint16_t>()[j], 0xff80) << "column " << j << " V " << v;
+  const Tensor want_l = on(wl, Device::cpu());
+  EXPECT_EQ(std::memcmp(on(l16, Device::cpu()).data<float>(), want_l.data<float>(), sizeof(float) * n),
+            0)
+      << "bf16-logit losses (in place); V " << v << " T " << c.t;
+  EXPECT_EQ(std::memcmp(on(l16b, Device::cpu()).data<float>(), want_l.data<float>(), sizeof(float) * n),
+            0)
+      << "bf16-logit losses (separate); V " << v << " T " << c.t;
 }
 
 TEST(CudaFusedClassifier, MatchesCpuAtEverySequenceLength) {

@@ -174,6 +174,7 @@ void attention_backward(Context& ctx, MathMode mode, const float* dout, const fl
 // Columns [from, V) of each row = -inf (a padded vocabulary's columns), which
 // every softmax below gives probability exactly 0 (expf(-inf) is 0).
 void mask_columns(Context& ctx, float* logits, int64_t n, int64_t v, int64_t from);
+void mask_columns(Context& ctx, bf16* logits, int64_t n, int64_t v, int64_t from);
 // In place: logits become the probabilities; losses[i] = -log p[i][target[i]].
 // Targets must lie in [0, V) (the caller checks on the host, as the embedding
 // does); a row with a target outside gets a NaN loss rather than a stray write.
@@ -192,6 +193,10 @@ void fused_cross_entropy(Context& ctx, float* logits, const int32_t* targets, fl
 // once (bf16 activations: the LM head's backward GEMMs read them as bf16);
 // the logits are only read.
 void fused_cross_entropy(Context& ctx, const float* logits, bf16* dlogits, const int32_t* targets,
+                         float* losses, float scale, int64_t n, int64_t v);
+// The same from bf16 logits (bf16 activations' LM head: its logits GEMM
+// rounds them once), computed in fp32; dlogits may be the logits themselves.
+void fused_cross_entropy(Context& ctx, const bf16* logits, bf16* dlogits, const int32_t* targets,
                          float* losses, float scale, int64_t n, int64_t v);
 
 // --- the vocabulary-parallel cross-entropy's local steps (cpu_kernels.h's
