@@ -20,12 +20,13 @@ void Residual::forward(LayerCtx&, Arena&, std::span<const Tensor> in,
 }
 
 // In input order: where both inputs are one value, the first copies and the
-// second adds.
+// second adds. An input whose gradient is the output's own buffer
+// (LayerCtx::shared_grads_in) already holds it.
 void Residual::backward_input(LayerCtx& ctx, Arena&, std::span<const Tensor> grad_out,
                               std::span<const Tensor> grad_in) {
   for (size_t i = 0; i < grad_in.size(); ++i) {
     const Tensor& g = grad_in[i];
-    if (!g.defined()) continue;
+    if (!g.defined() || (ctx.shared_grads_in & (1u << i))) continue;
     if (ctx.fresh_grads_in & (1u << i))
       g.copy_from(grad_out[0]);
     else

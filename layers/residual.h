@@ -18,6 +18,7 @@ class Residual final : public Layer {
   void backward_input(LayerCtx& ctx, Arena& arena, std::span<const Tensor> grad_out,
                       std::span<const Tensor> grad_in) override;
   bool writes_input_grad(size_t) const override { return true; }
+  bool may_share_input_grad(size_t) const override { return true; }
 };
 
 }  // namespace weft

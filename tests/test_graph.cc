@@ -354,5 +354,47 @@ TEST(Graph, SkipConnectionGradientAccumulates) {
   EXPECT_TRUE(mb.grad(x).defined());
 }
 
+// A residual branch's gradient is the output's gradient buffer itself, not
+// a copy (Layer::may_share_input_grad), where the branch's value has no
+// other reader; the stream (read twice), a value added to itself, and the
+// second of two single-reader inputs each get a buffer of their own. The
+// gradients are those of the copies.
+TEST(Graph, AResidualBranchTakesItsOutputsGradientBuffer) {
+  auto ps = std::make_shared<ParamStore>();
+  Graph g(ps);
+  const int x = g.input("x", {1, 3}, DType::F32, true);
+  const int u = g.input("u", {1, 3}, DType::F32, true);
+  Param* w = ps->create("w", {3, 3}, Init::constant(0));
+  for (int i = 0; i < 3; ++i) w->value.data<float>()[i * 3 + i] = 2.0f;  // 2 I
+  const int h = g.add1("fc", std::make_unique<Linear>(w, nullptr), {x});
+  const int y = g.add1("skip", std::make_unique<Residual>(), {x, h});      // x read twice
+  const int z = g.add1("twice", std::make_unique<Residual>(), {u, u});     // u + u
+  const int r = g.add1("both", std::make_unique<Residual>(), {y, z});      // each read once
+  MicroBatch mb(g);
+  mb.input(x).zero_();
+  mb.input(u).zero_();
+  forward(g, mb, 0, 4);
+  Tensor& gr = mb.grad(r);
+  gr = mb.arena().zeros({1, 3});
+  gr.data<float>()[1] = 1.0f;
+  const void* out = gr.raw();
+  backward_input(g, mb, 3);  // both: y shares r's buffer, z (the second) gets its own
+  EXPECT_EQ(mb.grad(y).raw(), out);
+  EXPECT_NE(mb.grad(z).raw(), out);
+  backward_weight(g, mb, 3);
+  backward_input(g, mb, 2);  // twice: u is read twice by it, so it is not shared
+  EXPECT_NE(mb.grad(u).raw(), mb.grad(z).raw());
+  backward_weight(g, mb, 2);
+  backward_input(g, mb, 1);  // skip: h shares y's buffer, x (read by fc too) does not
+  EXPECT_EQ(mb.grad(h).raw(), out);
+  EXPECT_NE(mb.grad(x).raw(), out);
+  backward_weight(g, mb, 1);
+  backward(g, mb, 0, 1);
+  EXPECT_FLOAT_EQ(mb.grad(x).data<float>()[1], 3.0f);  // 1 (skip) + 2 (through W)
+  EXPECT_FLOAT_EQ(mb.grad(u).data<float>()[1], 2.0f);  // 1 + 1
+  EXPECT_FLOAT_EQ(mb.grad(x).data<float>()[0], 0.0f);
+  EXPECT_FLOAT_EQ(w->grad.data<float>()[1 * 3 + 1], 0.0f);  // x = 0
+}
+
 }  // namespace
 }  // namespace weft

@@ -41,6 +41,11 @@ struct LayerCtx {
   // (Layer::writes_input_grad); 0 everywhere else, as when a layer is
   // called directly: then every gradient is accumulated into.
   uint32_t fresh_grads_in = 0;
+  // Bit i: the runner made input i's gradient the output's gradient itself
+  // (Layer::may_share_input_grad), so the layer leaves it alone: it already
+  // holds what the layer would have copied there. 0 when a layer is called
+  // directly.
+  uint32_t shared_grads_in = 0;
   // The gradient of the layer's one output when the runner seeded it with a
   // scalar the host knows (MicroBatch::seed_grad: the loss's), during
   // backward_input only; empty otherwise. A loss layer reads it here rather
@@ -73,6 +78,13 @@ class Layer {
   // (LayerCtx::fresh_grads_in), writes all of it. Then the runner need not
   // zero it first: a memset and an extra read of every such gradient saved.
   virtual bool writes_input_grad(size_t /*i*/) const { return false; }
+  // Whether input i's gradient is exactly the gradient of the layer's one
+  // output (a residual add's), so that the runner may hand the output's
+  // gradient buffer over as input i's instead of a copy: it does so where
+  // input i's value is read by this layer alone, once, and for at most one
+  // input of a node (LayerCtx::shared_grads_in). That saves a copy and a
+  // buffer of every residual branch's gradient.
+  virtual bool may_share_input_grad(size_t /*i*/) const { return false; }
 
   // This layer's form on one rank of a tensor-parallel group: the graph stays
   // logical, and a stage is instantiated per rank from it

@@ -1,6 +1,8 @@
 #include <weft/ops.h>
 #include <weft/runner.h>
 
+#include <algorithm>
+
 namespace weft {
 
 MicroBatch::MicroBatch(const Graph& graph, Device device)
@@ -119,14 +121,26 @@ void backward_input(const Graph& g, MicroBatch& mb, int n) {
   }
   // Gradients of the inputs, accumulated into. The first node to reach a
   // value (its last reader) gets a fresh buffer: uninitialised where the
-  // layer writes it whole (Layer::writes_input_grad), zeros otherwise.
+  // layer writes it whole (Layer::writes_input_grad), zeros otherwise. Or,
+  // for one input that only this node reads, once, and whose gradient is
+  // the output's (Layer::may_share_input_grad: a residual branch's), the
+  // output's gradient buffer itself. Nothing writes that buffer again: the
+  // output's readers are done, and this value has no other reader. Its
+  // producer only reads it, and no other value shares it.
   mb.in_buf_.clear();
-  uint32_t fresh = 0;
+  uint32_t fresh = 0, shared = 0;
   for (size_t i = 0; i < node.inputs.size(); ++i) {
-    const Value& val = g.values()[static_cast<size_t>(node.inputs[i])];
-    Tensor& gr = mb.grads_[static_cast<size_t>(node.inputs[i])];
+    const int v = node.inputs[i];
+    const Value& val = g.values()[static_cast<size_t>(v)];
+    Tensor& gr = mb.grads_[static_cast<size_t>(v)];
     if (val.requires_grad && !gr.defined()) {
-      if (i < 32 && node.layer->writes_input_grad(i)) {
+      if (shared == 0 && i < 32 && node.outputs.size() == 1 &&
+          node.layer->may_share_input_grad(i) && val.consumers.size() == 1 &&
+          std::count(node.inputs.begin(), node.inputs.end(), v) == 1 &&
+          mb.out_buf_[0].shape() == val.shape && mb.out_buf_[0].dtype() == val.dtype) {
+        gr = mb.out_buf_[0];
+        shared |= 1u << i;
+      } else if (i < 32 && node.layer->writes_input_grad(i)) {
         gr = mb.new_grad(val);
         fresh |= 1u << i;
       } else {
@@ -137,9 +151,10 @@ void backward_input(const Graph& g, MicroBatch& mb, int n) {
   }
   LayerCtx& ctx = *mb.ctx_[static_cast<size_t>(n)];
   ctx.fresh_grads_in = fresh;
+  ctx.shared_grads_in = shared;
   if (node.outputs.size() == 1 && node.outputs[0] == mb.seeded_) ctx.seeded_grad_out = mb.seed_;
   node.layer->backward_input(ctx, mb.arena_, mb.out_buf_, mb.in_buf_);
-  ctx.fresh_grads_in = 0;
+  ctx.fresh_grads_in = ctx.shared_grads_in = 0;
   ctx.seeded_grad_out.reset();
 }
 
