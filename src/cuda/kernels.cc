@@ -69,23 +69,32 @@ void layernorm_backward_weight(Context& ctx, const bf16* dy, const bf16* x, cons
   WEFT_LAUNCH_CHECK("column_sums (layernorm weight, bf16)");
 }
 
-void rmsnorm_forward(Context& ctx, const float* x, const float* w, float* y, float* rstd,
-                     int64_t n, int64_t c, float eps) {
-  if (n == 0) return;
-  launch::rmsnorm_forward(prepare(ctx), x, w, y, rstd, n, c, eps);
-  WEFT_LAUNCH_CHECK("rmsnorm_forward");
+namespace {
+// The Llama layers' launches for activations of T: float, or bf16 bits.
+void launched(const char* what, const char* file, int line) {
+  detail::check_cuda(cudaGetLastError(), what, file, line);
 }
 
-void rmsnorm_backward_input(Context& ctx, const float* dy, const float* x, const float* w,
-                            const float* rstd, float* dx, int64_t n, int64_t c) {
+template <class T>
+void rmsnorm_forward_of(Context& ctx, const T* x, const float* w, T* y, float* rstd, int64_t n,
+                        int64_t c, float eps) {
+  if (n == 0) return;
+  launch::rmsnorm_forward(prepare(ctx), x, w, y, rstd, n, c, eps);
+  launched("launch of rmsnorm_forward", __FILE__, __LINE__);
+}
+
+template <class T>
+void rmsnorm_backward_input_of(Context& ctx, const T* dy, const T* x, const float* w,
+                               const float* rstd, T* dx, int64_t n, int64_t c) {
   if (n == 0) return;
   launch::rmsnorm_backward_input(prepare(ctx), dy, x, w, rstd, dx, n, c);
-  WEFT_LAUNCH_CHECK("rmsnorm_backward_input");
+  launched("launch of rmsnorm_backward_input", __FILE__, __LINE__);
 }
 
 // LayerNorm's column sums with a zero mean: sum_i dy x rstd (its bias sums are dropped).
-void rmsnorm_backward_weight(Context& ctx, const float* dy, const float* x, const float* rstd,
-                             float* dw, int64_t n, int64_t c) {
+template <class T>
+void rmsnorm_backward_weight_of(Context& ctx, const T* dy, const T* x, const float* rstd,
+                                float* dw, int64_t n, int64_t c) {
   if (n == 0 || c == 0) return;
   DeviceBuffer<float> zero_mean(ctx, n), unused_db(ctx, c);
   zero(ctx, zero_mean.data(), zero_mean.bytes());
@@ -93,34 +102,91 @@ void rmsnorm_backward_weight(Context& ctx, const float* dy, const float* x, cons
   DeviceBuffer<float> partials(ctx, 2 * launch::column_slices(n) * c);
   launch::column_sums(prepare(ctx), dy, x, zero_mean.data(), rstd, dw, unused_db.data(),
                       partials.data(), n, c);
-  WEFT_LAUNCH_CHECK("column_sums (rmsnorm weight)");
+  launched("launch of column_sums (rmsnorm weight)", __FILE__, __LINE__);
+}
+
+template <class T>
+void swiglu_forward_of(Context& ctx, const T* x, T* y, int64_t n, int64_t h) {
+  if (n * h == 0) return;
+  launch::swiglu_forward(prepare(ctx), x, y, n, h);
+  launched("launch of swiglu_forward", __FILE__, __LINE__);
+}
+
+template <class T>
+void swiglu_backward_of(Context& ctx, const T* dy, const T* x, T* dx, int64_t n, int64_t h) {
+  if (n * h == 0) return;
+  launch::swiglu_backward(prepare(ctx), dy, x, dx, n, h);
+  launched("launch of swiglu_backward", __FILE__, __LINE__);
+}
+
+template <class T>
+void rope_of(Context& ctx, bool backward, const T* src, T* dst, int64_t b, int64_t t, int64_t h,
+             int64_t g, int64_t d, float base) {
+  if (b * t * d == 0) return;
+  launch::rope(prepare(ctx), backward, src, dst, b, t, h, g, d, base);
+  launched(backward ? "launch of rope_backward" : "launch of rope_forward", __FILE__, __LINE__);
+}
+}  // namespace
+
+void rmsnorm_forward(Context& ctx, const float* x, const float* w, float* y, float* rstd,
+                     int64_t n, int64_t c, float eps) {
+  rmsnorm_forward_of(ctx, x, w, y, rstd, n, c, eps);
+}
+void rmsnorm_forward(Context& ctx, const bf16* x, const float* w, bf16* y, float* rstd, int64_t n,
+                     int64_t c, float eps) {
+  rmsnorm_forward_of(ctx, raw(x), w, raw(y), rstd, n, c, eps);
+}
+
+void rmsnorm_backward_input(Context& ctx, const float* dy, const float* x, const float* w,
+                            const float* rstd, float* dx, int64_t n, int64_t c) {
+  rmsnorm_backward_input_of(ctx, dy, x, w, rstd, dx, n, c);
+}
+void rmsnorm_backward_input(Context& ctx, const bf16* dy, const bf16* x, const float* w,
+                            const float* rstd, bf16* dx, int64_t n, int64_t c) {
+  rmsnorm_backward_input_of(ctx, raw(dy), raw(x), w, rstd, raw(dx), n, c);
+}
+
+void rmsnorm_backward_weight(Context& ctx, const float* dy, const float* x, const float* rstd,
+                             float* dw, int64_t n, int64_t c) {
+  rmsnorm_backward_weight_of(ctx, dy, x, rstd, dw, n, c);
+}
+void rmsnorm_backward_weight(Context& ctx, const bf16* dy, const bf16* x, const float* rstd,
+                             float* dw, int64_t n, int64_t c) {
+  rmsnorm_backward_weight_of(ctx, raw(dy), raw(x), rstd, dw, n, c);
 }
 
 void swiglu_forward(Context& ctx, const float* x, float* y, int64_t n, int64_t h) {
-  if (n * h == 0) return;
-  launch::swiglu_forward(prepare(ctx), x, y, n, h);
-  WEFT_LAUNCH_CHECK("swiglu_forward");
+  swiglu_forward_of(ctx, x, y, n, h);
+}
+void swiglu_forward(Context& ctx, const bf16* x, bf16* y, int64_t n, int64_t h) {
+  swiglu_forward_of(ctx, raw(x), raw(y), n, h);
 }
 
 void swiglu_backward(Context& ctx, const float* dy, const float* x, float* dx, int64_t n,
                      int64_t h) {
-  if (n * h == 0) return;
-  launch::swiglu_backward(prepare(ctx), dy, x, dx, n, h);
-  WEFT_LAUNCH_CHECK("swiglu_backward");
+  swiglu_backward_of(ctx, dy, x, dx, n, h);
+}
+void swiglu_backward(Context& ctx, const bf16* dy, const bf16* x, bf16* dx, int64_t n,
+                     int64_t h) {
+  swiglu_backward_of(ctx, raw(dy), raw(x), raw(dx), n, h);
 }
 
 void rope_forward(Context& ctx, const float* x, float* y, int64_t b, int64_t t, int64_t h,
                   int64_t g, int64_t d, float base) {
-  if (b * t * d == 0) return;
-  launch::rope(prepare(ctx), false, x, y, b, t, h, g, d, base);
-  WEFT_LAUNCH_CHECK("rope_forward");
+  rope_of(ctx, false, x, y, b, t, h, g, d, base);
+}
+void rope_forward(Context& ctx, const bf16* x, bf16* y, int64_t b, int64_t t, int64_t h,
+                  int64_t g, int64_t d, float base) {
+  rope_of(ctx, false, raw(x), raw(y), b, t, h, g, d, base);
 }
 
 void rope_backward(Context& ctx, const float* dy, float* dx, int64_t b, int64_t t, int64_t h,
                    int64_t g, int64_t d, float base) {
-  if (b * t * d == 0) return;
-  launch::rope(prepare(ctx), true, dy, dx, b, t, h, g, d, base);
-  WEFT_LAUNCH_CHECK("rope_backward");
+  rope_of(ctx, true, dy, dx, b, t, h, g, d, base);
+}
+void rope_backward(Context& ctx, const bf16* dy, bf16* dx, int64_t b, int64_t t, int64_t h,
+                   int64_t g, int64_t d, float base) {
+  rope_of(ctx, true, raw(dy), raw(dx), b, t, h, g, d, base);
 }
 
 void gelu_forward(Context& ctx, const float* x, float* y, int64_t n) {

@@ -133,57 +133,69 @@ __global__ void layernorm_backward_input_kernel(const G* dy, const X* x, const f
 
 // ---------------------------------------------------------------- RMSNorm, SwiGLU, RoPE
 
+// The Llama layers' kernels are templated on the activations' element type
+// T (float, or bf16 under --bf16: x, y, dy and dx; the weight and rstd stay
+// fp32), as LayerNorm's are: the bf16 instance loads widened, computes as
+// the fp32 instance does, and rounds each store once.
+
 // One warp per row. x, y (N, C); rstd (N)
-__global__ void rmsnorm_forward_kernel(const float* x, const float* w, float* y, float* rstd,
-                                       int64_t n, int64_t c, float eps) {
+template <class T>
+__global__ void rmsnorm_forward_kernel(const T* x, const float* w, T* y, float* rstd, int64_t n,
+                                       int64_t c, float eps) {
   const int64_t row = int64_t{blockIdx.x} * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (row >= n) return;
-  const float* xr = x + row * c;
+  const T* xr = x + row * c;
   float ss = 0;
-  for (int64_t j = lane; j < c; j += kWarp) ss += xr[j] * xr[j];
+  for (int64_t j = lane; j < c; j += kWarp) {
+    const float xj = load(xr, j);
+    ss += xj * xj;
+  }
   const float r = 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(c) + eps);
-  float* yr = y + row * c;
-  for (int64_t j = lane; j < c; j += kWarp) yr[j] = xr[j] * r * w[j];
+  T* yr = y + row * c;
+  for (int64_t j = lane; j < c; j += kWarp) store(yr, j, load(xr, j) * r * w[j]);
   if (lane == 0) rstd[row] = r;
 }
 
 // One warp per row: dx += r w dy - x r^3 / C * sum_j w_j dy_j x_j
-__global__ void rmsnorm_backward_input_kernel(const float* dy, const float* x, const float* w,
-                                              const float* rstd, float* dx, int64_t n,
-                                              int64_t c) {
+template <class T>
+__global__ void rmsnorm_backward_input_kernel(const T* dy, const T* x, const float* w,
+                                              const float* rstd, T* dx, int64_t n, int64_t c) {
   const int64_t row = int64_t{blockIdx.x} * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (row >= n) return;
-  const float* dyr = dy + row * c;
-  const float* xr = x + row * c;
+  const T* dyr = dy + row * c;
+  const T* xr = x + row * c;
   const float r = rstd[row];
   float dot = 0;
-  for (int64_t j = lane; j < c; j += kWarp) dot += w[j] * dyr[j] * xr[j];
+  for (int64_t j = lane; j < c; j += kWarp) dot += w[j] * load(dyr, j) * load(xr, j);
   const float k = r * r * r * warp_sum(dot) / static_cast<float>(c);
-  float* dxr = dx + row * c;
-  for (int64_t j = lane; j < c; j += kWarp) dxr[j] += r * w[j] * dyr[j] - xr[j] * k;
+  T* dxr = dx + row * c;
+  for (int64_t j = lane; j < c; j += kWarp)
+    store(dxr, j, load(dxr, j) + (r * w[j] * load(dyr, j) - load(xr, j) * k));
 }
 
 // x (N, 2H) = [gate | up] -> y (N, H) = silu(gate) * up
-__global__ void swiglu_forward_kernel(const float* x, float* y, int64_t n, int64_t h) {
+template <class T>
+__global__ void swiglu_forward_kernel(const T* x, T* y, int64_t n, int64_t h) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n * h;
        i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t row = i / h, j = i % h;
-    const float g = x[row * 2 * h + j], u = x[row * 2 * h + h + j];
-    y[i] = g / (1.0f + expf(-g)) * u;
+    const float g = load(x, row * 2 * h + j), u = load(x, row * 2 * h + h + j);
+    store(y, i, g / (1.0f + expf(-g)) * u);
   }
 }
 
-__global__ void swiglu_backward_kernel(const float* dy, const float* x, float* dx, int64_t n,
-                                       int64_t h) {
+template <class T>
+__global__ void swiglu_backward_kernel(const T* dy, const T* x, T* dx, int64_t n, int64_t h) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n * h;
        i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t row = i / h, j = i % h;
-    const float g = x[row * 2 * h + j], u = x[row * 2 * h + h + j];
-    const float s = 1.0f / (1.0f + expf(-g)), d = dy[i];
-    dx[row * 2 * h + j] += d * u * s * (1.0f + g * (1.0f - s));
-    dx[row * 2 * h + h + j] += d * g * s;
+    const int64_t at = row * 2 * h + j;
+    const float g = load(x, at), u = load(x, at + h);
+    const float s = 1.0f / (1.0f + expf(-g)), d = load(dy, i);
+    store(dx, at, load(dx, at) + d * u * s * (1.0f + g * (1.0f - s)));
+    store(dx, at + h, load(dx, at + h) + d * g * s);
   }
 }
 
@@ -191,22 +203,22 @@ __global__ void swiglu_backward_kernel(const float* dy, const float* x, float* d
 // qkv (rows, (H + 2G) D); the pair (i, i + D/2) of the H query and G key heads
 // is rotated by pos * base^(-2i/D), the G value heads copied.
 // backward: the inverse rotation, accumulated.
-template <bool backward>
-__global__ void rope_kernel(const float* src, float* dst, int64_t rows, int64_t t, int64_t h,
-                            int64_t g, int64_t d, float base) {
+template <bool backward, class T>
+__global__ void rope_kernel(const T* src, T* dst, int64_t rows, int64_t t, int64_t h, int64_t g,
+                            int64_t d, float base) {
   const int64_t half = d / 2, n = h + 2 * g;
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < rows * n * half;
        i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t p = i % half, hi = i / half % n, row = i / (half * n);
     const int64_t at = row * n * d + hi * d + p;
-    const float a0 = src[at], a1 = src[at + half];
+    const float a0 = load(src, at), a1 = load(src, at + half);
     if (hi >= h + g) {  // v: no rotation
       if constexpr (backward) {
-        dst[at] += a0;
-        dst[at + half] += a1;
+        store(dst, at, load(dst, at) + a0);
+        store(dst, at + half, load(dst, at + half) + a1);
       } else {
-        dst[at] = a0;
-        dst[at + half] = a1;
+        store(dst, at, a0);
+        store(dst, at + half, a1);
       }
       continue;
     }
@@ -214,11 +226,11 @@ __global__ void rope_kernel(const float* src, float* dst, int64_t rows, int64_t 
         static_cast<double>(row % t) * pow(static_cast<double>(base), -2.0 * p / static_cast<double>(d)));
     const float cs = cosf(angle), sn = sinf(angle);
     if constexpr (backward) {
-      dst[at] += a0 * cs + a1 * sn;
-      dst[at + half] += a1 * cs - a0 * sn;
+      store(dst, at, load(dst, at) + (a0 * cs + a1 * sn));
+      store(dst, at + half, load(dst, at + half) + (a1 * cs - a0 * sn));
     } else {
-      dst[at] = a0 * cs - a1 * sn;
-      dst[at + half] = a1 * cs + a0 * sn;
+      store(dst, at, a0 * cs - a1 * sn);
+      store(dst, at + half, a1 * cs + a0 * sn);
     }
   }
 }
@@ -1144,18 +1156,54 @@ void column_sums(cudaStream_t s, const uint16_t* dy, const uint16_t* x, const fl
   column_sums_of(s, bf(dy), bf(x), mean, rstd, dw, db, partials, n, c);
 }
 
+template <class T>
+void rmsnorm_forward_of(cudaStream_t s, const T* x, const float* w, T* y, float* rstd, int64_t n,
+                        int64_t c, float eps) {
+  rmsnorm_forward_kernel<<<row_blocks(n), kThreads, 0, s>>>(x, w, y, rstd, n, c, eps);
+}
+
+template <class T>
+void rmsnorm_backward_input_of(cudaStream_t s, const T* dy, const T* x, const float* w,
+                               const float* rstd, T* dx, int64_t n, int64_t c) {
+  rmsnorm_backward_input_kernel<<<row_blocks(n), kThreads, 0, s>>>(dy, x, w, rstd, dx, n, c);
+}
+
+template <class T>
+void rope_of(cudaStream_t s, bool backward, const T* src, T* dst, int64_t b, int64_t t, int64_t h,
+             int64_t g, int64_t d, float base) {
+  const int64_t work = b * t * (h + 2 * g) * d / 2;
+  if (backward)
+    rope_kernel<true><<<blocks_for(work), kThreads, 0, s>>>(src, dst, b * t, t, h, g, d, base);
+  else
+    rope_kernel<false><<<blocks_for(work), kThreads, 0, s>>>(src, dst, b * t, t, h, g, d, base);
+}
+
 void rmsnorm_forward(cudaStream_t s, const float* x, const float* w, float* y, float* rstd,
                      int64_t n, int64_t c, float eps) {
-  rmsnorm_forward_kernel<<<row_blocks(n), kThreads, 0, s>>>(x, w, y, rstd, n, c, eps);
+  rmsnorm_forward_of(s, x, w, y, rstd, n, c, eps);
+}
+
+void rmsnorm_forward(cudaStream_t s, const uint16_t* x, const float* w, uint16_t* y, float* rstd,
+                     int64_t n, int64_t c, float eps) {
+  rmsnorm_forward_of(s, bf(x), w, bf(y), rstd, n, c, eps);
 }
 
 void rmsnorm_backward_input(cudaStream_t s, const float* dy, const float* x, const float* w,
                             const float* rstd, float* dx, int64_t n, int64_t c) {
-  rmsnorm_backward_input_kernel<<<row_blocks(n), kThreads, 0, s>>>(dy, x, w, rstd, dx, n, c);
+  rmsnorm_backward_input_of(s, dy, x, w, rstd, dx, n, c);
+}
+
+void rmsnorm_backward_input(cudaStream_t s, const uint16_t* dy, const uint16_t* x, const float* w,
+                            const float* rstd, uint16_t* dx, int64_t n, int64_t c) {
+  rmsnorm_backward_input_of(s, bf(dy), bf(x), w, rstd, bf(dx), n, c);
 }
 
 void swiglu_forward(cudaStream_t s, const float* x, float* y, int64_t n, int64_t h) {
   swiglu_forward_kernel<<<blocks_for(n * h), kThreads, 0, s>>>(x, y, n, h);
+}
+
+void swiglu_forward(cudaStream_t s, const uint16_t* x, uint16_t* y, int64_t n, int64_t h) {
+  swiglu_forward_kernel<<<blocks_for(n * h), kThreads, 0, s>>>(bf(x), bf(y), n, h);
 }
 
 void swiglu_backward(cudaStream_t s, const float* dy, const float* x, float* dx, int64_t n,
@@ -1163,13 +1211,19 @@ void swiglu_backward(cudaStream_t s, const float* dy, const float* x, float* dx,
   swiglu_backward_kernel<<<blocks_for(n * h), kThreads, 0, s>>>(dy, x, dx, n, h);
 }
 
+void swiglu_backward(cudaStream_t s, const uint16_t* dy, const uint16_t* x, uint16_t* dx,
+                     int64_t n, int64_t h) {
+  swiglu_backward_kernel<<<blocks_for(n * h), kThreads, 0, s>>>(bf(dy), bf(x), bf(dx), n, h);
+}
+
 void rope(cudaStream_t s, bool backward, const float* src, float* dst, int64_t b, int64_t t,
           int64_t h, int64_t g, int64_t d, float base) {
-  const int64_t work = b * t * (h + 2 * g) * d / 2;
-  if (backward)
-    rope_kernel<true><<<blocks_for(work), kThreads, 0, s>>>(src, dst, b * t, t, h, g, d, base);
-  else
-    rope_kernel<false><<<blocks_for(work), kThreads, 0, s>>>(src, dst, b * t, t, h, g, d, base);
+  rope_of(s, backward, src, dst, b, t, h, g, d, base);
+}
+
+void rope(cudaStream_t s, bool backward, const uint16_t* src, uint16_t* dst, int64_t b, int64_t t,
+          int64_t h, int64_t g, int64_t d, float base) {
+  rope_of(s, backward, bf(src), bf(dst), b, t, h, g, d, base);
 }
 
 void gelu_forward(cudaStream_t s, const float* x, float* y, int64_t n) {

@@ -48,6 +48,16 @@ void swiglu_backward(cudaStream_t s, const float* dy, const float* x, float* dx,
 // qkv (B, T, (H + 2G) D): rotates the H query and G key heads, copies the values.
 void rope(cudaStream_t s, bool backward, const float* src, float* dst, int64_t b, int64_t t,
           int64_t h, int64_t g, int64_t d, float base);
+// The same on bf16 activations (the weight and rstd fp32).
+void rmsnorm_forward(cudaStream_t s, const uint16_t* x, const float* w, uint16_t* y, float* rstd,
+                     int64_t n, int64_t c, float eps);
+void rmsnorm_backward_input(cudaStream_t s, const uint16_t* dy, const uint16_t* x, const float* w,
+                            const float* rstd, uint16_t* dx, int64_t n, int64_t c);
+void swiglu_forward(cudaStream_t s, const uint16_t* x, uint16_t* y, int64_t n, int64_t h);
+void swiglu_backward(cudaStream_t s, const uint16_t* dy, const uint16_t* x, uint16_t* dx,
+                     int64_t n, int64_t h);
+void rope(cudaStream_t s, bool backward, const uint16_t* src, uint16_t* dst, int64_t b, int64_t t,
+          int64_t h, int64_t g, int64_t d, float base);
 void gelu_forward(cudaStream_t s, const float* x, float* y, int64_t n);
 void gelu_forward(cudaStream_t s, const uint16_t* x, uint16_t* y, int64_t n);
 void gelu_backward(cudaStream_t s, const float* dy, const float* x, float* dx, int64_t n,

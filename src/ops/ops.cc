@@ -730,6 +730,14 @@ void layernorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& 
 void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd,
                      float eps) {
   if (any_bf16({&x, &w, &y, &rstd})) {
+    if (is_bf16(x) && is_bf16(y) && is_f32(w) && is_f32(rstd) && y.numel() == x.numel() &&
+        w.numel() == x.shape().last() && rstd.numel() == x.shape().rows() &&
+        on_gpu(common_device("rmsnorm_forward", {&x, &w, &y, &rstd}), "rmsnorm_forward",
+               [&](auto& cx) {
+                 cuda::rmsnorm_forward(cx, b16(x), f(w), b16w(y), fw(rstd), x.shape().rows(),
+                                       x.shape().last(), eps);
+               }))
+      return;
     Widen wd(__func__);
     rmsnorm_forward(wd.in(x), wd.in(w), wd.out(y, false), wd.out(rstd, false), eps);
     return wd.commit();
@@ -746,6 +754,15 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Te
 void rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w,
                             const Tensor& rstd, const Tensor& dx) {
   if (any_bf16({&dy, &x, &w, &rstd, &dx})) {
+    if (is_bf16(dy) && is_bf16(x) && is_bf16(dx) && is_f32(w) && is_f32(rstd) &&
+        dy.numel() == x.numel() && dx.numel() == x.numel() && w.numel() == x.shape().last() &&
+        rstd.numel() == x.shape().rows() &&
+        on_gpu(common_device("rmsnorm_backward_input", {&dy, &x, &w, &rstd, &dx}),
+               "rmsnorm_backward_input", [&](auto& cx) {
+                 cuda::rmsnorm_backward_input(cx, b16(dy), b16(x), f(w), f(rstd), b16w(dx),
+                                              x.shape().rows(), x.shape().last());
+               }))
+      return;
     Widen wd(__func__);
     rmsnorm_backward_input(wd.in(dy), wd.in(x), wd.in(w), wd.in(rstd), wd.out(dx, true));
     return wd.commit();
@@ -763,6 +780,14 @@ void rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w,
 void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rstd,
                              const Tensor& dw) {
   if (any_bf16({&dy, &x, &rstd, &dw})) {
+    if (is_bf16(dy) && is_bf16(x) && is_f32(rstd) && is_f32(dw) && dy.numel() == x.numel() &&
+        dw.numel() == x.shape().last() && rstd.numel() == x.shape().rows() &&
+        on_gpu(common_device("rmsnorm_backward_weight", {&dy, &x, &rstd, &dw}),
+               "rmsnorm_backward_weight", [&](auto& cx) {
+                 cuda::rmsnorm_backward_weight(cx, b16(dy), b16(x), f(rstd), fw(dw),
+                                               x.shape().rows(), x.shape().last());
+               }))
+      return;
     Widen wd(__func__);
     rmsnorm_backward_weight(wd.in(dy), wd.in(x), wd.in(rstd), wd.out(dw, true));
     return wd.commit();
@@ -777,6 +802,11 @@ void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rs
 
 void swiglu_forward(const Tensor& x, const Tensor& y) {
   if (any_bf16({&x, &y})) {
+    if (is_bf16(x) && is_bf16(y) && x.shape().last() % 2 == 0 && 2 * y.numel() == x.numel() &&
+        on_gpu(common_device("swiglu_forward", {&x, &y}), "swiglu_forward", [&](auto& cx) {
+          cuda::swiglu_forward(cx, b16(x), b16w(y), x.shape().rows(), x.shape().last() / 2);
+        }))
+      return;
     Widen wd(__func__);
     swiglu_forward(wd.in(x), wd.out(y, false));
     return wd.commit();
@@ -793,6 +823,14 @@ void swiglu_forward(const Tensor& x, const Tensor& y) {
 
 void swiglu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx) {
   if (any_bf16({&dy, &x, &dx})) {
+    if (is_bf16(dy) && is_bf16(x) && is_bf16(dx) && x.shape().last() % 2 == 0 &&
+        2 * dy.numel() == x.numel() && dx.numel() == x.numel() &&
+        on_gpu(common_device("swiglu_backward", {&dy, &x, &dx}), "swiglu_backward",
+               [&](auto& cx) {
+                 cuda::swiglu_backward(cx, b16(dy), b16(x), b16w(dx), x.shape().rows(),
+                                       x.shape().last() / 2);
+               }))
+      return;
     Widen wd(__func__);
     swiglu_backward(wd.in(dy), wd.in(x), wd.out(dx, true));
     return wd.commit();
@@ -819,16 +857,20 @@ int64_t qkv_head_size(const char* op, const Tensor& qkv, int64_t heads, int64_t 
 }  // namespace
 
 void rope_forward(const Tensor& qkv, const Tensor& y, int64_t heads, int64_t groups, float base) {
-  if (any_bf16({&qkv, &y})) {
-    Widen wd(__func__);
-    rope_forward(wd.in(qkv), wd.out(y, false), heads, groups, base);
-    return wd.commit();
-  }
   const Device d = common_device("rope_forward", {&qkv, &y});
   const int64_t hd = qkv_head_size("rope_forward", qkv, heads, groups);
   const int64_t b = qkv.dim(0), t = qkv.dim(1);
   check(hd % 2 == 0, "rope: the head size {} must be even", hd);
   check_numel("rope_forward", "y", y, qkv.numel());
+  if (any_bf16({&qkv, &y})) {
+    if (is_bf16(qkv) && is_bf16(y) && on_gpu(d, "rope_forward", [&](auto& cx) {
+          cuda::rope_forward(cx, b16(qkv), b16w(y), b, t, heads, groups, hd, base);
+        }))
+      return;
+    Widen wd(__func__);
+    rope_forward(wd.in(qkv), wd.out(y, false), heads, groups, base);
+    return wd.commit();
+  }
   on_device(
       d, "rope_forward",
       [&] { cpu::rope_forward(f(qkv), fw(y), b, t, heads, groups, hd, base); },
@@ -837,15 +879,20 @@ void rope_forward(const Tensor& qkv, const Tensor& y, int64_t heads, int64_t gro
 
 void rope_backward(const Tensor& dy, const Tensor& dqkv, int64_t heads, int64_t groups,
                    float base) {
+  const Device d = common_device("rope_backward", {&dy, &dqkv});
+  const int64_t hd = qkv_head_size("rope_backward", dqkv, heads, groups);
+  const int64_t b = dqkv.dim(0), t = dqkv.dim(1);
+  check(hd % 2 == 0, "rope: the head size {} must be even", hd);
+  check_numel("rope_backward", "dy", dy, dqkv.numel());
   if (any_bf16({&dy, &dqkv})) {
+    if (is_bf16(dy) && is_bf16(dqkv) && on_gpu(d, "rope_backward", [&](auto& cx) {
+          cuda::rope_backward(cx, b16(dy), b16w(dqkv), b, t, heads, groups, hd, base);
+        }))
+      return;
     Widen wd(__func__);
     rope_backward(wd.in(dy), wd.out(dqkv, true), heads, groups, base);
     return wd.commit();
   }
-  const Device d = common_device("rope_backward", {&dy, &dqkv});
-  const int64_t hd = qkv_head_size("rope_backward", dqkv, heads, groups);
-  const int64_t b = dqkv.dim(0), t = dqkv.dim(1);
-  check_numel("rope_backward", "dy", dy, dqkv.numel());
   on_device(
       d, "rope_backward",
       [&] { cpu::rope_backward(f(dy), fw(dqkv), b, t, heads, groups, hd, base); },

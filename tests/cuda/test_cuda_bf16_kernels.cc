@@ -150,6 +150,61 @@ TEST(CudaBf16Gelu, EveryOutputIsTheFp32KernelsOutputRounded) {
   expect_rounded(hfresh.host(), ffresh.host(), "gelu dx, fresh");
 }
 
+// ---------------------------------------------------------------- the Llama layers
+
+// RMSNorm (forward, both backwards), SwiGLU and the rotary embedding (with
+// grouped key/value heads), ragged shapes, the input gradients accumulated
+// into.
+TEST(CudaBf16Llama, EveryOutputIsTheFp32KernelsOutputRounded) {
+  for (auto [n, c] : {std::pair<int64_t, int64_t>{45, 200}, {8192 + 13, 96}, {9, 77}}) {
+    SCOPED_TRACE(::testing::Message() << "rmsnorm n " << n << " c " << c);
+    const std::vector<bf16> x16 = bf16_uniform(n * c, 31, -2.0f, 3.0f),
+                            dy16 = bf16_uniform(n * c, 32), dx16 = bf16_uniform(n * c, 33);
+    const std::vector<float> w = uniform(c, 34), dw0 = uniform(c, 35);
+    Dev<float> fx(widened(x16)), fw(w), fy(uniform(n * c, 36)), frstd(uniform(n, 37)),
+        fdy(widened(dy16)), fdx(widened(dx16)), fdw(dw0);
+    rmsnorm_forward(ctx(), fx.p(), fw.p(), fy.p(), frstd.p(), n, c, 1e-5f);
+    rmsnorm_backward_input(ctx(), fdy.p(), fx.p(), fw.p(), frstd.p(), fdx.p(), n, c);
+    rmsnorm_backward_weight(ctx(), fdy.p(), fx.p(), frstd.p(), fdw.p(), n, c);
+    Dev<bf16> hx(x16), hy(bf16_uniform(n * c, 38)), hdy(dy16), hdx(dx16);
+    Dev<float> hrstd(uniform(n, 39)), hdw(dw0);
+    rmsnorm_forward(ctx(), hx.p(), fw.p(), hy.p(), hrstd.p(), n, c, 1e-5f);
+    rmsnorm_backward_input(ctx(), hdy.p(), hx.p(), fw.p(), hrstd.p(), hdx.p(), n, c);
+    rmsnorm_backward_weight(ctx(), hdy.p(), hx.p(), hrstd.p(), hdw.p(), n, c);
+    expect_rounded(hy.host(), fy.host(), "rmsnorm y");
+    expect_same_bits(hrstd.host(), frstd.host(), "rmsnorm rstd");
+    expect_rounded(hdx.host(), fdx.host(), "rmsnorm dx");
+    expect_same_bits(hdw.host(), fdw.host(), "rmsnorm dw");
+  }
+  {
+    const int64_t n = 333, h = 301;  // x (n, 2h) = [gate | up]
+    const std::vector<bf16> x16 = bf16_uniform(n * 2 * h, 41, -6.0f, 6.0f),
+                            dy16 = bf16_uniform(n * h, 42), dx16 = bf16_uniform(n * 2 * h, 43);
+    Dev<float> fx(widened(x16)), fy(uniform(n * h, 44)), fdy(widened(dy16)), fdx(widened(dx16));
+    swiglu_forward(ctx(), fx.p(), fy.p(), n, h);
+    swiglu_backward(ctx(), fdy.p(), fx.p(), fdx.p(), n, h);
+    Dev<bf16> hx(x16), hy(bf16_uniform(n * h, 45)), hdy(dy16), hdx(dx16);
+    swiglu_forward(ctx(), hx.p(), hy.p(), n, h);
+    swiglu_backward(ctx(), hdy.p(), hx.p(), hdx.p(), n, h);
+    expect_rounded(hy.host(), fy.host(), "swiglu y");
+    expect_rounded(hdx.host(), fdx.host(), "swiglu dx");
+  }
+  {
+    const int64_t b = 2, t = 37, heads = 4, groups = 2, d = 10;  // (H + 2G) D = 80 wide
+    const int64_t numel = b * t * (heads + 2 * groups) * d;
+    const std::vector<bf16> x16 = bf16_uniform(numel, 51, -3.0f, 3.0f),
+                            dy16 = bf16_uniform(numel, 52), dx16 = bf16_uniform(numel, 53);
+    Dev<float> fx(widened(x16)), fy(uniform(numel, 54)), fdy(widened(dy16)), fdx(widened(dx16));
+    rope_forward(ctx(), fx.p(), fy.p(), b, t, heads, groups, d, 10000.0f);
+    rope_backward(ctx(), fdy.p(), fdx.p(), b, t, heads, groups, d, 10000.0f);
+    Dev<bf16> hx(x16), hy(bf16_uniform(numel, 55)), hdy(dy16), hdx(dx16);
+    rope_forward(ctx(), hx.p(), hy.p(), b, t, heads, groups, d, 10000.0f);
+    rope_backward(ctx(), hdy.p(), hdx.p(), b, t, heads, groups, d, 10000.0f);
+    expect_rounded(hy.host(), fy.host(), "rope y");
+    expect_rounded(hdx.host(), fdx.host(), "rope dx");
+  }
+}
+
 // ---------------------------------------------------------------- element-wise
 
 TEST(CudaBf16Helpers, AddInPlaceRoundsTheFp32Sum) {

@@ -328,6 +328,22 @@ TEST(CudaLayers, Bf16Activations) {
     expect_same_on_both(attn_cpu, attn_gpu, none, {uniform_tensor({kB, kT, 3 * kC}, 49)}, {true},
                         "bf16 attention (unfused, widened)", kBf16, bf16);
   }
+  {  // the Llama family's: the GPU's bf16 kernels against the CPU's widened ones
+    Twin tw;
+    Param* w = tw.add("w", uniform_tensor({kC}, 70, 0.5f, 1.5f));
+    RmsNorm norm_cpu(w), norm_gpu(tw.gpu_of(w));
+    expect_same_on_both(norm_cpu, norm_gpu, tw, {uniform_tensor({kB, kT, kC}, 71)}, {true},
+                        "bf16 rmsnorm", kBf16, bf16);
+    Twin none;
+    SwiGlu swiglu_cpu, swiglu_gpu;
+    expect_same_on_both(swiglu_cpu, swiglu_gpu, none,
+                        {uniform_tensor({kB, kT, 2 * kC}, 72, -3.0f, 3.0f)}, {true},
+                        "bf16 swiglu", kBf16, bf16);
+    const int64_t d = kC / kHeads;
+    Rotary gqa_cpu(kHeads, 1, 10000.0f), gqa_gpu(kHeads, 1, 10000.0f);
+    expect_same_on_both(gqa_cpu, gqa_gpu, none, {uniform_tensor({kB, kT, kC + 2 * d}, 73)},
+                        {true}, "bf16 rotary, grouped", kBf16, bf16);
+  }
   {
     Twin tw;
     Param* wte = tw.add("wte", uniform_tensor({kV, kC}, 50));

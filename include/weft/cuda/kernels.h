@@ -134,6 +134,21 @@ void rope_forward(Context& ctx, const float* x, float* y, int64_t b, int64_t t, 
                   int64_t g, int64_t d, float base);
 void rope_backward(Context& ctx, const float* dy, float* dx, int64_t b, int64_t t, int64_t h,
                    int64_t g, int64_t d, float base);  // dx +=
+// The same on bf16 activations (x, y, dy, dx; the weight, rstd and dw
+// fp32): each computed as the fp32 kernel computes it, and rounded once.
+void rmsnorm_forward(Context& ctx, const bf16* x, const float* w, bf16* y, float* rstd, int64_t n,
+                     int64_t c, float eps);
+void rmsnorm_backward_input(Context& ctx, const bf16* dy, const bf16* x, const float* w,
+                            const float* rstd, bf16* dx, int64_t n, int64_t c);  // dx +=
+void rmsnorm_backward_weight(Context& ctx, const bf16* dy, const bf16* x, const float* rstd,
+                             float* dw, int64_t n, int64_t c);  // dw +=
+void swiglu_forward(Context& ctx, const bf16* x, bf16* y, int64_t n, int64_t h);
+void swiglu_backward(Context& ctx, const bf16* dy, const bf16* x, bf16* dx, int64_t n,
+                     int64_t h);  // dx +=
+void rope_forward(Context& ctx, const bf16* x, bf16* y, int64_t b, int64_t t, int64_t h,
+                  int64_t g, int64_t d, float base);
+void rope_backward(Context& ctx, const bf16* dy, bf16* dx, int64_t b, int64_t t, int64_t h,
+                   int64_t g, int64_t d, float base);  // dx +=
 
 // --- tanh-approximated GELU, element-wise ---
 void gelu_forward(Context& ctx, const float* x, float* y, int64_t n);
