@@ -1158,12 +1158,14 @@ TEST(TiedLmHeadLoss, Bf16ActivationsGiveTheLossOfBf16Logits) {
     Tensor dx = Tensor::zeros({n, c});
     Arena arena;
     auto ctx = head.make_ctx();
-    const Tensor in[2] = {x, targets}, out[1] = {loss}, grad_out[1] = {gt}, grad_in[2] = {dx, Tensor()};
+    const Tensor in[2] = {x, targets}, out[1] = {loss}, grad_out[1] = {gt};
+    const Tensor grad_in[2] = {dx, Tensor()};
     head.forward(*ctx, arena, in, out);
     EXPECT_NEAR(ops::item(loss), want, bound) << "rows " << rows;
     head.backward_input(*ctx, arena, grad_out, grad_in);
     for (int64_t e = 0; e < n * c; ++e)
-      EXPECT_NEAR(dx.data<float>()[e], dx_want[e], dx_bound[e] + 1e-6) << "rows " << rows << " at " << e;
+      EXPECT_NEAR(dx.data<float>()[e], dx_want[e], dx_bound[e] + 1e-6)
+          << "rows " << rows << " at " << e;
   }
 }
 

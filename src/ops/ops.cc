@@ -1214,7 +1214,8 @@ void mask_columns(const Tensor& logits, int64_t from) {
         logits.shape().str());
   if (from == v) return;
   if (is_bf16(logits)) {  // -inf is exact in bf16: the widened path gives the same bits
-    if (on_gpu(d, "mask_columns", [&](auto& cx) { cuda::mask_columns(cx, b16w(logits), n, v, from); }))
+    if (on_gpu(d, "mask_columns",
+               [&](auto& cx) { cuda::mask_columns(cx, b16w(logits), n, v, from); }))
       return;
     Widen wd(__func__);
     mask_columns(wd.out(logits, true), from);

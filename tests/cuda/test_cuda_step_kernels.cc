@@ -243,11 +243,11 @@ void check_classifier(const ClassifierCase& c, uint64_t seed) {
   for (int64_t j = c.real; j < v; ++j)  // the bf16 mask: -inf exactly
     EXPECT_EQ(logits16.data<uint16_t>()[j], 0xff80) << "column " << j << " V " << v;
   const Tensor want_l = on(wl, Device::cpu());
-  EXPECT_EQ(std::memcmp(on(l16, Device::cpu()).data<float>(), want_l.data<float>(), sizeof(float) * n),
-            0)
+  const Tensor got_l16 = on(l16, Device::cpu()), got_l16b = on(l16b, Device::cpu());
+  const size_t loss_bytes = sizeof(float) * static_cast<size_t>(n);
+  EXPECT_EQ(std::memcmp(got_l16.data<float>(), want_l.data<float>(), loss_bytes), 0)
       << "bf16-logit losses (in place); V " << v << " T " << c.t;
-  EXPECT_EQ(std::memcmp(on(l16b, Device::cpu()).data<float>(), want_l.data<float>(), sizeof(float) * n),
-            0)
+  EXPECT_EQ(std::memcmp(got_l16b.data<float>(), want_l.data<float>(), loss_bytes), 0)
       << "bf16-logit losses (separate); V " << v << " T " << c.t;
 }
 
