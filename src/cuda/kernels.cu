@@ -876,6 +876,27 @@ __global__ void adamw_multi_kernel(const AdamWChunk* chunks, int64_t count, floa
   for (int64_t c = blockIdx.x; c < count; c += gridDim.x) {
     const AdamWChunk k = chunks[c];
     const float decay = k.decay != 0 ? decay_on : decay_off;
+    const auto bits = reinterpret_cast<uintptr_t>(k.p) | reinterpret_cast<uintptr_t>(k.g) |
+                      reinterpret_cast<uintptr_t>(k.m) | reinterpret_cast<uintptr_t>(k.v);
+    if (bits % 16 == 0 && k.n % 4 == 0) {
+      // Four elements per access of each array (16-byte loads and stores),
+      // each updated by the same adamw_element as one at a time.
+      for (int64_t q = threadIdx.x; q < k.n / 4; q += blockDim.x) {
+        const float4 p4 = reinterpret_cast<const float4*>(k.p)[q];
+        const float4 g4 = reinterpret_cast<const float4*>(k.g)[q];
+        const float4 m4 = reinterpret_cast<const float4*>(k.m)[q];
+        const float4 v4 = reinterpret_cast<const float4*>(k.v)[q];
+        float pa[4] = {p4.x, p4.y, p4.z, p4.w}, ga[4] = {g4.x, g4.y, g4.z, g4.w};
+        float ma[4] = {m4.x, m4.y, m4.z, m4.w}, va[4] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          adamw_element(pa, ga, ma, va, e, beta1, beta2, eps, step_size, bc2_sqrt, decay);
+        reinterpret_cast<float4*>(k.p)[q] = make_float4(pa[0], pa[1], pa[2], pa[3]);
+        reinterpret_cast<float4*>(k.m)[q] = make_float4(ma[0], ma[1], ma[2], ma[3]);
+        reinterpret_cast<float4*>(k.v)[q] = make_float4(va[0], va[1], va[2], va[3]);
+      }
+      continue;
+    }
     for (int64_t i = threadIdx.x; i < k.n; i += blockDim.x)
       adamw_element(k.p, k.g, k.m, k.v, i, beta1, beta2, eps, step_size, bc2_sqrt, decay);
   }

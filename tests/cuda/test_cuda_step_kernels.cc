@@ -318,22 +318,28 @@ TEST(CudaFusedClassifier, NonFiniteLogitsGiveANaNLoss) {
 
 // Odd sizes (a chunk is 16384 elements: 65537 spans five, the last of one
 // element), both decay groups, moments and parameters updated over steps
-// with a changing learning rate. The per-element arithmetic is the same
-// function in both kernels and the scalars are computed the same way on the
+// with a changing learning rate. Chunks of a multiple of 4 elements on
+// 16-byte aligned arrays take the kernel's 16-byte path; the last tensor's
+// arrays are views one element into larger ones (4-byte aligned), so its
+// chunks take the scalar one. The per-element arithmetic is the same
+// function everywhere and the scalars are computed the same way on the
 // host, so the results are equal bit for bit, not within a tolerance.
 TEST(CudaAdamWMulti, EqualsThePerTensorUpdateBitForBit) {
-  const std::vector<int64_t> sizes = {1, 3, 1000, 65537, 16384, 7, 50304 * 4 + 1};
+  const std::vector<int64_t> sizes = {1, 3, 1000, 65537, 16384, 7, 50304 * 4 + 1, 4096};
+  const size_t offset_one = sizes.size() - 1;  // its arrays start one element in
   struct Set {
     std::vector<Tensor> p, g, m, v;
   };
   auto make = [&]() {
     Set s;
     uint64_t seed = 40;
-    for (const int64_t n : sizes) {
-      s.p.push_back(on(host_tensor(uniform(n, seed++), {n}), kGpu));
-      s.g.push_back(on(host_tensor(uniform(n, seed++, -0.1f, 0.1f), {n}), kGpu));
-      s.m.push_back(Tensor::zeros({n}, DType::F32, kGpu));
-      s.v.push_back(Tensor::zeros({n}, DType::F32, kGpu));
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const int64_t n = sizes[i], k = i == offset_one ? 1 : 0;
+      auto in = [&](const Tensor& t) { return k ? t.slice0(k, k + n) : t; };
+      s.p.push_back(in(on(host_tensor(uniform(n + k, seed++), {n + k}), kGpu)));
+      s.g.push_back(in(on(host_tensor(uniform(n + k, seed++, -0.1f, 0.1f), {n + k}), kGpu)));
+      s.m.push_back(in(Tensor::zeros({n + k}, DType::F32, kGpu)));
+      s.v.push_back(in(Tensor::zeros({n + k}, DType::F32, kGpu)));
     }
     return s;
   };
