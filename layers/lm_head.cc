@@ -87,9 +87,12 @@ void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
   ctx.targets = in[1];
   ctx.unit_dlogits = ctx.chunked = false;
   // bf16 logits (see lm_head.h); the chunked head has neither a group nor kept logits.
+  // A chunk's budget counts 2 bytes a logit on a GPU, 4 on the CPU, which
+  // widens a chunk's bf16 logits to fp32 for the mask and the classifier.
   const bool narrow = in[0].dtype() == DType::BF16 && !keep_logits_ && !split();
+  const Device& dev = in[0].device();
   const int64_t rows =
-      chunk_rows_ > 0 ? chunk_rows_ : chunk_rows(n, v, in[0].device(), narrow ? 2 : 4);
+      chunk_rows_ > 0 ? chunk_rows_ : chunk_rows(n, v, dev, narrow && !dev.is_cpu() ? 2 : 4);
   if (group_ == nullptr && !keep_logits_ && n > rows) {
     forward_chunked(ctx, arena, in, out, rows);
     return;

@@ -71,7 +71,8 @@ class TiedLmHeadLoss final : public Layer {
   // re-write the fp32 (V, C) weight-gradient accumulator (0.31 GB for
   // GPT-2) fewer times. GPT-2 at B 16, T 1024 on a GPU: 4 chunks of 4096
   // rows of fp32 logits, or 2 chunks of 8192 rows of bf16 logits (0.77 GiB
-  // each); 13 chunks of 1261 fp32 rows on the CPU.
+  // each); 13 chunks of 1261 rows on the CPU, bf16 or not (it widens a bf16
+  // chunk to fp32 for the mask and the classifier, so it budgets 4 bytes).
   static int64_t chunk_bytes(const Device& d) {
     return d.is_cpu() ? int64_t{256} << 20 : int64_t{1} << 30;
   }
