@@ -162,7 +162,7 @@ void TiedLmHeadLoss::forward_chunked(LayerCtx& ctx_, Arena& arena, std::span<con
   const int64_t real = std::clamp<int64_t>(vocab_ - first_, 0, v);
   ctx.chunked = true;
   ctx.dx_unit = arena.alloc({n, c});  // every row written by its chunk's GEMM (beta 0)
-  ctx.dw_unit = arena.zeros({v, c});
+  ctx.dw_unit = arena.alloc({v, c});  // written by the first chunk's GEMM (beta 0), then added to
   // bf16 activations: bf16 logits, replaced by bf16 dlogits that both
   // backward GEMMs read with the weight's bf16 copy; otherwise fp32 logits
   // replaced by fp32 dlogits. Either way, in place.
@@ -179,7 +179,7 @@ void TiedLmHeadLoss::forward_chunked(LayerCtx& ctx_, Arena& arena, std::span<con
     ops::fused_cross_entropy_rows(logits, targets.slice0(r0, r1), losses.slice0(r0, r1), 1.0f,
                                   logits);
     ops::gemm(logits, false, w, false, ctx.dx_unit.slice0(r0, r1));
-    ops::gemm(logits, true, xc, false, ctx.dw_unit, 1.0f, 1.0f);
+    ops::gemm(logits, true, xc, false, ctx.dw_unit, 1.0f, r0 == 0 ? 0.0f : 1.0f);
   }
   ops::sum(losses, out[0]);  // on the device: nothing waits for a GPU here
 }
