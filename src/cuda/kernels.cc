@@ -71,16 +71,12 @@ void layernorm_backward_weight(Context& ctx, const bf16* dy, const bf16* x, cons
 
 namespace {
 // The Llama layers' launches for activations of T: float, or bf16 bits.
-void launched(const char* what, const char* file, int line) {
-  detail::check_cuda(cudaGetLastError(), what, file, line);
-}
-
 template <class T>
 void rmsnorm_forward_of(Context& ctx, const T* x, const float* w, T* y, float* rstd, int64_t n,
                         int64_t c, float eps) {
   if (n == 0) return;
   launch::rmsnorm_forward(prepare(ctx), x, w, y, rstd, n, c, eps);
-  launched("launch of rmsnorm_forward", __FILE__, __LINE__);
+  WEFT_LAUNCH_CHECK("rmsnorm_forward");
 }
 
 template <class T>
@@ -88,7 +84,7 @@ void rmsnorm_backward_input_of(Context& ctx, const T* dy, const T* x, const floa
                                const float* rstd, T* dx, int64_t n, int64_t c) {
   if (n == 0) return;
   launch::rmsnorm_backward_input(prepare(ctx), dy, x, w, rstd, dx, n, c);
-  launched("launch of rmsnorm_backward_input", __FILE__, __LINE__);
+  WEFT_LAUNCH_CHECK("rmsnorm_backward_input");
 }
 
 // LayerNorm's column sums with a zero mean: sum_i dy x rstd (its bias sums are dropped).
@@ -102,21 +98,21 @@ void rmsnorm_backward_weight_of(Context& ctx, const T* dy, const T* x, const flo
   DeviceBuffer<float> partials(ctx, 2 * launch::column_slices(n) * c);
   launch::column_sums(prepare(ctx), dy, x, zero_mean.data(), rstd, dw, unused_db.data(),
                       partials.data(), n, c);
-  launched("launch of column_sums (rmsnorm weight)", __FILE__, __LINE__);
+  WEFT_LAUNCH_CHECK("column_sums (rmsnorm weight)");
 }
 
 template <class T>
 void swiglu_forward_of(Context& ctx, const T* x, T* y, int64_t n, int64_t h) {
   if (n * h == 0) return;
   launch::swiglu_forward(prepare(ctx), x, y, n, h);
-  launched("launch of swiglu_forward", __FILE__, __LINE__);
+  WEFT_LAUNCH_CHECK("swiglu_forward");
 }
 
 template <class T>
 void swiglu_backward_of(Context& ctx, const T* dy, const T* x, T* dx, int64_t n, int64_t h) {
   if (n * h == 0) return;
   launch::swiglu_backward(prepare(ctx), dy, x, dx, n, h);
-  launched("launch of swiglu_backward", __FILE__, __LINE__);
+  WEFT_LAUNCH_CHECK("swiglu_backward");
 }
 
 template <class T>
@@ -124,7 +120,10 @@ void rope_of(Context& ctx, bool backward, const T* src, T* dst, int64_t b, int64
              int64_t g, int64_t d, float base) {
   if (b * t * d == 0) return;
   launch::rope(prepare(ctx), backward, src, dst, b, t, h, g, d, base);
-  launched(backward ? "launch of rope_backward" : "launch of rope_forward", __FILE__, __LINE__);
+  if (backward)
+    WEFT_LAUNCH_CHECK("rope_backward");
+  else
+    WEFT_LAUNCH_CHECK("rope_forward");
 }
 }  // namespace
 

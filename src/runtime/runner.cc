@@ -125,8 +125,10 @@ void backward_input(const Graph& g, MicroBatch& mb, int n) {
   // for one input that only this node reads, once, and whose gradient is
   // the output's (Layer::may_share_input_grad: a residual branch's), the
   // output's gradient buffer itself. Nothing writes that buffer again: the
-  // output's readers are done, and this value has no other reader. Its
-  // producer only reads it, and no other value shares it.
+  // output's readers are done, and this value has no other reader. Values
+  // that come to share one buffer so form a chain of single readers, each
+  // done with it but the last one's producer, which only reads it (no layer
+  // writes its output's gradient).
   mb.in_buf_.clear();
   uint32_t fresh = 0, shared = 0;
   for (size_t i = 0; i < node.inputs.size(); ++i) {
