@@ -88,6 +88,18 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
 // gemm(..., beta 1), which computes the same sums.
 void gemm_bias(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& bias,
                const Tensor& c);
+// An MLP's first GEMM and its GELU (layers/gelu_mlp.h): pre = op(a) op(b) +
+// bias in every row, y = gelu(pre), both written. With bf16 a, b, pre and y
+// on a GPU, one cuBLASLt GEMM does all of it in its epilogue (GELU of the
+// fp32 sum; pre is that sum rounded); elsewhere gemm_bias, then gelu_forward.
+void gemm_bias_gelu(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b,
+                    const Tensor& bias, const Tensor& pre, const Tensor& y);
+// The GELU's input gradient straight from the GEMM its output fed:
+// dx = (op(a) op(b)) * gelu'(pre), written, not added. With bf16 a, b, pre
+// and dx on a GPU, one cuBLASLt GEMM (the fp32 product times gelu', rounded
+// once); elsewhere gemm (beta 0) into dx, then gelu_backward in place.
+void gemm_dgelu(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& pre,
+                const Tensor& dx);
 // y (N, C) = row (C) in every row (a bias, before a GEMM accumulates onto it).
 void fill_rows(const Tensor& y, const Tensor& row);
 // y (N, C) += row (C) in every row.

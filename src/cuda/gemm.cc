@@ -139,8 +139,16 @@ uint32_t alignment_of(const void* p) {
   return a;
 }
 
-// One bias GEMM, row-major as the others: C = op(A) op(B) + bias per row.
-// `type` is A's, B's, C's and the bias's (fp32 or bf16); scale type fp32.
+// What cuBLASLt adds after the product, in the row-major view:
+//   Bias         C = op(A) op(B) + bias per row
+//   GeluAuxBias  aux = op(A) op(B) + bias per row, C = gelu(aux)
+//   DGelu        C = op(A) op(B) * gelu'(aux), element by element
+// GELU is the tanh approximation, as weft's kernels compute it.
+enum class Epilogue { Bias, GeluAuxBias, DGelu };
+
+// One epilogue GEMM, row-major as the others. `type` is A's, B's, C's, the
+// bias's and aux's (fp32 or bf16); scale type fp32. aux is (m, n), ldaux
+// apart (GeluAuxBias writes it, DGelu reads it); bias is null for DGelu.
 struct BiasGemm {
   const char* math;  // for the fallback's message: the MathMode, or "bf16"
   cublasComputeType_t compute;
@@ -155,7 +163,19 @@ struct BiasGemm {
   const void* bias;
   void* c;
   int64_t ldc;
+  Epilogue epilogue = Epilogue::Bias;
+  void* aux = nullptr;
+  int64_t ldaux = 0;
 };
+
+cublasLtEpilogue_t lt_epilogue(Epilogue e) {
+  switch (e) {
+    case Epilogue::Bias: return CUBLASLT_EPILOGUE_BIAS;
+    case Epilogue::GeluAuxBias: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+    case Epilogue::DGelu: return CUBLASLT_EPILOGUE_DGELU;
+  }
+  return CUBLASLT_EPILOGUE_DEFAULT;
+}
 
 // What picks cuBLASLt's algorithm for a bias GEMM: everything but the
 // addresses themselves, whose alignments count instead.
@@ -166,6 +186,9 @@ struct AlgoKey {
   bool trans_a, trans_b;
   int64_t m, n, k, lda, ldb, ldc;
   uint32_t align_a, align_b, align_c;
+  Epilogue epilogue;
+  int64_t ldaux;
+  uint32_t align_aux;
   auto operator<=>(const AlgoKey&) const = default;
 };
 
@@ -206,9 +229,18 @@ AlgoCache& algo_cache() {
 // any other failure throws.
 std::optional<std::string> lt_bias_gemm(Context& ctx, const BiasGemm& g) {
   // cuBLASLt's heuristic can be told the alignment of A, B, C and D but not
-  // of the bias vector: a bias less aligned than a 16-byte load is not risked.
-  if (alignment_of(g.bias) < 16)
+  // of the bias vector or of aux: less aligned than a 16-byte load is not
+  // risked.
+  if (g.bias != nullptr && alignment_of(g.bias) < 16)
     return fmt::format("the bias at {} is not 16-byte aligned", g.bias);
+  if (g.epilogue != Epilogue::Bias) {
+    if (alignment_of(g.aux) < 16)
+      return fmt::format("the GELU input at {} is not 16-byte aligned", g.aux);
+    // cuBLASLt's rule for the GELU input's leading dimension.
+    if (g.ldaux % 8 != 0 || g.ldaux < g.n)
+      return fmt::format("the GELU input's row stride {} is not a multiple of 8 of at least {}",
+                         g.ldaux, g.n);
+  }
   cublasLtHandle_t h = ctx.cublas_lt();
   cublasLtMatmulDesc_t d = nullptr;
   lt_check(cublasLtMatmulDescCreate(&d, g.compute, CUDA_R_32F), "cublasLtMatmulDescCreate");
@@ -216,10 +248,22 @@ std::optional<std::string> lt_bias_gemm(Context& ctx, const BiasGemm& g) {
   // Column-major: cuBLASLt's A is our B and its B our A (see the top).
   set_desc(d, CUBLASLT_MATMUL_DESC_TRANSA, op(g.trans_b), "CUBLASLT_MATMUL_DESC_TRANSA");
   set_desc(d, CUBLASLT_MATMUL_DESC_TRANSB, op(g.trans_a), "CUBLASLT_MATMUL_DESC_TRANSB");
-  set_desc(d, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS,
+  set_desc(d, CUBLASLT_MATMUL_DESC_EPILOGUE, lt_epilogue(g.epilogue),
            "CUBLASLT_MATMUL_DESC_EPILOGUE");
-  set_desc(d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias, "CUBLASLT_MATMUL_DESC_BIAS_POINTER");
-  set_desc(d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, g.type, "CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE");
+  if (g.bias != nullptr) {
+    set_desc(d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias, "CUBLASLT_MATMUL_DESC_BIAS_POINTER");
+    set_desc(d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, g.type,
+             "CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE");
+  }
+  if (g.epilogue != Epilogue::Bias) {
+    // aux is (m, n) row-major, column-major (n x m) as D is; its type is
+    // D's (cuBLASLt's default for a GELU input), its leading dimension in
+    // elements.
+    set_desc(d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.aux,
+             "CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER");
+    set_desc(d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.ldaux,
+             "CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD");
+  }
   // As stored, before op(): our B is (n x k) column-major, (k x n) when
   // transposed; our A (k x m), (m x k) when transposed; C (n x m).
   const auto lb = lt_layout(g.type, g.trans_b ? g.k : g.n, g.trans_b ? g.n : g.k, g.ldb);
@@ -229,7 +273,8 @@ std::optional<std::string> lt_bias_gemm(Context& ctx, const BiasGemm& g) {
 
   const AlgoKey key{ctx.device(), g.compute, g.type, g.trans_a, g.trans_b, g.m, g.n, g.k,
                     g.lda, g.ldb, g.ldc, alignment_of(g.a), alignment_of(g.b),
-                    alignment_of(g.c)};
+                    alignment_of(g.c), g.epilogue, g.ldaux,
+                    g.aux != nullptr ? alignment_of(g.aux) : 0};
   std::optional<AlgoChoice> choice = algo_cache().find(key);
   if (!choice) {
     cublasLtMatmulPreference_t p = nullptr;
@@ -262,7 +307,8 @@ std::optional<std::string> lt_bias_gemm(Context& ctx, const BiasGemm& g) {
   }
   if (!choice->algo) return choice->why;
 
-  // D = 1 * op(A) op(B) + 0 * C + bias: C is D, and with beta 0 it is not read.
+  // D = 1 * op(A) op(B) + 0 * C, then the epilogue: C is D, and with beta 0
+  // it is not read.
   const float alpha = 1.0f, beta = 0.0f;
   const cublasStatus_t ms =
       cublasLtMatmul(h, d, &alpha, g.b, lb.get(), g.a, la.get(), &beta, g.c, lc.get(), g.c,
@@ -320,7 +366,64 @@ void bias_gemm(Context& ctx, const BiasGemm& g, const char* name) {
            0, g.b, g.ldb, 0, 1.0f, g.c, g.ldc, 0, 1);
 }
 
+// A GELU epilogue GEMM (g.epilogue GeluAuxBias or DGelu; C and aux
+// contiguous (m, n)), on cuBLASLt where it can; else the GEMM (with its bias
+// rows, into aux, for GeluAuxBias) and then the GELU kernel, which compute
+// the same up to where the product is rounded: there aux (or C) is rounded
+// to C's type before GELU reads it, in the epilogue the fp32 product is.
+void gelu_gemm(Context& ctx, const BiasGemm& g, const char* name) {
+  check(g.m >= 0 && g.n >= 0 && g.k >= 0, "{}: m, n, k ({}, {}, {}) must not be negative", name,
+        g.m, g.n, g.k);
+  check(g.ldc == g.n && g.ldaux == g.n,
+        "{}: C's and the GELU input's row strides ({}, {}) must be n ({})", name, g.ldc, g.ldaux,
+        g.n);
+  if (g.m == 0 || g.n == 0) return;
+  ctx.make_current();
+  if (g.k > 0) {
+    const std::optional<std::string> why = lt_bias_gemm(ctx, g);
+    if (!why) return;
+    if (ctx.count_gelu_epilogue_fallback() == 0)
+      fmt::print(stderr,
+                 "weft: cuBLASLt has no GELU-epilogue algorithm for {} ({} math, m {}, n {}, k {}, "
+                 "trans_a {}, trans_b {}, lda {}, ldb {}) ({}); running GELU separately\n",
+                 name, g.math, g.m, g.n, g.k, g.trans_a, g.trans_b, g.lda, g.ldb, *why);
+  }
+  const int64_t count = g.m * g.n;
+  if (g.epilogue == Epilogue::GeluAuxBias) {
+    BiasGemm pre = g;  // aux = op(A) op(B) + bias
+    pre.epilogue = Epilogue::Bias;
+    pre.c = g.aux;
+    pre.aux = nullptr;
+    pre.ldaux = 0;
+    bias_gemm(ctx, pre, name);
+    gelu_forward(ctx, static_cast<const bf16*>(g.aux), static_cast<bf16*>(g.c), count);
+    return;
+  }
+  gemm_any(ctx, g.compute, g.type, g.type, g.trans_a, g.trans_b, g.m, g.n, g.k, 1.0f, g.a, g.lda,
+           0, g.b, g.ldb, 0, 0.0f, g.c, g.ldc, 0, 1);
+  auto* c = static_cast<bf16*>(g.c);
+  gelu_backward(ctx, c, static_cast<const bf16*>(g.aux), c, count, false);
+}
+
 }  // namespace
+
+void gemm_bias_gelu_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n,
+                         int64_t k, const bf16* a, int64_t lda, const bf16* b, int64_t ldb,
+                         const bf16* bias, bf16* pre, bf16* c) {
+  gelu_gemm(ctx,
+            {"bf16", CUBLAS_COMPUTE_32F, CUDA_R_16BF, sizeof(bf16), trans_a, trans_b, m, n, k, a,
+             lda, b, ldb, bias, c, n, Epilogue::GeluAuxBias, pre, n},
+            "gemm_bias_gelu_bf16");
+}
+
+void gemm_dgelu_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                     const bf16* a, int64_t lda, const bf16* b, int64_t ldb, const bf16* pre,
+                     bf16* c) {
+  gelu_gemm(ctx,
+            {"bf16", CUBLAS_COMPUTE_32F, CUDA_R_16BF, sizeof(bf16), trans_a, trans_b, m, n, k, a,
+             lda, b, ldb, nullptr, c, n, Epilogue::DGelu, const_cast<bf16*>(pre), n},
+            "gemm_dgelu_bf16");
+}
 
 void gemm_bias(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m, int64_t n,
                int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,

@@ -392,6 +392,62 @@ void gemm_bias(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, con
   gemm(a, trans_a, b, trans_b, c, 1.0f, 1.0f);
 }
 
+namespace {
+// The (m, n) of C = op(a) op(b), checked against c's shape.
+std::pair<int64_t, int64_t> product_shape(const char* name, const Tensor& a, bool trans_a,
+                                          const Tensor& b, bool trans_b, const Tensor& c) {
+  const int64_t ar = a.shape().rows(), ac = a.shape().last();
+  const int64_t br = b.shape().rows(), bc = b.shape().last();
+  const int64_t m = trans_a ? ac : ar, k = trans_a ? ar : ac;
+  const int64_t kb = trans_b ? bc : br, n = trans_b ? br : bc;
+  check(k == kb && c.shape().rows() == m && c.shape().last() == n,
+        "{}: op(a) is ({}, {}), op(b) ({}, {}), the output {}: the shapes do not chain", name, m,
+        k, kb, n, c.shape().str());
+  return {m, n};
+}
+}  // namespace
+
+void gemm_bias_gelu(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b,
+                    const Tensor& bias, const Tensor& pre, const Tensor& y) {
+  const Device d = common_device("gemm_bias_gelu", {&a, &b, &bias, &pre, &y});
+  const auto [m, n] = product_shape("gemm_bias_gelu", a, trans_a, b, trans_b, pre);
+  check(y.shape() == pre.shape() && y.dtype() == pre.dtype(),
+        "gemm_bias_gelu: the GELU's output {} {} must match its input {} {}", dtype_name(y.dtype()),
+        y.shape().str(), dtype_name(pre.dtype()), pre.shape().str());
+  check_numel("gemm_bias_gelu", "bias", bias, n);
+  if (is_bf16(a) && is_bf16(b) && is_bf16(pre) && is_bf16(y) &&
+      on_gpu(d, "gemm_bias_gelu", [&](auto& cx) {
+        Tensor bias16 = bias;  // rounded as gemm_bias rounds an fp32 bias
+        if (is_f32(bias)) {
+          bias16 = Tensor::empty(bias.shape(), DType::BF16, d);
+          convert(bias, bias16);
+        }
+        const int64_t k = trans_a ? a.shape().rows() : a.shape().last();
+        cuda::gemm_bias_gelu_bf16(cx, trans_a, trans_b, m, n, k, b16(a), a.shape().last(), b16(b),
+                                  b.shape().last(), b16(bias16), b16w(pre), b16w(y));
+      }))
+    return;
+  gemm_bias(a, trans_a, b, trans_b, bias, pre);
+  gelu_forward(pre, y);
+}
+
+void gemm_dgelu(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& pre,
+                const Tensor& dx) {
+  const Device d = common_device("gemm_dgelu", {&a, &b, &pre, &dx});
+  const auto [m, n] = product_shape("gemm_dgelu", a, trans_a, b, trans_b, dx);
+  check(pre.shape() == dx.shape(), "gemm_dgelu: the GELU's input {} must have its gradient's shape {}",
+        pre.shape().str(), dx.shape().str());
+  if (is_bf16(a) && is_bf16(b) && is_bf16(pre) && is_bf16(dx) &&
+      on_gpu(d, "gemm_dgelu", [&](auto& cx) {
+        const int64_t k = trans_a ? a.shape().rows() : a.shape().last();
+        cuda::gemm_dgelu_bf16(cx, trans_a, trans_b, m, n, k, b16(a), a.shape().last(), b16(b),
+                              b.shape().last(), b16(pre), b16w(dx));
+      }))
+    return;
+  gemm(a, trans_a, b, trans_b, dx, 1.0f, 0.0f);
+  gelu_backward(dx, pre, dx, false);
+}
+
 void fill_rows(const Tensor& y, const Tensor& row) {
   if (any_bf16({&y, &row})) {
     if (is_bf16(y) && is_f32(row) && y.shape().last() == row.numel() &&

@@ -6,7 +6,9 @@
 // untouched). Also: aligned shapes take cuBLASLt's epilogue (no fallback
 // counted), an unaligned bias takes the two steps (counted, bit for bit),
 // k 0 (C = the bias rows), m or n 0 (nothing written), a repeated call
-// allocates nothing, and bad input is refused.
+// allocates nothing, and bad input is refused. Last, the GELU epilogues of
+// an MLP's GEMMs (gemm_bias_gelu_bf16, gemm_dgelu_bf16) against fp64, and
+// their fallback.
 // Needs a GPU; exits 77 (SKIP) without one.
 #include "weft_config.h"
 
@@ -22,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda_test_util.h"
@@ -381,6 +384,104 @@ TEST(CudaGemmBias, BadInputIsRefusedNamingTheValue) {
               bias.p(), c.p(), g.ldc);
   });
   EXPECT_TRUE(contains(neg, "(4, 8, -1) must not be negative")) << neg;
+}
+
+// ------------------------------------------------------------ the GELU epilogues
+
+// GELU (tanh-approximated) and its derivative, in double.
+double gelu64(double x) {
+  return 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
+}
+double gelu_grad64(double x) {
+  const double t = std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x));
+  return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * std::sqrt(2 / M_PI) * (1 + 3 * 0.044715 * x * x);
+}
+
+// gemm_bias_gelu_bf16 and gemm_dgelu_bf16 against fp64. Error model, with
+// sum_only the fp32 sum's bound as above ((k + 1) 2^-24 scale):
+// - pre (the bias GEMM) as gemm_bias_bf16: half a bf16 ulp plus sum_only;
+// - C = gelu(pre) from the fp32 sum: |gelu'| <= 1.13 carries sum_only, the
+//   rounding adds half an ulp of C, and cuBLASLt may evaluate tanh with a
+//   hardware approximation (absolute error under 2^-10), which moves GELU by
+//   0.5 |x| 2^-10 and gelu' by at most 4 x 2^-10 for |x| <= 8;
+// - the backward's C = (A B) gelu'(pre), pre read as stored (bf16): the
+//   product's sum_only times |gelu'|, |A B| times gelu''s error, and half an
+//   ulp of C.
+// Each bound is doubled for margin. A wrong layout of pre, a transposed
+// operand or a missing GELU is off by O(1).
+// Shapes: n 192 (a multiple of 8, so the epilogues run: no fallback
+// counted) and m 37 (ragged rows), every transpose.
+TEST(CudaGeluGemm, EpiloguesMatchTheExactGeluOfTheProduct) {
+  const double u = std::ldexp(1.0, -24), tanh_err = std::ldexp(1.0, -10);
+  const int64_t before = ctx().gelu_epilogue_fallbacks();
+  uint64_t seed = 1400;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      const Case g = rounded(make_case(ta, tb, 37, 192, 48, false, seed += 10));
+      Dev<bf16> a(to_bf16(g.a)), b(to_bf16(g.b)), bias(to_bf16(g.bias)),
+          pre{std::vector<bf16>(static_cast<size_t>(g.m * g.n))}, c(to_bf16(g.c)),
+          dpre(to_bf16(g.c));
+      gemm_bias_gelu_bf16(ctx(), ta, tb, g.m, g.n, g.k, a.p(), g.lda, b.p(), g.ldb, bias.p(),
+                          pre.p(), c.p());
+      // The backward's product reuses A and B (its own shapes do not matter
+      // to the epilogue); its aux is the pre just written.
+      gemm_dgelu_bf16(ctx(), ta, tb, g.m, g.n, g.k, a.p(), g.lda, b.p(), g.ldb, pre.p(),
+                      dpre.p());
+      const std::vector<bf16> pv = pre.host(), cv = c.host(), dv = dpre.host();
+      const Reference ref = reference(g);
+      const double k = static_cast<double>(g.k);
+      for (int64_t i = 0; i < g.m; ++i)
+        for (int64_t j = 0; j < g.n; ++j) {
+          const size_t r = static_cast<size_t>(i * g.n + j);
+          const double exact = ref.exact[r], sum_only = (k + 1) * u * ref.abs[r];
+          const double p = to_float(pv[r]);
+          ASSERT_LE(std::fabs(p - exact), 2 * (bf16_ulp(std::fabs(exact)) / 2 + sum_only))
+              << describe(g) << ", pre at (" << i << ", " << j << "): " << p << ", exact " << exact;
+          const double want = gelu64(exact), got = to_float(cv[r]);
+          ASSERT_LE(std::fabs(got - want),
+                    2 * (1.13 * sum_only + bf16_ulp(std::fabs(want)) / 2 +
+                         0.5 * std::fabs(exact) * tanh_err))
+              << describe(g) << ", gelu at (" << i << ", " << j << "): " << got << ", exact "
+              << want;
+          // The backward: the product without the bias, times gelu' of the stored pre.
+          const double prod = exact - static_cast<double>(g.bias[static_cast<size_t>(j)]);
+          const double dwant = prod * gelu_grad64(p), dgot = to_float(dv[r]);
+          ASSERT_LE(std::fabs(dgot - dwant),
+                    2 * (1.13 * sum_only + std::fabs(prod) * 4 * tanh_err +
+                         bf16_ulp(std::fabs(dwant)) / 2))
+              << describe(g) << ", dgelu at (" << i << ", " << j << "): " << dgot << ", exact "
+              << dwant;
+        }
+    }
+  EXPECT_EQ(ctx().gelu_epilogue_fallbacks(), before);
+}
+
+// Rows of a width that is not a multiple of 8 (n 36) cannot hold cuBLASLt's
+// GELU input: both calls fall back (counted) to the two steps, which are the
+// very calls of this reference, so the results are its bits.
+TEST(CudaGeluGemm, RowsNotAMultipleOf8TakeTheTwoStepsBitForBit) {
+  const Case g = rounded(make_case(false, true, 37, 36, 48, false, 1500));
+  const int64_t before = ctx().gelu_epilogue_fallbacks();
+  const size_t count = static_cast<size_t>(g.m * g.n);
+  Dev<bf16> a(to_bf16(g.a)), b(to_bf16(g.b)), bias(to_bf16(g.bias)),
+      pre{std::vector<bf16>(count)}, c{std::vector<bf16>(count)},
+      dpre{std::vector<bf16>(count)}, pre2{std::vector<bf16>(count)},
+      c2{std::vector<bf16>(count)}, dpre2{std::vector<bf16>(count)};
+  gemm_bias_gelu_bf16(ctx(), g.ta, g.tb, g.m, g.n, g.k, a.p(), g.lda, b.p(), g.ldb, bias.p(),
+                      pre.p(), c.p());
+  gemm_dgelu_bf16(ctx(), g.ta, g.tb, g.m, g.n, g.k, a.p(), g.lda, b.p(), g.ldb, pre.p(), dpre.p());
+  gemm_bias_bf16(ctx(), g.ta, g.tb, g.m, g.n, g.k, a.p(), g.lda, b.p(), g.ldb, bias.p(), pre2.p(),
+                 g.n);
+  gelu_forward(ctx(), pre2.p(), c2.p(), g.m * g.n);
+  gemm_bf16_out(ctx(), g.ta, g.tb, g.m, g.n, g.k, 1.0f, a.p(), g.lda, b.p(), g.ldb, 0.0f,
+                dpre2.p(), g.n);
+  gelu_backward(ctx(), dpre2.p(), pre2.p(), dpre2.p(), g.m * g.n, false);
+  for (auto [got, want, what] : {std::tuple{&pre, &pre2, "pre"}, std::tuple{&c, &c2, "gelu"},
+                                 std::tuple{&dpre, &dpre2, "dgelu"}}) {
+    const std::vector<bf16> x = got->host(), y = want->host();
+    EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(bf16)), 0) << what;
+  }
+  EXPECT_EQ(ctx().gelu_epilogue_fallbacks(), before + 2);
 }
 
 }  // namespace

@@ -92,6 +92,24 @@ void gemm_bias(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t 
 void gemm_bias_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                     const bf16* a, int64_t lda, const bf16* b, int64_t ldb, const bf16* bias,
                     bf16* c, int64_t ldc);
+// An MLP's first GEMM and its GELU in one cuBLASLt call
+// (CUBLASLT_EPILOGUE_GELU_AUX_BIAS), bf16 as gemm_bias_bf16: pre (m, n) =
+// op(A) op(B) + bias, the GELU's input kept for the backward, and C (m, n)
+// = gelu(pre) (tanh-approximated). pre and C are contiguous. Without an
+// algorithm (or with pre less than 16-byte aligned, or n not a multiple of
+// 8) it is gemm_bias_bf16 into pre and then gelu_forward, and stderr says so
+// once per context (Context::gelu_epilogue_fallbacks counts them).
+void gemm_bias_gelu_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n,
+                         int64_t k, const bf16* a, int64_t lda, const bf16* b, int64_t ldb,
+                         const bf16* bias, bf16* pre, bf16* c);
+// The GELU's input gradient from the MLP's second GEMM, in one cuBLASLt
+// call (CUBLASLT_EPILOGUE_DGELU): C (m, n) = (op(A) op(B)) * gelu'(pre),
+// written (C's old values not read), pre and C contiguous (m, n). The fp32
+// product is multiplied before it is rounded once. Fallback as above:
+// gemm_bf16_out into C, then gelu_backward in place.
+void gemm_dgelu_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                     const bf16* a, int64_t lda, const bf16* b, int64_t ldb, const bf16* pre,
+                     bf16* c);
 // `batch` independent GEMMs; matrix i of A, B, C starts stride_a/b/c elements after matrix i-1.
 void gemm_strided_batched(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m,
                           int64_t n, int64_t k, float alpha, const float* a, int64_t lda,

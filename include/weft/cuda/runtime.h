@@ -201,6 +201,10 @@ class Context {
   // count_bias_epilogue_fallback() returns the count before this one.
   int64_t count_bias_epilogue_fallback() { return bias_fallbacks_.fetch_add(1); }
   int64_t bias_epilogue_fallbacks() const { return bias_fallbacks_.load(); }
+  // The same for the GELU epilogues (gemm_bias_gelu_bf16, gemm_dgelu_bf16),
+  // which then run the GELU kernel separately.
+  int64_t count_gelu_epilogue_fallback() { return gelu_fallbacks_.fetch_add(1); }
+  int64_t gelu_epilogue_fallbacks() const { return gelu_fallbacks_.load(); }
   CachingAllocator& allocator() { return *allocator_; }
 
   // Work queued on the communication stream after this call starts only when
@@ -248,6 +252,7 @@ class Context {
   cublasLtContext* cublas_lt_ = nullptr;
   void* cublas_lt_workspace_ = nullptr;
   std::atomic<int64_t> bias_fallbacks_{0};
+  std::atomic<int64_t> gelu_fallbacks_{0};
   PinnedBuffer staging_;
   std::array<PinnedBuffer, kSmallSlots> small_;
   std::array<CUevent_st*, kSmallSlots> small_done_{};
