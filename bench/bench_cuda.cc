@@ -181,9 +181,9 @@ class RandomTokens final : public weft::BatchSource {
 const std::vector<std::pair<std::string, std::string>>& kind_rows() {
   static const std::vector<std::pair<std::string, std::string>> rows = {
       {"attention", "attention (QK^T, softmax, PV)"},
-      {"linear", "linear layers (GEMMs, bias)"},
+      {"linear", "attention's linear layers (GEMMs, bias)"},
+      {"gelu_mlp", "MLP (c_fc, GELU, c_proj)"},
       {"layernorm", "layernorm"},
-      {"gelu", "gelu"},
       {"lm_head_loss", "lm head + loss"},
       {"embedding", "embedding"},
       {"residual", "residual adds"}};

@@ -4,7 +4,7 @@
 
 #include "layers/attention.h"
 #include "layers/embedding.h"
-#include "layers/gelu.h"
+#include "layers/gelu_mlp.h"
 #include "layers/layernorm.h"
 #include "layers/linear.h"
 #include "layers/residual.h"
@@ -125,9 +125,13 @@ GptModel build_gpt(const GptConfig& cfg, int64_t micro_batch,
     a = g.add1(h + ".attn.c_proj", linear(h + ".attn.c_proj", c, c, proj_std, ParallelRole::Row), {a});
     x = g.add1(h + ".res_1", std::make_unique<Residual>(), {x, a});
     int f = g.add1(h + ".ln_2", norm(h + ".ln_2"), {x});
-    f = g.add1(h + ".mlp.c_fc", linear(h + ".mlp.c_fc", c, 4 * c, 0.02f, ParallelRole::Column), {f});
-    f = g.add1(h + ".mlp.gelu", std::make_unique<Gelu>(), {f});
-    f = g.add1(h + ".mlp.c_proj", linear(h + ".mlp.c_proj", 4 * c, c, proj_std, ParallelRole::Row), {f});
+    // c_fc, GELU and c_proj as one node (layers/gelu_mlp.h); the parameters
+    // made in this order, as two Linear layers made them
+    Param* w_fc = param(h + ".mlp.c_fc.weight", {c, 4 * c}, Init::normal(0.02f));
+    Param* b_fc = param(h + ".mlp.c_fc.bias", {4 * c}, Init::constant(0));
+    Param* w_proj = param(h + ".mlp.c_proj.weight", {4 * c, c}, Init::normal(proj_std));
+    Param* b_proj = param(h + ".mlp.c_proj.bias", {c}, Init::constant(0));
+    f = g.add1(h + ".mlp", std::make_unique<GeluMlp>(w_fc, b_fc, w_proj, b_proj), {f});
     x = g.add1(h + ".res_2", std::make_unique<Residual>(), {x, f});
   }
   if (cfg.embedding_skip) x = g.add1("embedding_skip", std::make_unique<Residual>(), {x, embedded});

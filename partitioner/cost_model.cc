@@ -40,8 +40,12 @@ CostModel CostModel::analytic(const Graph& g) {
     for (const Param* p : params)
       if (seen.insert(p).second) c.param_bytes += 4.0 * static_cast<double>(p->value.numel());
     c.output_bytes = output_bytes(g, n);
-    // The stash holds what a node produced until its backward runs.
-    c.activation_bytes = c.output_bytes;
+    // The stash holds what a node produced until its backward runs, and what
+    // the layer keeps inside.
+    std::vector<Shape> in;
+    for (int v : at(g.nodes(), n).inputs) in.push_back(at(g.values(), v).shape);
+    c.activation_bytes = c.output_bytes + at(g.nodes(), n).layer->stashed_elements(in) *
+                                              static_cast<double>(dtype_size(g.activation_dtype()));
     m.nodes.push_back(c);
   }
   return m;

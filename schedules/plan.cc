@@ -148,10 +148,18 @@ LayerCosts profile_costs(const nlohmann::json& p, const std::string& path) {
     if (replicated_in_tp(name)) c.rf = c.f, c.ri = c.i, c.rw = c.w;
     // Profiles from before "tp_whole" name the replicated nodes only.
     const auto whole = n.find("tp_whole");
-    if (whole != n.end() ? whole->is_boolean() && whole->get<bool>() : replicated_in_tp(name))
-      c.whole_stash_bytes = c.stash_bytes;
-    else if (whole != n.end() && n.value("kind", "") == "linear")
+    if (n.value("kind", "") == "gelu_mlp") {
+      // The MLP node (layers/gelu_mlp.h): its output is whole on every rank
+      // (after the row-parallel sum), the hidden values it keeps are split,
+      // and its first GEMM is column-parallel.
+      c.whole_stash_bytes = num(n, "output_bytes", path, what.c_str());
       c.column_gemms = 1;
+    } else if (whole != n.end() ? whole->is_boolean() && whole->get<bool>()
+                                : replicated_in_tp(name)) {
+      c.whole_stash_bytes = c.stash_bytes;
+    } else if (whole != n.end() && n.value("kind", "") == "linear") {
+      c.column_gemms = 1;
+    }
     int block = -1;
     if (name.rfind("h.", 0) == 0) block = std::atoi(name.c_str() + 2);
     if (block >= 0) {

@@ -54,7 +54,7 @@ TEST(Graph, GptValuesHaveTheExpectedShapes) {
   };
   EXPECT_EQ(shape("embed"), (Shape{3, 64, 64}));
   EXPECT_EQ(shape("h.0.attn.c_attn"), (Shape{3, 64, 192}));
-  EXPECT_EQ(shape("h.1.mlp.c_fc"), (Shape{3, 64, 256}));
+  EXPECT_EQ(shape("h.1.mlp"), (Shape{3, 64, 64}));  // (its hidden 256 stays inside the node)
   EXPECT_EQ(shape("lm_head"), (Shape{1}));
   // The residual stream is read by ln_1 and by the add that ends the block.
   const Value& x = m.graph.values()[static_cast<size_t>(m.graph.find_value("h.0.res_1"))];
@@ -106,6 +106,15 @@ TEST(Graph, Bf16ActivationsHalveTheValuesAForwardHolds) {
       if (v.producer >= 0 && !v.consumers.empty()) {
         *between_fp32 += Arena::bytes_for(v.shape, DType::F32);
         *between_bf16 += Arena::bytes_for(v.shape, DType::BF16);
+      }
+    // Each MLP node keeps its hidden pre-activation and activation, (B T, 4C)
+    // each, in the activations' dtype too.
+    const GptConfig c = gpt_preset("toy");
+    const Shape hidden{2 * c.seq_length, 4 * c.hidden_size};
+    for (const Node& n : m.graph.nodes())
+      if (std::string(n.layer->kind()) == "gelu_mlp") {
+        *between_fp32 += 2 * Arena::bytes_for(hidden, DType::F32);
+        *between_bf16 += 2 * Arena::bytes_for(hidden, DType::BF16);
       }
     MicroBatch mb(m.graph);
     mb.input(m.tokens).zero_();

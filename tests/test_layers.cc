@@ -22,6 +22,7 @@
 #include "layers/attention.h"
 #include "layers/embedding.h"
 #include "layers/gelu.h"
+#include "layers/gelu_mlp.h"
 #include "layers/layernorm.h"
 #include "layers/linear.h"
 #include "layers/lm_head.h"
@@ -233,6 +234,33 @@ Case make_case(const std::string& name) {
       }
       return y;
     };
+  } else if (name == "gelu_mlp") {
+    const int64_t hidden = 12;  // H, not a multiple of C: the two widths stay apart
+    Param* w1 = make_param(s, "mlp.c_fc.weight", {kC, hidden}, 0.6f, 0.0f, 6);
+    Param* b1 = make_param(s, "mlp.c_fc.bias", {hidden}, 0.5f, 0.0f, 16);
+    Param* w2 = make_param(s, "mlp.c_proj.weight", {hidden, kC}, 0.5f, 0.0f, 7);
+    Param* b2 = make_param(s, "mlp.c_proj.bias", {kC}, 0.5f, 0.0f, 17);
+    c.layer = std::make_unique<GeluMlp>(w1, b1, w2, b2);
+    c.make_inputs = [act](uint64_t seed) { return std::vector<Tensor>{uniform(act, 350 + seed)}; };
+    c.float_input = {true};
+    c.reference = [w1, b1, w2, b2, hidden](const std::vector<Tensor>& in) {
+      const int64_t n = in[0].shape().rows();
+      std::vector<double> y(z(n * kC)), h(z(hidden));
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t j = 0; j < hidden; ++j) {
+          double pre = at(b1->value, j);
+          for (int64_t k = 0; k < kC; ++k)
+            pre += at(in[0], i * kC + k) * at(w1->value, k * hidden + j);
+          h[z(j)] = 0.5 * pre * (1 + std::tanh(std::sqrt(2 / M_PI) * (pre + 0.044715 * pre * pre * pre)));
+        }
+        for (int64_t j = 0; j < kC; ++j) {
+          double acc = at(b2->value, j);
+          for (int64_t k = 0; k < hidden; ++k) acc += h[z(k)] * at(w2->value, k * kC + j);
+          y[z(i * kC + j)] = acc;
+        }
+      }
+      return y;
+    };
   } else if (name == "attention") {
     c.layer = std::make_unique<CausalSelfAttention>(kHeads);
     c.make_inputs = [](uint64_t seed) {
@@ -348,10 +376,10 @@ Case make_case(const std::string& name) {
 const std::vector<std::string> kAllLayers = {
     "embedding", "layernorm", "linear_bias", "linear_nobias", "gelu",   "attention",
     "residual",  "lm_head",   "mse",         "rmsnorm",       "swiglu", "rotary",
-    "attention_gqa", "rotary_gqa", "lm_head_chunked"};
+    "attention_gqa", "rotary_gqa", "lm_head_chunked", "gelu_mlp"};
 const std::vector<std::string> kParamLayers = {"embedding",     "layernorm", "linear_bias",
                                                "linear_nobias", "lm_head",   "rmsnorm",
-                                               "lm_head_chunked"};
+                                               "lm_head_chunked", "gelu_mlp"};
 
 // --- running a layer the way the runner does ---
 
@@ -766,7 +794,7 @@ INSTANTIATE_TEST_SUITE_P(Layers, ParamLayers, ::testing::ValuesIn(kParamLayers),
 // buffers give the gradients zeroed ones give, bit for bit.
 TEST(FreshGradients, LayersThatWriteTheirInputGradientsIgnoreWhatTheBuffersHeld) {
   for (const char* name : {"linear_bias", "linear_nobias", "gelu", "residual", "attention",
-                           "attention_gqa"}) {
+                           "attention_gqa", "gelu_mlp"}) {
     Case c = make_case(name);
     Harness h(c);
     const std::vector<Tensor> in = c.make_inputs(0);
@@ -789,6 +817,74 @@ TEST(FreshGradients, LayersThatWriteTheirInputGradientsIgnoreWhatTheBuffersHeld)
       const Tensor& b = fresh->grad_in[i];
       ASSERT_TRUE(a.defined() && b.defined()) << name;
       EXPECT_EQ(0, std::memcmp(a.raw(), b.raw(), a.nbytes())) << name << " input " << i;
+    }
+  }
+}
+
+// GeluMlp is Linear -> Gelu -> Linear in one node; on the CPU it runs the
+// same operations in the same order, so it gives the chain's bits, forward
+// and backward (an input gradient accumulated onto what its buffer held),
+// in fp32 and with bf16 activations.
+TEST(GeluMlp, GivesTheBitsOfTheLinearGeluLinearChain) {
+  for (DType dt : {DType::F32, DType::BF16}) {
+    ParamStore s;
+    const int64_t hidden = 12;
+    Param* w1 = make_param(s, "fc.weight", {kC, hidden}, 0.6f, 0.0f, 21);
+    Param* b1 = make_param(s, "fc.bias", {hidden}, 0.5f, 0.0f, 22);
+    Param* w2 = make_param(s, "proj.weight", {hidden, kC}, 0.5f, 0.0f, 23);
+    Param* b2 = make_param(s, "proj.bias", {kC}, 0.5f, 0.0f, 24);
+    const std::vector<Param*> ps = {w1, b1, w2, b2};
+    for (Param* p : ps) {
+      p->value16 = Tensor::empty(p->value.shape(), DType::BF16);
+      ops::convert(p->value, p->value16);
+    }
+    const Shape act{kB, kT, kC}, hs{kB * kT, hidden};
+    auto as = [&](const Tensor& t) {  // t in the activations' dtype
+      Tensor o = Tensor::empty(t.shape(), dt);
+      ops::convert(t, o);
+      return o;
+    };
+    const Tensor x = as(uniform(act, 31)), dy = as(uniform(act, 32)), dx0 = as(uniform(act, 33));
+    auto one = [](const Tensor& t) { return std::span<const Tensor>(&t, 1); };
+    auto grads = [&] {
+      std::vector<Tensor> g;
+      for (Param* p : ps) g.push_back(p->grad.clone());
+      for (Param* p : ps) p->grad.zero_();
+      return g;
+    };
+    for (Param* p : ps) p->grad.zero_();
+    Arena arena;
+
+    GeluMlp mlp(w1, b1, w2, b2);
+    auto ctx = mlp.make_ctx();
+    const Tensor y1 = arena.alloc(act, dt), dx1 = dx0.clone();
+    mlp.forward(*ctx, arena, one(x), one(y1));
+    mlp.backward_input(*ctx, arena, one(dy), one(dx1));
+    mlp.backward_weight(*ctx, arena);
+    const std::vector<Tensor> g1 = grads();
+
+    Linear fc(w1, b1), proj(w2, b2);
+    Gelu gelu;
+    auto cf = fc.make_ctx(), cg = gelu.make_ctx(), cp = proj.make_ctx();
+    const Tensor pre = arena.alloc(hs, dt), h = arena.alloc(hs, dt), y2 = arena.alloc(act, dt);
+    fc.forward(*cf, arena, one(x), one(pre));
+    gelu.forward(*cg, arena, one(pre), one(h));
+    proj.forward(*cp, arena, one(h), one(y2));
+    const Tensor dh = arena.zeros(hs, dt), dpre = arena.zeros(hs, dt), dx2 = dx0.clone();
+    proj.backward_input(*cp, arena, one(dy), one(dh));
+    gelu.backward_input(*cg, arena, one(dh), one(dpre));
+    fc.backward_input(*cf, arena, one(dpre), one(dx2));
+    proj.backward_weight(*cp, arena);
+    fc.backward_weight(*cf, arena);
+    const std::vector<Tensor> g2 = grads();
+
+    const std::string what = dtype_name(dt);
+    EXPECT_EQ(0, std::memcmp(y1.raw(), y2.raw(), y1.nbytes())) << what << " y";
+    EXPECT_EQ(0, std::memcmp(dx1.raw(), dx2.raw(), dx1.nbytes())) << what << " dx";
+    EXPECT_NE(0, std::memcmp(dx1.raw(), dx0.raw(), dx1.nbytes())) << what << " dx unchanged";
+    for (size_t k = 0; k < ps.size(); ++k) {
+      EXPECT_EQ(0, std::memcmp(g1[k].raw(), g2[k].raw(), g1[k].nbytes())) << what << " " << ps[k]->name;
+      EXPECT_GT(ops::sum_squares(g1[k]), 0.0) << what << " " << ps[k]->name;
     }
   }
 }

@@ -24,6 +24,7 @@
 #include "layers/attention.h"
 #include "layers/embedding.h"
 #include "layers/gelu.h"
+#include "layers/gelu_mlp.h"
 #include "layers/layernorm.h"
 #include "layers/linear.h"
 #include "layers/lm_head.h"
@@ -284,6 +285,17 @@ LayerCase make_case(const std::string& name) {
     c.out_split = kCols;
     c.flops_split = true;
     c.parallel_kind = "gelu";
+  } else if (name == "gelu_mlp") {  // column then row, in one node
+    Param* w1 = make_param(s, "mlp.c_fc.weight", {kC, 4 * kC});
+    Param* b1 = make_param(s, "mlp.c_fc.bias", {4 * kC});
+    Param* w2 = make_param(s, "mlp.c_proj.weight", {4 * kC, kC});
+    Param* b2 = make_param(s, "mlp.c_proj.bias", {kC});
+    c.layer = std::make_unique<GeluMlp>(w1, b1, w2, b2);
+    c.in = {x(act, 16)};
+    c.in_split = {kWhole};
+    c.out_split = kWhole;
+    c.flops_split = true;
+    c.parallel_kind = "parallel_gelu_mlp";
   } else if (name == "residual") {
     c.layer = std::make_unique<Residual>();
     c.in = {x(act, 8), x(act, 9)};
@@ -336,7 +348,7 @@ const std::vector<std::string> kLayerCases = {
     "column",    "column_nobias", "column_packed", "row",       "row_nobias", "replicated_linear",
     "attention", "embedding",     "lm_head",       "layernorm", "gelu",       "residual",
     "mse",       "rmsnorm",       "swiglu",        "rotary",    "attention_gqa", "column_gqa",
-    "rotary_gqa"};
+    "rotary_gqa", "gelu_mlp"};
 
 // What one rank saw; filled on its thread, compared on the main one.
 struct RankRun {
@@ -550,15 +562,15 @@ TEST_P(TpGpt, MatchesSingleProcess) {
   const std::map<std::string, std::string> kinds = {
       {"embed", "vocab_parallel_embedding"},         {"h.0.ln_1", "layernorm"},
       {"h.0.attn.c_attn", "column_parallel_linear"}, {"h.0.attn.core", "attention"},
-      {"h.1.attn.c_proj", "row_parallel_linear"},    {"h.1.mlp.c_fc", "column_parallel_linear"},
-      {"h.1.mlp.c_proj", "row_parallel_linear"},     {"lm_head", "vocab_parallel_lm_head_loss"}};
+      {"h.1.attn.c_proj", "row_parallel_linear"},    {"h.1.mlp", "parallel_gelu_mlp"},
+      {"lm_head", "vocab_parallel_lm_head_loss"}};
   for (const auto& [node, kind] : kinds) EXPECT_EQ(ranks[0].kinds.at(node), kind) << node;
   // Inside a split region a rank holds its slice: qkv of its heads, its MLP columns.
   const int64_t T = cfg.seq_length, C = cfg.hidden_size;
   EXPECT_EQ(ranks[0].value_shapes[z(m.graph.find_value("h.0.attn.c_attn"))],
             (Shape{kMicro, T, 3 * C / tp}));
-  EXPECT_EQ(ranks[0].value_shapes[z(m.graph.find_value("h.0.mlp.gelu"))],
-            (Shape{kMicro, T, 4 * C / tp}));
+  EXPECT_EQ(ranks[0].store->find("h.0.mlp.c_fc.weight")->value.shape(), (Shape{C, 4 * C / tp}));
+  EXPECT_EQ(ranks[0].store->find("h.0.mlp.c_proj.weight")->value.shape(), (Shape{4 * C / tp, C}));
   EXPECT_EQ(ranks[0].value_shapes[z(m.graph.find_value("h.0.res_2"))], (Shape{kMicro, T, C}));
 
   ASSERT_EQ(ranks[0].store->size(), m.params->size());

@@ -66,6 +66,11 @@ class Layer {
   virtual std::vector<Param*> params() const { return {}; }
   // Forward FLOPs (multiply-adds count 2) for these input shapes.
   virtual double flops(std::span<const Shape> /*in*/) const { return 0; }
+  // Elements of the activations' dtype that forward keeps for the backward
+  // beyond the graph's values, for these input shapes (a fused MLP's hidden
+  // pre-activation and activation): the analytic cost model counts them
+  // with the node's outputs.
+  virtual double stashed_elements(std::span<const Shape> /*in*/) const { return 0; }
 
   virtual std::unique_ptr<LayerCtx> make_ctx() const { return std::make_unique<LayerCtx>(); }
 

@@ -15,12 +15,14 @@
 
 #if WEFT_CUDA
 #include <weft/arena.h>
+#include <weft/cuda/runtime.h>
 #include <weft/ops.h>
 #include <weft/param.h>
 
 #include "layers/attention.h"
 #include "layers/embedding.h"
 #include "layers/gelu.h"
+#include "layers/gelu_mlp.h"
 #include "layers/layernorm.h"
 #include "layers/linear.h"
 #include "layers/lm_head.h"
@@ -369,6 +371,55 @@ TEST(CudaLayers, Bf16Activations) {
                         {true, false}, "bf16 chunked lm head on the table's bf16 copy", kBf16,
                         bf16);
   }
+}
+
+// The MLP node (c_fc, GELU, c_proj). fp32: the error model above, fresh dx
+// too. bf16 activations on the weights' bf16 copies: the GPU runs GELU in
+// the first GEMM's epilogue (on the fp32 sum, where the CPU rounds pre to
+// bf16 first) and gelu' in the epilogue of the second GEMM's input gradient
+// (on the fp32 product, where the CPU rounds it first). So each element of
+// h and dpre may be a bf16 ulp (2^-8 relative) apart, not only the rare
+// straddles of the other layers' comparisons; y, dx and the weight
+// gradients sum such terms, whose relative RMS difference stays under
+// 2^-8 ~ 4e-3, plus their own roundings. 2e-2 holds that; a missing GELU, a
+// wrong layout of pre or a transposed operand gives O(1).
+TEST(CudaLayers, GeluMlp) {
+  auto twin = [](Twin& tw, uint64_t seed) {
+    Param* w1 = tw.add("w_fc", uniform_tensor({kC, 4 * kC}, seed));
+    Param* b1 = tw.add("b_fc", uniform_tensor({4 * kC}, seed + 1));
+    Param* w2 = tw.add("w_proj", uniform_tensor({4 * kC, kC}, seed + 2, -0.5f, 0.5f));
+    Param* b2 = tw.add("b_proj", uniform_tensor({kC}, seed + 3));
+    return std::pair{GeluMlp(w1, b1, w2, b2),
+                     GeluMlp(tw.gpu_of(w1), tw.gpu_of(b1), tw.gpu_of(w2), tw.gpu_of(b2))};
+  };
+  {
+    Twin tw;
+    auto [cpu, gpu] = twin(tw, 80);
+    expect_same_on_both(cpu, gpu, tw, {uniform_tensor({kB, kT, kC}, 84)}, {true}, "gelu mlp");
+  }
+  {
+    Twin tw;
+    auto [cpu, gpu] = twin(tw, 85);
+    expect_same_on_both(cpu, gpu, tw, {uniform_tensor({kB, kT, kC}, 89)}, {true},
+                        "gelu mlp, fresh dx", kFp32, DType::F32, true);
+  }
+  struct Scope {
+    Scope() {
+      ops::set_matmul_precision(Device::cpu(), ops::MatmulPrecision::Bf16);
+      ops::set_matmul_precision(kGpu, ops::MatmulPrecision::Bf16);
+    }
+    ~Scope() {
+      ops::set_matmul_precision(Device::cpu(), ops::MatmulPrecision::Fp32);
+      ops::set_matmul_precision(kGpu, ops::MatmulPrecision::Fp32);
+    }
+  } scope;
+  Twin tw;
+  auto [cpu, gpu] = twin(tw, 90);
+  tw.make_bf16_copies();
+  const int64_t before = cuda::context(0).gelu_epilogue_fallbacks();
+  expect_same_on_both(cpu, gpu, tw, {uniform_tensor({kB, kT, kC}, 94)}, {true},
+                      "bf16 gelu mlp (GELU in the GEMMs' epilogues)", 2e-2, DType::BF16, true);
+  EXPECT_EQ(cuda::context(0).gelu_epilogue_fallbacks(), before) << "the epilogues did not run";
 }
 
 // Fresh input-gradient buffers (LayerCtx::fresh_grads_in) are written, not
