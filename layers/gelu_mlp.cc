@@ -116,14 +116,13 @@ void GeluMlp::backward_input(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
   copy_to_tp_backward(*group_, part, grad_in[0]);
 }
 
-// dW_proj += h^T dy, db_proj += sum of dy's rows; then dW_fc += x^T dpre,
+// dW_proj += h^T dy, db_proj += sum of dy's rows (whole under tensor
+// parallelism: dy is the same on every rank); then dW_fc += x^T dpre,
 // db_fc += sum of dpre's rows (the order of the Linear nodes' W actions)
 void GeluMlp::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  ops::gemm(ctx.h, true, ctx.dy, false, w_proj_->grad, 1.0f, 1.0f);
-  ops::sum_rows(ctx.dy, b_proj_->grad);
-  ops::gemm(ctx.x, true, ctx.dpre, false, w_fc_->grad, 1.0f, 1.0f);
-  ops::sum_rows(ctx.dpre, b_fc_->grad);
+  ops::gemm_bias_grad(ctx.h, true, ctx.dy, w_proj_->grad, 1.0f, b_proj_->grad);
+  ops::gemm_bias_grad(ctx.x, true, ctx.dpre, w_fc_->grad, 1.0f, b_fc_->grad);
   ctx.dy = ctx.dpre = Tensor();  // W is done with them (weft/layer.h)
 }
 

@@ -93,8 +93,10 @@ void Linear::backward_input(LayerCtx& ctx_, Arena&, std::span<const Tensor> grad
 // dW (in, out) += x^T dy; db (out) += sum over rows of dy
 void Linear::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  ops::gemm(ctx.x, true, ctx.dy, false, w_->grad, 1.0f, 1.0f);
-  if (b_) ops::sum_rows(ctx.dy, b_->grad);
+  if (b_)
+    ops::gemm_bias_grad(ctx.x, true, ctx.dy, w_->grad, 1.0f, b_->grad);
+  else
+    ops::gemm(ctx.x, true, ctx.dy, false, w_->grad, 1.0f, 1.0f);
   ctx.dy = Tensor();  // W is done with it (weft/layer.h)
 }
 

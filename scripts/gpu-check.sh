@@ -209,7 +209,7 @@ run_test cuda_train tests/cuda/test_cuda_train 1
 run_test cuda_step_kernels tests/cuda/test_cuda_step_kernels 1
 # the bf16-activation kernels against their fp32 twins (fused attention with cuDNN)
 run_test cuda_bf16_kernels tests/cuda/test_cuda_bf16_kernels 1
-# cuBLASLt's bias-epilogue GEMMs against bias rows then the plain GEMM
+# cuBLASLt's bias- and GELU-epilogue GEMMs against the separate steps and fp64
 run_test cuda_gemm_bias tests/cuda/test_cuda_gemm_bias 1
 run_test cuda_mpi tests/cuda/test_cuda_mpi 1   # several ranks sharing the GPU (host-staged)
 # cuDNN's fused attention against the CPU (SKIP in a build without it)

@@ -100,6 +100,13 @@ void gemm_bias_gelu(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b
 // once); elsewhere gemm (beta 0) into dx, then gelu_backward in place.
 void gemm_dgelu(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& pre,
                 const Tensor& dx);
+// A linear layer's weight and bias gradients: c = op(a) b + beta c, and
+// db += the sums of b's rows (dW += x^T dy, db += the sum of dy's rows).
+// With bf16 a and b and fp32 c and db on a GPU, one cuBLASLt GEMM sums the
+// bias gradient in its epilogue (into a scratch vector, then added to db)
+// rather than a second pass reading b; elsewhere gemm, then sum_rows.
+void gemm_bias_grad(const Tensor& a, bool trans_a, const Tensor& b, const Tensor& c, float beta,
+                    const Tensor& db);
 // y (N, C) = row (C) in every row (a bias, before a GEMM accumulates onto it).
 void fill_rows(const Tensor& y, const Tensor& row);
 // y (N, C) += row (C) in every row.

@@ -143,12 +143,16 @@ uint32_t alignment_of(const void* p) {
 //   Bias         C = op(A) op(B) + bias per row
 //   GeluAuxBias  aux = op(A) op(B) + bias per row, C = gelu(aux)
 //   DGelu        C = op(A) op(B) * gelu'(aux), element by element
+//   BGradB       C = op(A) op(B) + beta C, and bias (n) = the sums of
+//                op(B)'s k rows, written: a weight gradient and its bias's
 // GELU is the tanh approximation, as weft's kernels compute it.
-enum class Epilogue { Bias, GeluAuxBias, DGelu };
+enum class Epilogue { Bias, GeluAuxBias, DGelu, BGradB };
 
 // One epilogue GEMM, row-major as the others. `type` is A's, B's, C's, the
-// bias's and aux's (fp32 or bf16); scale type fp32. aux is (m, n), ldaux
-// apart (GeluAuxBias writes it, DGelu reads it); bias is null for DGelu.
+// bias's and aux's (fp32 or bf16), unless c_type says C's and the bias's
+// (fp32 C of bf16 A and B); scale type fp32. aux is (m, n), ldaux apart
+// (GeluAuxBias writes it, DGelu reads it); bias is null for DGelu. beta is
+// BGradB's only (C is read then).
 struct BiasGemm {
   const char* math;  // for the fallback's message: the MathMode, or "bf16"
   cublasComputeType_t compute;
@@ -166,6 +170,11 @@ struct BiasGemm {
   Epilogue epilogue = Epilogue::Bias;
   void* aux = nullptr;
   int64_t ldaux = 0;
+  int c_type = -1;  // a cudaDataType_t; -1: `type`
+  float beta = 0.0f;
+  cudaDataType_t ctype() const {
+    return c_type < 0 ? type : static_cast<cudaDataType_t>(c_type);
+  }
 };
 
 cublasLtEpilogue_t lt_epilogue(Epilogue e) {
@@ -173,6 +182,9 @@ cublasLtEpilogue_t lt_epilogue(Epilogue e) {
     case Epilogue::Bias: return CUBLASLT_EPILOGUE_BIAS;
     case Epilogue::GeluAuxBias: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
     case Epilogue::DGelu: return CUBLASLT_EPILOGUE_DGELU;
+    // Column-major, cuBLASLt's A is our B (see the top): its bias gradient
+    // sums A over k, one per row of D (n of them).
+    case Epilogue::BGradB: return CUBLASLT_EPILOGUE_BGRADA;
   }
   return CUBLASLT_EPILOGUE_DEFAULT;
 }
@@ -189,6 +201,7 @@ struct AlgoKey {
   Epilogue epilogue;
   int64_t ldaux;
   uint32_t align_aux;
+  cudaDataType_t c_type;
   auto operator<=>(const AlgoKey&) const = default;
 };
 
@@ -233,7 +246,7 @@ std::optional<std::string> lt_bias_gemm(Context& ctx, const BiasGemm& g) {
   // risked.
   if (g.bias != nullptr && alignment_of(g.bias) < 16)
     return fmt::format("the bias at {} is not 16-byte aligned", g.bias);
-  if (g.epilogue != Epilogue::Bias) {
+  if (g.epilogue == Epilogue::GeluAuxBias || g.epilogue == Epilogue::DGelu) {
     if (alignment_of(g.aux) < 16)
       return fmt::format("the GELU input at {} is not 16-byte aligned", g.aux);
     // cuBLASLt's rule for the GELU input's leading dimension.
@@ -252,10 +265,11 @@ std::optional<std::string> lt_bias_gemm(Context& ctx, const BiasGemm& g) {
            "CUBLASLT_MATMUL_DESC_EPILOGUE");
   if (g.bias != nullptr) {
     set_desc(d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias, "CUBLASLT_MATMUL_DESC_BIAS_POINTER");
-    set_desc(d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, g.type,
+    const cudaDataType_t bias_type = g.ctype();
+    set_desc(d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, bias_type,
              "CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE");
   }
-  if (g.epilogue != Epilogue::Bias) {
+  if (g.epilogue == Epilogue::GeluAuxBias || g.epilogue == Epilogue::DGelu) {
     // aux is (m, n) row-major, column-major (n x m) as D is; its type is
     // D's (cuBLASLt's default for a GELU input), its leading dimension in
     // elements.
@@ -268,13 +282,13 @@ std::optional<std::string> lt_bias_gemm(Context& ctx, const BiasGemm& g) {
   // transposed; our A (k x m), (m x k) when transposed; C (n x m).
   const auto lb = lt_layout(g.type, g.trans_b ? g.k : g.n, g.trans_b ? g.n : g.k, g.ldb);
   const auto la = lt_layout(g.type, g.trans_a ? g.m : g.k, g.trans_a ? g.k : g.m, g.lda);
-  const auto lc = lt_layout(g.type, g.n, g.m, g.ldc);
+  const auto lc = lt_layout(g.ctype(), g.n, g.m, g.ldc);
   const uint64_t workspace = Context::cublas_lt_workspace_bytes();
 
   const AlgoKey key{ctx.device(), g.compute, g.type, g.trans_a, g.trans_b, g.m, g.n, g.k,
                     g.lda, g.ldb, g.ldc, alignment_of(g.a), alignment_of(g.b),
                     alignment_of(g.c), g.epilogue, g.ldaux,
-                    g.aux != nullptr ? alignment_of(g.aux) : 0};
+                    g.aux != nullptr ? alignment_of(g.aux) : 0, g.ctype()};
   std::optional<AlgoChoice> choice = algo_cache().find(key);
   if (!choice) {
     cublasLtMatmulPreference_t p = nullptr;
@@ -307,9 +321,9 @@ std::optional<std::string> lt_bias_gemm(Context& ctx, const BiasGemm& g) {
   }
   if (!choice->algo) return choice->why;
 
-  // D = 1 * op(A) op(B) + 0 * C, then the epilogue: C is D, and with beta 0
-  // it is not read.
-  const float alpha = 1.0f, beta = 0.0f;
+  // D = 1 * op(A) op(B) + beta C, then the epilogue: C is D, and with beta
+  // 0 (every epilogue but BGradB) it is not read.
+  const float alpha = 1.0f, beta = g.beta;
   const cublasStatus_t ms =
       cublasLtMatmul(h, d, &alpha, g.b, lb.get(), g.a, la.get(), &beta, g.c, lc.get(), g.c,
                      lc.get(), &*choice->algo, ctx.cublas_lt_workspace(), workspace,
@@ -423,6 +437,27 @@ void gemm_dgelu_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_
             {"bf16", CUBLAS_COMPUTE_32F, CUDA_R_16BF, sizeof(bf16), trans_a, trans_b, m, n, k, a,
              lda, b, ldb, nullptr, c, n, Epilogue::DGelu, const_cast<bf16*>(pre), n},
             "gemm_dgelu_bf16");
+}
+
+bool gemm_bf16_bias_grad(Context& ctx, bool trans_a, int64_t m, int64_t n, int64_t k,
+                         const bf16* a, int64_t lda, const bf16* b, int64_t ldb, float beta,
+                         float* c, int64_t ldc, float* db) {
+  const char* name = "gemm_bf16_bias_grad";
+  check(m >= 0 && n >= 0 && k >= 0, "{}: m, n, k ({}, {}, {}) must not be negative", name, m, n,
+        k);
+  check(ldc >= n, "{}: ldc ({}) is less than n ({}): rows of C would overlap", name, ldc, n);
+  if (m == 0 || n == 0 || k == 0) return false;  // the plain calls handle these
+  ctx.make_current();
+  BiasGemm g{"bf16", CUBLAS_COMPUTE_32F, CUDA_R_16BF, sizeof(bf16), trans_a, false, m, n, k, a,
+             lda, b, ldb, db, c, ldc, Epilogue::BGradB, nullptr, 0, CUDA_R_32F, beta};
+  const std::optional<std::string> why = lt_bias_gemm(ctx, g);
+  if (!why) return true;
+  if (ctx.count_bias_grad_epilogue_fallback() == 0)
+    fmt::print(stderr,
+               "weft: cuBLASLt has no bias-gradient-epilogue algorithm for {} (m {}, n {}, k {}, "
+               "trans_a {}, lda {}, ldb {}, ldc {}) ({}); summing the bias gradient separately\n",
+               name, m, n, k, trans_a, lda, ldb, ldc, *why);
+  return false;
 }
 
 void gemm_bias(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m, int64_t n,

@@ -448,6 +448,25 @@ void gemm_dgelu(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, co
   gelu_backward(dx, pre, dx, false);
 }
 
+void gemm_bias_grad(const Tensor& a, bool trans_a, const Tensor& b, const Tensor& c, float beta,
+                    const Tensor& db) {
+  const Device d = common_device("gemm_bias_grad", {&a, &b, &c, &db});
+  const auto [m, n] = product_shape("gemm_bias_grad", a, trans_a, b, false, c);
+  check_numel("gemm_bias_grad", "db", db, n);
+  bool fused = false;
+  if (is_bf16(a) && is_bf16(b) && is_f32(c) && is_f32(db))
+    on_gpu(d, "gemm_bias_grad", [&](auto& cx) {
+      const Tensor part = Tensor::empty(db.shape(), DType::F32, d);  // written by the epilogue
+      const int64_t k = trans_a ? a.shape().rows() : a.shape().last();
+      fused = cuda::gemm_bf16_bias_grad(cx, trans_a, m, n, k, b16(a), a.shape().last(), b16(b),
+                                        n, beta, fw(c), n, fw(part));
+      if (fused) cuda::add_inplace(cx, fw(db), f(part), n);
+    });
+  if (fused) return;
+  gemm(a, trans_a, b, false, c, 1.0f, beta);
+  sum_rows(b, db);
+}
+
 void fill_rows(const Tensor& y, const Tensor& row) {
   if (any_bf16({&y, &row})) {
     if (is_bf16(y) && is_f32(row) && y.shape().last() == row.numel() &&

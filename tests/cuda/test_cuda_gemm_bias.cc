@@ -8,7 +8,7 @@
 // k 0 (C = the bias rows), m or n 0 (nothing written), a repeated call
 // allocates nothing, and bad input is refused. Last, the GELU epilogues of
 // an MLP's GEMMs (gemm_bias_gelu_bf16, gemm_dgelu_bf16) against fp64, and
-// their fallback.
+// their fallback; and the bias-gradient epilogue (gemm_bf16_bias_grad).
 // Needs a GPU; exits 77 (SKIP) without one.
 #include "weft_config.h"
 
@@ -482,6 +482,48 @@ TEST(CudaGeluGemm, RowsNotAMultipleOf8TakeTheTwoStepsBitForBit) {
     EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(bf16)), 0) << what;
   }
   EXPECT_EQ(ctx().gelu_epilogue_fallbacks(), before + 2);
+}
+
+// ------------------------------------------------------------ the bias-gradient epilogue
+
+// gemm_bf16_bias_grad as a weight gradient, dW (48, 192) += x^T dy with x
+// (74, 48) and dy (74, 192), against fp64: C = C0 + the product, where the
+// fp32 sum of k + 1 terms (C0's too) errs by at most (k + 1) 2^-24 times
+// the sum of their magnitudes; db = the sums of dy's 74 rows, the same
+// bound over |dy|. Doubled for margin; a wrong operand or a sum over the
+// other dimension is off by O(1). The epilogue must run (no fallback).
+TEST(CudaBiasGradGemm, EpilogueGivesTheWeightAndBiasGradients) {
+  const double u = std::ldexp(1.0, -24);
+  const int64_t before = ctx().bias_grad_epilogue_fallbacks();
+  const Case g = rounded(make_case(true, false, 48, 192, 74, false, 1600));
+  Dev<bf16> x(to_bf16(g.a)), dy(to_bf16(g.b));
+  Dev<float> c(g.c), db{std::vector<float>(static_cast<size_t>(g.n), 7.0f)};
+  const bool ran = gemm_bf16_bias_grad(ctx(), true, g.m, g.n, g.k, x.p(), g.lda, dy.p(), g.ldb,
+                                       1.0f, c.p(), g.ldc, db.p());
+  ASSERT_TRUE(ran) << "cuBLASLt has no bias-gradient epilogue for this shape";
+  EXPECT_EQ(ctx().bias_grad_epilogue_fallbacks(), before);
+  const std::vector<float> cv = c.host(), dbv = db.host();
+  Case no_bias = g;
+  std::fill(no_bias.bias.begin(), no_bias.bias.end(), 0.0f);
+  const Reference ref = reference(no_bias);
+  const double k = static_cast<double>(g.k);
+  for (int64_t i = 0; i < g.m; ++i)
+    for (int64_t j = 0; j < g.n; ++j) {
+      const size_t at = static_cast<size_t>(i * g.ldc + j), r = static_cast<size_t>(i * g.n + j);
+      const double c0 = g.c[at], want = c0 + ref.exact[r];
+      ASSERT_LE(std::fabs(cv[at] - want), 2 * (k + 1) * u * (ref.abs[r] + std::fabs(c0)))
+          << "dW at (" << i << ", " << j << "): " << cv[at] << ", exact " << want;
+    }
+  for (int64_t j = 0; j < g.n; ++j) {
+    double sum = 0, mag = 0;
+    for (int64_t l = 0; l < g.k; ++l) {
+      const double v = b_at(g, l, j);
+      sum += v, mag += std::fabs(v);
+    }
+    // Written, not added: the 7 the buffer held is gone.
+    ASSERT_LE(std::fabs(dbv[static_cast<size_t>(j)] - sum), 2 * (k + 1) * u * mag)
+        << "db " << j << ": " << dbv[static_cast<size_t>(j)] << ", exact " << sum;
+  }
 }
 
 }  // namespace

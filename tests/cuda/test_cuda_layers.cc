@@ -382,7 +382,8 @@ TEST(CudaLayers, Bf16Activations) {
 // straddles of the other layers' comparisons; y, dx and the weight
 // gradients sum such terms, whose relative RMS difference stays under
 // 2^-8 ~ 4e-3, plus their own roundings. 2e-2 holds that; a missing GELU, a
-// wrong layout of pre or a transposed operand gives O(1).
+// wrong layout of pre or a transposed operand gives O(1). The bias
+// gradients come out of the weight gradients' GEMMs (gemm_bias_grad).
 TEST(CudaLayers, GeluMlp) {
   auto twin = [](Twin& tw, uint64_t seed) {
     Param* w1 = tw.add("w_fc", uniform_tensor({kC, 4 * kC}, seed));
@@ -417,9 +418,12 @@ TEST(CudaLayers, GeluMlp) {
   auto [cpu, gpu] = twin(tw, 90);
   tw.make_bf16_copies();
   const int64_t before = cuda::context(0).gelu_epilogue_fallbacks();
+  const int64_t bgrad_before = cuda::context(0).bias_grad_epilogue_fallbacks();
   expect_same_on_both(cpu, gpu, tw, {uniform_tensor({kB, kT, kC}, 94)}, {true},
                       "bf16 gelu mlp (GELU in the GEMMs' epilogues)", 2e-2, DType::BF16, true);
   EXPECT_EQ(cuda::context(0).gelu_epilogue_fallbacks(), before) << "the epilogues did not run";
+  EXPECT_EQ(cuda::context(0).bias_grad_epilogue_fallbacks(), bgrad_before)
+      << "the bias gradients were summed separately";
 }
 
 // Fresh input-gradient buffers (LayerCtx::fresh_grads_in) are written, not

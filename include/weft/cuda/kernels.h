@@ -110,6 +110,17 @@ void gemm_bias_gelu_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, in
 void gemm_dgelu_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                      const bf16* a, int64_t lda, const bf16* b, int64_t ldb, const bf16* pre,
                      bf16* c);
+// A linear layer's weight and bias gradients in one cuBLASLt call
+// (CUBLASLT_EPILOGUE_BGRADA in the column-major view): C (m, n) = op(A) B +
+// beta C with bf16 A and B (B not transposed) and fp32 C, as gemm_bf16, and
+// db (n, fp32) = the sums of B's k rows, written: for dW += x^T dy it is
+// the bias gradient of dy, without a second read of dy. Returns false,
+// having done nothing, where cuBLASLt has no such algorithm (or k is 0, or
+// db is not 16-byte aligned): then the caller runs gemm_bf16 and sum_rows;
+// stderr says so once per context (Context::bias_grad_epilogue_fallbacks).
+bool gemm_bf16_bias_grad(Context& ctx, bool trans_a, int64_t m, int64_t n, int64_t k,
+                         const bf16* a, int64_t lda, const bf16* b, int64_t ldb, float beta,
+                         float* c, int64_t ldc, float* db);
 // `batch` independent GEMMs; matrix i of A, B, C starts stride_a/b/c elements after matrix i-1.
 void gemm_strided_batched(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m,
                           int64_t n, int64_t k, float alpha, const float* a, int64_t lda,

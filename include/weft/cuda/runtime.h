@@ -205,6 +205,9 @@ class Context {
   // which then run the GELU kernel separately.
   int64_t count_gelu_epilogue_fallback() { return gelu_fallbacks_.fetch_add(1); }
   int64_t gelu_epilogue_fallbacks() const { return gelu_fallbacks_.load(); }
+  // And for the bias-gradient epilogue (gemm_bf16_bias_grad).
+  int64_t count_bias_grad_epilogue_fallback() { return bias_grad_fallbacks_.fetch_add(1); }
+  int64_t bias_grad_epilogue_fallbacks() const { return bias_grad_fallbacks_.load(); }
   CachingAllocator& allocator() { return *allocator_; }
 
   // Work queued on the communication stream after this call starts only when
@@ -253,6 +256,7 @@ class Context {
   void* cublas_lt_workspace_ = nullptr;
   std::atomic<int64_t> bias_fallbacks_{0};
   std::atomic<int64_t> gelu_fallbacks_{0};
+  std::atomic<int64_t> bias_grad_fallbacks_{0};
   PinnedBuffer staging_;
   std::array<PinnedBuffer, kSmallSlots> small_;
   std::array<CUevent_st*, kSmallSlots> small_done_{};
