@@ -251,7 +251,8 @@ Case make_case(const std::string& name) {
           double pre = at(b1->value, j);
           for (int64_t k = 0; k < kC; ++k)
             pre += at(in[0], i * kC + k) * at(w1->value, k * hidden + j);
-          h[z(j)] = 0.5 * pre * (1 + std::tanh(std::sqrt(2 / M_PI) * (pre + 0.044715 * pre * pre * pre)));
+          const double u = std::sqrt(2 / M_PI) * (pre + 0.044715 * pre * pre * pre);
+          h[z(j)] = 0.5 * pre * (1 + std::tanh(u));
         }
         for (int64_t j = 0; j < kC; ++j) {
           double acc = at(b2->value, j);
@@ -883,7 +884,8 @@ TEST(GeluMlp, GivesTheBitsOfTheLinearGeluLinearChain) {
     EXPECT_EQ(0, std::memcmp(dx1.raw(), dx2.raw(), dx1.nbytes())) << what << " dx";
     EXPECT_NE(0, std::memcmp(dx1.raw(), dx0.raw(), dx1.nbytes())) << what << " dx unchanged";
     for (size_t k = 0; k < ps.size(); ++k) {
-      EXPECT_EQ(0, std::memcmp(g1[k].raw(), g2[k].raw(), g1[k].nbytes())) << what << " " << ps[k]->name;
+      EXPECT_EQ(0, std::memcmp(g1[k].raw(), g2[k].raw(), g1[k].nbytes()))
+          << what << " " << ps[k]->name;
       EXPECT_GT(ops::sum_squares(g1[k]), 0.0) << what << " " << ps[k]->name;
     }
   }

@@ -202,6 +202,7 @@ struct AlgoKey {
   int64_t ldaux;
   uint32_t align_aux;
   cudaDataType_t c_type;
+  uint32_t align_bias;  // the heuristic reads it from the bias pointer
   auto operator<=>(const AlgoKey&) const = default;
 };
 
@@ -288,7 +289,8 @@ std::optional<std::string> lt_bias_gemm(Context& ctx, const BiasGemm& g) {
   const AlgoKey key{ctx.device(), g.compute, g.type, g.trans_a, g.trans_b, g.m, g.n, g.k,
                     g.lda, g.ldb, g.ldc, alignment_of(g.a), alignment_of(g.b),
                     alignment_of(g.c), g.epilogue, g.ldaux,
-                    g.aux != nullptr ? alignment_of(g.aux) : 0, g.ctype()};
+                    g.aux != nullptr ? alignment_of(g.aux) : 0, g.ctype(),
+                    g.bias != nullptr ? alignment_of(g.bias) : 0};
   std::optional<AlgoChoice> choice = algo_cache().find(key);
   if (!choice) {
     cublasLtMatmulPreference_t p = nullptr;

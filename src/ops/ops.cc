@@ -435,7 +435,8 @@ void gemm_dgelu(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, co
                 const Tensor& dx) {
   const Device d = common_device("gemm_dgelu", {&a, &b, &pre, &dx});
   const auto [m, n] = product_shape("gemm_dgelu", a, trans_a, b, trans_b, dx);
-  check(pre.shape() == dx.shape(), "gemm_dgelu: the GELU's input {} must have its gradient's shape {}",
+  check(pre.shape() == dx.shape(),
+        "gemm_dgelu: the GELU's input {} must have its gradient's shape {}",
         pre.shape().str(), dx.shape().str());
   if (is_bf16(a) && is_bf16(b) && is_bf16(pre) && is_bf16(dx) &&
       on_gpu(d, "gemm_dgelu", [&](auto& cx) {
