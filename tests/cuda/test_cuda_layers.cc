@@ -172,6 +172,20 @@ void expect_same_on_both(Layer& cpu_layer, Layer& gpu_layer, Twin& twin,
 
 const int64_t kB = 2, kT = 37, kC = 48, kV = 1000, kHeads = 4;
 
+// --bf16's GEMM precision on both devices for a scope, fp32 again after.
+struct Bf16Matmuls {
+  Bf16Matmuls() {
+    ops::set_matmul_precision(Device::cpu(), ops::MatmulPrecision::Bf16);
+    ops::set_matmul_precision(kGpu, ops::MatmulPrecision::Bf16);
+  }
+  ~Bf16Matmuls() {
+    ops::set_matmul_precision(Device::cpu(), ops::MatmulPrecision::Fp32);
+    ops::set_matmul_precision(kGpu, ops::MatmulPrecision::Fp32);
+  }
+  Bf16Matmuls(const Bf16Matmuls&) = delete;
+  Bf16Matmuls& operator=(const Bf16Matmuls&) = delete;
+};
+
 TEST(CudaLayers, LinearWithAndWithoutBias) {
   for (bool bias : {true, false}) {
     Twin tw;
@@ -287,16 +301,7 @@ TEST(CudaLayers, EmbeddingAndTiedLmHead) {
 // bf16 bytes as fp32, or the reverse, gives O(1).
 TEST(CudaLayers, Bf16Activations) {
   constexpr double kBf16 = 1e-3;
-  struct Scope {
-    Scope() {
-      ops::set_matmul_precision(Device::cpu(), ops::MatmulPrecision::Bf16);
-      ops::set_matmul_precision(kGpu, ops::MatmulPrecision::Bf16);
-    }
-    ~Scope() {
-      ops::set_matmul_precision(Device::cpu(), ops::MatmulPrecision::Fp32);
-      ops::set_matmul_precision(kGpu, ops::MatmulPrecision::Fp32);
-    }
-  } scope;
+  const Bf16Matmuls scope;
   const DType bf16 = DType::BF16;
   {
     Twin tw;
@@ -404,16 +409,7 @@ TEST(CudaLayers, GeluMlp) {
     expect_same_on_both(cpu, gpu, tw, {uniform_tensor({kB, kT, kC}, 89)}, {true},
                         "gelu mlp, fresh dx", kFp32, DType::F32, true);
   }
-  struct Scope {
-    Scope() {
-      ops::set_matmul_precision(Device::cpu(), ops::MatmulPrecision::Bf16);
-      ops::set_matmul_precision(kGpu, ops::MatmulPrecision::Bf16);
-    }
-    ~Scope() {
-      ops::set_matmul_precision(Device::cpu(), ops::MatmulPrecision::Fp32);
-      ops::set_matmul_precision(kGpu, ops::MatmulPrecision::Fp32);
-    }
-  } scope;
+  const Bf16Matmuls scope;
   Twin tw;
   auto [cpu, gpu] = twin(tw, 90);
   tw.make_bf16_copies();
