@@ -381,21 +381,31 @@ __global__ void scale_inplace_kernel(float* y, float s, int64_t n) {
 // this path only when every array is 16-byte aligned.
 constexpr int kVec = 8;
 
+// A 32-bit word of a vector access holds two bf16, the lower address in the
+// low half; a bf16 is the top half of an fp32. The words are taken apart
+// and put together with shifts, not by reading them through another type
+// (undefined behaviour, which an optimiser may turn into wrong values).
+__device__ __forceinline__ float bf16_low(unsigned word) { return __uint_as_float(word << 16); }
+__device__ __forceinline__ float bf16_high(unsigned word) {
+  return __uint_as_float(word & 0xffff0000u);
+}
+__device__ __forceinline__ unsigned bf16_pair(float lo, float hi) {
+  return static_cast<unsigned>(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
+         (static_cast<unsigned>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
+}
+
 __device__ __forceinline__ void load8(const __nv_bfloat16* p, int64_t v, float (&out)[kVec]) {
   const uint4 raw = reinterpret_cast<const uint4*>(p)[v];
-  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+  const unsigned words[kVec / 2] = {raw.x, raw.y, raw.z, raw.w};
   for (int k = 0; k < kVec / 2; ++k) {
-    out[2 * k] = __low2float(h[k]);
-    out[2 * k + 1] = __high2float(h[k]);
+    out[2 * k] = bf16_low(words[k]);
+    out[2 * k + 1] = bf16_high(words[k]);
   }
 }
 
 __device__ __forceinline__ void store8(__nv_bfloat16* p, int64_t v, const float (&in)[kVec]) {
-  uint4 raw;
-  auto* h = reinterpret_cast<__nv_bfloat162*>(&raw);
-  for (int k = 0; k < kVec / 2; ++k)
-    h[k] = __halves2bfloat162(__float2bfloat16_rn(in[2 * k]), __float2bfloat16_rn(in[2 * k + 1]));
-  reinterpret_cast<uint4*>(p)[v] = raw;
+  reinterpret_cast<uint4*>(p)[v] = make_uint4(bf16_pair(in[0], in[1]), bf16_pair(in[2], in[3]),
+                                              bf16_pair(in[4], in[5]), bf16_pair(in[6], in[7]));
 }
 
 __global__ void gelu_forward_vec_kernel(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t n) {
@@ -667,9 +677,7 @@ __device__ __forceinline__ float4 load4(const S* row, int64_t j) {
     return reinterpret_cast<const float4*>(row)[j];
   } else {
     const uint2 raw = reinterpret_cast<const uint2*>(row)[j];
-    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-    const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
-    return make_float4(a.x, a.y, b.x, b.y);
+    return make_float4(bf16_low(raw.x), bf16_high(raw.x), bf16_low(raw.y), bf16_high(raw.y));
   }
 }
 
@@ -719,11 +727,7 @@ __global__ void cross_entropy_kernel(const S* logits, D* dst, const int32_t* tar
       if constexpr (sizeof(D) == sizeof(float)) {
         reinterpret_cast<float4*>(drow)[j] = q;
       } else {  // four bf16 in one 8-byte store, each rounded as store() rounds it
-        uint2 raw;
-        auto* h = reinterpret_cast<__nv_bfloat162*>(&raw);
-        h[0] = __halves2bfloat162(__float2bfloat16_rn(q.x), __float2bfloat16_rn(q.y));
-        h[1] = __halves2bfloat162(__float2bfloat16_rn(q.z), __float2bfloat16_rn(q.w));
-        reinterpret_cast<uint2*>(drow)[j] = raw;
+        reinterpret_cast<uint2*>(drow)[j] = make_uint2(bf16_pair(q.x, q.y), bf16_pair(q.z, q.w));
       }
     }
   } else {
