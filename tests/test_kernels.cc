@@ -1024,6 +1024,18 @@ TEST(MultiTensor, ConvertMultiIsThePerTensorConvert) {
   ops::convert_multi({}, {}, none);  // nothing to do, and no error
 }
 
+// fill on a BF16 tensor writes the value rounded once (what converting an
+// fp32 tensor of it would give); other dtypes are refused by name.
+TEST(Fill, Bf16TensorsHoldTheValueRounded) {
+  const Tensor t = Tensor::zeros({5}, DType::BF16);
+  ops::fill(t, 1.0f / 3.0f);
+  for (int64_t i = 0; i < 5; ++i) EXPECT_EQ(t.data<uint16_t>()[i], to_bf16(1.0f / 3.0f)) << i;
+  EXPECT_NE(to_bf16(1.0f / 3.0f), 0u);
+  const std::string msg =
+      error_message([] { ops::fill(Tensor::zeros({2}, DType::I32), 1.0f); });
+  EXPECT_TRUE(contains(msg, "fill: the tensor must be F32 or BF16, got I32")) << msg;
+}
+
 // Every pair is checked before any is written, and an error names the pair
 // and the rule: list lengths, dtypes (F32 to BF16 only: a convert_multi of
 // any other kind has no caller), shapes (equal, not only element counts),

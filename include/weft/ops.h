@@ -144,7 +144,7 @@ void scale_multi(const std::vector<Tensor>& xs, float s, std::shared_ptr<void>& 
 // A one-element tensor's value, and setting it (the loss and its seed gradient).
 float item(const Tensor& t);
 void set_item(const Tensor& t, float value);
-// Every element = value (fp32).
+// Every element = value (of a BF16 tensor: value rounded to bf16).
 void fill(const Tensor& t, float value);
 
 // --- LayerNorm over the last dimension, eps inside the square root ---

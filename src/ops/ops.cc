@@ -701,7 +701,18 @@ void set_item(const Tensor& t, float value) {
 }
 
 void fill(const Tensor& t, float value) {
-  check_dtype("fill", "the tensor", t, DType::F32);
+  check(t.dtype() == DType::F32 || t.dtype() == DType::BF16,
+        "fill: the tensor must be F32 or BF16, got {}", dtype_name(t.dtype()));
+  if (t.dtype() == DType::BF16) {  // the value rounded once
+    const uint16_t bits = to_bf16(value);
+    on_device(
+        t.device(), "fill", [&] { std::fill_n(t.data<uint16_t>(), t.numel(), bits); },
+        [&](auto& cx) {
+          const std::vector<uint16_t> host(static_cast<size_t>(t.numel()), bits);
+          cuda::upload(cx, t.raw(), host.data(), t.nbytes());
+        });
+    return;
+  }
   on_device(
       t.device(), "fill", [&] { std::fill_n(fw(t), t.numel(), value); },
       [&](auto& cx) {
