@@ -48,6 +48,7 @@ struct Fiber {
   bctx::fiber sched;  // the scheduler, while the GPU thread runs
   ThreadState state;
   int warp = 0;
+  unsigned shuffles = 0;  // how many this thread has made
   bool done = false;
   int waiting = 0;  // 0 running or runnable, 1 at the block barrier, 2 at its warp's
 };
@@ -62,8 +63,11 @@ struct Block {
   std::vector<Fiber> fibers;
   std::vector<char*> stacks;
   std::vector<Barrier> warps;
-  std::vector<uint64_t> slots;  // a shuffled value per thread
-  std::vector<char> exited;     // per thread
+  struct Slot {
+    uint64_t bits = 0;
+    unsigned seq = 0;  // the writing lane's shuffle count
+  };
+  std::vector<Slot> slots;  // two banks of a shuffled value per thread
   Barrier block;
   const std::function<void()>* body = nullptr;
   Fiber* running = nullptr;
@@ -142,14 +146,13 @@ bctx::fiber thread_main(bctx::fiber&& sched) {
   (*b.body)();
   Fiber& f = *b.running;
   f.done = true;
-  const int tid = static_cast<int>(&f - b.fibers.data());
-  b.exited[static_cast<size_t>(tid)] = 1;
-  // A thread that returns no longer counts at its barriers.
+  // A thread that returns no longer counts at its barriers; returning while
+  // others wait at one is the barrier not every thread reaches.
   Barrier& warp = b.warps[static_cast<size_t>(f.warp)];
+  if (b.block.arrived > 0) fail("a thread returned while others wait at __syncthreads");
+  if (warp.arrived > 0) fail("a lane returned while others wait at a full-warp shuffle");
   --b.block.live;
   --warp.live;
-  if (b.block.arrived > 0 && b.block.arrived == b.block.live) release(b.block, 1, f.warp);
-  if (warp.arrived > 0 && warp.arrived == warp.live) release(warp, 2, f.warp);
   return std::move(f.sched);
 }
 
@@ -167,8 +170,7 @@ void run_block(dim3 grid, dim3 block, uint3 block_idx, bool reverse,
   b.fibers.clear();
   b.fibers.resize(static_cast<size_t>(n));
   b.warps.assign(static_cast<size_t>(warps), Barrier{});
-  b.slots.assign(static_cast<size_t>(n), 0);
-  b.exited.assign(static_cast<size_t>(n), 0);
+  b.slots.assign(2 * static_cast<size_t>(n), Block::Slot{});
   b.block = Barrier{0, n};
   b.body = &body;
   for (int w = 0; w < warps; ++w) b.warps[static_cast<size_t>(w)].live = std::min(kWarp, n - w * kWarp);
@@ -226,29 +228,42 @@ int lane_id() {
   return static_cast<int>(b.running - b.fibers.data()) % kWarp;
 }
 
+// CUDA allows __syncthreads only where every thread of the block reaches
+// it, and a full-warp shuffle only where every lane of the warp does.
 void sync_block() {
   if (t_direct) fail_direct("__syncthreads");
   ++t_waits;
-  wait_at(t_block.block, 1);
+  Block& b = t_block;
+  if (b.block.live != static_cast<int>(b.fibers.size()))
+    fail("__syncthreads after some threads of the block have returned");
+  wait_at(b.block, 1);
 }
 
+// Two banks of slots, used by alternate shuffles: a lane writes its value,
+// waits for its warp, and reads the source lane's. A lane can write the bank
+// again only two shuffles on, past a barrier every lane reaches after its
+// read, so one barrier a shuffle is enough. Each slot also holds which
+// shuffle of its lane wrote it: a source lane that returned before this
+// shuffle left an older one there.
 uint64_t shuffle(uint64_t bits, int src_lane) {
   if (t_direct) fail_direct("a warp shuffle");
   ++t_waits;
   Block& b = t_block;
   Fiber& f = *b.running;
+  const size_t n = b.fibers.size();
   const int tid = static_cast<int>(&f - b.fibers.data());
-  const int base = tid - tid % kWarp;
-  b.slots[static_cast<size_t>(tid)] = bits;
-  Barrier& bar = b.warps[static_cast<size_t>(f.warp)];
-  wait_at(bar, 2);  // every lane has written
-  const int src = base + src_lane;
-  if (src_lane < 0 || src_lane >= kWarp || src >= static_cast<int>(b.fibers.size()) ||
-      b.exited[static_cast<size_t>(src)])
+  Barrier& warp = b.warps[static_cast<size_t>(f.warp)];
+  if (warp.live != std::min<int>(kWarp, static_cast<int>(n) - f.warp * kWarp))
+    fail("a full-warp shuffle after some lanes of the warp have returned");
+  const unsigned seq = ++f.shuffles;
+  const size_t bank = (seq & 1u) * n;
+  b.slots[bank + static_cast<size_t>(tid)] = {bits, seq};
+  wait_at(warp, 2);  // every lane has written
+  const int src = tid - tid % kWarp + src_lane;
+  if (src_lane < 0 || src_lane >= kWarp || src >= static_cast<int>(n) ||
+      b.slots[bank + static_cast<size_t>(src)].seq != seq)
     fail("a full-warp shuffle reads a lane that does not exist or has returned");
-  const uint64_t got = b.slots[static_cast<size_t>(src)];
-  wait_at(bar, 2);  // every lane has read before the slots are reused
-  return got;
+  return b.slots[bank + static_cast<size_t>(src)].bits;
 }
 
 float atomic_add(float* p, float v) {

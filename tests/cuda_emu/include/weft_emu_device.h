@@ -6,7 +6,7 @@
 // from a lane that has returned, stops the program with a message: on a GPU
 // that is a hang or undefined values.
 //
-// weft's .cu files are compiled as C++ after scripts' rewrite of
+// weft's .cu files are compiled as C++ after the build's rewrite of
 // `kernel<<<grid, block, shared, stream>>>(args)` into
 // `::weft_emu::launch([&](auto&&... a) { kernel(a...); }, grid, block, shared,
 // stream)(args)` (tests/cuda_emu/rewrite_launches.py).
