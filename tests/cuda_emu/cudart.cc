@@ -327,8 +327,16 @@ Allocations& allocations() {
 size_t device_bytes() {
   static const size_t bytes = [] {
     const char* v = std::getenv("WEFT_EMU_DEVICE_MIB");
-    const size_t mib = v != nullptr ? std::strtoull(v, nullptr, 10) : 8192;
-    return mib << 20;
+    if (v == nullptr) return size_t{8192} << 20;
+    char* end = nullptr;
+    const unsigned long long mib = std::strtoull(v, &end, 10);
+    if (end == v || *end != '\0' || mib == 0 || mib > (size_t{1} << 40)) {
+      std::fprintf(stderr,
+                   "GPU emulator: WEFT_EMU_DEVICE_MIB='%s' must be a whole number of MiB "
+                   "from 1 to 2^40\n", v);
+      std::exit(2);
+    }
+    return static_cast<size_t>(mib) << 20;
   }();
   return bytes;
 }

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -29,11 +30,12 @@ __global__ void warp_sum(const T* x, T* out) {
   out[threadIdx.x] = v;
 }
 
-// Reads another thread's shared value with no barrier between.
-__global__ void missing_barrier(int* out) {
+// Reads the previous thread's shared value with no barrier between: right
+// whenever the threads happen to run in ascending order.
+__global__ void missing_barrier(int tag, int* out) {
   __shared__ int s[64];
-  s[threadIdx.x] = static_cast<int>(threadIdx.x);
-  out[threadIdx.x] = s[63 - threadIdx.x];
+  s[threadIdx.x] = tag + static_cast<int>(threadIdx.x);
+  out[threadIdx.x] = threadIdx.x == 0 ? tag : s[threadIdx.x - 1];
 }
 
 __global__ void divergent_barrier(int* x) {
@@ -83,16 +85,22 @@ TEST(GpuEmulator, ABadConfigurationIsTheLaunchsError) {
   EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
 }
 
-// Alternate launches run the threads in opposite orders: a missing barrier
-// gives the right answer on at most one of two.
+// Alternate launches run the threads in opposite orders: a barrier missing
+// where ascending order hides it gives a wrong answer on one of two (each
+// launch writes its own tag, so the previous launch's shared values do not
+// pass for this one's).
 TEST(GpuEmulator, AMissingBarrierShowsOnOneOfTwoLaunches) {
-  int wrong = 0;
+  int wrong_launches = 0;
   for (int k = 0; k < 2; ++k) {
     std::vector<int> out(64, -1);
-    missing_barrier<<<1, 64>>>(out.data());
-    for (int i = 0; i < 64; ++i) wrong += out[static_cast<size_t>(i)] != 63 - i;
+    const int tag = 1000 * (k + 1);
+    missing_barrier<<<1, 64>>>(tag, out.data());
+    bool wrong = false;
+    for (int i = 0; i < 64; ++i)
+      wrong = wrong || out[static_cast<size_t>(i)] != tag + std::max(i - 1, 0);
+    wrong_launches += wrong;
   }
-  EXPECT_GT(wrong, 0);
+  EXPECT_EQ(wrong_launches, 1);
 }
 
 TEST(GpuEmulatorDeathTest, MisusedBarriersStopTheRun) {
