@@ -6,6 +6,7 @@
 #include <fstream>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 
 #include <sys/wait.h>
 
@@ -86,17 +87,29 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
+namespace {
+// A variable meson sets for the tests (tests/meson.build's test_env_vars).
+std::string required_env(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0')
+    throw std::runtime_error(std::string(name) +
+                             " is not set: run the test through `meson test`, which sets it, or "
+                             "set it to the program's path");
+  return v;
+}
+}  // namespace
+
 TrainRun run_train_gpt(int ranks, const std::string& args, const std::string& dir) {
   const std::string jsonl = dir + "/run.jsonl", out = dir + "/out.txt";
   std::remove(jsonl.c_str());
   TrainRun r;
   // On the CPU unless the test names a device: the same meaning on a GPU machine.
   const std::string device = contains(args, "--device") ? "" : " --device cpu";
-  r.command = std::string(std::getenv("WEFT_TRAIN_GPT")) + " " + args + device + " --log-jsonl " +
+  r.command = required_env("WEFT_TRAIN_GPT") + " " + args + device + " --log-jsonl " +
               jsonl;
   if (ranks > 1)
     r.command =
-        std::string(std::getenv("WEFT_MPIEXEC")) + " -n " + std::to_string(ranks) + " " + r.command;
+        required_env("WEFT_MPIEXEC") + " -n " + std::to_string(ranks) + " " + r.command;
   const int status = std::system((r.command + " >" + out + " 2>&1").c_str());
   r.ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
   r.output = read_file(out);

@@ -248,7 +248,8 @@ void PipelineExecutor::forward_action(int stage, int mb, int64_t step) {
     if (options_.device.is_cpu()) {
       loss_sum_ += static_cast<double>(ops::item(work.value(io_.loss)));
     } else {
-      if (device_losses_.numel() != schedule_.micro_batches) {
+      // (a tensor not yet made is a scalar: numel 1, as one micro-batch's)
+      if (!device_losses_.defined() || device_losses_.numel() != schedule_.micro_batches) {
         device_losses_ = Tensor::empty({schedule_.micro_batches}, DType::F32, options_.device);
         host_losses_ = Tensor::empty({schedule_.micro_batches});
       }

@@ -276,7 +276,8 @@ double Trainer::run_batch(const BatchSource& batches, int64_t step) {
       if (opt_.device.is_cpu()) {
         loss_sum += static_cast<double>(ops::item(mb_.value(g_.loss)));
       } else {
-        if (device_losses_.numel() != micro_batches_) {
+        // (a tensor not yet made is a scalar: numel 1, as one micro-batch's)
+        if (!device_losses_.defined() || device_losses_.numel() != micro_batches_) {
           device_losses_ = Tensor::empty({micro_batches_}, DType::F32, opt_.device);
           host_losses_ = Tensor::empty({micro_batches_});
         }

@@ -36,23 +36,29 @@ std::string text() {
   return s;
 }
 
+// Two micro-batches a step, and one (the GPU gathers the micro-batches'
+// losses on the device and reads them once a step: a first step with one
+// micro-batch once found no tensor to gather into).
 TEST(CudaTrain, TrainGptOnTheGpuGivesTheCpuLosses) {
   const std::string dir = testing::temp_dir("cuda-train");
   testing::write_file(dir + "/t.txt", text());
-  const std::string flags = "--model toy --seq-length 32 --micro-batch-size 4 "
-                            "--global-batch-size 8 --train-iters 5 --lr 3e-3 --data-path " +
-                            dir + "/t.txt";
-  const testing::TrainRun cpu = testing::run_train_gpt(1, flags + " --device cpu", dir);
-  const testing::TrainRun gpu = testing::run_train_gpt(1, flags + " --device cuda", dir);
-  ASSERT_TRUE(cpu.ok) << cpu.output;
-  ASSERT_TRUE(gpu.ok) << gpu.output;
-  EXPECT_TRUE(testing::contains(gpu.output, "| cuda:0 |")) << gpu.output;
-  ASSERT_EQ(gpu.records.size(), cpu.records.size());
-  for (size_t s = 0; s < cpu.records.size(); ++s) {
-    const double lc = cpu.records[s]["loss"], lg = gpu.records[s]["loss"];
-    const double nc = cpu.records[s]["grad_norm"], ng = gpu.records[s]["grad_norm"];
-    EXPECT_NEAR(lg, lc, kTol * lc) << "step " << s + 1;
-    EXPECT_NEAR(ng, nc, kTol * nc) << "step " << s + 1;
+  for (const char* micro : {"4", "8"}) {
+    const std::string flags = fmt::format(
+        "--model toy --seq-length 32 --micro-batch-size {} --global-batch-size 8 "
+        "--train-iters 5 --lr 3e-3 --data-path {}/t.txt",
+        micro, dir);
+    const testing::TrainRun cpu = testing::run_train_gpt(1, flags + " --device cpu", dir);
+    const testing::TrainRun gpu = testing::run_train_gpt(1, flags + " --device cuda", dir);
+    ASSERT_TRUE(cpu.ok) << cpu.output;
+    ASSERT_TRUE(gpu.ok) << gpu.output;
+    EXPECT_TRUE(testing::contains(gpu.output, "| cuda:0 |")) << gpu.output;
+    ASSERT_EQ(gpu.records.size(), cpu.records.size());
+    for (size_t s = 0; s < cpu.records.size(); ++s) {
+      const double lc = cpu.records[s]["loss"], lg = gpu.records[s]["loss"];
+      const double nc = cpu.records[s]["grad_norm"], ng = gpu.records[s]["grad_norm"];
+      EXPECT_NEAR(lg, lc, kTol * lc) << "micro-batch " << micro << ", step " << s + 1;
+      EXPECT_NEAR(ng, nc, kTol * nc) << "micro-batch " << micro << ", step " << s + 1;
+    }
   }
 }
 
