@@ -18,6 +18,20 @@
 #   scripts/gpu-check.sh             # on a GPU machine: every test must pass
 #   scripts/gpu-check.sh --dry-run   # anywhere with nvcc: the same build, and
 #                                    # every GPU test must SKIP cleanly (exit 77)
+#   scripts/gpu-check.sh --emulate   # anywhere: every step on the GPU emulator
+#                                    # (tests/cuda_emu, build-emu), so that the
+#                                    # check itself has run before a GPU run
+#
+# --emulate builds with -Dgpu_emulator=true -Dcudnn=disabled and runs what a
+# GPU run runs, each test expected to PASS (NCCL's and cuDNN's, which the
+# emulator has not, to SKIP), with meson's GTEST_FILTER for a test where it
+# sets one; only the sizes shrink to what a CPU emulating a GPU does in
+# minutes: the sample job runs 3 steps, bench_cuda the mini model at B 2
+# (2 warm-up steps, 2 timed)
+# (WEFT_BENCH_ARGS replaces that), PyTorch's script runs the same shape on
+# the CPU where a python3 has torch, and there is no kernel profile and no
+# deadline. Its speeds are the emulator's, not a GPU's: it checks the
+# check's plumbing (every step, every row, both tables), not the hardware.
 #
 # The GPU machine has no xxHash package: carry third_party/ (make it here with
 # `mkdir -p third_party/xxhash && cp /usr/include/xxhash.h third_party/xxhash/`),
@@ -46,14 +60,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-dry_run=0
+dry_run=0 emulate=0
 case "${1:-}" in
   --dry-run) dry_run=1 ;;
+  --emulate) emulate=1 ;;
   "") ;;
-  *) echo "usage: $0 [--dry-run]" >&2; exit 2 ;;
+  *) echo "usage: $0 [--dry-run | --emulate]" >&2; exit 2 ;;
 esac
 
-build=${WEFT_GPU_BUILD:-build-gpu}
+if [ "$emulate" = 1 ]; then build=${WEFT_GPU_BUILD:-build-emu}; else build=${WEFT_GPU_BUILD:-build-gpu}; fi
 logs=$(mktemp -d /tmp/weft-gpu-check.XXXXXX)  # every command's output
 # Whole logs outlive the machine when they are copied where its caller
 # collects files: a failing test's first assertion is often far above the
@@ -70,7 +85,8 @@ start=$(date +%s)
 # (default 540): each step's time limit is cut to what is left of it, less
 # 20 s for the report, and a step with nothing left is not run (and fails
 # the check). So the table prints inside a 10-minute call even when steps
-# hang or run long. A dry run has no deadline (CI machines may have 2 cores).
+# hang or run long. A dry or emulated run has no deadline (CI machines may
+# have 2 cores), and an emulated run's steps get 4 times their limits.
 case "${WEFT_GPU_DEADLINE:-540}" in
   ''|*[!0-9]*) echo "gpu-check: WEFT_GPU_DEADLINE '${WEFT_GPU_DEADLINE}' must be a whole number of seconds" >&2
                exit 2 ;;
@@ -88,6 +104,7 @@ add_row() {  # "name|result|seconds": a row of the table, also printed as it com
 limit_for() {
   local own=$1 rest
   if [ "$dry_run" = 1 ]; then echo "$own"; return; fi
+  if [ "$emulate" = 1 ]; then echo $(( 4 * own )); return; fi
   rest=$(( deadline - 20 - $(date +%s) ))
   if [ "$rest" -lt 1 ]; then echo 0; elif [ "$rest" -lt "$own" ]; then echo "$rest"; else echo "$own"; fi
 }
@@ -96,6 +113,8 @@ out_of_time() {  # name: the row of a step the deadline left no time for
   failed=1
 }
 failed=0
+# The machine's cores (nproc alone counts OMP_NUM_THREADS, which the tests set).
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 
 # The GPU machine keeps meson and ninja in PyTorch's virtual environment.
 for dir in /usr/local/cuda/bin /opt/torch/.venv/bin; do
@@ -107,7 +126,17 @@ if ! pkg-config --exists libxxhash 2>/dev/null && ! [ -f third_party/xxhash/xxha
   echo "gpu-check: no xxHash here: carry third_party/ (see the top of this script)" >&2
   exit 1
 fi
-for tool in meson ninja nvcc; do
+tools=(meson ninja nvcc)
+if [ "$emulate" = 1 ]; then
+  tools=(meson ninja)
+  # shellcheck source=scripts/packages.sh
+  source scripts/packages.sh
+  if [ ! -f /usr/include/boost/context/fiber.hpp ]; then
+    install_packages "Boost.Context (the GPU emulator's fibers)" libboost-context-dev
+  fi
+  make_sample_text  # what a GPU run carries, made here
+fi
+for tool in "${tools[@]}"; do
   if ! command -v "$tool" >/dev/null && ! [ -x "/usr/local/cuda/bin/$tool" ]; then
     echo "gpu-check: $tool not found (nvcc is expected in PATH or /usr/local/cuda/bin)" >&2
     exit 1
@@ -115,11 +144,13 @@ for tool in meson ninja nvcc; do
 done
 
 gpus=0
-if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+if [ "$emulate" = 1 ]; then
+  gpus=1  # the emulated one; a real GPU here is not used
+elif command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
   gpus=$(nvidia-smi -L | grep -c '^GPU' || true)
 fi
 arch=${WEFT_GPU_ARCH:-}
-if [ -z "$arch" ] && [ "$gpus" -gt 0 ]; then
+if [ -z "$arch" ] && [ "$gpus" -gt 0 ] && [ "$emulate" = 0 ]; then
   arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '. ')
 fi
 arch=${arch:-90}
@@ -133,10 +164,15 @@ fi
 t0=$(date +%s)
 log="$logs/build.log"
 setup_rc=0
+config=(-Dcuda=enabled -Dgpu_arch="$arch")
+if [ "$emulate" = 1 ]; then
+  config=(-Dgpu_emulator=true -Dcudnn=disabled)
+  if [ "${WEFT_WERROR:-0}" = 1 ]; then config+=(-Dwerror=true); fi
+fi
 if [ -d "$build/meson-private" ]; then
-  meson configure "$build" -Dcuda=enabled -Dgpu_arch="$arch" >"$log" 2>&1 || setup_rc=$?
+  meson configure "$build" "${config[@]}" >"$log" 2>&1 || setup_rc=$?
 else
-  meson setup "$build" -Dcuda=enabled -Dgpu_arch="$arch" >"$log" 2>&1 || setup_rc=$?
+  meson setup "$build" "${config[@]}" >"$log" 2>&1 || setup_rc=$?
 fi
 if [ "$setup_rc" != 0 ]; then
   tail -n 40 "$log"
@@ -148,8 +184,9 @@ targets=(tests/test_nccl tests/cuda/test_cuda_allocator tests/cuda/test_cuda_ker
          tests/cuda/test_cuda_fused_attention tests/cuda/test_cuda_step_kernels
          tests/cuda/test_cuda_bf16_kernels tests/cuda/test_cuda_gemm_bias tests/test_parity
          train_gpt bench/bench_cuda)
-if [ "$dry_run" = 1 ]; then build_limit=3600; else build_limit=$(limit_for 360); fi
-if ! timeout "$build_limit" ninja -C "$build" -j"$(nproc)" "${targets[@]}" >>"$log" 2>&1; then
+if [ "$emulate" = 1 ]; then targets+=(tests/cuda_emu/test_cuda_emulator); fi
+if [ "$dry_run" = 1 ] || [ "$emulate" = 1 ]; then build_limit=3600; else build_limit=$(limit_for 360); fi
+if ! timeout "$build_limit" ninja -C "$build" -j"$cores" "${targets[@]}" >>"$log" 2>&1; then
   tail -n 40 "$log"
   echo "gpu-check: the build failed (log: $log)" >&2
   exit 1
@@ -158,7 +195,18 @@ fused=no
 if grep -q '#define WEFT_CUDNN 1' "$build/weft_config.h"; then fused=yes; fi
 fused_note=$(grep -o 'cuDNN fused attention: not built ([^)]*)' "$build/meson-logs/meson-log.txt" \
   | tail -n 1 || true)
-add_row "build (-Dcuda=enabled, sm_$arch, $(nproc) cores, cuDNN fused attention: $fused)|ok|$(( $(date +%s) - t0 ))"
+if [ "$emulate" = 1 ]; then
+  add_row "build (-Dgpu_emulator=true, $cores cores, cuDNN fused attention: $fused)|ok|$(( $(date +%s) - t0 ))"
+  # The GoogleTest filters meson gives a test under the emulator, by name.
+  meson introspect "$build" --tests | python3 -c '
+import json, sys
+for t in json.load(sys.stdin):
+    f = t.get("env", {}).get("GTEST_FILTER")
+    if f:
+        print(t["name"], f)' >"$logs/filters.txt"
+else
+  add_row "build (-Dcuda=enabled, sm_$arch, $cores cores, cuDNN fused attention: $fused)|ok|$(( $(date +%s) - t0 ))"
+fi
 
 # --- tests: each must pass on a GPU; in a dry run, SKIP (77), except the
 # allocator's host-side test, which runs without a GPU ---
@@ -168,15 +216,21 @@ export WEFT_TRAIN_GPT="$PWD/$build/train_gpt"
 # share the GPU; Open MPI needs oversubscription for 8 ranks on fewer slots.
 export WEFT_MPIEXEC="$PWD/$build/bench/mpiexec" OMPI_MCA_rmaps_base_oversubscribe=1
 run_test() {  # name binary needs_gpu [timeout seconds, default 240]
-  # needs_gpu: 1, or "fused": a GPU and a build with cuDNN fused attention.
-  local name=$1 bin=$2 needs_gpu=$3 limit want=0 rc=0 t0 ms
+  # needs_gpu: 1; "fused": a GPU and a build with cuDNN fused attention;
+  # "nccl": a GPU and NCCL (which the emulator has not).
+  local name=$1 bin=$2 needs_gpu=$3 limit want=0 rc=0 t0 ms filter=""
   limit=$(limit_for "${4:-240}")
   if [ "$limit" = 0 ]; then out_of_time "$name"; return; fi
+  if [ "$emulate" = 1 ]; then
+    filter=$(sed -n "s/^$name //p" "$logs/filters.txt")
+  fi
   t0=$(date +%s%N)
-  timeout "$limit" "$build/$bin" >"$logs/$name.out" 2>&1 || rc=$?
+  GTEST_FILTER=${filter:-${GTEST_FILTER:-*}} timeout "$limit" "$build/$bin" >"$logs/$name.out" 2>&1 \
+    || rc=$?
   ms=$(( ($(date +%s%N) - t0) / 1000000 ))
   if [ "$dry_run" = 1 ] && [ "$needs_gpu" != 0 ]; then want=77; fi
   if [ "$needs_gpu" = fused ] && [ "$fused" = no ]; then want=77; fi
+  if [ "$needs_gpu" = nccl ] && [ "$emulate" = 1 ]; then want=77; fi
   local result
   case "$rc" in
     0) result=PASS ;;
@@ -200,7 +254,7 @@ run_test() {  # name binary needs_gpu [timeout seconds, default 240]
 # NCCL at world size 1: every collective, p2p to itself in a group, split,
 # the deadline (about 1 s of it), stream-ordered reuse; seconds, so a hang
 # gets 60 s, not 240.
-run_test nccl tests/test_nccl 1 60
+run_test nccl tests/test_nccl nccl 60
 run_test cuda_allocator tests/cuda/test_cuda_allocator 0
 run_test cuda_kernels tests/cuda/test_cuda_kernels 1
 run_test cuda_layers tests/cuda/test_cuda_layers 1
@@ -217,9 +271,15 @@ run_test cuda_mpi tests/cuda/test_cuda_mpi 1   # several ranks sharing the GPU (
 # cuDNN's fused attention against the CPU (SKIP in a build without it)
 run_test cuda_fused_attention tests/cuda/test_cuda_fused_attention fused
 run_test parity tests/test_parity 0   # its cuda cases run where a GPU is visible
+if [ "$emulate" = 1 ]; then  # the emulator's own test
+  run_test cuda_emulator tests/cuda_emu/test_cuda_emulator 1
+fi
 
 # --- the sample job on the GPU (scripts/sample.sh's model and flags), when
-# its text is here: data/fortunes.txt travels with the checkout ---
+# its text is here: data/fortunes.txt travels with the checkout; 3 steps of
+# it on the emulator, where one takes seconds ---
+sample_iters=1200
+if [ "$emulate" = 1 ]; then sample_iters=3; fi
 if [ -s data/fortunes.txt ] && [ "$dry_run" = 0 ] && [ "$(limit_for 240)" = 0 ]; then
   out_of_time "train_gpt --device cuda, the sample job"
 elif [ -s data/fortunes.txt ] && [ "$dry_run" = 0 ]; then
@@ -227,7 +287,7 @@ elif [ -s data/fortunes.txt ] && [ "$dry_run" = 0 ]; then
   sample_rc=0
   timeout "$(limit_for 240)" "$build/train_gpt" --device cuda --num-layers 4 --hidden-size 128 \
     --num-attention-heads 4 --seq-length 64 --data-path data/fortunes.txt \
-    --micro-batch-size 32 --global-batch-size 32 --train-iters 1200 --lr 3e-3 --min-lr 3e-4 \
+    --micro-batch-size 32 --global-batch-size 32 --train-iters "$sample_iters" --lr 3e-3 --min-lr 3e-4 \
     --lr-decay-style cosine --lr-warmup-iters 30 --log-interval 200 \
     >"$logs/sample_cuda.out" 2>&1 || sample_rc=$?
   if [ "$sample_rc" = 0 ]; then
@@ -237,7 +297,7 @@ elif [ -s data/fortunes.txt ] && [ "$dry_run" = 0 ]; then
     failed=1
     tail -n 20 "$logs/sample_cuda.out"
   fi
-  add_row "train_gpt --device cuda, the sample job|$sample_result|$(( $(date +%s) - t0 ))"
+  add_row "train_gpt --device cuda, the sample job ($sample_iters steps)|$sample_result|$(( $(date +%s) - t0 ))"
 
   # --bf16 against fp32 on the same text: 200 steps each, the mean loss of
   # the last 50 within 1% (issue 11's acceptance test for mixed precision).
@@ -246,19 +306,34 @@ elif [ -s data/fortunes.txt ] && [ "$dry_run" = 0 ]; then
   # (on the CPU its last-50 mean moved by 2.2% under bf16, 4.9% under fp16
   # and 2.6% under another seed), while this one's stays put (bf16 0.1%,
   # fp16 0.0%; README, Mixed precision).
+  # The two runs at once (each a small fraction of the GPU, or one of an
+  # emulating CPU's cores).
   t0=$(date +%s)
   mixed_result=""
-  for precision in fp32 bf16; do
-    flag=""
-    if [ "$precision" = bf16 ]; then flag=--bf16; fi
-    # shellcheck disable=SC2086
-    limit=$(limit_for 120)
-    if [ "$limit" = 0 ]; then mixed_result="FAIL: not run, past the deadline"; break; fi
-    timeout "$limit" "$build/train_gpt" --device cuda $flag --num-layers 2 --hidden-size 32 \
-      --num-attention-heads 4 --seq-length 32 --data-path data/fortunes.txt \
-      --micro-batch-size 8 --global-batch-size 8 --train-iters 200 --lr 3e-3 \
-      --log-interval 100 >"$logs/mixed_$precision.out" 2>&1 || mixed_result="FAIL (${mixed_result:+fp32 and }$precision)"
-  done
+  limit=$(limit_for 120)
+  if [ "$limit" = 0 ]; then
+    mixed_result="FAIL: not run, past the deadline"
+  else
+    pids=()
+    for precision in fp32 bf16; do
+      flag=""
+      if [ "$precision" = bf16 ]; then flag=--bf16; fi
+      # shellcheck disable=SC2086
+      timeout "$limit" "$build/train_gpt" --device cuda $flag --num-layers 2 --hidden-size 32 \
+        --num-attention-heads 4 --seq-length 32 --data-path data/fortunes.txt \
+        --micro-batch-size 8 --global-batch-size 8 --train-iters 200 --lr 3e-3 \
+        --log-interval 100 >"$logs/mixed_$precision.out" 2>&1 &
+      pids+=($!)
+    done
+    mixed_failed=()
+    for i in 0 1; do
+      wait "${pids[$i]}" || mixed_failed+=("$([ "$i" = 0 ] && echo fp32 || echo bf16)")
+    done
+    if [ "${#mixed_failed[@]}" -gt 0 ]; then
+      mixed_result="FAIL (${mixed_failed[*]}): see $logs/mixed_*.out"
+      for p in "${mixed_failed[@]}"; do tail -n 10 "$logs/mixed_$p.out"; done
+    fi
+  fi
   if [ -z "$mixed_result" ]; then
     tail_mean() { sed -n 's/.*mean loss of the last 50 steps: \([0-9.]*\) nats.*/\1/p' "$1"; }
     fp32=$(tail_mean "$logs/mixed_fp32.out") bf16=$(tail_mean "$logs/mixed_bf16.out")
@@ -275,6 +350,16 @@ elif [ -s data/fortunes.txt ] && [ "$dry_run" = 0 ]; then
 fi
 
 # --- throughput: weft's step, where its time goes, and PyTorch's step ---
+# On the emulator: bench_cuda's mini model at B 2, and PyTorch's script on
+# the CPU at that shape (the same model: bench/cuda_table.py notes shapes
+# that differ).
+bench_args=${WEFT_BENCH_ARGS:-}
+py_args=()
+if [ "$emulate" = 1 ]; then
+  bench_args=${WEFT_BENCH_ARGS:---model mini --batch 2 --steps 2 --warmup 2}
+  py_args=(--device cpu --num-layers 4 --hidden-size 256 --num-heads 4 --seq-length 128
+           --micro-batch-size 2 --vocab-size 256 --steps 2 --warmup 2)
+fi
 bench_rc=0
 t0=$(date +%s)
 bench_limit=$(limit_for 240)
@@ -284,7 +369,7 @@ if [ "$bench_limit" = 0 ]; then
 else
   # shellcheck disable=SC2086
   timeout "$bench_limit" "$build/bench/bench_cuda" --profile --json "$logs/bench_cuda.jsonl" \
-    ${WEFT_BENCH_ARGS:-} >"$logs/bench_cuda.out" 2>&1 || bench_rc=$?
+    $bench_args >"$logs/bench_cuda.out" 2>&1 || bench_rc=$?
 fi
 case "$bench_rc" in
   0) bench_result=ok ;;
@@ -298,14 +383,15 @@ if { [ "$dry_run" = 1 ] && [ "$bench_rc" != 77 ]; } || { [ "$dry_run" = 0 ] && [
 fi
 add_row "bench_cuda --profile|$bench_result|$(( $(date +%s) - t0 ))"
 
-# PyTorch's same step, where a python3 has a torch that sees the GPU (and
-# WEFT_PYTORCH is not 0).
+# PyTorch's same step, where a python3 has a torch that sees the GPU (any
+# torch on the emulator) and WEFT_PYTORCH is not 0.
 py=""
+needs="torch.cuda.is_available()"
+if [ "$emulate" = 1 ]; then needs=True; fi
 for candidate in ${WEFT_PYTHON:-} python3 /opt/torch/.venv/bin/python3; do
   if [ "${WEFT_PYTORCH:-1}" = 0 ]; then break; fi
   if command -v "$candidate" >/dev/null &&
-     "$candidate" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
-       >/dev/null 2>&1; then
+     "$candidate" -c "import sys, torch; sys.exit(0 if $needs else 1)" >/dev/null 2>&1; then
     py=$candidate
     break
   fi
@@ -315,7 +401,7 @@ if [ "${WEFT_PYTORCH:-1}" = 0 ]; then
   pytorch_note="skipped (WEFT_PYTORCH=0)"
   add_row "pytorch_gpt_cuda|$pytorch_note|0"
 elif [ -z "$py" ]; then
-  pytorch_note="skipped (no CUDA PyTorch)"
+  pytorch_note="skipped (no $([ "$emulate" = 1 ] || echo 'CUDA ')PyTorch)"
   add_row "pytorch_gpt_cuda|$pytorch_note|0"
 else
   t0=$(date +%s)
@@ -323,7 +409,7 @@ else
   py_limit=$(limit_for 200)
   if [ "$py_limit" = 0 ]; then py_limit=1; fi  # past the deadline: a TIMEOUT row at once
   timeout "$py_limit" "$py" bench/pytorch_gpt_cuda.py --json "$logs/pytorch_gpt_cuda.jsonl" \
-    >"$logs/pytorch_gpt_cuda.out" 2>&1 || py_rc=$?
+    "${py_args[@]}" >"$logs/pytorch_gpt_cuda.out" 2>&1 || py_rc=$?
   case "$py_rc" in
     0) py_result="ok (torch $(sed -n 's/.*"torch_version": "\([^"]*\)".*/\1/p' \
                                "$logs/pytorch_gpt_cuda.jsonl" | head -n 1))" ;;
@@ -345,6 +431,8 @@ done
 kernel_table=""
 if [ "$dry_run" = 1 ]; then
   :
+elif [ "$emulate" = 1 ]; then
+  add_row "kernel profile (ncu, not a check)|skipped (emulated: no GPU kernels)|0"
 elif [ "${WEFT_KERNEL_PROFILE:-1}" = 0 ]; then
   add_row "kernel profile (ncu, not a check)|skipped (WEFT_KERNEL_PROFILE=0)|0"
 elif [ -z "$ncu_bin" ]; then
@@ -360,7 +448,7 @@ else
   # shellcheck disable=SC2086
   timeout "$(limit_for 150)" "$ncu_bin" --profile-from-start off --metrics gpu__time_duration.sum \
     --csv --print-units base --log-file "$logs/kernels.csv" \
-    "$build/bench/bench_cuda" ${WEFT_BENCH_ARGS:-} --modes "$kmode" --warmup 1 --steps 1 \
+    "$build/bench/bench_cuda" $bench_args --modes "$kmode" --warmup 1 --steps 1 \
     --kernel-profile >"$logs/kernel_profile.out" 2>&1 || ncu_rc=$?
   if [ "$ncu_rc" = 0 ] && kernel_table=$("${py:-python3}" bench/kernel_table.py "$logs/kernels.csv" 2>&1); then
     add_row "kernel profile (ncu, not a check)|ok: one $kmode step|$(( $(date +%s) - t0 ))"
@@ -374,7 +462,11 @@ fi
 
 # --- report ---
 echo
-echo "weft gpu-check$([ "$dry_run" = 1 ] && echo ' --dry-run') | GPUs: $gpus$([ "$gpus" -gt 0 ] && echo " ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1))")"
+if [ "$emulate" = 1 ]; then
+  echo "weft gpu-check --emulate | GPUs: none used: the GPU emulator on the CPU ($cores cores; its times are not a GPU's)"
+else
+  echo "weft gpu-check$([ "$dry_run" = 1 ] && echo ' --dry-run') | GPUs: $gpus$([ "$gpus" -gt 0 ] && echo " ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1))")"
+fi
 echo
 echo "| check | result | seconds |"
 echo "|---|---|---:|"
@@ -419,4 +511,10 @@ if [ "$failed" = 1 ]; then
   echo "gpu-check: FAILED" >&2
   exit 1
 fi
-echo "gpu-check: $([ "$dry_run" = 1 ] && echo 'dry run ok: the CUDA build links and every GPU test skips cleanly' || echo ok)"
+if [ "$dry_run" = 1 ]; then
+  echo "gpu-check: dry run ok: the CUDA build links and every GPU test skips cleanly"
+elif [ "$emulate" = 1 ]; then
+  echo "gpu-check: emulated run ok: every step of the check ran on the GPU emulator (not a GPU)"
+else
+  echo "gpu-check: ok"
+fi

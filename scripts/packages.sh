@@ -43,3 +43,18 @@ install_packages() {
     exit 1
   fi
 }
+
+# make_sample_text: data/fortunes.txt, the sample job's English text (the
+# plain-text fortune cookie files Debian ships, installed where missing),
+# unless it is there already. Run from the repository's root.
+make_sample_text() {
+  mkdir -p data
+  if [ ! -s data/fortunes.txt ] && [ ! -d /usr/share/games/fortunes ]; then
+    install_packages "the sample's text (Debian's fortune files)" fortunes-min fortunes
+  fi
+  if [ ! -s data/fortunes.txt ]; then
+    # The plain-text fortune files: skip the .dat indexes and the .u8 links.
+    find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.dat' ! -name '*.u8' \
+      -print0 | sort -z | xargs -0 cat > data/fortunes.txt
+  fi
+}

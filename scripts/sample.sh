@@ -11,17 +11,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 
-mkdir -p data
-if [ ! -s data/fortunes.txt ] && [ ! -d /usr/share/games/fortunes ]; then
-  # shellcheck source=scripts/packages.sh
-  source scripts/packages.sh
-  install_packages "the sample's text (Debian's fortune files)" fortunes-min fortunes
-fi
-if [ ! -s data/fortunes.txt ]; then
-  # The plain-text fortune files: skip the .dat indexes and the .u8 links.
-  find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.dat' ! -name '*.u8' \
-    -print0 | sort -z | xargs -0 cat > data/fortunes.txt
-fi
+# shellcheck source=scripts/packages.sh
+source scripts/packages.sh
+make_sample_text
 
 exec ./build/train_gpt --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
   --seq-length 64 --data-path data/fortunes.txt \
