@@ -889,10 +889,27 @@ weft::GptConfig resolve_config(const Args& a, const CLI::App& app) {
   return cfg;
 }
 
+// Runs f() with every parameter in `params` on `device`, then returns those
+// that were elsewhere to where they were: a measurement of the whole model
+// on the run's device, before the layout has placed its stage's parameters
+// there or after (those stay put). On a GPU the whole model's parameters and
+// one micro-batch's activations must then fit on it.
+template <typename F>
+void with_params_on(const std::vector<weft::Param*>& params, weft::Device device, F&& f) {
+  std::vector<std::pair<weft::Param*, weft::Device>> home;
+  for (weft::Param* p : params)
+    if (p->value.device() != device) home.emplace_back(p, p->value.device());
+  weft::place_params(params, device);
+  f();  // (when it throws, the run ends with its error)
+  for (const auto& [p, where] : home) weft::place_params({p}, where);
+}
+
 // The partitioner's cost model: analytic FLOPs, or with --profile times
-// measured on rank 0 and broadcast, so every rank cuts the model the same way.
+// measured on rank 0, on the run's device, and broadcast, so every rank cuts
+// the model the same way.
 weft::CostModel costs(const Args& a, weft::Graph& graph, const weft::ModelIO& io,
-                      const weft::BatchSource& data, weft::Communicator& world) {
+                      const weft::BatchSource& data, weft::Communicator& world,
+                      weft::Device device) {
   using namespace weft;
   CostModel cost = CostModel::analytic(graph);
   if (a.profile.empty()) return cost;
@@ -900,7 +917,8 @@ weft::CostModel costs(const Args& a, weft::Graph& graph, const weft::ModelIO& io
   Tensor t = Tensor::zeros({3 * n});
   float* d = t.data<float>();
   if (world.rank() == 0) {
-    cost = profile_costs(graph, io, data, a.micro_batch);
+    with_params_on(graph.params(), device,
+                   [&] { cost = profile_costs(graph, io, data, a.micro_batch); });
     for (int64_t k = 0; k < n; ++k) {
       const NodeCost& c = cost.nodes[static_cast<size_t>(k)];
       d[3 * k] = static_cast<float>(c.f), d[3 * k + 1] = static_cast<float>(c.i);
@@ -1187,7 +1205,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   }
   Communicator* team = role ? role.get() : world;  // the ranks that train
   std::optional<CostModel> cost;
-  if (a.pp > 1) cost = costs(a, graph, io, batches, *world);
+  if (a.pp > 1) cost = costs(a, graph, io, batches, *world, opt.device);
   RankLayout layout(team, graph, io, batches, opt, lo, static_cast<uint64_t>(a.seed),
                     cost ? &*cost : nullptr);
   if (!a.init_from.empty()) load_weights(a.init_from, layout.graph().params());
@@ -1199,15 +1217,17 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     // With the whole model's layers on this process (tp 1), it also measures
     // what each stage's actions add to memory, for weft-sched's memory figures.
     if (rank0 && !a.profile.empty())
-      write_profile(a.profile, *cost, layout.plan(), graph,
-                    a.tp == 1 ? measure_stage_bytes(graph, io, layout.plan(), batches,
-                                                    a.micro_batch, a.recompute)
-                              : std::vector<sched::StageBytes>{},
-                    a.recompute,
-                    {{"micro_batch_size", a.micro_batch}, {"tp", a.tp},
-                     {"num_layers", cfg.num_layers}, {"hidden_size", cfg.hidden_size},
-                     {"num_attention_heads", cfg.num_heads}, {"seq_length", cfg.seq_length},
-                     {"vocab_size", cfg.vocab_size}});
+      with_params_on(graph.params(), opt.device, [&] {
+        write_profile(a.profile, *cost, layout.plan(), graph,
+                      a.tp == 1 ? measure_stage_bytes(graph, io, layout.plan(), batches,
+                                                      a.micro_batch, a.recompute, opt.device)
+                                : std::vector<sched::StageBytes>{},
+                      a.recompute,
+                      {{"micro_batch_size", a.micro_batch}, {"tp", a.tp},
+                       {"num_layers", cfg.num_layers}, {"hidden_size", cfg.hidden_size},
+                       {"num_attention_heads", cfg.num_heads}, {"seq_length", cfg.seq_length},
+                       {"vocab_size", cfg.vocab_size}});
+      });
     if (rank0) fmt::print("schedule {} over {} stages; partition {}:\n{}", a.schedule,
                           schedule.stages(), a.partition, layout.plan().describe(graph));
   }
@@ -1622,8 +1642,9 @@ int main(int argc, char** argv) {
   app.add_option("--trace", a.trace,
                  "write a Chrome trace (Perfetto) of every pipeline action on every rank");
   app.add_option("--profile", a.profile,
-                 "time every node's F, I and W on this machine, write them to this JSON file and "
-                 "use them for --partition time");
+                 "time every node's F, I and W on this machine's --device (rank 0, the whole "
+                 "model: on a GPU it must fit there), write them to this JSON file and use them "
+                 "for --partition time");
   app.add_flag("--use-distributed-optimizer", a.distributed_optimizer,
                "shard AdamW's state across data-parallel replicas (ZeRO-1)");
   app.add_option("--ddp-bucket-size", a.ddp_bucket_size,

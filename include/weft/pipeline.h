@@ -192,9 +192,10 @@ class PipelineExecutor {
 // messages. sched::memory_use composes these into any schedule's memory per
 // rank, which the executor then holds exactly. Leaves the parameters as they
 // were; their gradients hold one micro-batch's (zero them before a step, as
-// every step does).
+// every step does). Runs on `device`, where every parameter must be.
 std::vector<sched::StageBytes> measure_stage_bytes(const Graph& graph, const ModelIO& io,
                                                    StagePlan plan, const BatchSource& data,
-                                                   int64_t micro_batch, bool recompute);
+                                                   int64_t micro_batch, bool recompute,
+                                                   Device device = Device::cpu());
 
 }  // namespace weft

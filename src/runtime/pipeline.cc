@@ -608,7 +608,13 @@ void PipelineExecutor::write_trace(const std::string& path) const {
 
 std::vector<sched::StageBytes> measure_stage_bytes(const Graph& graph, const ModelIO& io,
                                                    StagePlan plan, const BatchSource& data,
-                                                   int64_t micro_batch, bool recompute) {
+                                                   int64_t micro_batch, bool recompute,
+                                                   Device device) {
+  for (const Param* p : graph.params())
+    check(p->value.device() == device,
+          "measuring the stages' memory on {}: parameter {} is on {} (place every parameter there "
+          "first)",
+          device.str(), p->name, p->value.device().str());
   const int stages = plan.stages();
   plan.pp = 1;
   plan.chunks = stages;
@@ -618,7 +624,10 @@ std::vector<sched::StageBytes> measure_stage_bytes(const Graph& graph, const Mod
   for (int st = stages - 1; st >= 0; --st) one.actions[0].push_back({ActionKind::B, st, 0});
   std::vector<sched::StageBytes> bytes;
   run_local(1, [&](Communicator& self) {
-    PipelineExecutor exec(graph, io, plan, one, self, {recompute});
+    PipelineOptions options;
+    options.recompute = recompute;
+    options.device = device;
+    PipelineExecutor exec(graph, io, plan, one, self, options);
     exec.run(data, 0, micro_batch);
     bytes = exec.stage_bytes();
   });

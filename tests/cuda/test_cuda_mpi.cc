@@ -31,6 +31,8 @@ namespace {
 
 constexpr double kTol = 1e-5;
 
+std::string cpu_flags(std::string f) { return f.replace(f.find("--device cuda"), 13, "--device cpu"); }
+
 class SharedGpu : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -76,6 +78,38 @@ TEST_F(SharedGpu, EverySchedule) {
 }
 
 TEST_F(SharedGpu, PipelineTimesTensorParallel) { expect_single_process(4, "--pp 2 --tp 2"); }
+
+// --profile on a GPU: rank 0 times the whole model's nodes and measures each
+// stage's memory on the GPU (the parameters of the stages it does not run
+// placed there for the measurement, then returned), and the time-balanced
+// cut trains as one process does. It once ran them on the CPU with some of
+// the parameters on the GPU, and stopped. On the same cut a stage's forward
+// keeps what the CPU's keeps, and its backward adds less: the GPU's
+// activation gradients come from the caching allocator, freed as they die,
+// not from the arena.
+TEST_F(SharedGpu, ProfileMeasuresTheStagesOnTheGpu) {
+  const std::string gpu = *dir_ + "/profile-gpu.json", cpu = *dir_ + "/profile-cpu.json";
+  expect_single_process(2, "--pp 2 --partition time --profile " + gpu);
+  const testing::TrainRun on_cpu = testing::run_train_gpt(
+      2, cpu_flags(flags()) + " --pp 2 --partition uniform --profile " + cpu, *dir_);
+  ASSERT_TRUE(on_cpu.ok) << on_cpu.command << "\n" << on_cpu.output;
+  const testing::TrainRun uniform = testing::run_train_gpt(
+      2, flags() + " --pp 2 --partition uniform --profile " + gpu, *dir_);
+  ASSERT_TRUE(uniform.ok) << uniform.command << "\n" << uniform.output;
+  const nlohmann::json g = nlohmann::json::parse(testing::read_file(gpu));
+  const nlohmann::json c = nlohmann::json::parse(testing::read_file(cpu));
+  ASSERT_EQ(g["stages"].size(), 2u);
+  ASSERT_EQ(c["stages"].size(), 2u);
+  for (size_t s = 0; s < 2; ++s) {
+    EXPECT_EQ(g["stages"][s]["first"], c["stages"][s]["first"]) << "the same uniform cut";
+    EXPECT_GT(g["stages"][s]["f"].get<double>(), 0.0) << "stage " << s;
+    EXPECT_GT(g["stages"][s]["update"].get<double>(), 0.0) << "stage " << s;
+    const nlohmann::json &gm = g["stages"][s]["memory"], &cm = c["stages"][s]["memory"];
+    EXPECT_GT(gm["f"].get<double>(), 0.0) << "stage " << s;
+    EXPECT_EQ(gm["f"], cm["f"]) << "stage " << s << ": the same activations kept";
+    EXPECT_LT(gm["i"].get<double>(), cm["i"].get<double>()) << "stage " << s;
+  }
+}
 
 TEST_F(SharedGpu, DataPipelineAndTensorParallel) {
   expect_single_process(8, "--pp 2 --tp 2 --comm-backend mpi");
@@ -132,7 +166,6 @@ struct Zero1Runs {
   std::string dir;
   testing::TrainRun gpu, plain, cpu;
 };
-std::string cpu_flags(std::string f) { return f.replace(f.find("--device cuda"), 13, "--device cpu"); }
 const Zero1Runs& zero1_runs(const std::string& dir, const std::string& flags) {
   static const Zero1Runs runs = [&] {
     Zero1Runs r;
