@@ -106,7 +106,7 @@ expect "the failing test's row" '^\| cuda_layers \| FAIL \(exit 1\), expected PA
 expect "its first GoogleTest failure, though 60 lines came after it" \
   'test_cuda_layers.cc:120: Failure' "$work/run1"
 expect "a passing test's row" '^\| cuda_train \| PASS \|' "$work/run1"
-expect "the sample job's row" '^\| train_gpt --device cuda, the sample job \| ok: mean loss of the last 50 steps: 3.0000 nats' "$work/run1"
+expect "the sample job's row" '^\| train_gpt --device cuda, the sample job \(1200 steps\) \| ok: mean loss of the last 50 steps: 3.0000 nats' "$work/run1"
 expect "bf16 within 1% of fp32" '\| ok: last 50 steps fp32 3.0000, bf16 3.0200 nats \|' "$work/run1"
 expect "the kernel profile's row" '^\| kernel profile \(ncu, not a check\) \| ok: one bf16\+fused step \|' "$work/run1"
 expect "the kernel table" '^\| `weft::cuda::gelu<float>` \| 1 \| 0.00 \| 100.0% \|' "$work/run1"
