@@ -168,8 +168,12 @@ void Context::compute_waits_for_comm() {
 
 void Context::synchronize() const {
   make_current();
-  WEFT_CUDA_CHECK(cudaStreamSynchronize(compute_));
+  // Either order waits for both. The communication stream first: where
+  // streams run work only when it is needed (the GPU emulator), its work
+  // then runs before the compute work it should have waited for, and a
+  // missing wait shows.
   WEFT_CUDA_CHECK(cudaStreamSynchronize(comm_));
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(compute_));
 }
 
 PinnedBuffer& Context::staging(size_t bytes) {

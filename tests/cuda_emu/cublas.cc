@@ -9,11 +9,15 @@
 // away from zero; bf16 and fp16 to nearest even) into dense double buffers,
 // every element's k products are summed in order in double (a product of
 // two fp32 values is exact in double), and each result is rounded once to
-// its output type. Streams and workspaces are accepted and ignored: all
-// work happens at call time, in the calling thread. There is no shared
-// mutable state: each handle and descriptor is its own object.
+// its output type. A GEMM is checked at the call and queued on its stream
+// (the handle's, or cublasLtMatmul's), with the scalars and descriptors as
+// they were at the call (streams.h); workspaces are accepted and ignored.
+// There is no shared mutable state: each handle and descriptor is its own
+// object.
 #include <cublasLt.h>
 #include <cublas_v2.h>
+
+#include "streams.h"
 
 #include <cmath>
 #include <cstdint>
@@ -332,21 +336,25 @@ cublasStatus_t gemm_batched(cublasHandle_t handle, cublasOperation_t transa,
   if (m == 0 || n == 0 || batch == 0) return CUBLAS_STATUS_SUCCESS;
   if (alpha == nullptr || beta == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
   const float al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
-  std::vector<double> p;
-  for (int bi = 0; bi < batch; ++bi) {
-    const void* a = static_cast<const char*>(A) + bi * strideA * static_cast<long long>(type_size(Atype));
-    const void* b = static_cast<const char*>(B) + bi * strideB * static_cast<long long>(type_size(Btype));
-    void* c = static_cast<char*>(C) + bi * strideC * static_cast<long long>(type_size(Ctype));
-    if (!compute_product(ta, tb, m, n, k, al, a, Atype, lda, b, Btype, ldb, r, p))
-      return CUBLAS_STATUS_ALLOC_FAILED;
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t i = 0; i < m; ++i) {
-        const int64_t at = i + j * ldc;
-        double v = static_cast<double>(al) * p[static_cast<size_t>(i + j * m)];
-        if (be != 0.0f) v += static_cast<double>(be) * load(c, Ctype, at);
-        store(c, Ctype, at, v);
-      }
-  }
+  weft_emu::enqueue(handle->stream, [=] {
+    std::vector<double> p;
+    for (int bi = 0; bi < batch; ++bi) {
+      const void* a =
+          static_cast<const char*>(A) + bi * strideA * static_cast<long long>(type_size(Atype));
+      const void* b =
+          static_cast<const char*>(B) + bi * strideB * static_cast<long long>(type_size(Btype));
+      void* c = static_cast<char*>(C) + bi * strideC * static_cast<long long>(type_size(Ctype));
+      if (!compute_product(ta, tb, m, n, k, al, a, Atype, lda, b, Btype, ldb, r, p))
+        weft_emu::fail("out of host memory for a GEMM's product");
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t i = 0; i < m; ++i) {
+          const int64_t at = i + j * ldc;
+          double v = static_cast<double>(al) * p[static_cast<size_t>(i + j * m)];
+          if (be != 0.0f) v += static_cast<double>(be) * load(c, Ctype, at);
+          store(c, Ctype, at, v);
+        }
+    }
+  });
   return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -723,7 +731,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t lightHandle, cublasLtMatmulDesc_t
                               const void* C, cublasLtMatrixLayout_t Cdesc, void* D,
                               cublasLtMatrixLayout_t Ddesc, const cublasLtMatmulAlgo_t* algo,
                               void* /*workspace*/, size_t /*workspaceSizeInBytes*/,
-                              cudaStream_t /*stream*/) {
+                              cudaStream_t stream) {
   if (lightHandle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
   LtProblem p;
   const cublasStatus_t s = check_lt(computeDesc, Adesc, Bdesc, Cdesc, Ddesc, &p);
@@ -732,53 +740,56 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t lightHandle, cublasLtMatmulDesc_t
   if (alpha == nullptr || beta == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
   if (p.m == 0 || p.n == 0) return CUBLAS_STATUS_SUCCESS;
   const float al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
-  const cublasLtMatmulDescOpaque_t& d = *computeDesc;
-  const uint32_t e = d.epilogue;
+  // The descriptors as they are now: the caller may change or destroy them
+  // before the GEMM runs.
+  weft_emu::enqueue(stream, [=, d = *computeDesc, a_ld = Adesc->ld, b_ld = Bdesc->ld,
+                             ldc = Cdesc->ld, ldd = Ddesc->ld] {
+    const uint32_t e = d.epilogue;
 
-  std::vector<double> prod;
-  if (!compute_product(p.ta, p.tb, p.m, p.n, p.k, al, A, p.ab_type, Adesc->ld, B, p.ab_type,
-                       Bdesc->ld, p.rounding, prod))
-    return CUBLAS_STATUS_ALLOC_FAILED;
+    std::vector<double> prod;
+    if (!compute_product(p.ta, p.tb, p.m, p.n, p.k, al, A, p.ab_type, a_ld, B, p.ab_type,
+                         b_ld, p.rounding, prod))
+      weft_emu::fail("out of host memory for a GEMM's product");
 
-  // The bias gradients of A and B: sums over k of op(A)'s rows (m of them)
-  // and of op(B)'s columns (n), of the operands as stored.
-  if (e == CUBLASLT_EPILOGUE_BGRADA) {
-    for (int64_t i = 0; i < p.m; ++i) {
-      double sum = 0;
-      for (int64_t l = 0; l < p.k; ++l)
-        sum += load(A, p.ab_type, p.ta ? l + i * Adesc->ld : i + l * Adesc->ld);
-      store(const_cast<void*>(d.bias), p.bias_type, i, sum);
+    // The bias gradients of A and B: sums over k of op(A)'s rows (m of them)
+    // and of op(B)'s columns (n), of the operands as stored.
+    if (e == CUBLASLT_EPILOGUE_BGRADA) {
+      for (int64_t i = 0; i < p.m; ++i) {
+        double sum = 0;
+        for (int64_t l = 0; l < p.k; ++l)
+          sum += load(A, p.ab_type, p.ta ? l + i * a_ld : i + l * a_ld);
+        store(const_cast<void*>(d.bias), p.bias_type, i, sum);
+      }
+    } else if (e == CUBLASLT_EPILOGUE_BGRADB) {
+      for (int64_t j = 0; j < p.n; ++j) {
+        double sum = 0;
+        for (int64_t l = 0; l < p.k; ++l)
+          sum += load(B, p.ab_type, p.tb ? j + l * b_ld : l + j * b_ld);
+        store(const_cast<void*>(d.bias), p.bias_type, j, sum);
+      }
     }
-  } else if (e == CUBLASLT_EPILOGUE_BGRADB) {
-    for (int64_t j = 0; j < p.n; ++j) {
-      double sum = 0;
-      for (int64_t l = 0; l < p.k; ++l)
-        sum += load(B, p.ab_type, p.tb ? j + l * Bdesc->ld : l + j * Bdesc->ld);
-      store(const_cast<void*>(d.bias), p.bias_type, j, sum);
-    }
-  }
 
-  const bool gelu_fwd = e == CUBLASLT_EPILOGUE_GELU || e == CUBLASLT_EPILOGUE_GELU_BIAS ||
-                        e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
-  const bool relu = e == CUBLASLT_EPILOGUE_RELU || e == CUBLASLT_EPILOGUE_RELU_BIAS;
-  const bool store_aux = e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
-  const bool dgelu = e == CUBLASLT_EPILOGUE_DGELU || e == CUBLASLT_EPILOGUE_DGELU_BGRAD;
-  std::vector<double> row_sums(e == CUBLASLT_EPILOGUE_DGELU_BGRAD ? static_cast<size_t>(p.m) : 0,
-                               0.0);
-  const int64_t ldc = Cdesc->ld, ldd = Ddesc->ld;
-  for (int64_t j = 0; j < p.n; ++j)
-    for (int64_t i = 0; i < p.m; ++i) {
-      double v = static_cast<double>(al) * prod[static_cast<size_t>(i + j * p.m)];
-      if (be != 0.0f) v += static_cast<double>(be) * load(C, p.c_type, i + j * ldc);
-      if (adds_bias(e)) v += load(d.bias, p.bias_type, i);
-      if (store_aux) store(d.aux, p.aux_type, i + j * d.aux_ld, v);
-      if (gelu_fwd) v = gelu(v);
-      if (relu) v = v > 0.0 ? v : 0.0;
-      if (dgelu) v *= gelu_grad(load(d.aux, p.aux_type, i + j * d.aux_ld));
-      if (!row_sums.empty()) row_sums[static_cast<size_t>(i)] += v;
-      store(D, p.c_type, i + j * ldd, v);
-    }
-  for (size_t i = 0; i < row_sums.size(); ++i)
-    store(const_cast<void*>(d.bias), p.bias_type, static_cast<int64_t>(i), row_sums[i]);
+    const bool gelu_fwd = e == CUBLASLT_EPILOGUE_GELU || e == CUBLASLT_EPILOGUE_GELU_BIAS ||
+                          e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+    const bool relu = e == CUBLASLT_EPILOGUE_RELU || e == CUBLASLT_EPILOGUE_RELU_BIAS;
+    const bool store_aux = e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+    const bool dgelu = e == CUBLASLT_EPILOGUE_DGELU || e == CUBLASLT_EPILOGUE_DGELU_BGRAD;
+    std::vector<double> row_sums(e == CUBLASLT_EPILOGUE_DGELU_BGRAD ? static_cast<size_t>(p.m) : 0,
+                                 0.0);
+    for (int64_t j = 0; j < p.n; ++j)
+      for (int64_t i = 0; i < p.m; ++i) {
+        double v = static_cast<double>(al) * prod[static_cast<size_t>(i + j * p.m)];
+        if (be != 0.0f) v += static_cast<double>(be) * load(C, p.c_type, i + j * ldc);
+        if (adds_bias(e)) v += load(d.bias, p.bias_type, i);
+        if (store_aux) store(d.aux, p.aux_type, i + j * d.aux_ld, v);
+        if (gelu_fwd) v = gelu(v);
+        if (relu) v = v > 0.0 ? v : 0.0;
+        if (dgelu) v *= gelu_grad(load(d.aux, p.aux_type, i + j * d.aux_ld));
+        if (!row_sums.empty()) row_sums[static_cast<size_t>(i)] += v;
+        store(D, p.c_type, i + j * ldd, v);
+      }
+    for (size_t i = 0; i < row_sums.size(); ++i)
+      store(const_cast<void*>(d.bias), p.bias_type, static_cast<int64_t>(i), row_sums[i]);
+  });
   return CUBLAS_STATUS_SUCCESS;
 }

@@ -3,6 +3,8 @@
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
+#include "streams.h"
+
 #include <boost/context/fiber.hpp>
 
 #include <chrono>
@@ -10,20 +12,24 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <new>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace weft_emu {
-namespace {
 
 [[noreturn]] void fail(const char* what) {
   std::fprintf(stderr, "GPU emulator: %s\n", what);
   std::fflush(stderr);
   std::abort();
 }
+
+namespace {
 
 constexpr int kWarp = 32;
 constexpr size_t kStackBytes = size_t{128} << 10;
@@ -272,8 +278,14 @@ float atomic_add(float* p, float v) {
   return old;
 }
 
-void run_grid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t, SiteMode& site,
-              const std::function<void()>& body) {
+namespace {
+
+void execute_grid(dim3 grid, dim3 block, SiteMode& site, const std::function<void()>& body);
+
+}  // namespace
+
+void run_grid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream, SiteMode& site,
+              std::function<void()> body) {
   if (t_state != nullptr) fail("a kernel launched from inside a kernel");
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
   const bool ok = grid.x >= 1 && grid.y >= 1 && grid.z >= 1 && grid.x <= 0x7fffffffu &&
@@ -284,6 +296,14 @@ void run_grid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t, SiteMode
     t_last_error = cudaErrorInvalidConfiguration;
     return;
   }
+  enqueue(stream, [grid, block, &site, body = std::move(body)] {
+    execute_grid(grid, block, site, body);
+  });
+}
+
+namespace {
+
+void execute_grid(dim3 grid, dim3 block, SiteMode& site, const std::function<void()>& body) {
   // Every other launch runs its blocks, and each block's threads between
   // barriers, in the reverse order: a kernel whose result depends on the
   // order (a missing barrier, a block reading another's output) then gives
@@ -302,6 +322,92 @@ void run_grid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t, SiteMode
       run_block(grid, block, at, reverse, body);
   }
   if (!direct && t_waits == 0) site.store(1);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------ streams
+
+namespace {
+
+bool sync_streams() {
+  static const bool yes = [] {
+    const char* v = std::getenv("WEFT_EMU_SYNC_STREAMS");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return yes;
+}
+
+struct Stream {
+  std::deque<std::function<void()>> queue;
+  uint64_t queued = 0;  // items ever queued
+  uint64_t done = 0;    // items run, in order: the first `done` of them
+  bool running = false;
+};
+
+// One lock for every stream: work runs in whichever host thread needs it,
+// and may need another stream's (a wait for an event), hence recursive.
+std::recursive_mutex& streams_mu() {
+  static auto* mu = new std::recursive_mutex;
+  return *mu;
+}
+std::map<cudaStream_t, std::unique_ptr<Stream>>& streams() {
+  static auto* s = new std::map<cudaStream_t, std::unique_ptr<Stream>>;
+  return *s;
+}
+
+bool legacy(cudaStream_t s) { return s == nullptr || s == cudaStreamPerThread; }
+
+Stream& stream_of(cudaStream_t s) {
+  std::unique_ptr<Stream>& p = streams()[s];
+  if (!p) p = std::make_unique<Stream>();
+  return *p;
+}
+
+}  // namespace
+
+// Runs `s`'s work up to its `upto`-th item. Called with streams_mu() held.
+void drain(cudaStream_t s, uint64_t upto) {
+  Stream& st = stream_of(s);
+  if (st.done >= upto) return;
+  if (st.running)
+    fail("streams wait for each other's later work in a cycle (a hang on a GPU)");
+  while (st.done < upto && !st.queue.empty()) {
+    std::function<void()> work = std::move(st.queue.front());
+    st.queue.pop_front();
+    st.running = true;
+    work();
+    st.running = false;
+    ++st.done;
+  }
+}
+
+void drain_all() {
+  std::lock_guard<std::recursive_mutex> lock(streams_mu());
+  for (auto& [s, st] : streams()) drain(s, st->queued);
+}
+
+EventMark enqueue(cudaStream_t stream, std::function<void()> work) {
+  if (legacy(stream) || sync_streams()) {
+    drain_all();
+    work();
+    return {};
+  }
+  std::lock_guard<std::recursive_mutex> lock(streams_mu());
+  Stream& st = stream_of(stream);
+  st.queue.push_back(std::move(work));
+  return {stream, ++st.queued};
+}
+
+uint64_t queued_on(cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lock(streams_mu());
+  return stream_of(s).queued;
+}
+
+void drain_to(const EventMark& m) {
+  if (m.upto == 0) return;
+  std::lock_guard<std::recursive_mutex> lock(streams_mu());
+  drain(m.stream, m.upto);
 }
 
 }  // namespace weft_emu
@@ -341,10 +447,38 @@ size_t device_bytes() {
   return bytes;
 }
 
-struct Event {
+// An event: its last record's place in its stream, and the time that
+// record ran (shared with the queued record, which may outlive the handle:
+// CUDA lets an event be destroyed while its record is pending).
+struct EventState {
+  weft_emu::EventMark mark;
+  uint64_t records = 0;  // records made; a queued record older than the last does nothing
+  bool reached = false;
   std::chrono::steady_clock::time_point at{};
-  bool recorded = false;
 };
+struct Event {
+  std::shared_ptr<EventState> state = std::make_shared<EventState>();
+};
+
+// Page-locked host allocations (cudaMallocHost): copies to and from them
+// are queued; copies to and from other host memory are synchronous.
+struct Pinned {
+  std::mutex mu;
+  std::map<const char*, size_t> live;
+};
+Pinned& pinned() {
+  static auto* p = new Pinned;
+  return *p;
+}
+bool is_pinned(const void* p) {
+  Pinned& pn = pinned();
+  std::lock_guard<std::mutex> lock(pn.mu);
+  const char* c = static_cast<const char*>(p);
+  auto it = pn.live.upper_bound(c);
+  if (it == pn.live.begin()) return false;
+  --it;
+  return c < it->first + it->second;
+}
 
 cudaError_t set(cudaError_t e) {
   if (e != cudaSuccess) weft_emu::t_last_error = e;
@@ -366,7 +500,10 @@ cudaError_t cudaGetDevice(int* device) {
   *device = weft_emu::t_device;
   return cudaSuccess;
 }
-cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize() {
+  weft_emu::drain_all();
+  return cudaSuccess;
+}
 cudaError_t cudaGetLastError() {
   const cudaError_t e = weft_emu::t_last_error;
   weft_emu::t_last_error = cudaSuccess;
@@ -420,6 +557,7 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
 }
 cudaError_t cudaFree(void* p) {
   if (p == nullptr) return cudaSuccess;
+  weft_emu::drain_all();  // cudaFree waits for the device
   Allocations& a = allocations();
   std::lock_guard<std::mutex> lock(a.mu);
   const auto it = a.live.find(p);
@@ -431,34 +569,71 @@ cudaError_t cudaFree(void* p) {
 }
 cudaError_t cudaMallocHost(void** p, size_t bytes) {
   *p = std::malloc(std::max<size_t>(bytes, 1));
-  return *p != nullptr ? cudaSuccess : set(cudaErrorMemoryAllocation);
+  if (*p == nullptr) return set(cudaErrorMemoryAllocation);
+  Pinned& pn = pinned();
+  std::lock_guard<std::mutex> lock(pn.mu);
+  pn.live[static_cast<const char*>(*p)] = std::max<size_t>(bytes, 1);
+  return cudaSuccess;
 }
 cudaError_t cudaFreeHost(void* p) {
+  if (p == nullptr) return cudaSuccess;
+  weft_emu::drain_all();  // as cudaFree, it waits for the device
+  {
+    Pinned& pn = pinned();
+    std::lock_guard<std::mutex> lock(pn.mu);
+    if (pn.live.erase(static_cast<const char*>(p)) == 0) return set(cudaErrorInvalidValue);
+  }
   std::free(p);
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind) {
+  weft_emu::drain_all();  // the legacy default stream waits for blocking streams
   if (bytes > 0) std::memmove(dst, src, bytes);
   return cudaSuccess;
 }
+// A copy from pageable host memory takes its bytes at the call; one to
+// pageable host memory is done when the call returns; one between device
+// memory and page-locked host memory is queued.
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
-                            cudaStream_t) {
-  return cudaMemcpy(dst, src, bytes, kind);
+                            cudaStream_t stream) {
+  if (bytes == 0) return cudaSuccess;
+  const bool from_host = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyHostToHost;
+  const bool to_host = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyHostToHost;
+  if (to_host && !is_pinned(dst)) {
+    weft_emu::drain_all();
+    std::memmove(dst, src, bytes);
+    return cudaSuccess;
+  }
+  if (from_host && !is_pinned(src)) {
+    auto copy = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
+                                                    static_cast<const char*>(src) + bytes);
+    weft_emu::enqueue(stream, [dst, copy] { std::memcpy(dst, copy->data(), copy->size()); });
+    return cudaSuccess;
+  }
+  weft_emu::enqueue(stream, [dst, src, bytes] { std::memmove(dst, src, bytes); });
+  return cudaSuccess;
 }
 cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch,
-                              size_t width, size_t height, cudaMemcpyKind, cudaStream_t) {
+                              size_t width, size_t height, cudaMemcpyKind kind,
+                              cudaStream_t stream) {
   if (width > dpitch || width > spitch) return set(cudaErrorInvalidValue);
-  for (size_t r = 0; r < height; ++r)
-    std::memmove(static_cast<char*>(dst) + r * dpitch, static_cast<const char*>(src) + r * spitch,
-                 width);
+  if (kind != cudaMemcpyDeviceToDevice)
+    weft_emu::fail("cudaMemcpy2DAsync other than device to device is not emulated");
+  weft_emu::enqueue(stream, [=] {
+    for (size_t r = 0; r < height; ++r)
+      std::memmove(static_cast<char*>(dst) + r * dpitch,
+                   static_cast<const char*>(src) + r * spitch, width);
+  });
   return cudaSuccess;
 }
 cudaError_t cudaMemset(void* p, int value, size_t bytes) {
+  weft_emu::drain_all();
   if (bytes > 0) std::memset(p, value, bytes);
   return cudaSuccess;
 }
-cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
-  return cudaMemset(p, value, bytes);
+cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t stream) {
+  if (bytes > 0) weft_emu::enqueue(stream, [=] { std::memset(p, value, bytes); });
+  return cudaSuccess;
 }
 
 cudaError_t cudaStreamCreate(cudaStream_t* stream) {
@@ -470,11 +645,25 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int) {
   return cudaSuccess;
 }
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
-  delete reinterpret_cast<char*>(stream);
+  // CUDA lets the queued work finish; here it runs now. The address is kept
+  // (never reused for another stream) so that waits recorded against it stay valid.
+  weft_emu::drain_to({stream, weft_emu::queued_on(stream)});
   return cudaSuccess;
 }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned int) { return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  if (stream == nullptr || stream == cudaStreamPerThread)
+    weft_emu::drain_all();
+  else
+    weft_emu::drain_to({stream, weft_emu::queued_on(stream)});
+  return cudaSuccess;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {
+  if (event == nullptr) return set(cudaErrorInvalidResourceHandle);
+  // What the event's last record is, now: later records do not change the wait.
+  const weft_emu::EventMark m = reinterpret_cast<Event*>(event)->state->mark;
+  weft_emu::enqueue(stream, [m] { weft_emu::drain_to(m); });
+  return cudaSuccess;
+}
 
 cudaError_t cudaEventCreate(cudaEvent_t* event) {
   return cudaEventCreateWithFlags(event, cudaEventDefault);
@@ -487,19 +676,33 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
   delete reinterpret_cast<Event*>(event);
   return cudaSuccess;
 }
-cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t) {
-  auto* e = reinterpret_cast<Event*>(event);
-  e->at = std::chrono::steady_clock::now();
-  e->recorded = true;
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  if (event == nullptr) return set(cudaErrorInvalidResourceHandle);
+  std::shared_ptr<EventState> st = reinterpret_cast<Event*>(event)->state;
+  const uint64_t record = ++st->records;
+  st->reached = false;
+  auto reach = [st, record] {
+    if (st->records != record) return;  // recorded again since
+    st->reached = true;
+    st->at = std::chrono::steady_clock::now();
+  };
+  st->mark = weft_emu::enqueue(stream, reach);
   return cudaSuccess;
 }
-cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
-cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+// The emulated GPU is instant when asked: a query runs the work before the
+// record and answers that it is done. Work nobody asks about stays queued.
+cudaError_t cudaEventQuery(cudaEvent_t event) { return cudaEventSynchronize(event); }
+cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  if (event == nullptr) return set(cudaErrorInvalidResourceHandle);
+  weft_emu::drain_to(reinterpret_cast<Event*>(event)->state->mark);
+  return cudaSuccess;
+}
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
-  const auto* a = reinterpret_cast<const Event*>(start);
-  const auto* b = reinterpret_cast<const Event*>(end);
-  if (!a->recorded || !b->recorded) return set(cudaErrorInvalidResourceHandle);
-  *ms = std::chrono::duration<float, std::milli>(b->at - a->at).count();
+  const EventState& a = *reinterpret_cast<const Event*>(start)->state;
+  const EventState& b = *reinterpret_cast<const Event*>(end)->state;
+  if (a.records == 0 || b.records == 0) return set(cudaErrorInvalidResourceHandle);
+  if (!a.reached || !b.reached) return set(cudaErrorNotReady);
+  *ms = std::chrono::duration<float, std::milli>(b.at - a.at).count();
   return cudaSuccess;
 }
 

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -60,6 +62,27 @@ __global__ void barrier_if(bool sync, int* x) {
   x[threadIdx.x] = 1;
 }
 
+__global__ void fill_value(int v, int* x) { x[threadIdx.x] = v; }
+
+struct Pair {
+  int a, b;
+};
+__global__ void write_pair(Pair p, int* out) {
+  out[0] = p.a;
+  out[1] = p.b;
+}
+
+bool sync_streams() {  // WEFT_EMU_SYNC_STREAMS=1: every stream runs its work at once
+  const char* v = std::getenv("WEFT_EMU_SYNC_STREAMS");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
+int read_back(const int* d) {  // a synchronous copy: every stream's work first
+  int v = -1;
+  EXPECT_EQ(cudaMemcpy(&v, d, sizeof v, cudaMemcpyDeviceToHost), cudaSuccess);
+  return v;
+}
+
 TEST(GpuEmulator, BarriersAndShufflesGiveTheSums) {
   std::vector<float> x(4 * 256), out(4, 0.0f);
   for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 7);
@@ -101,6 +124,94 @@ TEST(GpuEmulator, AMissingBarrierShowsOnOneOfTwoLaunches) {
     wrong_launches += wrong;
   }
   EXPECT_EQ(wrong_launches, 1);
+}
+
+// Work queued on a stream runs when something needs it (streams.h): a host
+// that reads a copy's destination before synchronizing sees the old bytes,
+// as a GPU still busy would leave them.
+TEST(GpuEmulatorStreams, QueuedWorkRunsWhenSomethingNeedsIt) {
+  if (sync_streams()) GTEST_SKIP() << "WEFT_EMU_SYNC_STREAMS=1 runs the work at once";
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
+  int* d = nullptr;
+  int* pin = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&d), 32 * sizeof(int)), cudaSuccess);
+  ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&pin), 32 * sizeof(int)), cudaSuccess);
+  std::fill(pin, pin + 32, -1);
+  fill_value<<<1, 32, 0, s>>>(7, d);
+  cudaMemcpyAsync(pin, d, 32 * sizeof(int), cudaMemcpyDeviceToHost, s);
+  EXPECT_EQ(pin[0], -1) << "read before synchronizing";
+  cudaStreamSynchronize(s);
+  EXPECT_EQ(pin[31], 7);
+  // To pageable memory a copy is done when the call returns.
+  std::vector<int> host(32, -1);
+  fill_value<<<1, 32, 0, s>>>(8, d);
+  cudaMemcpyAsync(host.data(), d, 32 * sizeof(int), cudaMemcpyDeviceToHost, s);
+  EXPECT_EQ(host[31], 8);
+  // From page-locked memory the copy reads the bytes when it runs; from
+  // pageable memory, at the call.
+  pin[0] = 1;
+  cudaMemcpyAsync(d, pin, sizeof(int), cudaMemcpyHostToDevice, s);
+  pin[0] = 2;
+  cudaStreamSynchronize(s);
+  EXPECT_EQ(read_back(d), 2);
+  int v = 1;
+  cudaMemcpyAsync(d, &v, sizeof v, cudaMemcpyHostToDevice, s);
+  v = 2;
+  EXPECT_EQ(read_back(d), 1);
+  // A kernel's parameters are copied at the launch.
+  Pair p{3, 4};
+  write_pair<<<1, 1, 0, s>>>(p, d);
+  p = {5, 6};
+  EXPECT_EQ(read_back(d), 3);
+  EXPECT_EQ(read_back(d + 1), 4);
+  cudaFreeHost(pin);
+  cudaFree(d);
+  cudaStreamDestroy(s);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// A stream reads another's output only after waiting for an event recorded
+// behind it; an event's synchronize runs its stream's work up to the record
+// and no further.
+TEST(GpuEmulatorStreams, AStreamSeesAnothersWorkOnlyAfterWaitingForIt) {
+  if (sync_streams()) GTEST_SKIP() << "WEFT_EMU_SYNC_STREAMS=1 runs the work at once";
+  cudaStream_t a = nullptr, b = nullptr;
+  cudaEvent_t e = nullptr, late = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&a), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreate(&b), cudaSuccess);
+  ASSERT_EQ(cudaEventCreate(&e), cudaSuccess);
+  ASSERT_EQ(cudaEventCreate(&late), cudaSuccess);
+  int *x = nullptr, *y = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&x), 32 * sizeof(int)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&y), 32 * sizeof(int)), cudaSuccess);
+  cudaMemset(x, 0, 32 * sizeof(int));
+  cudaMemset(y, 0, 32 * sizeof(int));
+
+  fill_value<<<1, 32, 0, a>>>(5, x);
+  cudaMemcpyAsync(y, x, 32 * sizeof(int), cudaMemcpyDeviceToDevice, b);
+  cudaStreamSynchronize(b);
+  EXPECT_EQ(read_back(y), 0) << "b did not wait for a";
+  EXPECT_EQ(read_back(x), 5);
+
+  fill_value<<<1, 32, 0, a>>>(6, x);
+  cudaEventRecord(e, a);
+  fill_value<<<1, 32, 0, a>>>(9, x);  // after the record: the wait does not cover it
+  cudaStreamWaitEvent(b, e, 0);
+  cudaMemcpyAsync(y, x, 32 * sizeof(int), cudaMemcpyDeviceToDevice, b);
+  cudaEventRecord(late, a);
+  float ms = 0;
+  EXPECT_EQ(cudaEventElapsedTime(&ms, e, late), cudaErrorNotReady);
+  cudaGetLastError();
+  cudaStreamSynchronize(b);
+  EXPECT_EQ(read_back(y), 6);
+  EXPECT_EQ(cudaEventElapsedTime(&ms, e, late), cudaSuccess);
+  cudaEventDestroy(e);
+  cudaEventDestroy(late);
+  cudaFree(x);
+  cudaFree(y);
+  cudaStreamDestroy(a);
+  cudaStreamDestroy(b);
 }
 
 TEST(GpuEmulatorDeathTest, MisusedBarriersStopTheRun) {

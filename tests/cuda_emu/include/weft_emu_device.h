@@ -52,17 +52,21 @@ int lane_id();
 // fibers.
 using SiteMode = std::atomic<int>;
 
-// Runs `body` once per thread of the grid (after checking the configuration
-// as CUDA does; a bad one sets the error cudaGetLastError returns).
+// Checks the configuration as CUDA does (a bad one sets the error
+// cudaGetLastError returns), then queues `body` on `stream` to run once per
+// thread of the grid (tests/cuda_emu/streams.h says when queued work runs).
 void run_grid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream, SiteMode& site,
-              const std::function<void()>& body);
+              std::function<void()> body);
 
+// The arguments are copied at the launch, as CUDA copies a kernel's
+// parameters: the kernel may run after the caller's variables are gone.
 template <typename Kernel>
 auto launch(Kernel kernel, dim3 grid, dim3 block, size_t shared_bytes = 0,
             cudaStream_t stream = nullptr) {
   static SiteMode site{0};  // one per launch site: each has its own lambda type
   return [=](auto&&... args) {
-    run_grid(grid, block, shared_bytes, stream, site, [&] { kernel(args...); });
+    run_grid(grid, block, shared_bytes, stream, site,
+             [kernel, ... a = std::decay_t<decltype(args)>(args)]() mutable { kernel(a...); });
   };
 }
 

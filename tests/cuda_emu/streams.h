@@ -1,0 +1,51 @@
+// GPU emulator (tests/cuda_emu): the order in which streams run their work.
+//
+// Work queued on a stream (a kernel, an asynchronous copy or memset, a
+// cuBLAS or cuBLASLt GEMM, an event's record, a wait for an event) runs
+// only when something needs it: a synchronize of its stream, of an event
+// recorded after it, or of the device; a stream that waits for such an
+// event reaching its own wait; a synchronous call (cudaMemcpy, cudaMemset,
+// cudaFree, cudaFreeHost, an asynchronous copy to or from pageable host
+// memory), which waits for every stream, as the legacy default stream does
+// for blocking streams. Work then runs in the thread that needs it, in its
+// stream's order. So a host that reads a copy's destination before
+// synchronizing reads what was there before; a staging buffer rewritten
+// while a copy from it is queued gives the copy the new bytes; and a stream
+// that reads another's output without waiting for it reads what was there
+// before. On a GPU each is a race that the GPU's speed usually hides.
+//
+// WEFT_EMU_SYNC_STREAMS=1 runs all work at once instead, in the calling
+// thread, as the emulator did before (for telling an emulator problem from
+// weft's).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <functional>
+
+namespace weft_emu {
+
+// A place in a stream's work: reached once its first `upto` items have run
+// (upto 0: reached).
+struct EventMark {
+  cudaStream_t stream = nullptr;
+  uint64_t upto = 0;
+};
+
+// Queues `work` on `stream` and says where it is (on the legacy default
+// stream, or on any with WEFT_EMU_SYNC_STREAMS=1, runs it now, after all
+// queued work, and returns a reached mark).
+EventMark enqueue(cudaStream_t stream, std::function<void()> work);
+
+// Runs `m`'s stream's work up to it.
+void drain_to(const EventMark& m);
+
+// How many items `stream` has had queued.
+uint64_t queued_on(cudaStream_t stream);
+
+// Runs every stream's queued work.
+void drain_all();
+
+[[noreturn]] void fail(const char* what);
+
+}  // namespace weft_emu
