@@ -34,6 +34,9 @@
 
 namespace weft {
 
+class SpanTimer;  // weft/profile.h
+
+
 struct PipelineOptions {
   bool recompute = false;
   // Record every action's start and end (for write_trace); off, a step
@@ -182,6 +185,10 @@ class PipelineExecutor {
   std::chrono::steady_clock::time_point epoch_;
   double busy_s_ = 0, span_s_ = 0;  // last run
   std::vector<ActionSpan> spans_;
+  // On a GPU: CUDA events around each action (span 0 the run's start, then
+  // one per action, then its end), so that busy time and the compute
+  // actions' trace spans are the device's, not the host's launching.
+  std::shared_ptr<SpanTimer> device_timer_;
   std::unique_ptr<MicroBatch> work_;  // with recompute: where a stage's activations live
   std::vector<int> keep_buf_;
 };

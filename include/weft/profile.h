@@ -21,6 +21,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace weft::cuda {
@@ -56,6 +57,9 @@ class SpanTimer {
   // Seconds of every span since the last take(), in the order they began
   // (waits for the device); the next span is span 0 again.
   std::vector<double> take();
+  // The same spans as (start, end) in seconds from span 0's start, on the
+  // device's clock (waits for the device); the next span is span 0 again.
+  std::vector<std::pair<double, double>> take_intervals();
 
  private:
   Device device_;

@@ -1,6 +1,7 @@
 #include <weft/local_communicator.h>
 #include <weft/ops.h>
 #include <weft/pipeline.h>
+#include <weft/profile.h>
 
 #include <algorithm>
 #include <fstream>
@@ -422,6 +423,12 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
   using Clock = std::chrono::steady_clock;
   const auto run_start = Clock::now();
   busy_s_ = 0;
+  const bool on_device = !options_.device.is_cpu();
+  if (on_device) {
+    if (!device_timer_) device_timer_ = std::make_shared<SpanTimer>(options_.device);
+    device_timer_->time([] {});  // span 0: the run's start, on the device's clock
+  }
+  const size_t first_span = spans_.size();
   posted_.assign(mine.size(), false);
   receives_.resize(mine.size());
   const std::vector<sched::P2pStep>& steps = p2p_steps_;
@@ -429,6 +436,7 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
   for (size_t i = 0; i < mine.size(); ++i) {
     const Action& a = mine[i];
     const auto t0 = Clock::now();
+    if (on_device) device_timer_->begin();
     set_step(step, i, a);
     const bool opens_step = next_step < steps.size() && steps[next_step].begin == i;
     if (opens_step) pp_.group_start();
@@ -483,10 +491,9 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
       case ActionKind::STEP:
         break;  // done once per run, below
     }
+    if (on_device) device_timer_->end();
     const auto t1 = Clock::now();
-    if (a.kind == ActionKind::F || a.kind == ActionKind::B || a.kind == ActionKind::I ||
-        a.kind == ActionKind::W)
-      busy_s_ += std::chrono::duration<double>(t1 - t0).count();
+    if (sched::is_compute(a.kind)) busy_s_ += std::chrono::duration<double>(t1 - t0).count();
     if (options_.trace) {
       auto us = [&](Clock::time_point t) {
         return std::chrono::duration_cast<std::chrono::microseconds>(t - epoch_).count();
@@ -499,6 +506,7 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
     }
   }
   span_s_ = std::chrono::duration<double>(Clock::now() - run_start).count();
+  if (on_device) device_timer_->time([] {});  // the end of this rank's actions
   pp_.set_step("end of the pipeline's actions");
   check(slots_in_use_ == 0, "{} (stage, micro-batch) slots are still alive after the last action "
                             "of schedule '{}' on pipeline rank {}",
@@ -515,6 +523,27 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
   if (!loss_order_.empty()) {
     host_losses_.copy_from(device_losses_);
     for (int j : loss_order_) loss_sum_ += static_cast<double>(host_losses_.data<float>()[j]);
+  }
+  if (on_device) {
+    // The host only queued the work: the device's clock says how long each
+    // action's work ran, and when this rank's last one ended.
+    const std::vector<std::pair<double, double>> t = device_timer_->take_intervals();
+    check(t.size() == mine.size() + 2, "pipeline: {} device spans timed for {} actions",
+          t.size(), mine.size());
+    busy_s_ = 0;
+    for (size_t i = 0; i < mine.size(); ++i)
+      if (sched::is_compute(mine[i].kind)) busy_s_ += t[i + 1].second - t[i + 1].first;
+    span_s_ = t.back().second;
+    if (options_.trace) {  // compute spans on the device's clock, from the run's start
+      const double start_us = static_cast<double>(
+          std::chrono::duration_cast<std::chrono::microseconds>(run_start - epoch_).count());
+      for (size_t i = 0; i < mine.size(); ++i) {
+        if (!sched::is_compute(mine[i].kind)) continue;
+        ActionSpan& span = spans_[first_span + i];
+        span.start_us = static_cast<int64_t>(start_us + 1e6 * t[i + 1].first);
+        span.end_us = static_cast<int64_t>(start_us + 1e6 * t[i + 1].second);
+      }
+    }
   }
   // One collective for the loss and the bubble: every rank's (loss, busy,
   // span). Only the last stage's rank holds a loss, so the sum is exact.

@@ -79,6 +79,28 @@ std::vector<double> SpanTimer::take() {
   return seconds;
 }
 
+std::vector<std::pair<double, double>> SpanTimer::take_intervals() {
+  check(!open_, "SpanTimer: take_intervals() inside a span");
+  std::vector<std::pair<double, double>> spans;
+  if (device_.is_cpu()) {
+    auto since = [&](Clock::time_point t) {
+      return std::chrono::duration<double>(t - host_.front()).count();
+    };
+    for (size_t k = 0; k + 1 < host_.size(); k += 2)
+      spans.emplace_back(since(host_[k]), since(host_[k + 1]));
+    host_.clear();
+    return spans;
+  }
+#if WEFT_CUDA
+  events_->synchronize();
+  for (size_t k = 0; k + 1 < marks_; k += 2)
+    spans.emplace_back(1e-3 * static_cast<double>(events_->elapsed_ms(0, k)),
+                       1e-3 * static_cast<double>(events_->elapsed_ms(0, k + 1)));
+#endif
+  marks_ = 0;
+  return spans;
+}
+
 Device params_device(const std::vector<Param*>& params) {
   if (params.empty()) return Device::cpu();
   const Device d = params.front()->value.device();
