@@ -399,6 +399,10 @@ EventMark enqueue(cudaStream_t stream, std::function<void()> work) {
   return {stream, ++st.queued};
 }
 
+std::unique_lock<std::recursive_mutex> lock_streams() {
+  return std::unique_lock<std::recursive_mutex>(streams_mu());
+}
+
 uint64_t queued_on(cudaStream_t s) {
   std::lock_guard<std::recursive_mutex> lock(streams_mu());
   return stream_of(s).queued;
@@ -660,6 +664,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {
   if (event == nullptr) return set(cudaErrorInvalidResourceHandle);
   // What the event's last record is, now: later records do not change the wait.
+  auto lock = weft_emu::lock_streams();
   const weft_emu::EventMark m = reinterpret_cast<Event*>(event)->state->mark;
   weft_emu::enqueue(stream, [m] { weft_emu::drain_to(m); });
   return cudaSuccess;
@@ -678,6 +683,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
 }
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   if (event == nullptr) return set(cudaErrorInvalidResourceHandle);
+  auto lock = weft_emu::lock_streams();  // the queued record reads the state where it runs
   std::shared_ptr<EventState> st = reinterpret_cast<Event*>(event)->state;
   const uint64_t record = ++st->records;
   st->reached = false;
@@ -694,10 +700,12 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
 cudaError_t cudaEventQuery(cudaEvent_t event) { return cudaEventSynchronize(event); }
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   if (event == nullptr) return set(cudaErrorInvalidResourceHandle);
+  auto lock = weft_emu::lock_streams();
   weft_emu::drain_to(reinterpret_cast<Event*>(event)->state->mark);
   return cudaSuccess;
 }
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  auto lock = weft_emu::lock_streams();
   const EventState& a = *reinterpret_cast<const Event*>(start)->state;
   const EventState& b = *reinterpret_cast<const Event*>(end)->state;
   if (a.records == 0 || b.records == 0) return set(cudaErrorInvalidResourceHandle);

@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include <functional>
+#include <mutex>
 
 namespace weft_emu {
 
@@ -45,6 +46,10 @@ uint64_t queued_on(cudaStream_t stream);
 
 // Runs every stream's queued work.
 void drain_all();
+
+// The lock every stream's queue, and each event's record, is kept under
+// (recursive: the calls above take it too).
+std::unique_lock<std::recursive_mutex> lock_streams();
 
 [[noreturn]] void fail(const char* what);
 
