@@ -303,6 +303,10 @@ int run(const Options& o) {
       ctx.synchronize();
       const size_t mallocs = ctx.allocator().stats().device_mallocs;
       weft::ops::reset_widened_ops();
+      // GEMMs whose cuBLASLt epilogue found no algorithm and ran as two steps.
+      const int64_t fallbacks_before[3] = {ctx.bias_epilogue_fallbacks(),
+                                           ctx.gelu_epilogue_fallbacks(),
+                                           ctx.bias_grad_epilogue_fallbacks()};
       std::vector<double> steps;
       for (int i = 0; i < o.steps; ++i) {
         const bool record = o.kernel_profile && i == 0;
@@ -324,8 +328,23 @@ int run(const Options& o) {
         widened[op] = per_step;
         widened_line += fmt::format("{}{} x {:g}", widened_line.empty() ? "" : ", ", op, per_step);
       }
-      widen_lines.push_back(fmt::format("- {}: {}\n", name,
-                                        widened_line.empty() ? "none" : widened_line));
+      const int64_t fallbacks[3] = {ctx.bias_epilogue_fallbacks() - fallbacks_before[0],
+                                    ctx.gelu_epilogue_fallbacks() - fallbacks_before[1],
+                                    ctx.bias_grad_epilogue_fallbacks() - fallbacks_before[2]};
+      nlohmann::json unfused = nlohmann::json::object();
+      std::string unfused_line;
+      const char* epilogue_names[3] = {"bias", "gelu", "bias gradient"};
+      for (int k = 0; k < 3; ++k) {
+        if (fallbacks[k] == 0) continue;
+        const double per_step = static_cast<double>(fallbacks[k]) / o.steps;
+        unfused[epilogue_names[k]] = per_step;
+        unfused_line += fmt::format(", {} x {:g}", epilogue_names[k], per_step);
+      }
+      widen_lines.push_back(fmt::format(
+          "- {}: {}{}\n", name, widened_line.empty() ? "none" : widened_line,
+          unfused_line.empty() ? ""
+                               : "; cuBLASLt epilogues run as two steps (no algorithm)" +
+                                     unfused_line));
       const weft::cuda::AllocatorStats stats = ctx.allocator().stats();
       const double tok_s = static_cast<double>(tokens) / step_s;
       const double tflops = cfg.train_flops_per_token() * tok_s / 1e12;
@@ -359,7 +378,8 @@ int run(const Options& o) {
              {"loss", loss},
              {"peak_gib", peak_gib},
              {"cuda_mallocs", stats.device_mallocs - mallocs},
-             {"widened_per_step", widened}};
+             {"widened_per_step", widened},
+             {"epilogue_fallbacks_per_step", unfused}};
     }  // the Trainer's activations and optimizer state go back to the cache
     std::fflush(stdout);
     if (o.profile) {
@@ -377,7 +397,7 @@ int run(const Options& o) {
     }
   }
   fmt::print("\nwidened to fp32 around an fp32 kernel, calls per timed step (no kernel for "
-             "their dtypes on the GPU):\n");
+             "their dtypes on the GPU), and cuBLASLt epilogues that found no algorithm:\n");
   for (const std::string& l : widen_lines) fmt::print("{}", l);
   for (const std::string& t : tables) fmt::print("{}", t);
   return 0;
