@@ -23,8 +23,8 @@
 #                                    # check itself has run before a GPU run
 #
 # --emulate builds with -Dgpu_emulator=true -Dcudnn=disabled and runs what a
-# GPU run runs, each test expected to PASS (NCCL's and cuDNN's, which the
-# emulator has not, to SKIP), with meson's GTEST_FILTER for a test where it
+# GPU run runs, each test expected to PASS (cuDNN's, which the emulator has
+# not, to SKIP; its NCCL is one process's), with meson's GTEST_FILTER for a test where it
 # sets one; only the sizes shrink to what a CPU emulating a GPU does in
 # minutes: the sample job runs 3 steps, bench_cuda the mini model at B 2
 # (2 warm-up steps, 2 timed)
@@ -216,8 +216,7 @@ export WEFT_TRAIN_GPT="$PWD/$build/train_gpt"
 # share the GPU; Open MPI needs oversubscription for 8 ranks on fewer slots.
 export WEFT_MPIEXEC="$PWD/$build/bench/mpiexec" OMPI_MCA_rmaps_base_oversubscribe=1
 run_test() {  # name binary needs_gpu [timeout seconds, default 240]
-  # needs_gpu: 1; "fused": a GPU and a build with cuDNN fused attention;
-  # "nccl": a GPU and NCCL (which the emulator has not).
+  # needs_gpu: 1, or "fused": a GPU and a build with cuDNN fused attention.
   local name=$1 bin=$2 needs_gpu=$3 limit want=0 rc=0 t0 ms filter=""
   limit=$(limit_for "${4:-240}")
   if [ "$limit" = 0 ]; then out_of_time "$name"; return; fi
@@ -230,7 +229,6 @@ run_test() {  # name binary needs_gpu [timeout seconds, default 240]
   ms=$(( ($(date +%s%N) - t0) / 1000000 ))
   if [ "$dry_run" = 1 ] && [ "$needs_gpu" != 0 ]; then want=77; fi
   if [ "$needs_gpu" = fused ] && [ "$fused" = no ]; then want=77; fi
-  if [ "$needs_gpu" = nccl ] && [ "$emulate" = 1 ]; then want=77; fi
   local result
   case "$rc" in
     0) result=PASS ;;
@@ -254,7 +252,7 @@ run_test() {  # name binary needs_gpu [timeout seconds, default 240]
 # NCCL at world size 1: every collective, p2p to itself in a group, split,
 # the deadline (about 1 s of it), stream-ordered reuse; seconds, so a hang
 # gets 60 s, not 240.
-run_test nccl tests/test_nccl nccl 60
+run_test nccl tests/test_nccl 1 60
 run_test cuda_allocator tests/cuda/test_cuda_allocator 0
 run_test cuda_kernels tests/cuda/test_cuda_kernels 1
 run_test cuda_layers tests/cuda/test_cuda_layers 1

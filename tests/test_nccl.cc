@@ -6,6 +6,7 @@
 // allocator's stream-ordered reuse. Values are small
 // integers in fp32, so every sum is exact and compared with ==. Exits 77
 // (meson: SKIP) without a GPU or without the CUDA build.
+#include <weft/cuda/kernels.h>
 #include <weft/cuda/runtime.h>
 #include <weft/mpi_communicator.h>
 #include <weft/nccl_communicator.h>
@@ -111,6 +112,17 @@ void check_collectives(weft::Communicator& c) {
   for (int r = 0; r < n; ++r) want_g1.insert(want_g1.end(), {float(r), float(r)});
   expect(to_host(g1) == want_g1, "iall_gather");
   expect(to_host(s1) == std::vector<float>{me * fn, fn}, "ireduce_scatter");
+
+  // An input the compute stream is still making: the collective's stream
+  // waits for it (where streams run lazily, as on the GPU emulator, a
+  // collective that did not wait would read the input unscaled).
+  Tensor made = to_device({me + 1, me + 2});
+  weft::cuda::scale_inplace(weft::cuda::context(gpu), made.data<float>(), 3.0f, 2);
+  Tensor g2 = Tensor::empty({2L * n}, DType::F32, Device::cuda(gpu));
+  c.all_gather(made, g2);
+  std::vector<float> want_g2;
+  for (int r = 0; r < n; ++r) want_g2.insert(want_g2.end(), {3.0f * (r + 1), 3.0f * (r + 2)});
+  expect(to_host(g2) == want_g2, "all_gather of what the compute stream was making");
 
   // Host tensors go through the host transport.
   Tensor h = Tensor::zeros({1});

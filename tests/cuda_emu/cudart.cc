@@ -356,7 +356,14 @@ std::map<cudaStream_t, std::unique_ptr<Stream>>& streams() {
   return *s;
 }
 
-bool legacy(cudaStream_t s) { return s == nullptr || s == cudaStreamPerThread; }
+bool legacy(cudaStream_t s) { return s == nullptr; }
+
+// cudaStreamPerThread: each host thread's own stream (blocking, but not
+// synchronous with the other streams, as CUDA's per-thread default stream).
+thread_local char t_per_thread_stream;
+cudaStream_t resolve(cudaStream_t s) {
+  return s == cudaStreamPerThread ? reinterpret_cast<cudaStream_t>(&t_per_thread_stream) : s;
+}
 
 Stream& stream_of(cudaStream_t s) {
   std::unique_ptr<Stream>& p = streams()[s];
@@ -388,6 +395,7 @@ void drain_all() {
 }
 
 EventMark enqueue(cudaStream_t stream, std::function<void()> work) {
+  stream = resolve(stream);
   if (legacy(stream) || sync_streams()) {
     drain_all();
     work();
@@ -404,6 +412,7 @@ std::unique_lock<std::recursive_mutex> lock_streams() {
 }
 
 uint64_t queued_on(cudaStream_t s) {
+  s = resolve(s);
   std::lock_guard<std::recursive_mutex> lock(streams_mu());
   return stream_of(s).queued;
 }
@@ -411,7 +420,7 @@ uint64_t queued_on(cudaStream_t s) {
 void drain_to(const EventMark& m) {
   if (m.upto == 0) return;
   std::lock_guard<std::recursive_mutex> lock(streams_mu());
-  drain(m.stream, m.upto);
+  drain(resolve(m.stream), m.upto);
 }
 
 }  // namespace weft_emu
@@ -655,7 +664,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
-  if (stream == nullptr || stream == cudaStreamPerThread)
+  if (stream == nullptr)
     weft_emu::drain_all();
   else
     weft_emu::drain_to({stream, weft_emu::queued_on(stream)});
