@@ -24,10 +24,10 @@
 #
 # --emulate builds with -Dgpu_emulator=true -Dcudnn=disabled and runs what a
 # GPU run runs, each test expected to PASS (cuDNN's, which the emulator has
-# not, to SKIP; its NCCL is one process's), with meson's GTEST_FILTER for a test where it
-# sets one; only the sizes shrink to what a CPU emulating a GPU does in
-# minutes: the sample job runs 3 steps, bench_cuda the mini model at B 2
-# (2 warm-up steps, 2 timed)
+# not, to SKIP; its NCCL is a one-process stand-in), with meson's
+# GTEST_FILTER for a test where it sets one; only the sizes shrink to what a
+# CPU emulating a GPU does in minutes: the sample job runs 3 steps,
+# bench_cuda the mini model at B 2 with 2 warm-up and 2 timed steps
 # (WEFT_BENCH_ARGS replaces that), PyTorch's script runs the same shape on
 # the CPU where a python3 has torch, and there is no kernel profile and no
 # deadline. Its speeds are the emulator's, not a GPU's: it checks the
