@@ -411,10 +411,10 @@ std::unique_lock<std::recursive_mutex> lock_streams() {
   return std::unique_lock<std::recursive_mutex>(streams_mu());
 }
 
-uint64_t queued_on(cudaStream_t s) {
+void drain_stream(cudaStream_t s) {
   s = resolve(s);
   std::lock_guard<std::recursive_mutex> lock(streams_mu());
-  return stream_of(s).queued;
+  drain(s, stream_of(s).queued);
 }
 
 void drain_to(const EventMark& m) {
@@ -660,14 +660,14 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int) {
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   // CUDA lets the queued work finish; here it runs now. The address is kept
   // (never reused for another stream) so that waits recorded against it stay valid.
-  weft_emu::drain_to({stream, weft_emu::queued_on(stream)});
+  weft_emu::drain_stream(stream);
   return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   if (stream == nullptr)
     weft_emu::drain_all();
   else
-    weft_emu::drain_to({stream, weft_emu::queued_on(stream)});
+    weft_emu::drain_stream(stream);
   return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {

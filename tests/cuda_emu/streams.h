@@ -41,8 +41,8 @@ EventMark enqueue(cudaStream_t stream, std::function<void()> work);
 // Runs `m`'s stream's work up to it.
 void drain_to(const EventMark& m);
 
-// How many items `stream` has had queued.
-uint64_t queued_on(cudaStream_t stream);
+// Runs everything queued on `stream` so far.
+void drain_stream(cudaStream_t stream);
 
 // Runs every stream's queued work.
 void drain_all();
