@@ -40,11 +40,12 @@
 // (the same as train_gpt --profile on the CPU): CUDA events around each
 // node's work on the compute stream, read after one synchronize per pass,
 // median of 3 passes. It prints one table per mode after the main one: time
-// per node kind (attention, linear layers' GEMMs, layernorm, gelu, lm head
-// and loss, embedding, residual) and per update part, in ms and as a share
-// of the step; the rest of the step ("outside the nodes") is uploads, the
-// host's waits and the GPU's idle gaps between nodes. With --json, each
-// mode's object gets "profile": every node's seconds and the update's parts.
+// per node kind (attention, linear layers' GEMMs, layernorm, the residual
+// add fused with layernorm, gelu, lm head and loss, embedding, residual)
+// and per update part, in ms and as a share of the step; the rest of the
+// step ("outside the nodes") is uploads, the host's waits and the GPU's idle
+// gaps between nodes. With --json, each mode's object gets "profile": every
+// node's seconds and the update's parts.
 //
 // --kernel-profile opens the CUDA profiler's collection range around each
 // mode's first timed step and nothing else, so that `ncu --profile-from-start
@@ -184,6 +185,7 @@ const std::vector<std::pair<std::string, std::string>>& kind_rows() {
       {"linear", "attention's linear layers (GEMMs, bias)"},
       {"gelu_mlp", "MLP (c_fc, GELU, c_proj)"},
       {"layernorm", "layernorm"},
+      {"residual_layernorm", "residual add + layernorm"},
       {"lm_head_loss", "lm head + loss"},
       {"embedding", "embedding"},
       {"residual", "residual adds"}};

@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <random>
+#include <utility>
 
 namespace weft {
 
@@ -94,15 +95,22 @@ GptModel build_gpt(const GptConfig& cfg, int64_t micro_batch,
           shape.str());
     return p;
   };
+  // Each weight made before its bias, in statements: the order of a call's
+  // arguments is the compiler's (GCC makes the last first), and the store's
+  // order is the optimizer's and the gradient norm's.
+  auto norm_params = [&](const std::string& prefix) {
+    Param* w = param(prefix + ".weight", {c}, Init::constant(1));
+    return std::pair{w, param(prefix + ".bias", {c}, Init::constant(0))};
+  };
   auto norm = [&](const std::string& prefix) {
-    return std::make_unique<LayerNorm>(param(prefix + ".weight", {c}, Init::constant(1)),
-                                       param(prefix + ".bias", {c}, Init::constant(0)));
+    const auto [w, b] = norm_params(prefix);
+    return std::make_unique<LayerNorm>(w, b);
   };
   auto linear = [&](const std::string& prefix, int64_t in, int64_t out, float std,
                     ParallelRole role, int out_blocks = 1) {
-    return std::make_unique<Linear>(param(prefix + ".weight", {in, out}, Init::normal(std)),
-                                    param(prefix + ".bias", {out}, Init::constant(0)), role,
-                                    out_blocks);
+    Param* w = param(prefix + ".weight", {in, out}, Init::normal(std));
+    Param* b = param(prefix + ".bias", {out}, Init::constant(0));
+    return std::make_unique<Linear>(w, b, role, out_blocks);
   };
 
   GptModel m{params, Graph(params), {}, -1, -1, nullptr};
@@ -123,8 +131,14 @@ GptModel build_gpt(const GptConfig& cfg, int64_t micro_batch,
     a = g.add1(h + ".attn.c_attn", linear(h + ".attn.c_attn", c, 3 * c, 0.02f, ParallelRole::Column, 3), {a});
     a = g.add1(h + ".attn.core", std::make_unique<CausalSelfAttention>(cfg.num_heads), {a});
     a = g.add1(h + ".attn.c_proj", linear(h + ".attn.c_proj", c, c, proj_std, ParallelRole::Row), {a});
-    x = g.add1(h + ".res_1", std::make_unique<Residual>(), {x, a});
-    int f = g.add1(h + ".ln_2", norm(h + ".ln_2"), {x});
+    // The attention's residual add and ln_2 as one node (layers/layernorm.h):
+    // outputs the residual stream, then ln_2 of it. The add that ends the
+    // block stays a node of its own, so a block boundary is still one value.
+    const auto [ln_2_w, ln_2_b] = norm_params(h + ".ln_2");
+    const std::vector<int> xf =
+        g.add(h + ".ln_2", std::make_unique<ResidualLayerNorm>(ln_2_w, ln_2_b), {x, a});
+    x = xf[0];
+    int f = xf[1];
     // c_fc, GELU and c_proj as one node (layers/gelu_mlp.h); the parameters
     // made in this order, as two Linear layers made them
     Param* w_fc = param(h + ".mlp.c_fc.weight", {c, 4 * c}, Init::normal(0.02f));

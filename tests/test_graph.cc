@@ -56,9 +56,16 @@ TEST(Graph, GptValuesHaveTheExpectedShapes) {
   EXPECT_EQ(shape("h.0.attn.c_attn"), (Shape{3, 64, 192}));
   EXPECT_EQ(shape("h.1.mlp"), (Shape{3, 64, 64}));  // (its hidden 256 stays inside the node)
   EXPECT_EQ(shape("lm_head"), (Shape{1}));
-  // The residual stream is read by ln_1 and by the add that ends the block.
-  const Value& x = m.graph.values()[static_cast<size_t>(m.graph.find_value("h.0.res_1"))];
+  // A block's input, on the residual stream, is read by ln_1 and by the
+  // add fused with ln_2; that node's sum, the stream, by the add that ends
+  // the block alone, and its LayerNorm by the MLP.
+  const Value& x = m.graph.values()[static_cast<size_t>(m.graph.find_value("h.0.res_2"))];
   EXPECT_EQ(x.consumers.size(), 2u);
+  EXPECT_EQ(shape("h.0.ln_2:0"), (Shape{3, 64, 64}));
+  EXPECT_EQ(shape("h.0.ln_2:1"), (Shape{3, 64, 64}));
+  const auto& stream = m.graph.values()[static_cast<size_t>(m.graph.find_value("h.0.ln_2:0"))];
+  ASSERT_EQ(stream.consumers.size(), 1u);
+  EXPECT_EQ(m.graph.nodes()[static_cast<size_t>(stream.consumers[0])].name, "h.0.res_2");
   EXPECT_FALSE(m.graph.values()[static_cast<size_t>(m.tokens)].requires_grad);
 }
 

@@ -101,6 +101,21 @@ std::vector<double> layernorm_ref(const Tensor& x, const Param* w, const Param* 
   return y;
 }
 
+// x with a different offset per row, so that a LayerNorm's mean matters.
+Tensor rows_offset(Tensor x) {
+  const int64_t c = x.shape().last();
+  for (int64_t i = 0; i < x.shape().rows(); ++i)
+    for (int64_t j = 0; j < c; ++j) x.data<float>()[i * c + j] += 0.3f * float(i % 4);
+  return x;
+}
+
+// in[0] + in[1], element by element, in double.
+std::vector<double> sum_ref(const std::vector<Tensor>& in) {
+  std::vector<double> y(z(in[0].numel()));
+  for (int64_t i = 0; i < in[0].numel(); ++i) y[z(i)] = at(in[0], i) + at(in[1], i);
+  return y;
+}
+
 // qkv (B, T, (H + 2G) D): query head hi reads key/value head hi / (H / G).
 std::vector<double> attention_ref(const Tensor& qkv, int64_t h, int64_t g) {
   const int64_t b = qkv.dim(0), t = qkv.dim(1), w = qkv.dim(2), d = w / (h + 2 * g), c = h * d;
@@ -192,16 +207,24 @@ Case make_case(const std::string& name) {
     Param* b = make_param(s, "ln.bias", {kC}, 0.3f, 0.0f, 2);
     c.layer = std::make_unique<LayerNorm>(w, b);
     c.make_inputs = [act](uint64_t seed) {
-      Tensor x = uniform(act, 100 + seed, -1.0f, 1.0f);
-      // A different offset per row: the mean matters.
-      for (int64_t i = 0; i < act.rows(); ++i)
-        for (int64_t j = 0; j < kC; ++j) x.data<float>()[i * kC + j] += 0.3f * float(i % 4);
-      return std::vector<Tensor>{x};
+      return std::vector<Tensor>{rows_offset(uniform(act, 100 + seed, -1.0f, 1.0f))};
     };
     c.float_input = {true};
     c.reference = [w, b](const std::vector<Tensor>& in) {
       return layernorm_ref(in[0], w, b, 1e-5);
     };
+  } else if (name == "residual_layernorm") {
+    // Both outputs reach the loss: the sum (checked against the reference)
+    // and its LayerNorm, so every gradient has both parts.
+    Param* w = make_param(s, "ln.weight", {kC}, 0.2f, 1.0f, 8);
+    Param* b = make_param(s, "ln.bias", {kC}, 0.3f, 0.0f, 8);
+    c.layer = std::make_unique<ResidualLayerNorm>(w, b);
+    c.make_inputs = [act](uint64_t seed) {
+      return std::vector<Tensor>{rows_offset(uniform(act, 1400 + seed, -1.0f, 1.0f)),
+                                 uniform(act, 1500 + seed)};
+    };
+    c.float_input = {true, true};
+    c.reference = sum_ref;
   } else if (name == "linear_bias" || name == "linear_nobias") {
     const int64_t out = 6;
     Param* w = make_param(s, "fc.weight", {kC, out}, 0.5f, 0.0f, 3);
@@ -282,11 +305,7 @@ Case make_case(const std::string& name) {
       return std::vector<Tensor>{uniform(act, 500 + seed), uniform(act, 600 + seed)};
     };
     c.float_input = {true, true};
-    c.reference = [](const std::vector<Tensor>& in) {
-      std::vector<double> y(z(in[0].numel()));
-      for (int64_t i = 0; i < in[0].numel(); ++i) y[z(i)] = at(in[0], i) + at(in[1], i);
-      return y;
-    };
+    c.reference = sum_ref;
   } else if (name == "lm_head" || name == "lm_head_chunked") {
     Param* wte = make_param(s, "wte", {kV, kC}, 0.7f, 0.0f, 4);
     auto head = std::make_unique<TiedLmHeadLoss>(wte);
@@ -377,10 +396,10 @@ Case make_case(const std::string& name) {
 const std::vector<std::string> kAllLayers = {
     "embedding", "layernorm", "linear_bias", "linear_nobias", "gelu",   "attention",
     "residual",  "lm_head",   "mse",         "rmsnorm",       "swiglu", "rotary",
-    "attention_gqa", "rotary_gqa", "lm_head_chunked", "gelu_mlp"};
-const std::vector<std::string> kParamLayers = {"embedding",     "layernorm", "linear_bias",
-                                               "linear_nobias", "lm_head",   "rmsnorm",
-                                               "lm_head_chunked", "gelu_mlp"};
+    "attention_gqa", "rotary_gqa", "lm_head_chunked", "gelu_mlp", "residual_layernorm"};
+const std::vector<std::string> kParamLayers = {
+    "embedding", "layernorm",       "linear_bias", "linear_nobias",     "lm_head",
+    "rmsnorm",   "lm_head_chunked", "gelu_mlp",    "residual_layernorm"};
 
 // --- running a layer the way the runner does ---
 
@@ -795,7 +814,7 @@ INSTANTIATE_TEST_SUITE_P(Layers, ParamLayers, ::testing::ValuesIn(kParamLayers),
 // buffers give the gradients zeroed ones give, bit for bit.
 TEST(FreshGradients, LayersThatWriteTheirInputGradientsIgnoreWhatTheBuffersHeld) {
   for (const char* name : {"linear_bias", "linear_nobias", "gelu", "residual", "attention",
-                           "attention_gqa", "gelu_mlp"}) {
+                           "attention_gqa", "gelu_mlp", "residual_layernorm"}) {
     Case c = make_case(name);
     Harness h(c);
     const std::vector<Tensor> in = c.make_inputs(0);
@@ -887,6 +906,94 @@ TEST(GeluMlp, GivesTheBitsOfTheLinearGeluLinearChain) {
       EXPECT_EQ(0, std::memcmp(g1[k].raw(), g2[k].raw(), g1[k].nbytes()))
           << what << " " << ps[k]->name;
       EXPECT_GT(ops::sum_squares(g1[k]), 0.0) << what << " " << ps[k]->name;
+    }
+  }
+}
+
+// ResidualLayerNorm is Residual then LayerNorm in one node; on the CPU it
+// runs the same operations, so it gives their bits in fp32 and with bf16
+// activations: forward, and backward in each way the runner hands it
+// gradient buffers. As in a GPT block, where the sum's gradient reaches it
+// already holding the block's downstream part: accumulated into (both
+// inputs' buffers holding gradients already), written whole (fresh), and
+// the branch's buffer being the sum's own (shared, as the runner gives the
+// branch a single node reads), with the input before it fresh.
+TEST(ResidualLayerNorm, GivesTheBitsOfTheResidualThenLayerNorm) {
+  enum Mode { kAccumulate, kFresh, kShared };
+  for (DType dt : {DType::F32, DType::BF16}) {
+    for (Mode mode : {kAccumulate, kFresh, kShared}) {
+      const std::string what = std::string(dtype_name(dt)) + " mode " + std::to_string(mode);
+      ParamStore s;
+      Param* w = make_param(s, "ln.weight", {kC}, 0.2f, 1.0f, 41);
+      Param* b = make_param(s, "ln.bias", {kC}, 0.3f, 0.0f, 42);
+      const Shape act{kB, kT, kC};
+      auto as = [&](const Tensor& t) {
+        Tensor o = Tensor::empty(t.shape(), dt);
+        ops::convert(t, o);
+        return o;
+      };
+      const Tensor x = as(uniform(act, 43)), a = as(uniform(act, 44)), dz = as(uniform(act, 45)),
+                   ds = as(uniform(act, 46)), gx0 = as(uniform(act, 47)),
+                   ga0 = as(uniform(act, 48));
+      auto grads = [&] {
+        std::vector<Tensor> g{w->grad.clone(), b->grad.clone()};
+        w->grad.zero_();
+        b->grad.zero_();
+        return g;
+      };
+      w->grad.zero_();
+      b->grad.zero_();
+      Arena arena;
+
+      // The fused node, given buffers as the runner would.
+      ResidualLayerNorm fused(w, b);
+      auto ctx = fused.make_ctx();
+      const Tensor s1 = arena.alloc(act, dt), z1 = arena.alloc(act, dt);
+      const std::vector<Tensor> outs{s1, z1};
+      fused.forward(*ctx, arena, std::vector<Tensor>{x, a}, outs);
+      const Tensor ds1 = ds.clone();
+      Tensor gx1 = gx0.clone(), ga1 = ga0.clone();
+      if (mode != kAccumulate) {
+        ops::fill(gx1, std::nanf(""));
+        ops::fill(ga1, std::nanf(""));
+        ctx->fresh_grads_in = mode == kFresh ? 3u : 1u;
+      }
+      if (mode == kShared) {
+        ga1 = ds1;
+        ctx->shared_grads_in = 2u;
+      }
+      fused.backward_input(*ctx, arena, std::vector<Tensor>{ds1, dz.clone()},
+                           std::vector<Tensor>{gx1, ga1});
+      fused.backward_weight(*ctx, arena);
+      const std::vector<Tensor> g1 = grads();
+
+      // The two layers apart: the add's gradients a copy of (or added to
+      // what held) the sum's, after LayerNorm added its own to that.
+      Residual res;
+      LayerNorm norm(w, b);
+      auto cr = res.make_ctx(), cn = norm.make_ctx();
+      const Tensor s2 = arena.alloc(act, dt), z2 = arena.alloc(act, dt);
+      res.forward(*cr, arena, std::vector<Tensor>{x, a}, std::vector<Tensor>{s2});
+      norm.forward(*cn, arena, std::vector<Tensor>{s2}, std::vector<Tensor>{z2});
+      const Tensor ds2 = ds.clone();
+      norm.backward_input(*cn, arena, std::vector<Tensor>{dz.clone()}, std::vector<Tensor>{ds2});
+      const Tensor gx2 = mode == kAccumulate ? gx0.clone() : Tensor::zeros(act, dt);
+      const Tensor ga2 = mode == kAccumulate ? ga0.clone() : Tensor::zeros(act, dt);
+      res.backward_input(*cr, arena, std::vector<Tensor>{ds2}, std::vector<Tensor>{gx2, ga2});
+      norm.backward_weight(*cn, arena);
+      const std::vector<Tensor> g2 = grads();
+
+      auto same = [&](const Tensor& p, const Tensor& q, const char* name) {
+        EXPECT_EQ(0, std::memcmp(p.raw(), q.raw(), p.nbytes())) << what << " " << name;
+      };
+      same(s1, s2, "sum");
+      same(z1, z2, "layernorm");
+      same(gx1, gx2, "gradient of x");
+      same(ga1, ga2, "gradient of a");
+      same(g1[0], g2[0], "weight gradient");
+      same(g1[1], g2[1], "bias gradient");
+      EXPECT_NE(0, std::memcmp(gx1.raw(), gx0.raw(), gx1.nbytes())) << what << " gx unchanged";
+      EXPECT_GT(ops::sum_squares(g1[0]), 0.0) << what;
     }
   }
 }

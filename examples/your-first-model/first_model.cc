@@ -75,13 +75,15 @@ std::unique_ptr<Model> build_model() {
   auto m = std::make_unique<Model>();
   ParamStore& ps = *m->params;
   Graph& g = m->graph;
+  // A weight made before its bias, in statements (a call's arguments are
+  // made in an order of the compiler's choosing).
   auto norm = [&](const std::string& name) {
-    return std::make_unique<LayerNorm>(ps.create(name + ".weight", {kWidth}, Init::constant(1)),
-                                       ps.create(name + ".bias", {kWidth}, Init::constant(0)));
+    Param* w = ps.create(name + ".weight", {kWidth}, Init::constant(1));
+    return std::make_unique<LayerNorm>(w, ps.create(name + ".bias", {kWidth}, Init::constant(0)));
   };
   auto linear = [&](const std::string& name, int64_t in, int64_t out, ParallelRole role) {
-    return std::make_unique<Linear>(ps.create(name + ".weight", {in, out}, Init::normal(0.02f)),
-                                    ps.create(name + ".bias", {out}, Init::constant(0)), role);
+    Param* w = ps.create(name + ".weight", {in, out}, Init::normal(0.02f));
+    return std::make_unique<Linear>(w, ps.create(name + ".bias", {out}, Init::constant(0)), role);
   };
   Param* wte = ps.create("wte.weight", {kVocab, kWidth}, Init::normal(0.02f));
   Param* wpe = ps.create("wpe.weight", {kSeq, kWidth}, Init::normal(0.02f));

@@ -83,12 +83,15 @@ class Layer {
   // (LayerCtx::fresh_grads_in), writes all of it. Then the runner need not
   // zero it first: a memset and an extra read of every such gradient saved.
   virtual bool writes_input_grad(size_t /*i*/) const { return false; }
-  // Whether input i's gradient is exactly the gradient of the layer's one
-  // output (a residual add's), so that the runner may hand the output's
-  // gradient buffer over as input i's instead of a copy: it does so where
-  // input i's value is read by this layer alone, once, and for at most one
-  // input of a node (LayerCtx::shared_grads_in). That saves a copy and a
-  // buffer of every residual branch's gradient.
+  // Whether input i's gradient is exactly the gradient of the layer's
+  // output 0 as backward_input leaves it (a residual add's, left as it is; a
+  // residual add fused with a norm adds the norm's part to it in place), so
+  // that the runner may hand output 0's gradient buffer over as input i's
+  // instead of a copy: it does so where input i's value is read by this
+  // layer alone, once, and for at most one input of a node
+  // (LayerCtx::shared_grads_in). That saves a copy and a buffer of every
+  // residual branch's gradient. Only such a layer may write its output's
+  // gradient, and only output 0's.
   virtual bool may_share_input_grad(size_t /*i*/) const { return false; }
 
   // This layer's form on one rank of a tensor-parallel group: the graph stays

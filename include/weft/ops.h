@@ -158,6 +158,17 @@ void layernorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w
 // dw, db (C) += d/dw, d/db
 void layernorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& mean,
                                const Tensor& rstd, const Tensor& dw, const Tensor& db);
+// A residual add and the LayerNorm of its sum: sum = x + a (add's bits),
+// then layernorm_forward(sum, ...). On a GPU one kernel reads x and a and
+// writes both, where rows allow (weft/cuda/kernels.h); the same bits.
+void add_layernorm_forward(const Tensor& x, const Tensor& a, const Tensor& w, const Tensor& b,
+                           const Tensor& sum, const Tensor& y, const Tensor& mean,
+                           const Tensor& rstd, float eps);
+// layernorm_backward_input(dy, x, w, mean, rstd, dx), then copy = dx (written
+// whole); on a GPU one kernel where rows allow.
+void layernorm_backward_input_copy(const Tensor& dy, const Tensor& x, const Tensor& w,
+                                   const Tensor& mean, const Tensor& rstd, const Tensor& dx,
+                                   const Tensor& copy);
 
 // --- RMSNorm over the last dimension (Llama): y = x / sqrt(mean(x^2) + eps) * w ---
 

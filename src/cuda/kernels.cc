@@ -53,6 +53,48 @@ void layernorm_backward_input(Context& ctx, const bf16* dy, const bf16* x, const
   WEFT_LAUNCH_CHECK("layernorm_backward_input (bf16)");
 }
 
+bool add_layernorm_forward(Context& ctx, const float* x, const float* a, float* sum,
+                           const float* w, const float* b, float* y, float* mean, float* rstd,
+                           int64_t n, int64_t c, float eps) {
+  if (n == 0) return true;
+  if (!launch::add_layernorm_forward(prepare(ctx), x, a, sum, w, b, y, mean, rstd, n, c, eps))
+    return false;
+  WEFT_LAUNCH_CHECK("add_layernorm_forward");
+  return true;
+}
+
+bool add_layernorm_forward(Context& ctx, const bf16* x, const bf16* a, bf16* sum, const float* w,
+                           const float* b, bf16* y, float* mean, float* rstd, int64_t n,
+                           int64_t c, float eps) {
+  if (n == 0) return true;
+  if (!launch::add_layernorm_forward(prepare(ctx), raw(x), raw(a), raw(sum), w, b, raw(y), mean,
+                                     rstd, n, c, eps))
+    return false;
+  WEFT_LAUNCH_CHECK("add_layernorm_forward (bf16)");
+  return true;
+}
+
+bool layernorm_backward_input_copy(Context& ctx, const float* dy, const float* x, const float* w,
+                                   const float* mean, const float* rstd, float* dx, float* copy,
+                                   int64_t n, int64_t c) {
+  if (n == 0) return true;
+  if (!launch::layernorm_backward_input_copy(prepare(ctx), dy, x, w, mean, rstd, dx, copy, n, c))
+    return false;
+  WEFT_LAUNCH_CHECK("layernorm_backward_input_copy");
+  return true;
+}
+
+bool layernorm_backward_input_copy(Context& ctx, const bf16* dy, const bf16* x, const float* w,
+                                   const float* mean, const float* rstd, bf16* dx, bf16* copy,
+                                   int64_t n, int64_t c) {
+  if (n == 0) return true;
+  if (!launch::layernorm_backward_input_copy(prepare(ctx), raw(dy), raw(x), w, mean, rstd,
+                                             raw(dx), raw(copy), n, c))
+    return false;
+  WEFT_LAUNCH_CHECK("layernorm_backward_input_copy (bf16)");
+  return true;
+}
+
 void layernorm_backward_weight(Context& ctx, const float* dy, const float* x, const float* mean,
                                const float* rstd, float* dw, float* db, int64_t n, int64_t c) {
   if (n == 0 || c == 0) return;

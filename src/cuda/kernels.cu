@@ -482,10 +482,22 @@ __device__ __forceinline__ void store8(float* p, int64_t v, const float (&in)[kV
 // 2048 elements take the vector kernels, wider ones the scalar kernels.
 constexpr int kMaxLaneGroups = 8;
 
-template <int kGroups, class X, class Y>
-__global__ void layernorm_forward_vec_kernel(const X* x, const float* w, const float* b, Y* y,
-                                             float* mean, float* rstd, int64_t n, int64_t c,
-                                             float eps) {
+// v as an array of T holds it: as it is, or rounded to bf16 (to nearest even).
+__device__ __forceinline__ float as_stored(float v, const float*) { return v; }
+__device__ __forceinline__ float as_stored(float v, const __nv_bfloat16*) {
+  return __bfloat162float(__float2bfloat16_rn(v));
+}
+
+// kSum: the row normalised is the sum x + a of two rows, written to `sum`
+// too (a residual add fused with the LayerNorm that reads it). Each element
+// of the sum is rounded to X as the add's kernels round it and normalised
+// as stored, so sum and y are the bits of the add followed by this kernel
+// on its output, and x is read once more than it would be alone, not the
+// sum written, then read back.
+template <int kGroups, bool kSum, class X, class Y>
+__global__ void layernorm_forward_vec_kernel(const X* x, const X* a, X* sum, const float* w,
+                                             const float* b, Y* y, float* mean, float* rstd,
+                                             int64_t n, int64_t c, float eps) {
   const int64_t row = int64_t{blockIdx.x} * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (row >= n) return;  // the whole warp: every lane below reaches the shuffles
@@ -497,6 +509,13 @@ __global__ void layernorm_forward_vec_kernel(const X* x, const float* w, const f
     const int64_t g = lane + int64_t{k} * kWarp;
     if (g < groups) {
       load8(x, first + g, v[k]);
+      if constexpr (kSum) {
+        float u[kVec];
+        load8(a, first + g, u);
+        for (int e = 0; e < kVec; ++e) v[k][e] = v[k][e] + u[e];
+        store8(sum, first + g, v[k]);
+        for (int e = 0; e < kVec; ++e) v[k][e] = as_stored(v[k][e], sum);
+      }
       for (int e = 0; e < kVec; ++e) s += v[k][e];
     }
   }
@@ -532,10 +551,12 @@ __global__ void layernorm_forward_vec_kernel(const X* x, const float* w, const f
 
 // dx += (dy w - mean(dy w) - xhat mean(dy w xhat)) rstd, as the scalar kernel;
 // a lane keeps dy w and xhat of its groups, then reads and writes dx once.
-template <int kGroups, class X, class G>
+// kCopy: the new dx is written to `copy` as well (the gradient of both
+// inputs of a residual add fused with this LayerNorm).
+template <int kGroups, bool kCopy, class X, class G>
 __global__ void layernorm_backward_input_vec_kernel(const G* dy, const X* x, const float* w,
                                                     const float* mean, const float* rstd, G* dx,
-                                                    int64_t n, int64_t c) {
+                                                    G* copy, int64_t n, int64_t c) {
   const int64_t row = int64_t{blockIdx.x} * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (row >= n) return;  // the whole warp
@@ -570,6 +591,7 @@ __global__ void layernorm_backward_input_vec_kernel(const G* dy, const X* x, con
       for (int e = 0; e < kVec; ++e)
         d[e] = d[e] + (dnorm[k][e] - dnorm_mean - xhat[k][e] * dnorm_xhat_mean) * r;
       store8(dx, first + g, d);
+      if constexpr (kCopy) store8(copy, first + g, d);
     }
   }
 }
@@ -1087,9 +1109,26 @@ void layernorm_forward_of(cudaStream_t s, const X* x, const float* w, const floa
     return;
   }
   with_lane_groups(k, [&](auto groups) {
-    layernorm_forward_vec_kernel<decltype(groups)::value>
-        <<<row_blocks(n), kThreads, 0, s>>>(x, w, b, y, mean, rstd, n, c, eps);
+    layernorm_forward_vec_kernel<decltype(groups)::value, false>
+        <<<row_blocks(n), kThreads, 0, s>>>(x, static_cast<const X*>(nullptr),
+                                            static_cast<X*>(nullptr), w, b, y, mean, rstd, n, c,
+                                            eps);
   });
+}
+
+// sum = x + a and y = LayerNorm(sum) in one kernel where the vector kernel
+// takes rows of c; false, launching nothing, where it does not.
+template <class X>
+bool add_layernorm_forward_of(cudaStream_t s, const X* x, const X* a, X* sum, const float* w,
+                              const float* b, X* y, float* mean, float* rstd, int64_t n,
+                              int64_t c, float eps) {
+  const int k = layernorm_lane_groups(c, {x, a, sum, w, b, y});
+  if (k == 0) return false;
+  with_lane_groups(k, [&](auto groups) {
+    layernorm_forward_vec_kernel<decltype(groups)::value, true>
+        <<<row_blocks(n), kThreads, 0, s>>>(x, a, sum, w, b, y, mean, rstd, n, c, eps);
+  });
+  return true;
 }
 
 template <class X, class G>
@@ -1103,9 +1142,25 @@ void layernorm_backward_input_of(cudaStream_t s, const G* dy, const X* x, const 
     return;
   }
   with_lane_groups(k, [&](auto groups) {
-    layernorm_backward_input_vec_kernel<decltype(groups)::value>
-        <<<row_blocks(n), kThreads, 0, s>>>(dy, x, w, mean, rstd, dx, n, c);
+    layernorm_backward_input_vec_kernel<decltype(groups)::value, false>
+        <<<row_blocks(n), kThreads, 0, s>>>(dy, x, w, mean, rstd, dx, static_cast<G*>(nullptr),
+                                            n, c);
   });
+}
+
+// dx += d/dx and copy = dx in one kernel where the vector kernel takes rows
+// of c; false, launching nothing, where it does not.
+template <class X, class G>
+bool layernorm_backward_input_copy_of(cudaStream_t s, const G* dy, const X* x, const float* w,
+                                      const float* mean, const float* rstd, G* dx, G* copy,
+                                      int64_t n, int64_t c) {
+  const int k = layernorm_lane_groups(c, {dy, x, w, dx, copy});
+  if (k == 0) return false;
+  with_lane_groups(k, [&](auto groups) {
+    layernorm_backward_input_vec_kernel<decltype(groups)::value, true>
+        <<<row_blocks(n), kThreads, 0, s>>>(dy, x, w, mean, rstd, dx, copy, n, c);
+  });
+  return true;
 }
 
 // column_sums for either type of x and dy. The 16-byte kernel when c is a
@@ -1164,6 +1219,31 @@ void layernorm_backward_input(cudaStream_t s, const uint16_t* dy, const uint16_t
                               const float* w, const float* mean, const float* rstd, uint16_t* dx,
                               int64_t n, int64_t c) {
   layernorm_backward_input_of(s, bf(dy), bf(x), w, mean, rstd, bf(dx), n, c);
+}
+
+bool add_layernorm_forward(cudaStream_t s, const float* x, const float* a, float* sum,
+                           const float* w, const float* b, float* y, float* mean, float* rstd,
+                           int64_t n, int64_t c, float eps) {
+  return add_layernorm_forward_of(s, x, a, sum, w, b, y, mean, rstd, n, c, eps);
+}
+
+bool add_layernorm_forward(cudaStream_t s, const uint16_t* x, const uint16_t* a, uint16_t* sum,
+                           const float* w, const float* b, uint16_t* y, float* mean, float* rstd,
+                           int64_t n, int64_t c, float eps) {
+  return add_layernorm_forward_of(s, bf(x), bf(a), bf(sum), w, b, bf(y), mean, rstd, n, c, eps);
+}
+
+bool layernorm_backward_input_copy(cudaStream_t s, const float* dy, const float* x,
+                                   const float* w, const float* mean, const float* rstd,
+                                   float* dx, float* copy, int64_t n, int64_t c) {
+  return layernorm_backward_input_copy_of(s, dy, x, w, mean, rstd, dx, copy, n, c);
+}
+
+bool layernorm_backward_input_copy(cudaStream_t s, const uint16_t* dy, const uint16_t* x,
+                                   const float* w, const float* mean, const float* rstd,
+                                   uint16_t* dx, uint16_t* copy, int64_t n, int64_t c) {
+  return layernorm_backward_input_copy_of(s, bf(dy), bf(x), w, mean, rstd, bf(dx), bf(copy), n,
+                                          c);
 }
 
 // About 16 rows per thread of the first pass, at most 128 slices.

@@ -29,6 +29,24 @@ void layernorm_backward_input(cudaStream_t s, const uint16_t* dy, const uint16_t
                               const float* w, const float* mean, const float* rstd, uint16_t* dx,
                               int64_t n, int64_t c);
 
+// A residual add fused with the LayerNorm of its sum: sum = x + a, y =
+// LayerNorm(sum), the bits of add then layernorm_forward. Runs where the
+// 16-byte kernel takes rows of c (a multiple of 8 up to 2048, every array
+// 16-byte aligned) and says so; false, launching nothing, elsewhere.
+bool add_layernorm_forward(cudaStream_t s, const float* x, const float* a, float* sum,
+                           const float* w, const float* b, float* y, float* mean, float* rstd,
+                           int64_t n, int64_t c, float eps);
+bool add_layernorm_forward(cudaStream_t s, const uint16_t* x, const uint16_t* a, uint16_t* sum,
+                           const float* w, const float* b, uint16_t* y, float* mean, float* rstd,
+                           int64_t n, int64_t c, float eps);
+// dx += d/dx, then copy = dx, in one kernel under the same conditions.
+bool layernorm_backward_input_copy(cudaStream_t s, const float* dy, const float* x,
+                                   const float* w, const float* mean, const float* rstd,
+                                   float* dx, float* copy, int64_t n, int64_t c);
+bool layernorm_backward_input_copy(cudaStream_t s, const uint16_t* dy, const uint16_t* x,
+                                   const float* w, const float* mean, const float* rstd,
+                                   uint16_t* dx, uint16_t* copy, int64_t n, int64_t c);
+
 // --- column sums over rows: db += sum_i dy[i]; with x/mean/rstd also dw += sum_i dy xhat ---
 // Row slices of the first pass; `partials` holds (dw ? 2 : 1) * slices * c floats.
 int64_t column_slices(int64_t n);

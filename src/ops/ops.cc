@@ -812,6 +812,61 @@ void layernorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& 
       });
 }
 
+void add_layernorm_forward(const Tensor& x, const Tensor& a, const Tensor& w, const Tensor& b,
+                           const Tensor& sum, const Tensor& y, const Tensor& mean,
+                           const Tensor& rstd, float eps) {
+  const Device d =
+      common_device("add_layernorm_forward", {&x, &a, &w, &b, &sum, &y, &mean, &rstd});
+  const int64_t n = x.shape().rows(), c = x.shape().last();
+  const DType dt = x.dtype();
+  const bool one_kernel = !d.is_cpu() && (dt == DType::F32 || dt == DType::BF16) &&
+                          a.dtype() == dt && sum.dtype() == dt && y.dtype() == dt && is_f32(w) &&
+                          is_f32(b) && is_f32(mean) && is_f32(rstd) && a.numel() == n * c &&
+                          sum.numel() == n * c && y.numel() == n * c && w.numel() == c &&
+                          b.numel() == c && mean.numel() == n && rstd.numel() == n;
+  if (one_kernel && on_device(
+                        d, "add_layernorm_forward", [] { return false; },
+                        [&](auto& cx) {
+                          if (dt == DType::F32)
+                            return cuda::add_layernorm_forward(cx, f(x), f(a), fw(sum), f(w),
+                                                               f(b), fw(y), fw(mean), fw(rstd), n,
+                                                               c, eps);
+                          return cuda::add_layernorm_forward(cx, b16(x), b16(a), b16w(sum), f(w),
+                                                             f(b), b16w(y), fw(mean), fw(rstd), n,
+                                                             c, eps);
+                        }))
+    return;
+  add(x, a, sum);
+  layernorm_forward(sum, w, b, y, mean, rstd, eps);
+}
+
+void layernorm_backward_input_copy(const Tensor& dy, const Tensor& x, const Tensor& w,
+                                   const Tensor& mean, const Tensor& rstd, const Tensor& dx,
+                                   const Tensor& copy) {
+  const Device d =
+      common_device("layernorm_backward_input_copy", {&dy, &x, &w, &mean, &rstd, &dx, &copy});
+  const int64_t n = x.shape().rows(), c = x.shape().last();
+  const DType dt = x.dtype();
+  const bool one_kernel = !d.is_cpu() && (dt == DType::F32 || dt == DType::BF16) &&
+                          dy.dtype() == dt && dx.dtype() == dt && copy.dtype() == dt &&
+                          is_f32(w) && is_f32(mean) && is_f32(rstd) && dy.numel() == n * c &&
+                          dx.numel() == n * c && copy.numel() == n * c && w.numel() == c &&
+                          mean.numel() == n && rstd.numel() == n;
+  if (one_kernel && on_device(
+                        d, "layernorm_backward_input_copy", [] { return false; },
+                        [&](auto& cx) {
+                          if (dt == DType::F32)
+                            return cuda::layernorm_backward_input_copy(
+                                cx, f(dy), f(x), f(w), f(mean), f(rstd), fw(dx), fw(copy), n, c);
+                          return cuda::layernorm_backward_input_copy(cx, b16(dy), b16(x), f(w),
+                                                                     f(mean), f(rstd), b16w(dx),
+                                                                     b16w(copy), n, c);
+                        }))
+    return;
+  layernorm_backward_input(dy, x, w, mean, rstd, dx);
+  copy.copy_from(dx);
+}
+
 // --- RMSNorm, SwiGLU, rotary embedding ---
 
 void rmsnorm_forward(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor& rstd,

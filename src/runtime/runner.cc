@@ -123,12 +123,15 @@ void backward_input(const Graph& g, MicroBatch& mb, int n) {
   // value (its last reader) gets a fresh buffer: uninitialised where the
   // layer writes it whole (Layer::writes_input_grad), zeros otherwise. Or,
   // for one input that only this node reads, once, and whose gradient is
-  // the output's (Layer::may_share_input_grad: a residual branch's), the
-  // output's gradient buffer itself. Nothing writes that buffer again: the
-  // output's readers are done, and this value has no other reader. Values
-  // that come to share one buffer so form a chain of single readers, each
-  // done with it but the last one's producer, which only reads it (no layer
-  // writes its output's gradient).
+  // output 0's as the layer leaves it (Layer::may_share_input_grad: a
+  // residual branch's), output 0's gradient buffer itself. Nothing else
+  // writes that buffer again: the output's readers are done, and this value
+  // has no other reader. Values that come to share one buffer so form a
+  // chain of single readers, each done with it but the last one's producer,
+  // which only reads it. The one layer that writes its output's gradient is
+  // such a link (ResidualLayerNorm, which adds to it in place before the
+  // value that shares it is read), and no link keeps the buffer to read
+  // later: only the chain's last producer does.
   mb.in_buf_.clear();
   uint32_t fresh = 0, shared = 0;
   for (size_t i = 0; i < node.inputs.size(); ++i) {
@@ -136,8 +139,7 @@ void backward_input(const Graph& g, MicroBatch& mb, int n) {
     const Value& val = g.values()[static_cast<size_t>(v)];
     Tensor& gr = mb.grads_[static_cast<size_t>(v)];
     if (val.requires_grad && !gr.defined()) {
-      if (shared == 0 && i < 32 && node.outputs.size() == 1 &&
-          node.layer->may_share_input_grad(i) && val.consumers.size() == 1 &&
+      if (shared == 0 && i < 32 && node.layer->may_share_input_grad(i) && val.consumers.size() == 1 &&
           std::count(node.inputs.begin(), node.inputs.end(), v) == 1 &&
           mb.out_buf_[0].shape() == val.shape && mb.out_buf_[0].dtype() == val.dtype) {
         gr = mb.out_buf_[0];

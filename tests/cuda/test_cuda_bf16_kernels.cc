@@ -129,6 +129,67 @@ TEST(CudaBf16LayerNorm, EveryOutputIsTheFp32KernelsOutputRounded) {
   }
 }
 
+// The residual add fused with LayerNorm, in fp32 and bf16: one kernel each
+// way gives the bits of the add, then LayerNorm on its output (forward), and
+// of LayerNorm's input gradient added to the sum's, then copied (backward).
+// Widths the 16-byte kernel does not take say so and launch nothing.
+template <class T>
+void expect_fused_residual_layernorm_bits(int64_t n, int64_t c, std::vector<T> x,
+                                          std::vector<T> a, std::vector<T> dy,
+                                          std::vector<T> ds0, const char* what) {
+  SCOPED_TRACE(what);
+  const std::vector<float> w = uniform(c, 22, 0.5f, 1.5f), b = uniform(c, 23);
+  const std::vector<T> junk(static_cast<size_t>(n * c), x[0]);
+  Dev<T> dx(x), da(a), ddy(dy), s1(junk), y1(junk), s2(junk), y2(junk), ds1(ds0), ds2(ds0),
+      copy1(junk), copy2(junk);
+  Dev<float> dw(w), db(b), m1(uniform(n, 24)), r1(uniform(n, 25)), m2(uniform(n, 26)),
+      r2(uniform(n, 27));
+  const bool one_kernel = c % 8 == 0 && c <= 2048;
+  // apart
+  add(ctx(), dx.p(), da.p(), s1.p(), n * c);
+  layernorm_forward(ctx(), s1.p(), dw.p(), db.p(), y1.p(), m1.p(), r1.p(), n, c, 1e-5f);
+  layernorm_backward_input(ctx(), ddy.p(), s1.p(), dw.p(), m1.p(), r1.p(), ds1.p(), n, c);
+  // fused
+  ASSERT_EQ(add_layernorm_forward(ctx(), dx.p(), da.p(), s2.p(), dw.p(), db.p(), y2.p(), m2.p(),
+                                  r2.p(), n, c, 1e-5f),
+            one_kernel);
+  ASSERT_EQ(layernorm_backward_input_copy(ctx(), ddy.p(), s1.p(), dw.p(), m1.p(), r1.p(), ds2.p(),
+                                          copy2.p(), n, c),
+            one_kernel);
+  if (!one_kernel) return;
+  // Elements whose bits differ.
+  auto differ = [](const std::vector<T>& got, const std::vector<T>& want) {
+    size_t d = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      if constexpr (sizeof(T) == 4)
+        d += std::bit_cast<uint32_t>(got[i]) != std::bit_cast<uint32_t>(want[i]);
+      else
+        d += got[i].bits != want[i].bits;
+    }
+    return d;
+  };
+  EXPECT_EQ(differ(s2.host(), s1.host()), 0u) << "sum";
+  EXPECT_EQ(differ(y2.host(), y1.host()), 0u) << "y";
+  expect_same_bits(m2.host(), m1.host(), "mean");
+  expect_same_bits(r2.host(), r1.host(), "rstd");
+  EXPECT_EQ(differ(ds2.host(), ds1.host()), 0u) << "the sum's gradient, added to";
+  EXPECT_EQ(differ(copy2.host(), ds1.host()), 0u) << "its copy";
+  EXPECT_GT(differ(ds1.host(), ds0), 0u) << "LayerNorm's gradient was not added";
+}
+
+TEST(CudaResidualLayerNorm, OneKernelEachWayGivesTheBitsOfTheKernelsApart) {
+  for (auto [n, c] : {std::pair<int64_t, int64_t>{45, 200}, {33, 768}, {7, 1800}, {9, 77},
+                      {3, 2056}}) {
+    SCOPED_TRACE(::testing::Message() << "n " << n << " c " << c);
+    expect_fused_residual_layernorm_bits<float>(n, c, uniform(n * c, 30, -2.0f, 3.0f),
+                                                uniform(n * c, 31), uniform(n * c, 32),
+                                                uniform(n * c, 33), "fp32");
+    expect_fused_residual_layernorm_bits<bf16>(n, c, bf16_uniform(n * c, 30, -2.0f, 3.0f),
+                                               bf16_uniform(n * c, 31), bf16_uniform(n * c, 32),
+                                               bf16_uniform(n * c, 33), "bf16");
+  }
+}
+
 // ---------------------------------------------------------------- GELU
 
 // Both backwards: accumulating into dx, and writing a fresh one.

@@ -205,6 +205,24 @@ TEST(CudaLayers, LayerNorm) {
   expect_same_on_both(cpu, gpu, tw, {uniform_tensor({kB, kT, kC}, 6)}, {true}, "layernorm");
 }
 
+// The residual add fused with LayerNorm: C = 48 takes the one-kernel path
+// on the GPU (the CPU runs the add, then LayerNorm), C = 44 the GPU's
+// fallback to the two kernels. Input gradients written whole (fresh) take
+// the backward's one kernel, accumulated ones the LayerNorm kernel and an add.
+TEST(CudaLayers, ResidualLayerNorm) {
+  for (const int64_t c : {kC, int64_t{44}}) {
+    for (const bool fresh : {false, true}) {
+      Twin tw;
+      Param* w = tw.add("w", uniform_tensor({c}, 10, 0.5f, 1.5f));
+      Param* b = tw.add("b", uniform_tensor({c}, 11));
+      ResidualLayerNorm cpu(w, b, 1e-5f), gpu(tw.gpu_of(w), tw.gpu_of(b), 1e-5f);
+      expect_same_on_both(cpu, gpu, tw,
+                          {uniform_tensor({kB, kT, c}, 12), uniform_tensor({kB, kT, c}, 13)},
+                          {true, true}, "residual layernorm", kFp32, DType::F32, fresh);
+    }
+  }
+}
+
 TEST(CudaLayers, GeluAndResidual) {
   Twin tw;
   Gelu gelu_cpu, gelu_gpu;
@@ -321,6 +339,11 @@ TEST(CudaLayers, Bf16Activations) {
     LayerNorm cpu(w, b, 1e-5f), gpu(tw.gpu_of(w), tw.gpu_of(b), 1e-5f);
     expect_same_on_both(cpu, gpu, tw, {uniform_tensor({kB, kT, kC}, 45)}, {true},
                         "bf16 layernorm", kBf16, bf16);
+    ResidualLayerNorm rcpu(w, b, 1e-5f), rgpu(tw.gpu_of(w), tw.gpu_of(b), 1e-5f);
+    for (const bool fresh : {false, true})
+      expect_same_on_both(rcpu, rgpu, tw,
+                          {uniform_tensor({kB, kT, kC}, 45), uniform_tensor({kB, kT, kC}, 46)},
+                          {true, true}, "bf16 residual layernorm", kBf16, bf16, fresh);
   }
   {
     Twin none;

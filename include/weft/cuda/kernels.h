@@ -142,6 +142,24 @@ void layernorm_backward_input(Context& ctx, const float* dy, const float* x, con
 void layernorm_backward_input(Context& ctx, const bf16* dy, const bf16* x, const float* w,
                               const float* mean, const float* rstd, bf16* dx, int64_t n,
                               int64_t c);
+// A residual add fused with the LayerNorm of its sum: sum = x + a and y =
+// LayerNorm(sum) in one kernel, the bits of add then layernorm_forward.
+// Returns false, doing nothing, for rows that kernel does not take (C not a
+// multiple of 8 or above 2048, an array not 16-byte aligned).
+bool add_layernorm_forward(Context& ctx, const float* x, const float* a, float* sum,
+                           const float* w, const float* b, float* y, float* mean, float* rstd,
+                           int64_t n, int64_t c, float eps);
+bool add_layernorm_forward(Context& ctx, const bf16* x, const bf16* a, bf16* sum, const float* w,
+                           const float* b, bf16* y, float* mean, float* rstd, int64_t n,
+                           int64_t c, float eps);
+// dx += d/dx, then copy = dx, in one kernel; false, doing nothing, where
+// add_layernorm_forward would be.
+bool layernorm_backward_input_copy(Context& ctx, const float* dy, const float* x, const float* w,
+                                   const float* mean, const float* rstd, float* dx, float* copy,
+                                   int64_t n, int64_t c);
+bool layernorm_backward_input_copy(Context& ctx, const bf16* dy, const bf16* x, const float* w,
+                                   const float* mean, const float* rstd, bf16* dx, bf16* copy,
+                                   int64_t n, int64_t c);
 // dw, db (C) += d/dw, d/db
 void layernorm_backward_weight(Context& ctx, const float* dy, const float* x, const float* mean,
                                const float* rstd, float* dw, float* db, int64_t n, int64_t c);
