@@ -18,7 +18,7 @@
 // in builds with cuDNN.
 //
 // A timed step is Trainer::train_step: zero the gradients, upload the
-// tokens, forward and backward, gradient norm, clipping, AdamW. Each timed
+// tokens, forward and backward, gradient norm, AdamW with the clip. Each timed
 // step runs between two synchronizes of the GPU and "step ms" is their
 // median (as bench/pytorch_gpt_cuda.py times PyTorch's), after --warmup
 // untimed steps. FLOPs per token = 6 x (parameters
@@ -36,7 +36,7 @@
 //
 // --profile, after each mode's timed steps, times every graph node's forward,
 // backward-input and backward-weight, and the update's parts (zeroing the
-// gradients, their norm, the clip, AdamW), with weft/profile.h's profilers
+// gradients, their norm, AdamW with the clip), with weft/profile.h's profilers
 // (the same as train_gpt --profile on the CPU): CUDA events around each
 // node's work on the compute stream, read after one synchronize per pass,
 // median of 3 passes. It prints one table per mode after the main one: time
@@ -232,10 +232,10 @@ Profile profile_of(const std::string& mode, const weft::Graph& g, const weft::Co
     t += fmt::format("| {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.1f}% |\n", label, r.nodes,
                      r.f * ms, r.i * ms, r.w * ms, total * ms, share(total));
   }
-  const std::pair<const char*, double> parts[] = {{"update: zero the gradients", update.zero},
-                                                  {"update: gradient norm", update.norm},
-                                                  {"update: clip (timed active)", update.clip},
-                                                  {"update: AdamW", update.adamw}};
+  const std::pair<const char*, double> parts[] = {
+      {"update: zero the gradients", update.zero},
+      {"update: gradient norm", update.norm},
+      {"update: AdamW (the clip folded in)", update.adamw}};
   for (const auto& [label, s] : parts) {
     spans += s;
     t += fmt::format("| {} | | | | | {:.2f} | {:.1f}% |\n", label, s * ms, share(s));
@@ -248,7 +248,6 @@ Profile profile_of(const std::string& mode, const weft::Graph& g, const weft::Co
                       {"update",
                        {{"zero", update.zero},
                         {"norm", update.norm},
-                        {"clip", update.clip},
                         {"adamw", update.adamw}}}};
   return {std::move(t), std::move(j)};
 }

@@ -655,6 +655,32 @@ TEST(AdamW, ThreeStepsMatchTorchSemantics) {
   }
 }
 
+// A clip folded into the update: AdamW reading each gradient times a scale
+// gives the bits of scaling the gradients first, and leaves them as they were.
+TEST(AdamW, AGradScaleGivesTheBitsOfScalingTheGradientsFirst) {
+  const int64_t n = 203;
+  for (const float scale : {0.37f, 1.0f, 3e-3f}) {
+    Vec p1 = testing::uniform(n, 81, -2.0f, 2.0f), m1 = testing::uniform(n, 82, -0.1f, 0.1f),
+        v1 = testing::uniform(n, 83, 0.0f, 0.01f);
+    Vec p2 = p1, m2 = m1, v2 = v1;
+    const Vec g = testing::uniform(n, 84, -5.0f, 5.0f);
+    Vec scaled = g;
+    cpu::scale_inplace(scaled.data(), scale, n);
+    cpu::adamw(p1.data(), scaled.data(), m1.data(), v1.data(), n, 0.01f, 0.9f, 0.95f, 1e-8f, 0.1f,
+               4);
+    Vec g2 = g;
+    cpu::adamw(p2.data(), g2.data(), m2.data(), v2.data(), n, 0.01f, 0.9f, 0.95f, 1e-8f, 0.1f, 4,
+               scale);
+    EXPECT_EQ(0, std::memcmp(p1.data(), p2.data(), sizeof(float) * z(n))) << scale;
+    EXPECT_EQ(0, std::memcmp(m1.data(), m2.data(), sizeof(float) * z(n))) << scale;
+    EXPECT_EQ(0, std::memcmp(v1.data(), v2.data(), sizeof(float) * z(n))) << scale;
+    EXPECT_EQ(0, std::memcmp(g.data(), g2.data(), sizeof(float) * z(n))) << scale;
+    if (scale != 1.0f) {
+      EXPECT_NE(scaled, g);
+    }
+  }
+}
+
 // torch.optim.SGD(momentum, weight_decay), step by step in double:
 // d = g + wd p; buf = momentum buf + d (buf = d at the first step); p -= lr buf.
 TEST(Sgd, ThreeStepsMatchTorchSemantics) {

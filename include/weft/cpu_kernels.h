@@ -127,9 +127,10 @@ double mse_loss(const float* p, const float* t, int64_t n);
 void mse_backward(const float* p, const float* t, float g, float* d, int64_t n);
 
 // --- AdamW, PyTorch semantics (decoupled decay, bias-corrected moments). ---
-// step is 1-based.
+// step is 1-based. Each gradient element is read as g * grad_scale, rounded
+// once (a clip's coefficient: the bits of scaling g first, without a pass).
 void adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
-           float beta2, float eps, float weight_decay, int64_t step);
+           float beta2, float eps, float weight_decay, int64_t step, float grad_scale = 1.0f);
 
 // --- SGD with momentum, PyTorch semantics (L2 decay, no dampening). ---
 // d = g + weight_decay p; buf = momentum buf + d (buf starts at zero, so the

@@ -115,11 +115,11 @@ class GradSync {
 
   // Global L2 norm of the reduced gradients (collective over tp, dp and pp).
   double grad_norm();
-  // Scales the gradients this rank updates by max_norm / (norm + 1e-6) when below 1.
-  void clip(double max_norm, double norm);
-  // AdamW: plain, on every parameter; distributed, on this replica's slice,
-  // followed by the all-gather of the parameters.
-  void step(float lr);
+  // AdamW (or SGD): plain, on every parameter; distributed, on this
+  // replica's slice, followed by the all-gather of the parameters. Each
+  // gradient is read times grad_scale: clipping (clip_coefficient) folded
+  // into the update, with the bits of scaling the gradients first.
+  void step(float lr, float grad_scale = 1.0f);
 
   // Local SGD's averages (TrainOptions::local): sums over the data-parallel
   // replicas what the caller wrote into the gradients (Param::grad), every

@@ -311,6 +311,10 @@ void mse_backward(const Tensor& pred, const Tensor& target, float g, const Tenso
 struct AdamWStep {
   float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0;
   int64_t step = 1;  // 1-based
+  // Each gradient element is read as g * grad_scale, rounded once: a clip's
+  // coefficient, with the bits of scale(g, grad_scale) first but no pass
+  // over the gradients (g itself is left as it was).
+  float grad_scale = 1.0f;
 };
 // p, g, m, v: the same element count; p, m, v are updated.
 void adamw(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v, const AdamWStep& s);

@@ -37,7 +37,10 @@ class Optimizer {
  public:
   explicit Optimizer(std::vector<Param*> params) : params_(std::move(params)) {}
   virtual ~Optimizer() = default;
-  virtual void step(float lr) = 0;
+  // One update, from each gradient times grad_scale (clip_coefficient's):
+  // the bits of clip_grads and then step(lr), the gradients left unscaled.
+  virtual void step(float lr, float grad_scale) = 0;
+  void step(float lr) { step(lr, 1.0f); }
   // State tensors, named "<param><suffix>" (optimizer_state_suffixes).
   virtual std::vector<std::pair<std::string, Tensor>> state() = 0;
   int64_t steps() const { return steps_; }
@@ -54,7 +57,9 @@ class AdamW final : public Optimizer {
   AdamW(std::vector<Param*> params, AdamWConfig config);
   // One update from each parameter's grad: decoupled decay p *= 1 - lr*wd,
   // moments, bias correction, p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps).
-  void step(float lr) override;
+  // grad_scale is read with each gradient element (ops::AdamWStep).
+  using Optimizer::step;
+  void step(float lr, float grad_scale) override;
   // "<param>.exp_avg" and "<param>.exp_avg_sq".
   std::vector<std::pair<std::string, Tensor>> state() override;
 
@@ -70,7 +75,9 @@ class AdamW final : public Optimizer {
 class Sgd final : public Optimizer {
  public:
   Sgd(std::vector<Param*> params, SgdConfig config);
-  void step(float lr) override;
+  using Optimizer::step;
+  // A grad_scale other than 1 scales the gradients first.
+  void step(float lr, float grad_scale) override;
   // "<param>.momentum_buffer".
   std::vector<std::pair<std::string, Tensor>> state() override;
 
@@ -92,8 +99,11 @@ struct GradTables {
 // Total L2 norm of all gradients (each parameter once), in double: the sum of
 // their sums of squares, in the order of `params`.
 double grad_norm(const std::vector<Param*>& params, GradTables& tables);
-// Scales gradients by max_norm / (norm + 1e-6) when that is below 1, as
-// torch.nn.utils.clip_grad_norm_ does. max_norm <= 0 disables clipping.
+// The factor clipping at max_norm gives gradients of norm `norm`: max_norm /
+// (norm + 1e-6) where that is below 1, as torch.nn.utils.clip_grad_norm_'s,
+// else 1 (and 1 for max_norm <= 0, which disables clipping).
+float clip_coefficient(double max_norm, double norm);
+// Scales gradients by clip_coefficient(max_norm, norm) where it is not 1.
 void clip_grads(const std::vector<Param*>& params, double max_norm, double norm,
                 GradTables& tables);
 void zero_grads(const std::vector<Param*>& params);

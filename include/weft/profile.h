@@ -92,18 +92,18 @@ nlohmann::json cost_model_json(const CostModel& cost, const Graph& g);
 
 // Seconds, per stage of `plan`, that a training step spends on the stage's
 // parameters once its pipeline has drained: zeroing the gradients, their
-// norm, clipping and the AdamW step (profile_update's parts, each the median
+// norm, and the AdamW step with the clip (profile_update's parts, each the median
 // of `repeats`, summed). Times the real parameters with zero gradients and
 // learning rate 0, which leaves them as they were; it zeroes their gradients.
 std::vector<double> profile_updates(const Graph& g, const StagePlan& plan, int repeats = 3);
 
 // profile_updates' parts for one set of parameters, each the median of
 // `repeats` (seconds): zeroing the gradients, their norm (which the host
-// waits for), the clip's scaling, timed as when it is active (the norm
-// given is twice max_norm, which scales the zero gradients), and AdamW.
+// waits for), and AdamW with a clip's coefficient, as an active clip runs
+// it (the clip is no pass of its own: AdamW reads each gradient scaled).
 struct UpdateCosts {
-  double zero = 0, norm = 0, clip = 0, adamw = 0;
-  double total() const { return zero + norm + clip + adamw; }
+  double zero = 0, norm = 0, adamw = 0;
+  double total() const { return zero + norm + adamw; }
 };
 UpdateCosts profile_update(const std::vector<Param*>& params, int repeats = 3);
 

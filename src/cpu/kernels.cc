@@ -403,7 +403,7 @@ void embedding_backward(const int32_t* tokens, const float* dy, float* dwte, int
 }
 
 void adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
-           float beta2, float eps, float weight_decay, int64_t step) {
+           float beta2, float eps, float weight_decay, int64_t step, float grad_scale) {
   const float bc1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(beta1), step));
   const float bc2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(beta2), step));
   const float step_size = lr / bc1;
@@ -411,9 +411,10 @@ void adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr, fl
   const float decay = 1.0f - lr * weight_decay;
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i] * grad_scale;
     float pi = p[i] * decay;
-    float mi = m[i] * beta1 + (1.0f - beta1) * g[i];
-    float vi = v[i] * beta2 + (1.0f - beta2) * g[i] * g[i];
+    float mi = m[i] * beta1 + (1.0f - beta1) * gi;
+    float vi = v[i] * beta2 + (1.0f - beta2) * gi * gi;
     float denom = std::sqrt(vi) / bc2_sqrt + eps;
     p[i] = pi - step_size * (mi / denom);
     m[i] = mi;

@@ -457,16 +457,18 @@ struct AdamWScalars {
 }  // namespace
 
 void adamw(Context& ctx, float* p, const float* g, float* m, float* v, int64_t n, float lr,
-           float beta1, float beta2, float eps, float weight_decay, int64_t step) {
+           float beta1, float beta2, float eps, float weight_decay, int64_t step,
+           float grad_scale) {
   if (n == 0) return;
   const AdamWScalars k(lr, beta1, beta2, step);
   launch::adamw(prepare(ctx), p, g, m, v, n, beta1, beta2, eps, k.step_size, k.bc2_sqrt,
-                AdamWScalars::decay(lr, weight_decay));
+                AdamWScalars::decay(lr, weight_decay), grad_scale);
   WEFT_LAUNCH_CHECK("adamw");
 }
 
 void adamw_multi(Context& ctx, const std::vector<AdamWTensor>& tensors, AdamWTable& table,
-                 float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step) {
+                 float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step,
+                 float grad_scale) {
   const AdamWScalars k(lr, beta1, beta2, step);
   if (tensors != table.key_) {  // a new parameter set: chunk it and upload the table
     std::vector<launch::AdamWChunk> chunks;
@@ -488,7 +490,8 @@ void adamw_multi(Context& ctx, const std::vector<AdamWTensor>& tensors, AdamWTab
   // The no-decay group's factor as adamw computes it for weight decay 0.
   launch::adamw_multi(prepare(ctx), reinterpret_cast<const launch::AdamWChunk*>(table.words_.data()),
                       table.chunks_, beta1, beta2, eps, k.step_size, k.bc2_sqrt,
-                      AdamWScalars::decay(lr, weight_decay), AdamWScalars::decay(lr, 0.0f));
+                      AdamWScalars::decay(lr, weight_decay), AdamWScalars::decay(lr, 0.0f),
+                      grad_scale);
   WEFT_LAUNCH_CHECK("adamw_multi");
 }
 

@@ -873,8 +873,9 @@ __global__ void embedding_backward_wpe_kernel(const G* dy, float* dwpe, int64_t 
 // the two kernels' contexts.
 __device__ __forceinline__ void adamw_element(float* p, const float* g, float* m, float* v,
                                               int64_t i, float beta1, float beta2, float eps,
-                                              float step_size, float bc2_sqrt, float decay) {
-  const float gi = g[i];
+                                              float step_size, float bc2_sqrt, float decay,
+                                              float grad_scale) {
+  const float gi = __fmul_rn(g[i], grad_scale);
   const float pi = __fmul_rn(p[i], decay);
   const float mi = __fadd_rn(__fmul_rn(m[i], beta1), __fmul_rn(__fsub_rn(1.0f, beta1), gi));
   const float vi = __fadd_rn(__fmul_rn(v[i], beta2),
@@ -886,11 +887,11 @@ __device__ __forceinline__ void adamw_element(float* p, const float* g, float* m
 }
 
 __global__ void adamw_kernel(float* p, const float* g, float* m, float* v, int64_t n, float beta1,
-                             float beta2, float eps, float step_size, float bc2_sqrt,
-                             float decay) {
+                             float beta2, float eps, float step_size, float bc2_sqrt, float decay,
+                             float grad_scale) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x)
-    adamw_element(p, g, m, v, i, beta1, beta2, eps, step_size, bc2_sqrt, decay);
+    adamw_element(p, g, m, v, i, beta1, beta2, eps, step_size, bc2_sqrt, decay, grad_scale);
 }
 
 // Every tensor of the table at once: blocks grid-stride over the chunks,
@@ -898,7 +899,7 @@ __global__ void adamw_kernel(float* p, const float* g, float* m, float* v, int64
 // (1 - lr * 0, as the per-tensor call computes it) for the others.
 __global__ void adamw_multi_kernel(const AdamWChunk* chunks, int64_t count, float beta1,
                                    float beta2, float eps, float step_size, float bc2_sqrt,
-                                   float decay_on, float decay_off) {
+                                   float decay_on, float decay_off, float grad_scale) {
   for (int64_t c = blockIdx.x; c < count; c += gridDim.x) {
     const AdamWChunk k = chunks[c];
     const float decay = k.decay != 0 ? decay_on : decay_off;
@@ -916,7 +917,8 @@ __global__ void adamw_multi_kernel(const AdamWChunk* chunks, int64_t count, floa
         float ma[4] = {m4.x, m4.y, m4.z, m4.w}, va[4] = {v4.x, v4.y, v4.z, v4.w};
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          adamw_element(pa, ga, ma, va, e, beta1, beta2, eps, step_size, bc2_sqrt, decay);
+          adamw_element(pa, ga, ma, va, e, beta1, beta2, eps, step_size, bc2_sqrt, decay,
+                        grad_scale);
         reinterpret_cast<float4*>(k.p)[q] = make_float4(pa[0], pa[1], pa[2], pa[3]);
         reinterpret_cast<float4*>(k.m)[q] = make_float4(ma[0], ma[1], ma[2], ma[3]);
         reinterpret_cast<float4*>(k.v)[q] = make_float4(va[0], va[1], va[2], va[3]);
@@ -924,7 +926,8 @@ __global__ void adamw_multi_kernel(const AdamWChunk* chunks, int64_t count, floa
       continue;
     }
     for (int64_t i = threadIdx.x; i < k.n; i += blockDim.x)
-      adamw_element(k.p, k.g, k.m, k.v, i, beta1, beta2, eps, step_size, bc2_sqrt, decay);
+      adamw_element(k.p, k.g, k.m, k.v, i, beta1, beta2, eps, step_size, bc2_sqrt, decay,
+                    grad_scale);
   }
 }
 
@@ -1499,17 +1502,18 @@ void embedding_backward(cudaStream_t s, const int32_t* tokens, const uint16_t* d
 }
 
 void adamw(cudaStream_t s, float* p, const float* g, float* m, float* v, int64_t n, float beta1,
-           float beta2, float eps, float step_size, float bc2_sqrt, float decay) {
+           float beta2, float eps, float step_size, float bc2_sqrt, float decay,
+           float grad_scale) {
   adamw_kernel<<<blocks_for(n), kThreads, 0, s>>>(p, g, m, v, n, beta1, beta2, eps, step_size,
-                                                  bc2_sqrt, decay);
+                                                  bc2_sqrt, decay, grad_scale);
 }
 
 void adamw_multi(cudaStream_t s, const AdamWChunk* chunks, int64_t count, float beta1,
                  float beta2, float eps, float step_size, float bc2_sqrt, float decay_on,
-                 float decay_off) {
+                 float decay_off, float grad_scale) {
   const unsigned blocks = static_cast<unsigned>(std::clamp<int64_t>(count, 1, int64_t{1} << 16));
   adamw_multi_kernel<<<blocks, kThreads, 0, s>>>(chunks, count, beta1, beta2, eps, step_size,
-                                                 bc2_sqrt, decay_on, decay_off);
+                                                 bc2_sqrt, decay_on, decay_off, grad_scale);
 }
 
 void sgd(cudaStream_t s, float* p, const float* g, float* buf, int64_t n, float lr,

@@ -132,7 +132,8 @@ void sgd(cudaStream_t s, float* p, const float* g, float* buf, int64_t n, float 
 
 // --- AdamW with the host-computed scalars of cpu::adamw ---
 void adamw(cudaStream_t s, float* p, const float* g, float* m, float* v, int64_t n, float beta1,
-           float beta2, float eps, float step_size, float bc2_sqrt, float decay);
+           float beta2, float eps, float step_size, float bc2_sqrt, float decay,
+           float grad_scale);
 
 // One chunk of a tensor in adamw_multi's device table: n elements from p, g,
 // m, v (already offset to the chunk), in the decay group when decay != 0.
@@ -151,7 +152,7 @@ constexpr int64_t kAdamWChunk = 16384;
 // the decay group and decay_off for the rest.
 void adamw_multi(cudaStream_t s, const AdamWChunk* chunks, int64_t count, float beta1,
                  float beta2, float eps, float step_size, float bc2_sqrt, float decay_on,
-                 float decay_off);
+                 float decay_off, float grad_scale);
 
 // One chunk of a tensor in MultiTensorTable's device table: n elements from x
 // (already offset to the chunk).

@@ -1589,11 +1589,11 @@ void adamw(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v,
       d, "adamw",
       [&] {
         cpu::adamw(fw(p), f(g), fw(m), fw(v), n, s.lr, s.beta1, s.beta2, s.eps, s.weight_decay,
-                   s.step);
+                   s.step, s.grad_scale);
       },
       [&](auto& cx) {
         cuda::adamw(cx, fw(p), f(g), fw(m), fw(v), n, s.lr, s.beta1, s.beta2, s.eps,
-                    s.weight_decay, s.step);
+                    s.weight_decay, s.step, s.grad_scale);
       });
 }
 
@@ -1626,7 +1626,7 @@ void adamw_multi(const std::vector<AdamWTensors>& ts, const AdamWStep& s,
         for (const AdamWTensors& t : ts)
           table.scratch.push_back({fw(t.p), f(t.g), fw(t.m), fw(t.v), t.p.numel(), t.decay});
         cuda::adamw_multi(cx, table.scratch, table, s.lr, s.beta1, s.beta2, s.eps,
-                          s.weight_decay, s.step);
+                          s.weight_decay, s.step, s.grad_scale);
       });
 }
 

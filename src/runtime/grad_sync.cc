@@ -377,21 +377,10 @@ double GradSync::grad_norm() {
   return std::sqrt(static_cast<double>(scalar_.data<float>()[0]));
 }
 
-void GradSync::clip(double max_norm, double norm) {
-  if (!distributed()) return clip_grads(params_, max_norm, norm, tables_);
-  if (max_norm <= 0) return;
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef >= 1.0) return;
-  std::vector<Tensor>& xs = tables_.grads;
-  xs.clear();  // keeps its capacity
-  for (auto& b : buckets_) xs.push_back(b->shard_grad);
-  ops::scale_multi(xs, static_cast<float>(coef), tables_.clip);
-}
-
-void GradSync::step(float lr) {
+void GradSync::step(float lr, float grad_scale) {
   ++steps_;
   if (!distributed()) {
-    plain_->step(lr);
+    plain_->step(lr, grad_scale);
     return;
   }
   const int64_t r = groups_.dp_rank();
@@ -408,7 +397,7 @@ void GradSync::step(float lr) {
       ops::adamw(elements(b.value, o.lo, n), elements(b.shard_grad, at, n), elements(b.m, at, n),
                  elements(b.v, at, n),
                  {lr, adam_.beta1, adam_.beta2, adam_.eps,
-                  p->weight_decay() ? adam_.weight_decay : 0.0f, steps_});
+                  p->weight_decay() ? adam_.weight_decay : 0.0f, steps_, grad_scale});
     }
     b.shard_value.copy_from(elements(b.value, lo, s));
     gathers.push_back(groups_.dp->iall_gather(b.shard_value, b.value));

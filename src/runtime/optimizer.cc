@@ -26,10 +26,11 @@ Sgd::Sgd(std::vector<Param*> params, SgdConfig config)
   for (Param* p : params_) buf_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
 }
 
-void Sgd::step(float lr) {
+void Sgd::step(float lr, float grad_scale) {
   ++steps_;
   for (size_t i = 0; i < params_.size(); ++i) {
     Param* p = params_[i];
+    if (grad_scale != 1.0f) ops::scale(p->grad, grad_scale);
     ops::sgd(p->value, p->grad, buf_[i], lr, config_.momentum,
              p->weight_decay() ? config_.weight_decay : 0.0f);
   }
@@ -52,16 +53,17 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config)
 
 // Every parameter in one ops::adamw_multi call: on a GPU one launch, from a
 // device table built on the first step and kept while the parameters stay.
-void AdamW::step(float lr) {
+void AdamW::step(float lr, float grad_scale) {
   ++steps_;
   multi_tensors_.clear();  // keeps its capacity: a steady step allocates nothing
   for (size_t i = 0; i < params_.size(); ++i) {
     Param* p = params_[i];
     multi_tensors_.push_back({p->value, p->grad, m_[i], v_[i], p->weight_decay()});
   }
-  ops::adamw_multi(multi_tensors_,
-                   {lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay, steps_},
-                   multi_);
+  ops::adamw_multi(
+      multi_tensors_,
+      {lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay, steps_, grad_scale},
+      multi_);
 }
 
 std::vector<std::pair<std::string, Tensor>> AdamW::state() {
@@ -85,12 +87,16 @@ double grad_norm(const std::vector<Param*>& params, GradTables& tables) {
   return std::sqrt(ops::sum_squares_multi(grads_of(params, tables), tables.norm));
 }
 
+float clip_coefficient(double max_norm, double norm) {
+  if (max_norm <= 0) return 1.0f;
+  const double coef = max_norm / (norm + 1e-6);
+  return coef >= 1.0 ? 1.0f : static_cast<float>(coef);
+}
+
 void clip_grads(const std::vector<Param*>& params, double max_norm, double norm,
                 GradTables& tables) {
-  if (max_norm <= 0) return;
-  double coef = max_norm / (norm + 1e-6);
-  if (coef >= 1.0) return;
-  ops::scale_multi(grads_of(params, tables), static_cast<float>(coef), tables.clip);
+  const float coef = clip_coefficient(max_norm, norm);
+  if (coef != 1.0f) ops::scale_multi(grads_of(params, tables), coef, tables.clip);
 }
 
 void zero_grads(const std::vector<Param*>& params) {

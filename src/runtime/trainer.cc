@@ -375,8 +375,7 @@ StepRecord Trainer::train_step() {
     }
   }
   if (!r.skipped && par_.ps == nullptr) {  // servers update the parameters themselves
-    sync_->clip(opt_.clip_grad, r.grad_norm);
-    sync_->step(static_cast<float>(r.lr));
+    sync_->step(static_cast<float>(r.lr), clip_coefficient(opt_.clip_grad, r.grad_norm));
     if (spike.enabled) {
       recent_losses_.push_back(r.loss);
       if (static_cast<int64_t>(recent_losses_.size()) > spike.window) recent_losses_.pop_front();

@@ -381,6 +381,50 @@ TEST(CudaAdamWMulti, EqualsThePerTensorUpdateBitForBit) {
     }
 }
 
+// A clip folded into the update: adamw_multi and adamw reading each gradient
+// times a scale give the bits of scale_multi first, then the update with no
+// scale (both kernel paths: the last tensor's arrays start one element in),
+// and leave the gradients as they were.
+TEST(CudaAdamWMulti, AGradScaleGivesTheBitsOfScalingTheGradientsFirst) {
+  const std::vector<int64_t> sizes = {3, 65537, 16384, 50304 * 4 + 1, 4096};
+  const float scale = 0.37f;
+  auto tensor = [](int64_t n, uint64_t seed, bool offset, float lo = -0.5f) {
+    const int64_t k = offset ? 1 : 0;
+    const Tensor t = on(host_tensor(uniform(n + k, seed, lo, 0.5f), {n + k}), kGpu);
+    return offset ? t.slice0(k, k + n) : t;
+  };
+  // Sets 0 (scaled first), 1 (adamw_multi with the scale), 2 (adamw with it).
+  std::vector<std::vector<ops::AdamWTensors>> sets(3);
+  for (auto& set : sets)
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const bool offset = i + 1 == sizes.size();
+      set.push_back({tensor(sizes[i], 60 + i, offset), tensor(sizes[i], 70 + i, offset),
+                     tensor(sizes[i], 80 + i, offset), tensor(sizes[i], 90 + i, offset, 0.0f),
+                     i % 2 == 0});  // second moments are not negative
+    }
+  const Tensor g_before = on(sets[1][1].g, Device::cpu());
+  std::shared_ptr<void> scale_cache, cache0, cache1;
+  std::vector<Tensor> grads0;
+  for (const auto& t : sets[0]) grads0.push_back(t.g);
+  ops::scale_multi(grads0, scale, scale_cache);
+  ops::adamw_multi(sets[0], {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 7}, cache0);
+  ops::adamw_multi(sets[1], {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 7, scale}, cache1);
+  for (const auto& t : sets[2])
+    ops::adamw(t.p, t.g, t.m, t.v, {1e-3f, 0.9f, 0.95f, 1e-8f, t.decay ? 0.1f : 0.0f, 7, scale});
+  auto same = [](const Tensor& a, const Tensor& b) {
+    const Tensor ha = on(a, Device::cpu()), hb = on(b, Device::cpu());
+    return std::memcmp(ha.raw(), hb.raw(), ha.nbytes()) == 0;
+  };
+  for (size_t i = 0; i < sizes.size(); ++i)
+    for (size_t k = 1; k < 3; ++k) {
+      EXPECT_TRUE(same(sets[k][i].p, sets[0][i].p)) << "parameter " << i << ", set " << k;
+      EXPECT_TRUE(same(sets[k][i].m, sets[0][i].m)) << "exp_avg " << i << ", set " << k;
+      EXPECT_TRUE(same(sets[k][i].v, sets[0][i].v)) << "exp_avg_sq " << i << ", set " << k;
+    }
+  EXPECT_TRUE(same(sets[1][1].g, g_before)) << "the gradient was changed";
+  EXPECT_FALSE(same(sets[0][1].g, g_before)) << "scale_multi did nothing";
+}
+
 // The same parameter set reuses the table; another one rebuilds it, and
 // only its tensors are updated.
 TEST(CudaAdamWMulti, RebuildsOnlyWhenTheTensorsChange) {

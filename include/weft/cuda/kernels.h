@@ -292,9 +292,11 @@ void embedding_backward(Context& ctx, const int32_t* tokens, const bf16* dy, flo
                         float* dwpe, int64_t b, int64_t t, int64_t c, int64_t rows = INT64_MAX,
                         int64_t first = 0);
 
-// --- AdamW, PyTorch semantics, as cpu::adamw; step is 1-based ---
+// --- AdamW, PyTorch semantics, as cpu::adamw; step is 1-based; each
+// gradient element read as g * grad_scale (a clip's coefficient) ---
 void adamw(Context& ctx, float* p, const float* g, float* m, float* v, int64_t n, float lr,
-           float beta1, float beta2, float eps, float weight_decay, int64_t step);
+           float beta1, float beta2, float eps, float weight_decay, int64_t step,
+           float grad_scale = 1.0f);
 
 // --- AdamW over many tensors in one launch (the multi-tensor apply) ---
 // One tensor of the update: p, m, v updated from g, n elements each; decay:
@@ -322,7 +324,7 @@ class AdamWTable {
 
  private:
   friend void adamw_multi(Context&, const std::vector<AdamWTensor>&, AdamWTable&, float, float,
-                          float, float, float, int64_t);
+                          float, float, float, int64_t, float);
   std::vector<AdamWTensor> key_;  // the tensors the table was built from
   DeviceBuffer<int64_t> words_;   // chunks_ launch::AdamWChunk records, 6 words each
   int64_t chunks_ = 0, builds_ = 0;
@@ -330,7 +332,8 @@ class AdamWTable {
 // Every tensor's update as adamw's on that tensor alone (weight_decay for
 // the decay group, 0 for the rest), bit for bit, in one launch.
 void adamw_multi(Context& ctx, const std::vector<AdamWTensor>& tensors, AdamWTable& table,
-                 float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
+                 float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step,
+                 float grad_scale = 1.0f);
 
 // --- sums of squares and scaling over many tensors (the gradient norm and clipping) ---
 // One tensor: n elements from x.
