@@ -194,8 +194,7 @@ void TiedLmHeadLoss::backward_input(LayerCtx& ctx_, Arena& arena,
   if (ctx.chunked) {
     ctx.g = g;
     if (!grad_in[0].defined()) return;
-    ops::scale(ctx.dx_unit, g);
-    ops::add(grad_in[0], ctx.dx_unit.view(grad_in[0].shape()));
+    ops::add_scaled(grad_in[0], ctx.dx_unit.view(grad_in[0].shape()), g);
     return;
   }
   if (ctx.unit_dlogits)
@@ -218,8 +217,7 @@ void TiedLmHeadLoss::backward_input(LayerCtx& ctx_, Arena& arena,
 void TiedLmHeadLoss::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
   if (ctx.chunked) {
-    ops::scale(ctx.dw_unit, ctx.g);
-    ops::add(wte_->grad, ctx.dw_unit);
+    ops::add_scaled(wte_->grad, ctx.dw_unit, ctx.g);
     return;
   }
   ops::gemm(ctx.probs, true, ctx.x, false, wte_->grad, ctx.unit_dlogits ? ctx.g : 1.0f, 1.0f);

@@ -382,6 +382,19 @@ TEST(Elementwise, AddBiasAddInplaceScaleInplace) {
   for (int64_t i = 0; i < m; ++i) ASSERT_EQ(a[z(i)], a0[z(i)] * -0.375f) << i;
 }
 
+// y += s x in one pass gives the bits of x *= s, then y += x: each product
+// rounded before its sum (an FMA would not round it, and differ).
+TEST(Elementwise, AddScaledIsScaleThenAdd) {
+  const int64_t m = 40001;  // several pieces, the last partial
+  const Vec y0 = testing::uniform(m, 35, -4.0f, 4.0f), x0 = testing::uniform(m, 36);
+  Vec y1 = y0, x1 = x0, y2 = y0, x2 = x0;
+  cpu::scale_inplace(x1.data(), 0.37f, m);
+  cpu::add_inplace(y1.data(), x1.data(), m);
+  cpu::add_scaled(y2.data(), x2.data(), 0.37f, m);
+  EXPECT_EQ(0, std::memcmp(y1.data(), y2.data(), sizeof(float) * z(m)));
+  EXPECT_EQ(x2, x0);
+}
+
 TEST(SumRows, MatchesDoubleReferenceAndAccumulates) {
   const int64_t n = 33, c = 150;  // three column blocks, the last one partial
   const Vec dy = testing::uniform(n * c, 41), db0 = testing::uniform(c, 42);

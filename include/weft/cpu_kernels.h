@@ -74,6 +74,9 @@ void add_bias(float* y, const float* bias, int64_t n, int64_t c);       // y (N,
 void sum_rows(const float* dy, float* db, int64_t n, int64_t c);        // db (C) += sum dy
 void add_inplace(float* y, const float* x, int64_t n);                  // y += x
 void scale_inplace(float* y, float s, int64_t n);                       // y *= s
+// y += s x, x left as it is: the bits of scale_inplace(x, s) and then
+// add_inplace(y, x) (each product rounded before the sum: no FMA).
+void add_scaled(float* y, const float* x, float s, int64_t n);
 
 // --- causal attention on a packed qkv (B, T, (H + 2G) D) -> out (B, T, H D) ---
 // H query heads share G key/value heads (G divides H; G = H is multi-head

@@ -121,6 +121,9 @@ void add(const Tensor& y, const Tensor& x);  // y += x, the same element count
 // y += b, gives; on a GPU one kernel for tensors of one dtype).
 void add(const Tensor& a, const Tensor& b, const Tensor& y);
 void scale(const Tensor& y, float s);        // y *= s
+// y += s x, x (fp32) left as it is: the bits of scale(x, s), then add(y, x),
+// in one pass (y fp32, or bf16 on a GPU; elsewhere widened).
+void add_scaled(const Tensor& y, const Tensor& x, float s);
 double sum_squares(const Tensor& x);         // sum of x^2, accumulated in double
 double sum(const Tensor& x);                 // sum of x, accumulated in double
 // out (one F32 element) = float(sum(x)), left on x's device: nothing waits

@@ -274,6 +274,20 @@ void add_inplace(float* y, const float* x, int64_t n) {
   }
 }
 
+// Each chunk's products into a buffer, then summed in a second loop: one
+// expression y + x s would be contracted into FMAs where the target has them.
+void add_scaled(float* y, const float* x, float s, int64_t n) {
+  constexpr int64_t kPiece = 1024;
+  int64_t chunks = (n + kPiece - 1) / kPiece;
+#pragma omp parallel for schedule(static)
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    float t[kPiece];
+    int64_t b = ch * kPiece, len = std::min(kPiece, n - b);
+    MapF(t, len) = CMapF(x + b, len) * s;
+    MapF(y + b, len) += MapF(t, len);
+  }
+}
+
 void scale_inplace(float* y, float s, int64_t n) {
   int64_t chunks = (n + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static)

@@ -314,6 +314,18 @@ void fill_rows(Context& ctx, bf16* y, const float* row, int64_t n, int64_t c) {
   WEFT_LAUNCH_CHECK("fill_rows");
 }
 
+void add_scaled(Context& ctx, float* y, const float* x, float s, int64_t n) {
+  if (n == 0) return;
+  launch::add_scaled(prepare(ctx), y, x, s, n);
+  WEFT_LAUNCH_CHECK("add_scaled");
+}
+
+void add_scaled(Context& ctx, bf16* y, const float* x, float s, int64_t n) {
+  if (n == 0) return;
+  launch::add_scaled(prepare(ctx), raw(y), x, s, n);
+  WEFT_LAUNCH_CHECK("add_scaled (bf16 += fp32)");
+}
+
 void scale_inplace(Context& ctx, float* y, float s, int64_t n) {
   if (n == 0) return;
   launch::scale_inplace(prepare(ctx), y, s, n);

@@ -338,6 +338,15 @@ __global__ void add_bias_kernel(float* y, const float* bias, int64_t n, int64_t 
     y[i] += bias[i % c];
 }
 
+// y = y + s x in fp32 (y float or bf16), stored as Y: the product rounded
+// before the sum, as scale_inplace_kernel then add_inplace_kernel round them.
+template <class Y>
+__global__ void add_scaled_kernel(Y* y, const float* x, float s, int64_t n) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    store(y, i, __fadd_rn(load(y, i), __fmul_rn(x[i], s)));
+}
+
 // y, x of element types Y, X (float or bf16): y = y + x in fp32, stored as Y.
 template <class Y, class X>
 __global__ void add_inplace_kernel(Y* y, const X* x, int64_t n) {
@@ -1372,6 +1381,14 @@ void add_inplace(cudaStream_t s, uint16_t* y, const uint16_t* x, int64_t n) {
     add_vec_kernel<<<vec_blocks(n), kThreads, 0, s>>>(bf(y), bf(x), bf(y), n);
   else
     add_inplace_kernel<<<blocks_for(n), kThreads, 0, s>>>(bf(y), bf(x), n);
+}
+
+void add_scaled(cudaStream_t s, float* y, const float* x, float scale, int64_t n) {
+  add_scaled_kernel<<<blocks_for(n), kThreads, 0, s>>>(y, x, scale, n);
+}
+
+void add_scaled(cudaStream_t s, uint16_t* y, const float* x, float scale, int64_t n) {
+  add_scaled_kernel<<<blocks_for(n), kThreads, 0, s>>>(bf(y), x, scale, n);
 }
 
 void add(cudaStream_t s, const float* a, const float* b, float* y, int64_t n) {

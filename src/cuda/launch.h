@@ -88,6 +88,8 @@ void add_inplace(cudaStream_t s, uint16_t* y, const uint16_t* x, int64_t n);
 void add_inplace(cudaStream_t s, uint16_t* y, const float* x, int64_t n);
 void add(cudaStream_t s, const float* a, const float* b, float* y, int64_t n);
 void add(cudaStream_t s, const uint16_t* a, const uint16_t* b, uint16_t* y, int64_t n);
+void add_scaled(cudaStream_t s, float* y, const float* x, float scale, int64_t n);
+void add_scaled(cudaStream_t s, uint16_t* y, const float* x, float scale, int64_t n);
 void fill_rows(cudaStream_t s, uint16_t* y, const float* row, int64_t n, int64_t c);
 void scale_inplace(cudaStream_t s, float* y, float scale, int64_t n);
 

@@ -575,6 +575,23 @@ void scale(const Tensor& y, float s) {
       [&](auto& cx) { cuda::scale_inplace(cx, fw(y), s, y.numel()); });
 }
 
+void add_scaled(const Tensor& y, const Tensor& x, float s) {
+  check_dtype("add_scaled", "x", x, DType::F32);
+  check_numel("add_scaled", "x", x, y.numel());
+  if (any_bf16({&y})) {
+    if (on_gpu(common_device("add_scaled", {&y, &x}), "add_scaled",
+               [&](auto& cx) { cuda::add_scaled(cx, b16w(y), f(x), s, y.numel()); }))
+      return;
+    Widen wd(__func__);
+    add_scaled(wd.out(y, true), x, s);
+    return wd.commit();
+  }
+  const Device d = common_device("add_scaled", {&y, &x});
+  on_device(
+      d, "add_scaled", [&] { cpu::add_scaled(fw(y), f(x), s, y.numel()); },
+      [&](auto& cx) { cuda::add_scaled(cx, fw(y), f(x), s, y.numel()); });
+}
+
 double sum_squares(const Tensor& x) {
   if (any_bf16({&x})) {
     Widen wd(__func__);

@@ -307,6 +307,27 @@ TEST(CudaBf16Helpers, AddingFp32IntoBf16RoundsTheFp32Sum) {
   expect_rounded(hy.host(), fy.host(), "y += x");
 }
 
+// y += s x (the LM head's unit gradients scaled by the loss's) in one
+// pass: the bits of scale_inplace then add_inplace, into fp32 and bf16 y.
+TEST(CudaBf16Helpers, AddScaledIsScaleThenAdd) {
+  const int64_t n = 70001;
+  const std::vector<bf16> y16 = bf16_uniform(n, 103, -4.0f, 4.0f);
+  const std::vector<float> y = uniform(n, 104, -4.0f, 4.0f), x = uniform(n, 105);
+  Dev<float> x1(x), x2(x), fy1(y), fy2(y);
+  Dev<bf16> hy1(y16), hy2(y16);
+  scale_inplace(ctx(), x1.p(), 0.37f, n);
+  add_inplace(ctx(), fy1.p(), x1.p(), n);
+  add_inplace(ctx(), hy1.p(), x1.p(), n);
+  add_scaled(ctx(), fy2.p(), x2.p(), 0.37f, n);
+  add_scaled(ctx(), hy2.p(), x2.p(), 0.37f, n);
+  expect_same_bits(fy2.host(), fy1.host(), "fp32 y += s x");
+  std::vector<float> h1, h2;
+  for (const bf16 v : hy1.host()) h1.push_back(to_float(v));
+  for (const bf16 v : hy2.host()) h2.push_back(to_float(v));
+  expect_same_bits(h2, h1, "bf16 y += s x");
+  expect_same_bits(x2.host(), x, "x");
+}
+
 // The bias gradient (column sums) and the embedding's gradients from a bf16
 // dy: each element widened, then the fp32 kernels' sums in their order, so
 // the fp32 results bit for bit. The tokens are distinct, so that no two

@@ -219,6 +219,9 @@ void add(Context& ctx, const bf16* a, const bf16* b, bf16* y, int64_t n);     //
 // accumulates onto it, in place of add_bias after it.
 void fill_rows(Context& ctx, bf16* y, const float* row, int64_t n, int64_t c);
 void scale_inplace(Context& ctx, float* y, float s, int64_t n);                  // y *= s
+// y += s x, x left as it is: the bits of scale_inplace(x, s), then add_inplace(y, x).
+void add_scaled(Context& ctx, float* y, const float* x, float s, int64_t n);
+void add_scaled(Context& ctx, bf16* y, const float* x, float s, int64_t n);
 
 // --- causal attention on a packed qkv (B, T, (H + 2G) D) -> out (B, T, H D) ---
 // The layout of layers/attention.h: H query heads, then G key heads, then G
