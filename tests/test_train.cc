@@ -21,6 +21,7 @@
 #include <tuple>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <new>
 
@@ -322,6 +323,45 @@ TEST(Train, ClippingScalesToTheMaxNorm) {
   EXPECT_NEAR(grad_norm(ps_all, tables), 1.0, 1e-6);
   clip_grads(ps_all, 10.0, 1.0, tables);  // below the limit: untouched
   EXPECT_NEAR(grad_norm(ps_all, tables), 1.0, 1e-6);
+}
+
+// An optimizer step with a clip's coefficient is clip_grads, then the step,
+// bit for bit, for both optimizers; AdamW leaves the gradients unscaled.
+TEST(Train, AStepWithAClipCoefficientIsClipThenStep) {
+  for (const OptimizerKind kind : {OptimizerKind::Adam, OptimizerKind::Sgd}) {
+    ParamStore s1, s2;
+    std::vector<Param*> p1, p2;
+    for (ParamStore* s : {&s1, &s2}) {
+      std::vector<Param*>& ps = s == &s1 ? p1 : p2;
+      ps.push_back(s->create("w", {5, 3}, Init::normal(1.0f)));
+      ps.push_back(s->create("b", {3}, Init::normal(1.0f)));
+      for (Param* p : ps) {
+        init_param(*p, 11);
+        const std::vector<float> g = testing::uniform(p->grad.numel(), 12, -3.0f, 3.0f);
+        std::copy(g.begin(), g.end(), p->grad.data<float>());
+      }
+    }
+    auto make = [&](const std::vector<Param*>& ps) -> std::unique_ptr<Optimizer> {
+      if (kind == OptimizerKind::Adam) return std::make_unique<AdamW>(ps, AdamWConfig{});
+      return std::make_unique<Sgd>(ps, SgdConfig{0.9f, 0.1f});
+    };
+    auto o1 = make(p1), o2 = make(p2);
+    GradTables tables;
+    const double norm = grad_norm(p1, tables);
+    const float coef = clip_coefficient(1.0, norm);
+    ASSERT_LT(coef, 1.0f);
+    EXPECT_EQ(clip_coefficient(1.0, 0.5), 1.0f);
+    EXPECT_EQ(clip_coefficient(0.0, norm), 1.0f);  // clipping off
+    clip_grads(p1, 1.0, norm, tables);
+    o1->step(1e-2f);
+    o2->step(1e-2f, coef);
+    for (size_t k = 0; k < p1.size(); ++k)
+      EXPECT_EQ(0, std::memcmp(p1[k]->value.raw(), p2[k]->value.raw(), p1[k]->value.nbytes()))
+          << optimizer_name(kind) << " " << p1[k]->name;
+    if (kind == OptimizerKind::Adam) {
+      EXPECT_NEAR(grad_norm(p2, tables), norm, 1e-9 * norm) << "AdamW scaled the gradients";
+    }
+  }
 }
 
 // The MLP model trains through the same runner with its own loss.

@@ -84,6 +84,8 @@ class Sgd final : public Optimizer {
  private:
   SgdConfig config_;
   std::vector<Tensor> buf_;
+  std::vector<Tensor> grads_;    // this step's, for ops::scale_multi
+  std::shared_ptr<void> scale_;  // ops::scale_multi's device table
 };
 
 // What grad_norm and clip_grads keep from one step to the next: the list of

@@ -28,9 +28,13 @@ Sgd::Sgd(std::vector<Param*> params, SgdConfig config)
 
 void Sgd::step(float lr, float grad_scale) {
   ++steps_;
+  if (grad_scale != 1.0f) {  // one launch on a GPU, as clip_grads
+    grads_.clear();          // keeps its capacity
+    for (Param* p : params_) grads_.push_back(p->grad);
+    ops::scale_multi(grads_, grad_scale, scale_);
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     Param* p = params_[i];
-    if (grad_scale != 1.0f) ops::scale(p->grad, grad_scale);
     ops::sgd(p->value, p->grad, buf_[i], lr, config_.momentum,
              p->weight_decay() ? config_.weight_decay : 0.0f);
   }
