@@ -41,10 +41,10 @@ struct LayerCtx {
   // (Layer::writes_input_grad); 0 everywhere else, as when a layer is
   // called directly: then every gradient is accumulated into.
   uint32_t fresh_grads_in = 0;
-  // Bit i: the runner made input i's gradient the output's gradient itself
-  // (Layer::may_share_input_grad), so the layer leaves it alone: it already
-  // holds what the layer would have copied there. 0 when a layer is called
-  // directly.
+  // Bit i: the runner made input i's gradient output 0's gradient buffer
+  // itself (Layer::may_share_input_grad), so the layer leaves it alone: it
+  // holds, or will once the layer has updated output 0's gradient, what the
+  // layer would have copied there. 0 when a layer is called directly.
   uint32_t shared_grads_in = 0;
   // The gradient of the layer's one output when the runner seeded it with a
   // scalar the host knows (MicroBatch::seed_grad: the loss's), during
