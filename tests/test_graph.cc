@@ -412,5 +412,48 @@ TEST(Graph, AResidualBranchTakesItsOutputsGradientBuffer) {
   EXPECT_FLOAT_EQ(w->grad.data<float>()[1 * 3 + 1], 0.0f);  // x = 0
 }
 
+// In a GPT block the add fused with ln_2 has two outputs; the runner still
+// hands the attention branch (read by that node alone) the buffer of output
+// 0's gradient, which the node updates in place, and the block's input (read
+// by ln_1 too) a buffer of its own. The stream between the two adds is read
+// by the block's last add alone, which shares its buffer with it in turn.
+TEST(Graph, TheAddFusedWithLayerNormSharesItsStreamsBufferWithTheBranch) {
+  GptModel m = build_gpt(gpt_preset("toy"), 1);
+  init_gpt(m, 3);
+  const Graph& g = m.graph;
+  const int n = static_cast<int>(g.nodes().size());
+  auto value = [&](const char* name) {
+    const int v = g.find_value(name);
+    EXPECT_GE(v, 0) << name;
+    return v;
+  };
+  int fused = -1;
+  for (int k = 0; k < n; ++k)
+    if (g.nodes()[static_cast<size_t>(k)].name == "h.1.ln_2") fused = k;
+  ASSERT_GE(fused, 0);
+  MicroBatch mb(g);
+  for (int64_t i = 0; i < mb.input(m.tokens).numel(); ++i) {
+    mb.input(m.tokens).data<int32_t>()[i] = static_cast<int32_t>(i % 7);
+    mb.input(m.targets).data<int32_t>()[i] = static_cast<int32_t>(i % 5);
+  }
+  forward(g, mb, 0, n);
+  mb.seed_grad(m.io.loss, 1.0f);
+  for (int k = n - 1; k > fused; --k) {
+    backward_input(g, mb, k);
+    if (g.nodes()[static_cast<size_t>(k)].name == "h.1.res_2") {
+      EXPECT_EQ(mb.grad(value("h.1.ln_2:0")).raw(), mb.grad(value("h.1.res_2")).raw());
+    }
+    backward_weight(g, mb, k);
+  }
+  const Tensor stream = mb.grad(value("h.1.ln_2:0"));
+  const Tensor before = stream.clone();
+  backward_input(g, mb, fused);
+  EXPECT_EQ(mb.grad(value("h.1.attn.c_proj")).raw(), stream.raw());
+  EXPECT_NE(mb.grad(value("h.0.res_2")).raw(), stream.raw());
+  // Both inputs' gradients hold the stream's plus LayerNorm's, the same values.
+  EXPECT_EQ(0, std::memcmp(mb.grad(value("h.0.res_2")).raw(), stream.raw(), stream.nbytes()));
+  EXPECT_NE(0, std::memcmp(before.raw(), stream.raw(), stream.nbytes()));
+}
+
 }  // namespace
 }  // namespace weft
