@@ -336,6 +336,7 @@ cublasStatus_t gemm_batched(cublasHandle_t handle, cublasOperation_t transa,
   if (m == 0 || n == 0 || batch == 0) return CUBLAS_STATUS_SUCCESS;
   if (alpha == nullptr || beta == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
   const float al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
+  if (!weft_emu::count(weft_emu::Work::gemm)) return CUBLAS_STATUS_SUCCESS;
   weft_emu::enqueue(handle->stream, [=] {
     std::vector<double> p;
     for (int bi = 0; bi < batch; ++bi) {
@@ -740,6 +741,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t lightHandle, cublasLtMatmulDesc_t
   if (alpha == nullptr || beta == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
   if (p.m == 0 || p.n == 0) return CUBLAS_STATUS_SUCCESS;
   const float al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
+  if (!weft_emu::count(weft_emu::Work::gemm)) return CUBLAS_STATUS_SUCCESS;
   // The descriptors as they are now: the caller may change or destroy them
   // before the GEMM runs.
   weft_emu::enqueue(stream, [=, d = *computeDesc, a_ld = Adesc->ld, b_ld = Bdesc->ld,

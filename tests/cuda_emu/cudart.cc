@@ -6,7 +6,9 @@
 #include "streams.h"
 
 #include <boost/context/fiber.hpp>
+#include <sys/mman.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -296,6 +298,7 @@ void run_grid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream, S
     t_last_error = cudaErrorInvalidConfiguration;
     return;
   }
+  if (!count(Work::kernel)) return;
   enqueue(stream, [grid, block, &site, body = std::move(body)] {
     execute_grid(grid, block, site, body);
   });
@@ -405,6 +408,23 @@ EventMark enqueue(cudaStream_t stream, std::function<void()> work) {
   Stream& st = stream_of(stream);
   st.queue.push_back(std::move(work));
   return {stream, ++st.queued};
+}
+
+bool host_only() {
+  static const bool yes = [] {
+    const char* v = std::getenv("WEFT_EMU_HOST_ONLY");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return yes;
+}
+
+namespace {
+std::atomic<uint64_t> g_work[static_cast<int>(Work::kinds)];
+}  // namespace
+
+bool count(Work w) {
+  g_work[static_cast<int>(w)].fetch_add(1, std::memory_order_relaxed);
+  return w == Work::host_copy || !host_only();
 }
 
 std::unique_lock<std::recursive_mutex> lock_streams() {
@@ -561,7 +581,16 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
   std::lock_guard<std::mutex> lock(a.mu);
   if (bytes > device_bytes() - a.bytes) return set(cudaErrorMemoryAllocation);
   const size_t rounded = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
-  void* q = std::aligned_alloc(256, rounded);
+  void* q = nullptr;
+  if (weft_emu::host_only()) {
+    // Pages nothing may touch but uploads: reserve no host memory for them,
+    // so that a device larger than the host's memory can be asked for.
+    q = mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+             -1, 0);
+    if (q == MAP_FAILED) q = nullptr;
+  } else {
+    q = std::aligned_alloc(256, rounded);
+  }
   if (q == nullptr) return set(cudaErrorMemoryAllocation);
   a.live[q] = bytes;
   a.bytes += bytes;
@@ -576,8 +605,11 @@ cudaError_t cudaFree(void* p) {
   const auto it = a.live.find(p);
   if (it == a.live.end()) return set(cudaErrorInvalidValue);
   a.bytes -= it->second;
+  if (weft_emu::host_only())
+    munmap(p, (std::max<size_t>(it->second, 1) + 255) / 256 * 256);
+  else
+    std::free(p);
   a.live.erase(it);
-  std::free(p);
   return cudaSuccess;
 }
 cudaError_t cudaMallocHost(void** p, size_t bytes) {
@@ -599,8 +631,11 @@ cudaError_t cudaFreeHost(void* p) {
   std::free(p);
   return cudaSuccess;
 }
-cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind) {
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
   weft_emu::drain_all();  // the legacy default stream waits for blocking streams
+  if (!weft_emu::count(kind == cudaMemcpyDeviceToDevice ? weft_emu::Work::device_copy
+                                                         : weft_emu::Work::host_copy))
+    return cudaSuccess;
   if (bytes > 0) std::memmove(dst, src, bytes);
   return cudaSuccess;
 }
@@ -612,6 +647,9 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   if (bytes == 0) return cudaSuccess;
   const bool from_host = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyHostToHost;
   const bool to_host = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyHostToHost;
+  if (!weft_emu::count(from_host || to_host ? weft_emu::Work::host_copy
+                                            : weft_emu::Work::device_copy))
+    return cudaSuccess;
   if (to_host && !is_pinned(dst)) {
     weft_emu::drain_all();
     std::memmove(dst, src, bytes);
@@ -632,6 +670,7 @@ cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t 
   if (width > dpitch || width > spitch) return set(cudaErrorInvalidValue);
   if (kind != cudaMemcpyDeviceToDevice)
     weft_emu::fail("cudaMemcpy2DAsync other than device to device is not emulated");
+  if (!weft_emu::count(weft_emu::Work::device_copy)) return cudaSuccess;
   weft_emu::enqueue(stream, [=] {
     for (size_t r = 0; r < height; ++r)
       std::memmove(static_cast<char*>(dst) + r * dpitch,
@@ -641,10 +680,12 @@ cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t 
 }
 cudaError_t cudaMemset(void* p, int value, size_t bytes) {
   weft_emu::drain_all();
+  if (!weft_emu::count(weft_emu::Work::memset)) return cudaSuccess;
   if (bytes > 0) std::memset(p, value, bytes);
   return cudaSuccess;
 }
 cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t stream) {
+  if (!weft_emu::count(weft_emu::Work::memset)) return cudaSuccess;
   if (bytes > 0) weft_emu::enqueue(stream, [=] { std::memset(p, value, bytes); });
   return cudaSuccess;
 }
@@ -723,5 +764,51 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) 
   return cudaSuccess;
 }
 
-cudaError_t cudaProfilerStart() { return cudaSuccess; }
-cudaError_t cudaProfilerStop() { return cudaSuccess; }
+// The profiler's range: what the host asked of the device between the two
+// calls, and the host's time, printed at the stop (bench_cuda
+// --kernel-profile opens it around one step).
+namespace {
+struct Range {
+  uint64_t work[static_cast<int>(weft_emu::Work::kinds)] = {};
+  std::chrono::steady_clock::time_point start{};
+  bool open = false;
+};
+Range& range() {
+  static Range r;
+  return r;
+}
+void read_work(uint64_t* out) {
+  for (int i = 0; i < static_cast<int>(weft_emu::Work::kinds); ++i)
+    out[i] = weft_emu::g_work[i].load(std::memory_order_relaxed);
+}
+}  // namespace
+
+cudaError_t cudaProfilerStart() {
+  Range& r = range();
+  read_work(r.work);
+  r.open = true;
+  r.start = std::chrono::steady_clock::now();
+  return cudaSuccess;
+}
+cudaError_t cudaProfilerStop() {
+  Range& r = range();
+  if (!r.open) return cudaSuccess;
+  r.open = false;
+  weft_emu::drain_all();
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - r.start).count();
+  uint64_t now[static_cast<int>(weft_emu::Work::kinds)];
+  read_work(now);
+  auto d = [&](weft_emu::Work w) { return now[static_cast<int>(w)] - r.work[static_cast<int>(w)]; };
+  std::fprintf(stderr,
+               "GPU emulator: the profiled range%s: %llu kernel launches, %llu GEMMs, %llu memsets, "
+               "%llu device-to-device copies, %llu copies to or from the host; %.1f ms of host "
+               "time\n",
+               weft_emu::host_only() ? " (WEFT_EMU_HOST_ONLY: nothing ran on the device)" : "",
+               static_cast<unsigned long long>(d(weft_emu::Work::kernel)),
+               static_cast<unsigned long long>(d(weft_emu::Work::gemm)),
+               static_cast<unsigned long long>(d(weft_emu::Work::memset)),
+               static_cast<unsigned long long>(d(weft_emu::Work::device_copy)),
+               static_cast<unsigned long long>(d(weft_emu::Work::host_copy)), ms);
+  return cudaSuccess;
+}

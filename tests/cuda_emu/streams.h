@@ -53,4 +53,15 @@ std::unique_lock<std::recursive_mutex> lock_streams();
 
 [[noreturn]] void fail(const char* what);
 
+// WEFT_EMU_HOST_ONLY=1: a device that does nothing, so that what a program
+// spends is the host's own time. Kernels, GEMMs, memsets and device-to-device
+// copies are checked as usual, counted and dropped; copies to and from host
+// memory, event records and waits still run. Device memory is then whatever
+// the host uploaded, or zero. Without it, the same work is counted and run.
+bool host_only();
+enum class Work { kernel, gemm, memset, device_copy, host_copy, kinds };
+// Counts one piece of work of kind `w`, and says whether to run it (false
+// with WEFT_EMU_HOST_ONLY=1, except for host copies).
+bool count(Work w);
+
 }  // namespace weft_emu

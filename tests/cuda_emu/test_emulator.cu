@@ -2,6 +2,7 @@
 // as CUDA checks them, barriers and shuffles that give the right values, and
 // each misuse CUDA leaves undefined stopped with its message. Written in
 // CUDA's syntax, so the build's launch rewrite is tested too.
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include <gtest/gtest.h>
@@ -212,6 +213,34 @@ TEST(GpuEmulatorStreams, AStreamSeesAnothersWorkOnlyAfterWaitingForIt) {
   cudaFree(y);
   cudaStreamDestroy(a);
   cudaStreamDestroy(b);
+}
+
+// WEFT_EMU_HOST_ONLY=1, in a child process (the mode is read once): a
+// kernel, a memset and a device-to-device copy are counted and dropped,
+// copies to and from the host run, and the profiler's range reports each.
+void host_only_run() {
+  setenv("WEFT_EMU_HOST_ONLY", "1", 1);
+  int* d = nullptr;
+  if (cudaMalloc(&d, 2 * sizeof(int)) != cudaSuccess) std::exit(3);
+  const int seven[2] = {7, 7};
+  cudaProfilerStart();
+  cudaMemcpy(d, seven, sizeof seven, cudaMemcpyHostToDevice);
+  fill_value<<<1, 2>>>(1, d);
+  cudaMemsetAsync(d, 0, sizeof(int), cudaStreamPerThread);
+  cudaMemcpyAsync(d + 1, d, sizeof(int), cudaMemcpyDeviceToDevice, cudaStreamPerThread);
+  int back[2] = {0, 0};
+  cudaMemcpy(back, d, sizeof back, cudaMemcpyDeviceToHost);
+  cudaProfilerStop();
+  cudaFree(d);
+  std::exit(back[0] == 7 && back[1] == 7 ? 0 : 1);
+}
+
+TEST(GpuEmulatorDeathTest, HostOnlyRunsNothingOnTheDeviceAndCountsIt) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(host_only_run(), ::testing::ExitedWithCode(0),
+              "the profiled range \\(WEFT_EMU_HOST_ONLY: nothing ran on the device\\): 1 kernel "
+              "launches, 0 GEMMs, 1 memsets, 1 device-to-device copies, 2 copies to or from the "
+              "host");
 }
 
 TEST(GpuEmulatorDeathTest, MisusedBarriersStopTheRun) {
