@@ -12,7 +12,7 @@ build=${WEFT_EMU_BUILD:-build-emu}
 if [ ! -f /usr/include/boost/context/fiber.hpp ]; then
   install_packages "Boost.Context (the emulator's fibers)" libboost-context-dev
 fi
-opts=(-Dgpu_emulator=true -Dcudnn=disabled)
+opts=(-Dgpu_emulator=true -Dcudnn=enabled)  # cuDNN: the emulator's stand-in
 if [ "${WEFT_WERROR:-0}" = 1 ]; then opts+=(-Dwerror=true); fi
 if [ -f "$build/build.ninja" ]; then
   meson setup --reconfigure "$build" "${opts[@]}" >/dev/null
