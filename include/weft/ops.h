@@ -45,10 +45,11 @@ namespace weft::ops {
 // exact fp32 products. Tf32 (CUDA only) uses tensor cores with 10-bit mantissa
 // inputs. Bf16 and Fp16 round both operands to nearest even bf16 or fp16
 // (--bf16, --fp16: mixed precision, everything outside the GEMMs stays fp32);
-// fp16 overflows to +-inf past 65504. On a GPU cuBLAS converts inside the
-// kernel (CUBLAS_COMPUTE_32F_FAST_16BF / _16F); the CPU emulates it by
-// rounding copies of the operands, which is slower than fp32 and is there to
-// check the numerics. Setting Tf32 on the CPU throws Error.
+// fp16 overflows to +-inf past 65504. Both devices round copies of the
+// operands (the GPU then multiplies them on TF32 tensor cores, which hold
+// every bf16 and fp16 value exactly; the CPU runs its fp32 GEMM, slower
+// than fp32 alone, there to check the numerics). Setting Tf32 on the CPU
+// throws Error.
 enum class MatmulPrecision : uint8_t { Fp32, Tf32, Bf16, Fp16 };
 const char* matmul_precision_name(MatmulPrecision p);  // "fp32", "tf32", "bf16", "fp16"
 void set_matmul_precision(Device device, MatmulPrecision precision);

@@ -53,17 +53,50 @@ int as_int(int64_t v, const char* what) {
 
 cublasOperation_t op(bool trans) { return trans ? CUBLAS_OP_T : CUBLAS_OP_N; }
 
-// fp32 operands in every mode: the fast compute types convert them inside
-// the kernel (to tf32, bf16 or fp16) and accumulate in fp32.
+// fp32 operands in every mode. TF32 converts them inside the kernel. The
+// 16-bit modes do not use cuBLAS's CUBLAS_COMPUTE_32F_FAST_16BF / _16F,
+// whose conversion is not the CPU's: on an H200 (CUDA 13.0) fp16 operands
+// past 65504 did not overflow, so --fp16's loss scale never saw an overflow,
+// and bf16 results were ~2e-3 of the norm away from rounding to nearest.
+// Their operands are rounded here instead (with_16bit_operands), to the
+// nearest even bf16 or fp16 values kept as floats, and multiplied on TF32
+// tensor cores: TF32's 10-bit mantissa and 8-bit exponent hold every bf16
+// and fp16 value exactly, so the products are the 16-bit products, summed
+// in fp32, as the CPU computes them.
 cublasComputeType_t compute_type(MathMode mode) {
-  switch (mode) {
-    case MathMode::FP32: return CUBLAS_COMPUTE_32F;
-    case MathMode::TF32: return CUBLAS_COMPUTE_32F_FAST_TF32;
-    case MathMode::BF16: return CUBLAS_COMPUTE_32F_FAST_16BF;
-    case MathMode::FP16: return CUBLAS_COMPUTE_32F_FAST_16F;
-  }
-  return CUBLAS_COMPUTE_32F;
+  return mode == MathMode::FP32 ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_FAST_TF32;
 }
+
+bool narrows(MathMode mode) { return mode == MathMode::BF16 || mode == MathMode::FP16; }
+
+// The elements from the first to the last that a stored operand of `rows`
+// rows of `cols`, ld apart, in `batch` matrices `stride` apart, spans.
+int64_t operand_span(int64_t rows, int64_t cols, int64_t ld, int64_t stride, int64_t batch) {
+  if (rows == 0 || cols == 0 || batch == 0) return 0;
+  return (batch - 1) * stride + (rows - 1) * ld + cols;
+}
+
+// A's and B's elements rounded to `mode`'s 16-bit values in scratch from
+// the caching allocator, the same layout as the originals (the gaps between
+// rows are rounded too, and not read); the scratch goes back when this
+// goes, which is safe for the GEMM queued on the compute stream before.
+struct Rounded16 {
+  DeviceBuffer<float> a, b;
+  Rounded16(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m, int64_t n,
+            int64_t k, const float* pa, int64_t lda, int64_t stride_a, const float* pb,
+            int64_t ldb, int64_t stride_b, int64_t batch) {
+    const int64_t na = operand_span(trans_a ? k : m, trans_a ? m : k, lda, stride_a, batch);
+    const int64_t nb = operand_span(trans_b ? n : k, trans_b ? k : n, ldb, stride_b, batch);
+    if (na > 0) {
+      a = DeviceBuffer<float>(ctx, na);
+      round_values(ctx, mode, pa, a.data(), na);
+    }
+    if (nb > 0) {
+      b = DeviceBuffer<float>(ctx, nb);
+      round_values(ctx, mode, pb, b.data(), nb);
+    }
+  }
+};
 
 // One cuBLAS call for every precision: A and B of type `ab` (fp32 or bf16),
 // C of type `ct` (fp32, or bf16 with bf16 A and B); alpha and beta fp32 as
@@ -94,6 +127,13 @@ void gemm_mode(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t 
                int64_t k, float alpha, const float* a, int64_t lda, int64_t stride_a,
                const float* b, int64_t ldb, int64_t stride_b, float beta, float* c, int64_t ldc,
                int64_t stride_c, int64_t batch) {
+  if (narrows(mode) && m > 0 && n > 0 && k > 0 && batch > 0) {
+    const Rounded16 r(ctx, mode, trans_a, trans_b, m, n, k, a, lda, stride_a, b, ldb, stride_b,
+                      batch);
+    gemm_any(ctx, compute_type(mode), CUDA_R_32F, CUDA_R_32F, trans_a, trans_b, m, n, k, alpha,
+             r.a.data(), lda, stride_a, r.b.data(), ldb, stride_b, beta, c, ldc, stride_c, batch);
+    return;
+  }
   gemm_any(ctx, compute_type(mode), CUDA_R_32F, CUDA_R_32F, trans_a, trans_b, m, n, k, alpha, a,
            lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c, batch);
 }
@@ -465,6 +505,12 @@ bool gemm_bf16_bias_grad(Context& ctx, bool trans_a, int64_t m, int64_t n, int64
 void gemm_bias(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m, int64_t n,
                int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
                const float* bias, float* c, int64_t ldc) {
+  std::optional<Rounded16> r;
+  if (narrows(mode) && m > 0 && n > 0 && k > 0) {
+    r.emplace(ctx, mode, trans_a, trans_b, m, n, k, a, lda, 0, b, ldb, 0, 1);
+    a = r->a.data();
+    b = r->b.data();
+  }
   bias_gemm(ctx,
             {math_mode_name(mode), compute_type(mode), CUDA_R_32F, sizeof(float), trans_a, trans_b,
              m, n, k, a, lda, b, ldb, bias, c, ldc},

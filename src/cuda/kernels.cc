@@ -614,6 +614,14 @@ void to_bf16(Context& ctx, const float* x, bf16* y, int64_t n) {
   WEFT_LAUNCH_CHECK("to_bf16");
 }
 
+void round_values(Context& ctx, MathMode mode, const float* x, float* y, int64_t n) {
+  check(mode == MathMode::BF16 || mode == MathMode::FP16,
+        "round_values: math mode {} has no 16-bit values (bf16 or fp16)", math_mode_name(mode));
+  if (n == 0) return;
+  launch::round_values(prepare(ctx), x, y, n, mode == MathMode::BF16);
+  WEFT_LAUNCH_CHECK("round_values");
+}
+
 void to_float(Context& ctx, const bf16* x, float* y, int64_t n) {
   if (n == 0) return;
   launch::to_float(prepare(ctx), raw(x), y, n);

@@ -1030,6 +1030,27 @@ __global__ void to_bf16_multi_kernel(const ConvertChunk* chunks, int64_t count) 
   }
 }
 
+// x rounded to the nearest fp16 value, ties to even, kept as a float:
+// +-inf from 65520 on (where rounding reaches 2^16), NaN kept, fp16's
+// subnormal unit 2^-24 below 2^-14. Exact float arithmetic: frexp gives
+// x's binary exponent, the fp16 unit there is 2^(e - 11) (11 significant
+// bits), and rint rounds x in units of it, to nearest even.
+__device__ float fp16_value(float x) {
+  const float ax = fabsf(x);
+  if (!(ax < 65520.0f)) return ax != ax ? x : copysignf(INFINITY, x);
+  int e = 0;
+  frexpf(ax, &e);  // ax = m 2^e, m in [0.5, 1)
+  const int q = e - 11 > -24 ? e - 11 : -24;
+  return ldexpf(rintf(ldexpf(x, -q)), q);
+}
+
+// y = x rounded to bf16 (bf16 true) or fp16 values, as floats.
+__global__ void round_values_kernel(const float* x, float* y, int64_t n, bool bf16) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    y[i] = bf16 ? __bfloat162float(__float2bfloat16_rn(x[i])) : fp16_value(x[i]);
+}
+
 __global__ void to_float_kernel(const __nv_bfloat16* x, float* y, int64_t n) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x)
@@ -1582,6 +1603,10 @@ void to_bf16(cudaStream_t s, const float* x, uint16_t* y, int64_t n) {
 void to_bf16_multi(cudaStream_t s, const ConvertChunk* chunks, int64_t count) {
   const unsigned blocks = static_cast<unsigned>(std::clamp<int64_t>(count, 1, int64_t{1} << 16));
   to_bf16_multi_kernel<<<blocks, kThreads, 0, s>>>(chunks, count);
+}
+
+void round_values(cudaStream_t s, const float* x, float* y, int64_t n, bool bf16) {
+  round_values_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, y, n, bf16);
 }
 
 void to_float(cudaStream_t s, const uint16_t* x, float* y, int64_t n) {

@@ -195,6 +195,9 @@ void reduce(cudaStream_t s, const float* x, int64_t n, bool square, double* part
 // --- bf16 ---
 void to_bf16(cudaStream_t s, const float* x, uint16_t* y, int64_t n);
 void to_float(cudaStream_t s, const uint16_t* x, float* y, int64_t n);
+// y = x rounded to nearest even bf16 (bf16 true) or fp16 values, kept as
+// floats; fp16 gives +-inf past its largest value.
+void round_values(cudaStream_t s, const float* x, float* y, int64_t n, bool bf16);
 void add_bf16(cudaStream_t s, const uint16_t* x, float* y, int64_t n);  // y += x
 // The fused attention's backward at T = 1, which cuDNN's SDPA backward
 // refuses: dqkv (B, (H + 2G) D) = 0 for q and k, and for value head j the

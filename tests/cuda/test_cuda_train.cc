@@ -90,18 +90,19 @@ TEST(CudaTrain, TrainLlamaOnTheGpuGivesTheCpuLosses) {
   }
 }
 
-// --bf16 and --fp16 on the GPU (cuBLAS's FAST_16BF / FAST_16F) against the
-// CPU's emulation of the same rounding. --bf16 also stores the activations
-// in bf16 on both devices; the GPU's bf16 kernels round each store once, as
-// the CPU's widened operations do (test_cuda_bf16_kernels checks them one
-// by one), so that adds summation order only. Where cuBLAS rounds its operands to
-// nearest even as the CPU does, the two differ by fp32 summation order and
-// the bf16 rounding-boundary crossings it causes (test_precision: ~1e-4 of
-// the norms); cuBLAS does not document its rounding, so the bound is the
-// one test_precision holds bf16 (fp16) to against fp32 itself: 2 x 2^-8
-// (2 x 2^-11) over these steps. The fp16 run's loss scale must overflow
-// and skip exactly where the emulation's does: that checks that the GPU's
-// fp16 conversion gives inf past 65504, which loss scaling relies on.
+// --bf16 and --fp16 on the GPU (fp32 GEMM operands rounded by round_values,
+// then TF32 tensor cores) against the CPU's emulation of the same rounding.
+// --bf16 also stores the activations in bf16 on both devices; the GPU's
+// bf16 kernels round each store once, as the CPU's widened operations do
+// (test_cuda_bf16_kernels checks them one by one), and both devices round
+// GEMM operands to nearest even, so the two differ by fp32 summation order
+// and the bf16 rounding-boundary crossings it causes (test_precision: ~1e-4
+// of the norms). The bound is the one test_precision holds bf16 (fp16) to
+// against fp32 itself: 2 x 2^-8 (2 x 2^-11) over these steps. The fp16
+// run's loss scale must overflow and skip exactly where the emulation's
+// does: that checks that the GPU's fp16 rounding gives inf past 65504, which
+// loss scaling relies on (cuBLAS's CUBLAS_COMPUTE_32F_FAST_16F, used before,
+// did not: on an H200 the GPU run skipped no step where the CPU skipped 3).
 // The model and batches are test_precision's (4 x 32, T 16, 4 sequences a
 // step), where that bound was established: on the toy model at B 4, T 32 the
 // loss on this repeated text jumps at step 16 and two bf16 runs (the CPU's

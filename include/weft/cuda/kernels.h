@@ -58,8 +58,10 @@ inline float to_float(bf16 h) {
 // --- GEMM through cuBLAS ---
 
 // cpu::gemm's twin: C (m,n) = alpha * op(A) op(B) + beta * C, row-major, with
-// lda/ldb/ldc the row strides. BF16 and FP16 use cuBLAS's
-// CUBLAS_COMPUTE_32F_FAST_16BF / _16F: no separate conversion, no scratch.
+// lda/ldb/ldc the row strides. BF16 and FP16 round both operands to the
+// nearest even bf16 or fp16 values (round_values, into scratch from the
+// caching allocator; fp16 gives +-inf past 65504), as the CPU does, and
+// multiply them on TF32 tensor cores, which hold those values exactly.
 void gemm(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t m, int64_t n,
           int64_t k, float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
           float beta, float* c, int64_t ldc);
@@ -426,6 +428,10 @@ double sum_squares_to_host(Context& ctx, const float* x, int64_t n);
 void to_bf16(Context& ctx, const float* x, bf16* y, int64_t n);
 void to_float(Context& ctx, const bf16* x, float* y, int64_t n);
 void add_bf16(Context& ctx, const bf16* x, float* y, int64_t n);  // y += float(x)
+// y = x rounded to nearest even bf16 (mode BF16) or fp16 (FP16) values,
+// kept as floats (y may be x): the CPU's rounding of its 16-bit GEMM
+// operands, bit for bit; fp16 gives +-inf past 65504. Other modes throw.
+void round_values(Context& ctx, MathMode mode, const float* x, float* y, int64_t n);
 
 // --- fused causal attention: cuDNN's flash attention (src/cuda/fused_attention.cc) ---
 // Only in builds with cuDNN (WEFT_CUDNN in weft_config.h). The layout of
