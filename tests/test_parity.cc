@@ -159,13 +159,25 @@ TEST_P(DeviceParity, FiveAdamWStepsWithClipping) {
     clipped = clipped || r.grad_norm > fx.fmeta("clip_grad");
   }
   EXPECT_TRUE(clipped) << "the fixture should exercise clipping";
+  // The final weights: Adam divides each element's gradient by that
+  // element's own RMS over the steps, so reduction-order noise in a small
+  // gradient reaches its update undamped. tests/reference/adam_sensitivity.py
+  // measures it on this fixture: noise of 1e-7 (1e-6) of each tensor's RMS
+  // added to PyTorch's own nonzero gradients moves its final weights by up
+  // to 4.3e-5 (4.0e-4) relative, 430x (400x); the GPU's fp32 sums (K up to
+  // a few hundred) are noisier than the CPU's, and gave 1.4e-5 on an H200.
+  // So kFinal = 1e-3 is 2.5x the effect of 1e-6 noise. The trajectory stays
+  // held to kTol: every step's loss and norm above depend on the weights the
+  // steps before left, so a wrong update (AdamW's decay alone is 1.5e-3 of
+  // the weights over these steps) fails there first.
+  constexpr double kFinal = 1e-3;
   const int64_t c = fx.config().hidden_size;
   const float lr = static_cast<float>(fx.fmeta("lr"));
   for (Param* p : m.graph.params()) {
     Tensor want = fx.golden.get("final." + p->name);
     const Tensor value = host(p->value);
     if (p->name.find("attn.c_attn.bias") == std::string::npos) {
-      EXPECT_LT(rel_error(value, want), kTol) << p->name;
+      EXPECT_LT(rel_error(value, want), kFinal) << p->name;
       continue;
     }
     // The key bias adds q.b to every score of a row, which softmax ignores:
@@ -174,8 +186,8 @@ TEST_P(DeviceParity, FiveAdamWStepsWithClipping) {
     // Compare q and v biases exactly; bound the key bias by the steps taken.
     const float* got = value.data<float>();
     const float* ref = want.data<float>();
-    EXPECT_LT(rel_error(got, ref, c), kTol) << p->name << " (query)";
-    EXPECT_LT(rel_error(got + 2 * c, ref + 2 * c, c), kTol) << p->name << " (value)";
+    EXPECT_LT(rel_error(got, ref, c), kFinal) << p->name << " (query)";
+    EXPECT_LT(rel_error(got + 2 * c, ref + 2 * c, c), kFinal) << p->name << " (value)";
     for (int64_t i = c; i < 2 * c; ++i)
       EXPECT_LE(std::abs(got[i] - ref[i]), 2.0f * static_cast<float>(steps) * lr) << p->name;
   }
