@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 namespace weft {
 
@@ -17,6 +18,7 @@ Arena::~Arena() { release_blocks(); }
 Arena::Arena(Arena&& o) noexcept
     : device_(o.device_),
       blocks_(std::move(o.blocks_)),
+      shared_(std::exchange(o.shared_, 0)),
       used_(o.used_),
       high_water_(o.high_water_),
       system_allocations_(o.system_allocations_) {
@@ -28,6 +30,7 @@ Arena& Arena::operator=(Arena&& o) noexcept {
     release_blocks();
     device_ = o.device_;
     blocks_ = std::move(o.blocks_);
+    shared_ = std::exchange(o.shared_, 0);
     used_ = o.used_;
     high_water_ = o.high_water_;
     system_allocations_ = o.system_allocations_;
@@ -39,26 +42,26 @@ Arena& Arena::operator=(Arena&& o) noexcept {
 void Arena::release_blocks() {
   for (auto& b : blocks_) device_free(b.data, device_);
   blocks_.clear();
+  shared_ = 0;
 }
 
-void Arena::add_block(size_t min_bytes) {
-  size_t size = std::max(min_bytes, std::max(kMinBlock, capacity()));
+Arena::Block& Arena::add_block(size_t size) {
   if (device_.is_cpu() && size >= (size_t{64} << 20)) {
     // Blocks already taken but not yet written are not in use by the
     // system's count: they are this arena's to fill.
     const size_t unwritten = capacity() - std::min(capacity(), used_);
     const size_t sys = host_memory_available();
     const size_t avail = sys > unwritten ? sys - unwritten : 0;
-    check(min_bytes <= avail,
+    check(size <= avail,
           "out of host memory: the activations of one step need more than {} (taken so far) + "
           "{} (the next tensor), and {} are available: use a smaller micro-batch or sequence, or "
           "more pipeline or tensor-parallel ranks",
-          format_bytes(double(used_)), format_bytes(double(min_bytes)), format_bytes(double(avail)));
-    if (size > avail) size = std::max(min_bytes, kMinBlock);  // no doubling past what is there
+          format_bytes(double(used_)), format_bytes(double(size)), format_bytes(double(avail)));
   }
   char* p = static_cast<char*>(device_alloc(size, device_));
   ++system_allocations_;
   blocks_.push_back(Block{p, size, 0});
+  return blocks_.back();
 }
 
 size_t Arena::capacity() const {
@@ -73,10 +76,22 @@ size_t Arena::bytes_for(Shape shape, DType dtype) {
 
 Tensor Arena::alloc(Shape shape, DType dtype) {
   const size_t bytes = bytes_for(shape, dtype);
-  if (blocks_.empty() || blocks_.back().top + bytes > blocks_.back().size) add_block(bytes);
-  Block& b = blocks_.back();
-  void* p = b.data + b.top;
-  b.top += bytes;
+  char* p = nullptr;
+  if (!blocks_.empty() && blocks_[shared_].top + bytes <= blocks_[shared_].size) {
+    Block& b = blocks_[shared_];
+    p = b.data + b.top;
+    b.top += bytes;
+  } else if (bytes >= kOwnBlock) {  // a block of its own, full at once
+    Block& b = add_block(bytes);
+    b.top = bytes;
+    p = b.data;
+  } else {  // a new shared block: double the last shared one's size, up to kOwnBlock
+    const size_t last = blocks_.empty() ? 0 : blocks_[shared_].size;
+    Block& b = add_block(std::max({bytes, kMinBlock, std::min(2 * last, kOwnBlock)}));
+    shared_ = blocks_.size() - 1;
+    b.top = bytes;
+    p = b.data;
+  }
   used_ += bytes;
   high_water_ = std::max(high_water_, used_);
   return Tensor(p, shape, dtype, device_);
@@ -93,6 +108,7 @@ void Arena::reset() {
     // The plan: one block holding everything the busiest pass needed.
     release_blocks();
     add_block(high_water_);
+    shared_ = 0;
   }
   for (auto& b : blocks_) b.top = 0;
   used_ = 0;
