@@ -214,6 +214,22 @@ TEST(SizeClass, CoversTheRequestWithLittleWaste) {
   EXPECT_EQ(CachingAllocator::size_class((size_t{1} << 20) + 1), (size_t{5} << 18));
 }
 
+// Above 64 MiB, whole 2 MiB pages: an arena's one planned block of 6.1 GiB
+// wastes under 2 MiB, not the 0.9 GiB of the next quarter class.
+TEST(SizeClass, LargeBlocksRoundToTwoMebibytes) {
+  const size_t mib = size_t{1} << 20;
+  EXPECT_EQ(CachingAllocator::size_class(64 * mib), 64 * mib);  // still a quarter class
+  EXPECT_EQ(CachingAllocator::size_class(64 * mib + 1), 66 * mib);
+  EXPECT_EQ(CachingAllocator::size_class(6225 * mib + 5), 6226 * mib);
+  EXPECT_EQ(CachingAllocator::size_class(6226 * mib), 6226 * mib);
+  for (size_t bytes = 64 * mib + 1; bytes < 4096 * mib; bytes = bytes * 5 / 4 + 12345) {
+    const size_t cls = CachingAllocator::size_class(bytes);
+    EXPECT_GE(cls, bytes);
+    EXPECT_LT(cls - bytes, 2 * mib);
+    EXPECT_EQ(cls % (2 * mib), 0u);
+  }
+}
+
 TEST(SizeClass, FewClassesPerPowerOfTwo) {
   std::set<size_t> classes;
   for (size_t bytes = (size_t{1} << 20) + 1; bytes <= (size_t{1} << 21); bytes += 997)

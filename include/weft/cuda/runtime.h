@@ -120,7 +120,9 @@ class CachingAllocator {
 
   // Size classes: multiples of 512 bytes up to 2 KiB, then four classes per
   // power of two (2^k, 1.25 2^k, 1.5 2^k, 1.75 2^k), so a block wastes at
-  // most 25% and a step's varied activation sizes land on few lists.
+  // most 25% and a step's varied activation sizes land on few lists; above
+  // 64 MiB, multiples of 2 MiB (an arena's planned block, a vocabulary-sized
+  // table: few and each the same size every step).
   static size_t size_class(size_t bytes);
 
  private:
