@@ -66,15 +66,17 @@ class TiedLmHeadLoss final : public Layer {
   void set_keep_logits(bool keep) { keep_logits_ = keep; }
   // Rows per chunk (tests); 0, the default: chunk_rows(n, v, device).
   void set_chunk_rows(int64_t rows) { chunk_rows_ = rows; }
-  // The most bytes of logits a chunk holds: 256 MiB on the CPU; 1 GiB on a
-  // GPU, where fewer, larger chunks keep the GEMMs large and re-read and
-  // re-write the fp32 (V, C) weight-gradient accumulator (0.31 GB for
-  // GPT-2) fewer times. GPT-2 at B 16, T 1024 on a GPU: 4 chunks of 4096
-  // rows of fp32 logits, or 2 chunks of 8192 rows of bf16 logits (0.77 GiB
-  // each); 13 chunks of 1261 rows on the CPU, bf16 or not (it widens a bf16
+  // The most bytes of logits a chunk holds: 256 MiB on every device. GPT-2
+  // at B 16, T 1024: 13 chunks of 1261 rows of fp32 logits, or on a GPU 7
+  // chunks of 2341 rows of bf16 logits (0.22 GiB each; the CPU widens a bf16
   // chunk to fp32 for the mask and the classifier, so it budgets 4 bytes).
+  // A GPU once took 1 GiB, for fewer, larger GEMMs and fewer passes over
+  // the fp32 (V, C) weight-gradient accumulator (0.31 GB for GPT-2): 2
+  // chunks of bf16 logits, 0.77 GiB each, which put --bf16's peak above
+  // torch.compile's; 7 chunks cost about 1% of the step by the byte count.
   static int64_t chunk_bytes(const Device& d) {
-    return d.is_cpu() ? int64_t{256} << 20 : int64_t{1} << 30;
+    (void)d;
+    return int64_t{256} << 20;
   }
   // Rows per chunk for n rows of v logits of `elem_bytes` each (4 fp32, 2
   // bf16) on `d`: the rows split evenly over the fewest chunks whose logits

@@ -1219,9 +1219,9 @@ TEST(Linear, ShapesAndParams) {
 TEST(TiedLmHeadLoss, ChunksAreTheFewestThatFitSplitEvenly) {
   const Device cpu = Device::cpu(), gpu = Device::cuda(0);
   const int64_t n = 16 * 1024, v = 50304;  // GPT-2 at B 16, T 1024, padded vocabulary
-  EXPECT_EQ(TiedLmHeadLoss::chunk_rows(n, v, gpu), 4096);  // 4 chunks of 0.77 GiB
-  EXPECT_EQ(TiedLmHeadLoss::chunk_rows(n, v, cpu), 1261);  // 13 chunks, the last of 1252
-  EXPECT_EQ(TiedLmHeadLoss::chunk_rows(n, v, gpu, 2), 8192);  // bf16 logits: 2 of 0.77 GiB
+  EXPECT_EQ(TiedLmHeadLoss::chunk_rows(n, v, gpu), 1261);  // 13 chunks, the last of 1252
+  EXPECT_EQ(TiedLmHeadLoss::chunk_rows(n, v, cpu), 1261);
+  EXPECT_EQ(TiedLmHeadLoss::chunk_rows(n, v, gpu, 2), 2341);  // bf16 logits: 7 of 0.22 GiB
   EXPECT_THROW(TiedLmHeadLoss::chunk_rows(n, v, gpu, 0), Error);
   for (const Device& d : {cpu, gpu})
     for (int64_t rows : {int64_t{1}, int64_t{7}, n - 1, n, n + 1, 3 * n}) {
