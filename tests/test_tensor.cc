@@ -312,6 +312,34 @@ TEST(Arena, ResetCoalescesBlocksSoTheNextPassDoesNotAllocate) {
   }
 }
 
+// While a pass grows the arena, tensors of kOwnBlock bytes or more get
+// blocks of exactly their size and smaller ones share blocks of at most
+// kOwnBlock: what the first pass holds exceeds what it uses by less than
+// one shared block (doubling every block could leave most of the last one
+// empty: here 18 MiB tensors would grow 1, 2, ..., 64 MiB blocks). Then
+// reset() plans one block and the next pass fits it exactly.
+TEST(Arena, LargeTensorsGetBlocksOfTheirOwnSize) {
+  const int64_t big = (int64_t{18} << 20) / 4, small = 3000;  // 18 MiB, 12 KB of floats
+  const std::vector<int64_t> pass = {small, big, small, small, big, 7, big, small, big, big};
+  Arena arena;
+  for (int k = 0; k < 2; ++k) {
+    for (int64_t n : pass) {
+      Tensor t = arena.alloc({n});
+      t.data<float>()[0] = 1.0f;
+      t.data<float>()[n - 1] = 2.0f;
+    }
+    EXPECT_LT(arena.capacity() - arena.used(), Arena::kOwnBlock) << "pass " << k + 1;
+    if (k == 0) {
+      EXPECT_EQ(arena.capacity() - arena.used(), (size_t{1} << 20) - Arena::bytes_for({small}) * 4 -
+                                                     Arena::bytes_for({7}))
+          << "the five big tensors' blocks are full; the small ones share one 1 MiB block";
+    } else {
+      EXPECT_EQ(arena.capacity(), arena.used()) << "the planned block is exactly the high water";
+    }
+    arena.reset();
+  }
+}
+
 TEST(Arena, MoveTransfersBlocks) {
   Arena a;
   Tensor t = a.alloc({16});
