@@ -8,6 +8,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -327,14 +328,24 @@ class NcclCommunicator final : public Communicator {
     ncclComm_t sub = nullptr;
     ncclConfig_t config = non_blocking_config();
     nccl_started(ncclCommSplit(comm_, color, key, &sub, &config), "ncclCommSplit");
-    check(sub != nullptr, "ncclCommSplit '{}' of {} gave rank {} no communicator", name,
-          describe(), rank_);
+    // A non-blocking split may hand the new communicator back only when its
+    // background work has run (NCCL 2.28 on an H200: still null when
+    // ncclCommSplit returned), which the parent's state says: read it (as
+    // that work may write it) once the parent has settled.
+    const std::atomic_ref<ncclComm_t> handed(sub);
     const int members_n = static_cast<int>(groups[static_cast<size_t>(color)].size());
     await_setup(
         fmt::format("NCCL communicator set-up (ncclCommSplit '{}' of {})", name, describe()), key,
         members_n, options_.timeout,
-        [&] { return settled(comm_, "ncclCommSplit") && settled(sub, "ncclCommSplit"); },
-        [&] { ncclCommAbort(sub); });
+        [&] {
+          if (!settled(comm_, "ncclCommSplit")) return false;
+          check(handed.load() != nullptr, "ncclCommSplit '{}' of {} gave rank {} no communicator",
+                name, describe(), rank_);
+          return settled(handed.load(), "ncclCommSplit");
+        },
+        [&] {
+          if (ncclComm_t c = handed.load()) ncclCommAbort(c);
+        });
     std::vector<int> members;
     for (int r : groups[static_cast<size_t>(color)]) members.push_back(world_rank(r));
     Communicator& h = *host_group;

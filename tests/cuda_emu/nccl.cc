@@ -26,6 +26,7 @@
 struct ncclComm {
   int nranks = 1;
   ncclResult_t state = ncclSuccess;  // what ncclCommGetAsyncError says
+  ncclComm** split_out = nullptr;    // a non-blocking split's, until it is polled
 };
 
 namespace {
@@ -115,10 +116,20 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId, 
   return ncclInProgress;
 }
 
+// Non-blocking (`blocking = 0`), as NCCL 2.28 was seen to do on an H200:
+// the call answers ncclInProgress with *newcomm still null, and the new
+// communicator is handed back when the parent's state is next polled.
 ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int, ncclComm_t* newcomm,
-                           ncclConfig_t*) {
+                           ncclConfig_t* config) {
   if (!ready(comm) || newcomm == nullptr) return ncclInvalidUsage;
-  *newcomm = color == NCCL_SPLIT_NOCOLOR ? nullptr : new ncclComm{1, ncclSuccess};
+  *newcomm = nullptr;
+  if (color == NCCL_SPLIT_NOCOLOR) return ncclSuccess;
+  if (config != nullptr && config->blocking == 0) {
+    comm->state = ncclInProgress;
+    comm->split_out = newcomm;
+    return ncclInProgress;
+  }
+  *newcomm = new ncclComm{1, ncclSuccess};
   return ncclSuccess;
 }
 
@@ -136,6 +147,11 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) {
   if (comm == nullptr || state == nullptr) return ncclInvalidArgument;
+  if (comm->split_out != nullptr) {  // the split's background work is done
+    *comm->split_out = new ncclComm{1, ncclSuccess};
+    comm->split_out = nullptr;
+    comm->state = ncclSuccess;
+  }
   *state = comm->state;
   return ncclSuccess;
 }
