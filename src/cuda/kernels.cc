@@ -308,6 +308,14 @@ void add_inplace(Context& ctx, bf16* y, const float* x, int64_t n) {
   WEFT_LAUNCH_CHECK("add_inplace (bf16 += fp32)");
 }
 
+void add_bias_bf16(Context& ctx, const float* x, const bf16* bias, bf16* y, int64_t n, int64_t c,
+                   int64_t ldy) {
+  check(ldy >= c, "add_bias_bf16: ldy ({}) is less than c ({})", ldy, c);
+  if (n == 0 || c == 0) return;
+  launch::add_bias_bf16(prepare(ctx), x, raw(bias), raw(y), n, c, ldy);
+  WEFT_LAUNCH_CHECK("add_bias_bf16");
+}
+
 void fill_rows(Context& ctx, bf16* y, const float* row, int64_t n, int64_t c) {
   if (n == 0 || c == 0) return;
   launch::fill_rows(prepare(ctx), raw(y), row, n, c);

@@ -372,6 +372,15 @@ __global__ void fill_rows_kernel(Y* y, const float* row, int64_t n, int64_t c) {
     store(y, i, row[i % c]);
 }
 
+// y (n, c; rows ldy apart) = bf16(x + bias), x (n, c) contiguous fp32, each
+// rounded once: a bias GEMM's separate steps.
+__global__ void add_bias_bf16_kernel(const float* x, const __nv_bfloat16* bias,
+                                     __nv_bfloat16* y, int64_t n, int64_t c, int64_t ldy) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n * c;
+       i += int64_t{gridDim.x} * blockDim.x)
+    y[(i / c) * ldy + i % c] = __float2bfloat16_rn(x[i] + __bfloat162float(bias[i % c]));
+}
+
 __global__ void scale_inplace_kernel(float* y, float s, int64_t n) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x)
@@ -1429,6 +1438,11 @@ void add_inplace(cudaStream_t s, uint16_t* y, const float* x, int64_t n) {
 
 void fill_rows(cudaStream_t s, uint16_t* y, const float* row, int64_t n, int64_t c) {
   fill_rows_kernel<<<blocks_for(n * c), kThreads, 0, s>>>(bf(y), row, n, c);
+}
+
+void add_bias_bf16(cudaStream_t s, const float* x, const uint16_t* bias, uint16_t* y, int64_t n,
+                   int64_t c, int64_t ldy) {
+  add_bias_bf16_kernel<<<blocks_for(n * c), kThreads, 0, s>>>(x, bf(bias), bf(y), n, c, ldy);
 }
 
 void scale_inplace(cudaStream_t s, float* y, float scale, int64_t n) {

@@ -91,6 +91,9 @@ void add(cudaStream_t s, const uint16_t* a, const uint16_t* b, uint16_t* y, int6
 void add_scaled(cudaStream_t s, float* y, const float* x, float scale, int64_t n);
 void add_scaled(cudaStream_t s, uint16_t* y, const float* x, float scale, int64_t n);
 void fill_rows(cudaStream_t s, uint16_t* y, const float* row, int64_t n, int64_t c);
+// y (n, c; rows ldy apart) = bf16(x + bias) with x (n, c) contiguous fp32.
+void add_bias_bf16(cudaStream_t s, const float* x, const uint16_t* bias, uint16_t* y, int64_t n,
+                   int64_t c, int64_t ldy);
 void scale_inplace(cudaStream_t s, float* y, float scale, int64_t n);
 
 // --- cross-entropy, one block per row (n < 2^31) ---

@@ -212,20 +212,24 @@ double bf16_ulp(double v) {
   return std::ldexp(1.0, e - 1 - 7);
 }
 
-// gemm_bias_bf16 (cuBLASLt's bias epilogue) and fill_rows + gemm_bf16_out
-// (beta 1), each against fp64. Both compute y = fp32 sum of the k exact
-// products (bf16 x bf16 fits fp32's mantissa) and the bias, then round y to
-// bf16. Error model, u = 2^-24, scale = sum |a b| + |bias|:
+// gemm_bias_bf16 against fp64, on both of its paths: cuBLASLt's bias
+// epilogue where every bf16 operand and row stride is 16-byte aligned, else
+// (counted in bias_epilogue_fallbacks) the fp32 product and then
+// add_bias_bf16. Both compute y = the fp32 sum of the k exact products
+// (bf16 x bf16 fits fp32's mantissa) and the bias, and round y to bf16 once.
+// Error model, u = 2^-24, scale = sum |a b| + |bias|:
 // - |y - exact| <= (k + 1) u scale (sum_only), and rounding to nearest
 //   adds at most half an ulp, 2^-8 |y| <= 2^-8 (|exact| + sum_only);
-// - on an H200 (CUDA 13.0) one of the two was 2 bf16 ulps from the other
-//   where the bias cancelled most of the product, past that bound: a
-//   kernel may round the product to bf16 before the bias is added, which
-//   adds half a bf16 ulp of the product (prod = exact - bias). Both paths
-//   are allowed it; how many elements needed it, and how many differ
-//   between the paths, is printed.
+// - the epilogue may round the product to bf16 before it adds the bias
+//   (half a bf16 ulp of the product, prod = exact - bias, more): not seen
+//   on an H200 for aligned operands, allowed as cuBLASLt does not say.
+//   Unaligned ones were up to 5 ulps of the product off there, which is why
+//   they take the separate steps.
+// fill_rows + gemm_bf16_out with beta 1, cuBLAS's own accumulation into a
+// bf16 C, is printed beside it: on the H200 it rounded the product first
+// in 15% of the elements.
 // A missing or misplaced bias, or a transposed operand, is off by O(1).
-TEST(CudaGemmBias, Bf16MatchesFillRowsThenGemmBf16OutAndTheExactSum) {
+TEST(CudaGemmBias, Bf16MatchesTheExactSumRoundedOnce) {
   const double u = std::ldexp(1.0, -24);
   uint64_t seed = 500;
   for (bool ta : {false, true})
@@ -236,8 +240,10 @@ TEST(CudaGemmBias, Bf16MatchesFillRowsThenGemmBf16OutAndTheExactSum) {
           const std::vector<bf16> c0 = to_bf16(g.c), bias0 = to_bf16(g.bias);
           Dev<bf16> a(to_bf16(g.a)), b(to_bf16(g.b)), bias(bias0), c(c0),
               two_step(bias_rows(g, c0, bias0));
+          const int64_t before = ctx().bias_epilogue_fallbacks();
           gemm_bias_bf16(ctx(), ta, tb, g.m, g.n, g.k, a.p(), g.lda, b.p(), g.ldb, bias.p(), c.p(),
                          g.ldc);
+          const bool epilogue = ctx().bias_epilogue_fallbacks() == before;
           gemm_bf16_out(ctx(), ta, tb, g.m, g.n, g.k, 1.0f, a.p(), g.lda, b.p(), g.ldb, 1.0f,
                         two_step.p(), g.ldc);
           const std::vector<bf16> got = c.host(), want = two_step.host();
@@ -254,20 +260,25 @@ TEST(CudaGemmBias, Bf16MatchesFillRowsThenGemmBf16OutAndTheExactSum) {
               const double prod = exact - static_cast<double>(g.bias[static_cast<size_t>(j)]);
               const double one_rounding =
                   std::ldexp(1.0, -8) * (std::fabs(exact) + sum_only) + sum_only;
-              const double bound = one_rounding + bf16_ulp(std::fabs(prod)) / 2;
-              const double v[2] = {to_float(got[at]), to_float(want[at])};
-              for (int path = 0; path < 2; ++path) {
-                past_one_rounding[path] += std::fabs(v[path] - exact) > one_rounding;
-                ASSERT_LE(std::fabs(v[path] - exact), bound)
-                    << describe(g) << ", at (" << i << ", " << j << "): "
-                    << (path == 0 ? "gemm_bias_bf16 " : "fill_rows + gemm_bf16_out ") << v[path]
-                    << ", exact " << exact << ", product " << prod;
-              }
+              const double gv = to_float(got[at]), wv = to_float(want[at]);
+              past_one_rounding[0] += std::fabs(gv - exact) > one_rounding;
+              past_one_rounding[1] += std::fabs(wv - exact) > one_rounding;
+              ASSERT_LE(std::fabs(gv - exact),
+                        one_rounding + (epilogue ? bf16_ulp(std::fabs(prod)) / 2 : 0.0))
+                  << describe(g) << ", at (" << i << ", " << j << "): gemm_bias_bf16 ("
+                  << (epilogue ? "epilogue" : "separate steps") << ") " << gv << ", exact "
+                  << exact << ", product " << prod;
             }
-          fmt::print("bf16, {}: {} of {} elements differ from the two-step path; past one "
-                     "rounding: epilogue {}, two steps {}\n",
-                     describe(g), mismatches, g.m * g.n, past_one_rounding[0],
-                     past_one_rounding[1]);
+          fmt::print("bf16, {}: {}; past one rounding: {} of {} elements; fill_rows + "
+                     "gemm_bf16_out differs in {}, past one rounding in {}\n",
+                     describe(g), epilogue ? "epilogue" : "separate steps", past_one_rounding[0],
+                     g.m * g.n, mismatches, past_one_rounding[1]);
+          const bool aligned = g.lda % 8 == 0 && g.ldb % 8 == 0 && g.ldc % 8 == 0;
+          if (aligned) {
+            EXPECT_TRUE(epilogue) << describe(g) << ": aligned bf16 operands take the epilogue";
+          } else {
+            EXPECT_FALSE(epilogue) << describe(g) << ": unaligned ones take the separate steps";
+          }
         }
 }
 
@@ -409,8 +420,10 @@ double gelu_grad64(double x) {
 // - the backward's C = (A B) gelu'(pre), pre read as stored (bf16): the
 //   product's sum_only times |gelu'|, |A B| times gelu''s error, and half an
 //   ulp of C.
-// Where cuBLASLt has no such algorithm the two steps run instead (counted in
-// gelu_epilogue_fallbacks): GELU then reads pre as stored, so its input is
+// Where cuBLASLt has no such algorithm, or a bf16 operand or row stride is
+// not 16-byte aligned, the two steps run instead (counted in
+// gelu_epilogue_fallbacks): the fp32 product (plus the bias, rounded once)
+// and the GELU kernel, which reads pre as stored, so its input is
 // |pre - exact| off, not sum_only. The backward's product is rounded to
 // bf16 before gelu' multiplies it there (half an ulp of it more, times
 // |gelu'|), and the epilogue is allowed as much: on an H200 (CUDA 13.0) its
@@ -420,8 +433,8 @@ double gelu_grad64(double x) {
 // Shapes: n 192 (a multiple of 8), m 64 and 37 (ragged rows), every
 // transpose. With m 64 every row stride is a multiple of 16 bytes, where
 // the epilogues are expected to run: no fallback counted there (with m 37
-// and A transposed, A's rows are 74 bytes apart, which cuBLASLt may refuse:
-// only the values are checked).
+// and A transposed, A's rows are 74 bytes apart: the two steps; with m 37
+// otherwise either may run, and only the values are checked).
 TEST(CudaGeluGemm, EpiloguesMatchTheExactGeluOfTheProduct) {
   const double u = std::ldexp(1.0, -24), tanh_err = std::ldexp(1.0, -10);
   uint64_t seed = 1400;
@@ -493,8 +506,10 @@ TEST(CudaGeluGemm, RowsNotAMultipleOf8TakeTheTwoStepsBitForBit) {
   gemm_bias_bf16(ctx(), g.ta, g.tb, g.m, g.n, g.k, a.p(), g.lda, b.p(), g.ldb, bias.p(), pre2.p(),
                  g.n);
   gelu_forward(ctx(), pre2.p(), c2.p(), g.m * g.n);
-  gemm_bf16_out(ctx(), g.ta, g.tb, g.m, g.n, g.k, 1.0f, a.p(), g.lda, b.p(), g.ldb, 0.0f,
-                dpre2.p(), g.n);
+  Dev<float> prod{std::vector<float>(count)};
+  gemm_bf16(ctx(), g.ta, g.tb, g.m, g.n, g.k, 1.0f, a.p(), g.lda, b.p(), g.ldb, 0.0f, prod.p(),
+            g.n);
+  to_bf16(ctx(), prod.p(), dpre2.p(), g.m * g.n);
   gelu_backward(ctx(), dpre2.p(), pre2.p(), dpre2.p(), g.m * g.n, false);
   for (auto [got, want, what] : {std::tuple{&pre, &pre2, "pre"}, std::tuple{&c, &c2, "gelu"},
                                  std::tuple{&dpre, &dpre2, "dgelu"}}) {

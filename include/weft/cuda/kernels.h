@@ -89,8 +89,10 @@ void gemm_bias(Context& ctx, MathMode mode, bool trans_a, bool trans_b, int64_t 
                int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
                const float* bias, float* c, int64_t ldc);
 // bf16 A, B, C and bias, fp32 accumulation (CUBLAS_COMPUTE_32F):
-// C = bf16(fp32 sum + float(bias)), rounded once; fill_rows then
-// gemm_bf16_out with beta 1 computes the same (up to the order of the sum).
+// C = bf16(fp32 sum + float(bias)), rounded once. cuBLASLt's epilogue runs
+// only where A, B and C and their row strides are 16-byte aligned (on an
+// H200 its kernels for unaligned bf16 operands were up to 5 bf16 ulps off);
+// otherwise the two steps are the fp32 product and add_bias_bf16.
 void gemm_bias_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                     const bf16* a, int64_t lda, const bf16* b, int64_t ldb, const bf16* bias,
                     bf16* c, int64_t ldc);
@@ -98,8 +100,9 @@ void gemm_bias_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t
 // (CUBLASLT_EPILOGUE_GELU_AUX_BIAS), bf16 as gemm_bias_bf16: pre (m, n) =
 // op(A) op(B) + bias, the GELU's input kept for the backward, and C (m, n)
 // = gelu(pre) (tanh-approximated). pre and C are contiguous. Without an
-// algorithm (or with pre less than 16-byte aligned, or n not a multiple of
-// 8) it is gemm_bias_bf16 into pre and then gelu_forward, and stderr says so
+// algorithm (or with pre less than 16-byte aligned, n not a multiple of 8,
+// or an operand unaligned as gemm_bias_bf16 says) it is gemm_bias_bf16 into
+// pre and then gelu_forward, and stderr says so
 // once per context (Context::gelu_epilogue_fallbacks counts them).
 void gemm_bias_gelu_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n,
                          int64_t k, const bf16* a, int64_t lda, const bf16* b, int64_t ldb,
@@ -108,7 +111,7 @@ void gemm_bias_gelu_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, in
 // call (CUBLASLT_EPILOGUE_DGELU): C (m, n) = (op(A) op(B)) * gelu'(pre),
 // written (C's old values not read), pre and C contiguous (m, n). The fp32
 // product is multiplied before it is rounded once. Fallback as above:
-// gemm_bf16_out into C, then gelu_backward in place.
+// the fp32 product rounded to bf16 into C, then gelu_backward in place.
 void gemm_dgelu_bf16(Context& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                      const bf16* a, int64_t lda, const bf16* b, int64_t ldb, const bf16* pre,
                      bf16* c);
@@ -220,6 +223,10 @@ void add(Context& ctx, const bf16* a, const bf16* b, bf16* y, int64_t n);     //
 // Every row of y (N, C) = bf16(row): a bias placed before a GEMM (beta 1)
 // accumulates onto it, in place of add_bias after it.
 void fill_rows(Context& ctx, bf16* y, const float* row, int64_t n, int64_t c);
+// y (N, C; rows ldy apart) = bf16(x + bias) per row, x (N, C) contiguous
+// fp32, each element rounded once.
+void add_bias_bf16(Context& ctx, const float* x, const bf16* bias, bf16* y, int64_t n, int64_t c,
+                   int64_t ldy);
 void scale_inplace(Context& ctx, float* y, float s, int64_t n);                  // y *= s
 // y += s x, x left as it is: the bits of scale_inplace(x, s), then add_inplace(y, x).
 void add_scaled(Context& ctx, float* y, const float* x, float s, int64_t n);
