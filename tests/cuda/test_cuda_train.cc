@@ -37,6 +37,24 @@ std::string text() {
   return s;
 }
 
+// train_gpt with `flags` on the CPU and on the GPU: the GPU's header names
+// cuda:0, and every step's loss and gradient norm are the CPU's to kTol.
+void expect_gpu_follows_cpu(const std::string& flags, const std::string& dir,
+                            const std::string& what) {
+  const testing::TrainRun cpu = testing::run_train_gpt(1, flags + " --device cpu", dir);
+  const testing::TrainRun gpu = testing::run_train_gpt(1, flags + " --device cuda", dir);
+  ASSERT_TRUE(cpu.ok) << cpu.output;
+  ASSERT_TRUE(gpu.ok) << gpu.output;
+  EXPECT_TRUE(testing::contains(gpu.output, "| cuda:0 |")) << gpu.output;
+  ASSERT_EQ(gpu.records.size(), cpu.records.size()) << what;
+  for (size_t s = 0; s < cpu.records.size(); ++s) {
+    const double lc = cpu.records[s]["loss"], lg = gpu.records[s]["loss"];
+    const double nc = cpu.records[s]["grad_norm"], ng = gpu.records[s]["grad_norm"];
+    EXPECT_NEAR(lg, lc, kTol * lc) << what << ", step " << s + 1;
+    EXPECT_NEAR(ng, nc, kTol * nc) << what << ", step " << s + 1;
+  }
+}
+
 // Two micro-batches a step, and one (the GPU gathers the micro-batches'
 // losses on the device and reads them once a step: a first step with one
 // micro-batch once found no tensor to gather into).
@@ -48,18 +66,7 @@ TEST(CudaTrain, TrainGptOnTheGpuGivesTheCpuLosses) {
         "--model toy --seq-length 32 --micro-batch-size {} --global-batch-size 8 "
         "--train-iters 5 --lr 3e-3 --data-path {}/t.txt",
         micro, dir);
-    const testing::TrainRun cpu = testing::run_train_gpt(1, flags + " --device cpu", dir);
-    const testing::TrainRun gpu = testing::run_train_gpt(1, flags + " --device cuda", dir);
-    ASSERT_TRUE(cpu.ok) << cpu.output;
-    ASSERT_TRUE(gpu.ok) << gpu.output;
-    EXPECT_TRUE(testing::contains(gpu.output, "| cuda:0 |")) << gpu.output;
-    ASSERT_EQ(gpu.records.size(), cpu.records.size());
-    for (size_t s = 0; s < cpu.records.size(); ++s) {
-      const double lc = cpu.records[s]["loss"], lg = gpu.records[s]["loss"];
-      const double nc = cpu.records[s]["grad_norm"], ng = gpu.records[s]["grad_norm"];
-      EXPECT_NEAR(lg, lc, kTol * lc) << "micro-batch " << micro << ", step " << s + 1;
-      EXPECT_NEAR(ng, nc, kTol * nc) << "micro-batch " << micro << ", step " << s + 1;
-    }
+    expect_gpu_follows_cpu(flags, dir, fmt::format("micro-batch {}", micro));
   }
 }
 
@@ -76,18 +83,7 @@ TEST(CudaTrain, TrainLlamaOnTheGpuGivesTheCpuLosses) {
       "--group-query-attention --num-query-groups 2 --seq-length 32 --micro-batch-size 4 "
       "--global-batch-size 8 --train-iters 5 --lr 3e-3 --clip-grad 0.5 --data-path {}/t.txt",
       dir);
-  const testing::TrainRun cpu = testing::run_train_gpt(1, flags + " --device cpu", dir);
-  const testing::TrainRun gpu = testing::run_train_gpt(1, flags + " --device cuda", dir);
-  ASSERT_TRUE(cpu.ok) << cpu.output;
-  ASSERT_TRUE(gpu.ok) << gpu.output;
-  EXPECT_TRUE(testing::contains(gpu.output, "| cuda:0 |")) << gpu.output;
-  ASSERT_EQ(gpu.records.size(), cpu.records.size());
-  for (size_t s = 0; s < cpu.records.size(); ++s) {
-    const double lc = cpu.records[s]["loss"], lg = gpu.records[s]["loss"];
-    const double nc = cpu.records[s]["grad_norm"], ng = gpu.records[s]["grad_norm"];
-    EXPECT_NEAR(lg, lc, kTol * lc) << "step " << s + 1;
-    EXPECT_NEAR(ng, nc, kTol * nc) << "step " << s + 1;
-  }
+  expect_gpu_follows_cpu(flags, dir, "llama");
 }
 
 // --bf16 and --fp16 on the GPU (fp32 GEMM operands rounded by round_values,
