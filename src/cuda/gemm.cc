@@ -58,7 +58,7 @@ cublasOperation_t op(bool trans) { return trans ? CUBLAS_OP_T : CUBLAS_OP_N; }
 // whose conversion is not the CPU's: on an H200 (CUDA 13.0) fp16 operands
 // past 65504 did not overflow, so --fp16's loss scale never saw an overflow,
 // and bf16 results were ~2e-3 of the norm away from rounding to nearest.
-// Their operands are rounded here instead (with_16bit_operands), to the
+// Their operands are rounded here instead (Rounded16), to the
 // nearest even bf16 or fp16 values kept as floats, and multiplied on TF32
 // tensor cores: TF32's 10-bit mantissa and 8-bit exponent hold every bf16
 // and fp16 value exactly, so the products are the 16-bit products, summed
