@@ -6,6 +6,7 @@
 #include "streams.h"
 
 #include <boost/context/fiber.hpp>
+#include <execinfo.h>
 #include <sys/mman.h>
 
 #include <atomic>
@@ -19,6 +20,8 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <string>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -341,8 +344,13 @@ bool sync_streams() {
   return yes;
 }
 
+struct Item {
+  std::function<bool()> work;  // true once done
+  std::string what;            // what a hang report names ("" for plain work)
+};
+
 struct Stream {
-  std::deque<std::function<void()>> queue;
+  std::deque<Item> queue;
   uint64_t queued = 0;  // items ever queued
   uint64_t done = 0;    // items run, in order: the first `done` of them
   bool running = false;
@@ -374,40 +382,156 @@ Stream& stream_of(cudaStream_t s) {
   return *p;
 }
 
-}  // namespace
+thread_local int t_in_work = 0;  // > 0 while this thread runs queued work
 
-// Runs `s`'s work up to its `upto`-th item. Called with streams_mu() held.
-void drain(cudaStream_t s, uint64_t upto) {
+// Runs `s`'s work up to its `upto`-th item, stopping at work that is not
+// ready; returns whether `upto` was reached. Called with streams_mu() held.
+bool drain(cudaStream_t s, uint64_t upto) {
   Stream& st = stream_of(s);
-  if (st.done >= upto) return;
+  if (st.done >= upto) return true;
   if (st.running)
     fail("streams wait for each other's later work in a cycle (a hang on a GPU)");
   while (st.done < upto && !st.queue.empty()) {
-    std::function<void()> work = std::move(st.queue.front());
-    st.queue.pop_front();
     st.running = true;
-    work();
+    ++t_in_work;
+    const bool ran = st.queue.front().work();
+    --t_in_work;
     st.running = false;
+    if (!ran) return false;
+    st.queue.pop_front();
     ++st.done;
+  }
+  return st.done >= upto;
+}
+
+// Every stream as far as it goes without waiting, pass after pass while a
+// pass runs something (one stream's progress may let another's wait end).
+bool progress_locked() {
+  bool any = false;
+  for (;;) {
+    bool ran = false;
+    for (auto& [s, st] : streams()) {
+      const uint64_t before = st->done;
+      if (!st->running) drain(s, st->queued);
+      ran = ran || st->done != before;
+    }
+    if (!ran) return any;
+    any = true;
   }
 }
 
-void drain_all() {
-  std::lock_guard<std::recursive_mutex> lock(streams_mu());
-  for (auto& [s, st] : streams()) drain(s, st->queued);
+double hang_seconds() {
+  static const double secs = [] {
+    const char* v = std::getenv("WEFT_EMU_HANG_SECONDS");
+    if (v == nullptr) return 300.0;
+    char* end = nullptr;
+    const double d = std::strtod(v, &end);
+    if (end == v || *end != '\0' || !(d > 0)) {
+      std::fprintf(stderr, "GPU emulator: WEFT_EMU_HANG_SECONDS='%s' must be a positive number\n", v);
+      std::exit(2);
+    }
+    return d;
+  }();
+  return secs;
 }
 
-EventMark enqueue(cudaStream_t stream, std::function<void()> work) {
+std::string stuck_streams() {
+  std::string stuck;
+  for (auto& [s, st] : streams()) {
+    if (st->queue.empty()) continue;
+    const std::string& what = st->queue.front().what;
+    char line[160];
+    std::snprintf(line, sizeof line, "\n  stream %p: %zu item(s) queued, the first ", static_cast<void*>(s),
+                  st->queue.size());
+    stuck += line;
+    stuck += what.empty() ? std::string("waits for another stream") : "waits for " + what;
+  }
+  return stuck;
+}
+
+[[noreturn]] void report_hang(double secs) {
+  const std::string stuck = stuck_streams();
+  std::fprintf(stderr,
+               "GPU emulator: a host wait for the device made no progress for %.0f s "
+               "(WEFT_EMU_HANG_SECONDS): a hang on a GPU.%s\n",
+               secs, stuck.c_str());
+  fail("hang");
+}
+
+// Polls `reached` (called with streams_mu() held) until it holds, making
+// every stream progress meanwhile, the lock released between polls so that
+// other threads can queue work and messages can arrive.
+void wait_until(const std::function<bool()>& reached) {
+  if (t_in_work > 0) fail("a blocking wait inside queued work");
+  std::unique_lock<std::recursive_mutex> lock(streams_mu());
+  if (reached()) return;
+  const auto start = std::chrono::steady_clock::now();
+  auto pause = std::chrono::microseconds(20);
+  for (;;) {
+    progress_locked();
+    if (reached()) return;
+    lock.unlock();
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    lock.lock();
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (waited > hang_seconds()) report_hang(waited);
+  }
+}
+
+bool all_empty() {
+  for (auto& [s, st] : streams())
+    if (!st->queue.empty()) return false;
+  return true;
+}
+
+}  // namespace
+
+void drain_all() {
+  wait_until([] {
+    progress_locked();
+    return all_empty();
+  });
+}
+
+bool progress_all() {
+  std::lock_guard<std::recursive_mutex> lock(streams_mu());
+  return progress_locked();
+}
+
+std::string describe_queued() {
+  std::lock_guard<std::recursive_mutex> lock(streams_mu());
+  return stuck_streams();
+}
+
+namespace {
+
+EventMark queue_item(cudaStream_t stream, Item item) {
   stream = resolve(stream);
   if (legacy(stream) || sync_streams()) {
     drain_all();
-    work();
+    if (!item.work()) wait_until([&] { return item.work(); });
     return {};
   }
   std::lock_guard<std::recursive_mutex> lock(streams_mu());
   Stream& st = stream_of(stream);
-  st.queue.push_back(std::move(work));
+  st.queue.push_back(std::move(item));
   return {stream, ++st.queued};
+}
+
+}  // namespace
+
+EventMark enqueue(cudaStream_t stream, std::function<void()> work) {
+  return queue_item(stream, {[work = std::move(work)] {
+                               work();
+                               return true;
+                             },
+                             std::string()});
+}
+
+EventMark enqueue_try(cudaStream_t stream, std::function<bool()> work, std::string what) {
+  return queue_item(stream, {std::move(work), std::move(what)});
 }
 
 bool host_only() {
@@ -420,11 +544,38 @@ bool host_only() {
 
 namespace {
 std::atomic<uint64_t> g_work[static_cast<int>(Work::kinds)];
+// Host syncs and queries count per host thread: a range reports those of
+// the thread that opened it (a step's), not a watchdog's polls.
+thread_local uint64_t t_host_work[static_cast<int>(Work::kinds)];
+bool per_thread(Work w) { return w == Work::host_sync || w == Work::event_query; }
 }  // namespace
 
+// WEFT_EMU_BACKTRACE_WAITS=1: a backtrace on stderr for each host sync
+// (and, =2, each event query too) inside a profiled range, to find where a
+// step waits for its device (addr2line -f -C -e BINARY turns the addresses
+// into functions).
+int backtrace_waits() {
+  static const int level = [] {
+    const char* v = std::getenv("WEFT_EMU_BACKTRACE_WAITS");
+    return v == nullptr ? 0 : std::atoi(v);
+  }();
+  return level;
+}
+thread_local bool t_in_range = false;
+
 bool count(Work w) {
-  g_work[static_cast<int>(w)].fetch_add(1, std::memory_order_relaxed);
-  return w == Work::host_copy || !host_only();
+  if (t_in_range && ((w == Work::host_sync && backtrace_waits() >= 1) ||
+                     (w == Work::event_query && backtrace_waits() >= 2))) {
+    void* frames[24];
+    const int n = backtrace(frames, 24);
+    std::fprintf(stderr, "GPU emulator: %s at\n", w == Work::host_sync ? "host sync" : "event query");
+    backtrace_symbols_fd(frames, n, 2);
+  }
+  if (per_thread(w))
+    ++t_host_work[static_cast<int>(w)];
+  else
+    g_work[static_cast<int>(w)].fetch_add(1, std::memory_order_relaxed);
+  return w == Work::host_copy || w == Work::host_sync || w == Work::event_query || !host_only();
 }
 
 std::unique_lock<std::recursive_mutex> lock_streams() {
@@ -433,14 +584,19 @@ std::unique_lock<std::recursive_mutex> lock_streams() {
 
 void drain_stream(cudaStream_t s) {
   s = resolve(s);
-  std::lock_guard<std::recursive_mutex> lock(streams_mu());
-  drain(s, stream_of(s).queued);
+  wait_until([s] { return drain(s, stream_of(s).queued); });
 }
 
 void drain_to(const EventMark& m) {
   if (m.upto == 0) return;
+  const cudaStream_t s = resolve(m.stream);
+  wait_until([s, m] { return drain(s, m.upto); });
+}
+
+bool try_drain_to(const EventMark& m) {
+  if (m.upto == 0) return true;
   std::lock_guard<std::recursive_mutex> lock(streams_mu());
-  drain(resolve(m.stream), m.upto);
+  return drain(resolve(m.stream), m.upto);
 }
 
 }  // namespace weft_emu
@@ -452,17 +608,38 @@ float rsqrtf(float a) { return 1.0f / std::sqrt(a); }
 
 namespace {
 
+// How many devices there are: WEFT_EMU_DEVICES, default 1 (so that ranks
+// started together share one GPU unless a test asks for more).
+int device_count() {
+  static const int n = [] {
+    const char* v = std::getenv("WEFT_EMU_DEVICES");
+    if (v == nullptr) return 1;
+    char* end = nullptr;
+    const long d = std::strtol(v, &end, 10);
+    if (end == v || *end != '\0' || d < 1 || d > 64) {
+      std::fprintf(stderr, "GPU emulator: WEFT_EMU_DEVICES='%s' must be a whole number from 1 to 64\n", v);
+      std::exit(2);
+    }
+    return static_cast<int>(d);
+  }();
+  return n;
+}
+
+struct Allocation {
+  size_t bytes;
+  int device;
+};
 struct Allocations {
   std::mutex mu;
-  std::unordered_map<void*, size_t> live;
-  size_t bytes = 0;
+  std::unordered_map<void*, Allocation> live;
+  size_t bytes[64] = {};  // per device
 };
 Allocations& allocations() {
   static Allocations* a = new Allocations;  // outlives static destructors that free
   return *a;
 }
 
-// Device memory this emulated GPU has: WEFT_EMU_DEVICE_MIB, default 8 GiB.
+// Device memory each emulated GPU has: WEFT_EMU_DEVICE_MIB, default 8 GiB.
 size_t device_bytes() {
   static const size_t bytes = [] {
     const char* v = std::getenv("WEFT_EMU_DEVICE_MIB");
@@ -521,11 +698,11 @@ cudaError_t set(cudaError_t e) {
 }  // namespace
 
 cudaError_t cudaGetDeviceCount(int* count) {
-  *count = 1;
+  *count = device_count();
   return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int device) {
-  if (device != 0) return set(cudaErrorInvalidDevice);
+  if (device < 0 || device >= device_count()) return set(cudaErrorInvalidDevice);
   weft_emu::t_device = device;
   return cudaSuccess;
 }
@@ -534,6 +711,7 @@ cudaError_t cudaGetDevice(int* device) {
   return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize() {
+  weft_emu::count(weft_emu::Work::host_sync);
   weft_emu::drain_all();
   return cudaSuccess;
 }
@@ -579,7 +757,9 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
   *p = nullptr;
   Allocations& a = allocations();
   std::lock_guard<std::mutex> lock(a.mu);
-  if (bytes > device_bytes() - a.bytes) return set(cudaErrorMemoryAllocation);
+  const int device = weft_emu::t_device;
+  size_t& used = a.bytes[device];
+  if (bytes > device_bytes() - used) return set(cudaErrorMemoryAllocation);
   const size_t rounded = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
   void* q = nullptr;
   if (weft_emu::host_only()) {
@@ -592,21 +772,22 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
     q = std::aligned_alloc(256, rounded);
   }
   if (q == nullptr) return set(cudaErrorMemoryAllocation);
-  a.live[q] = bytes;
-  a.bytes += bytes;
+  a.live[q] = {bytes, device};
+  used += bytes;
   *p = q;
   return cudaSuccess;
 }
 cudaError_t cudaFree(void* p) {
   if (p == nullptr) return cudaSuccess;
+  weft_emu::count(weft_emu::Work::host_sync);
   weft_emu::drain_all();  // cudaFree waits for the device
   Allocations& a = allocations();
   std::lock_guard<std::mutex> lock(a.mu);
   const auto it = a.live.find(p);
   if (it == a.live.end()) return set(cudaErrorInvalidValue);
-  a.bytes -= it->second;
+  a.bytes[it->second.device] -= it->second.bytes;
   if (weft_emu::host_only())
-    munmap(p, (std::max<size_t>(it->second, 1) + 255) / 256 * 256);
+    munmap(p, (std::max<size_t>(it->second.bytes, 1) + 255) / 256 * 256);
   else
     std::free(p);
   a.live.erase(it);
@@ -622,6 +803,7 @@ cudaError_t cudaMallocHost(void** p, size_t bytes) {
 }
 cudaError_t cudaFreeHost(void* p) {
   if (p == nullptr) return cudaSuccess;
+  weft_emu::count(weft_emu::Work::host_sync);
   weft_emu::drain_all();  // as cudaFree, it waits for the device
   {
     Pinned& pn = pinned();
@@ -632,6 +814,7 @@ cudaError_t cudaFreeHost(void* p) {
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  weft_emu::count(weft_emu::Work::host_sync);
   weft_emu::drain_all();  // the legacy default stream waits for blocking streams
   if (!weft_emu::count(kind == cudaMemcpyDeviceToDevice ? weft_emu::Work::device_copy
                                                          : weft_emu::Work::host_copy))
@@ -651,6 +834,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
                                             : weft_emu::Work::device_copy))
     return cudaSuccess;
   if (to_host && !is_pinned(dst)) {
+    weft_emu::count(weft_emu::Work::host_sync);
     weft_emu::drain_all();
     std::memmove(dst, src, bytes);
     return cudaSuccess;
@@ -679,6 +863,7 @@ cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t 
   return cudaSuccess;
 }
 cudaError_t cudaMemset(void* p, int value, size_t bytes) {
+  weft_emu::count(weft_emu::Work::host_sync);
   weft_emu::drain_all();
   if (!weft_emu::count(weft_emu::Work::memset)) return cudaSuccess;
   if (bytes > 0) std::memset(p, value, bytes);
@@ -705,6 +890,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  weft_emu::count(weft_emu::Work::host_sync);
   if (stream == nullptr)
     weft_emu::drain_all();
   else
@@ -716,7 +902,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
   // What the event's last record is, now: later records do not change the wait.
   auto lock = weft_emu::lock_streams();
   const weft_emu::EventMark m = reinterpret_cast<Event*>(event)->state->mark;
-  weft_emu::enqueue(stream, [m] { weft_emu::drain_to(m); });
+  weft_emu::enqueue_try(stream, [m] { return weft_emu::try_drain_to(m); }, std::string());
   return cudaSuccess;
 }
 
@@ -746,12 +932,29 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   return cudaSuccess;
 }
 // The emulated GPU is instant when asked: a query runs the work before the
-// record and answers that it is done. Work nobody asks about stays queued.
-cudaError_t cudaEventQuery(cudaEvent_t event) { return cudaEventSynchronize(event); }
+// record and answers that it is done, unless some of it is not ready (a
+// receive whose message has not come). Work nobody asks about stays queued.
+cudaError_t cudaEventQuery(cudaEvent_t event) {
+  if (event == nullptr) return set(cudaErrorInvalidResourceHandle);
+  weft_emu::count(weft_emu::Work::event_query);
+  weft_emu::EventMark m;
+  {
+    auto lock = weft_emu::lock_streams();
+    m = reinterpret_cast<Event*>(event)->state->mark;
+  }
+  if (weft_emu::try_drain_to(m)) return cudaSuccess;
+  weft_emu::progress_all();  // as a GPU's other streams go on meanwhile
+  return weft_emu::try_drain_to(m) ? cudaSuccess : cudaErrorNotReady;
+}
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   if (event == nullptr) return set(cudaErrorInvalidResourceHandle);
-  auto lock = weft_emu::lock_streams();
-  weft_emu::drain_to(reinterpret_cast<Event*>(event)->state->mark);
+  weft_emu::count(weft_emu::Work::host_sync);
+  weft_emu::EventMark m;
+  {
+    auto lock = weft_emu::lock_streams();
+    m = reinterpret_cast<Event*>(event)->state->mark;
+  }
+  weft_emu::drain_to(m);
   return cudaSuccess;
 }
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
@@ -779,7 +982,9 @@ Range& range() {
 }
 void read_work(uint64_t* out) {
   for (int i = 0; i < static_cast<int>(weft_emu::Work::kinds); ++i)
-    out[i] = weft_emu::g_work[i].load(std::memory_order_relaxed);
+    out[i] = weft_emu::per_thread(static_cast<weft_emu::Work>(i))
+                 ? weft_emu::t_host_work[i]
+                 : weft_emu::g_work[i].load(std::memory_order_relaxed);
 }
 }  // namespace
 
@@ -787,6 +992,7 @@ cudaError_t cudaProfilerStart() {
   Range& r = range();
   read_work(r.work);
   r.open = true;
+  weft_emu::t_in_range = true;
   r.start = std::chrono::steady_clock::now();
   return cudaSuccess;
 }
@@ -794,6 +1000,7 @@ cudaError_t cudaProfilerStop() {
   Range& r = range();
   if (!r.open) return cudaSuccess;
   r.open = false;
+  weft_emu::t_in_range = false;
   weft_emu::drain_all();
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - r.start).count();
@@ -802,13 +1009,16 @@ cudaError_t cudaProfilerStop() {
   auto d = [&](weft_emu::Work w) { return now[static_cast<int>(w)] - r.work[static_cast<int>(w)]; };
   std::fprintf(stderr,
                "GPU emulator: the profiled range%s: %llu kernel launches, %llu GEMMs, %llu memsets, "
-               "%llu device-to-device copies, %llu copies to or from the host; %.1f ms of host "
+               "%llu device-to-device copies, %llu copies to or from the host; this host thread "
+               "waited for the device %llu times and asked it %llu times; %.1f ms of host "
                "time\n",
                weft_emu::host_only() ? " (WEFT_EMU_HOST_ONLY: nothing ran on the device)" : "",
                static_cast<unsigned long long>(d(weft_emu::Work::kernel)),
                static_cast<unsigned long long>(d(weft_emu::Work::gemm)),
                static_cast<unsigned long long>(d(weft_emu::Work::memset)),
                static_cast<unsigned long long>(d(weft_emu::Work::device_copy)),
-               static_cast<unsigned long long>(d(weft_emu::Work::host_copy)), ms);
+               static_cast<unsigned long long>(d(weft_emu::Work::host_copy)),
+               static_cast<unsigned long long>(d(weft_emu::Work::host_sync)),
+               static_cast<unsigned long long>(d(weft_emu::Work::event_query)), ms);
   return cudaSuccess;
 }

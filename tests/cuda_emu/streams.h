@@ -14,6 +14,15 @@
 // that reads another's output without waiting for it reads what was there
 // before. On a GPU each is a race that the GPU's speed usually hides.
 //
+// Communication (nccl.cc) queues work that may not be ready when its turn
+// comes: a receive whose message has not arrived. Such work says so, and
+// its stream stops there; a wait that needs it (a synchronize, a copy to
+// pageable memory) polls until it is ready, running every stream as far as
+// it can meanwhile (as a GPU runs them all at once), and an event query
+// answers cudaErrorNotReady. A wait that no work can ever satisfy stops the
+// program after WEFT_EMU_HANG_SECONDS (default 300), naming what each
+// stuck stream waits for: a hang on a GPU.
+//
 // WEFT_EMU_SYNC_STREAMS=1 runs all work at once instead, in the calling
 // thread, as the emulator did before (for telling an emulator problem from
 // weft's).
@@ -23,6 +32,7 @@
 
 #include <functional>
 #include <mutex>
+#include <string>
 
 namespace weft_emu {
 
@@ -38,14 +48,27 @@ struct EventMark {
 // queued work, and returns a reached mark).
 EventMark enqueue(cudaStream_t stream, std::function<void()> work);
 
-// Runs `m`'s stream's work up to it.
-void drain_to(const EventMark& m);
+// Work that may not be ready: returns false (having changed nothing it
+// must not change twice) until it is, and is called again later. `what`
+// names it where a hang is reported ("ncclRecv from rank 1 ...").
+EventMark enqueue_try(cudaStream_t stream, std::function<bool()> work, std::string what);
 
-// Runs everything queued on `stream` so far.
+// Runs `m`'s stream's work up to it, waiting (polling) for work that is not
+// ready.
+void drain_to(const EventMark& m);
+// The same without waiting: whether `m` was reached.
+bool try_drain_to(const EventMark& m);
+
+// Runs everything queued on `stream` so far, waiting as drain_to does.
 void drain_stream(cudaStream_t stream);
 
-// Runs every stream's queued work.
+// Runs every stream's queued work, waiting as drain_to does.
 void drain_all();
+// Runs every stream as far as it can without waiting (a progress thread's
+// pass, nccl.cc); returns whether anything ran.
+bool progress_all();
+// Each stream with queued work, and what its first item waits for.
+std::string describe_queued();
 
 // The lock every stream's queue, and each event's record, is kept under
 // (recursive: the calls above take it too).
@@ -59,9 +82,13 @@ std::unique_lock<std::recursive_mutex> lock_streams();
 // memory, event records and waits still run. Device memory is then whatever
 // the host uploaded, or zero. Without it, the same work is counted and run.
 bool host_only();
-enum class Work { kernel, gemm, memset, device_copy, host_copy, kinds };
+enum class Work { kernel, gemm, memset, device_copy, host_copy, host_sync, event_query, kinds };
 // Counts one piece of work of kind `w`, and says whether to run it (false
-// with WEFT_EMU_HOST_ONLY=1, except for host copies).
+// with WEFT_EMU_HOST_ONLY=1, except for host copies, syncs and queries).
+// host_sync: a host call that waits for the device (a stream, event or
+// device synchronize, a blocking copy or memset, cudaFree); event_query: a
+// host call that asks whether the device is done (a loop of them is a
+// wait too). A step whose host runs ahead of its GPU makes neither.
 bool count(Work w);
 
 }  // namespace weft_emu
