@@ -148,8 +148,9 @@ void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
   Tensor stats = arena.alloc({2, n});
   ops::exp_and_stats(ctx.probs, in[1], first_, max, stats);
   group_->all_reduce(stats, ReduceOp::Sum);
-  // probs_r = exp(logit - m) / S; every rank sums the same losses in the same order.
-  ops::set_item(out[0], static_cast<float>(ops::normalise_and_loss(ctx.probs, stats)));
+  // probs_r = exp(logit - m) / S; every rank sums the same losses in the
+  // same order, on the device (nothing waits for it here).
+  ops::normalise_and_loss(ctx.probs, stats, out[0]);
 }
 
 // Rows [r0, r0 + rows) at a time: logits (rows, V) = x_c wte^T, their losses

@@ -188,6 +188,9 @@ struct Args {
   std::string split;
   int64_t eval_interval = 0, eval_iters = 10;
   int64_t save_interval = 0, log_interval = 1, keep_last = 0;
+  // Megatron's: the CUDA profiler's range opens when this many steps have
+  // run and closes when the end's have (-1: no range).
+  int64_t profile_step_start = -1, profile_step_end = -1;
   std::string optimizer = "adam";  // Megatron's --optimizer adam|sgd
   float sgd_momentum = 0;
   int64_t local_steps = 0;         // local SGD / DiLoCo: average replicas every N steps
@@ -342,12 +345,23 @@ weft::Device resolve_device(const Args& a, int world, bool& staged, bool& nccl) 
   check(!a.tf32 || (!a.bf16 && !a.fp16),
         "--tf32 changes nothing with --{}: every GEMM takes {} inputs", a.bf16 ? "bf16" : "fp16",
         a.bf16 ? "bf16" : "fp16");
-  check(a.device == "auto" || a.device == "cpu" || a.device == "cuda",
-        "--device '{}' must be cpu, cuda or auto", a.device);
+  // cuda:N: one process on GPU N (as PyTorch names it).
+  int index = -1;
+  if (a.device.starts_with("cuda:")) {
+    const std::string n = a.device.substr(5);
+    check(!n.empty() && n.size() <= 4 && n.find_first_not_of("0123456789") == std::string::npos,
+          "--device '{}' must be cpu, cuda, cuda:N (N a GPU index) or auto", a.device);
+    index = std::stoi(n);
+  } else {
+    check(a.device == "auto" || a.device == "cpu" || a.device == "cuda",
+          "--device '{}' must be cpu, cuda, cuda:N (N a GPU index) or auto", a.device);
+  }
   check(a.comm_backend == "auto" || a.comm_backend == "mpi" || a.comm_backend == "nccl",
         "--comm-backend '{}' must be auto, mpi or nccl", a.comm_backend);
   const int gpus = cuda_device_count();
-  const std::string kind = a.device == "auto" ? (gpus > 0 ? "cuda" : "cpu") : a.device;
+  const std::string kind = index >= 0        ? "cuda"
+                           : a.device == "auto" ? (gpus > 0 ? "cuda" : "cpu")
+                                                : a.device;
   check(kind == "cuda" || a.comm_backend != "nccl",
         "--comm-backend nccl carries GPU tensors: it needs --device cuda");
   check(world > 1 || a.comm_backend == "auto",
@@ -375,13 +389,23 @@ weft::Device resolve_device(const Args& a, int world, bool& staged, bool& nccl) 
     check(!a.tf32, "--tf32 needs --device cuda: the CPU computes in fp32");
   } else {
     check(cuda_built(), "--device cuda: weft was built without CUDA (meson setup -Dcuda=enabled)");
-    check(gpus > 0, "--device cuda: no CUDA device is visible (see nvidia-smi and "
-                    "CUDA_VISIBLE_DEVICES)");
+    check(gpus > 0, "--device {}: no CUDA device is visible (see nvidia-smi and "
+                    "CUDA_VISIBLE_DEVICES)", a.device);
+    check(index < gpus, "--device {}: {} CUDA device{} visible (cuda:0{}); see nvidia-smi and "
+                        "CUDA_VISIBLE_DEVICES",
+          a.device, gpus, gpus == 1 ? " is" : "s are",
+          gpus == 1 ? "" : fmt::format(" to cuda:{}", gpus - 1));
+    check(index < 0 || world == 1,
+          "--device {} places one process on one GPU; with {} ranks each takes the GPU of its "
+          "local rank: use --device cuda",
+          a.device, world);
   }
   if (kind != "cuda") return Device::cpu();
+  if (index >= 0) return Device::cuda(index);
   const LaunchInfo launch = detect_launch();
   const DeviceTransport transport =
-      choose_device_transport(a.comm_backend, world, launch.local_size, gpus);
+      choose_device_transport(a.comm_backend, world, launch.local_size, gpus,
+                              nccl_ranks_as_hosts());
   staged = transport == DeviceTransport::HostStaged;
   nccl = transport == DeviceTransport::Nccl;
   if (nccl) {
@@ -946,6 +970,12 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
         "--global-batch-size ({}) must be a multiple of --micro-batch-size ({})", global,
         a.micro_batch);
   check(a.train_iters >= 0, "--train-iters ({}) must not be negative", a.train_iters);
+  check((a.profile_step_start < 0) == (a.profile_step_end < 0),
+        "--profile-step-start ({}) and --profile-step-end ({}) go together", a.profile_step_start,
+        a.profile_step_end);
+  check(a.profile_step_start < a.profile_step_end || a.profile_step_start < 0,
+        "--profile-step-end ({}) must be past --profile-step-start ({})", a.profile_step_end,
+        a.profile_step_start);
   check(a.lr > 0, "--lr ({}) must be positive", a.lr);
   check(a.min_lr >= 0 && a.min_lr <= a.lr, "--min-lr ({}) must be between 0 and --lr ({})",
         a.min_lr, a.lr);
@@ -1342,7 +1372,9 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     if (rank0) fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
   };
   while (trainer.steps_done() < a.train_iters) {
+    if (trainer.steps_done() == a.profile_step_start) profiler_range(setup.device, true);
     StepRecord r = trainer.train_step();
+    if (trainer.steps_done() == a.profile_step_end) profiler_range(setup.device, false);
     if (recent.size() == kRecent) recent.erase(recent.begin()), recent_ms.erase(recent_ms.begin());
     recent.push_back(r.loss);
     recent_ms.push_back(r.step_ms);
@@ -1601,8 +1633,8 @@ int main(int argc, char** argv) {
                  "llm.c tokenizer file (e.g. gpt2_tokenizer.bin) to decode samples of token data");
   app.add_option("--threads", a.threads, "CPU threads (default: cores / local ranks)");
   app.add_option("--device", a.device,
-                 "cpu, cuda, or auto: cuda when a GPU is visible; each rank takes the GPU of "
-                 "its local rank");
+                 "cpu, cuda, cuda:N or auto: cuda when a GPU is visible; each rank takes the GPU "
+                 "of its local rank (cuda:N: one process on GPU N)");
   app.add_option("--comm-backend", a.comm_backend,
                  "auto, mpi or nccl: how ranks on GPUs exchange tensors (mpi: staged through "
                  "host memory, which works when ranks share a GPU)");
@@ -1641,6 +1673,11 @@ int main(int argc, char** argv) {
                  "refused naming the least any cut needs");
   app.add_option("--trace", a.trace,
                  "write a Chrome trace (Perfetto) of every pipeline action on every rank");
+  app.add_option("--profile-step-start", a.profile_step_start,
+                 "open the CUDA profiler's range (cudaProfilerStart: nsys --capture-range="
+                 "cudaProfilerApi, ncu --profile-from-start off) when this many steps have run");
+  app.add_option("--profile-step-end", a.profile_step_end,
+                 "close it (cudaProfilerStop) when this many steps have run");
   app.add_option("--profile", a.profile,
                  "time every node's F, I and W on this machine's --device (rank 0, the whole "
                  "model: on a GPU it must fit there), write them to this JSON file and use them "

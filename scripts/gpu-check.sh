@@ -24,7 +24,8 @@
 #
 # --emulate builds with -Dgpu_emulator=true and runs what a GPU run runs,
 # each test expected to PASS (cuDNN's fused attention is the emulator's
-# stand-in, tests/cuda_emu/sdpa.cc; its NCCL is a one-process stand-in), with meson's
+# stand-in, tests/cuda_emu/sdpa.cc; its NCCL a stand-in across processes, with
+# the ranks on devices of their own or, as on one GPU, each its own NCCL host), with meson's
 # GTEST_FILTER for a test where it sets one; only the sizes shrink to what a
 # CPU emulating a GPU does in minutes: the sample job runs 3 steps,
 # bench_cuda the mini model at B 2 with 2 warm-up and 2 timed steps
@@ -181,10 +182,13 @@ if [ "$setup_rc" != 0 ]; then
 fi
 targets=(tests/test_nccl tests/cuda/test_cuda_allocator tests/cuda/test_cuda_kernels
          tests/cuda/test_cuda_layers tests/cuda/test_cuda_train tests/cuda/test_cuda_mpi
+         tests/cuda/test_cuda_nccl
          tests/cuda/test_cuda_fused_attention tests/cuda/test_cuda_step_kernels
          tests/cuda/test_cuda_bf16_kernels tests/cuda/test_cuda_gemm_bias tests/test_parity
          train_gpt bench/bench_cuda)
-if [ "$emulate" = 1 ]; then targets+=(tests/cuda_emu/test_cuda_emulator); fi
+if [ "$emulate" = 1 ]; then
+  targets+=(tests/cuda_emu/test_cuda_emulator tests/cuda_emu/test_emulator_nccl)
+fi
 if [ "$dry_run" = 1 ] || [ "$emulate" = 1 ]; then build_limit=3600; else build_limit=$(limit_for 360); fi
 if ! timeout "$build_limit" ninja -C "$build" -j"$cores" "${targets[@]}" >>"$log" 2>&1; then
   tail -n 40 "$log"
@@ -215,17 +219,20 @@ export WEFT_TRAIN_GPT="$PWD/$build/train_gpt"
 # The launcher of the MPI the build links (meson writes it), for ranks that
 # share the GPU; Open MPI needs oversubscription for 8 ranks on fewer slots.
 export WEFT_MPIEXEC="$PWD/$build/bench/mpiexec" OMPI_MCA_rmaps_base_oversubscribe=1
-run_test() {  # name binary needs_gpu [timeout seconds, default 240]
+run_test() {  # name binary needs_gpu [timeout seconds, default 240] [ranks]
   # needs_gpu: 1, or "fused": a GPU and a build with cuDNN fused attention.
-  local name=$1 bin=$2 needs_gpu=$3 limit want=0 rc=0 t0 ms filter=""
+  # ranks: run the binary as that many ranks under mpiexec, each its own NCCL
+  # host (WEFT_NCCL_ONE_GPU=1), so that one GPU runs NCCL between them.
+  local name=$1 bin=$2 needs_gpu=$3 limit want=0 rc=0 t0 ms filter="" launch=()
   limit=$(limit_for "${4:-240}")
   if [ "$limit" = 0 ]; then out_of_time "$name"; return; fi
   if [ "$emulate" = 1 ]; then
     filter=$(sed -n "s/^$name //p" "$logs/filters.txt")
   fi
+  if [ -n "${5:-}" ]; then launch=(env WEFT_NCCL_ONE_GPU=1 "$WEFT_MPIEXEC" -n "$5"); fi
   t0=$(date +%s%N)
-  GTEST_FILTER=${filter:-${GTEST_FILTER:-*}} timeout "$limit" "$build/$bin" >"$logs/$name.out" 2>&1 \
-    || rc=$?
+  GTEST_FILTER=${filter:-${GTEST_FILTER:-*}} timeout "$limit" "${launch[@]}" "$build/$bin" \
+    >"$logs/$name.out" 2>&1 || rc=$?
   ms=$(( ($(date +%s%N) - t0) / 1000000 ))
   if [ "$dry_run" = 1 ] && [ "$needs_gpu" != 0 ]; then want=77; fi
   if [ "$needs_gpu" = fused ] && [ "$fused" = no ]; then want=77; fi
@@ -251,8 +258,13 @@ run_test() {  # name binary needs_gpu [timeout seconds, default 240]
 }
 # NCCL at world size 1: every collective, p2p to itself in a group, split,
 # the deadline (about 1 s of it), stream-ordered reuse; seconds, so a hang
-# gets 60 s, not 240.
+# gets 60 s, not 240. Then the same between 2 and 3 ranks, each its own
+# NCCL host on the GPU (NCCL's socket transport over loopback), and
+# train_gpt's layouts over NCCL against one process (tests/cuda/test_cuda_nccl).
 run_test nccl tests/test_nccl 1 60
+run_test nccl_2_ranks tests/test_nccl 1 90 2
+run_test nccl_3_ranks tests/test_nccl 1 90 3
+run_test cuda_nccl tests/cuda/test_cuda_nccl 1 420
 run_test cuda_allocator tests/cuda/test_cuda_allocator 0
 run_test cuda_kernels tests/cuda/test_cuda_kernels 1
 run_test cuda_layers tests/cuda/test_cuda_layers 1
@@ -269,8 +281,9 @@ run_test cuda_mpi tests/cuda/test_cuda_mpi 1   # several ranks sharing the GPU (
 # cuDNN's fused attention against the CPU (SKIP in a build without it)
 run_test cuda_fused_attention tests/cuda/test_cuda_fused_attention fused
 run_test parity tests/test_parity 0   # its cuda cases run where a GPU is visible
-if [ "$emulate" = 1 ]; then  # the emulator's own test
+if [ "$emulate" = 1 ]; then  # the emulator's own tests
   run_test cuda_emulator tests/cuda_emu/test_cuda_emulator 1
+  run_test cuda_emulator_nccl tests/cuda_emu/test_emulator_nccl 1
 fi
 
 # --- the sample job on the GPU (scripts/sample.sh's model and flags), when

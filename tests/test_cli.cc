@@ -107,7 +107,15 @@ class Cli : public ::testing::Test {
 // Device and precision flags that cannot be honoured: one line each.
 TEST_F(Cli, DeviceAndPrecisionFlags) {
   expect_error(toy("--bf16 --fp16"), {"--bf16 and --fp16 are mutually exclusive"});
-  expect_error(toy("--device tpu"), {"--device 'tpu' must be cpu, cuda or auto"});
+  expect_error(toy("--device tpu"),
+               {"--device 'tpu' must be cpu, cuda, cuda:N (N a GPU index) or auto"});
+  expect_error(toy("--device cuda:first"),
+               {"--device 'cuda:first' must be cpu, cuda, cuda:N (N a GPU index) or auto"});
+  // NCCL without a GPU: auto is the CPU, which NCCL cannot carry.
+  expect_error(toy("--device auto --comm-backend nccl"),
+               {cuda_device_count() > 0
+                    ? "--comm-backend nccl chooses how ranks talk, but the job is one process"
+                    : "--comm-backend nccl carries GPU tensors: it needs --device cuda"});
   expect_error(toy("--device cpu --tf32"), {"--tf32 needs --device cuda"});
   expect_error(toy("--device cuda --tf32 --bf16"), {"--tf32 changes nothing with --bf16"});
   expect_error(toy("--comm-backend gloo"), {"--comm-backend 'gloo' must be auto, mpi or nccl"});
@@ -118,6 +126,8 @@ TEST_F(Cli, DeviceAndPrecisionFlags) {
   if (cuda_device_count() > 0) GTEST_SKIP() << "a GPU is visible: --device cuda can run here";
   expect_error(toy("--device cuda"), {cuda_built() ? "--device cuda: no CUDA device is visible"
                                                    : "--device cuda: weft was built without CUDA"});
+  expect_error(toy("--device cuda:1"), {cuda_built() ? "--device cuda:1: no CUDA device is visible"
+                                                     : "--device cuda: weft was built without CUDA"});
   // auto falls back to the CPU without a GPU, and says where it runs.
   Result r = run(toy("--device auto --train-iters 1"));
   EXPECT_EQ(r.code, 0) << r.err;

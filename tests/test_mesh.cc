@@ -147,6 +147,15 @@ TEST(DeviceTransport, NcclWhenEachRankHasItsOwnGpu) {
   EXPECT_EQ(choose_device_transport("auto", 4, 2, 2), DeviceTransport::Nccl);
 }
 
+// WEFT_NCCL_ONE_GPU=1: each rank its own NCCL host, so --comm-backend nccl
+// runs while ranks share a GPU; auto and mpi still stage through the host.
+TEST(DeviceTransport, RanksAsNcclHostsTakeNcclOnOneGpu) {
+  EXPECT_EQ(choose_device_transport("nccl", 4, 4, 1, true), DeviceTransport::Nccl);
+  EXPECT_EQ(choose_device_transport("auto", 4, 4, 1, true), DeviceTransport::HostStaged);
+  EXPECT_EQ(choose_device_transport("mpi", 2, 2, 1, true), DeviceTransport::HostStaged);
+  EXPECT_EQ(choose_device_transport("nccl", 1, 1, 1, true), DeviceTransport::None);
+}
+
 TEST(DeviceTransport, HostStagedWhenRanksShareAGpu) {
   EXPECT_EQ(choose_device_transport("auto", 4, 4, 1), DeviceTransport::HostStaged);
   EXPECT_EQ(choose_device_transport("mpi", 8, 8, 2), DeviceTransport::HostStaged);

@@ -1,7 +1,7 @@
 // NcclCommunicator on this machine's GPU, at world size 1 (NCCL refuses two
 // ranks on one GPU; under mpiexec with a GPU per rank it runs at any size):
 // every collective, blocking and not, point-to-point to itself inside a
-// group, the shape check, host tensors through the host transport, split(),
+// group, the shape checks, host tensors through the host transport, split(),
 // the deadline, the set-up's deadline (a peer that never arrives), and the
 // allocator's stream-ordered reuse. Values are small
 // integers in fp32, so every sum is exact and compared with ==. Exits 77
@@ -18,6 +18,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "weft_config.h"
@@ -154,14 +155,54 @@ void check_group_p2p(weft::Communicator& c) {
   expect(to_host(in0) == std::vector<float>{p, p + 0.5f}, "group p2p, first message");
   expect(to_host(in1) == std::vector<float>{100 + p}, "group p2p, second message");
 
-  // A receive posted for the wrong shape is named before NCCL sees it.
-  Tensor wrong = to_device({0, 0, 0});
-  c.group_start();
-  auto r = c.irecv(wrong, prev, {weft::MessageTag::Kind::Gradient, 2});
-  auto s = c.isend(to_device({1, 2}), next, {weft::MessageTag::Kind::Gradient, 2});
-  const std::string e = error_of([&] { c.group_end(); });
-  expect(has(e, "received F32 [2]") && has(e, "posted a receive for F32 [3]"),
-         "a mismatched receive names both shapes: " + e);
+}
+
+// A receive posted for the wrong shape: the first message of a tag carries
+// its header over the host, so the receive's wait names both shapes, and
+// aborts the communicator (its NCCL receive has the wrong count). A later
+// message of a tag keeps the first one's shape, checked on each side. On
+// splits of their own, since they end them.
+void check_mismatches(weft::Communicator& world) {
+  std::vector<int> all;
+  for (int r = 0; r < world.size(); ++r) all.push_back(r);
+  const int n = world.size();
+  const int next = (world.rank() + 1) % n, prev = (world.rank() + n - 1) % n;
+  {
+    auto c = world.split({all}, "mismatch");
+    world.barrier();  // every rank has it before any aborts it
+    Tensor wrong = to_device({0, 0, 0}), right = to_device({1, 2});
+    c->group_start();
+    auto r = c->irecv(wrong, prev, {weft::MessageTag::Kind::Gradient, 2});
+    auto s = c->isend(right, next, {weft::MessageTag::Kind::Gradient, 2});
+    c->group_end();
+    world.barrier();  // every rank has launched before any aborts
+    const std::string e = error_of([&] { r->wait(); });
+    expect(has(e, "received F32 [2]") && has(e, "posted a receive for F32 [3]"),
+           "a mismatched receive names both shapes: " + e);
+    const std::string after = error_of([&] { c->all_reduce(right, weft::ReduceOp::Sum); });
+    expect(has(after, "aborted"), "the communicator is aborted after a mismatch: " + after);
+  }
+  {
+    auto c = world.split({all}, "changed shape");
+    world.barrier();
+    Tensor a = to_device({1, 2}), b = to_device({0, 0});
+    c->group_start();
+    auto r = c->irecv(b, prev, {weft::MessageTag::Kind::Activation, 5});
+    auto s = c->isend(a, next, {weft::MessageTag::Kind::Activation, 5});
+    c->group_end();
+    r->wait();
+    s->wait();
+    const std::string e = error_of([&] {
+      c->isend(to_device({1, 2, 3}), next, {weft::MessageTag::Kind::Activation, 5});
+    });
+    expect(has(e, "sends F32 [3]") && has(e, "whose first message was F32 [2]"),
+           "a tag's later message of another shape is refused: " + e);
+    const std::string e2 = error_of([&] {
+      c->irecv(to_device({1}), prev, {weft::MessageTag::Kind::Activation, 5});
+    });
+    expect(has(e2, "posts a receive for F32 [1]") && has(e2, "whose first message was F32 [2]"),
+           "a tag's later receive of another shape is refused: " + e2);
+  }
 }
 
 // The deadline: a receive nothing sends. Runs on a split of its own, since
@@ -170,6 +211,7 @@ void check_deadline(weft::Communicator& world) {
   std::vector<int> all;
   for (int r = 0; r < world.size(); ++r) all.push_back(r);
   auto c = world.split({all}, "deadline");
+  world.barrier();  // every rank has it before any aborts it
   c->set_timeout(std::chrono::milliseconds(300));
   c->set_step("the deadline check");
   Tensor t = to_device({0});
@@ -179,6 +221,39 @@ void check_deadline(weft::Communicator& world) {
   expect(has(e, "timed out after 300 ms") && has(e, "the deadline check"),
          "a receive past its deadline throws CommTimeout naming it: " + e);
   expect(s < 30, fmt::format("the deadline came in {} s", s));
+
+  // A receive left to the device (wait_on_device, as a GPU step waits): the
+  // host goes on at once; past the deadline the watchdog aborts the
+  // communicator, so that the device's work ends, and the next call throws
+  // naming the receive. Its tag's first message (which carries a header)
+  // goes first, so that the host has nothing of its own to wait for.
+  auto w = world.split({all}, "watchdog");
+  world.barrier();
+  w->set_timeout(std::chrono::milliseconds(300));
+  w->set_step("the watchdog check");
+  const int n = world.size();
+  const weft::MessageTag tag{weft::MessageTag::Kind::User, 7};
+  Tensor a = to_device({1}), b = to_device({0});
+  w->group_start();
+  auto r0 = w->irecv(b, (w->rank() + n - 1) % n, tag);
+  auto s0 = w->isend(a, (w->rank() + 1) % n, tag);
+  w->group_end();
+  r0->wait_on_device();
+  s0->wait_on_device();
+  expect(to_host(b) == std::vector<float>{1}, "a message the device waited for");
+  auto r1 = w->irecv(b, (w->rank() + n - 1) % n, tag);  // nothing sends it
+  const auto t1 = std::chrono::steady_clock::now();
+  r1->wait_on_device();
+  const double posted = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  expect(posted < 0.25, fmt::format("wait_on_device returned after {} s, not at once", posted));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  const std::string later = error_of([&] { w->isend(a, (w->rank() + 1) % n, tag); });
+  // Its own deadline, or a peer's abort when that peer's deadline came first.
+  expect((has(later, "timed out after 300 ms") || has(later, "remote process exited")) &&
+             has(later, "the watchdog check") &&
+             has(later, "the NCCL watchdog aborted the communicator"),
+         "the watchdog's timeout is thrown by the next call: " + later);
+  cudaDeviceSynchronize();  // the aborted receive's work has ended
 }
 
 // A tensor the communication stream used is not reused until its event fires.
@@ -263,6 +338,7 @@ int main(int argc, char** argv) {
     auto half = nccl->split(parity, "parity");
     check_collectives(*half);
     check_group_p2p(*half);
+    check_mismatches(*nccl);
     check_deadline(*nccl);
     // Last: NCCL is left with an aborted set-up. At world size 1 only, where
     // this rank is alone in the real world too.

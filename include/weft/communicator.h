@@ -85,11 +85,26 @@ class Request {
   // Blocks (politely: polling with short sleeps) until complete; throws
   // CommTimeout past the deadline and PeerFailed when a peer has failed.
   virtual void wait() = 0;
+  // Whether wait_on_device() leaves the waiting to the device: a request on
+  // device tensors of a stream-ordered transport (NCCL).
+  virtual bool device_ordered() const { return false; }
+  // False while the request's p2p group is still open (nothing to wait for yet).
+  virtual bool launched() const { return true; }
+  // What a GPU step calls instead of wait(): the work this rank queues on
+  // its device from now on runs after the operation (its tensors may then be
+  // read and rewritten there), and the host goes on at once. The deadline is
+  // kept by the communicator's watchdog thread, which aborts the transport
+  // past it, prints what never completed, and makes the communicator's next
+  // call throw CommTimeout naming it. A request that is not device_ordered()
+  // waits, as wait() does.
+  virtual void wait_on_device() { wait(); }
 };
 using RequestPtr = std::unique_ptr<Request>;
 
 // Waits for all, in order.
 void wait_all(std::vector<RequestPtr>& requests);
+// wait_on_device() for all, in order.
+void wait_all_on_device(std::vector<RequestPtr>& requests);
 
 class Communicator {
  public:

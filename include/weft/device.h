@@ -38,5 +38,10 @@ size_t host_memory_available();
 bool cuda_built();
 // Number of usable CUDA devices at run time (0 when none, or not built).
 int cuda_device_count();
+// Opens (start) or closes the CUDA profiler's collection range on a GPU
+// (cudaProfilerStart/Stop: `nsys --capture-range=cudaProfilerApi` or
+// `ncu --profile-from-start off` record only inside it; the GPU emulator
+// prints what the host asked of the device in it); nothing on the CPU.
+void profiler_range(Device device, bool start);
 
 }  // namespace weft

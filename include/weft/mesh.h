@@ -80,8 +80,11 @@ enum class DeviceTransport : uint8_t {
 // them on this node, which has `gpus` GPUs. NCCL refuses two ranks on one
 // GPU, so when ranks share one, auto and mpi stage through the host and nccl
 // is refused; when each rank has its own, auto and nccl choose NCCL and mpi
-// stages. Throws Error with one line naming the values and the rule.
+// stages. `ranks_as_hosts` (WEFT_NCCL_ONE_GPU=1, nccl_ranks_as_hosts()):
+// each rank is its own NCCL host, so nccl is taken even while ranks share a
+// GPU (auto still stages). Throws Error with one line naming the values and
+// the rule.
 DeviceTransport choose_device_transport(const std::string& backend, int world, int local_size,
-                                        int gpus);
+                                        int gpus, bool ranks_as_hosts = false);
 
 }  // namespace weft

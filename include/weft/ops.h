@@ -300,9 +300,10 @@ void row_max(const Tensor& logits, const Tensor& max);
 // those, then logit[target] - max where this slice holds the target, else 0.
 void exp_and_stats(const Tensor& logits, const Tensor& targets, int64_t first, const Tensor& max,
                    const Tensor& stats);
-// In place: exps become probabilities, exps / sum; returns the sum over rows
-// of log(sum) - z, the loss, from the all-reduced stats (2, N).
-double normalise_and_loss(const Tensor& exps, const Tensor& stats);
+// In place: exps become probabilities, exps / sum; loss (one F32 on the same
+// device) = the sum over rows of log(sum) - z, from the all-reduced stats
+// (2, N), summed in double and rounded once. On a GPU nothing waits for it.
+void normalise_and_loss(const Tensor& exps, const Tensor& stats, const Tensor& loss);
 
 // --- mean-squared error, as a sum: 0.5 * sum (pred - target)^2 ---
 

@@ -102,7 +102,8 @@ class ParamStore {
 };
 
 // Copies this rank's part of `full` (shape s.full) into `part` (shape
-// s.local()), and back: the two are exact inverses on a rank's piece.
+// s.local()), and back: the two are exact inverses on a rank's piece. Either
+// side may be on a GPU (copied through the host after its queued work).
 void slice_shard(const Tensor& full, const Shard& s, const Tensor& part);
 void place_shard(const Tensor& part, const Shard& s, const Tensor& full);
 

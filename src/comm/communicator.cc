@@ -71,6 +71,11 @@ void wait_all(std::vector<RequestPtr>& requests) {
     if (r) r->wait();
 }
 
+void wait_all_on_device(std::vector<RequestPtr>& requests) {
+  for (auto& r : requests)
+    if (r) r->wait_on_device();
+}
+
 void Communicator::barrier_without_deadline() {
   // A century: far enough never to pass, near enough that every transport's
   // `now + timeout` stays within its clock's range.

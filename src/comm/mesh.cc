@@ -109,15 +109,18 @@ LaunchInfo detect_launch() {
 }
 
 DeviceTransport choose_device_transport(const std::string& backend, int world, int local_size,
-                                        int gpus) {
+                                        int gpus, bool ranks_as_hosts) {
   check(backend == "auto" || backend == "mpi" || backend == "nccl",
         "--comm-backend '{}' must be auto, mpi or nccl", backend);
   check(gpus > 0, "choosing how ranks on GPUs talk, but no GPU is visible");
   if (world == 1) return DeviceTransport::None;
   const bool sharing = local_size > gpus;
+  if (backend == "nccl" && ranks_as_hosts) return DeviceTransport::Nccl;
   check(backend != "nccl" || !sharing,
         "--comm-backend nccl: {} ranks on this node share {} GPU{}, and NCCL refuses two "
-        "ranks on one GPU; use --comm-backend mpi, which stages tensors through the host",
+        "ranks on one GPU; use --comm-backend mpi, which stages tensors through the host (or, "
+        "for testing NCCL on one GPU, WEFT_NCCL_ONE_GPU=1: each rank its own NCCL host, over "
+        "sockets)",
         local_size, gpus, gpus == 1 ? "" : "s");
   return sharing || backend == "mpi" ? DeviceTransport::HostStaged : DeviceTransport::Nccl;
 }

@@ -16,6 +16,10 @@ void* cuda_alloc(size_t bytes, int index) {
 
 void cuda_free(void* p, int index) { cuda::context(index).allocator().release(p); }
 
+void cuda_profiler(bool start, int index) {
+  start ? cuda::profiler_start(cuda::context(index)) : cuda::profiler_stop(cuda::context(index));
+}
+
 int cuda_count() {
   int n = 0;  // left untouched by cudaGetDeviceCount on error
   if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;

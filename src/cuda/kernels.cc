@@ -340,6 +340,18 @@ void scale_inplace(Context& ctx, float* y, float s, int64_t n) {
   WEFT_LAUNCH_CHECK("scale_inplace");
 }
 
+void fill32(Context& ctx, uint32_t* y, uint32_t bits, int64_t n) {
+  if (n == 0) return;
+  launch::fill32(prepare(ctx), y, bits, n);
+  WEFT_LAUNCH_CHECK("fill32");
+}
+
+void fill16(Context& ctx, uint16_t* y, uint16_t bits, int64_t n) {
+  if (n == 0) return;
+  launch::fill16(prepare(ctx), y, bits, n);
+  WEFT_LAUNCH_CHECK("fill16");
+}
+
 namespace {
 void check_rows(int64_t n, const char* what) {
   check(n <= 0x7fffffff, "{}: {} rows exceed the grid's limit of 2^31 - 1 blocks", what, n);
@@ -413,14 +425,14 @@ void exp_and_stats(Context& ctx, float* logits, const int32_t* targets, int64_t 
   WEFT_LAUNCH_CHECK("exp_and_stats");
 }
 
-double normalise_and_loss(Context& ctx, float* p, const float* sum, const float* z, int64_t n,
-                          int64_t v) {
-  if (n == 0) return 0;
+void normalise_and_loss(Context& ctx, float* p, const float* sum, const float* z, int64_t n,
+                        int64_t v, float* loss) {
+  if (n == 0) return zero(ctx, loss, sizeof(float));
   check_rows(n, "normalise_and_loss");
   DeviceBuffer<float> losses(ctx, n);
   launch::normalise(prepare(ctx), p, sum, z, losses.data(), n, v);
   WEFT_LAUNCH_CHECK("normalise_and_loss");
-  return sum_to_host(ctx, losses.data(), n);
+  weft::cuda::sum(ctx, losses.data(), n, loss);
 }
 
 void embedding_forward(Context& ctx, const int32_t* tokens, const float* wte, const float* wpe,

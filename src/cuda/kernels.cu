@@ -387,6 +387,13 @@ __global__ void scale_inplace_kernel(float* y, float s, int64_t n) {
     y[i] *= s;
 }
 
+template <typename T>
+__global__ void fill_kernel(T* y, T bits, int64_t n) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    y[i] = bits;
+}
+
 // ---------------------------------------------------------------- bf16 vectors
 
 // The bf16 element-wise kernels of a --bf16 step, 8 elements (16 bytes) per
@@ -1447,6 +1454,14 @@ void add_bias_bf16(cudaStream_t s, const float* x, const uint16_t* bias, uint16_
 
 void scale_inplace(cudaStream_t s, float* y, float scale, int64_t n) {
   scale_inplace_kernel<<<blocks_for(n), kThreads, 0, s>>>(y, scale, n);
+}
+
+void fill32(cudaStream_t s, uint32_t* y, uint32_t bits, int64_t n) {
+  fill_kernel<<<blocks_for(n), kThreads, 0, s>>>(y, bits, n);
+}
+
+void fill16(cudaStream_t s, uint16_t* y, uint16_t bits, int64_t n) {
+  fill_kernel<<<blocks_for(n), kThreads, 0, s>>>(y, bits, n);
 }
 
 void mask_columns(cudaStream_t s, float* logits, int64_t n, int64_t v, int64_t from) {

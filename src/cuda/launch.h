@@ -95,6 +95,8 @@ void fill_rows(cudaStream_t s, uint16_t* y, const float* row, int64_t n, int64_t
 void add_bias_bf16(cudaStream_t s, const float* x, const uint16_t* bias, uint16_t* y, int64_t n,
                    int64_t c, int64_t ldy);
 void scale_inplace(cudaStream_t s, float* y, float scale, int64_t n);
+void fill32(cudaStream_t s, uint32_t* y, uint32_t bits, int64_t n);
+void fill16(cudaStream_t s, uint16_t* y, uint16_t bits, int64_t n);
 
 // --- cross-entropy, one block per row (n < 2^31) ---
 void mask_columns(cudaStream_t s, float* logits, int64_t n, int64_t v, int64_t from);

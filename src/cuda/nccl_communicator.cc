@@ -7,12 +7,21 @@
 
 #include <fmt/ranges.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
+#include <map>
+#include <mutex>
+#include <string_view>
 #include <thread>
+#include <tuple>
 
 namespace weft {
 
@@ -78,8 +87,9 @@ struct Launch {
   }
 };
 
-// The shape/dtype header a point-to-point message sends ahead over the host
-// transport, so that the receiver checks what arrives.
+// The shape/dtype header that the first message of each tag between two
+// ranks (every message, with WEFT_NCCL_CHECK_MESSAGES=1) sends over the host
+// transport beside its NCCL payload, so that the receiver checks what came.
 constexpr int64_t kHeaderInts = 2 + Shape::kMaxRank;
 
 Tensor header_of(const Tensor& t) {
@@ -91,53 +101,49 @@ Tensor header_of(const Tensor& t) {
   return header;
 }
 
+// Whether every point-to-point message carries its header
+// (WEFT_NCCL_CHECK_MESSAGES=1), not only each tag's first.
+bool check_every_message() {
+  static const bool yes = [] {
+    const char* v = std::getenv("WEFT_NCCL_CHECK_MESSAGES");
+    return v != nullptr && std::string_view(v) == "1";
+  }();
+  return yes;
+}
+
 class NcclCommunicator;
 
 // A send, a receive or a non-blocking collective on NCCL: complete when its
-// launch's event has fired (and a send's header has left).
+// launch's event has fired and, for a message that carries a header, once
+// the header has gone (a send) or has come and matched the posted tensor (a
+// receive, which otherwise aborts the communicator and throws naming both).
 class NcclRequest final : public Request {
  public:
-  NcclRequest(NcclCommunicator& comm, std::shared_ptr<Launch> launch, RequestPtr header,
-              Tensor header_bytes, std::string what)
-      : comm_(comm), launch_(std::move(launch)), header_(std::move(header)),
-        header_bytes_(std::move(header_bytes)), what_(std::move(what)) {}
+  using Check = std::function<void(const Tensor& header)>;
+  NcclRequest(NcclCommunicator& comm, std::shared_ptr<Launch> launch, std::string what)
+      : comm_(comm), launch_(std::move(launch)), what_(std::move(what)) {}
+  void carry_header(RequestPtr req, Tensor header, Check check) {
+    header_req_ = std::move(req);
+    header_ = std::move(header);
+    check_ = std::move(check);
+  }
   bool test() override;
   void wait() override;
+  bool device_ordered() const override { return true; }
+  bool launched() const override { return done_ || launch_->done != nullptr; }
+  void wait_on_device() override;
 
  private:
+  bool header_checked();
+
   NcclCommunicator& comm_;
   std::shared_ptr<Launch> launch_;
-  RequestPtr header_;   // a send's header on the host transport
-  Tensor header_bytes_;  // what it reads, alive until it completes
+  RequestPtr header_req_;  // the header's host send or receive
+  Tensor header_;          // what it reads or writes, alive until it completes
+  Check check_;            // a receive's check of what came
   std::string what_;
   bool done_ = false;
-};
-
-// A receive outside a group: its NCCL part is queued only once its header has
-// arrived and matched the posted tensor, so that posting it never blocks.
-class HeaderFirstRecv final : public Request {
- public:
-  using Start = std::function<RequestPtr(const Tensor& header)>;
-  HeaderFirstRecv(NcclCommunicator& comm, Tensor header, RequestPtr header_req, Start start,
-                  std::string what)
-      : comm_(comm), header_(std::move(header)), header_req_(std::move(header_req)),
-        start_(std::move(start)), what_(std::move(what)) {}
-  bool test() override {
-    if (!payload_) {
-      if (!header_req_->test()) return false;
-      payload_ = start_(header_);
-    }
-    return payload_->test();
-  }
-  void wait() override;
-
- private:
-  NcclCommunicator& comm_;
-  Tensor header_;
-  RequestPtr header_req_;
-  Start start_;
-  RequestPtr payload_;
-  std::string what_;
+  bool ordered_ = false;  // the compute stream waits for it (wait_on_device)
 };
 
 class NcclCommunicator final : public Communicator {
@@ -156,6 +162,14 @@ class NcclCommunicator final : public Communicator {
     nccl_check(ncclCommCount(comm_, &size_), "ncclCommCount");
   }
   ~NcclCommunicator() override {
+    if (watchdog_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(watch_mu_);
+        stop_ = true;
+      }
+      watch_cv_.notify_all();
+      watchdog_.join();
+    }
     cudaSetDevice(device_);
     if (!aborted_) ncclCommDestroy(comm_);  // an aborted one is already freed
     cudaEventDestroy(ready_);
@@ -173,21 +187,31 @@ class NcclCommunicator final : public Communicator {
                             : fmt::format("nccl {} [{}]", name_, fmt::join(world_ranks_, ", "));
   }
 
+  // A message goes to NCCL at once (in a group: at group_end), never behind
+  // a wait of the host's. Its shape and dtype are the posted tensor's: the
+  // first message of each (peer, tag) also sends a header over the host
+  // transport, which the receiver checks when it waits; later ones are held
+  // to the shape that header carried (a pipeline's shapes are fixed by its
+  // schedule and graph), each side checking its own tensor.
   RequestPtr isend(const Tensor& t, int peer, MessageTag tag) override {
     if (!on_device(t, "isend")) return host().isend(t, peer, tag);
     check_peer(peer, "isend");
     keep_for_stream(t);
     std::string what = fmt::format("send to rank {} tag {}", peer, tag.str());
-    Tensor header_bytes = header_of(t);
-    RequestPtr header = host().isend(header_bytes, peer, tag);
+    const bool header = first_of(true, t, peer, tag);
+    std::shared_ptr<Launch> l;
     if (in_group_) {
-      pending_.push_back({true, t, peer, tag, Tensor(), nullptr});
-      return std::make_unique<NcclRequest>(*this, group_launch_, std::move(header),
-                                            std::move(header_bytes), std::move(what));
+      pending_.push_back({true, t, peer});
+      l = group_launch_;
+    } else {
+      l = launch(what, [&] { enqueue_send(t, peer); });
     }
-    std::shared_ptr<Launch> l = launch(what, [&] { enqueue_send(t, peer); });
-    return std::make_unique<NcclRequest>(*this, std::move(l), std::move(header),
-                                          std::move(header_bytes), std::move(what));
+    auto req = std::make_unique<NcclRequest>(*this, std::move(l), std::move(what));
+    if (header) {
+      Tensor bytes = header_of(t);
+      req->carry_header(host().isend(bytes, peer, tag), bytes, nullptr);
+    }
+    return req;
   }
 
   RequestPtr irecv(const Tensor& t, int peer, MessageTag tag) override {
@@ -195,25 +219,26 @@ class NcclCommunicator final : public Communicator {
     check_peer(peer, "irecv");
     keep_for_stream(t);
     std::string what = fmt::format("recv from rank {} tag {}", peer, tag.str());
-    Tensor header = Tensor::zeros({kHeaderInts}, DType::I32);
-    RequestPtr header_req = host().irecv(header, peer, tag);
+    const bool header = first_of(false, t, peer, tag);
+    std::shared_ptr<Launch> l;
     if (in_group_) {
-      pending_.push_back({false, t, peer, tag, header, std::move(header_req)});
-      return std::make_unique<NcclRequest>(*this, group_launch_, nullptr, Tensor(),
-                                            std::move(what));
+      pending_.push_back({false, t, peer});
+      l = group_launch_;
+    } else {
+      l = launch(what, [&] { enqueue_recv(t, peer); });
     }
-    auto start = [this, t, peer, tag, what](const Tensor& h) -> RequestPtr {
-      check_header(t, h, peer, tag);
-      std::shared_ptr<Launch> l = launch(what, [&] { enqueue_recv(t, peer); });
-      return std::make_unique<NcclRequest>(*this, std::move(l), nullptr, Tensor(), what);
-    };
-    return std::make_unique<HeaderFirstRecv>(*this, header, std::move(header_req), start, what);
+    auto req = std::make_unique<NcclRequest>(*this, std::move(l), std::move(what));
+    if (header) {
+      Tensor bytes = Tensor::zeros({kHeaderInts}, DType::I32);
+      req->carry_header(host().irecv(bytes, peer, tag), bytes,
+                        [this, t, peer, tag](const Tensor& h) { check_header(t, h, peer, tag); });
+    }
+    return req;
   }
 
   // The sends and receives of one group go to NCCL together at group_end,
-  // inside one ncclGroupStart/ncclGroupEnd, after every receive's header has
-  // arrived and matched (NCCL needs equal counts on both sides). Waiting for
-  // those headers is where a blocking receive would have waited.
+  // inside one ncclGroupStart/ncclGroupEnd, so that none waits behind
+  // another (NCCL matches them with the peers' groups as they come).
   void group_start() override {
     check(!in_group_, "group_start in {}: a group is already open (groups do not nest)",
           describe());
@@ -229,12 +254,6 @@ class NcclCommunicator final : public Communicator {
     pending_.clear();
     std::shared_ptr<Launch> group = std::move(group_launch_);
     if (ops.empty()) return;
-    host();  // the host transport's waits name this step
-    for (Pending& op : ops)
-      if (!op.send) {
-        op.header_req->wait();
-        check_header(op.t, op.header, op.peer, op.tag);
-      }
     std::shared_ptr<Launch> l = launch(fmt::format("group of {} sends and receives", ops.size()),
                                        [&] {
                                          for (const Pending& op : ops)
@@ -246,15 +265,15 @@ class NcclCommunicator final : public Communicator {
 
   void all_reduce(const Tensor& t, ReduceOp op) override {
     if (!on_device(t, "all_reduce")) return host().all_reduce(t, op);
-    iall_reduce(t, op)->wait();
+    iall_reduce(t, op)->wait_on_device();
   }
   void all_gather(const Tensor& in, const Tensor& out) override {
     if (!on_device(in, out, "all_gather")) return host().all_gather(in, out);
-    iall_gather(in, out)->wait();
+    iall_gather(in, out)->wait_on_device();
   }
   void reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op) override {
     if (!on_device(in, out, "reduce_scatter")) return host().reduce_scatter(in, out, op);
-    ireduce_scatter(in, out, op)->wait();
+    ireduce_scatter(in, out, op)->wait_on_device();
   }
 
   void broadcast(const Tensor& t, int root) override {
@@ -265,7 +284,7 @@ class NcclCommunicator final : public Communicator {
       nccl_started(ncclBroadcast(t.raw(), t.raw(), count(t), nccl_type(t.dtype()), root, comm_,
                                  stream_),
                    "ncclBroadcast");
-    })->wait();
+    })->wait_on_device();
   }
 
   // Every caller of a barrier orders host work (checkpoints, start-up).
@@ -322,6 +341,8 @@ class NcclCommunicator final : public Communicator {
         if (groups[g][i] == rank_) color = static_cast<int>(g), key = static_cast<int>(i);
     check(color >= 0, "split '{}' of {}: rank {} is in none of the groups", name, describe(),
           rank_);
+    rethrow_watchdog();
+    std::lock_guard<std::recursive_mutex> lock(nccl_mu_);
     check(!aborted_, "split '{}' of {}: the communicator was aborted after a timeout", name,
           describe());
     cuda_check(cudaSetDevice(device_), "cudaSetDevice");
@@ -361,10 +382,7 @@ class NcclCommunicator final : public Communicator {
     auto pause = std::chrono::microseconds(20);
     while (!done()) {
       if (std::chrono::steady_clock::now() > deadline) {
-        if (!aborted_) {
-          ncclCommAbort(comm_);
-          aborted_ = true;
-        }
+        abort();
         throw CommTimeout(waiting_for("NCCL " + what) + " (the NCCL communicator was aborted)");
       }
       std::this_thread::sleep_for(pause);
@@ -374,7 +392,9 @@ class NcclCommunicator final : public Communicator {
 
   // Throws Error when NCCL has reported an asynchronous failure (a network
   // error, a peer's abort).
-  void check_async(const std::string& what) const {
+  void check_async(const std::string& what) {
+    rethrow_watchdog();
+    std::lock_guard<std::recursive_mutex> lock(nccl_mu_);
     if (aborted_) throw Error("NCCL {} in {}: the communicator was aborted", what, describe());
     ncclResult_t async = ncclSuccess;
     nccl_check(ncclCommGetAsyncError(comm_, &async), "ncclCommGetAsyncError");
@@ -387,10 +407,27 @@ class NcclCommunicator final : public Communicator {
     bool send;
     Tensor t;
     int peer;
-    MessageTag tag;
-    Tensor header;          // a receive's header, arriving over the host
-    RequestPtr header_req;  // its host receive
   };
+
+  // Whether this message is the first of its (direction, peer, tag), which
+  // carries a header (or every one does: WEFT_NCCL_CHECK_MESSAGES=1); a later
+  // one must have the first one's shape and dtype.
+  bool first_of(bool send, const Tensor& t, int peer, const MessageTag& tag) {
+    const auto key = std::make_tuple(send, peer, tag.encode());
+    const auto it = shapes_.find(key);
+    if (it == shapes_.end()) {
+      shapes_.emplace(key, std::make_pair(t.shape(), t.dtype()));
+      return true;
+    }
+    check(it->second.first == t.shape() && it->second.second == t.dtype(),
+          "rank {} (world rank {}) {} {} {} {} rank {} (world rank {}) with tag {} in {}, whose "
+          "first message was {} {}: over NCCL a tag's messages keep its first message's shape "
+          "(WEFT_NCCL_CHECK_MESSAGES=1 checks every message)",
+          rank_, world_rank(rank_), send ? "sends" : "posts a receive for", dtype_name(t.dtype()),
+          t.shape().str(), send ? "to" : "from", peer, world_rank(peer), tag.str(), describe(),
+          dtype_name(it->second.second), it->second.first.str());
+    return check_every_message();
+  }
 
   // The host transport, with this communicator's step and deadline.
   Communicator& host() {
@@ -422,14 +459,59 @@ class NcclCommunicator final : public Communicator {
           "{} ({}) in {} of bf16 tensors is not supported (bf16 sums only)", what,
           reduce_op_name(op), describe());
   }
+  // A receive's header against its tensor. NCCL has already been given the
+  // receive, whose count differs from the send's: the communicator is
+  // aborted (its work would never end well) before the error is thrown.
   void check_header(const Tensor& posted, const Tensor& header, int peer,
-                    const MessageTag& tag) const {
+                    const MessageTag& tag) {
     const int32_t* d = header.data<int32_t>();
     Shape arrived;
     arrived.rank = d[1];
     for (int i = 0; i < arrived.rank; ++i) arrived[i] = d[2 + i];
-    check_message(posted, arrived, static_cast<DType>(d[0]), peer, tag, *this);
+    try {
+      check_message(posted, arrived, static_cast<DType>(d[0]), peer, tag, *this);
+    } catch (const Error&) {
+      abort();
+      throw;
+    }
   }
+
+ public:
+  // Aborts the NCCL communicator (its kernels end; its queued work completes
+  // without effect). From the watchdog's thread too.
+  void abort() {
+    std::lock_guard<std::recursive_mutex> lock(nccl_mu_);
+    if (!aborted_) {
+      ncclCommAbort(comm_);
+      aborted_ = true;
+    }
+  }
+
+  // The compute stream waits for `l` (the host does not), and the watchdog
+  // watches it against the deadline.
+  void order_after(const std::shared_ptr<Launch>& l, const std::string& what) {
+    rethrow_watchdog();
+    cuda_check(cudaSetDevice(device_), "cudaSetDevice");
+    cuda_check(cudaStreamWaitEvent(cuda::context(device_).compute_stream(), l->done, 0),
+               "cudaStreamWaitEvent");
+    std::lock_guard<std::mutex> lock(watch_mu_);
+    watched_.push_back({l, std::chrono::steady_clock::now() + options_.timeout,
+                        waiting_for("NCCL " + what) +
+                            " (the NCCL watchdog aborted the communicator)",
+                        what, step()});
+    if (!watchdog_.joinable()) watchdog_ = std::thread([this] { watch(); });
+    watch_cv_.notify_one();
+  }
+
+  // What the watchdog found, thrown by every call after it.
+  void rethrow_watchdog() {
+    std::lock_guard<std::mutex> lock(watch_mu_);
+    if (failure_.empty()) return;
+    if (failure_timed_out_) throw CommTimeout(failure_);
+    throw Error("{}", failure_);
+  }
+
+ private:
   static size_t count(const Tensor& t) { return static_cast<size_t>(t.numel()); }
 
   void enqueue_send(const Tensor& t, int peer) {
@@ -448,7 +530,7 @@ class NcclCommunicator final : public Communicator {
           describe());
     for (const Tensor* t : tensors) keep_for_stream(*t);
     std::shared_ptr<Launch> l = launch(what, enqueue);
-    return std::make_unique<NcclRequest>(*this, std::move(l), nullptr, Tensor(), std::move(what));
+    return std::make_unique<NcclRequest>(*this, std::move(l), std::move(what));
   }
 
   // A block freed while this stream may still use it waits for it
@@ -463,8 +545,11 @@ class NcclCommunicator final : public Communicator {
   // that says they are done.
   template <typename F>
   std::shared_ptr<Launch> launch(const std::string& what, F&& enqueue) {
+    rethrow_watchdog();
+    std::lock_guard<std::recursive_mutex> lock(nccl_mu_);
     check(!aborted_, "NCCL {} in {}: the communicator was aborted after a timeout", what,
           describe());
+    check_async(what);  // a peer's abort or a network error, named before NCCL refuses the call
     cuda_check(cudaSetDevice(device_), "cudaSetDevice");
     for (cudaStream_t before : {cuda::context(device_).compute_stream(), cudaStreamPerThread}) {
       cuda_check(cudaEventRecord(ready_, before), "cudaEventRecord");
@@ -488,11 +573,78 @@ class NcclCommunicator final : public Communicator {
     return l;
   }
 
+  // The watchdog: what the host stopped waiting for (wait_on_device), in
+  // stream order, each done once its event has fired. Past an entry's
+  // deadline, or on NCCL's asynchronous error, it aborts the communicator
+  // (so that the device's work ends), prints what never completed, and
+  // leaves the message for the next call to throw.
+  void watch() {
+    cudaSetDevice(device_);
+    std::unique_lock<std::mutex> lock(watch_mu_);
+    auto pause = std::chrono::microseconds(50);
+    while (!stop_) {
+      if (watched_.empty() || !failure_.empty()) {
+        watch_cv_.wait(lock);
+        pause = std::chrono::microseconds(50);
+        continue;
+      }
+      const Watched w = watched_.front();
+      lock.unlock();
+      const bool done = cudaEventQuery(w.launch->done) == cudaSuccess;
+      ncclResult_t async = ncclSuccess;
+      {
+        std::lock_guard<std::recursive_mutex> nccl(nccl_mu_);
+        if (!aborted_) ncclCommGetAsyncError(comm_, &async);
+      }
+      const bool late = !done && std::chrono::steady_clock::now() > w.deadline;
+      const bool failed = async != ncclSuccess && async != ncclInProgress;
+      if (late || failed) {
+        const std::string message =
+            late ? w.timeout_message
+                 : fmt::format("rank {} (world rank {}): NCCL failed in {}: {}, while the device "
+                               "waited for {} at {} (the NCCL watchdog aborted the communicator)",
+                               rank_, world_rank(rank_), describe(), ncclGetErrorString(async),
+                               w.what, w.step);
+        abort();
+        fmt::print(stderr, "NCCL watchdog: {}\n", message);
+        std::fflush(stderr);
+        lock.lock();
+        failure_ = message;
+        failure_timed_out_ = late;
+        watched_.clear();
+        continue;
+      }
+      lock.lock();
+      if (done) {
+        if (!watched_.empty() && watched_.front().launch == w.launch) watched_.pop_front();
+        pause = std::chrono::microseconds(50);
+        continue;
+      }
+      watch_cv_.wait_for(lock, pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    }
+  }
+
+  struct Watched {
+    std::shared_ptr<Launch> launch;
+    std::chrono::steady_clock::time_point deadline;
+    std::string timeout_message;  // CommTimeout's, made when the host moved on
+    std::string what, step;       // the operation, and the step it was waited for at
+  };
+
   std::unique_ptr<Communicator> owned_host_;  // declared first: host_ may refer to it
   Communicator& host_;
   int device_;
   ncclComm_t comm_;
-  bool aborted_ = false;
+  std::recursive_mutex nccl_mu_;  // comm_'s calls and its abort, from two threads
+  std::atomic<bool> aborted_{false};
+  std::mutex watch_mu_;
+  std::condition_variable watch_cv_;
+  std::deque<Watched> watched_;
+  std::string failure_;  // what the watchdog found
+  bool failure_timed_out_ = false;
+  bool stop_ = false;
+  std::thread watchdog_;
   std::string name_;
   std::vector<int> world_ranks_;
   cudaStream_t stream_ = nullptr;
@@ -500,13 +652,22 @@ class NcclCommunicator final : public Communicator {
   int rank_ = 0, size_ = 1;
   bool in_group_ = false;
   std::vector<Pending> pending_;
+  std::map<std::tuple<bool, int, int32_t>, std::pair<Shape, DType>> shapes_;
   std::shared_ptr<Launch> group_launch_;
 };
+
+bool NcclRequest::header_checked() {
+  if (!header_req_) return true;
+  if (!header_req_->test()) return false;
+  if (check_) check_(header_);
+  header_req_.reset();
+  return true;
+}
 
 bool NcclRequest::test() {
   if (done_) return true;
   if (launch_->done == nullptr) return false;  // its group is still open
-  if (header_ && !header_->test()) return false;
+  if (!header_checked()) return false;
   const cudaError_t e = cudaEventQuery(launch_->done);
   comm_.check_async(what_);
   if (e == cudaErrorNotReady) return false;
@@ -522,13 +683,36 @@ void NcclRequest::wait() {
   comm_.poll(what_, [this] { return test(); });
 }
 
-void HeaderFirstRecv::wait() { comm_.poll(what_, [this] { return test(); }); }
+// The host waits only for a first message's header (the host transport's,
+// at the first step); the device waits for the rest.
+void NcclRequest::wait_on_device() {
+  check(done_ || launch_->done != nullptr,
+        "NCCL {} in {} waited for inside its open group: close the group first (group_end)",
+        what_, comm_.describe());
+  if (done_ || ordered_) return;
+  comm_.poll(what_, [this] { return header_checked(); });
+  comm_.order_after(launch_, what_);
+  ordered_ = true;
+}
 
 }  // namespace
 
 bool nccl_built() { return true; }
 
+bool nccl_ranks_as_hosts() {
+  const char* v = std::getenv("WEFT_NCCL_ONE_GPU");
+  return v != nullptr && std::string_view(v) == "1";
+}
+
 std::unique_ptr<Communicator> nccl_world(Communicator& host, int device, CommOptions options) {
+  if (nccl_ranks_as_hosts()) {
+    char name[256] = {};
+    gethostname(name, sizeof name - 1);
+    const std::string id = fmt::format("{}-weft-rank-{}", name, host.world_rank(host.rank()));
+    setenv("NCCL_HOSTID", id.c_str(), 1);
+    setenv("NCCL_SOCKET_IFNAME", "lo", 0);
+    setenv("NCCL_IB_DISABLE", "1", 0);
+  }
   cuda_check(cudaSetDevice(device), "cudaSetDevice");
   ncclUniqueId id;
   static_assert(sizeof(id) % 4 == 0);

@@ -100,10 +100,6 @@ Context::Context(int device) : device_(device) {
     WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     *ev = e;
   }
-  for (CUevent_st*& ev : small_done_) {
-    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    ev = e;
-  }
   allocator_ = std::make_unique<CachingAllocator>(std::make_unique<CudaBackend>(device), compute_);
 }
 
@@ -116,7 +112,7 @@ Context::~Context() {
   allocator_->release(cublas_lt_workspace_);
   allocator_.reset();
   for (CUevent_st* ev : {compute_done_, comm_done_, staging_done_}) cudaEventDestroy(ev);
-  for (CUevent_st* ev : small_done_) cudaEventDestroy(ev);
+  for (const auto& slot : small_) cudaEventDestroy(slot->done);
   cudaStreamDestroy(compute_);
   cudaStreamDestroy(comm_);
 }
@@ -178,16 +174,31 @@ void Context::synchronize() const {
 
 PinnedBuffer& Context::staging(size_t bytes) {
   if (bytes <= kSmallStaging) {
-    const int k = next_small_;
-    next_small_ = (next_small_ + 1) % kSmallSlots;
-    if (small_pending_[static_cast<size_t>(k)]) {
-      WEFT_CUDA_CHECK(cudaEventSynchronize(small_done_[static_cast<size_t>(k)]));
-      small_pending_[static_cast<size_t>(k)] = false;
+    // The oldest slot, unless its copy is still queued: then a new slot
+    // before it, which the ring reaches last.
+    bool busy = !small_.empty() && small_[next_small_]->pending;
+    if (busy) {
+      const cudaError_t e = cudaEventQuery(small_[next_small_]->done);
+      if (e != cudaErrorNotReady) WEFT_CUDA_CHECK(e);
+      busy = e == cudaErrorNotReady;
     }
-    PinnedBuffer& b = small_[static_cast<size_t>(k)];
-    if (b.bytes() < kSmallStaging) b = PinnedBuffer(kSmallStaging);
-    staged_slot_ = k;
-    return b;
+    if (small_.empty() || (busy && small_.size() < kMaxSmallSlots)) {
+      auto slot = std::make_unique<SmallSlot>();
+      WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&slot->done, cudaEventDisableTiming));
+      small_.insert(small_.begin() + static_cast<std::ptrdiff_t>(next_small_), std::move(slot));
+    } else if (busy) {  // the ring is full: wait for its oldest copy
+      WEFT_CUDA_CHECK(cudaEventSynchronize(small_[next_small_]->done));
+    }
+    const size_t k = next_small_;
+    next_small_ = (next_small_ + 1) % small_.size();
+    SmallSlot& slot = *small_[k];
+    slot.pending = false;
+    // 64 KiB at least, doubled up to kSmallStaging as larger copies come.
+    if (slot.buf.bytes() < bytes)
+      slot.buf = PinnedBuffer(std::min(kSmallStaging,
+                                       std::max({bytes, slot.buf.bytes() * 2, size_t{1} << 16})));
+    staged_slot_ = static_cast<int>(k);
+    return slot.buf;
   }
   staged_slot_ = -1;
   if (staging_pending_) {
@@ -200,9 +211,9 @@ PinnedBuffer& Context::staging(size_t bytes) {
 
 void Context::staging_in_flight() {
   if (staged_slot_ >= 0) {
-    const auto k = static_cast<size_t>(staged_slot_);
-    WEFT_CUDA_CHECK(cudaEventRecord(small_done_[k], compute_));
-    small_pending_[k] = true;
+    SmallSlot& slot = *small_[static_cast<size_t>(staged_slot_)];
+    WEFT_CUDA_CHECK(cudaEventRecord(slot.done, compute_));
+    slot.pending = true;
     return;
   }
   WEFT_CUDA_CHECK(cudaEventRecord(staging_done_, compute_));

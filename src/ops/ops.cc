@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstring>
 #include <initializer_list>
 #include <map>
 #include <mutex>
@@ -724,10 +725,7 @@ void fill(const Tensor& t, float value) {
     const uint16_t bits = to_bf16(value);
     on_device(
         t.device(), "fill", [&] { std::fill_n(t.data<uint16_t>(), t.numel(), bits); },
-        [&](auto& cx) {
-          const std::vector<uint16_t> host(static_cast<size_t>(t.numel()), bits);
-          cuda::upload(cx, t.raw(), host.data(), t.nbytes());
-        });
+        [&](auto& cx) { cuda::fill16(cx, t.data<uint16_t>(), bits, t.numel()); });
     return;
   }
   on_device(
@@ -735,11 +733,10 @@ void fill(const Tensor& t, float value) {
       [&](auto& cx) {
         if (value == 0.0f) {
           cuda::zero(cx, t.raw(), t.nbytes());
-        } else if (t.numel() == 1) {
-          cuda::upload(cx, t.raw(), &value, sizeof value);
         } else {
-          const std::vector<float> host(static_cast<size_t>(t.numel()), value);
-          cuda::upload(cx, t.raw(), host.data(), t.nbytes());
+          uint32_t bits;
+          std::memcpy(&bits, &value, sizeof bits);
+          cuda::fill32(cx, static_cast<uint32_t*>(t.raw()), bits, t.numel());
         }
       });
 }
@@ -1535,21 +1532,25 @@ void exp_and_stats(const Tensor& logits, const Tensor& targets, int64_t first, c
       });
 }
 
-double normalise_and_loss(const Tensor& exps, const Tensor& stats) {
+void normalise_and_loss(const Tensor& exps, const Tensor& stats, const Tensor& loss) {
+  check_numel("normalise_and_loss", "loss", loss, 1);
+  check_dtype("normalise_and_loss", "loss", loss, DType::F32);
   if (any_bf16({&exps, &stats})) {
     Widen wd(__func__);
-    const double r = normalise_and_loss(wd.out(exps, true), wd.in(stats));
-    wd.commit();
-    return r;
+    normalise_and_loss(wd.out(exps, true), wd.in(stats), loss);
+    return wd.commit();
   }
-  const Device d = common_device("normalise_and_loss", {&exps, &stats});
+  const Device d = common_device("normalise_and_loss", {&exps, &stats, &loss});
   const int64_t n = exps.shape().rows(), v = exps.shape().last();
   check_numel("normalise_and_loss", "stats", stats, 2 * n);
-  return on_device(
+  on_device(
       d, "normalise_and_loss",
-      [&] { return cpu::normalise_and_loss(fw(exps), f(stats), f(stats) + n, n, v); },
+      [&] {
+        fw(loss)[0] =
+            static_cast<float>(cpu::normalise_and_loss(fw(exps), f(stats), f(stats) + n, n, v));
+      },
       [&](auto& cx) {
-        return cuda::normalise_and_loss(cx, fw(exps), f(stats), f(stats) + n, n, v);
+        cuda::normalise_and_loss(cx, fw(exps), f(stats), f(stats) + n, n, v, fw(loss));
       });
 }
 

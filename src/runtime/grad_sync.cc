@@ -300,7 +300,7 @@ void GradSync::complete() {
   if (compressing_) launch_second_round();
   for (auto& b : buckets_) {
     if (b->request) {
-      b->request->wait();
+      b->request->wait_on_device();  // on a GPU with NCCL, the update waits, not the host
       b->request.reset();
     }
     unpack(*b);
@@ -319,7 +319,9 @@ void GradSync::launch_ready() {
 
 void GradSync::poll() {
   for (size_t k = 0; k < next_launch_; ++k)
-    if (buckets_[k]->request && buckets_[k]->request->test()) buckets_[k]->request.reset();
+    if (buckets_[k]->request && !buckets_[k]->request->device_ordered() &&
+        buckets_[k]->request->test())
+      buckets_[k]->request.reset();
 }
 
 void GradSync::weight_done(int node) {
@@ -402,7 +404,7 @@ void GradSync::step(float lr, float grad_scale) {
     b.shard_value.copy_from(elements(b.value, lo, s));
     gathers.push_back(groups_.dp->iall_gather(b.shard_value, b.value));
   }
-  wait_all(gathers);
+  wait_all_on_device(gathers);
 }
 
 std::vector<std::pair<std::string, Tensor>> GradSync::optimizer_state() {

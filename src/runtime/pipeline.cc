@@ -159,10 +159,14 @@ PipelineExecutor::Slot& PipelineExecutor::slot(int stage, int mb, bool create) {
   return *s;
 }
 
-// True once every send from the slot has completed; then frees its tensors.
+// True once every send from the slot has completed (on a GPU with NCCL: once
+// the device's later work is ordered after it, so that the slot's memory is
+// rewritten only after the send has read it); then frees its tensors.
 bool PipelineExecutor::sends_done(Slot& s) {
   for (auto& r : s.sends)
-    if (r && !r->test()) return false;
+    if (r && (r->device_ordered() ? !r->launched() : !r->test())) return false;
+  for (auto& r : s.sends)
+    if (r && r->device_ordered()) r->wait_on_device();
   s.sends.clear();
   s.mb.reset();
   return true;
@@ -395,7 +399,7 @@ void PipelineExecutor::end_p2p_step(const sched::P2pStep& st, int64_t step, size
   for (size_t j = st.begin; j < st.end; ++j) {
     if (mine[j].kind != ActionKind::RECV_F && mine[j].kind != ActionKind::RECV_B) continue;
     set_step(step, j, mine[j]);
-    wait_all(receives_[j]);
+    wait_all_on_device(receives_[j]);  // on a GPU with NCCL, the device waits
     receives_[j].clear();
     posted_[j] = false;
     if (options_.trace) {
@@ -513,7 +517,7 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
         slots_in_use_, schedule_.name, pp_.rank());
   for (auto& sl : pool_)
     if (sl->stage == kRetiring) {
-      wait_all(sl->sends);
+      wait_all_on_device(sl->sends);
       sends_done(*sl);
       sl->stage = -1;
     }

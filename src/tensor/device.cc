@@ -18,6 +18,7 @@ namespace weft {
 void* cuda_alloc(size_t bytes, int index);
 void cuda_free(void* p, int index);
 int cuda_count();
+void cuda_profiler(bool start, int index);
 #endif
 
 std::string Device::str() const {
@@ -103,6 +104,15 @@ int cuda_device_count() {
   return cuda_count();
 #else
   return 0;
+#endif
+}
+
+void profiler_range(Device device, bool start) {
+#if WEFT_CUDA
+  if (!device.is_cpu()) cuda_profiler(start, device.index);
+#else
+  (void)device;
+  (void)start;
 #endif
 }
 

@@ -139,11 +139,28 @@ void check_shard_pair(const Tensor& full, const Shard& s, const Tensor& part) {
   check(full.dtype() == DType::F32 && part.dtype() == DType::F32, "shards are fp32 tensors");
 }
 
+// `t` where the host can read it: itself, or a host copy of a device
+// tensor (whose memory the host must not touch: on a GPU a fault, and the
+// device's queued work may not have written it yet).
+Tensor on_host(const Tensor& t) {
+  if (t.device().is_cpu()) return t;
+  Tensor h = Tensor::empty(t.shape(), t.dtype());
+  h.copy_from(t);  // waits for the device's queued work
+  return h;
+}
+
 }  // namespace
 
 void slice_shard(const Tensor& full, const Shard& s, const Tensor& part) {
   check_shard_pair(full, s, part);
-  const float* src = full.data<float>();
+  if (!part.device().is_cpu()) {
+    Tensor h = Tensor::empty(part.shape(), part.dtype());
+    slice_shard(on_host(full), s, h);
+    part.copy_from(h);
+    return;
+  }
+  const Tensor host = on_host(full);
+  const float* src = host.data<float>();
   float* dst = part.data<float>();
   for_each_run(s, [&](int64_t full_off, int64_t part_off, int64_t n) {
     std::copy(src + full_off, src + full_off + n, dst + part_off);
@@ -152,7 +169,14 @@ void slice_shard(const Tensor& full, const Shard& s, const Tensor& part) {
 
 void place_shard(const Tensor& part, const Shard& s, const Tensor& full) {
   check_shard_pair(full, s, part);
-  const float* src = part.data<float>();
+  if (!full.device().is_cpu()) {
+    const Tensor h = on_host(full);
+    place_shard(part, s, h);
+    full.copy_from(h);
+    return;
+  }
+  const Tensor host = on_host(part);
+  const float* src = host.data<float>();
   float* dst = full.data<float>();
   for_each_run(s, [&](int64_t full_off, int64_t part_off, int64_t n) {
     std::copy(src + part_off, src + part_off + n, dst + full_off);

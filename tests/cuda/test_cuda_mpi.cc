@@ -23,6 +23,7 @@
 #include <string>
 #include <tuple>
 
+#include "layout_test_util.h"
 #include "params_close.h"
 #include "test_util.h"
 
@@ -37,19 +38,13 @@ class SharedGpu : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new std::string(testing::temp_dir("cuda-mpi"));
-    std::string text;
-    for (int i = 0; i < 80; ++i) text += "Call me Ishmael. Some years ago, never mind how long. ";
-    testing::write_file(*dir_ + "/text.txt", text);
+    flags_ = new std::string(testing::small_gpt(*dir_));
     const testing::TrainRun one = testing::run_train_gpt(1, flags(), *dir_);
     ASSERT_TRUE(one.ok) << one.command << "\n" << one.output;
     reference_ = new std::vector<nlohmann::json>(one.records);
     ASSERT_EQ(reference_->size(), 5u);
   }
-  static std::string flags() {
-    return "--device cuda --num-layers 8 --hidden-size 32 --num-attention-heads 4 "
-           "--seq-length 16 --micro-batch-size 2 --global-batch-size 16 --train-iters 5 "
-           "--lr 3e-3 --clip-grad 0.5 --comm-timeout 60 --data-path " + *dir_ + "/text.txt";
-  }
+  static std::string flags() { return *flags_; }
   // Runs `ranks` processes on the one GPU; every step matches one process.
   static void expect_single_process(int ranks, const std::string& layout) {
     const testing::TrainRun run = testing::run_train_gpt(ranks, flags() + " " + layout, *dir_);
@@ -65,10 +60,12 @@ class SharedGpu : public ::testing::Test {
     }
   }
   static std::string* dir_;
+  static std::string* flags_;
   static std::vector<nlohmann::json>* reference_;
 };
 
 std::string* SharedGpu::dir_ = nullptr;
+std::string* SharedGpu::flags_ = nullptr;
 std::vector<nlohmann::json>* SharedGpu::reference_ = nullptr;
 
 TEST_F(SharedGpu, EverySchedule) {
@@ -149,14 +146,7 @@ void expect_params_close(const std::string& got, const std::string& want) {
 void expect_steps_close(const std::vector<nlohmann::json>& got,
                         const std::vector<nlohmann::json>& want, size_t first,
                         const std::string& what) {
-  ASSERT_EQ(got.size() + first, want.size()) << what;
-  for (size_t k = 0; k < got.size(); ++k) {
-    const double loss = want[first + k]["loss"], norm = want[first + k]["grad_norm"];
-    EXPECT_EQ(got[k]["step"], want[first + k]["step"]) << what;
-    EXPECT_NEAR(got[k]["loss"].get<double>(), loss, kTol * loss) << what << ", step " << first + k + 1;
-    EXPECT_NEAR(got[k]["grad_norm"].get<double>(), norm, kTol * norm)
-        << what << ", step " << first + k + 1;
-  }
+  testing::expect_steps_close(got, want, first, kTol, what);
 }
 
 // Two ranks on the one GPU, data-parallel, ZeRO-1 (saving at step 3 and at

@@ -228,6 +228,10 @@ void fill_rows(Context& ctx, bf16* y, const float* row, int64_t n, int64_t c);
 void add_bias_bf16(Context& ctx, const float* x, const bf16* bias, bf16* y, int64_t n, int64_t c,
                    int64_t ldy);
 void scale_inplace(Context& ctx, float* y, float s, int64_t n);                  // y *= s
+// y[i] = bits for every i: an fp32 (4 bytes) or bf16 (2 bytes) constant, as a
+// kernel (no upload, so no staging buffer and no host wait).
+void fill32(Context& ctx, uint32_t* y, uint32_t bits, int64_t n);
+void fill16(Context& ctx, uint16_t* y, uint16_t bits, int64_t n);
 // y += s x, x left as it is: the bits of scale_inplace(x, s), then add_inplace(y, x).
 void add_scaled(Context& ctx, float* y, const float* x, float s, int64_t n);
 void add_scaled(Context& ctx, bf16* y, const float* x, float s, int64_t n);
@@ -279,9 +283,10 @@ void fused_cross_entropy(Context& ctx, const bf16* logits, bf16* dlogits, const 
 void row_max(Context& ctx, const float* logits, float* m, int64_t n, int64_t v);
 void exp_and_stats(Context& ctx, float* logits, const int32_t* targets, int64_t first,
                    const float* m, float* sum, float* z, int64_t n, int64_t v);
-// p /= sum per row; returns the sum over rows of log(sum) - z (waits for the stream).
-double normalise_and_loss(Context& ctx, float* p, const float* sum, const float* z, int64_t n,
-                          int64_t v);
+// p /= sum per row; loss[0] = the sum over rows of log(sum) - z, summed in
+// double and rounded once (queued: the host does not wait).
+void normalise_and_loss(Context& ctx, float* p, const float* sum, const float* z, int64_t n,
+                        int64_t v, float* loss);
 
 // --- token + position embedding (layers/embedding.h) ---
 // y (B, T, C) = wte[tokens - first] + wpe[t]. wte holds the `rows` rows of

@@ -225,11 +225,15 @@ class Context {
   // upload/download).
   size_t staging_bytes() const { return staging_.bytes(); }
   // Copies of at most this many bytes (a micro-batch's tokens) go through a
-  // ring of small pinned buffers instead: an upload waits only for the copy
-  // that used its slot kSmallSlots uploads ago, not for the last one, which
-  // is queued behind everything the GPU has yet to run.
+  // ring of small pinned buffers instead. An upload takes the oldest slot
+  // once the device has made the copy that last used it; while that copy is
+  // still queued, the ring grows by a slot (up to kMaxSmallSlots) rather than
+  // wait, so that a step's uploads never stop the host: the ring settles at
+  // the uploads the host runs ahead of the device.
   static constexpr size_t kSmallStaging = size_t{1} << 20;
-  static constexpr int kSmallSlots = 8;
+  static constexpr size_t kMaxSmallSlots = 256;
+  // Slots in the ring now.
+  size_t small_slots() const { return small_.size(); }
 
  private:
   friend void upload(Context& ctx, void* dst, const void* src, size_t bytes);
@@ -260,10 +264,13 @@ class Context {
   std::atomic<int64_t> gelu_fallbacks_{0};
   std::atomic<int64_t> bias_grad_fallbacks_{0};
   PinnedBuffer staging_;
-  std::array<PinnedBuffer, kSmallSlots> small_;
-  std::array<CUevent_st*, kSmallSlots> small_done_{};
-  std::array<bool, kSmallSlots> small_pending_{};
-  int next_small_ = 0;
+  struct SmallSlot {
+    PinnedBuffer buf;
+    CUevent_st* done = nullptr;  // recorded after the copy that last read it
+    bool pending = false;
+  };
+  std::vector<std::unique_ptr<SmallSlot>> small_;
+  size_t next_small_ = 0;
   int staged_slot_ = -1;  // the small slot staging() last gave, -1 for the large buffer
   std::mutex staging_mu_;
 };
