@@ -134,27 +134,23 @@ nlohmann::json rank_table(weft::Communicator* world, const weft::Device& device)
 
 // --check-links: every pair of ranks measured; rank 0 lists the links,
 // slowest first, and marks those below half the median bandwidth.
-int run_link_check(int64_t mib, weft::Communicator& world) {
-  const nlohmann::json ranks = rank_table(&world, weft::Device::cpu());
-  constexpr int kReps = 5;
-  std::vector<weft::LinkResult> links = weft::check_links(world, mib << 20, kReps);
-  if (world.rank() != 0) return 0;
+void print_links(std::vector<weft::LinkResult> links, const nlohmann::json& ranks, int64_t mib,
+                 int reps, const std::string& over) {
   std::sort(links.begin(), links.end(),
             [](const auto& x, const auto& y) { return x.gb_per_s < y.gb_per_s; });
   std::vector<double> bw;
   for (const auto& l : links) bw.push_back(l.gb_per_s);
   const double median = bw[bw.size() / 2];
   auto host = [&](int r) { return ranks[static_cast<size_t>(r)]["host"].get<std::string>(); };
-  fmt::print("links between {} ranks ({} MiB messages; one way, from the median of {} round "
-             "trips), slowest first:\n",
-             world.size(), mib, kReps);
+  fmt::print("links between {} ranks over {} ({} MiB messages; one way, from the median of {} "
+             "round trips), slowest first:\n",
+             ranks.size(), over, mib, reps);
   for (const auto& l : links)
     fmt::print("rank {} ({}) <-> rank {} ({}): {:.2f} GB/s, latency {:.1f} us{}\n", l.a, host(l.a),
                l.b, host(l.b), l.gb_per_s, l.latency_us,
                l.gb_per_s < median / 2 ? "  <- below half the median" : "");
   fmt::print("median {:.2f} GB/s over {} links; slowest {:.2f} GB/s (rank {} <-> rank {})\n",
              median, links.size(), links.front().gb_per_s, links.front().a, links.front().b);
-  return 0;
 }
 
 struct Args {
@@ -1515,6 +1511,26 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
 
 }  // namespace
 
+// The MPI links (host memory) always; then, where the job's device tensors
+// would go by NCCL (--device cuda, a GPU per rank or WEFT_NCCL_ONE_GPU=1 with
+// --comm-backend nccl), NCCL's links between the ranks' GPUs too.
+int run_link_check(const Args& a, weft::Communicator& world) {
+  constexpr int kReps = 5;
+  const int64_t bytes = a.check_links_mib << 20;
+  bool staged = false, nccl = false;
+  const weft::Device device = resolve_device(a, world.size(), staged, nccl);
+  const nlohmann::json ranks = rank_table(&world, device);
+  std::vector<weft::LinkResult> links = weft::check_links(world, bytes, kReps);
+  if (world.rank() == 0) print_links(links, ranks, a.check_links_mib, kReps, "MPI (host memory)");
+  if (nccl) {
+    std::unique_ptr<weft::Communicator> gpus = weft::nccl_world(world, device.index, world.options());
+    links = weft::check_links(*gpus, bytes, kReps, device);
+    if (world.rank() == 0) print_links(links, ranks, a.check_links_mib, kReps, "NCCL (GPU memory)");
+  }
+  std::fflush(stdout);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   Args a;
   CLI::App app{"train_gpt: train a GPT-2-style model with weft"};
@@ -1753,7 +1769,7 @@ int main(int argc, char** argv) {
     weft::CommOptions comm;
     comm.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.comm_timeout * 1000));
     return weft::mpi_main(
-        argc, argv, [&](weft::Communicator& world) { return run_link_check(a.check_links_mib, world); },
+        argc, argv, [&](weft::Communicator& world) { return run_link_check(a, world); },
         comm);
   }
   if (launch.size == 1) {

@@ -27,10 +27,15 @@ build = sys.argv[1]
 seen = set()
 for t in json.load(sys.stdin):
     if set(t["suite"]) & {"weft:gpu", "weft:cuda"}:
-        exe = os.path.relpath(t["cmd"][0], os.path.abspath(build))
-        if exe not in seen:
-            seen.add(exe)
-            print(exe)
+        # The binary, or for a test run by mpiexec the binary among its arguments.
+        for arg in t["cmd"]:
+            exe = os.path.relpath(arg, os.path.abspath(build))
+            if exe.startswith("..") or not os.path.isabs(arg):
+                continue
+            if exe not in seen:
+                seen.add(exe)
+                print(exe)
+            break
 print("train_gpt")
 ' "$build")
 ninja -C "$build" "${targets[@]}"

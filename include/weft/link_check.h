@@ -24,7 +24,10 @@ struct LinkResult {
 // rounds (N rounded up to even) in which every rank has one partner, so links
 // are measured concurrently but each rank's link alone. Each pair times `reps`
 // round trips of each size, the lower rank leading. Rank 0 returns every
-// pair's result, ordered by (a, b); the other ranks return nothing.
-std::vector<LinkResult> check_links(Communicator& world, int64_t bytes, int reps);
+// pair's result, ordered by (a, b); the other ranks return nothing. The
+// messages are tensors on `device`: on a GPU with an NCCL world, NCCL's own
+// links are measured (each round trip waited for by the host).
+std::vector<LinkResult> check_links(Communicator& world, int64_t bytes, int reps,
+                                    Device device = Device::cpu());
 
 }  // namespace weft

@@ -6,7 +6,9 @@
 #include <cublasLt.h>
 #include <cuda_profiler_api.h>
 
+#include <algorithm>
 #include <cstring>
+#include <memory>
 
 namespace weft::cuda {
 

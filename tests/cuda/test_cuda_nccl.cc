@@ -189,6 +189,19 @@ TEST_F(NcclRanks, SteadyStepsDoNotWaitForCommunication) {
   EXPECT_EQ(ranks, 4) << run.output;
 }
 
+// --check-links on GPUs with NCCL: the MPI links, then NCCL's between the
+// ranks' GPUs, each pair once.
+TEST_F(NcclRanks, CheckLinksMeasuresNcclToo) {
+  const testing::TrainRun run = testing::run_train_gpt(
+      3, "--check-links --check-links-mib 1 --device cuda --comm-backend nccl", *dir_);
+  ASSERT_TRUE(run.ok) << run.command << "\n" << run.output;
+  EXPECT_TRUE(testing::contains(run.output, "links between 3 ranks over MPI (host memory)"))
+      << run.output;
+  EXPECT_TRUE(testing::contains(run.output, "links between 3 ranks over NCCL (GPU memory)"))
+      << run.output;
+  EXPECT_EQ(testing::count(run.output, "over 3 links; slowest"), 2) << run.output;
+}
+
 // Bad input, one line each and nothing started: a GPU index past the
 // visible devices, and one GPU named for several ranks.
 TEST_F(NcclRanks, BadDevices) {
