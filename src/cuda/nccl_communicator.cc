@@ -195,45 +195,12 @@ class NcclCommunicator final : public Communicator {
   // schedule and graph), each side checking its own tensor.
   RequestPtr isend(const Tensor& t, int peer, MessageTag tag) override {
     if (!on_device(t, "isend")) return host().isend(t, peer, tag);
-    check_peer(peer, "isend");
-    keep_for_stream(t);
-    std::string what = fmt::format("send to rank {} tag {}", peer, tag.str());
-    const bool header = first_of(true, t, peer, tag);
-    std::shared_ptr<Launch> l;
-    if (in_group_) {
-      pending_.push_back({true, t, peer});
-      l = group_launch_;
-    } else {
-      l = launch(what, [&] { enqueue_send(t, peer); });
-    }
-    auto req = std::make_unique<NcclRequest>(*this, std::move(l), std::move(what));
-    if (header) {
-      Tensor bytes = header_of(t);
-      req->carry_header(host().isend(bytes, peer, tag), bytes, nullptr);
-    }
-    return req;
+    return post(true, t, peer, tag);
   }
 
   RequestPtr irecv(const Tensor& t, int peer, MessageTag tag) override {
     if (!on_device(t, "irecv")) return host().irecv(t, peer, tag);
-    check_peer(peer, "irecv");
-    keep_for_stream(t);
-    std::string what = fmt::format("recv from rank {} tag {}", peer, tag.str());
-    const bool header = first_of(false, t, peer, tag);
-    std::shared_ptr<Launch> l;
-    if (in_group_) {
-      pending_.push_back({false, t, peer});
-      l = group_launch_;
-    } else {
-      l = launch(what, [&] { enqueue_recv(t, peer); });
-    }
-    auto req = std::make_unique<NcclRequest>(*this, std::move(l), std::move(what));
-    if (header) {
-      Tensor bytes = Tensor::zeros({kHeaderInts}, DType::I32);
-      req->carry_header(host().irecv(bytes, peer, tag), bytes,
-                        [this, t, peer, tag](const Tensor& h) { check_header(t, h, peer, tag); });
-    }
-    return req;
+    return post(false, t, peer, tag);
   }
 
   // The sends and receives of one group go to NCCL together at group_end,
@@ -408,6 +375,33 @@ class NcclCommunicator final : public Communicator {
     Tensor t;
     int peer;
   };
+
+  // A send or receive of a device tensor: to NCCL now, or at group_end; the
+  // first of its (peer, tag) with its header over the host transport.
+  RequestPtr post(bool send, const Tensor& t, int peer, const MessageTag& tag) {
+    check_peer(peer, send ? "isend" : "irecv");
+    keep_for_stream(t);
+    std::string what =
+        fmt::format("{} rank {} tag {}", send ? "send to" : "recv from", peer, tag.str());
+    const bool header = first_of(send, t, peer, tag);
+    std::shared_ptr<Launch> l;
+    if (in_group_) {
+      pending_.push_back({send, t, peer});
+      l = group_launch_;
+    } else {
+      l = launch(what, [&] { send ? enqueue_send(t, peer) : enqueue_recv(t, peer); });
+    }
+    auto req = std::make_unique<NcclRequest>(*this, std::move(l), std::move(what));
+    if (header && send) {
+      Tensor bytes = header_of(t);
+      req->carry_header(host().isend(bytes, peer, tag), bytes, nullptr);
+    } else if (header) {
+      Tensor bytes = Tensor::zeros({kHeaderInts}, DType::I32);
+      req->carry_header(host().irecv(bytes, peer, tag), bytes,
+                        [this, t, peer, tag](const Tensor& h) { check_header(t, h, peer, tag); });
+    }
+    return req;
+  }
 
   // Whether this message is the first of its (direction, peer, tag), which
   // carries a header (or every one does: WEFT_NCCL_CHECK_MESSAGES=1); a later

@@ -42,6 +42,7 @@
 // as it can every millisecond, as a GPU would (a peer may be waiting for
 // this process's sends while its host waits elsewhere); without such a peer
 // the streams stay lazy (streams.h).
+#include <cuda_bf16.h>
 #include <nccl.h>
 
 #include "streams.h"
@@ -507,19 +508,8 @@ std::string describe(const CollDesc& d) {
 
 // ---- reductions, in rank order, in each type's arithmetic
 
-float bf16_to_float(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fff + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
+float bf16_to_float(uint16_t b) { return __bfloat162float(__ushort_as_bfloat16(b)); }
+uint16_t float_to_bf16(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
 
 template <typename T>
 T combine(T a, T b, int op) {
