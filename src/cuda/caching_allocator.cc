@@ -40,12 +40,17 @@ CachingAllocator::~CachingAllocator() {
 }
 
 void CachingAllocator::collect_pending_locked(bool wait) {
+  std::vector<CUstream_st*> busy;  // streams with an event found not done in this pass
   auto done = [&](Pending& b) {
-    for (void* e : b.events) {
-      if (wait)
-        backend_->event_synchronize(e);
-      else if (!backend_->event_done(e))
+    for (CUstream_st* s : b.streams)
+      if (!wait && std::find(busy.begin(), busy.end(), s) != busy.end()) return false;
+    for (size_t k = 0; k < b.events.size(); ++k) {
+      if (wait) {
+        backend_->event_synchronize(b.events[k]);
+      } else if (!backend_->event_done(b.events[k])) {
+        busy.push_back(b.streams[k]);
         return false;
+      }
     }
     return true;
   };
@@ -112,7 +117,7 @@ void CachingAllocator::release(void* p) {
     stats_.bytes_cached += cls;
     return;
   }
-  Pending b{p, cls, {}};
+  Pending b{p, cls, {}, streams};
   for (CUstream_st* s : streams) b.events.push_back(backend_->record_event(s));
   pending_.push_back(std::move(b));
   stats_.bytes_awaiting_streams += cls;

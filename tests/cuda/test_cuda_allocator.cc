@@ -9,12 +9,14 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
 #include <map>
 #include <set>
+#include <vector>
 
 #include "test_util.h"
 
@@ -30,7 +32,7 @@ class FakeBackend final : public MemoryBackend {
  public:
   struct Counts {
     size_t mallocs = 0, frees = 0, failed = 0, held = 0;
-    size_t events = 0, events_destroyed = 0, synchronized = 0;
+    size_t events = 0, events_destroyed = 0, synchronized = 0, queries = 0;
   };
   FakeBackend(Counts* counts, size_t capacity) : counts_(counts), capacity_(capacity) {}
   void* malloc(size_t bytes) override {
@@ -56,7 +58,10 @@ class FakeBackend final : public MemoryBackend {
     events_[++next_event_] = {stream, false};
     return reinterpret_cast<void*>(next_event_);
   }
-  bool event_done(void* event) override { return events_.at(id(event)).done; }
+  bool event_done(void* event) override {
+    ++counts_->queries;
+    return events_.at(id(event)).done;
+  }
   void event_synchronize(void* event) override {
     ++counts_->synchronized;
     events_.at(id(event)).done = true;
@@ -115,6 +120,34 @@ TEST(StreamAware, ABlockAnotherStreamUsesIsReusedOnlyAfterItsEvent) {
   EXPECT_EQ(counts.mallocs, 2u);
   EXPECT_EQ(counts.events_destroyed, 1u);
   EXPECT_EQ(a.stats().bytes_awaiting_streams, 0u);
+  a.release(q);
+  a.release(r);
+}
+
+// Many blocks released while another stream still uses them (a pipeline
+// stage's sent gradients): an allocation asks about the oldest on that
+// stream only, since events on one stream fire in order; once the stream
+// is done, every block is collected.
+TEST(StreamAware, AnAllocationAsksOnlyTheOldestEventOfABusyStream) {
+  FakeBackend::Counts counts;
+  auto owned = std::make_unique<FakeBackend>(&counts, size_t{1} << 30);
+  FakeBackend& backend = *owned;
+  CUstream_st* comm = fake_stream(2);
+  CachingAllocator a(std::move(owned), fake_stream(1));
+  std::vector<void*> sent;
+  for (int k = 0; k < 50; ++k) {
+    sent.push_back(a.allocate(4096));
+    a.record_stream(sent.back(), comm);
+  }
+  for (void* p : sent) a.release(p);
+  EXPECT_EQ(a.stats().bytes_awaiting_streams, 50u * 4096);
+  const size_t before = counts.queries;
+  void* q = a.allocate(4096);
+  EXPECT_EQ(counts.queries - before, 1u) << "one question about the busy stream, not 50";
+  backend.finish(comm);
+  void* r = a.allocate(4096);
+  EXPECT_EQ(a.stats().bytes_awaiting_streams, 0u);
+  EXPECT_NE(std::find(sent.begin(), sent.end(), r), sent.end()) << "a collected block reused";
   a.release(q);
   a.release(r);
 }

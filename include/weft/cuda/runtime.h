@@ -128,7 +128,9 @@ class CachingAllocator {
  private:
   void empty_cache_locked();
   // Moves the blocks whose streams are done (all of them, waiting, when
-  // `wait`) from pending_ to the free lists.
+  // `wait`) from pending_ to the free lists. Events on one stream fire in
+  // the order they were recorded, which is pending_'s: once one is found not
+  // done, the later ones on its stream are not asked about.
   void collect_pending_locked(bool wait);
 
   struct Block {
@@ -138,7 +140,8 @@ class CachingAllocator {
   struct Pending {
     void* p = nullptr;
     size_t cls = 0;
-    std::vector<void*> events;  // one per stream in Block::streams
+    std::vector<void*> events;          // one per stream in Block::streams
+    std::vector<CUstream_st*> streams;  // the stream each event was recorded on
   };
 
   std::unique_ptr<MemoryBackend> backend_;
