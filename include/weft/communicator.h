@@ -88,8 +88,6 @@ class Request {
   // Whether wait_on_device() leaves the waiting to the device: a request on
   // device tensors of a stream-ordered transport (NCCL).
   virtual bool device_ordered() const { return false; }
-  // False while the request's p2p group is still open (nothing to wait for yet).
-  virtual bool launched() const { return true; }
   // What a GPU step calls instead of wait(): the work this rank queues on
   // its device from now on runs after the operation (its tensors may then be
   // read and rewritten there), and the host goes on at once. The deadline is

@@ -130,7 +130,6 @@ class NcclRequest final : public Request {
   bool test() override;
   void wait() override;
   bool device_ordered() const override { return true; }
-  bool launched() const override { return done_ || launch_->done != nullptr; }
   void wait_on_device() override;
 
  private:

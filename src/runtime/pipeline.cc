@@ -159,14 +159,13 @@ PipelineExecutor::Slot& PipelineExecutor::slot(int stage, int mb, bool create) {
   return *s;
 }
 
-// True once every send from the slot has completed (on a GPU with NCCL: once
-// the device's later work is ordered after it, so that the slot's memory is
-// rewritten only after the send has read it); then frees its tensors.
+// True once every send from the slot has completed; then frees its tensors.
+// It asks, never waits: on a GPU the compute stream must not wait for a
+// send either, since a send completes only once its receiver has posted the
+// receive, which may come after this rank's later work.
 bool PipelineExecutor::sends_done(Slot& s) {
   for (auto& r : s.sends)
-    if (r && (r->device_ordered() ? !r->launched() : !r->test())) return false;
-  for (auto& r : s.sends)
-    if (r && r->device_ordered()) r->wait_on_device();
+    if (r && !r->test()) return false;
   s.sends.clear();
   s.mb.reset();
   return true;
@@ -517,8 +516,11 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
         slots_in_use_, schedule_.name, pp_.rank());
   for (auto& sl : pool_)
     if (sl->stage == kRetiring) {
+      // Every send is received within the step: on a GPU, the next step's
+      // work waits for them (its memory is rewritten after), not the host.
       wait_all_on_device(sl->sends);
-      sends_done(*sl);
+      sl->sends.clear();
+      sl->mb.reset();
       sl->stage = -1;
     }
   reduce_tied();
