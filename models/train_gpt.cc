@@ -480,7 +480,12 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
     const sched::Schedule schedule =
         sched::make_schedule(a.schedule, a.pp, static_cast<int>(p.micro_batches), p.chunks);
     // NCCL runs each p2p step as a rendezvous: refuse a schedule that would
-    // hang that way (interleaved 1F1B), naming where.
+    // hang that way (interleaved 1F1B), naming where. Evidence: interleaved
+    // 1F1B at pp 2 with 8 micro-batches, run without this refusal on the GPU
+    // emulator's NCCL (a group completes once each peer reached the matching
+    // group), hung at step 1 where this check says: rank 1 timed out at
+    // action 14 (1RECV_F2) waiting for activation mb 2 chunk 0. Not yet tried
+    // on a real NCCL.
     if (p.nccl) {
       const std::string stuck = sched::check_grouped_p2p(sched::lower(schedule));
       check(stuck.empty(),
