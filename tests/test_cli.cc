@@ -117,6 +117,11 @@ TEST_F(Cli, DeviceAndPrecisionFlags) {
                     ? "--comm-backend nccl chooses how ranks talk, but the job is one process"
                     : "--comm-backend nccl carries GPU tensors: it needs --device cuda"});
   expect_error(toy("--device cpu --tf32"), {"--tf32 needs --device cuda"});
+  // The CUDA profiler's range needs both ends, the end past the start.
+  expect_error(toy("--profile-step-start 2"),
+               {"--profile-step-start (2) and --profile-step-end (-1) go together"});
+  expect_error(toy("--profile-step-start 3 --profile-step-end 3"),
+               {"--profile-step-end (3) must be past --profile-step-start (3)"});
   expect_error(toy("--device cuda --tf32 --bf16"), {"--tf32 changes nothing with --bf16"});
   expect_error(toy("--comm-backend gloo"), {"--comm-backend 'gloo' must be auto, mpi or nccl"});
   expect_error(toy("--device cpu --comm-backend nccl"),

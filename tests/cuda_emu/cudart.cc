@@ -931,17 +931,21 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   st->mark = weft_emu::enqueue(stream, reach);
   return cudaSuccess;
 }
+namespace {
+// Where the event's last record is in its stream, read under the streams' lock.
+weft_emu::EventMark last_record(cudaEvent_t event) {
+  auto lock = weft_emu::lock_streams();
+  return reinterpret_cast<Event*>(event)->state->mark;
+}
+}  // namespace
+
 // The emulated GPU is instant when asked: a query runs the work before the
 // record and answers that it is done, unless some of it is not ready (a
 // receive whose message has not come). Work nobody asks about stays queued.
 cudaError_t cudaEventQuery(cudaEvent_t event) {
   if (event == nullptr) return set(cudaErrorInvalidResourceHandle);
   weft_emu::count(weft_emu::Work::event_query);
-  weft_emu::EventMark m;
-  {
-    auto lock = weft_emu::lock_streams();
-    m = reinterpret_cast<Event*>(event)->state->mark;
-  }
+  const weft_emu::EventMark m = last_record(event);
   if (weft_emu::try_drain_to(m)) return cudaSuccess;
   weft_emu::progress_all();  // as a GPU's other streams go on meanwhile
   return weft_emu::try_drain_to(m) ? cudaSuccess : cudaErrorNotReady;
@@ -949,12 +953,7 @@ cudaError_t cudaEventQuery(cudaEvent_t event) {
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   if (event == nullptr) return set(cudaErrorInvalidResourceHandle);
   weft_emu::count(weft_emu::Work::host_sync);
-  weft_emu::EventMark m;
-  {
-    auto lock = weft_emu::lock_streams();
-    m = reinterpret_cast<Event*>(event)->state->mark;
-  }
-  weft_emu::drain_to(m);
+  weft_emu::drain_to(last_record(event));
   return cudaSuccess;
 }
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
