@@ -1372,10 +1372,9 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     last_saved = trainer.steps_done();
     if (rank0) fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
   };
-  while (trainer.steps_done() < a.train_iters) {
-    if (trainer.steps_done() == a.profile_step_start) profiler_range(setup.device, true);
-    StepRecord r = trainer.train_step();
-    if (trainer.steps_done() == a.profile_step_end) profiler_range(setup.device, false);
+  // A step's record, once read: the ETA's pace, the plot, the metrics file
+  // and the log line.
+  auto take = [&](const StepRecord& r, std::optional<double> val_loss) {
     if (recent.size() == kRecent) recent.erase(recent.begin()), recent_ms.erase(recent_ms.begin());
     recent.push_back(r.loss);
     recent_ms.push_back(r.step_ms);
@@ -1384,17 +1383,8 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     // The remaining steps at the recent steps' mean pace.
     double mean_ms = 0;
     for (double ms : recent_ms) mean_ms += ms / static_cast<double>(recent_ms.size());
-    const double eta = mean_ms / 1e3 * static_cast<double>(a.train_iters - trainer.steps_done());
-    std::optional<double> val_loss;
-    if (a.eval_interval > 0 && (trainer.steps_done() % a.eval_interval == 0 ||
-                                trainer.steps_done() == a.train_iters)) {
-      val_loss = trainer.evaluate(*validation, a.eval_iters);
-      val_points.emplace_back(static_cast<double>(trainer.steps_done()), *val_loss);
-      if (rank0)
-        fmt::print("validation loss {:.4f} at step {} ({} batches)\n", *val_loss,
-                   trainer.steps_done(), a.eval_iters);
-    }
-    train_points.emplace_back(static_cast<double>(trainer.steps_done()), r.loss);
+    const double eta = mean_ms / 1e3 * static_cast<double>(a.train_iters - r.step - 1);
+    train_points.emplace_back(static_cast<double>(r.step + 1), r.loss);
     if (jsonl.is_open()) {
       auto j = r.json();
       j["gflops"] = flops_per_token * r.tokens_per_s / 1e9;
@@ -1406,7 +1396,38 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     if (rank0 && ((r.step + 1) % a.log_interval == 0 || r.step + 1 == a.train_iters || r.skipped))
       fmt::print("{} | {:.1f} GFLOP/s | elapsed {} | eta {}\n", r.line(a.train_iters),
                  flops_per_token * r.tokens_per_s / 1e9, duration(elapsed), duration(eta));
+  };
+  // The records not yet read; the last one's step evaluated when `eval`.
+  auto take_all = [&](bool eval = false) {
+    const std::vector<StepRecord>& records = trainer.take_records();
+    std::optional<double> val_loss;
+    if (eval) {
+      val_loss = trainer.evaluate(*validation, a.eval_iters);
+      val_points.emplace_back(static_cast<double>(trainer.steps_done()), *val_loss);
+      if (rank0)
+        fmt::print("validation loss {:.4f} at step {} ({} batches)\n", *val_loss,
+                   trainer.steps_done(), a.eval_iters);
+    }
+    for (size_t i = 0; i < records.size(); ++i)
+      take(records[i], i + 1 == records.size() ? val_loss : std::nullopt);
     std::fflush(stdout);
+  };
+  while (trainer.steps_done() < a.train_iters) {
+    if (trainer.steps_done() == a.profile_step_start) profiler_range(setup.device, true);
+    // The records are read at logging, evaluation and save steps and at the
+    // last: between them, on a GPU, the host queues steps without waiting
+    // for the device (Trainer::launch_step).
+    const int64_t next = trainer.steps_done() + 1;
+    const bool eval_now =
+        a.eval_interval > 0 && (next % a.eval_interval == 0 || next == a.train_iters);
+    const bool save_now = a.save_interval > 0 && next % a.save_interval == 0;
+    const bool read_now = next % a.log_interval == 0 || next == a.train_iters || eval_now ||
+                          save_now || (a.exit_interval > 0 && next % a.exit_interval == 0);
+    trainer.launch_step(read_now);
+    if (read_now) take_all(eval_now);
+    if (trainer.steps_done() == a.profile_step_end) profiler_range(setup.device, false);
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     if (a.save_interval > 0 && trainer.steps_done() % a.save_interval == 0) save();
     if (trainer.steps_done() >= a.train_iters) continue;
     // With --local-steps, the replicas agree (and can save) only every H steps.
@@ -1417,6 +1438,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
                    : StopReason{};
     const bool at_exit_interval = a.exit_interval > 0 && trainer.steps_done() % a.exit_interval == 0;
     if (stop.any() || at_exit_interval) {
+      take_all();
       save();
       if (rank0) {
         const std::string why =

@@ -113,13 +113,20 @@ class GradSync {
   // Starts the remaining buckets and waits for all reductions.
   void finish();
 
-  // Global L2 norm of the reduced gradients (collective over tp, dp and pp).
+  // Global L2 norm of the reduced gradients (collective over tp, dp and pp):
+  // grad_norm_squared's sum, read back (on a GPU the host waits for it).
   double grad_norm();
+  // The norm's square into `out` (one F32 element on the parameters'
+  // device), summed over the groups there: over NCCL the host neither waits
+  // nor reads it.
+  void grad_norm_squared(const Tensor& out);
   // AdamW (or SGD): plain, on every parameter; distributed, on this
   // replica's slice, followed by the all-gather of the parameters. Each
   // gradient is read times grad_scale: clipping (clip_coefficient) folded
   // into the update, with the bits of scaling the gradients first.
   void step(float lr, float grad_scale = 1.0f);
+  // The same with grad_scale on the device (ops::clip_coefficient's).
+  void step(float lr, const Tensor& grad_scale);
 
   // Local SGD's averages (TrainOptions::local): sums over the data-parallel
   // replicas what the caller wrote into the gradients (Param::grad), every
@@ -190,7 +197,8 @@ class GradSync {
   bool in_finish_ = false;
   bool reduce_ = true;  // set_reduce
   bool compressing_ = false;  // PowerSGD this step
-  Tensor scalar_;
+  Tensor norm_sq_;  // grad_norm's sum, on the parameters' device
+  void update(float lr, float grad_scale, const Tensor& grad_scale_at);
   // grad_norm's and clip's gradient lists and device tables, kept between steps.
   GradTables tables_;
 };

@@ -142,8 +142,18 @@ void sum(const Tensor& x, const Tensor& out);
 // for bit; a GPU adds fixed chunks' partials in a fixed order (the same bits
 // on every call, the CPU's to double rounding). No tensors: 0.
 double sum_squares_multi(const std::vector<Tensor>& xs, std::shared_ptr<void>& cache);
+// The same sum rounded to a float, into `out` (one F32 element on the
+// tensors' device): nothing waits for a GPU.
+void sum_squares_multi(const std::vector<Tensor>& xs, std::shared_ptr<void>& cache,
+                       const Tensor& out);
 // x *= s for every tensor: scale(x, s) on each, bit for bit.
 void scale_multi(const std::vector<Tensor>& xs, float s, std::shared_ptr<void>& cache);
+// The same with s read from `s` (one F32 element on the tensors' device).
+void scale_multi(const std::vector<Tensor>& xs, const Tensor& s, std::shared_ptr<void>& cache);
+// coef = clip_coefficient(max_norm, sqrt(sum_squares)) (weft/optimizer.h), bit
+// for bit, worked out where the tensors are (one F32 element each): on a
+// GPU the host neither waits nor reads the norm.
+void clip_coefficient(const Tensor& sum_squares, double max_norm, const Tensor& coef);
 
 // A one-element tensor's value, and setting it (the loss and its seed gradient).
 float item(const Tensor& t);
@@ -321,8 +331,11 @@ struct AdamWStep {
   // over the gradients (g itself is left as it was).
   float grad_scale = 1.0f;
 };
-// p, g, m, v: the same element count; p, m, v are updated.
-void adamw(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v, const AdamWStep& s);
+// p, g, m, v: the same element count; p, m, v are updated. `grad_scale_at`,
+// when defined (one F32 element on the update's device), is read in place of
+// s.grad_scale, where it is: a clip coefficient the device worked out.
+void adamw(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v, const AdamWStep& s,
+           const Tensor& grad_scale_at = Tensor());
 
 // Several tensors' updates at once: each as adamw(p, g, m, v, s) with
 // s.weight_decay where decay is set and 0 where not, bit for bit. On a GPU
@@ -334,7 +347,7 @@ struct AdamWTensors {
   bool decay = true;
 };
 void adamw_multi(const std::vector<AdamWTensors>& ts, const AdamWStep& s,
-                 std::shared_ptr<void>& cache);
+                 std::shared_ptr<void>& cache, const Tensor& grad_scale_at = Tensor());
 
 // --- SGD with momentum, PyTorch semantics (L2 weight decay, no dampening) ---
 // p, g, buf: the same element count; p and the momentum buffer are updated.

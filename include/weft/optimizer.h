@@ -41,6 +41,11 @@ class Optimizer {
   // the bits of clip_grads and then step(lr), the gradients left unscaled.
   virtual void step(float lr, float grad_scale) = 0;
   void step(float lr) { step(lr, 1.0f); }
+  // The same with grad_scale where the device worked it out (one F32
+  // element on the parameters' device; ops::clip_coefficient): AdamW and SGD
+  // read it there, so the host never waits for it. By default it is read
+  // back to the host (a wait on a GPU) and given to step(lr, float).
+  virtual void step(float lr, const Tensor& grad_scale) { step(lr, ops::item(grad_scale)); }
   // State tensors, named "<param><suffix>" (optimizer_state_suffixes).
   virtual std::vector<std::pair<std::string, Tensor>> state() = 0;
   int64_t steps() const { return steps_; }
@@ -60,10 +65,12 @@ class AdamW final : public Optimizer {
   // grad_scale is read with each gradient element (ops::AdamWStep).
   using Optimizer::step;
   void step(float lr, float grad_scale) override;
+  void step(float lr, const Tensor& grad_scale) override;
   // "<param>.exp_avg" and "<param>.exp_avg_sq".
   std::vector<std::pair<std::string, Tensor>> state() override;
 
  private:
+  void update(float lr, float grad_scale, const Tensor& grad_scale_at);
   AdamWConfig config_;
   std::vector<Tensor> m_, v_;
   std::vector<ops::AdamWTensors> multi_tensors_;  // this step's, for ops::adamw_multi
@@ -76,12 +83,15 @@ class Sgd final : public Optimizer {
  public:
   Sgd(std::vector<Param*> params, SgdConfig config);
   using Optimizer::step;
-  // A grad_scale other than 1 scales the gradients first.
+  // A grad_scale other than 1 scales the gradients first (one on the
+  // device always does).
   void step(float lr, float grad_scale) override;
+  void step(float lr, const Tensor& grad_scale) override;
   // "<param>.momentum_buffer".
   std::vector<std::pair<std::string, Tensor>> state() override;
 
  private:
+  void update(float lr);
   SgdConfig config_;
   std::vector<Tensor> buf_;
   std::vector<Tensor> grads_;    // this step's, for ops::scale_multi

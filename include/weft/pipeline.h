@@ -75,14 +75,21 @@ class PipelineExecutor {
   // tied parameters held by several ranks get their gradients summed. The
   // loss is seeded with 1 / (global_batch x the model's terms per sample)
   // (global_batch 0: this pipeline's micro-batches make the whole batch, as
-  // without data parallelism). Returns this pipeline's loss sum over that
-  // term count (on every pipeline rank). `before_loss_wait`, when given, runs
-  // after the last action and the tied sums, before the host waits for the
-  // device's losses: the Trainer sends its last gradient buckets there, so
-  // that their reductions are queued behind the backward rather than after
-  // the wait.
-  double run(const BatchSource& data, int64_t step, int64_t micro_batch,
-             int64_t global_batch = 0, const std::function<void()>& before_loss_wait = {});
+  // without data parallelism). The last stage's micro-batch losses (each the
+  // sum of its terms) are left in losses(), where the model ran, and
+  // loss_order() says in which order their forwards ran; the Trainer reads
+  // and adds them. `at_end`, when given, runs after the last action and the
+  // tied sums: the Trainer sends its last gradient buckets there. With
+  // `measure`, the ranks' busy time and span are gathered at the end
+  // (bubble_fraction; on a GPU the host waits for the device's timings);
+  // without it, nothing in run waits for a GPU or for the other ranks' hosts.
+  void run(const BatchSource& data, int64_t step, int64_t micro_batch, int64_t global_batch = 0,
+           const std::function<void()>& at_end = {}, bool measure = true);
+  // This rank's micro-batch losses of the last run, indexed by micro-batch
+  // (undefined without the last stage), and the micro-batches in the order
+  // their forwards ran (empty without the last stage).
+  const Tensor& losses() const { return losses_; }
+  const std::vector<int>& loss_order() const { return loss_order_; }
   // fp16's loss scale: the seed above is multiplied by it (the Trainer
   // unscales the gradients). 1 unless set.
   void set_loss_scale(float scale) { loss_scale_ = scale; }
@@ -119,8 +126,8 @@ class PipelineExecutor {
   const std::vector<int>& local_stages() const { return local_stages_; }
 
   // Idle share of all pipeline ranks' time during the last run: 1 - (compute
-  // time summed over ranks) / (ranks x the longest rank's span), gathered
-  // with the loss at the end of run().
+  // time summed over ranks) / (ranks x the longest rank's span), gathered at
+  // the end of run(); -1 when that run did not measure.
   double bubble_fraction() const { return bubble_; }
   // Chrome trace JSON of every recorded action on every rank (one track per
   // rank, arrows from each send to its receive), written by pipeline rank 0.
@@ -166,10 +173,9 @@ class PipelineExecutor {
   float loss_scale_ = 1.0f;
   std::vector<Tensor> inputs_;       // the data inputs being filled, reused
   std::vector<Tensor> host_inputs_;  // on a device: filled here, then copied up
-  double loss_sum_ = 0;
-  // On a device, the last stage's micro-batch losses, gathered there and
-  // read once the schedule has run (no wait for the GPU inside it).
-  Tensor device_losses_, host_losses_;
+  // The last stage's micro-batch losses, gathered where the model runs (no
+  // wait for a GPU inside run).
+  Tensor losses_;
   std::vector<int> loss_order_;  // the micro-batches in the order their forwards ran
   int peak_slots_ = 0, slots_in_use_ = 0;
   int peak_stashed_ = 0, stashed_ = 0;
@@ -179,7 +185,7 @@ class PipelineExecutor {
   std::vector<sched::P2pStep> p2p_steps_;  // of this rank's actions
   std::vector<bool> posted_;
   std::vector<std::vector<RequestPtr>> receives_;
-  Tensor step_stats_, all_step_stats_;  // (loss, busy, span): this rank's, and every rank's
+  Tensor step_stats_, all_step_stats_;  // (busy, span): this rank's, and every rank's
   double bubble_ = 0;
   // Clocks: each rank's zero is taken right after a barrier at construction.
   std::chrono::steady_clock::time_point epoch_;

@@ -195,8 +195,31 @@ class Trainer {
   Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, PipelineExecutor& pipeline);
   ~Trainer();
 
-  // Runs one step; throws Error naming the step when the loss is not finite.
+  // Runs one step and reads its loss and gradient norm; throws Error naming
+  // the step when either is not finite. Launched steps whose records were
+  // not taken are an error (take_records first).
   StepRecord train_step();
+  // Queues one step and returns once the host has queued its work. On a GPU
+  // the loss, the gradient norm and the clip's coefficient stay on the
+  // device and the update reads the coefficient there, so with NCCL (or one
+  // process) the host waits for the device nowhere in the step: it runs
+  // ahead, as PyTorch's does until loss.item(). The step's record comes from
+  // take_records(). With `measure`, the pipeline's bubble is measured (a
+  // wait for the device's timings). Where the host must decide on the
+  // values before the update (the CPU, loss scaling, the loss-spike check,
+  // parameter servers, local SGD), they are read within the step, as
+  // train_step does.
+  void launch_step(bool measure = false);
+  // The records of the launched steps not yet taken, in step order: their
+  // values are read in one copy (on a GPU, the one wait) and summed over the
+  // groups in one collective each. A deferred step's step_ms is the mean
+  // over the steps read together (from the first one's launch to the read).
+  // Throws Error naming the first step whose loss or norm is not finite.
+  // Collective. The list is the Trainer's, valid until the next call (a
+  // steady step allocates nothing).
+  const std::vector<StepRecord>& take_records();
+  // Steps launched whose records are not taken yet.
+  int64_t launched() const { return launched_; }
   // Forward and backward of one global batch without an update: the mean loss,
   // with each parameter's grad holding d(mean loss)/d(param), times the loss
   // scale under TrainOptions::loss_scale (train_step divides it out).
@@ -238,13 +261,44 @@ class Trainer {
   Parallel par_;
   int64_t micro_batches_ = 0;
   double run_batch(const BatchSource& data, int64_t step);  // compute_gradients on `data`
+  // Forward and backward of one batch; the micro-batch loss sums go to
+  // `losses` (micro_batches_ F32 on the device; a pipeline's last stage
+  // only), `order` the order to add them in.
+  void run_batch_into(const BatchSource& data, int64_t step, const Tensor& losses,
+                      std::vector<int>& order, bool measure);
+  void mean_losses(std::span<const float* const> rows,
+                   std::span<const std::vector<int>* const> orders, std::span<double> out);
+  // A launched step: its record, and what reading its values needs.
+  struct Launched {
+    StepRecord record;
+    std::vector<int> loss_order;  // this rank's micro-batch losses, in the order to add them
+    std::chrono::steady_clock::time_point start;
+  };
+  std::vector<Launched> launches_;
+  int64_t launched_ = 0;
+  std::vector<StepRecord> taken_;
+  // The first launched_ entries are this list's (entries are reused, so
+  // their buffers stay); the last unread_ of them have their values on the device only, in
+  // rows 0 .. unread_ - 1 of values_: each row micro_batches_ loss sums, then
+  // the squared gradient norm. A full ring is read before the next launch.
+  static constexpr int64_t kRows = 64;
+  int64_t unread_ = 0;
+  Tensor values_, host_values_;
+  Tensor coef_;                          // the clip's coefficient, on the device
+  Tensor scratch_values_, scratch_host_;  // run_batch's row (evaluation)
+  Tensor loss_sums_;                     // mean_losses' host buffer for the collectives
+  std::vector<const float*> rows_;
+  std::vector<const std::vector<int>*> orders_;
+  std::vector<double> read_losses_;
+  bool host_decides() const;
+  Tensor row_losses(int64_t row) const;
+  Tensor row_norm(int64_t row) const;
+  void read_values();
+  void check_finite(const StepRecord& r) const;
   ReplicaBatches data_;
   std::unique_ptr<GradSync> sync_;
   MicroBatch mb_;
   std::vector<Tensor> host_inputs_;  // one micro-batch's inputs, staged on the host for a GPU
-  // A GPU batch's micro-batch losses, gathered on the device and read back
-  // once after the backward (one wait per batch, not one per micro-batch).
-  Tensor device_losses_, host_losses_;
   std::vector<Tensor> inputs_;       // reused per micro-batch, so a step allocates nothing
   int64_t steps_done_ = 0;
   std::set<const Param*> owned_;  // counted and saved by this rank (its pipeline share)

@@ -490,17 +490,17 @@ struct AdamWScalars {
 
 void adamw(Context& ctx, float* p, const float* g, float* m, float* v, int64_t n, float lr,
            float beta1, float beta2, float eps, float weight_decay, int64_t step,
-           float grad_scale) {
+           float grad_scale, const float* grad_scale_at) {
   if (n == 0) return;
   const AdamWScalars k(lr, beta1, beta2, step);
   launch::adamw(prepare(ctx), p, g, m, v, n, beta1, beta2, eps, k.step_size, k.bc2_sqrt,
-                AdamWScalars::decay(lr, weight_decay), grad_scale);
+                AdamWScalars::decay(lr, weight_decay), grad_scale, grad_scale_at);
   WEFT_LAUNCH_CHECK("adamw");
 }
 
 void adamw_multi(Context& ctx, const std::vector<AdamWTensor>& tensors, AdamWTable& table,
                  float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step,
-                 float grad_scale) {
+                 float grad_scale, const float* grad_scale_at) {
   const AdamWScalars k(lr, beta1, beta2, step);
   if (tensors != table.key_) {  // a new parameter set: chunk it and upload the table
     std::vector<launch::AdamWChunk> chunks;
@@ -523,7 +523,7 @@ void adamw_multi(Context& ctx, const std::vector<AdamWTensor>& tensors, AdamWTab
   launch::adamw_multi(prepare(ctx), reinterpret_cast<const launch::AdamWChunk*>(table.words_.data()),
                       table.chunks_, beta1, beta2, eps, k.step_size, k.bc2_sqrt,
                       AdamWScalars::decay(lr, weight_decay), AdamWScalars::decay(lr, 0.0f),
-                      grad_scale);
+                      grad_scale, grad_scale_at);
   WEFT_LAUNCH_CHECK("adamw_multi");
 }
 
@@ -559,14 +559,34 @@ double sum_squares_multi(Context& ctx, const std::vector<MultiTensor>& tensors,
   return r;
 }
 
+void sum_squares_multi(Context& ctx, const std::vector<MultiTensor>& tensors,
+                       MultiTensorTable& table, float* total) {
+  table.update(ctx, tensors);
+  if (table.chunks_ == 0) {
+    zero(ctx, total, sizeof(float));
+    return;
+  }
+  if (table.sums_.size() < table.chunks_ + 1)
+    table.sums_ = DeviceBuffer<double>(ctx, table.chunks_ + 1);
+  launch::sum_squares_multi(prepare(ctx),
+                            reinterpret_cast<const launch::MultiChunk*>(table.words_.data()),
+                            table.chunks_, table.sums_.data(), total);
+  WEFT_LAUNCH_CHECK("sum_squares_multi (to the device)");
+}
+
 void scale_multi(Context& ctx, const std::vector<MultiTensor>& tensors, float s,
-                 MultiTensorTable& table) {
+                 MultiTensorTable& table, const float* s_at) {
   table.update(ctx, tensors);
   if (table.chunks_ == 0) return;
   launch::scale_multi(prepare(ctx),
                       reinterpret_cast<const launch::MultiChunk*>(table.words_.data()),
-                      table.chunks_, s);
+                      table.chunks_, s, s_at);
   WEFT_LAUNCH_CHECK("scale_multi");
+}
+
+void clip_coefficient(Context& ctx, const float* sum_squares, double max_norm, float* coef) {
+  launch::clip_coefficient(prepare(ctx), sum_squares, max_norm, coef);
+  WEFT_LAUNCH_CHECK("clip_coefficient");
 }
 
 void to_bf16_multi(Context& ctx, const std::vector<ConvertTensor>& tensors, ConvertTable& table) {

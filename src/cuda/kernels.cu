@@ -913,7 +913,8 @@ __device__ __forceinline__ void adamw_element(float* p, const float* g, float* m
 
 __global__ void adamw_kernel(float* p, const float* g, float* m, float* v, int64_t n, float beta1,
                              float beta2, float eps, float step_size, float bc2_sqrt, float decay,
-                             float grad_scale) {
+                             float grad_scale, const float* grad_scale_at) {
+  if (grad_scale_at != nullptr) grad_scale = *grad_scale_at;
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x)
     adamw_element(p, g, m, v, i, beta1, beta2, eps, step_size, bc2_sqrt, decay, grad_scale);
@@ -924,7 +925,9 @@ __global__ void adamw_kernel(float* p, const float* g, float* m, float* v, int64
 // (1 - lr * 0, as the per-tensor call computes it) for the others.
 __global__ void adamw_multi_kernel(const AdamWChunk* chunks, int64_t count, float beta1,
                                    float beta2, float eps, float step_size, float bc2_sqrt,
-                                   float decay_on, float decay_off, float grad_scale) {
+                                   float decay_on, float decay_off, float grad_scale,
+                                   const float* grad_scale_at) {
+  if (grad_scale_at != nullptr) grad_scale = *grad_scale_at;
   for (int64_t c = blockIdx.x; c < count; c += gridDim.x) {
     const AdamWChunk k = chunks[c];
     const float decay = k.decay != 0 ? decay_on : decay_off;
@@ -1020,11 +1023,24 @@ __global__ void sum_squares_multi_kernel(const MultiChunk* chunks, int64_t count
 }
 
 // scale_inplace_kernel's multiply on every chunk of the table.
-__global__ void scale_multi_kernel(const MultiChunk* chunks, int64_t count, float scale) {
+__global__ void scale_multi_kernel(const MultiChunk* chunks, int64_t count, float scale,
+                                   const float* scale_at) {
+  if (scale_at != nullptr) scale = *scale_at;
   for (int64_t c = blockIdx.x; c < count; c += gridDim.x) {
     const MultiChunk k = chunks[c];
     for (int64_t i = threadIdx.x; i < k.n; i += blockDim.x) k.x[i] *= scale;
   }
+}
+
+// clip_coefficient (src/runtime/optimizer.cc) on the device: the same double
+// operations, each correctly rounded, so the same bits.
+__global__ void clip_coefficient_kernel(const float* sum_squares, double max_norm, float* coef) {
+  if (max_norm <= 0) {
+    *coef = 1.0f;
+    return;
+  }
+  const double c = max_norm / (sqrt(static_cast<double>(*sum_squares)) + 1e-6);
+  *coef = c >= 1.0 ? 1.0f : static_cast<float>(c);
 }
 
 // ---------------------------------------------------------------- bf16
@@ -1570,17 +1586,18 @@ void embedding_backward(cudaStream_t s, const int32_t* tokens, const uint16_t* d
 
 void adamw(cudaStream_t s, float* p, const float* g, float* m, float* v, int64_t n, float beta1,
            float beta2, float eps, float step_size, float bc2_sqrt, float decay,
-           float grad_scale) {
+           float grad_scale, const float* grad_scale_at) {
   adamw_kernel<<<blocks_for(n), kThreads, 0, s>>>(p, g, m, v, n, beta1, beta2, eps, step_size,
-                                                  bc2_sqrt, decay, grad_scale);
+                                                  bc2_sqrt, decay, grad_scale, grad_scale_at);
 }
 
 void adamw_multi(cudaStream_t s, const AdamWChunk* chunks, int64_t count, float beta1,
                  float beta2, float eps, float step_size, float bc2_sqrt, float decay_on,
-                 float decay_off, float grad_scale) {
+                 float decay_off, float grad_scale, const float* grad_scale_at) {
   const unsigned blocks = static_cast<unsigned>(std::clamp<int64_t>(count, 1, int64_t{1} << 16));
   adamw_multi_kernel<<<blocks, kThreads, 0, s>>>(chunks, count, beta1, beta2, eps, step_size,
-                                                 bc2_sqrt, decay_on, decay_off, grad_scale);
+                                                 bc2_sqrt, decay_on, decay_off, grad_scale,
+                                                 grad_scale_at);
 }
 
 void sgd(cudaStream_t s, float* p, const float* g, float* buf, int64_t n, float lr,
@@ -1613,16 +1630,26 @@ void reduce(cudaStream_t s, const float* x, int64_t n, bool square, double* part
   reduce_into(s, x, n, square, partials, out);
 }
 
-void sum_squares_multi(cudaStream_t s, const MultiChunk* chunks, int64_t count, double* sums) {
+void sum_squares_multi(cudaStream_t s, const MultiChunk* chunks, int64_t count, double* sums,
+                       float* total) {
   const unsigned blocks = static_cast<unsigned>(std::clamp<int64_t>(count, 1, int64_t{1} << 16));
   sum_squares_multi_kernel<<<blocks, kThreads, 0, s>>>(chunks, count, sums);
-  // The partials in a fixed order (reduce's second pass), into sums[count].
-  reduce_finish_kernel<<<1, kThreads, 0, s>>>(sums, count, sums + count);
+  // The partials in a fixed order (reduce's second pass), into sums[count]
+  // or, rounded, into *total.
+  if (total != nullptr)
+    reduce_finish_kernel<<<1, kThreads, 0, s>>>(sums, count, total);
+  else
+    reduce_finish_kernel<<<1, kThreads, 0, s>>>(sums, count, sums + count);
 }
 
-void scale_multi(cudaStream_t s, const MultiChunk* chunks, int64_t count, float scale) {
+void scale_multi(cudaStream_t s, const MultiChunk* chunks, int64_t count, float scale,
+                 const float* scale_at) {
   const unsigned blocks = static_cast<unsigned>(std::clamp<int64_t>(count, 1, int64_t{1} << 16));
-  scale_multi_kernel<<<blocks, kThreads, 0, s>>>(chunks, count, scale);
+  scale_multi_kernel<<<blocks, kThreads, 0, s>>>(chunks, count, scale, scale_at);
+}
+
+void clip_coefficient(cudaStream_t s, const float* sum_squares, double max_norm, float* coef) {
+  clip_coefficient_kernel<<<1, 1, 0, s>>>(sum_squares, max_norm, coef);
 }
 
 void to_bf16(cudaStream_t s, const float* x, uint16_t* y, int64_t n) {

@@ -140,7 +140,7 @@ void sgd(cudaStream_t s, float* p, const float* g, float* buf, int64_t n, float 
 // --- AdamW with the host-computed scalars of cpu::adamw ---
 void adamw(cudaStream_t s, float* p, const float* g, float* m, float* v, int64_t n, float beta1,
            float beta2, float eps, float step_size, float bc2_sqrt, float decay,
-           float grad_scale);
+           float grad_scale, const float* grad_scale_at = nullptr);
 
 // One chunk of a tensor in adamw_multi's device table: n elements from p, g,
 // m, v (already offset to the chunk), in the decay group when decay != 0.
@@ -159,7 +159,7 @@ constexpr int64_t kAdamWChunk = 16384;
 // the decay group and decay_off for the rest.
 void adamw_multi(cudaStream_t s, const AdamWChunk* chunks, int64_t count, float beta1,
                  float beta2, float eps, float step_size, float bc2_sqrt, float decay_on,
-                 float decay_off, float grad_scale);
+                 float decay_off, float grad_scale, const float* grad_scale_at = nullptr);
 
 // One chunk of a tensor in MultiTensorTable's device table: n elements from x
 // (already offset to the chunk).
@@ -174,10 +174,17 @@ constexpr int64_t kMultiChunk = 16384;
 // sums[c] = sum of x^2 over chunk c (in double), for every chunk of the
 // table, then sums[count] = the sum of those partials in a fixed order. One
 // partial per chunk, whatever the grid, so the total's bits depend only on
-// the chunks. count >= 1; sums holds count + 1 doubles.
-void sum_squares_multi(cudaStream_t s, const MultiChunk* chunks, int64_t count, double* sums);
-// x *= scale over every chunk of the table.
-void scale_multi(cudaStream_t s, const MultiChunk* chunks, int64_t count, float scale);
+// the chunks. count >= 1; sums holds count + 1 doubles. With `total`, the
+// sum of the partials goes there instead, rounded to a float.
+void sum_squares_multi(cudaStream_t s, const MultiChunk* chunks, int64_t count, double* sums,
+                       float* total = nullptr);
+// x *= scale over every chunk of the table (*scale_at in place of scale
+// when given: a value on the device).
+void scale_multi(cudaStream_t s, const MultiChunk* chunks, int64_t count, float scale,
+                 const float* scale_at = nullptr);
+// *coef = clip_coefficient(max_norm, sqrt(*sum_squares)) (weft/optimizer.h),
+// in double as the host computes it, so the same bits.
+void clip_coefficient(cudaStream_t s, const float* sum_squares, double max_norm, float* coef);
 
 // One chunk of a tensor in ConvertTable's device table: n elements of x
 // rounded into y (both already offset to the chunk), kMultiChunk at most.

@@ -12,6 +12,7 @@
 #include <weft/cpu_kernels.h>
 #include <weft/cuda/kernels.h>
 #include <weft/error.h>
+#include <weft/optimizer.h>
 
 #include "weft_config.h"
 
@@ -670,6 +671,55 @@ double sum_squares_multi(const std::vector<Tensor>& xs, std::shared_ptr<void>& c
         cuda::MultiTensorTable& table = multi_table(cache, xs);
         return cuda::sum_squares_multi(cx, table.scratch, table);
       });
+}
+
+void sum_squares_multi(const std::vector<Tensor>& xs, std::shared_ptr<void>& cache,
+                       const Tensor& out) {
+  check_numel("sum_squares_multi", "out", out, 1);
+  check_dtype("sum_squares_multi", "out", out, DType::F32);
+  const Device d = xs.empty() ? out.device() : multi_device("sum_squares_multi", xs);
+  check(xs.empty() || out.device() == d,
+        "sum_squares_multi: the tensors are on {}, out on {}; every operand must be on one device",
+        d.str(), out.device().str());
+  on_device(
+      d, "sum_squares_multi",
+      [&] { fw(out)[0] = static_cast<float>(sum_squares_multi(xs, cache)); },
+      [&](auto& cx) {
+        cuda::MultiTensorTable& table = multi_table(cache, xs);
+        cuda::sum_squares_multi(cx, table.scratch, table, fw(out));
+      });
+}
+
+void scale_multi(const std::vector<Tensor>& xs, const Tensor& s, std::shared_ptr<void>& cache) {
+  check_numel("scale_multi", "the scale", s, 1);
+  check_dtype("scale_multi", "the scale", s, DType::F32);
+  const Device d = multi_device("scale_multi", xs);
+  if (xs.empty() || d != s.device()) {
+    check(xs.empty(), "scale_multi: the tensors are on {}, the scale on {}; every operand must be "
+                      "on one device", d.str(), s.device().str());
+    return;
+  }
+  on_device(
+      d, "scale_multi", [&] { scale_multi(xs, f(s)[0], cache); },
+      [&](auto& cx) {
+        cuda::MultiTensorTable& table = multi_table(cache, xs);
+        cuda::scale_multi(cx, table.scratch, 1.0f, table, f(s));
+      });
+}
+
+void clip_coefficient(const Tensor& sum_squares, double max_norm, const Tensor& coef) {
+  check_numel("clip_coefficient", "the sum of squares", sum_squares, 1);
+  check_numel("clip_coefficient", "the coefficient", coef, 1);
+  check_dtype("clip_coefficient", "the sum of squares", sum_squares, DType::F32);
+  check_dtype("clip_coefficient", "the coefficient", coef, DType::F32);
+  const Device d = common_device("clip_coefficient", {&sum_squares, &coef});
+  on_device(
+      d, "clip_coefficient",
+      [&] {
+        fw(coef)[0] = weft::clip_coefficient(
+            max_norm, std::sqrt(static_cast<double>(f(sum_squares)[0])));
+      },
+      [&](auto& cx) { cuda::clip_coefficient(cx, f(sum_squares), max_norm, fw(coef)); });
 }
 
 void scale_multi(const std::vector<Tensor>& xs, float s, std::shared_ptr<void>& cache) {
@@ -1596,27 +1646,40 @@ void sgd(const Tensor& p, const Tensor& g, const Tensor& buf, float lr, float mo
       [&](auto& cx) { cuda::sgd(cx, fw(p), f(g), fw(buf), n, lr, momentum, weight_decay); });
 }
 
+namespace {
+void check_grad_scale_at(const char* op, const Tensor& at, Device d) {
+  if (!at.defined()) return;
+  check_numel(op, "grad_scale_at", at, 1);
+  check_dtype(op, "grad_scale_at", at, DType::F32);
+  check(at.device() == d,
+        "{}: grad_scale_at is on {}, the update on {}; every operand must be on one device", op,
+        at.device().str(), d.str());
+}
+const float* scale_at(const Tensor& at) { return at.defined() ? f(at) : nullptr; }
+}  // namespace
+
 void adamw(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v,
-           const AdamWStep& s) {
+           const AdamWStep& s, const Tensor& grad_scale_at) {
   const Device d = common_device("adamw", {&p, &g, &m, &v});
   const int64_t n = p.numel();
   check_numel("adamw", "the gradient", g, n);
   check_numel("adamw", "exp_avg", m, n);
   check_numel("adamw", "exp_avg_sq", v, n);
+  check_grad_scale_at("adamw", grad_scale_at, d);
   on_device(
       d, "adamw",
       [&] {
         cpu::adamw(fw(p), f(g), fw(m), fw(v), n, s.lr, s.beta1, s.beta2, s.eps, s.weight_decay,
-                   s.step, s.grad_scale);
+                   s.step, grad_scale_at.defined() ? f(grad_scale_at)[0] : s.grad_scale);
       },
       [&](auto& cx) {
         cuda::adamw(cx, fw(p), f(g), fw(m), fw(v), n, s.lr, s.beta1, s.beta2, s.eps,
-                    s.weight_decay, s.step, s.grad_scale);
+                    s.weight_decay, s.step, s.grad_scale, scale_at(grad_scale_at));
       });
 }
 
 void adamw_multi(const std::vector<AdamWTensors>& ts, const AdamWStep& s,
-                 std::shared_ptr<void>& cache) {
+                 std::shared_ptr<void>& cache, const Tensor& grad_scale_at) {
   if (ts.empty()) return;
   const Device d = common_device("adamw_multi", {&ts[0].p});
   for (const AdamWTensors& t : ts) {
@@ -1628,13 +1691,14 @@ void adamw_multi(const std::vector<AdamWTensors>& ts, const AdamWStep& s,
     check_numel("adamw_multi", "exp_avg", t.m, n);
     check_numel("adamw_multi", "exp_avg_sq", t.v, n);
   }
+  check_grad_scale_at("adamw_multi", grad_scale_at, d);
   on_device(
       d, "adamw_multi",
       [&] {
         for (const AdamWTensors& t : ts) {
           AdamWStep one = s;
           one.weight_decay = t.decay ? s.weight_decay : 0.0f;
-          adamw(t.p, t.g, t.m, t.v, one);
+          adamw(t.p, t.g, t.m, t.v, one, grad_scale_at);
         }
       },
       [&](auto& cx) {
@@ -1644,7 +1708,7 @@ void adamw_multi(const std::vector<AdamWTensors>& ts, const AdamWStep& s,
         for (const AdamWTensors& t : ts)
           table.scratch.push_back({fw(t.p), f(t.g), fw(t.m), fw(t.v), t.p.numel(), t.decay});
         cuda::adamw_multi(cx, table.scratch, table, s.lr, s.beta1, s.beta2, s.eps,
-                          s.weight_decay, s.step, s.grad_scale);
+                          s.weight_decay, s.step, s.grad_scale, scale_at(grad_scale_at));
       });
 }
 

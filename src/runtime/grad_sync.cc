@@ -194,7 +194,6 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
   else if (!distributed())
     plain_ = std::make_unique<AdamW>(params_, adam_);
   remaining_.assign(np, 0);
-  scalar_ = Tensor::zeros({1});
 }
 
 GradSync::~GradSync() = default;
@@ -350,9 +349,9 @@ void GradSync::finish() {
 
 // The sum of squares of every counted gradient (distributed: of the counted
 // parameters' pieces of this replica's shards) in one ops::sum_squares_multi
-// call: on a GPU one wait, not one per tensor. The list is rebuilt in place
-// each step, in the order a loop over them would add them.
-double GradSync::grad_norm() {
+// call, left where the gradients are, then summed over the groups. The list
+// is rebuilt in place each step, in the order a loop over them would add them.
+void GradSync::grad_norm_squared(const Tensor& out) {
   std::vector<Tensor>& xs = tables_.grads;
   xs.clear();  // keeps its capacity
   if (!distributed()) {
@@ -371,18 +370,31 @@ double GradSync::grad_norm() {
       }
     }
   }
-  const double local = ops::sum_squares_multi(xs, tables_.norm);
-  scalar_.data<float>()[0] = static_cast<float>(local);
-  if (distributed()) groups_.dp->all_reduce(scalar_, ReduceOp::Sum);
-  if (groups_.tp) groups_.tp->all_reduce(scalar_, ReduceOp::Sum);
-  if (groups_.pp) groups_.pp->all_reduce(scalar_, ReduceOp::Sum);
-  return std::sqrt(static_cast<double>(scalar_.data<float>()[0]));
+  ops::sum_squares_multi(xs, tables_.norm, out);
+  if (distributed()) groups_.dp->all_reduce(out, ReduceOp::Sum);
+  if (groups_.tp) groups_.tp->all_reduce(out, ReduceOp::Sum);
+  if (groups_.pp) groups_.pp->all_reduce(out, ReduceOp::Sum);
 }
 
-void GradSync::step(float lr, float grad_scale) {
+double GradSync::grad_norm() {
+  if (!norm_sq_.defined())
+    norm_sq_ = Tensor::zeros({1}, DType::F32,
+                             params_.empty() ? Device::cpu() : params_[0]->value.device());
+  grad_norm_squared(norm_sq_);
+  return std::sqrt(static_cast<double>(ops::item(norm_sq_)));
+}
+
+void GradSync::step(float lr, float grad_scale) { update(lr, grad_scale, Tensor()); }
+
+void GradSync::step(float lr, const Tensor& grad_scale) { update(lr, 1.0f, grad_scale); }
+
+void GradSync::update(float lr, float grad_scale, const Tensor& grad_scale_at) {
   ++steps_;
   if (!distributed()) {
-    plain_->step(lr, grad_scale);
+    if (grad_scale_at.defined())
+      plain_->step(lr, grad_scale_at);
+    else
+      plain_->step(lr, grad_scale);
     return;
   }
   const int64_t r = groups_.dp_rank();
@@ -399,7 +411,8 @@ void GradSync::step(float lr, float grad_scale) {
       ops::adamw(elements(b.value, o.lo, n), elements(b.shard_grad, at, n), elements(b.m, at, n),
                  elements(b.v, at, n),
                  {lr, adam_.beta1, adam_.beta2, adam_.eps,
-                  p->weight_decay() ? adam_.weight_decay : 0.0f, steps_, grad_scale});
+                  p->weight_decay() ? adam_.weight_decay : 0.0f, steps_, grad_scale},
+                 grad_scale_at);
     }
     b.shard_value.copy_from(elements(b.value, lo, s));
     gathers.push_back(groups_.dp->iall_gather(b.shard_value, b.value));

@@ -27,12 +27,23 @@ Sgd::Sgd(std::vector<Param*> params, SgdConfig config)
 }
 
 void Sgd::step(float lr, float grad_scale) {
-  ++steps_;
   if (grad_scale != 1.0f) {  // one launch on a GPU, as clip_grads
     grads_.clear();          // keeps its capacity
     for (Param* p : params_) grads_.push_back(p->grad);
     ops::scale_multi(grads_, grad_scale, scale_);
   }
+  update(lr);
+}
+
+void Sgd::step(float lr, const Tensor& grad_scale) {
+  grads_.clear();
+  for (Param* p : params_) grads_.push_back(p->grad);
+  ops::scale_multi(grads_, grad_scale, scale_);  // x 1 where it is 1: the same bits
+  update(lr);
+}
+
+void Sgd::update(float lr) {
+  ++steps_;
   for (size_t i = 0; i < params_.size(); ++i) {
     Param* p = params_[i];
     ops::sgd(p->value, p->grad, buf_[i], lr, config_.momentum,
@@ -57,7 +68,11 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config)
 
 // Every parameter in one ops::adamw_multi call: on a GPU one launch, from a
 // device table built on the first step and kept while the parameters stay.
-void AdamW::step(float lr, float grad_scale) {
+void AdamW::step(float lr, float grad_scale) { update(lr, grad_scale, Tensor()); }
+
+void AdamW::step(float lr, const Tensor& grad_scale) { update(lr, 1.0f, grad_scale); }
+
+void AdamW::update(float lr, float grad_scale, const Tensor& grad_scale_at) {
   ++steps_;
   multi_tensors_.clear();  // keeps its capacity: a steady step allocates nothing
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -67,7 +82,7 @@ void AdamW::step(float lr, float grad_scale) {
   ops::adamw_multi(
       multi_tensors_,
       {lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay, steps_, grad_scale},
-      multi_);
+      multi_, grad_scale_at);
 }
 
 std::vector<std::pair<std::string, Tensor>> AdamW::state() {

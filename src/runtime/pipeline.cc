@@ -94,8 +94,8 @@ PipelineExecutor::PipelineExecutor(const Graph& graph, ModelIO io, StagePlan pla
   }
   live_.assign(static_cast<size_t>(stages * schedule_.micro_batches), nullptr);
   stage_bytes_.assign(static_cast<size_t>(stages), {});
-  step_stats_ = Tensor::zeros({3});
-  all_step_stats_ = Tensor::zeros({3 * pp_.size()});
+  step_stats_ = Tensor::zeros({2});
+  all_step_stats_ = Tensor::zeros({2 * pp_.size()});
   pp_.barrier();
   epoch_ = std::chrono::steady_clock::now();
   if (options_.recompute) work_ = std::make_unique<MicroBatch>(graph_, options_.device);
@@ -249,17 +249,10 @@ void PipelineExecutor::forward_action(int stage, int mb, int64_t step) {
   if (options_.recompute) share_inputs(s.mb, work, stage);
   forward(graph_, work, begin, end);
   if (stage == schedule_.stages() - 1) {
-    if (options_.device.is_cpu()) {
-      loss_sum_ += static_cast<double>(ops::item(work.value(io_.loss)));
-    } else {
-      // (a tensor not yet made is a scalar: numel 1, as one micro-batch's)
-      if (!device_losses_.defined() || device_losses_.numel() != schedule_.micro_batches) {
-        device_losses_ = Tensor::empty({schedule_.micro_batches}, DType::F32, options_.device);
-        host_losses_ = Tensor::empty({schedule_.micro_batches});
-      }
-      device_losses_.slice0(mb, mb + 1).copy_from(work.value(io_.loss).view({1}));
-      loss_order_.push_back(mb);
-    }
+    if (!losses_.defined())
+      losses_ = Tensor::zeros({schedule_.micro_batches}, DType::F32, options_.device);
+    losses_.slice0(mb, mb + 1).copy_from(work.value(io_.loss).view({1}));
+    loss_order_.push_back(mb);
   }
   if (!options_.recompute) {
     bytes.f = used(s.mb) - before;
@@ -410,13 +403,13 @@ void PipelineExecutor::end_p2p_step(const sched::P2pStep& st, int64_t step, size
   }
 }
 
-double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micro_batch,
-                             int64_t global_batch, const std::function<void()>& before_loss_wait) {
+void PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micro_batch,
+                           int64_t global_batch, const std::function<void()>& at_end,
+                           bool measure) {
   data_ = &data;
   global_batch_ = global_batch > 0 ? global_batch : schedule_.micro_batches * micro_batch;
   micro_batch_size_ = micro_batch;
   step_ = step;
-  loss_sum_ = 0;
   loss_order_.clear();
   peak_slots_ = 0;
   peak_stashed_ = 0;
@@ -426,8 +419,11 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
   using Clock = std::chrono::steady_clock;
   const auto run_start = Clock::now();
   busy_s_ = 0;
-  const bool on_device = !options_.device.is_cpu();
-  if (on_device) {
+  // On a GPU, measuring means timing each action on the device (the trace's
+  // spans too), which the host then waits for.
+  measure = measure || options_.trace;
+  const bool device_timing = !options_.device.is_cpu() && measure;
+  if (device_timing) {
     if (!device_timer_) device_timer_ = std::make_shared<SpanTimer>(options_.device);
     device_timer_->time([] {});  // span 0: the run's start, on the device's clock
   }
@@ -439,7 +435,7 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
   for (size_t i = 0; i < mine.size(); ++i) {
     const Action& a = mine[i];
     const auto t0 = Clock::now();
-    if (on_device) device_timer_->begin();
+    if (device_timing) device_timer_->begin();
     set_step(step, i, a);
     const bool opens_step = next_step < steps.size() && steps[next_step].begin == i;
     if (opens_step) pp_.group_start();
@@ -494,7 +490,7 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
       case ActionKind::STEP:
         break;  // done once per run, below
     }
-    if (on_device) device_timer_->end();
+    if (device_timing) device_timer_->end();
     const auto t1 = Clock::now();
     if (sched::is_compute(a.kind)) busy_s_ += std::chrono::duration<double>(t1 - t0).count();
     if (options_.trace) {
@@ -509,7 +505,7 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
     }
   }
   span_s_ = std::chrono::duration<double>(Clock::now() - run_start).count();
-  if (on_device) device_timer_->time([] {});  // the end of this rank's actions
+  if (device_timing) device_timer_->time([] {});  // the end of this rank's actions
   pp_.set_step("end of the pipeline's actions");
   check(slots_in_use_ == 0, "{} (stage, micro-batch) slots are still alive after the last action "
                             "of schedule '{}' on pipeline rank {}",
@@ -524,13 +520,12 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
       sl->stage = -1;
     }
   reduce_tied();
-  if (before_loss_wait) before_loss_wait();
-  // A device's losses, added in the order their forwards ran, as the CPU adds them.
-  if (!loss_order_.empty()) {
-    host_losses_.copy_from(device_losses_);
-    for (int j : loss_order_) loss_sum_ += static_cast<double>(host_losses_.data<float>()[j]);
+  if (at_end) at_end();
+  if (!measure) {
+    bubble_ = -1;
+    return;
   }
-  if (on_device) {
+  if (device_timing) {
     // The host only queued the work: the device's clock says how long each
     // action's work ran, and when this rank's last one ended.
     const std::vector<std::pair<double, double>> t = device_timer_->take_intervals();
@@ -551,23 +546,18 @@ double PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micr
       }
     }
   }
-  // One collective for the loss and the bubble: every rank's (loss, busy,
-  // span). Only the last stage's rank holds a loss, so the sum is exact.
+  // One collective for the bubble: every rank's (busy, span).
   float* stats = step_stats_.data<float>();
-  stats[0] = static_cast<float>(loss_sum_);
-  stats[1] = static_cast<float>(busy_s_);
-  stats[2] = static_cast<float>(span_s_);
+  stats[0] = static_cast<float>(busy_s_);
+  stats[1] = static_cast<float>(span_s_);
   pp_.all_gather(step_stats_, all_step_stats_);
-  float loss = 0;
   double busy = 0, span = 0;
   for (int r = 0; r < pp_.size(); ++r) {
-    const float* s = all_step_stats_.data<float>() + 3 * r;
-    loss += s[0];
-    busy += s[1];
-    span = std::max(span, static_cast<double>(s[2]));
+    const float* st = all_step_stats_.data<float>() + 2 * r;
+    busy += st[0];
+    span = std::max(span, static_cast<double>(st[1]));
   }
   bubble_ = span > 0 ? 1.0 - busy / (span * pp_.size()) : 0.0;
-  return static_cast<double>(loss) / static_cast<double>(global_batch_ * io_.terms_per_sample);
 }
 
 std::vector<Param*> PipelineExecutor::tied_params() const {

@@ -248,69 +248,188 @@ double Trainer::evaluate(const BatchSource& data, int64_t iters) {
   return sum / static_cast<double>(iters);
 }
 
-double Trainer::run_batch(const BatchSource& batches, int64_t step) {
+void Trainer::run_batch_into(const BatchSource& batches, int64_t step, const Tensor& losses,
+                             std::vector<int>& order, bool measure) {
   const Bf16Copies copies(*g_.graph, sync_->params(), bf16_tables_);
   sync_->begin(micro_batches_);
-  double loss = 0;
+  order.clear();
   if (par_.pipeline != nullptr) {
-    par_.pipeline->set_loss_scale(static_cast<float>(scale_));
-    // The last buckets' reductions go out before the host waits for the losses.
-    loss = par_.pipeline->run(batches, step, opt_.micro_batch, opt_.global_batch,
-                              [this] { sync_->finish(); });
+    PipelineExecutor& pipeline = *par_.pipeline;
+    pipeline.set_loss_scale(static_cast<float>(scale_));
+    // The last buckets' reductions go out behind the backward.
+    pipeline.run(batches, step, opt_.micro_batch, opt_.global_batch, [this] { sync_->finish(); },
+                 measure);
+    if (pipeline.losses().defined()) {
+      losses.copy_from(pipeline.losses());
+      order = pipeline.loss_order();
+    }
+    return;
+  }
+  const Graph& graph = *g_.graph;
+  const int n = static_cast<int>(graph.nodes().size());
+  const float seed = 1.0f / static_cast<float>(opt_.global_batch * g_.terms_per_sample);
+  for (int64_t j = 0; j < micro_batches_; ++j) {
+    if (opt_.device.is_cpu()) {  // straight into the arena
+      inputs_.clear();
+      for (int v : g_.inputs) inputs_.push_back(mb_.input(v));
+      batches.fill(step, j * opt_.micro_batch, inputs_);
+    } else {  // on the host, then an asynchronous upload through pinned memory
+      batches.fill(step, j * opt_.micro_batch, host_inputs_);
+      for (size_t k = 0; k < g_.inputs.size(); ++k)
+        mb_.input(g_.inputs[k]).copy_from(host_inputs_[k]);
+    }
+    forward(graph, mb_, 0, n);
+    losses.slice0(j, j + 1).copy_from(mb_.value(g_.loss).view({1}));
+    order.push_back(static_cast<int>(j));
+    mb_.seed_grad(g_.loss, seed * static_cast<float>(scale_));
+    for (int k = n - 1; k >= 0; --k) {
+      backward_input(graph, mb_, k);
+      backward_weight(graph, mb_, k);
+      sync_->weight_done(k);
+    }
+    mb_.reset();
+  }
+  sync_->finish();  // the last buckets' reductions go out behind the backward
+}
+
+// From each step's micro-batch loss sums, added in `order` as the CPU adds
+// them, to the global batch's mean: over the pipeline (only its last stage
+// holds losses, so the float sum is exact) and over the data-parallel
+// replicas (a parameter-server worker's servers sum its loss). One
+// collective per group for all the steps.
+void Trainer::mean_losses(std::span<const float* const> rows,
+                          std::span<const std::vector<int>* const> orders,
+                          std::span<double> out) {
+  const size_t n = out.size();
+  if (!loss_sums_.defined() || loss_sums_.numel() < static_cast<int64_t>(n))
+    loss_sums_ = Tensor::zeros({static_cast<int64_t>(std::max<size_t>(n, kRows))});
+  const Tensor sums = loss_sums_.slice0(0, static_cast<int64_t>(n));
+  float* f = sums.data<float>();
+  const double terms = static_cast<double>(opt_.global_batch * g_.terms_per_sample);
+  for (size_t i = 0; i < n; ++i) {
+    double sum = 0;
+    for (int j : *orders[i]) sum += static_cast<double>(rows[i][j]);
+    out[i] = sum;
+  }
+  if (par_.pipeline != nullptr) {
+    for (size_t i = 0; i < n; ++i) f[i] = static_cast<float>(out[i]);
+    par_.pipeline->group().all_reduce(sums, ReduceOp::Sum);
+    for (size_t i = 0; i < n; ++i) out[i] = static_cast<double>(f[i]) / terms;
   } else {
-    const Graph& graph = *g_.graph;
-    const int n = static_cast<int>(graph.nodes().size());
-    const float seed = 1.0f / static_cast<float>(opt_.global_batch * g_.terms_per_sample);
-    double loss_sum = 0;
-    for (int64_t j = 0; j < micro_batches_; ++j) {
-      if (opt_.device.is_cpu()) {  // straight into the arena
-        inputs_.clear();
-        for (int v : g_.inputs) inputs_.push_back(mb_.input(v));
-        batches.fill(step, j * opt_.micro_batch, inputs_);
-      } else {  // on the host, then an asynchronous upload through pinned memory
-        batches.fill(step, j * opt_.micro_batch, host_inputs_);
-        for (size_t k = 0; k < g_.inputs.size(); ++k)
-          mb_.input(g_.inputs[k]).copy_from(host_inputs_[k]);
-      }
-      forward(graph, mb_, 0, n);
-      if (opt_.device.is_cpu()) {
-        loss_sum += static_cast<double>(ops::item(mb_.value(g_.loss)));
-      } else {
-        // (a tensor not yet made is a scalar: numel 1, as one micro-batch's)
-        if (!device_losses_.defined() || device_losses_.numel() != micro_batches_) {
-          device_losses_ = Tensor::empty({micro_batches_}, DType::F32, opt_.device);
-          host_losses_ = Tensor::empty({micro_batches_});
-        }
-        device_losses_.slice0(j, j + 1).copy_from(mb_.value(g_.loss).view({1}));
-      }
-      mb_.seed_grad(g_.loss, seed * static_cast<float>(scale_));
-      for (int k = n - 1; k >= 0; --k) {
-        backward_input(graph, mb_, k);
-        backward_weight(graph, mb_, k);
-        sync_->weight_done(k);
-      }
-      mb_.reset();
-    }
-    sync_->finish();  // the last buckets' reductions go out before the host waits
-    if (!opt_.device.is_cpu()) {  // the losses in micro-batch order, as the CPU adds them
-      host_losses_.copy_from(device_losses_);
-      for (int64_t j = 0; j < micro_batches_; ++j)
-        loss_sum += static_cast<double>(host_losses_.data<float>()[j]);
-    }
-    loss = loss_sum / static_cast<double>(opt_.global_batch * g_.terms_per_sample);
+    for (size_t i = 0; i < n; ++i) out[i] /= terms;
   }
-  if (par_.groups.dp_size() > 1 && par_.ps == nullptr) {  // servers sum a worker's loss
-    scalar_.data<float>()[0] = static_cast<float>(loss);
-    par_.groups.dp->all_reduce(scalar_, ReduceOp::Sum);
-    loss = scalar_.data<float>()[0];
+  if (par_.groups.dp_size() > 1 && par_.ps == nullptr) {
+    for (size_t i = 0; i < n; ++i) f[i] = static_cast<float>(out[i]);
+    par_.groups.dp->all_reduce(sums, ReduceOp::Sum);
+    for (size_t i = 0; i < n; ++i) out[i] = f[i];
   }
+}
+
+double Trainer::run_batch(const BatchSource& batches, int64_t step) {
+  const int64_t width = micro_batches_ + 1;
+  if (!scratch_values_.defined()) {
+    scratch_values_ = Tensor::zeros({width}, DType::F32, opt_.device);
+    scratch_host_ = Tensor::zeros({width});
+  }
+  std::vector<int> order;
+  run_batch_into(batches, step, scratch_values_.slice0(0, micro_batches_), order, true);
+  scratch_host_.copy_from(scratch_values_);  // on a GPU, the host waits here
+  const float* row = scratch_host_.data<float>();
+  const std::vector<int>* o = &order;
+  double loss = 0;
+  mean_losses({&row, 1}, {&o, 1}, {&loss, 1});
   return loss;
 }
 
+bool Trainer::host_decides() const {
+  return opt_.device.is_cpu() || scaling() || opt_.spike.enabled || par_.ps != nullptr ||
+         local();
+}
+
+Tensor Trainer::row_losses(int64_t row) const {
+  const int64_t width = micro_batches_ + 1;
+  return values_.slice0(row * width, row * width + micro_batches_);
+}
+
+Tensor Trainer::row_norm(int64_t row) const {
+  const int64_t width = micro_batches_ + 1;
+  return values_.slice0(row * width + micro_batches_, (row + 1) * width);
+}
+
+void Trainer::check_finite(const StepRecord& r) const {
+  check(r.overflow || (std::isfinite(r.loss) && std::isfinite(r.grad_norm)),
+        "step {}: loss is {} and gradient norm is {}; training diverged (try a lower --lr or "
+        "--clip-grad)",
+        r.step + 1, r.loss, r.grad_norm);
+}
+
+// The launched steps whose values are still on the device: their rows, read
+// back in one copy (the one wait of a GPU), then reduced over the groups.
+void Trainer::read_values() {
+  const int64_t n = unread_;
+  if (n == 0) return;
+  const int64_t width = micro_batches_ + 1;
+  const Tensor host = host_values_.slice0(0, n * width);
+  host.copy_from(values_.slice0(0, n * width));
+  const size_t first = static_cast<size_t>(launched_ - n);
+  rows_.clear();
+  orders_.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    rows_.push_back(host.data<float>() + i * width);
+    orders_.push_back(&launches_[first + static_cast<size_t>(i)].loss_order);
+  }
+  read_losses_.assign(static_cast<size_t>(n), 0.0);
+  mean_losses(rows_, orders_, read_losses_);
+  unread_ = 0;
+  // A deferred step's time: the span since the first of them started,
+  // shared evenly (the device's pace, which the host follows only here).
+  const auto now = std::chrono::steady_clock::now();
+  const double each_s =
+      std::chrono::duration<double>(now - launches_[first].start).count() / static_cast<double>(n);
+  for (int64_t i = 0; i < n; ++i) {
+    Launched& l = launches_[first + static_cast<size_t>(i)];
+    StepRecord& r = l.record;
+    r.loss = read_losses_[static_cast<size_t>(i)];
+    r.grad_norm = std::sqrt(static_cast<double>(rows_[static_cast<size_t>(i)][micro_batches_]));
+    if (host_decides()) continue;  // launch_step decides, and times, it
+    r.step_ms = each_s * 1e3;
+    r.tokens_per_s = static_cast<double>(opt_.global_batch * g_.terms_per_sample) / each_s;
+    check_finite(r);
+  }
+}
+
+const std::vector<StepRecord>& Trainer::take_records() {
+  read_values();
+  taken_.clear();  // keeps its capacity
+  for (int64_t i = 0; i < launched_; ++i) taken_.push_back(launches_[static_cast<size_t>(i)].record);
+  launched_ = 0;
+  return taken_;
+}
+
 StepRecord Trainer::train_step() {
+  check(launched_ == 0,
+        "train_step: the records of {} launched steps (from step {}) are not taken yet; call "
+        "take_records() first",
+        launched_, launched_ == 0 ? 0 : launches_[0].record.step + 1);
+  launch_step(true);
+  return take_records().back();
+}
+
+void Trainer::launch_step(bool measure) {
   const auto t0 = std::chrono::steady_clock::now();
-  StepRecord r;
+  if (unread_ == kRows) read_values();
+  if (!values_.defined()) {
+    values_ = Tensor::zeros({kRows * (micro_batches_ + 1)}, DType::F32, opt_.device);
+    host_values_ = Tensor::zeros({kRows * (micro_batches_ + 1)});
+    coef_ = Tensor::zeros({1}, DType::F32, opt_.device);
+  }
+  if (static_cast<int64_t>(launches_.size()) == launched_) launches_.emplace_back();
+  Launched& l = launches_[static_cast<size_t>(launched_++)];
+  l.start = t0;
+  l.record = StepRecord();
+  StepRecord& r = l.record;
   r.step = steps_done_;
+  r.lr = opt_.lr.at(steps_done_);
   // DiLoCo, and compressed averages: the parameters each period starts from
   // (the same on every replica).
   if (local() && (opt_.local.nesterov || compressed_averages()) &&
@@ -324,8 +443,12 @@ StepRecord Trainer::train_step() {
         outer_buf_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
     for (size_t i = 0; i < ps.size(); ++i) outer_start_[i].copy_from(ps[i]->value);
   }
-  r.loss = compute_gradients(steps_done_);
+  const bool now = host_decides();
+  const int64_t row = unread_++;
+  run_batch_into(data_, steps_done_, row_losses(row), l.loss_order, measure || now);
+  if (par_.pipeline != nullptr) r.bubble_frac = par_.pipeline->bubble_fraction();
   if (par_.ps != nullptr) {
+    read_values();
     exchange_with_servers(r, t0);
   } else {
     // Local SGD: this replica's gradients, unreduced, are (1 / dp) of its own
@@ -337,50 +460,49 @@ StepRecord Trainer::train_step() {
       const float inv = static_cast<float>(1.0 / scale_);
       scale_grads(inv);
     }
-    r.grad_norm = sync_->grad_norm();
-    if (par_.pipeline != nullptr) r.bubble_frac = par_.pipeline->bubble_fraction();
+    // The norm and the clip's coefficient stay where the gradients are.
+    sync_->grad_norm_squared(row_norm(row));
+    ops::clip_coefficient(row_norm(row), opt_.clip_grad, coef_);
     if (par_.groups.dp_size() > 1) {
       r.dp_wait_ms = sync_->stats().wait_ms;
       r.dp_bytes = sync_->stats().bytes_sent;
     }
+    if (now) read_values();
   }
-  // With loss scaling, a norm that is not finite is an overflow: the step is
-  // skipped. The norm is all-reduced, so every rank decides alike.
-  r.overflow = scaling() && !std::isfinite(r.grad_norm);
-  if (r.overflow) {
-    r.skipped = true;
-    update_loss_scale(true);
-    r.next_loss_scale = scale_;
-  }
-  check(r.overflow || (std::isfinite(r.loss) && std::isfinite(r.grad_norm)),
-        "step {}: loss is {} and gradient norm is {}; training diverged (try a lower --lr or "
-        "--clip-grad)",
-        steps_done_ + 1, r.loss, r.grad_norm);
-  r.lr = opt_.lr.at(steps_done_);
-  const TrainOptions::SpikeCheck& spike = opt_.spike;
-  if (spike.enabled && !r.overflow &&
-      static_cast<int64_t>(recent_losses_.size()) == spike.window) {
-    double mean = 0;
-    for (double l : recent_losses_) mean += l / static_cast<double>(recent_losses_.size());
-    // Every rank holds the same loss, so every rank decides alike.
-    if (r.loss > spike.factor * mean) {
+  if (now) {
+    // With loss scaling, a norm that is not finite is an overflow: the step
+    // is skipped. The norm is all-reduced, so every rank decides alike.
+    r.overflow = scaling() && !std::isfinite(r.grad_norm);
+    if (r.overflow) {
       r.skipped = true;
-      r.spike_mean = mean;
-      ++skipped_;
-      check(skipped_ <= spike.max_skipped,
-            "step {}: loss {:.4f} is over {} x the recent mean {:.4f}, and {} steps have now been "
-            "skipped for loss spikes, more than --max-skipped-steps {}: training stopped; look at "
-            "the data of the skipped steps, or lower --lr",
-            steps_done_ + 1, r.loss, spike.factor, mean, skipped_, spike.max_skipped);
+      update_loss_scale(true);
+      r.next_loss_scale = scale_;
     }
-  }
-  if (!r.skipped && par_.ps == nullptr) {  // servers update the parameters themselves
-    sync_->step(static_cast<float>(r.lr), clip_coefficient(opt_.clip_grad, r.grad_norm));
-    if (spike.enabled) {
+    check_finite(r);
+    const TrainOptions::SpikeCheck& spike = opt_.spike;
+    if (spike.enabled && !r.overflow &&
+        static_cast<int64_t>(recent_losses_.size()) == spike.window) {
+      double mean = 0;
+      for (double x : recent_losses_) mean += x / static_cast<double>(recent_losses_.size());
+      // Every rank holds the same loss, so every rank decides alike.
+      if (r.loss > spike.factor * mean) {
+        r.skipped = true;
+        r.spike_mean = mean;
+        ++skipped_;
+        check(skipped_ <= spike.max_skipped,
+              "step {}: loss {:.4f} is over {} x the recent mean {:.4f}, and {} steps have now "
+              "been skipped for loss spikes, more than --max-skipped-steps {}: training stopped; "
+              "look at the data of the skipped steps, or lower --lr",
+              steps_done_ + 1, r.loss, spike.factor, mean, skipped_, spike.max_skipped);
+      }
+    }
+    if (!r.skipped && spike.enabled) {
       recent_losses_.push_back(r.loss);
       if (static_cast<int64_t>(recent_losses_.size()) > spike.window) recent_losses_.pop_front();
     }
   }
+  if (!r.skipped && par_.ps == nullptr)  // servers update the parameters themselves
+    sync_->step(static_cast<float>(r.lr), coef_);
   if (scaling() && !r.overflow) {
     update_loss_scale(false);
     r.next_loss_scale = scale_;
@@ -390,10 +512,11 @@ StepRecord Trainer::train_step() {
     const double bytes = average_replicas();
     if (r.dp_bytes >= 0) r.dp_bytes += bytes;
   }
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  r.step_ms = s * 1e3;
-  r.tokens_per_s = static_cast<double>(opt_.global_batch * g_.terms_per_sample) / s;
-  return r;
+  if (now) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    r.step_ms = s * 1e3;
+    r.tokens_per_s = static_cast<double>(opt_.global_batch * g_.terms_per_sample) / s;
+  }
 }
 
 // Full tensors from every layout: each parameter's pieces are placed into a
@@ -402,6 +525,7 @@ StepRecord Trainer::train_step() {
 // whole one) and summed over the tensor- and pipeline-parallel groups of
 // data-parallel replica 0, which holds world rank 0.
 void Trainer::save(const std::string& dir, int64_t keep_last) {
+  read_values();  // a step that diverged is found before anything is written
   const Graph& graph = *g_.graph;
   check(!local() || steps_done_ % opt_.local.steps == 0,
         "with --local-steps {}, a checkpoint is taken when the replicas agree, after a step "
@@ -605,6 +729,9 @@ void Trainer::set_spike_state(const nlohmann::json& state) {
 }
 
 CheckpointSource Trainer::load(const std::string& dir) {
+  check(launched_ == 0,
+        "loading {}: {} launched steps' records are not taken yet (take_records first)", dir,
+        launched_);
   Checkpoint c = open_checkpoint(dir);
   c.read_model(g_.graph->params());
   const bool diloco = local() && opt_.local.nesterov;

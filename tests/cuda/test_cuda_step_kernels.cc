@@ -20,10 +20,12 @@
 #include <weft/cuda/kernels.h>
 #include <weft/cuda/runtime.h>
 #include <weft/ops.h>
+#include <weft/optimizer.h>
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -393,8 +395,9 @@ TEST(CudaAdamWMulti, AGradScaleGivesTheBitsOfScalingTheGradientsFirst) {
     const Tensor t = on(host_tensor(uniform(n + k, seed, lo, 0.5f), {n + k}), kGpu);
     return offset ? t.slice0(k, k + n) : t;
   };
-  // Sets 0 (scaled first), 1 (adamw_multi with the scale), 2 (adamw with it).
-  std::vector<std::vector<ops::AdamWTensors>> sets(3);
+  // Sets 0 (scaled first), 1 (adamw_multi with the scale), 2 (adamw with
+  // it), 3 and 4 (the same, reading the scale from the device).
+  std::vector<std::vector<ops::AdamWTensors>> sets(5);
   for (auto& set : sets)
     for (size_t i = 0; i < sizes.size(); ++i) {
       const bool offset = i + 1 == sizes.size();
@@ -411,12 +414,19 @@ TEST(CudaAdamWMulti, AGradScaleGivesTheBitsOfScalingTheGradientsFirst) {
   ops::adamw_multi(sets[1], {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 7, scale}, cache1);
   for (const auto& t : sets[2])
     ops::adamw(t.p, t.g, t.m, t.v, {1e-3f, 0.9f, 0.95f, 1e-8f, t.decay ? 0.1f : 0.0f, 7, scale});
+  // The host's scale argument is ignored where the device's is given.
+  const Tensor scale_at = on(host_tensor({scale}, {1}), kGpu);
+  std::shared_ptr<void> cache3;
+  ops::adamw_multi(sets[3], {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 7, 5.0f}, cache3, scale_at);
+  for (const auto& t : sets[4])
+    ops::adamw(t.p, t.g, t.m, t.v, {1e-3f, 0.9f, 0.95f, 1e-8f, t.decay ? 0.1f : 0.0f, 7, 5.0f},
+               scale_at);
   auto same = [](const Tensor& a, const Tensor& b) {
     const Tensor ha = on(a, Device::cpu()), hb = on(b, Device::cpu());
     return std::memcmp(ha.raw(), hb.raw(), ha.nbytes()) == 0;
   };
   for (size_t i = 0; i < sizes.size(); ++i)
-    for (size_t k = 1; k < 3; ++k) {
+    for (size_t k = 1; k < sets.size(); ++k) {
       EXPECT_TRUE(same(sets[k][i].p, sets[0][i].p)) << "parameter " << i << ", set " << k;
       EXPECT_TRUE(same(sets[k][i].m, sets[0][i].m)) << "exp_avg " << i << ", set " << k;
       EXPECT_TRUE(same(sets[k][i].v, sets[0][i].v)) << "exp_avg_sq " << i << ", set " << k;
@@ -528,6 +538,47 @@ TEST(CudaMultiTensor, SumSquaresMatchesTheCpuOnceBuiltAndDeterministic) {
   std::shared_ptr<void> none;
   EXPECT_EQ(ops::sum_squares_multi({}, none), 0.0);
   EXPECT_EQ(ops::sum_squares_multi({Tensor::zeros({0}, DType::F32, kGpu)}, none), 0.0);
+}
+
+// The gradient norm and the clip's coefficient left on the device (a step
+// whose host never reads them): the float total is the host total rounded,
+// bit for bit; the coefficient is weft::clip_coefficient's bits, for
+// coefficients that round (the double quotient is not a float), for 1 (a
+// norm under the bound, and clipping off), and for a norm of 0; scale_multi
+// reading its factor on the device is the host factor's scale_multi.
+TEST(CudaMultiTensor, NormAndClipCoefficientStayOnTheDeviceWithTheHostsBits) {
+  const NormSet s = norm_set(kNormSizes, 71);
+  std::shared_ptr<void> cache, device_cache;
+  const double total = ops::sum_squares_multi(s.gpu, cache);
+  const Tensor sum = Tensor::zeros({1}, DType::F32, kGpu);
+  ops::sum_squares_multi(s.gpu, device_cache, sum);
+  const float want_sum = static_cast<float>(total);
+  EXPECT_EQ(std::bit_cast<uint32_t>(ops::item(sum)), std::bit_cast<uint32_t>(want_sum));
+  std::shared_ptr<void> none;
+  ops::sum_squares_multi({}, none, sum);
+  EXPECT_EQ(ops::item(sum), 0.0f) << "no tensors: 0";
+
+  const Tensor sq = Tensor::zeros({1}, DType::F32, kGpu), coef = Tensor::zeros({1}, DType::F32, kGpu);
+  for (const float sumsq : {want_sum, 3.0f, 0.7f, 1e-30f, 0.0f, 1.0f, 123456.79f})
+    for (const double max_norm : {1.0, 0.3, 0.0, 7.5}) {
+      ops::set_item(sq, sumsq);
+      ops::clip_coefficient(sq, max_norm, coef);
+      const float want = clip_coefficient(max_norm, std::sqrt(static_cast<double>(sumsq)));
+      EXPECT_EQ(std::bit_cast<uint32_t>(ops::item(coef)), std::bit_cast<uint32_t>(want))
+          << "sum of squares " << sumsq << ", max norm " << max_norm;
+    }
+
+  const NormSet a = norm_set(kNormSizes, 72), b = norm_set(kNormSizes, 72);
+  std::shared_ptr<void> ca, cb;
+  ops::set_item(coef, 0.37f);
+  ops::scale_multi(a.gpu, 0.37f, ca);
+  ops::scale_multi(b.gpu, coef, cb);
+  for (size_t t = 0; t < kNormSizes.size(); ++t) {
+    const size_t bytes = static_cast<size_t>(kNormSizes[t]) * sizeof(float);
+    if (bytes == 0) continue;
+    const Tensor ha = on(a.gpu[t], Device::cpu()), hb = on(b.gpu[t], Device::cpu());
+    EXPECT_EQ(std::memcmp(ha.raw(), hb.raw(), bytes), 0) << "tensor " << t;
+  }
 }
 
 // scale_multi on the GPU is the CPU's scale, bit for bit (one correctly

@@ -20,6 +20,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstring>
+#include <filesystem>
 #include <string>
 #include <utility>
 #include <vector>
@@ -215,6 +217,80 @@ Tensor on_host(const Tensor& t) {
   Tensor h = Tensor::zeros(t.shape(), t.dtype());
   h.copy_from(t);
   return h;
+}
+
+// Steps launched ahead of their reads (Trainer::launch_step: the loss, the
+// gradient norm and the clip's coefficient stay on the device, AdamW reads
+// the coefficient there) are the steps train_step takes, bit for bit: every
+// record's loss and norm, and the parameters after. 70 launches without a
+// read pass the 64 rows the Trainer keeps on the device, so the ring's read
+// when full is in it; a clip of 0.05 is active in every step.
+TEST(CudaTrain, LaunchedStepsAreTrainStepsBitForBit) {
+  const TokenData data = text_tokens();
+  TokenBatches batches(data, 2, 8);
+  GptConfig cfg = small_config();
+  cfg.num_layers = 1, cfg.hidden_size = 16, cfg.seq_length = 8;
+  GptModel a = build_gpt(cfg, 1), b = build_gpt(cfg, 1);
+  init_gpt(a, 5);
+  init_gpt(b, 5);
+  TrainOptions o;
+  o.micro_batch = 1, o.global_batch = 2;
+  o.lr.lr = 1e-3f;
+  o.clip_grad = 0.05;
+  o.device = Device::cuda(0);
+  Trainer ta(a.io, batches, o), tb(b.io, batches, o);
+  constexpr int kSteps = 70;
+  std::vector<StepRecord> one_by_one;
+  for (int i = 0; i < kSteps; ++i) one_by_one.push_back(ta.train_step());
+  std::vector<StepRecord> launched;
+  for (int i = 0; i < 3; ++i) tb.launch_step();
+  EXPECT_EQ(tb.launched(), 3);
+  for (const StepRecord& r : tb.take_records()) launched.push_back(r);
+  for (int i = 3; i < kSteps; ++i) tb.launch_step();
+  for (const StepRecord& r : tb.take_records()) launched.push_back(r);
+  ASSERT_EQ(launched.size(), one_by_one.size());
+  for (size_t i = 0; i < launched.size(); ++i) {
+    EXPECT_EQ(launched[i].step, static_cast<int64_t>(i));
+    EXPECT_EQ(launched[i].loss, one_by_one[i].loss) << "step " << i + 1;
+    EXPECT_EQ(launched[i].grad_norm, one_by_one[i].grad_norm) << "step " << i + 1;
+    EXPECT_EQ(launched[i].lr, one_by_one[i].lr) << "step " << i + 1;
+    EXPECT_GT(launched[i].grad_norm, 0.05) << "the clip must be active, step " << i + 1;
+    EXPECT_GT(launched[i].step_ms, 0) << "step " << i + 1;
+  }
+  for (size_t k = 0; k < a.graph.params().size(); ++k) {
+    const Tensor pa = on_host(a.graph.params()[k]->value), pb = on_host(b.graph.params()[k]->value);
+    EXPECT_EQ(std::memcmp(pa.raw(), pb.raw(), pa.nbytes()), 0) << a.graph.params()[k]->name;
+  }
+  // train_step refuses to run over records not taken.
+  tb.launch_step();
+  const std::string msg = testing::error_message([&] { tb.train_step(); });
+  EXPECT_TRUE(testing::contains(msg, "the records of 1 launched steps (from step 71) are not "
+                                     "taken yet"))
+      << msg;
+}
+
+// A step that diverges while the host runs ahead is named when its record is
+// read, as train_step names it, and a save reads first: nothing is written
+// from a diverged run.
+TEST(CudaTrain, ADivergedLaunchedStepIsNamedWhenRead) {
+  const TokenData data = text_tokens();
+  TokenBatches batches(data, 4, 32);
+  GptConfig cfg = small_config();
+  cfg.num_layers = 1;
+  GptModel m = build_gpt(cfg, 2);
+  init_gpt(m, 5);
+  TrainOptions o;
+  o.micro_batch = 2, o.global_batch = 4;
+  o.lr.lr = 1e30f;  // the first update sends the weights to inf, step 2's loss is NaN
+  o.clip_grad = 0;
+  o.device = Device::cuda(0);
+  Trainer t(m.io, batches, o);
+  for (int i = 0; i < 4; ++i) t.launch_step();
+  const std::string dir = testing::temp_dir("cuda-diverged");
+  std::string msg = testing::error_message([&] { t.save(dir); });
+  EXPECT_TRUE(testing::contains(msg, "training diverged")) << msg;
+  EXPECT_TRUE(testing::contains(msg, "step 2: loss is ")) << msg;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/latest_checkpointed_iteration.txt"));
 }
 
 // bench_cuda --profile's path: the CPU's profilers on the GPU, timing by CUDA

@@ -310,10 +310,11 @@ void embedding_backward(Context& ctx, const int32_t* tokens, const bf16* dy, flo
                         int64_t first = 0);
 
 // --- AdamW, PyTorch semantics, as cpu::adamw; step is 1-based; each
-// gradient element read as g * grad_scale (a clip's coefficient) ---
+// gradient element read as g * grad_scale (a clip's coefficient), or as
+// g * *grad_scale_at when that is given (the coefficient on the device) ---
 void adamw(Context& ctx, float* p, const float* g, float* m, float* v, int64_t n, float lr,
            float beta1, float beta2, float eps, float weight_decay, int64_t step,
-           float grad_scale = 1.0f);
+           float grad_scale = 1.0f, const float* grad_scale_at = nullptr);
 
 // --- AdamW over many tensors in one launch (the multi-tensor apply) ---
 // One tensor of the update: p, m, v updated from g, n elements each; decay:
@@ -341,7 +342,7 @@ class AdamWTable {
 
  private:
   friend void adamw_multi(Context&, const std::vector<AdamWTensor>&, AdamWTable&, float, float,
-                          float, float, float, int64_t, float);
+                          float, float, float, int64_t, float, const float*);
   std::vector<AdamWTensor> key_;  // the tensors the table was built from
   DeviceBuffer<int64_t> words_;   // chunks_ launch::AdamWChunk records, 6 words each
   int64_t chunks_ = 0, builds_ = 0;
@@ -350,7 +351,7 @@ class AdamWTable {
 // the decay group, 0 for the rest), bit for bit, in one launch.
 void adamw_multi(Context& ctx, const std::vector<AdamWTensor>& tensors, AdamWTable& table,
                  float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step,
-                 float grad_scale = 1.0f);
+                 float grad_scale = 1.0f, const float* grad_scale_at = nullptr);
 
 // --- sums of squares and scaling over many tensors (the gradient norm and clipping) ---
 // One tensor: n elements from x.
@@ -373,7 +374,10 @@ class MultiTensorTable {
 
  private:
   friend double sum_squares_multi(Context&, const std::vector<MultiTensor>&, MultiTensorTable&);
-  friend void scale_multi(Context&, const std::vector<MultiTensor>&, float, MultiTensorTable&);
+  friend void sum_squares_multi(Context&, const std::vector<MultiTensor>&, MultiTensorTable&,
+                                float*);
+  friend void scale_multi(Context&, const std::vector<MultiTensor>&, float, MultiTensorTable&,
+                          const float*);
   // Chunks and uploads `tensors` unless they are the ones the table holds.
   void update(Context& ctx, const std::vector<MultiTensor>& tensors);
   std::vector<MultiTensor> key_;  // the tensors the table was built from
@@ -388,10 +392,17 @@ class MultiTensorTable {
 // give 0 without a launch or a wait.
 double sum_squares_multi(Context& ctx, const std::vector<MultiTensor>& tensors,
                          MultiTensorTable& table);
+// The same total, rounded to a float, into *total on the device: nothing
+// waits (zero tensors write 0).
+void sum_squares_multi(Context& ctx, const std::vector<MultiTensor>& tensors,
+                       MultiTensorTable& table, float* total);
 // x *= s in every tensor, as scale_inplace on each (the same float
-// multiply, so the same bits), in one launch.
+// multiply, so the same bits), in one launch; x *= *s_at when that is given.
 void scale_multi(Context& ctx, const std::vector<MultiTensor>& tensors, float s,
-                 MultiTensorTable& table);
+                 MultiTensorTable& table, const float* s_at = nullptr);
+// *coef = clip_coefficient(max_norm, sqrt(*sum_squares)) (weft/optimizer.h),
+// bit for bit, on the device.
+void clip_coefficient(Context& ctx, const float* sum_squares, double max_norm, float* coef);
 
 // --- fp32 to bf16 over many tensors (a --bf16 step's weight copies) ---
 // One tensor: n elements of x rounded into y.
