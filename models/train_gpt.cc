@@ -29,6 +29,7 @@
 #include "models/gpt.h"
 #include "models/llama.h"
 
+#include <climits>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -36,6 +37,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <charconv>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -176,6 +178,7 @@ struct Args {
   int64_t lr_decay_iters = 0;  // 0 = train_iters
   float weight_decay = 0.1f;
   double clip_grad = 1.0;
+  double max_loss = -1;  // -1: 4 x ln(vocabulary); 0: off
   float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
   int64_t seed = 1234;  // >= 0; read signed so that a negative one is refused, not wrapped
   std::string data_path, init_from, save, load, log_jsonl, tokenizer, loss_plot;
@@ -203,7 +206,9 @@ struct Args {
   int64_t check_links_mib = 16;
   int64_t exit_interval = 0;       // Megatron's: stop after a step divisible by it
   double exit_duration_mins = 0;   // Megatron's: stop once training has run this long
-  bool no_load = false, overwrite_checkpoints = false;
+  bool no_load = false, overwrite_checkpoints = false, load_unverified = false;
+  std::vector<std::string> rewound;  // --save's folders this run's first save removes
+  std::vector<std::string> notes;    // said by rank 0 once the run starts
   // Megatron's: load weights only and start at step 0; or let flags that
   // contradict the checkpoint's meta.json win.
   bool finetune = false, override_checkpoint_args = false;
@@ -425,8 +430,12 @@ void check_numbers(const Args& a) {
   check(a.lr_warmup_iters >= 0, "--lr-warmup-iters ({}) must not be negative", a.lr_warmup_iters);
   check(a.lr_decay_iters >= 0, "--lr-decay-iters ({}) must not be negative (0: --train-iters)",
         a.lr_decay_iters);
-  check(a.threads >= 0, "--threads ({}) must not be negative (0: cores / local ranks)", a.threads);
+  check(a.threads >= 0 && a.threads <= 4096,
+        "--threads ({}) must be in [0, 4096] (0: cores / local ranks)", a.threads);
   check(a.seed >= 0, "--seed ({}) must not be negative", a.seed);
+  check(a.gpt.max_positions >= 0,
+        "--max-position-embeddings ({}) must be positive (or 0: --seq-length)",
+        a.gpt.max_positions);
   check(std::isfinite(a.comm_timeout) && a.comm_timeout > 0 && a.comm_timeout <= 86400 * 7,
         "--comm-timeout ({}) must be a number of seconds in (0, 604800]", a.comm_timeout);
   check(a.sample >= 0, "--sample ({}) must not be negative", a.sample);
@@ -585,12 +594,49 @@ weft::GptConfig flag_config(const Args& a, const CLI::App& app) {
 // meta.json; one that contradicts it is an error naming both values, unless
 // --override-checkpoint-args (the flags win) or --finetune (weights only, from
 // step 0) is given. Run before anything else, on every rank.
+// The paths a run writes or records, checked before anything starts rather
+// than at the first save, after training: --save must be a folder (or be
+// made one) whose checkpoint files' paths fit the system's limits, and what
+// meta.json and the metrics file record must be UTF-8 (JSON text is). That
+// --save can be written is checked by its lock (SaveDirLock), before step 1.
+void check_paths(const Args& a) {
+  namespace fs = std::filesystem;
+  using weft::check;
+  for (const auto& [flag, value] :
+       {std::pair<const char*, const std::string*>{"--data-path", &a.data_path},
+        {"--save", &a.save}, {"--load", &a.load}, {"--log-jsonl", &a.log_jsonl}}) {
+    try {
+      (void)nlohmann::json(*value).dump();
+    } catch (const nlohmann::json::exception&) {
+      throw weft::Error("{} is not valid UTF-8, and checkpoints and metrics record it as JSON "
+                        "text: rename the path",
+                        flag);
+    }
+  }
+  if (a.save.empty()) return;
+  const fs::path longest = fs::absolute(a.save) / "iter_0000000.tmp" / "optimizer.safetensors";
+  check(longest.string().size() < PATH_MAX,
+        "--save is too long: a checkpoint's files would have paths of {} bytes, past the "
+        "system's limit of {}",
+        longest.string().size(), PATH_MAX - 1);
+  for (const fs::path& part : fs::absolute(a.save))
+    check(part.string().size() <= NAME_MAX,
+          "--save: the folder name '{}...' has {} bytes, past the system's limit of {}",
+          part.string().substr(0, 16), part.string().size(), NAME_MAX);
+  std::error_code ec;
+  check(!fs::exists(a.save, ec) || fs::is_directory(a.save, ec),
+        "--save {} is a file, not a folder: checkpoints are folders inside it", a.save);
+}
+
 void adopt_checkpoint_args(Args& a, const CLI::App& app) {
   using weft::check;
+  check_paths(a);
   check(!a.no_load || a.load.empty(), "--no-load and --load {} contradict each other", a.load);
-  check(a.no_load || !a.overwrite_checkpoints,
-        "--overwrite-checkpoints only matters with --no-load (a run resumes from --save "
-        "otherwise)");
+  check(a.no_load || !a.load.empty() || !a.overwrite_checkpoints,
+        "--overwrite-checkpoints only matters with --no-load or --load (a run resumes from "
+        "--save otherwise)");
+  check(!a.load_unverified || !a.load.empty(),
+        "--load-unverified loads the folder --load names: give it with --load DIR/iter_N");
   check(!a.finetune || !a.load.empty(),
         "--finetune starts from the weights of --load DIR: give the checkpoint to start from");
   check(!a.finetune || !a.no_load, "--finetune loads --load {}; --no-load contradicts it", a.load);
@@ -613,14 +659,31 @@ void adopt_checkpoint_args(Args& a, const CLI::App& app) {
   // fine-tune that has saved already (a restarted job) resumes its own checkpoints.
   if (a.finetune && existing.step >= 0) {
     a.resume_from = a.save;
+    a.notes.push_back(fmt::format(
+        "--finetune: --save {} holds this fine-tune's step {} already, so the run resumes from "
+        "it; --load {} is not read (to start the fine-tune over, save elsewhere)",
+        a.save, existing.step, a.load));
   } else {
     a.resume_from = !a.load.empty() ? a.load : (!a.no_load && existing.step >= 0 ? a.save : "");
     a.weights_only = a.finetune;
   }
   if (a.resume_from.empty()) return;
   // Its meta.json: the scan of --save has verified that folder already.
-  const std::string folder =
-      a.resume_from == a.save ? existing.path : weft::open_checkpoint(a.resume_from).source.path;
+  const weft::CheckpointSource from =
+      a.resume_from == a.save ? existing
+                              : weft::open_checkpoint(a.resume_from, a.load_unverified).source;
+  const std::string folder = from.path;
+  // A rewind: this run's first save would remove --save's newer checkpoints.
+  if (!a.save.empty() && a.resume_from != a.save) {
+    const int64_t start = a.weights_only ? 0 : from.step;
+    const std::vector<std::string> newer = weft::checkpoints_after(a.save, start);
+    check(newer.empty() || a.overwrite_checkpoints,
+          "--load {} starts after step {}, but --save {} holds newer checkpoints ({}): the run's "
+          "first save would remove them; add --overwrite-checkpoints to let it, or save "
+          "elsewhere",
+          a.resume_from, start, a.save, fmt::join(newer, ", "));
+    a.rewound = newer;
+  }
   const std::string where = (std::filesystem::path(folder) / "meta.json").string();
   nlohmann::json meta;
   try {
@@ -986,6 +1049,8 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   check(a.beta2 >= 0 && a.beta2 < 1, "--adam-beta2 ({}) must be in [0, 1)", a.beta2);
   check(a.eps > 0, "--adam-eps ({}) must be positive", a.eps);
   check(a.clip_grad >= 0, "--clip-grad ({}) must be >= 0 (0 turns clipping off)", a.clip_grad);
+  check(std::isfinite(a.max_loss) && (a.max_loss >= 0 || a.max_loss == -1),
+        "--max-loss ({}) must be >= 0 (0 turns the check off)", a.max_loss);
   check(a.log_interval > 0, "--log-interval ({}) must be positive", a.log_interval);
   check(a.save_interval >= 0, "--save-interval ({}) must be >= 0", a.save_interval);
   check(a.exit_interval >= 0, "--exit-interval ({}) must be >= 0", a.exit_interval);
@@ -1133,6 +1198,8 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   opt.lr.decay_iters = a.lr_decay_iters > 0 ? a.lr_decay_iters : a.train_iters;
   opt.adam = {a.beta1, a.beta2, a.eps, a.weight_decay};
   opt.clip_grad = a.clip_grad;
+  // A loss four times a uniform guess's, ln(vocabulary), is no training.
+  opt.max_loss = a.max_loss >= 0 ? a.max_loss : 4 * std::log(static_cast<double>(cfg.vocab_size));
   opt.device = setup.device;
   opt.local = {a.local_steps, a.outer_optimizer == "nesterov", a.outer_lr, a.outer_momentum};
   opt.spike.enabled = a.check_spiky_loss;
@@ -1188,6 +1255,10 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   lo.sync.bucket_elements = a.ddp_bucket_size;
   lo.sync.overlap = a.overlap_grad_reduce;
   set_grad_compression(a, lo.sync);
+  // One writer per --save folder: world rank 0, the writer, locks it for the
+  // job's life, before it touches anything there; a second job stops here.
+  std::optional<SaveDirLock> save_lock;
+  if (rank0 && !a.save.empty()) save_lock.emplace(a.save);
   // What an interrupted save left behind goes first (world rank 0 writes
   // checkpoints, so it cleans them).
   if (rank0 && !a.save.empty())
@@ -1224,7 +1295,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
       PsServer server(*world, *role, graph.params(), ps);
       int64_t first = 0;
       if (!load.empty()) {
-        const Checkpoint c = open_checkpoint(load);
+        const Checkpoint c = open_checkpoint(load, a.load_unverified);
         server.load(c);
         first = c.meta.step;
       }
@@ -1290,18 +1361,23 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   }
   Trainer& trainer = layout.trainer();
   if (!load.empty() && a.weights_only) {
-    open_checkpoint(load).read_model(layout.graph().params());  // --finetune: from step 0
+    open_checkpoint(load, a.load_unverified).read_model(layout.graph().params());  // --finetune
   } else if (!load.empty()) {
-    const CheckpointSource source = trainer.load(load);
+    const CheckpointSource source = trainer.load(load, a.load_unverified);
     if (rank0) {
       for (const auto& [folder, why] : source.skipped)
         fmt::print("warning: skipped {}, which does not verify: {}\n", folder, why);
       if (!source.verified)
-        fmt::print("note: {} has no manifest.json (saved before checkpoints had one): loaded "
-                   "unverified\n",
+        fmt::print("note: {} has no manifest.json: loaded unverified (--load-unverified)\n",
                    source.path);
     }
   }
+  if (rank0)
+    for (const std::string& note : a.notes) fmt::print("note: {}\n", note);
+  if (rank0 && !a.rewound.empty())
+    fmt::print("note: --overwrite-checkpoints: the first save removes {} from --save (newer than "
+               "the step this run starts after)\n",
+               fmt::join(a.rewound, ", "));
 
   const int64_t padding = cfg.table_rows() - cfg.vocab_size;
   if (rank0 && padding > 0)
@@ -1412,6 +1488,10 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
       take(records[i], i + 1 == records.size() ? val_loss : std::nullopt);
     std::fflush(stdout);
   };
+  if (rank0 && trainer.steps_done() >= a.train_iters && a.train_iters > 0)
+    fmt::print("note: the run resumes after step {}, and --train-iters is {}: no step to take "
+               "(raise --train-iters to train further)\n",
+               trainer.steps_done(), a.train_iters);
   while (trainer.steps_done() < a.train_iters) {
     if (trainer.steps_done() == a.profile_step_start) profiler_range(setup.device, true);
     // The records are read at logging, evaluation and save steps and at the
@@ -1600,6 +1680,9 @@ int main(int argc, char** argv) {
   app.add_option("--lr-decay-iters", a.lr_decay_iters, "cosine length (default: --train-iters)");
   app.add_option("--weight-decay", a.weight_decay, "AdamW decay on 2-D parameters");
   app.add_option("--clip-grad", a.clip_grad, "global gradient-norm clip (0 = off)");
+  app.add_option("--max-loss", a.max_loss,
+                 "stop, naming the step, at a loss above this (default: 4 x ln(vocabulary), four "
+                 "times a uniform guess's; 0 = off)");
   app.add_option("--adam-beta1", a.beta1);
   app.add_option("--adam-beta2", a.beta2);
   app.add_option("--adam-eps", a.eps);
@@ -1618,7 +1701,11 @@ int main(int argc, char** argv) {
                "let flags that contradict the checkpoint's meta.json win (shape, data path, "
                "global batch, seed); flags left out still come from it");
   app.add_flag("--overwrite-checkpoints", a.overwrite_checkpoints,
-               "with --no-load: let the new run replace the checkpoints in --save");
+               "with --no-load: let the new run replace the checkpoints in --save; with --load "
+               "of an older step: let its saves remove the newer ones in --save");
+  app.add_flag("--load-unverified", a.load_unverified,
+               "load the one folder --load names although it has no manifest.json (nothing in "
+               "it can be verified)");
   app.add_option("--save-interval", a.save_interval, "save every N steps (0 = only at the end)");
   app.add_option("--optimizer", a.optimizer,
                  "adam (AdamW, the default) or sgd (torch.optim.SGD; --weight-decay as L2)");
@@ -1767,6 +1854,19 @@ int main(int argc, char** argv) {
                  "all-reduce round, for --plan auto (weft-sched plan --wake)");
   app.add_option("--comm-timeout", a.comm_timeout,
                  "seconds any rank waits for a message or collective before failing");
+  // A whole number past 64 bits is refused, not saturated (CLI11 would give
+  // --seed 99999999999999999999 as INT64_MAX).
+  const CLI::Validator in_range(
+      [](std::string& text) -> std::string {
+        int64_t v = 0;
+        const char* end = text.data() + text.size();
+        if (std::from_chars(text.data(), end, v).ec == std::errc::result_out_of_range)
+          return "the value " + text + " is past the range of a 64-bit integer";
+        return {};
+      },
+      "");
+  for (CLI::Option* o : app.get_options())
+    if (o->get_type_name() == "INT" || o->get_type_name() == "UINT") o->check(in_range);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -18,6 +18,7 @@
 #include "test_util.h"
 
 #include <signal.h>
+#include <unistd.h>
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -297,19 +298,35 @@ TEST(Manifest, EveryMismatchIsNamedWithItsFileAndTensor) {
   }
 }
 
-// A folder saved before manifests loads, unverified, and says so through
-// its source.
-TEST(Manifest, AFolderWithoutOneLoadsUnverified) {
+// A folder without a manifest cannot be verified: a directory's scan skips
+// it for an older one that verifies (garbage in it would otherwise train),
+// and it loads only when named alone with allow_unverified, saying so
+// through its source; its meta.json is still checked.
+TEST(Manifest, AFolderWithoutOneLoadsOnlyWhenNamedAndAllowed) {
   const std::string dir = testing::temp_dir("no-manifest");
+  save_step(dir, 2);
   save_step(dir, 3);
   fs::remove(folder(dir, 3) + "/manifest.json");
-  const Checkpoint c = open_checkpoint(dir);
+  const CheckpointSource scan = scan_checkpoints(dir);
+  EXPECT_EQ(scan.step, 2);
+  EXPECT_TRUE(scan.verified);
+  ASSERT_EQ(scan.skipped.size(), 1u);
+  EXPECT_TRUE(contains(scan.skipped[0].second,
+                       folder(dir, 3) + "/manifest.json is missing, so nothing in the folder can "
+                                        "be verified"))
+      << scan.skipped[0].second;
+  EXPECT_EQ(open_checkpoint(dir).meta.step, 2);
+  const std::string refused = error_message([&] { open_checkpoint(folder(dir, 3)); });
+  EXPECT_TRUE(contains(refused, "to load it anyway, name it alone: --load " + folder(dir, 3) +
+                                    " --load-unverified"))
+      << refused;
+  const Checkpoint c = open_checkpoint(folder(dir, 3), /*allow_unverified=*/true);
   EXPECT_FALSE(c.source.verified);
   EXPECT_EQ(c.source.step, 3);
   EXPECT_EQ(c.meta.step, 3);
   // Its meta.json is still checked.
   edit_file(folder(dir, 3) + "/meta.json", "\"step\": 3", "\"step\": -3");
-  EXPECT_TRUE(contains(error_message([&] { open_checkpoint(folder(dir, 3)); }),
+  EXPECT_TRUE(contains(error_message([&] { open_checkpoint(folder(dir, 3), true); }),
                        "'step' must be a non-negative integer, got -3"));
 }
 
@@ -625,20 +642,93 @@ TEST_F(TrainGpt, NoCheckpointThatVerifiesIsAnError) {
   EXPECT_EQ(newest_checkpoint_step(ckpt_), 4);
 }
 
-// A checkpoint saved before manifests existed resumes, with one note.
-TEST_F(TrainGpt, ACheckpointWithoutManifestResumesWithANote) {
+// A checkpoint without a manifest is not resumed from --save (nothing in it
+// can be verified); named alone with --load-unverified it resumes, with one
+// note.
+TEST_F(TrainGpt, ACheckpointWithoutManifestResumesOnlyWhenNamed) {
   TrainRun r = train("--train-iters 3 --save " + ckpt_);
   ASSERT_EQ(r.code, 0) << r.out;
   fs::remove(ckpt_ + "/iter_0000003/manifest.json");
   r = train("--train-iters 6 --save " + ckpt_);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "holds checkpoints, but none of them verifies")) << r.out;
+  EXPECT_TRUE(contains(r.out, "manifest.json is missing")) << r.out;
+  r = train("--train-iters 6 --load " + ckpt_ + "/iter_0000003 --save " + ckpt_);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "--load-unverified")) << r.out;
+  r = train("--train-iters 6 --load " + ckpt_ + "/iter_0000003 --load-unverified --save " + ckpt_);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_EQ(testing::count(r.out, "note: "), 1) << r.out;
   EXPECT_TRUE(contains(r.out, "note: " + ckpt_ +
-                                  "/iter_0000003 has no manifest.json (saved before checkpoints "
-                                  "had one): loaded unverified\n"))
+                                  "/iter_0000003 has no manifest.json: loaded unverified "
+                                  "(--load-unverified)\n"))
       << r.out;
   expect_reference_steps(r.records, 3);
   EXPECT_TRUE(scan_checkpoints(ckpt_).verified);  // step 6, saved with one
+}
+
+// A rewind: --load of an older step with --save holding newer ones is
+// refused, naming them, since the first save would remove them; with
+// --overwrite-checkpoints the run says which it removes, and does.
+TEST_F(TrainGpt, ARewindNamesTheCheckpointsItWouldRemove) {
+  TrainRun r = train("--train-iters 4 --save-interval 2 --save " + ckpt_);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string older = ckpt_ + "/iter_0000002", newer = ckpt_ + "/iter_0000004";
+  r = train("--train-iters 4 --load " + older + " --save " + ckpt_);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "--load " + older + " starts after step 2, but --save " + ckpt_ +
+                                  " holds newer checkpoints (" + newer +
+                                  "): the run's first save would remove them; add "
+                                  "--overwrite-checkpoints"))
+      << r.out;
+  EXPECT_TRUE(fs::exists(newer));
+  r = train("--train-iters 3 --load " + older + " --overwrite-checkpoints --save " + ckpt_);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "note: --overwrite-checkpoints: the first save removes " + newer))
+      << r.out;
+  EXPECT_FALSE(fs::exists(newer));
+  EXPECT_EQ(newest_checkpoint_step(ckpt_), 3);
+}
+
+// One writer per --save folder: while a process holds the folder's lock, a
+// job saving there stops before it trains, naming that process's host and
+// PID; once the holder is gone, the job runs.
+TEST_F(TrainGpt, ASecondJobOnOneSaveFolderStopsNamingTheFirst) {
+  std::string pid = std::to_string(::getpid());
+  {
+    SaveDirLock held(ckpt_);
+    TrainRun r = train("--train-iters 2 --save " + ckpt_);
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_TRUE(contains(r.out, "--save " + ckpt_ + " is in use by another job (host ")) << r.out;
+    EXPECT_TRUE(contains(r.out, "pid " + pid + ")")) << r.out;
+    EXPECT_FALSE(contains(r.out, "step     1")) << r.out;
+    EXPECT_TRUE(contains(error_message([&] { SaveDirLock again(ckpt_); }), "is in use"));
+  }
+  TrainRun r = train("--train-iters 2 --save " + ckpt_);
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(newest_checkpoint_step(ckpt_), 2);
+}
+
+// Unusable --save paths are refused before any step, not at the first save:
+// a file, a folder that cannot be made, a path past the system's limits.
+TEST_F(TrainGpt, UnusableSavePathsAreRefusedBeforeTraining) {
+  write_file(dir_ + "/a-file", "x");
+  TrainRun r = train("--train-iters 2 --save " + dir_ + "/a-file");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "--save " + dir_ + "/a-file is a file, not a folder")) << r.out;
+  r = train("--train-iters 2 --save " + dir_ + "/a-file/under");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "--save " + dir_ + "/a-file/under: cannot make the folder"))
+      << r.out;
+  r = train("--train-iters 2 --save " + dir_ + "/" + std::string(300, 'x'));
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "has 300 bytes, past the system's limit of 255")) << r.out;
+  std::string deep = dir_;
+  while (deep.size() < 4200) deep += "/" + std::string(200, 'd');
+  r = train("--train-iters 2 --save " + deep);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "--save is too long")) << r.out;
+  EXPECT_FALSE(contains(r.out, "step     1")) << r.out;
 }
 
 // kill -9 at every phase of a save: during a save at the interval, during
@@ -669,7 +759,7 @@ TEST_P(KilledSave, ResumesFromTheNewestCompleteCheckpointWithTheSameLosses) {
   if (k.when == When::Resave) {
     const TrainRun first = train("--train-iters 4 --save-interval 2 --save " + ckpt_);
     ASSERT_EQ(first.code, 0) << first.out;
-    args += " --load " + ckpt_ + "/iter_0000002";
+    args += " --load " + ckpt_ + "/iter_0000002 --overwrite-checkpoints";  // a rewind
   }
   const TrainRun killed = train(args, k.phase + "@" + std::to_string(killed_at));
   ASSERT_TRUE(killed.killed) << "code " << killed.code << ":\n" << killed.out;
@@ -709,10 +799,11 @@ TEST_P(KilledSave, ResumesFromTheNewestCompleteCheckpointWithTheSameLosses) {
               contains(resumed.out, "which an interrupted save had set aside"))
       << resumed.out;
   expect_reference_steps(resumed.records, k.resumes_at);
-  // Every step saved, each verifying; nothing left over.
+  // Every step saved, each verifying; nothing left over but the writer's lock.
   EXPECT_EQ(entries(ckpt_), (std::vector<std::string>{"iter_0000002", "iter_0000004",
                                                       "iter_0000006",
-                                                      "latest_checkpointed_iteration.txt"}));
+                                                      "latest_checkpointed_iteration.txt",
+                                                      "weft.lock"}));
   EXPECT_EQ(read_file(ckpt_ + "/latest_checkpointed_iteration.txt"), "6\n");
   for (int step : {2, 4, 6})
     EXPECT_TRUE(open_checkpoint(fmt::format("{}/iter_{:07d}", ckpt_, step)).source.verified);

@@ -382,7 +382,7 @@ TEST_F(Cli, NumericFlagsOutOfRange) {
   const std::pair<const char*, const char*> cases[] = {
       {"--global-batch-size -8", "--global-batch-size (-8) must be positive"},
       {"--lr-warmup-iters -3", "--lr-warmup-iters (-3) must not be negative"},
-      {"--threads -2", "--threads (-2) must not be negative"},
+      {"--threads -2", "--threads (-2) must be in [0, 4096]"},
       {"--seed -1", "--seed (-1) must not be negative"},
       {"--comm-timeout 0", "--comm-timeout (0) must be a number of seconds"},
       {"--comm-timeout -1", "--comm-timeout (-1) must be a number of seconds"},
@@ -405,9 +405,9 @@ TEST_F(Cli, NumericFlagsOutOfRange) {
 }
 
 // --load takes a checkpoint directory or one iter_N in it. An edited
-// meta.json no longer matches the manifest; in a folder without one (saved
-// before manifests), a meta.json that lies or is malformed is named with its
-// file and field.
+// meta.json no longer matches the manifest; a folder without one loads only
+// with --load-unverified, and then a meta.json that lies or is malformed is
+// named with its file and field.
 TEST_F(Cli, LoadChecksTheCheckpointItOpens) {
   const std::string ckpt = dir_ + "/ckpt";
   Result r = run(toy("--train-iters 4 --save-interval 2 --save " + ckpt));
@@ -432,14 +432,16 @@ TEST_F(Cli, LoadChecksTheCheckpointItOpens) {
   expect_error(toy("--train-iters 6 --load " + folder),
                {"--load " + folder + ": " + meta + ": checksum mismatch (stored "});
   std::filesystem::remove(folder + "/manifest.json");
+  expect_error(toy("--train-iters 6 --load " + folder),
+               {folder + "/manifest.json is missing", "--load-unverified"});
+  const std::string unverified = " --load-unverified --load " + folder;
   with_step("\"four\"");
-  expect_error(toy("--train-iters 6 --load " + folder),
-               {meta, "'step' must be a non-negative integer"});
+  expect_error(toy("--train-iters 6" + unverified), {meta, "'step' must be a non-negative integer"});
   with_step("999999");
-  expect_error(toy("--train-iters 6 --load " + folder),
+  expect_error(toy("--train-iters 6" + unverified),
                {meta, "says step 999999, but its folder is iter_0000004"});
   write_file(meta, "{ not json");
-  expect_error(toy("--train-iters 6 --load " + folder), {meta, "is not valid JSON"});
+  expect_error(toy("--train-iters 6" + unverified), {meta, "is not valid JSON"});
 }
 
 // --keep-last-checkpoints rotates; what an interrupted save left is removed
@@ -456,7 +458,7 @@ TEST_F(Cli, CheckpointRotationAndStaleTemporaries) {
   for (const auto& e : fs::directory_iterator(ckpt)) left.push_back(e.path().filename().string());
   std::sort(left.begin(), left.end());
   EXPECT_EQ(left, (std::vector<std::string>{"iter_0000003", "iter_0000004",
-                                            "latest_checkpointed_iteration.txt"}));
+                                            "latest_checkpointed_iteration.txt", "weft.lock"}));
   expect_error(toy("--keep-last-checkpoints -1 --save " + ckpt),
                {"--keep-last-checkpoints (-1) must not be negative"});
   // Flags that would change nothing are refused.
@@ -826,6 +828,48 @@ TEST_F(Cli, TrainsLogsJsonlResumesAndSamples) {
 
 TEST_F(Cli, NonFiniteLossNamesTheStep) {
   expect_error(toy("--train-iters 3 --lr 1e30 --clip-grad 0"), {"step", "diverged"});
+}
+
+// A loss past a bound known before training stops the run from step 1 on,
+// with or without the spike check (which needs a window of history): by
+// default 4 x ln(vocabulary 256) = 22.18, four times a uniform guess's loss.
+// --lr 10 sends step 2's loss past a thousand. --max-loss 0 turns it off.
+TEST_F(Cli, ALossPastTheBoundStopsTheRunFromTheStart) {
+  for (const char* spike : {"", " --check-for-spiky-loss"})
+    expect_error(toy(std::string("--train-iters 4 --lr 10") + spike),
+                 {"step 2: loss ", "is past --max-loss 22.1807; training diverged"});
+  Result r = run(toy("--train-iters 2 --lr 10 --max-loss 0"));
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  expect_error(toy("--train-iters 2 --max-loss -3"), {"--max-loss (-3) must be >= 0"});
+}
+
+// Integer flags past their range, or whose sizes would overflow, are refused
+// in one line: no flag value reaches a crash or is quietly changed.
+TEST_F(Cli, IntegerFlagsOutOfRangeAreRefused) {
+  Result r = run(toy("--train-iters 2 --seed 99999999999999999999"));
+  EXPECT_NE(r.code, 0);
+  EXPECT_TRUE(testing::contains(r.err, "--seed: the value 99999999999999999999 is past the range of a "
+                              "64-bit integer"))
+      << r.err;
+  expect_error(toy("--train-iters 2 --max-position-embeddings -1"),
+               {"--max-position-embeddings (-1) must be positive"});
+  expect_error(toy("--train-iters 2 --threads 100000"), {"--threads (100000) must be in [0, 4096]"});
+  for (const char* huge : {"1152921504606846976", "4611686018427387904"})
+    expect_error(std::string("--num-layers 2 --hidden-size 32 --num-attention-heads 4 "
+                             "--seq-length 16 --train-iters 2 --micro-batch-size ") +
+                     huge + " --data-path " + dir_ + "/text.txt",
+                 {"has more elements than a 64-bit count holds"});
+}
+
+// Paths that meta.json and the metrics file record must be UTF-8: refused
+// before training, not when the first save writes them.
+TEST_F(Cli, ANonUtf8PathIsRefusedBeforeTraining) {
+  const std::string odd = dir_ + "/caf\xe9.txt";
+  std::filesystem::copy_file(dir_ + "/text.txt", odd,
+                             std::filesystem::copy_options::overwrite_existing);
+  expect_error("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+               "--micro-batch-size 2 --train-iters 2 --data-path " + odd,
+               {"--data-path is not valid UTF-8"});
 }
 
 }  // namespace

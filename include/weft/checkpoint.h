@@ -94,7 +94,7 @@ void check_fault_injection();
 struct CheckpointSource {
   std::string path;       // the iter_N folder; empty when none verifies
   int64_t step = -1;      // its step; -1 when none verifies
-  bool verified = false;  // its manifest matched; false: it has none (saved before manifests)
+  bool verified = false;  // its manifest matched; false: it has none, loaded as allowed
   // Newer folders that do not verify, newest first: (folder, why), where
   // `why` names the file and the tensor at fault.
   std::vector<std::pair<std::string, std::string>> skipped;
@@ -107,6 +107,9 @@ struct CheckpointSource {
 CheckpointSource scan_checkpoints(const std::string& dir);
 // scan_checkpoints(dir).step: the step a run resuming from `dir` starts after.
 int64_t newest_checkpoint_step(const std::string& dir);
+// The folders of `dir` newer than `step`, newest first: what a save of
+// `step` there removes (a run rewound to an older checkpoint abandons them).
+std::vector<std::string> checkpoints_after(const std::string& dir, int64_t step);
 
 // Removes all but the newest `keep` complete checkpoints in `dir` (keep <= 0:
 // keeps every one).
@@ -118,6 +121,24 @@ void prune_checkpoints(const std::string& dir, int64_t keep);
 // complete iter_N. Returns one line per thing done ("removed <path>, left by
 // an interrupted save").
 std::vector<std::string> clean_stale_checkpoint_files(const std::string& dir);
+
+// One writer per checkpoint folder: the folder `dir` (made if absent) locked
+// (flock on dir/weft.lock, which says who holds it) for this object's life.
+// Throws Error naming the path when it is not a folder, cannot be made or
+// written, or when another process holds the lock: that process's host and
+// PID, as the lock file gives them. The kernel lets go of the lock when the
+// holder exits, however it ends.
+class SaveDirLock {
+ public:
+  explicit SaveDirLock(const std::string& dir);
+  ~SaveDirLock();
+  SaveDirLock(const SaveDirLock&) = delete;
+  SaveDirLock& operator=(const SaveDirLock&) = delete;
+  static constexpr const char* kFile = "weft.lock";
+
+ private:
+  int fd_ = -1;
+};
 
 // One checkpoint, opened and verified.
 struct Checkpoint {
@@ -139,7 +160,10 @@ struct Checkpoint {
 };
 // `dir` is a checkpoint directory (its newest checkpoint that verifies; throws
 // Error saying why each failed when none does) or one iter_N folder (which
-// must verify; throws Error naming the file and the tensor at fault).
-Checkpoint open_checkpoint(const std::string& dir);
+// must verify; throws Error naming the file and the tensor at fault). A
+// folder without a manifest cannot be verified: a directory's scan skips it,
+// and one named alone loads only with `allow_unverified` (train_gpt's
+// --load-unverified), its source then saying verified = false.
+Checkpoint open_checkpoint(const std::string& dir, bool allow_unverified = false);
 
 }  // namespace weft

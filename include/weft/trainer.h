@@ -83,6 +83,11 @@ struct TrainOptions {
   LrSchedule lr;
   AdamWConfig adam;
   double clip_grad = 1.0;  // 0 disables
+  // A step whose loss is above this stops training (train_step or
+  // take_records throws naming the step), as a non-finite one does: a
+  // bound known before training (train_gpt: 4 x ln(vocabulary), four times
+  // a uniform guess's loss). 0 disables.
+  double max_loss = 0;
   nlohmann::json config;   // recorded in checkpoints
   // Where parameters, activations, gradients and optimizer state live; the
   // layers run that device's kernels (weft/ops.h). Parameters are placed
@@ -253,7 +258,7 @@ class Trainer {
   // Every rank reads its own pieces of the newest checkpoint in `dir` that
   // verifies, or of the one iter_N folder `dir` names (weft/checkpoint.h);
   // returns which one, and the newer ones it skipped.
-  CheckpointSource load(const std::string& dir);
+  CheckpointSource load(const std::string& dir, bool allow_unverified = false);
 
  private:
   ModelIO g_;

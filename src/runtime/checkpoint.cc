@@ -5,14 +5,17 @@
 #include <xxhash.h>
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -393,7 +396,7 @@ struct FaultInjection {
 
 // Reads one checkpoint folder and verifies it against its manifest; throws
 // Error naming the file (and the tensor) that fails.
-Checkpoint open_folder(const fs::path& d) {
+Checkpoint open_folder(const fs::path& d, bool allow_unverified) {
   Checkpoint c;
   c.source.path = d.string();
   const fs::path model_path = d / "model.safetensors", optimizer_path = d / "optimizer.safetensors";
@@ -410,6 +413,12 @@ Checkpoint open_folder(const fs::path& d) {
       check(size == mf.size, "{}: {} bytes, the manifest says {}", p.string(), size, mf.size);
     }
     verify_file_sum(meta_file, manifest_file(*manifest, "meta.json"), "");
+  } else {
+    check(allow_unverified,
+          "{} is missing, so nothing in the folder can be verified (saved before checkpoints had "
+          "a manifest, or copied without it); to load it anyway, name it alone: --load {} "
+          "--load-unverified",
+          (d / kManifest).string(), d.string());
   }
   std::ifstream mf(meta_file);
   check(mf.good(), "{} is missing", meta_path);
@@ -476,7 +485,7 @@ std::optional<Checkpoint> newest_verified(
     const fs::path& dir, std::vector<std::pair<std::string, std::string>>& skipped) {
   for (const fs::path& folder : checkpoint_folders(dir)) {
     try {
-      Checkpoint c = open_folder(folder);
+      Checkpoint c = open_folder(folder, /*allow_unverified=*/false);
       c.source.skipped = skipped;
       return c;
     } catch (const std::exception& e) {
@@ -558,19 +567,18 @@ void save_checkpoint(const std::string& dir, const NamedTensors& model,
   fs::remove_all(old_dir);
   // This step is now the newest: folders of later steps (a run rewound to an
   // earlier checkpoint abandons them) would otherwise be what a resume reads.
-  for (const fs::path& folder : checkpoint_folders(dir))
-    if (folder_step(folder) > step) fs::remove_all(folder);
+  for (const std::string& folder : checkpoints_after(dir, step)) fs::remove_all(folder);
   write_text_atomic((fs::path(dir) / "latest_checkpointed_iteration.txt").string(),
                     std::to_string(step) + "\n", [&] { fault.at("pointer-update", step); });
 }
 
-Checkpoint open_checkpoint(const std::string& dir) {
+Checkpoint open_checkpoint(const std::string& dir, bool allow_unverified) {
   const fs::path d = without_trailing_slash(dir);
   // One folder: named iter_N, or holding a checkpoint's files.
   if (folder_step(d) >= 0 || fs::exists(d / "meta.json") || fs::exists(d / kManifest)) {
     check(fs::is_directory(d), "--load {}: no such checkpoint folder", dir);
     try {
-      return open_folder(d);
+      return open_folder(d, allow_unverified);
     } catch (const std::exception& e) {
       throw Error("--load {}: {}", dir, e.what());
     }
@@ -625,6 +633,14 @@ CheckpointSource scan_checkpoints(const std::string& dir) {
 
 int64_t newest_checkpoint_step(const std::string& dir) { return scan_checkpoints(dir).step; }
 
+std::vector<std::string> checkpoints_after(const std::string& dir, int64_t step) {
+  std::vector<std::string> out;
+  if (!fs::is_directory(dir)) return out;
+  for (const fs::path& folder : checkpoint_folders(dir))
+    if (folder_step(folder) > step) out.push_back(folder.string());
+  return out;
+}
+
 void prune_checkpoints(const std::string& dir, int64_t keep) {
   if (keep <= 0) return;
   const auto all = complete_checkpoints(dir);
@@ -678,6 +694,46 @@ std::vector<std::string> clean_stale_checkpoint_files(const std::string& dir) {
     }
   }
   return done;
+}
+
+SaveDirLock::SaveDirLock(const std::string& dir) {
+  check(!fs::exists(dir) || fs::is_directory(dir),
+        "--save {} is a file, not a folder: checkpoints are folders inside it", dir);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  check(!ec, "--save {}: cannot make the folder: {}", dir, ec.message());
+  const std::string path = (fs::path(dir) / kFile).string();
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  check(fd_ >= 0, "--save {}: cannot write there ({}: {}); checkpoints would be lost at the first "
+                  "save", dir, path, std::strerror(errno));
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    std::string holder;
+    char buf[512];
+    const ssize_t n = ::pread(fd_, buf, sizeof buf - 1, 0);
+    if (n > 0) holder.assign(buf, static_cast<size_t>(n));
+    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+    ::close(fd_);
+    fd_ = -1;
+    check(err == EWOULDBLOCK, "--save {}: cannot lock {}: {}", dir, path, std::strerror(err));
+    throw Error("--save {} is in use by another job ({}): two jobs saving into one folder would "
+                "replace each other's checkpoints; stop that job, or save elsewhere",
+                dir, holder.empty() ? "its lock file names no one" : holder);
+  }
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const std::string me = fmt::format("host {}, pid {}\n", host, ::getpid());
+  if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, me.data(), me.size(), 0) < 0) {
+    const int err = errno;
+    ::close(fd_);
+    fd_ = -1;
+    throw Error("--save {}: cannot write there ({}: {}); checkpoints would be lost at the first "
+                "save", dir, path, std::strerror(err));
+  }
+}
+
+SaveDirLock::~SaveDirLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the lock
 }
 
 }  // namespace weft

@@ -361,6 +361,10 @@ void Trainer::check_finite(const StepRecord& r) const {
         "step {}: loss is {} and gradient norm is {}; training diverged (try a lower --lr or "
         "--clip-grad)",
         r.step + 1, r.loss, r.grad_norm);
+  check(r.overflow || opt_.max_loss <= 0 || r.loss <= opt_.max_loss,
+        "step {}: loss {:.4f} is past --max-loss {:.4f}; training diverged (try a lower --lr or "
+        "--clip-grad)",
+        r.step + 1, r.loss, opt_.max_loss);
 }
 
 // The launched steps whose values are still on the device: their rows, read
@@ -728,11 +732,11 @@ void Trainer::set_spike_state(const nlohmann::json& state) {
   while (static_cast<int64_t>(recent_losses_.size()) > opt_.spike.window) recent_losses_.pop_front();
 }
 
-CheckpointSource Trainer::load(const std::string& dir) {
+CheckpointSource Trainer::load(const std::string& dir, bool allow_unverified) {
   check(launched_ == 0,
         "loading {}: {} launched steps' records are not taken yet (take_records first)", dir,
         launched_);
-  Checkpoint c = open_checkpoint(dir);
+  Checkpoint c = open_checkpoint(dir, allow_unverified);
   c.read_model(g_.graph->params());
   const bool diloco = local() && opt_.local.nesterov;
   std::vector<std::string> suffixes = optimizer_state_suffixes(par_.sync.optimizer);

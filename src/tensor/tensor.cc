@@ -42,7 +42,11 @@ Shape Shape::of(std::span<const int64_t> d) {
 
 int64_t Shape::numel() const {
   int64_t n = 1;
-  for (int i = 0; i < rank; ++i) n *= dims[static_cast<size_t>(i)];
+  for (int i = 0; i < rank; ++i)
+    // Checked: a shape from huge flags must fail here, not wrap to a small
+    // allocation that is then written past its end.
+    if (__builtin_mul_overflow(n, dims[static_cast<size_t>(i)], &n))
+      throw Error("shape {} has more elements than a 64-bit count holds", str());
   return n;
 }
 
@@ -72,8 +76,11 @@ Tensor::Tensor(void* data, Shape shape, DType dtype, Device device)
 Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
   for (int i = 0; i < shape.rank; ++i)
     check(shape[i] >= 0, "tensor dimension {} is negative in shape {}", i, shape.str());
-  auto storage = std::make_shared<Storage>(static_cast<size_t>(shape.numel()) * dtype_size(dtype),
-                                           device);
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(shape.numel(), static_cast<int64_t>(dtype_size(dtype)), &bytes))
+    throw Error("a {} tensor of shape {} has more bytes than a 64-bit count holds",
+                dtype_name(dtype), shape.str());
+  auto storage = std::make_shared<Storage>(static_cast<size_t>(bytes), device);
   Tensor t(storage->data(), shape, dtype, device);
   t.storage_ = std::move(storage);
   return t;
