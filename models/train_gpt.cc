@@ -59,15 +59,30 @@ namespace {
 
 // Graceful stop (Megatron's exit-signal handling, on whenever --save is set):
 // SIGTERM, SIGINT or SIGUSR1 (Slurm's warning before its time limit) asks
-// every rank to stop after the step in flight and save; a second signal ends
-// the process at once.
+// every rank to stop after the step in flight and save. A second signal is
+// held (a launcher or a terminal often sends two), so the save still
+// happens; a third ends the process at once, losing the save, and says so.
 std::atomic<int> g_stop_signal{0};
+std::atomic<int> g_signals{0};
 
 extern "C" void on_stop_signal(int sig) {
-  if (g_stop_signal.exchange(sig) != 0) {
-    std::signal(sig, SIG_DFL);
-    std::raise(sig);
+  const int n = g_signals.fetch_add(1) + 1;
+  if (n == 1) {
+    g_stop_signal.store(sig);
+    return;
   }
+  // Only async-signal-safe calls here: write(2), then the default action.
+  if (n == 2) {
+    static const char held[] =
+        "train_gpt: a second signal: held, the job stops and saves after the step in flight "
+        "(a third signal ends it at once, without saving)\n";
+    (void)!::write(STDERR_FILENO, held, sizeof held - 1);
+    return;
+  }
+  static const char now[] = "train_gpt: a third signal: ending at once, without saving\n";
+  (void)!::write(STDERR_FILENO, now, sizeof now - 1);
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
 }
 
 void install_stop_handlers() {

@@ -505,6 +505,40 @@ TEST_F(Cli, SigtermSavesAndTheResumedRunMatchesTheUninterruptedOne) {
   }
 }
 
+// A second signal (a launcher and a terminal both passing one on) is held
+// and the save still happens; a third ends the run at once and says it did
+// not save. The save is made slow (2 s), so that the later signals arrive
+// during it, each 0.3 s after the one before (sent back to back, signals of
+// one kind merge before the handler runs).
+TEST_F(Cli, ASecondSignalIsHeldAndTheSaveHappens) {
+  const char* exe = std::getenv("WEFT_TRAIN_GPT");
+  ASSERT_NE(exe, nullptr);
+  const std::string flags = toy("--device cpu --threads 1 ");
+  for (int signals : {2, 3}) {
+    const std::string ckpt = dir_ + "/ckpt" + std::to_string(signals),
+                      jsonl = dir_ + "/sig.jsonl", out = dir_ + "/sig.out";
+    std::filesystem::remove(jsonl);
+    std::string kills;
+    for (int i = 0; i < signals; ++i) kills += "kill -TERM $pid; sleep 0.3; ";
+    const std::string cmd =
+        "( WEFT_FAULT_INJECT=slow-save:2000 " + std::string(exe) + " " + flags + "--train-iters 1000000 --save " + ckpt +
+        " --log-jsonl " + jsonl + " >" + out + " 2>&1 & pid=$!; while [ \"$(cat " + jsonl +
+        " 2>/dev/null | grep -c step)\" -lt 2 ]; do sleep 0.05; done; " + kills + "wait $pid )";
+    const int status = std::system(cmd.c_str());
+    const std::string text = read_file(out);
+    if (signals == 2) {
+      ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << text;
+      EXPECT_TRUE(testing::contains(text, "a second signal: held")) << text;
+      EXPECT_TRUE(testing::contains(text, "stopping on SIGTERM after step")) << text;
+      EXPECT_TRUE(std::filesystem::exists(ckpt + "/latest_checkpointed_iteration.txt")) << text;
+    } else {
+      EXPECT_FALSE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << text;
+      EXPECT_TRUE(testing::contains(text, "a third signal: ending at once, without saving"))
+          << text;
+    }
+  }
+}
+
 // A run whose --save holds a checkpoint resumes from it; starting over
 // (--no-load) never replaces checkpoints unless told to.
 TEST_F(Cli, AutomaticResumeAndNoSilentOverwrite) {

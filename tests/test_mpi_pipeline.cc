@@ -453,6 +453,41 @@ TEST(MpiSigterm, EveryRankStopsAtTheSameStepAndTheJobResumesBitExactly) {
         << "step " << stopped + static_cast<int>(i) + 1;
 }
 
+// Ctrl-C on scripts/weft-run, as a terminal sends it: SIGINT to the whole
+// foreground process group. mpiexec runs in its own group, so it gets one
+// SIGINT, from weft-run (hydra takes two as "abort now", which lost the
+// save); a second Ctrl-C is held. Every rank stops after the same step, one
+// checkpoint is saved, and weft-run exits 0 without restarting.
+TEST(MpiSigterm, CtrlCOnWeftRunSavesOnce) {
+  const std::string dir = restart_dir(), flags = restart_flags(dir);
+  const std::string jsonl = dir + "/job.jsonl", rc = dir + "/job.rc", pid = dir + "/job.pid";
+  for (const std::string& f : {jsonl, rc, pid}) std::filesystem::remove(f);
+  std::filesystem::remove_all(dir + "/ckpt");
+  // setsid: weft-run leads a process group of its own, as a shell's job does.
+  const std::string job = "WEFT_MPIEXEC='" + std::string(std::getenv("WEFT_MPIEXEC")) +
+                          "' setsid " + testing::source_path("scripts/weft-run") +
+                          " -n 2 --backoff 0 -- " + std::getenv("WEFT_TRAIN_GPT") + " " + flags +
+                          " --pp 2 --save-interval 0 --save " + dir + "/ckpt --log-jsonl " + jsonl;
+  ASSERT_EQ(std::system(("( " + job + " >" + dir + "/job.out 2>&1 & echo $! >" + pid +
+                         "; wait $!; echo $? >" + rc + " ) &")
+                            .c_str()),
+            0);
+  ASSERT_TRUE(wait_for([&] { return logged_steps(jsonl) >= 3; })) << read_file(dir + "/job.out");
+  const int group = std::stoi(read_file(pid));
+  ASSERT_EQ(::kill(-group, SIGINT), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_EQ(::kill(-group, SIGINT), 0);
+  ASSERT_TRUE(wait_for([&] { return !read_file(rc).empty(); })) << "the job did not stop";
+  const std::string out = read_file(dir + "/job.out");
+  EXPECT_EQ(read_file(rc), "0\n") << out;
+  EXPECT_TRUE(testing::contains(out, "stopping on SIGINT after step")) << out;
+  EXPECT_TRUE(testing::contains(out, "SIGINT again: held")) << out;
+  EXPECT_EQ(testing::count(out, "weft-run: starting 2 ranks"), 1) << out;
+  const int stopped = std::stoi(read_file(dir + "/ckpt/latest_checkpointed_iteration.txt"));
+  EXPECT_GE(stopped, 3);
+  EXPECT_LT(stopped, 60) << "the job ended before the signal";
+}
+
 // Local SGD under mpiexec: with --optimizer sgd and --local-steps 1 the two
 // replicas average their parameters every step, which gives synchronous data
 // parallelism's losses to 1e-5 (the same sums in another order; SGD is
