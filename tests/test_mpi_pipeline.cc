@@ -391,6 +391,50 @@ TEST(MpiRestart, KilledRankIsNamedAndTheJobResumesBitExactly) {
       << read_file(dir + "/bad.out");
 }
 
+// A job started from --load X with --save Y: once Y holds a checkpoint, a
+// restart resumes from Y's newest, not from X again (which redid every step
+// since X and, now refused, would rewind Y). The losses are the uninterrupted
+// run's. weft-run also reads Megatron's spelling of the layout flags, and
+// refuses a --backoff that is not a number of seconds.
+TEST(MpiRestart, ARestartResumesFromSaveNotFromLoad) {
+  const std::string dir = restart_dir(), flags = restart_flags(dir);
+  const testing::TrainRun full = testing::run_train_gpt(2, flags, dir);
+  ASSERT_TRUE(full.ok) << full.output;
+  const std::string start = dir + "/start";
+  std::string two = flags;
+  two.replace(two.find("--train-iters 60"), 16, "--train-iters 2");
+  const testing::TrainRun first = testing::run_train_gpt(2, two + " --save " + start, dir);
+  ASSERT_TRUE(first.ok) << first.output;
+  const KilledJob k = run_and_kill_rank1(dir, "-n 2 --backoff 0",
+                                         flags + " --load " + start + "/iter_0000002");
+  ASSERT_GT(k.pid, 0) << k.out;
+  EXPECT_EQ(k.rc, "0\n") << k.out;
+  EXPECT_TRUE(testing::contains(k.out, "restarts resume from it, not from --load")) << k.out;
+  EXPECT_TRUE(testing::contains(k.out, "resumed from " + dir + "/ckpt at step")) << k.out;
+  std::map<int, double> loss;  // steps 3 to 60: the job started after step 2
+  for (const auto& r : testing::jsonl_steps(k.jsonl)) loss[r["step"].get<int>()] = r["loss"];
+  ASSERT_EQ(loss.size(), full.records.size() - 2) << k.out;
+  for (const auto& [step, value] : loss)
+    EXPECT_EQ(value, full.records.at(static_cast<size_t>(step - 1))["loss"].get<double>())
+        << "step " << step;
+
+  const std::string wrapper = testing::source_path("scripts/weft-run");
+  const std::string bad = wrapper + " -n 2 --backoff inf -- " +
+                          std::getenv("WEFT_TRAIN_GPT") + " " + flags + " --save " + dir + "/x";
+  const int status = std::system((bad + " >" + dir + "/bad.out 2>&1").c_str());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2);
+  EXPECT_TRUE(testing::contains(read_file(dir + "/bad.out"),
+                                "--backoff (inf) must be a number of seconds in [0, 3600]"))
+      << read_file(dir + "/bad.out");
+  const std::string odd = wrapper + " -n 3 --min-ranks 2 -- " + std::getenv("WEFT_TRAIN_GPT") +
+                          " " + flags + " --tensor-model-parallel-size 0 --save " + dir + "/x";
+  const int odd_status = std::system((odd + " >" + dir + "/odd.out 2>&1").c_str());
+  EXPECT_FALSE(WIFEXITED(odd_status) && WEXITSTATUS(odd_status) == 0);
+  EXPECT_TRUE(testing::contains(read_file(dir + "/odd.out"),
+                                "--tp (0) must be a positive integer"))
+      << read_file(dir + "/odd.out");
+}
+
 // --min-ranks: the restart leaves out the failed data-parallel replica and
 // goes on with one rank, from the same checkpoint; one replica computes the
 // same sums in another order, so the losses agree to 1e-5.
