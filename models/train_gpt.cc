@@ -226,7 +226,7 @@ struct Args {
   std::vector<std::string> notes;    // said by rank 0 once the run starts
   // Megatron's: load weights only and start at step 0; or let flags that
   // contradict the checkpoint's meta.json win.
-  bool finetune = false, override_checkpoint_args = false;
+  bool finetune = false, override_checkpoint_args = false, override_scheduler = false;
   // Settled before the run by adopt_checkpoint_args: the checkpoint it loads
   // ("" for none), whether only its weights, the flags taken from its
   // meta.json (--use-checkpoint-args, Megatron's, always on) and what to say.
@@ -728,6 +728,9 @@ void adopt_checkpoint_args(Args& a, const CLI::App& app) {
             "checkpoint's, or add --override-checkpoint-args (or --finetune: its weights only, "
             "from step 0)",
             flag, ours.dump(), key, theirs.dump(), where);
+      if (!same && !a.weights_only)
+        a.notes.push_back(fmt::format("{} {} differs from the checkpoint's {}: the flag's is used",
+                                      flag, ours.dump(), theirs.dump()));
       return;
     }
     take(theirs);
@@ -784,6 +787,35 @@ void adopt_checkpoint_args(Args& a, const CLI::App& app) {
         [&](const nlohmann::json& v) { a.global_batch = v.get<int64_t>(); });
   field("seed", "--seed", app.count("--seed") > 0, a.seed,
         [&](const nlohmann::json& v) { a.seed = v.get<int64_t>(); });
+  field("split", "--split", app.count("--split") > 0, a.split,
+        [&](const nlohmann::json& v) { a.split = v.get<std::string>(); });
+  // The learning-rate schedule (decay over the steps it was given, not over
+  // a new --train-iters): taken when left out; a flag that differs is refused
+  // unless --override-opt_param-scheduler (Megatron's) lets the flags win.
+  const bool new_schedule = !a.override_scheduler;
+  field("lr", "--lr", app.count("--lr") > 0, a.lr,
+        [&](const nlohmann::json& v) { a.lr = v.get<float>(); }, new_schedule);
+  field("min_lr", "--min-lr", app.count("--min-lr") > 0, a.min_lr,
+        [&](const nlohmann::json& v) { a.min_lr = v.get<float>(); }, new_schedule);
+  field("lr_decay_style", "--lr-decay-style", app.count("--lr-decay-style") > 0, a.lr_decay_style,
+        [&](const nlohmann::json& v) { a.lr_decay_style = v.get<std::string>(); }, new_schedule);
+  field("lr_warmup_iters", "--lr-warmup-iters", app.count("--lr-warmup-iters") > 0,
+        a.lr_warmup_iters, [&](const nlohmann::json& v) { a.lr_warmup_iters = v.get<int64_t>(); },
+        new_schedule);
+  field("lr_decay_iters", "--lr-decay-iters", app.count("--lr-decay-iters") > 0,
+        a.lr_decay_iters, [&](const nlohmann::json& v) { a.lr_decay_iters = v.get<int64_t>(); },
+        new_schedule);
+  // The data file itself: the same path may hold other bytes now.
+  if (saved.contains("data_fingerprint") && !free &&
+      std::filesystem::weakly_canonical(a.data_path) ==
+          std::filesystem::weakly_canonical(saved.value("data_path", ""))) {
+    const nlohmann::json now = weft::data_fingerprint(a.data_path);
+    check(now.is_null() || now == saved["data_fingerprint"],
+          "--data-path {} has changed since the checkpoint was saved ({} then, {} now): the "
+          "resumed run would not read the batches the saved steps continue; add "
+          "--override-checkpoint-args to train on it anyway",
+          a.data_path, saved["data_fingerprint"].dump(), now.dump());
+  }
   // Mixed precision: a resume that names none takes the checkpoint's (an
   // fp16 run's loss scale resumes with it); one named on the command line
   // wins, since a run may change its precision.
@@ -1246,7 +1278,14 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
                 {"data_path", std::filesystem::absolute(a.data_path).string()},
                 {"arch", a.arch},
                 {"optimizer", weft::optimizer_name(weft::parse_optimizer(a.optimizer))},
-                {"precision", a.bf16 ? "bf16" : a.fp16 ? "fp16" : "fp32"}};
+                {"precision", a.bf16 ? "bf16" : a.fp16 ? "fp16" : "fp32"},
+                {"split", a.split},
+                {"lr", a.lr},
+                {"min_lr", a.min_lr},
+                {"lr_decay_style", a.lr_decay_style},
+                {"lr_warmup_iters", a.lr_warmup_iters},
+                {"lr_decay_iters", opt.lr.decay_iters},
+                {"data_fingerprint", weft::data_fingerprint(a.data_path)}};
   if (llama) {
     opt.config["ffn_hidden_size"] = llama_config(a, cfg).ffn();
     opt.config["rotary_base"] = a.rotary_base;
@@ -1712,6 +1751,9 @@ int main(int argc, char** argv) {
   app.add_flag("--finetune", a.finetune,
                "start from the weights of --load only: no optimizer state, step 0, and flags may "
                "differ from its meta.json");
+  app.add_flag("--override-opt_param-scheduler", a.override_scheduler,
+               "on a resume, let --lr, --min-lr, --lr-decay-style, --lr-warmup-iters and "
+               "--lr-decay-iters that differ from the checkpoint's win (Megatron's flag)");
   app.add_flag("--override-checkpoint-args", a.override_checkpoint_args,
                "let flags that contradict the checkpoint's meta.json win (shape, data path, "
                "global batch, seed); flags left out still come from it");

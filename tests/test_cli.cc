@@ -539,6 +539,45 @@ TEST_F(Cli, ASecondSignalIsHeldAndTheSaveHappens) {
   }
 }
 
+// A resume compares what would silently change the run: the learning-rate
+// schedule (left out, it is the checkpoint's, decaying over the steps it was
+// given; a flag that differs is refused unless --override-opt_param-scheduler,
+// and then said), the validation split, and the data file's bytes (its size
+// and a checksum of its first and last MiB).
+TEST_F(Cli, AResumeRefusesAnotherScheduleSplitOrDataFile) {
+  const std::string ckpt = dir_ + "/sched";
+  Result r = run(toy("--threads 1 --train-iters 3 --lr-decay-style cosine --save " + ckpt));
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_error(toy("--train-iters 5 --lr 5e-3 --save " + ckpt),
+               {"--lr 0.004999999888241291 contradicts the checkpoint's lr"});
+  expect_error(toy("--train-iters 5 --lr-decay-style constant --save " + ckpt),
+               {"--lr-decay-style \"constant\" contradicts the checkpoint's lr_decay_style "
+                "\"cosine\""});
+  expect_error(toy("--train-iters 5 --lr-decay-iters 9 --save " + ckpt),
+               {"--lr-decay-iters 9 contradicts the checkpoint's lr_decay_iters 3"});
+  expect_error(toy("--train-iters 5 --split 90,10 --save " + ckpt),
+               {"--split \"90,10\" contradicts the checkpoint's split"});
+  r = run(toy("--train-iters 4 --lr 5e-3 --override-opt_param-scheduler --save " + ckpt));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "note: --lr 0.004999999888241291 differs from the "
+                                       "checkpoint's 0.009999999776482582: the flag's is used"))
+      << r.out;
+  // Left out, the schedule is the checkpoint's: --lr-decay-style cosine.
+  r = run("--threads 1 --train-iters 5 --save " + ckpt);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "--lr-decay-style cosine")) << r.out;
+
+  // The data file rewritten in place: refused, unless told to go on.
+  std::string text = read_file(dir_ + "/text.txt");
+  text[text.size() / 2] = text[text.size() / 2] == 'a' ? 'b' : 'a';
+  write_file(dir_ + "/text.txt", text);
+  expect_error("--threads 1 --train-iters 6 --save " + ckpt,
+               {"--data-path " + dir_ + "/text.txt has changed since the checkpoint was saved",
+                "--override-checkpoint-args"});
+  r = run("--threads 1 --train-iters 6 --override-checkpoint-args --save " + ckpt);
+  EXPECT_EQ(r.code, 0) << r.err;
+}
+
 // A run whose --save holds a checkpoint resumes from it; starting over
 // (--no-load) never replaces checkpoints unless told to.
 TEST_F(Cli, AutomaticResumeAndNoSilentOverwrite) {

@@ -122,6 +122,12 @@ void prune_checkpoints(const std::string& dir, int64_t keep);
 // an interrupted save").
 std::vector<std::string> clean_stale_checkpoint_files(const std::string& dir);
 
+// What a resume checks of a data file (meta.json's config.data_fingerprint):
+// {"bytes": its size, "head_tail_xxh3": XXH3-64 of its first and last MiB},
+// cheap for any size; a file rewritten in place or replaced changes one of
+// them in practice. null when the file cannot be read.
+nlohmann::json data_fingerprint(const std::string& path);
+
 // One writer per checkpoint folder: the folder `dir` (made if absent) locked
 // (flock on dir/weft.lock, which says who holds it) for this object's life.
 // Throws Error naming the path when it is not a folder, cannot be made or

@@ -736,4 +736,23 @@ SaveDirLock::~SaveDirLock() {
   if (fd_ >= 0) ::close(fd_);  // releases the lock
 }
 
+nlohmann::json data_fingerprint(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return nullptr;
+  f.seekg(0, std::ios::end);
+  const int64_t size = static_cast<int64_t>(f.tellg());
+  constexpr int64_t kBlock = int64_t{1} << 20;
+  std::string bytes(static_cast<size_t>(std::min(size, kBlock)), '\0');
+  f.seekg(0);
+  f.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (size > kBlock) {
+    std::string tail(static_cast<size_t>(std::min(size - kBlock, kBlock)), '\0');
+    f.seekg(size - static_cast<int64_t>(tail.size()));
+    f.read(tail.data(), static_cast<std::streamsize>(tail.size()));
+    bytes += tail;
+  }
+  return {{"bytes", size},
+          {"head_tail_xxh3", fmt::format("{:016x}", XXH3_64bits(bytes.data(), bytes.size()))}};
+}
+
 }  // namespace weft
