@@ -194,6 +194,7 @@ struct Args {
   float weight_decay = 0.1f;
   double clip_grad = 1.0;
   double max_loss = -1;  // -1: 4 x ln(vocabulary); 0: off
+  double save_timeout = 1800;  // seconds the ranks wait for a save; 0: none
   float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
   int64_t seed = 1234;  // >= 0; read signed so that a negative one is refused, not wrapped
   std::string data_path, init_from, save, load, log_jsonl, tokenizer, loss_plot;
@@ -1096,6 +1097,9 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   check(a.beta2 >= 0 && a.beta2 < 1, "--adam-beta2 ({}) must be in [0, 1)", a.beta2);
   check(a.eps > 0, "--adam-eps ({}) must be positive", a.eps);
   check(a.clip_grad >= 0, "--clip-grad ({}) must be >= 0 (0 turns clipping off)", a.clip_grad);
+  check(std::isfinite(a.save_timeout) && a.save_timeout >= 0 && a.save_timeout <= 86400 * 7,
+        "--save-timeout ({}) must be a number of seconds in [0, 604800] (0: no deadline)",
+        a.save_timeout);
   check(std::isfinite(a.max_loss) && (a.max_loss >= 0 || a.max_loss == -1),
         "--max-loss ({}) must be >= 0 (0 turns the check off)", a.max_loss);
   check(a.log_interval > 0, "--log-interval ({}) must be positive", a.log_interval);
@@ -1245,6 +1249,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   opt.lr.decay_iters = a.lr_decay_iters > 0 ? a.lr_decay_iters : a.train_iters;
   opt.adam = {a.beta1, a.beta2, a.eps, a.weight_decay};
   opt.clip_grad = a.clip_grad;
+  opt.save_timeout_s = a.save_timeout;
   // A loss four times a uniform guess's, ln(vocabulary), is no training.
   opt.max_loss = a.max_loss >= 0 ? a.max_loss : 4 * std::log(static_cast<double>(cfg.vocab_size));
   opt.device = setup.device;
@@ -1909,6 +1914,9 @@ int main(int argc, char** argv) {
   app.add_option("--plan-wake", a.plan_wake,
                  "seconds a rank that waited takes to run again, per received message and "
                  "all-reduce round, for --plan auto (weft-sched plan --wake)");
+  app.add_option("--save-timeout", a.save_timeout,
+                 "seconds the ranks wait for a checkpoint's writer before failing (default 1800; "
+                 "0: no deadline)");
   app.add_option("--comm-timeout", a.comm_timeout,
                  "seconds any rank waits for a message or collective before failing");
   // A whole number past 64 bits is refused, not saturated (CLI11 would give

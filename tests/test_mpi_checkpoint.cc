@@ -41,5 +41,33 @@ TEST(MpiCheckpoint, SavesSlowerThanTheCommTimeoutAreNoFailure) {
   EXPECT_TRUE(scan.verified);
 }
 
+// A save that never finishes (the writer stuck on its disk) is no hang: the
+// ranks waiting for it stop past --save-timeout, naming the save and its
+// writer, and the job ends non-zero.
+TEST(MpiCheckpoint, ASaveStuckPastTheSaveTimeoutEndsTheJobNamingIt) {
+  ASSERT_NE(std::getenv("WEFT_MPIEXEC"), nullptr) << "meson test sets WEFT_MPIEXEC";
+  const std::string dir = testing::temp_dir("mpi-stuck-save");
+  std::string text;
+  for (int i = 0; i < 60; ++i) text += "Call me Ishmael. Some years ago, never mind how long. ";
+  testing::write_file(dir + "/text.txt", text);
+  ::setenv("WEFT_FAULT_INJECT", "slow-save:30000", 1);
+  const auto start = std::chrono::steady_clock::now();
+  const testing::TrainRun run = testing::run_train_gpt(
+      2,
+      "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+      "--micro-batch-size 2 --global-batch-size 8 --threads 1 --comm-timeout 2 "
+      "--save-timeout 1 --train-iters 3 --save " + dir + "/ckpt --data-path " + dir + "/text.txt",
+      dir);
+  ::unsetenv("WEFT_FAULT_INJECT");
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_FALSE(run.ok) << run.output;
+  EXPECT_LT(seconds, 25.0) << "the ranks waited for the whole stuck save";
+  EXPECT_TRUE(testing::contains(run.output, "rank 1: error: the save of step 3 to " + dir +
+                                                "/ckpt did not finish within --save-timeout 1 s "
+                                                "(world rank 0 writes it"))
+      << run.output;
+}
+
 }  // namespace
 }  // namespace weft

@@ -138,6 +138,9 @@ class Communicator {
   // checkpoint. A failed rank still ends it (PeerFailed on threads; under
   // mpiexec the launcher ends the job).
   void barrier_without_deadline();
+  // A barrier with its own deadline, in place of the options' (a save's
+  // --save-timeout, longer than --comm-timeout); 0 means none.
+  void barrier_within(std::chrono::milliseconds timeout);
 
   // Non-blocking forms, for communication that overlaps compute (the
   // data-parallel gradient buckets). Members post them in the same order as

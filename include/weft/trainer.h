@@ -83,6 +83,10 @@ struct TrainOptions {
   LrSchedule lr;
   AdamWConfig adam;
   double clip_grad = 1.0;  // 0 disables
+  // How long the ranks wait at a save for the writer (world rank 0) to
+  // finish, in seconds; past it they stop with an error naming the save
+  // (train_gpt's --save-timeout). 0: no deadline.
+  double save_timeout_s = 0;
   // A step whose loss is above this stops training (train_step or
   // take_records throws naming the step), as a non-finite one does: a
   // bound known before training (train_gpt: 4 x ln(vocabulary), four times

@@ -76,12 +76,14 @@ void wait_all_on_device(std::vector<RequestPtr>& requests) {
     if (r) r->wait_on_device();
 }
 
-void Communicator::barrier_without_deadline() {
-  // A century: far enough never to pass, near enough that every transport's
-  // `now + timeout` stays within its clock's range.
+void Communicator::barrier_without_deadline() { barrier_within(std::chrono::milliseconds(0)); }
+
+void Communicator::barrier_within(std::chrono::milliseconds within) {
+  // None: a century, far enough never to pass, near enough that every
+  // transport's `now + timeout` stays within its clock's range.
   constexpr std::chrono::milliseconds kCentury = std::chrono::hours(24 * 365 * 100);
   const std::chrono::milliseconds timeout = options_.timeout;
-  options_.timeout = kCentury;
+  options_.timeout = within.count() > 0 ? within : kCentury;
   try {
     barrier();
   } catch (...) {

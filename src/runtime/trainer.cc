@@ -591,9 +591,19 @@ void Trainer::save(const std::string& dir, int64_t keep_last) {
   }
   // Nobody returns before the checkpoint is complete: one barrier per group,
   // in turn, is a barrier of the world. The writer's disk, not the network,
-  // bounds this wait, so --comm-timeout does not: a slow save is no failure.
-  for (Communicator* c : {par_.groups.tp, par_.groups.pp, par_.groups.dp})
-    if (c) c->barrier_without_deadline();
+  // bounds this wait, so --comm-timeout does not: a slow save is no failure,
+  // a stuck one (past --save-timeout) is.
+  const auto within = std::chrono::milliseconds(static_cast<int64_t>(opt_.save_timeout_s * 1e3));
+  for (Communicator* c : {par_.groups.tp, par_.groups.pp, par_.groups.dp}) {
+    if (!c) continue;
+    try {
+      c->barrier_within(within);
+    } catch (const CommTimeout& e) {
+      throw CommTimeout("the save of step {} to {} did not finish within --save-timeout {:g} s "
+                        "(world rank 0 writes it; look at its disk, or raise the timeout): {}",
+                        steps_done_, dir, opt_.save_timeout_s, e.what());
+    }
+  }
 }
 
 // A parameter-server worker's step: the servers take its gradients and send
