@@ -456,6 +456,34 @@ TEST(MpiRestart, MinRanksRestartsWithoutTheFailedReplica) {
   }
 }
 
+// --min-ranks from dp 4 (micro-batches of 3, global batch 12): without rank
+// 1's replica, 12 does not split over 3 replicas in micro-batches of 3, so
+// the restart keeps the global batch in micro-batches of 2 (two each per
+// step) rather than give up; the losses stay the one-process run's to 1e-5
+// (the same sums in another order).
+TEST(MpiRestart, MinRanksKeepsTheGlobalBatchWhenAReplicaGoes) {
+  const std::string dir = restart_dir();
+  std::string flags = restart_flags(dir);
+  flags.replace(flags.find("--micro-batch-size 2 --global-batch-size 4"), 42,
+                "--micro-batch-size 3 --global-batch-size 12");
+  const testing::TrainRun full = testing::run_train_gpt(1, flags, dir);
+  ASSERT_TRUE(full.ok) << full.output;
+  const KilledJob k = run_and_kill_rank1(dir, "-n 4 --backoff 0 --min-ranks 3", flags);
+  ASSERT_GT(k.pid, 0) << k.out;
+  EXPECT_EQ(k.rc, "0\n") << k.out;
+  EXPECT_TRUE(testing::contains(k.out, "3 ranks from now on (--min-ranks 3), global batch 12 in "
+                                       "micro-batches of 2"))
+      << k.out;
+  EXPECT_TRUE(testing::contains(k.out, "--micro-batch-size 2")) << k.out;
+  std::map<int, double> loss;
+  for (const auto& r : testing::jsonl_steps(k.jsonl)) loss[r["step"].get<int>()] = r["loss"];
+  ASSERT_EQ(loss.size(), 60u);
+  for (const auto& r : full.records) {
+    const double want = r["loss"].get<double>();
+    EXPECT_NEAR(loss.at(r["step"].get<int>()), want, 1e-5 * want) << "step " << r["step"];
+  }
+}
+
 // SIGTERM to mpiexec (what a scheduler sends at its time limit) reaches every
 // rank: they agree on the step, save once and exit 0; running the same
 // command again continues with the uninterrupted run's losses, bit for bit.
