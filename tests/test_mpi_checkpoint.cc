@@ -10,6 +10,9 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <string>
+
+#include <sys/wait.h>
 
 namespace weft {
 namespace {
@@ -67,6 +70,36 @@ TEST(MpiCheckpoint, ASaveStuckPastTheSaveTimeoutEndsTheJobNamingIt) {
                                                 "/ckpt did not finish within --save-timeout 1 s "
                                                 "(world rank 0 writes it"))
       << run.output;
+}
+
+// A rank that never joins at start-up (here: one that sleeps before it
+// starts) leaves the others inside MPI's initialisation, which has no
+// deadline of its own: they stop past --comm-timeout, saying why, and the
+// job ends.
+TEST(MpiStartup, ARankThatNeverJoinsIsNoSilentHang) {
+  ASSERT_NE(std::getenv("WEFT_MPIEXEC"), nullptr) << "meson test sets WEFT_MPIEXEC";
+  const std::string dir = testing::temp_dir("mpi-startup");
+  testing::write_file(dir + "/text.txt", std::string(2000, 'a'));
+  const std::string exe = std::getenv("WEFT_TRAIN_GPT");
+  const std::string flags = " --num-layers 1 --hidden-size 16 --num-attention-heads 2 "
+                            "--seq-length 8 --micro-batch-size 2 --global-batch-size 4 "
+                            "--train-iters 1 --comm-timeout 2 --device cpu "
+                            "--data-path " + dir + "/text.txt";
+  // MPMD: rank 0 starts at once, rank 1 only after 30 s.
+  const std::string cmd = std::string(std::getenv("WEFT_MPIEXEC")) + " -n 1 " + exe + flags +
+                          " : -n 1 sh -c 'sleep 30; exec " + exe + flags + "' >" + dir +
+                          "/out.txt 2>&1";
+  const auto start = std::chrono::steady_clock::now();
+  const int status = std::system(cmd.c_str());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::string out = testing::read_file(dir + "/out.txt");
+  EXPECT_FALSE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << out;
+  EXPECT_LT(seconds, 25.0) << out;
+  EXPECT_TRUE(testing::contains(out, "rank 0 (host ") &&
+              testing::contains(out, "error: MPI start-up did not finish within --comm-timeout "
+                                     "2 s: a rank of the 2 never joined"))
+      << out;
 }
 
 }  // namespace

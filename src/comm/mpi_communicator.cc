@@ -23,14 +23,18 @@
 // by a signal included. The deadline covers the rest (a peer that is alive but
 // never sends).
 #include <weft/bf16.h>
+#include <weft/mesh.h>
 #include <weft/mpi_communicator.h>
 
 #include <fmt/ranges.h>
 #include <mpi.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <climits>
+#include <condition_variable>
+#include <mutex>
 #include <cstdio>
 #include <cstdlib>
 #include <numeric>
@@ -665,9 +669,52 @@ std::unique_ptr<Communicator> mpi_world(CommOptions options) {
                                            spin_window(MPI_COMM_WORLD), options);
 }
 
+namespace {
+// MPI's start-up has no deadline of its own: a rank that never joins (stopped,
+// or failed to start) leaves the others inside MPI_Init with an empty log.
+// This guard gives it --comm-timeout: past it the rank says why, naming
+// itself from the launcher's environment, and exits 1 (the launcher then
+// ends the job).
+class StartupDeadline {
+ public:
+  explicit StartupDeadline(std::chrono::milliseconds timeout)
+      : thread_([this, timeout] {
+          std::unique_lock<std::mutex> lock(mu_);
+          if (cv_.wait_for(lock, timeout, [this] { return done_; })) return;
+          const LaunchInfo me = detect_launch();
+          char host[256] = {};
+          ::gethostname(host, sizeof host - 1);
+          const std::string line = fmt::format(
+              "rank {} (host {}, pid {}): error: MPI start-up did not finish within "
+              "--comm-timeout {:g} s: a rank of the {} never joined (stopped, or failed to "
+              "start; the launcher's output says which)\n",
+              me.rank, host, ::getpid(), static_cast<double>(timeout.count()) / 1e3, me.size);
+          std::fwrite(line.data(), 1, line.size(), stderr);
+          std::fflush(stderr);
+          std::_Exit(1);
+        }) {}
+  ~StartupDeadline() { finish(); }
+  void finish() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+}  // namespace
+
 int mpi_main(int argc, char** argv, const std::function<int(Communicator&)>& fn,
              CommOptions options) {
   int provided = 0;
+  StartupDeadline startup(options.timeout);
   // Only the main thread calls MPI (OpenMP threads compute, never communicate).
   if (MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
     std::fputs("error: MPI_Init_thread failed\n", stderr);
@@ -680,6 +727,7 @@ int mpi_main(int argc, char** argv, const std::function<int(Communicator&)>& fn,
     check(provided >= MPI_THREAD_FUNNELED, "MPI provides thread level {}, weft needs {} (FUNNELED)",
           provided, static_cast<int>(MPI_THREAD_FUNNELED));
     auto world = mpi_world(options);
+    startup.finish();
     status = fn(*world);
     // Ranks finish at different times; wait for the others here, politely and
     // with a deadline, rather than spinning inside MPI_Finalize.
