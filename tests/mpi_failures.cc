@@ -6,6 +6,8 @@
 //   shape-mismatch  rank 0 sends [2, 3], rank 1 posted a receive for [3, 2]
 //   killed-rank     rank 0 dies of SIGKILL while rank 1 waits in recv (60 s deadline)
 //   throws          rank 1 throws while rank 0 waits in all_reduce
+//   missing-member  (3 ranks) ranks 0 and 1 wait in an all-reduce that rank 2,
+//                   busy waiting for a message, never joins (1 s deadline)
 #include <weft/mpi_communicator.h>
 
 #include <csignal>
@@ -17,7 +19,9 @@ namespace {
 using namespace weft;
 
 int run(Communicator& world, const std::string& scenario) {
-  check(world.size() == 2, "mpi_failures runs on 2 ranks, not {}", world.size());
+  const int want = scenario == "missing-member" ? 3 : 2;
+  check(world.size() == want, "mpi_failures {} runs on {} ranks, not {}", scenario, want,
+        world.size());
   const MessageTag tag{MessageTag::Kind::Activation, 3, 0, 0};
   Tensor t = Tensor::zeros({2, 3});
   if (scenario == "missing-send") {
@@ -33,11 +37,21 @@ int run(Communicator& world, const std::string& scenario) {
     world.set_timeout(std::chrono::seconds(60));
     if (world.rank() == 0) std::raise(SIGKILL);
     world.recv(t, 0, tag);
+  } else if (scenario == "missing-member") {
+    world.all_reduce(t, ReduceOp::Sum);  // collective #1: every rank
+    if (world.rank() == 2) {
+      world.set_timeout(std::chrono::seconds(30));
+      world.recv(t, 0, tag);  // never sent: rank 2 is elsewhere
+    } else {
+      world.set_timeout(std::chrono::seconds(1));
+      world.all_reduce(t, ReduceOp::Sum);
+    }
   } else if (scenario == "throws") {
     if (world.rank() == 1) throw Error("boom");
     world.all_reduce(t, ReduceOp::Sum);
   } else {
-    throw Error("unknown scenario '{}' (missing-send, shape-mismatch, killed-rank, throws)",
+    throw Error("unknown scenario '{}' (missing-send, shape-mismatch, killed-rank, throws, "
+                "missing-member)",
                 scenario);
   }
   // The surviving rank waits here until the failing one has ended the job.

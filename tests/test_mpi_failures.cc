@@ -21,12 +21,13 @@ struct Job {
   std::string err;
 };
 
-Job run_job(const std::string& scenario) {
+Job run_job(const std::string& scenario, int ranks = 2) {
   const std::string dir = testing::temp_dir("mpi-" + scenario);
   // MPIEXEC_TIMEOUT: should a job hang after all, hydra ends it and the
   // elapsed-time checks fail instead of the test hanging.
   const std::string cmd = "MPIEXEC_TIMEOUT=30 " + std::string(std::getenv("WEFT_MPIEXEC")) +
-                          " -n 2 " + std::getenv("WEFT_MPI_FAILURES") + " " + scenario + " >" +
+                          " -n " + std::to_string(ranks) + " " +
+                          std::getenv("WEFT_MPI_FAILURES") + " " + scenario + " >" +
                           dir + "/out.txt 2>" + dir + "/err.txt";
   const auto start = std::chrono::steady_clock::now();
   const int raw = std::system(cmd.c_str());
@@ -56,6 +57,19 @@ TEST_F(MpiFailures, MissingSendTimesOutNamingTheWait) {
         "from rank 0 (world rank 0)", "tag activation mb 3 chunk 0 #0", "in world",
         "at step 3, action 1F3"})
     EXPECT_TRUE(contains(job.err, part)) << "missing '" << part << "' in:\n" << job.err;
+}
+
+// A collective that times out names who never arrived: the members that
+// also waited in it answer a roll call, the one busy elsewhere does not.
+TEST_F(MpiFailures, ATimedOutCollectiveNamesTheMemberThatNeverArrived) {
+  Job job = run_job("missing-member", 3);
+  EXPECT_NE(job.status, 0) << job.err;
+  EXPECT_LT(job.seconds, 10.0) << job.err;
+  EXPECT_TRUE(contains(job.err, "timed out after 1000 ms waiting for all_reduce (sum)")) << job.err;
+  EXPECT_TRUE(contains(job.err, "never arrived: rank 2 (world rank 2) (no answer within 1 s"))
+      << job.err;
+  EXPECT_FALSE(contains(job.err, "never arrived: rank 0")) << job.err;
+  EXPECT_FALSE(contains(job.err, "never arrived: rank 1")) << job.err;
 }
 
 TEST_F(MpiFailures, ShapeMismatchNamesBothShapes) {

@@ -195,11 +195,14 @@ class MpiCommunicator final : public Communicator {
         spin_(spin) {
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
+    // The roll call's own channel (roll_call): nothing else matches it.
+    mpi_check(MPI_Comm_dup(comm_, &roll_), "MPI_Comm_dup");
   }
 
   ~MpiCommunicator() override {
     int finalized = 0;
     MPI_Finalized(&finalized);
+    if (!finalized) MPI_Comm_free(&roll_);
     if (owned_ && !finalized) MPI_Comm_free(&comm_);
   }
 
@@ -278,13 +281,75 @@ class MpiCommunicator final : public Communicator {
   // Waits for a posted collective that moves `bytes` in and out of this rank.
   template <typename What>
   void wait_collective(MPI_Request& req, size_t bytes, What&& what) {
-    poll(
-        [&] {
-          int flag = 0;
-          mpi_check(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "MPI_Test");
-          return flag ? Progress::Done : Progress::Waiting;
-        },
-        what, bytes);
+    ++collectives_;
+    try {
+      poll(
+          [&] {
+            int flag = 0;
+            mpi_check(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "MPI_Test");
+            return flag ? Progress::Done : Progress::Waiting;
+          },
+          what, bytes);
+    } catch (const CommTimeout& e) {
+      throw CommTimeout("{}; {}", e.what(), roll_call());
+    }
+  }
+
+  // After a blocking collective timed out here: who never arrived. Each
+  // member that times out sends every other its count of this group's
+  // blocking collectives on roll_ and listens for theirs, as long as the
+  // deadline (60 s at most): a member never heard from was elsewhere
+  // (stuck in other work, or gone); one with another count is in another
+  // collective of the group.
+  std::string roll_call() {
+    roll_note_ = collectives_;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      MPI_Request q;
+      if (MPI_Isend(&roll_note_, 1, MPI_INT64_T, r, 0, roll_, &q) == MPI_SUCCESS)
+        MPI_Request_free(&q);  // sent in the background, or never: this rank is failing
+    }
+    std::vector<int64_t> count(static_cast<size_t>(size_), -1);
+    count[static_cast<size_t>(rank_)] = collectives_;
+    int left = size_ - 1;
+    const auto listen = std::min<std::chrono::milliseconds>(options_.timeout, std::chrono::seconds(60));
+    const auto until = Clock::now() + listen;
+    while (left > 0 && Clock::now() < until) {
+      int flag = 0;
+      MPI_Status st;
+      if (MPI_Iprobe(MPI_ANY_SOURCE, 0, roll_, &flag, &st) != MPI_SUCCESS) break;
+      if (!flag) {
+        std::this_thread::sleep_for(microseconds(500));
+        continue;
+      }
+      int64_t theirs = 0;
+      if (MPI_Recv(&theirs, 1, MPI_INT64_T, st.MPI_SOURCE, 0, roll_, MPI_STATUS_IGNORE) !=
+          MPI_SUCCESS)
+        break;
+      int64_t& c = count[static_cast<size_t>(st.MPI_SOURCE)];
+      if (c < 0) --left;
+      c = theirs;
+    }
+    std::vector<std::string> missing, elsewhere;
+    for (int r = 0; r < size_; ++r) {
+      const int64_t c = count[static_cast<size_t>(r)];
+      if (c < 0)
+        missing.push_back(fmt::format("rank {} (world rank {})", r, world_rank(r)));
+      else if (c != collectives_)
+        elsewhere.push_back(fmt::format("rank {} (world rank {}) at collective #{}", r,
+                                        world_rank(r), c));
+    }
+    std::string out;
+    if (!missing.empty())
+      out = fmt::format("never arrived: {} (no answer within {:g} s of this rank's timeout)",
+                        fmt::join(missing, ", "), static_cast<double>(listen.count()) / 1e3);
+    if (!elsewhere.empty())
+      out += fmt::format("{}in another collective of the group: {} (this rank at #{})",
+                         out.empty() ? "" : "; ", fmt::join(elsewhere, ", "), collectives_);
+    if (out.empty())
+      out = fmt::format("every member of the group is in it (collective #{}) and timed out too",
+                        collectives_);
+    return out;
   }
 
   MPI_Comm comm_;
@@ -293,6 +358,9 @@ class MpiCommunicator final : public Communicator {
   std::string name_;  // empty for the world
   microseconds spin_;
   int rank_ = 0, size_ = 1;
+  MPI_Comm roll_ = MPI_COMM_NULL;
+  int64_t collectives_ = 0;  // blocking collectives this rank entered in the group
+  int64_t roll_note_ = 0;    // roll_call's message (MPI reads it after the call)
 };
 
 // Leaves requests that will never be waited for to MPI: receives are
