@@ -1,5 +1,7 @@
 // train_gpt under mpiexec: every schedule at pp 2 and 4 gives the
 // single-process losses and gradient norms for 5 steps, on real processes.
+#include <weft/checkpoint.h>
+
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -454,6 +456,36 @@ TEST(MpiRestart, MinRanksRestartsWithoutTheFailedReplica) {
     const double want = r["loss"].get<double>();
     EXPECT_NEAR(loss.at(r["step"].get<int>()), want, 1e-5 * want) << "step " << r["step"];
   }
+}
+
+// A rank killed before training started (before the rank table exists) is
+// no bad flag: weft-run restarts it. Here the job is a script that kills
+// itself with SIGKILL on its first start only; a bad flag is still not
+// restarted.
+TEST(MpiRestart, ARankKilledAtStartUpIsRestarted) {
+  const std::string dir = restart_dir(), flags = restart_flags(dir);
+  const std::string marker = dir + "/started-once", script = dir + "/job.sh";
+  std::filesystem::remove(marker);
+  std::filesystem::remove_all(dir + "/ckpt");
+  testing::write_file(script, "#!/bin/sh\nif [ ! -e " + marker + " ]; then touch " + marker +
+                                  "; kill -9 $$; fi\nexec \"$@\"\n");
+  std::filesystem::permissions(script, std::filesystem::perms::owner_all);
+  const std::string wrapper = testing::source_path("scripts/weft-run") + " --backoff 0 -- " +
+                              script + " " + std::getenv("WEFT_TRAIN_GPT") + " ";
+  std::string two = flags;
+  two.replace(two.find("--train-iters 60"), 16, "--train-iters 2");
+  int status = std::system((wrapper + two + " --save " + dir + "/ckpt >" + dir + "/out.txt 2>&1").c_str());
+  std::string out = read_file(dir + "/out.txt");
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << out;
+  EXPECT_TRUE(testing::contains(out, "the job was killed before training started (signal 9), not a "
+                                     "bad flag: restarting it"))
+      << out;
+  EXPECT_EQ(newest_checkpoint_step(dir + "/ckpt"), 2) << out;
+  status = std::system(
+      (wrapper + two + " --num-layers 0 --save " + dir + "/bad >" + dir + "/bad.txt 2>&1").c_str());
+  out = read_file(dir + "/bad.txt");
+  EXPECT_FALSE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << out;
+  EXPECT_TRUE(testing::contains(out, "not restarting, it would fail the same way")) << out;
 }
 
 // --min-ranks from dp 4 (micro-batches of 3, global batch 12): without rank
