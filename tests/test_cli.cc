@@ -914,6 +914,8 @@ TEST_F(Cli, ALossPastTheBoundStopsTheRunFromTheStart) {
   Result r = run(toy("--train-iters 2 --lr 10 --max-loss 0"));
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   expect_error(toy("--train-iters 2 --max-loss -3"), {"--max-loss (-3) must be >= 0"});
+  expect_error(toy("--train-iters 2 --save-timeout -1"),
+               {"--save-timeout (-1) must be a number of seconds in [0, 604800]"});
 }
 
 // Integer flags past their range, or whose sizes would overflow, are refused

@@ -17,21 +17,24 @@
 namespace weft {
 namespace {
 
-TEST(MpiCheckpoint, SavesSlowerThanTheCommTimeoutAreNoFailure) {
-  ASSERT_NE(std::getenv("WEFT_MPIEXEC"), nullptr) << "meson test sets WEFT_MPIEXEC";
-  const std::string dir = testing::temp_dir("mpi-slow-save");
+// A small GPT over 60 lines of text written into `dir`, on 2 ranks' worth of
+// batches, with a 2 s --comm-timeout: the flags, `extra` appended.
+std::string small_job(const std::string& dir, const std::string& extra) {
   std::string text;
   for (int i = 0; i < 60; ++i) text += "Call me Ishmael. Some years ago, never mind how long. ";
   testing::write_file(dir + "/text.txt", text);
+  return "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+         "--micro-batch-size 2 --global-batch-size 8 --threads 1 --comm-timeout 2 "
+         "--train-iters 3 --save " + dir + "/ckpt --data-path " + dir + "/text.txt " + extra;
+}
+
+TEST(MpiCheckpoint, SavesSlowerThanTheCommTimeoutAreNoFailure) {
+  ASSERT_NE(std::getenv("WEFT_MPIEXEC"), nullptr) << "meson test sets WEFT_MPIEXEC";
+  const std::string dir = testing::temp_dir("mpi-slow-save");
   // Each save sleeps twice the deadline before it writes.
   ::setenv("WEFT_FAULT_INJECT", "slow-save:4000", 1);
   const auto start = std::chrono::steady_clock::now();
-  const testing::TrainRun run = testing::run_train_gpt(
-      2,
-      "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-      "--micro-batch-size 2 --global-batch-size 8 --threads 1 --comm-timeout 2 "
-      "--train-iters 3 --save-interval 2 --save " + dir + "/ckpt --data-path " + dir + "/text.txt",
-      dir);
+  const testing::TrainRun run = testing::run_train_gpt(2, small_job(dir, "--save-interval 2"), dir);
   ::unsetenv("WEFT_FAULT_INJECT");
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -50,17 +53,9 @@ TEST(MpiCheckpoint, SavesSlowerThanTheCommTimeoutAreNoFailure) {
 TEST(MpiCheckpoint, ASaveStuckPastTheSaveTimeoutEndsTheJobNamingIt) {
   ASSERT_NE(std::getenv("WEFT_MPIEXEC"), nullptr) << "meson test sets WEFT_MPIEXEC";
   const std::string dir = testing::temp_dir("mpi-stuck-save");
-  std::string text;
-  for (int i = 0; i < 60; ++i) text += "Call me Ishmael. Some years ago, never mind how long. ";
-  testing::write_file(dir + "/text.txt", text);
   ::setenv("WEFT_FAULT_INJECT", "slow-save:30000", 1);
   const auto start = std::chrono::steady_clock::now();
-  const testing::TrainRun run = testing::run_train_gpt(
-      2,
-      "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-      "--micro-batch-size 2 --global-batch-size 8 --threads 1 --comm-timeout 2 "
-      "--save-timeout 1 --train-iters 3 --save " + dir + "/ckpt --data-path " + dir + "/text.txt",
-      dir);
+  const testing::TrainRun run = testing::run_train_gpt(2, small_job(dir, "--save-timeout 1"), dir);
   ::unsetenv("WEFT_FAULT_INJECT");
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
