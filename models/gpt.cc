@@ -162,47 +162,4 @@ void init_gpt(GptModel& model, uint64_t seed) {
   for (Param* p : model.params->all()) init_param(*p, seed);
 }
 
-std::vector<int32_t> sample_gpt(const GptConfig& cfg, const std::shared_ptr<ParamStore>& params,
-                                std::vector<int32_t> prompt, int64_t count, float temperature,
-                                uint64_t seed) {
-  check(!prompt.empty(), "sampling needs a prompt of at least one token");
-  GptModel m = build_gpt(cfg, 1, params);
-  m.head->set_keep_logits(true);
-  // Logits rows hold the padded vocabulary; only the true one is sampled.
-  const int64_t T = cfg.seq_length, V = cfg.vocab_size, stride = cfg.table_rows();
-  const int n = static_cast<int>(m.graph.nodes().size());
-  const int head_node = n - 1;
-  MicroBatch mb(m.graph);
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> out = prompt;
-  std::vector<double> p(static_cast<size_t>(V));
-  for (int64_t k = 0; k < count; ++k) {
-    const int64_t len = std::min<int64_t>(static_cast<int64_t>(out.size()), T);
-    const int32_t* ctx_tokens = out.data() + out.size() - static_cast<size_t>(len);
-    int32_t* tok = mb.input(m.tokens).data<int32_t>();
-    int32_t* tgt = mb.input(m.targets).data<int32_t>();
-    for (int64_t t = 0; t < T; ++t) {
-      tok[t] = t < len ? ctx_tokens[t] : 0;  // causal: padding after len is never seen
-      tgt[t] = 0;
-    }
-    forward(m.graph, mb, 0, n);
-    const float* logits = TiedLmHeadLoss::logits(mb.ctx(head_node)).data<float>() + (len - 1) * stride;
-    int32_t next = 0;
-    if (temperature <= 0) {
-      for (int64_t j = 1; j < V; ++j)
-        if (logits[j] > logits[next]) next = static_cast<int32_t>(j);
-    } else {
-      float mx = logits[0];
-      for (int64_t j = 1; j < V; ++j) mx = std::max(mx, logits[j]);
-      for (int64_t j = 0; j < V; ++j)
-        p[static_cast<size_t>(j)] = std::exp((logits[j] - mx) / temperature);
-      std::discrete_distribution<int32_t> dist(p.begin(), p.end());
-      next = dist(rng);
-    }
-    out.push_back(next);
-    mb.reset();
-  }
-  return std::vector<int32_t>(out.begin() + static_cast<std::ptrdiff_t>(prompt.size()), out.end());
-}
-
 }  // namespace weft

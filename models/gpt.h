@@ -71,10 +71,4 @@ GptModel build_gpt(const GptConfig& cfg, int64_t micro_batch,
 // projections normal(0, 0.02 / sqrt(2 L)), biases 0, LayerNorm weights 1.
 void init_gpt(GptModel& model, uint64_t seed);
 
-// Generates `count` tokens after `prompt` by sampling the model's softmax at
-// `temperature` (0 = greedy), with a sliding window of seq_length.
-std::vector<int32_t> sample_gpt(const GptConfig& cfg, const std::shared_ptr<ParamStore>& params,
-                                std::vector<int32_t> prompt, int64_t count, float temperature,
-                                uint64_t seed);
-
 }  // namespace weft

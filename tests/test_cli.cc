@@ -268,13 +268,30 @@ TEST_F(Cli, ValidationLossAndLossPlot) {
 }
 
 // --arch and Megatron's family flags: consistent ones run, contradicting
-// ones are one line each.
+// ones are one line each. Without --arch, the flags choose the family: all
+// of Llama's parts give Llama (which samples); parts of no family are refused.
 TEST_F(Cli, ModelFamilyFlags) {
-  Result r = run(toy("--arch llama --normalization RMSNorm --swiglu --position-embedding-type rope "
-                     "--untie-embeddings-and-output-weights --disable-bias-linear --train-iters 2"));
+  const std::string llama_parts =
+      "--normalization RMSNorm --swiglu --position-embedding-type rope "
+      "--untie-embeddings-and-output-weights --disable-bias-linear";
+  Result r = run(toy("--arch llama " + llama_parts + " --train-iters 2"));
   EXPECT_EQ(r.code, 0) << r.err;
+  r = run(toy(llama_parts + " --train-iters 2 --sample 8"));
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "--- sample (8 tokens")) << r.out;
+  // Llama's count: tables 2 x 256 x 32; per layer two norms (64), qkv 32 x
+  // 96, o 32 x 32, SwiGLU (width 8 x 32 / 3 rounded up to 64: 128) 32 x 256
+  // and 128 x 32; the final norm 32. 16384 + 2 x 16448 + 32.
+  EXPECT_TRUE(testing::contains(r.out, "params 49312")) << r.out;
   expect_error(toy("--arch bert"), {"--arch 'bert' must be gpt2 or llama"});
-  expect_error(toy("--swiglu"), {"--swiglu describes the llama family, but --arch is gpt2"});
+  expect_error(toy("--swiglu"),
+               {"--swiglu describes no model family (flags left out are Megatron's defaults: "
+                "LayerNorm, learned_absolute positions, GELU MLP, tied head, biases)",
+                "llama (RMSNorm, rope positions, SwiGLU MLP, untied head, no biases)"});
+  expect_error(toy("--normalization RMSNorm --swiglu"),
+               {"--normalization RMSNorm --swiglu describe no model family"});
+  expect_error(toy("--arch gpt2 --swiglu"),
+               {"--swiglu describes the llama family, but --arch is gpt2"});
   expect_error(toy("--arch llama --normalization LayerNorm"),
                {"--normalization LayerNorm describes the gpt2 family, but --arch is llama"});
   r = run(toy("--arch llama --group-query-attention --num-query-groups 2 --train-iters 2"));
@@ -282,12 +299,13 @@ TEST_F(Cli, ModelFamilyFlags) {
   expect_error(toy("--arch llama --num-query-groups 2"),
                {"--num-query-groups 2 needs --group-query-attention"});
   expect_error(toy("--group-query-attention"),
-               {"--group-query-attention describes the llama family, but --arch is gpt2"});
+               {"--group-query-attention is not a flag of the gpt2 family (llama reads it)"});
   expect_error(toy("--arch llama --group-query-attention --num-query-groups 3"),
                {"--num-query-groups (3) must divide --num-attention-heads (4)"});
   expect_error(toy("--arch llama --group-query-attention --num-query-groups 0"),
                {"--num-query-groups (0) must be >= 1"});
-  expect_error(toy("--ffn-hidden-size 64"), {"--ffn-hidden-size sets the llama family's"});
+  expect_error(toy("--ffn-hidden-size 64"),
+               {"--ffn-hidden-size is not a flag of the gpt2 family (llama reads it)"});
   expect_error(toy("--arch llama --hidden-size 36 --num-attention-heads 4"),
                {"head size 9", "must be even for rotary embedding"});
 }

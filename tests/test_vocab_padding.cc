@@ -21,6 +21,7 @@
 #include <weft/checkpoint.h>
 #include <weft/cpu_kernels.h>
 #include <weft/layout.h>
+#include <weft/job.h>
 #include <weft/local_communicator.h>
 #include <weft/ops.h>
 #include <weft/runner.h>
@@ -366,15 +367,17 @@ TEST(VocabPadding, CheckpointHoldsTrueRowsAndLoadsAtAnotherPadding) {
 // ln_f's weight 0 and bias 1 make every position's features all ones, and real rows of
 // -0.5 make every real logit -16: below the padding rows' 0, were they not masked.
 TEST(VocabPadding, SamplingNeverReturnsAPaddingToken) {
-  GptConfig cfg = gpt(64);
-  GptModel m = build_gpt(cfg, 1);
-  init_gpt(m, kSeed);
+  ModelArgs args;
+  args.shape = gpt(64);
+  JobModel m = gpt_family().build(args);
+  m.io.graph = &m.graph;
+  for (Param* p : m.params->all()) init_param(*p, kSeed);
   Param& wte = *m.params->find("wte.weight");
   for (int64_t i = 0; i < kV * 32; ++i) wte.value.data<float>()[i] = -0.5f;
   m.params->find("ln_f.weight")->value.zero_();
   for (int64_t i = 0; i < 32; ++i) m.params->find("ln_f.bias")->value.data<float>()[i] = 1.0f;
   for (const float temperature : {0.0f, 1.0f, 100.0f}) {
-    const std::vector<int32_t> out = sample_gpt(cfg, m.params, {1, 2, 3}, 40, temperature, 9);
+    const std::vector<int32_t> out = sample_tokens(m, args.shape, {1, 2, 3}, 40, temperature, 9);
     ASSERT_EQ(out.size(), 40u);
     for (int32_t t : out) EXPECT_LT(t, kV) << "temperature " << temperature;
   }
