@@ -100,12 +100,17 @@ std::string required_env(const char* name) {
 }  // namespace
 
 TrainRun run_train_gpt(int ranks, const std::string& args, const std::string& dir) {
+  return run_job(required_env("WEFT_TRAIN_GPT"), ranks, args, dir);
+}
+
+TrainRun run_job(const std::string& program, int ranks, const std::string& args,
+                 const std::string& dir) {
   const std::string jsonl = dir + "/run.jsonl", out = dir + "/out.txt";
   std::remove(jsonl.c_str());
   TrainRun r;
   // On the CPU unless the test names a device: the same meaning on a GPU machine.
   const std::string device = contains(args, "--device") ? "" : " --device cpu";
-  r.command = required_env("WEFT_TRAIN_GPT") + " " + args + device + " --log-jsonl " +
+  r.command = program + " " + args + device + " --log-jsonl " +
               jsonl;
   if (ranks > 1)
     r.command =

@@ -50,6 +50,9 @@ struct TrainRun {
   std::vector<nlohmann::json> records;  // one per step of the JSONL log
 };
 TrainRun run_train_gpt(int ranks, const std::string& args, const std::string& dir);
+// The same for another program built on the training job (weft/job.h).
+TrainRun run_job(const std::string& program, int ranks, const std::string& args,
+                 const std::string& dir);
 
 // How many times `part` occurs in `text`.
 inline int count(const std::string& text, const std::string& part) {

@@ -89,6 +89,9 @@ struct ArchTraits {
 };
 
 struct ModelFamily {
+  ModelFamily() = default;
+  ModelFamily(std::string family, std::string line, std::function<JobModel(const ModelArgs&)> f)
+      : name(std::move(family)), about(std::move(line)), build(std::move(f)) {}
   std::string name;   // --arch's value
   std::string about;  // one line for --help
   // Builds the logical model for micro-batches of args.micro_batch. Every
