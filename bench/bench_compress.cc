@@ -3,7 +3,7 @@
 // the bf16 one and PowerSGD, one after the other in one MPI job.
 //
 //   mpiexec -n 2 bench_compress --data-path data/fortunes.txt --csv losses.csv
-//   bench/compress.sh build     # the README's table
+//   bench/compress.sh build     # the table in docs/performance.md
 //
 // Prints a markdown table (bytes this rank sends per step, as GradSync counts
 // a ring reduction's share: the mean over the run and the last step's, which

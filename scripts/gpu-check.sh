@@ -316,7 +316,7 @@ elif [ -s data/fortunes.txt ] && [ "$dry_run" = 0 ]; then
   # plateau between steps 100 and 200 at a step that any perturbation moves
   # (on the CPU its last-50 mean moved by 2.2% under bf16, 4.9% under fp16
   # and 2.6% under another seed), while this one's stays put (bf16 0.1%,
-  # fp16 0.0%; README, Mixed precision).
+  # fp16 0.0%; docs/training.md, Mixed precision).
   # The two runs at once (each a small fraction of the GPU, or one of an
   # emulating CPU's cores).
   t0=$(date +%s)

@@ -300,7 +300,7 @@ GptConfig tiny_gpt() {
 }
 
 TokenData text() {
-  const std::string s = testing::read_file(testing::source_path("README.md"));
+  const std::string s = testing::read_file(testing::source_path("docs/design.md"));
   std::vector<int32_t> tokens;
   for (unsigned char ch : s) tokens.push_back(ch);
   return TokenData::from_tokens(std::move(tokens), 256);

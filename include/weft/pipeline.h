@@ -46,7 +46,7 @@ struct PipelineOptions {
   // --overlap-p2p-comm), so the message arrives while that action computes;
   // off, a receive is posted when its action comes and waited for at once.
   // Off by default: on the 2-core machine it measured no faster
-  // (bench/p2p_overlap.sh, README).
+  // (bench/p2p_overlap.sh, docs/pipeline-schedules.md).
   bool post_receives_ahead = false;
   // Where activations, received tensors and gradients live (the parameters'
   // device). Tokens are filled on the host and copied up. Device tensors
