@@ -753,7 +753,6 @@ TEST_F(Cli, ParameterServerFlagsAreChecked) {
 }
 
 TEST_F(Cli, LocalSgdFlagsAreChecked) {
-  expect_error(toy("--optimizer lion"), {"--optimizer 'lion' must be adam or sgd"});
   expect_error(toy("--sgd-momentum 0.9"), {"--sgd-momentum sets SGD's momentum: it needs --optimizer sgd"});
   expect_error(toy("--optimizer sgd --sgd-momentum 1"), {"--sgd-momentum (1) must be in [0, 1)"});
   expect_error(toy("--local-steps -1"), {"--local-steps (-1) must be >= 0"});
@@ -770,8 +769,11 @@ TEST_F(Cli, LocalSgdFlagsAreChecked) {
                {"--train-iters (6) must be a multiple of --local-steps (4)"});
   expect_error(toy("--local-steps 2 --train-iters 4 --use-distributed-optimizer"),
                {"cannot be combined with --use-distributed-optimizer"});
-  expect_error(toy("--optimizer sgd --use-distributed-optimizer"),
-               {"--use-distributed-optimizer shards AdamW's moments; it cannot be combined with --optimizer sgd"});
+  expect_error(toy("--optimizer adagrad"), {"--optimizer 'adagrad' must be adam, sgd or lion"});
+  expect_error(toy("--lion-beta1 0.8"),
+               {"--lion-beta1 and --lion-beta2 set Lion's interpolation and momentum: they need "
+                "--optimizer lion"});
+  expect_error(toy("--optimizer lion --lion-beta2 1"), {"--lion-beta2 (1) must be in [0, 1)"});
   // A checkpoint records its optimizer: resuming with the other one is refused.
   Result r = run(toy("--optimizer sgd --train-iters 2 --save " + dir_ + "/sgd"));
   ASSERT_EQ(r.code, 0) << r.err;
@@ -780,6 +782,12 @@ TEST_F(Cli, LocalSgdFlagsAreChecked) {
   r = run(toy("--train-iters 3 --save " + dir_ + "/sgd"));
   EXPECT_EQ(r.code, 0) << r.err;
   EXPECT_TRUE(testing::contains(r.out, "--optimizer sgd")) << r.out;
+  // Lion's too: its momentum is in the checkpoint, and a resume takes Lion.
+  r = run(toy("--optimizer lion --lr 1e-3 --train-iters 2 --save " + dir_ + "/lion"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = run(toy("--lr 1e-3 --train-iters 3 --save " + dir_ + "/lion"));
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "--optimizer lion")) << r.out;
 }
 
 TEST_F(Cli, MissingDataFile) {

@@ -120,11 +120,15 @@ struct Layout {
   // Every tensor travels through HostStagedCommunicator's host buffers, as
   // device tensors do when ranks share a GPU.
   bool staged = false;
+  OptimizerKind optimizer = OptimizerKind::Adam;
 
   int world() const { return dp * pp * tp; }
   LayoutOptions options() const {
     LayoutOptions lo;
     lo.tp = tp, lo.pp = pp, lo.schedule = schedule, lo.chunks = chunks;
+    lo.sync.optimizer = optimizer;
+    lo.sync.sgd = {0.9f, 0.1f};
+    lo.sync.lion = {0.9f, 0.99f, 0.1f};
     lo.pipeline.recompute = recompute;
     lo.sync.distributed_optimizer = distributed;
     lo.sync.bucket_elements = bucket_elements;
@@ -455,6 +459,41 @@ TEST(DistributedOptimizer, SameNumbersAsThePlainOne) {
       EXPECT_LT(testing::rel_error(t, want), squared ? 2 * kTol : kTol)
           << "rank " << rank << ": " << name << " after step 1";
     }
+}
+
+// Every optimizer shards through one interface (weft/optimizer.h,
+// UpdateRule): ZeRO-1 updates each replica's slices with the rule the plain
+// optimizer runs on whole tensors. SGD and Lion, whose ZeRO-1 path is that
+// interface alone, give the plain optimizer's losses, norms and state in the
+// same layout: the same sums, so the same bits but for the reductions'
+// order (a reduce-scatter against an all-reduce), within kTol.
+TEST(DistributedOptimizer, EveryOptimizerShardsAsItsPlainSelf) {
+  for (const OptimizerKind kind : {OptimizerKind::Sgd, OptimizerKind::Lion}) {
+    Layout plain{2, 1, 2};
+    plain.optimizer = kind;
+    Layout zero1 = plain;
+    zero1.distributed = true;
+    const std::vector<RankRun> a = run_layout(plain, kSteps, {}, {}, tiny(), true);
+    const std::vector<RankRun> b = run_layout(zero1, kSteps, {}, {}, tiny(), true);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t rank = 0; rank < a.size(); ++rank) {
+      for (size_t s = 0; s < z(kSteps); ++s) {
+        EXPECT_NEAR(b[rank].steps[s].loss, a[rank].steps[s].loss, kTol * a[rank].steps[s].loss)
+            << optimizer_name(kind) << " rank " << rank << " step " << s + 1;
+        EXPECT_NEAR(b[rank].steps[s].grad_norm, a[rank].steps[s].grad_norm,
+                    kTol * a[rank].steps[s].grad_norm)
+            << optimizer_name(kind) << " rank " << rank << " step " << s + 1;
+      }
+      ASSERT_EQ(a[rank].moments.size(), a[rank].params.size()) << optimizer_name(kind);
+      ASSERT_EQ(b[rank].moments.size(), a[rank].moments.size()) << optimizer_name(kind);
+      std::map<std::string, Tensor> plain_state(a[rank].moments.begin(), a[rank].moments.end());
+      for (const auto& [name, t] : b[rank].moments) {
+        ASSERT_TRUE(plain_state.count(name)) << name;
+        EXPECT_LT(testing::rel_error(t, plain_state.at(name)), kTol)
+            << optimizer_name(kind) << " rank " << rank << ": " << name;
+      }
+    }
+  }
 }
 
 // Each replica keeps Adam's moments for its slice only. Replica r loads a

@@ -193,6 +193,58 @@ TEST_P(DeviceParity, FiveAdamWStepsWithClipping) {
   }
 }
 
+// Lion (src/runtime/lion.cc) against PyTorch (tests/reference/lion_reference.py):
+// five steps with clipping from the AdamW fixture's weights and batches, on
+// each device. The trajectory to kTol, as AdamW's. Lion moves every element
+// by lr times a sign, so rounding noise reaches the weights only where
+// b1 m + (1 - b1) g is itself at rounding level: the key bias (its true
+// gradient is zero, so both frameworks step it by noise, at most 2 lr per
+// step apart). Everywhere else a sign that differed would show as a step
+// of 2 lr = 2e-3, against weights of about 0.02 (1e-1 relative, per
+// element): held to kFinal, as AdamW's.
+TEST_P(DeviceParity, FiveLionStepsWithClipping) {
+  Fixture fx;
+  const safetensors::File lion = safetensors::File::open(
+      source_path("tests/reference/fixtures/gpt_tiny_lion.safetensors"));
+  auto lmeta = [&](const std::string& key) { return std::stod(lion.metadata().at(key)); };
+  GptModel m = build_gpt(fx.config(), fx.batch() / 2);
+  load_weights(fx.init.path(), m.graph.params());
+  FixtureBatches batches(fx.golden.get("tokens"));
+  TrainOptions o = options(fx, fx.batch() / 2, GetParam());
+  const float lr = static_cast<float>(lmeta("lr"));
+  o.lr.lr = lr;
+  o.clip_grad = lmeta("clip_grad");
+  Parallel par;
+  par.sync.optimizer = OptimizerKind::Lion;
+  par.sync.lion = {static_cast<float>(lmeta("beta1")), static_cast<float>(lmeta("beta2")),
+                   static_cast<float>(lmeta("weight_decay"))};
+  Trainer trainer(m.io, batches, o, par);
+  const float* losses = lion.get("losses").data<float>();
+  const float* norms = lion.get("grad_norms").data<float>();
+  const int64_t steps = static_cast<int64_t>(lmeta("steps"));
+  for (int64_t s = 0; s < steps; ++s) {
+    StepRecord r = trainer.train_step();
+    EXPECT_NEAR(r.loss, losses[s], kTol * losses[s]) << "step " << s;
+    EXPECT_NEAR(r.grad_norm, norms[s], kTol * norms[s]) << "step " << s;
+  }
+  constexpr double kFinal = 1e-3;
+  const int64_t c = fx.config().hidden_size;
+  for (Param* p : m.graph.params()) {
+    Tensor want = lion.get("final." + p->name);
+    const Tensor value = host(p->value);
+    if (p->name.find("attn.c_attn.bias") == std::string::npos) {
+      EXPECT_LT(rel_error(value, want), kFinal) << p->name;
+      continue;
+    }
+    const float* got = value.data<float>();
+    const float* ref = want.data<float>();
+    EXPECT_LT(rel_error(got, ref, c), kFinal) << p->name << " (query)";
+    EXPECT_LT(rel_error(got + 2 * c, ref + 2 * c, c), kFinal) << p->name << " (value)";
+    for (int64_t i = c; i < 2 * c; ++i)
+      EXPECT_LE(std::abs(got[i] - ref[i]), 2.0f * static_cast<float>(steps) * lr) << p->name;
+  }
+}
+
 // The same fixture with the vocabulary padded (Megatron's
 // --make-vocab-size-divisible-by 128): --init-from's file holds the true rows
 // and loads into the padded table; the padding columns' logits are -inf, and

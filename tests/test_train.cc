@@ -328,7 +328,7 @@ TEST(Train, ClippingScalesToTheMaxNorm) {
 // An optimizer step with a clip's coefficient is clip_grads, then the step,
 // bit for bit, for both optimizers; AdamW leaves the gradients unscaled.
 TEST(Train, AStepWithAClipCoefficientIsClipThenStep) {
-  for (const OptimizerKind kind : {OptimizerKind::Adam, OptimizerKind::Sgd}) {
+  for (const OptimizerKind kind : {OptimizerKind::Adam, OptimizerKind::Sgd, OptimizerKind::Lion}) {
     ParamStore s1, s2;
     std::vector<Param*> p1, p2;
     for (ParamStore* s : {&s1, &s2}) {
@@ -343,6 +343,8 @@ TEST(Train, AStepWithAClipCoefficientIsClipThenStep) {
     }
     auto make = [&](const std::vector<Param*>& ps) -> std::unique_ptr<Optimizer> {
       if (kind == OptimizerKind::Adam) return std::make_unique<AdamW>(ps, AdamWConfig{});
+      if (kind == OptimizerKind::Lion)
+        return std::make_unique<Optimizer>(ps, make_lion_rule({0.9f, 0.99f, 0.1f}));
       return std::make_unique<Sgd>(ps, SgdConfig{0.9f, 0.1f});
     };
     auto o1 = make(p1), o2 = make(p2);
@@ -358,10 +360,61 @@ TEST(Train, AStepWithAClipCoefficientIsClipThenStep) {
     for (size_t k = 0; k < p1.size(); ++k)
       EXPECT_EQ(0, std::memcmp(p1[k]->value.raw(), p2[k]->value.raw(), p1[k]->value.nbytes()))
           << optimizer_name(kind) << " " << p1[k]->name;
-    if (kind == OptimizerKind::Adam) {
-      EXPECT_NEAR(grad_norm(p2, tables), norm, 1e-9 * norm) << "AdamW scaled the gradients";
+    if (kind != OptimizerKind::Sgd) {
+      EXPECT_NEAR(grad_norm(p2, tables), norm, 1e-9 * norm)
+          << optimizer_name(kind) << " scaled the gradients";
     }
   }
+}
+
+// Lion's update against its formula in double (Chen et al. 2023): decoupled
+// decay on the matrix only, the sign of b1 m + (1 - b1) g (0 where that is
+// 0: an element with no gradient and no momentum moves by its decay alone),
+// then the momentum b2 m + (1 - b2) g; the gradient read times the clip's
+// coefficient. Each float operation rounds once, so every value is within a
+// few ulps of the double formula: 1e-6 relative, or 1e-9 absolute near 0.
+TEST(Train, LionStepIsItsFormula) {
+  ParamStore store;
+  std::vector<Param*> ps = {store.create("w", {4, 8}, Init::normal(1.0f)),
+                            store.create("b", {8}, Init::normal(1.0f))};
+  const float lr = 1e-2f, b1 = 0.9f, b2 = 0.99f, wd = 0.1f, scale = 0.5f;
+  Optimizer opt(ps, make_lion_rule({b1, b2, wd}));
+  std::vector<std::vector<double>> p0, g0, m0;
+  for (Param* p : ps) {
+    init_param(*p, 3);
+    const std::vector<float> g = testing::uniform(p->grad.numel(), 4, -1.0f, 1.0f);
+    std::copy(g.begin(), g.end(), p->grad.data<float>());
+    p->grad.data<float>()[0] = 0.0f;  // with no momentum yet: c = 0
+    p0.emplace_back(p->value.data<float>(), p->value.data<float>() + p->value.numel());
+    g0.emplace_back(p->grad.data<float>(), p->grad.data<float>() + p->grad.numel());
+    m0.emplace_back(p->value.numel(), 0.0);
+  }
+  for (int step = 0; step < 2; ++step) {
+    opt.step(lr, scale);
+    for (size_t k = 0; k < ps.size(); ++k) {
+      const bool decay = ps[k]->weight_decay();
+      EXPECT_EQ(decay, k == 0) << "decay on the matrix only";
+      for (int64_t i = 0; i < ps[k]->value.numel(); ++i) {
+        const size_t u = static_cast<size_t>(i);
+        const double g = g0[k][u] * scale;
+        const double c = b1 * m0[k][u] + (1.0 - b1) * g;
+        const double sign = c > 0 ? 1.0 : c < 0 ? -1.0 : 0.0;
+        p0[k][u] = p0[k][u] * (1.0 - (decay ? lr * wd : 0.0)) - lr * sign;
+        m0[k][u] = b2 * m0[k][u] + (1.0 - b2) * g;
+        EXPECT_NEAR(ps[k]->value.data<float>()[i], p0[k][u], 1e-6 * std::abs(p0[k][u]) + 1e-9)
+            << ps[k]->name << "[" << i << "] step " << step + 1;
+      }
+    }
+    const auto state = opt.state();
+    ASSERT_EQ(state.size(), 2u);
+    EXPECT_EQ(state[0].first, "w.exp_avg");
+    for (int64_t i = 0; i < ps[0]->value.numel(); ++i)
+      EXPECT_NEAR(state[0].second.data<float>()[i], m0[0][static_cast<size_t>(i)],
+                  1e-6 * std::abs(m0[0][static_cast<size_t>(i)]) + 1e-9);
+  }
+  // The element whose gradient is 0 moved by its decay alone at step 1 and
+  // kept its bias value exactly (no decay on vectors).
+  EXPECT_EQ(ps[1]->value.data<float>()[0], static_cast<float>(p0[1][0]));
 }
 
 // The MLP model trains through the same runner with its own loss.

@@ -138,6 +138,10 @@ void adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr, fl
 // --- SGD with momentum, PyTorch semantics (L2 decay, no dampening). ---
 // d = g + weight_decay p; buf = momentum buf + d (buf starts at zero, so the
 // first step's buf is d, as PyTorch's); p -= lr (momentum > 0 ? buf : d).
+// Lion: c = b1 m + (1 - b1) g s; p = p (1 - lr wd) - lr sign(c) (sign(0) = 0,
+// as torch.sign); m = b2 m + (1 - b2) g s, with g s the gradient times grad_scale.
+void lion(float* p, const float* g, float* m, int64_t n, float lr, float beta1, float beta2,
+          float weight_decay, float grad_scale);
 void sgd(float* p, const float* g, float* buf, int64_t n, float lr, float momentum,
          float weight_decay);
 

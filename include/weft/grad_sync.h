@@ -66,10 +66,11 @@ struct GradSyncOptions {
   GradCompression compression = GradCompression::None;
   int powersgd_rank = 4;
   int64_t powersgd_start_iter = 0;
-  // --optimizer: AdamW (the adam config), or SGD with these settings. The
-  // distributed optimizer shards AdamW only.
+  // --optimizer: AdamW (the adam config), SGD or Lion with these settings.
+  // The distributed optimizer shards the state of each.
   OptimizerKind optimizer = OptimizerKind::Adam;
   SgdConfig sgd;
+  LionConfig lion;
 };
 
 // "fp32" -> F32, "bf16" -> BF16; throws Error naming the value and the choices.
@@ -145,11 +146,12 @@ class GradSync {
   int64_t steps() const { return steps_; }
   void set_steps(int64_t s);
 
-  // Adam's moments per parameter ("<name>.exp_avg", "<name>.exp_avg_sq"),
-  // this rank's tensor-parallel piece of each, whole across data parallelism
+  // The optimizer's state per parameter ("<name><suffix>", the rule's
+  // suffixes: AdamW's ".exp_avg" and ".exp_avg_sq"), this rank's
+  // tensor-parallel piece of each, whole across data parallelism
   // (collective over dp when distributed).
   std::vector<std::pair<std::string, Tensor>> optimizer_state();
-  // Sets the moments from tensors shaped as optimizer_state() returns them.
+  // Sets the state from tensors shaped as optimizer_state() returns them.
   void load_optimizer_state(const std::vector<std::pair<std::string, Tensor>>& state);
 
   // What the last step moved and waited for.
@@ -181,6 +183,8 @@ class GradSync {
   ParallelGroups groups_;
   GradSyncOptions options_;
   AdamWConfig adam_;
+  std::unique_ptr<UpdateRule> rule_;  // the optimizer's update, on ZeRO-1's slices
+  size_t state_count_ = 0;            // its state tensors per parameter
   std::vector<Param*> params_;
   std::vector<std::unique_ptr<Bucket>> buckets_;
   std::vector<std::vector<int>> node_params_;  // node -> indices into params_

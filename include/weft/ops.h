@@ -354,4 +354,10 @@ void adamw_multi(const std::vector<AdamWTensors>& ts, const AdamWStep& s,
 void sgd(const Tensor& p, const Tensor& g, const Tensor& buf, float lr, float momentum,
          float weight_decay);
 
+// --- Lion (weft/optimizer.h, LionConfig): p, g and the momentum m of n
+// elements each; the gradient read times grad_scale, or times the device
+// scalar grad_scale_at where defined ---
+void lion(const Tensor& p, const Tensor& g, const Tensor& m, float lr, float beta1, float beta2,
+          float weight_decay, float grad_scale, const Tensor& grad_scale_at = Tensor());
+
 }  // namespace weft::ops

@@ -55,6 +55,7 @@ struct PsConfig {
   OptimizerKind optimizer = OptimizerKind::Adam;
   AdamWConfig adam;
   SgdConfig sgd;
+  LionConfig lion;
   LrSchedule lr;
   double clip_grad = 1.0;
   // Benchmarking (--slow-rank, --slow-factor): this worker takes this many

@@ -436,6 +436,19 @@ void adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr, fl
   }
 }
 
+void lion(float* p, const float* g, float* m, int64_t n, float lr, float beta1, float beta2,
+          float weight_decay, float grad_scale) {
+  const float decay = 1.0f - lr * weight_decay;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i] * grad_scale;
+    const float c = beta1 * m[i] + (1.0f - beta1) * gi;
+    const float sign = c > 0.0f ? 1.0f : c < 0.0f ? -1.0f : 0.0f;
+    p[i] = p[i] * decay - lr * sign;
+    m[i] = beta2 * m[i] + (1.0f - beta2) * gi;
+  }
+}
+
 void sgd(float* p, const float* g, float* buf, int64_t n, float lr, float momentum,
          float weight_decay) {
 #pragma omp parallel for schedule(static)

@@ -465,6 +465,14 @@ void embedding_backward(Context& ctx, const int32_t* tokens, const bf16* dy, flo
   WEFT_LAUNCH_CHECK("embedding_backward (bf16)");
 }
 
+void lion(Context& ctx, float* p, const float* g, float* m, int64_t n, float lr, float beta1,
+          float beta2, float weight_decay, float grad_scale, const float* grad_scale_at) {
+  if (n == 0) return;
+  launch::lion(prepare(ctx), p, g, m, n, lr, beta1, beta2, 1.0f - lr * weight_decay, grad_scale,
+               grad_scale_at);
+  WEFT_LAUNCH_CHECK("lion");
+}
+
 void sgd(Context& ctx, float* p, const float* g, float* buf, int64_t n, float lr, float momentum,
          float weight_decay) {
   if (n == 0) return;

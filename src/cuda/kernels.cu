@@ -972,6 +972,23 @@ __global__ void sgd_kernel(float* p, const float* g, float* buf, int64_t n, floa
   }
 }
 
+// ---------------------------------------------------------------- Lion
+
+// As cpu::lion, element for element.
+__global__ void lion_kernel(float* p, const float* g, float* m, int64_t n, float lr, float beta1,
+                            float beta2, float decay, float grad_scale,
+                            const float* grad_scale_at) {
+  if (grad_scale_at != nullptr) grad_scale = *grad_scale_at;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const float gi = g[i] * grad_scale;
+    const float c = beta1 * m[i] + (1.0f - beta1) * gi;
+    const float sign = c > 0.0f ? 1.0f : c < 0.0f ? -1.0f : 0.0f;
+    p[i] = p[i] * decay - lr * sign;
+    m[i] = beta2 * m[i] + (1.0f - beta2) * gi;
+  }
+}
+
 // ---------------------------------------------------------------- reductions
 
 constexpr int kReduceBlocks = 1024;
@@ -1603,6 +1620,12 @@ void adamw_multi(cudaStream_t s, const AdamWChunk* chunks, int64_t count, float 
 void sgd(cudaStream_t s, float* p, const float* g, float* buf, int64_t n, float lr,
          float momentum, float weight_decay) {
   sgd_kernel<<<blocks_for(n), kThreads, 0, s>>>(p, g, buf, n, lr, momentum, weight_decay);
+}
+
+void lion(cudaStream_t s, float* p, const float* g, float* m, int64_t n, float lr, float beta1,
+          float beta2, float decay, float grad_scale, const float* grad_scale_at) {
+  lion_kernel<<<blocks_for(n), kThreads, 0, s>>>(p, g, m, n, lr, beta1, beta2, decay, grad_scale,
+                                                 grad_scale_at);
 }
 
 int64_t reduce_blocks(int64_t n) { return std::min<int64_t>(blocks_for(n), kReduceBlocks); }

@@ -137,6 +137,10 @@ void embedding_backward(cudaStream_t s, const int32_t* tokens, const uint16_t* d
 void sgd(cudaStream_t s, float* p, const float* g, float* buf, int64_t n, float lr,
          float momentum, float weight_decay);
 
+// --- Lion, as cpu::lion (decay: 1 - lr * weight_decay, worked out on the host) ---
+void lion(cudaStream_t s, float* p, const float* g, float* m, int64_t n, float lr, float beta1,
+          float beta2, float decay, float grad_scale, const float* grad_scale_at);
+
 // --- AdamW with the host-computed scalars of cpu::adamw ---
 void adamw(cudaStream_t s, float* p, const float* g, float* m, float* v, int64_t n, float beta1,
            float beta2, float eps, float step_size, float bc2_sqrt, float decay,

@@ -211,6 +211,7 @@ struct Args {
   int64_t profile_step_start = -1, profile_step_end = -1;
   std::string optimizer = "adam";  // Megatron's --optimizer adam|sgd
   float sgd_momentum = 0;
+  float lion_beta1 = 0.9f, lion_beta2 = 0.99f;  // Lion's defaults (Chen et al.)
   int64_t local_steps = 0;         // local SGD / DiLoCo: average replicas every N steps
   int ps_ranks = 0;                // parameter servers: the last K ranks
   int64_t max_staleness = 0;
@@ -283,6 +284,7 @@ struct Args {
 void set_grad_compression(const Args& a, weft::GradSyncOptions& sync) {
   sync.optimizer = weft::parse_optimizer(a.optimizer);
   sync.sgd = {a.sgd_momentum, a.weight_decay};
+  sync.lion = {a.lion_beta1, a.lion_beta2, a.weight_decay};
   sync.reduce_dtype = weft::parse_grad_reduce_dtype(a.grad_reduce_dtype);
   sync.compression = weft::parse_grad_compression(a.grad_compression);
   sync.powersgd_rank = a.powersgd_rank;
@@ -862,7 +864,10 @@ void adopt_checkpoint_args(Args& a, const CLI::App& app) {
   }
   field("optimizer", "--optimizer", app.count("--optimizer") > 0,
         weft::optimizer_name(weft::parse_optimizer(a.optimizer)),
-        [&](const nlohmann::json& v) { a.optimizer = v.get<std::string>() == "sgd" ? "sgd" : "adam"; });
+        [&](const nlohmann::json& v) {
+          const std::string name = v.get<std::string>();
+          a.optimizer = name == "sgd" || name == "lion" ? name : "adam";
+        });
   field("data_path", "--data-path", !a.data_path.empty(), a.data_path,
         [&](const nlohmann::json& v) { a.data_path = v.get<std::string>(); });
   field("micro_batch_size", "--micro-batch-size", app.count("--micro-batch-size") > 0,
@@ -1252,6 +1257,12 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
   // the run saves and stops there.
   check(a.optimizer == "sgd" || !app.count("--sgd-momentum"),
         "--sgd-momentum sets SGD's momentum: it needs --optimizer sgd");
+  check(a.optimizer == "lion" || (!app.count("--lion-beta1") && !app.count("--lion-beta2")),
+        "--lion-beta1 and --lion-beta2 set Lion's interpolation and momentum: they need "
+        "--optimizer lion");
+  for (const auto& [flag, beta] : {std::pair<const char*, float>{"--lion-beta1", a.lion_beta1},
+                                   {"--lion-beta2", a.lion_beta2}})
+    check(beta >= 0 && beta < 1, "{} ({}) must be in [0, 1)", flag, beta);
   check(a.local_steps >= 0, "--local-steps ({}) must be >= 0", a.local_steps);
   check(a.outer_optimizer == "none" || a.outer_optimizer == "nesterov",
         "--outer-optimizer '{}' must be none or nesterov", a.outer_optimizer);
@@ -1423,6 +1434,7 @@ int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
     ps.optimizer = parse_optimizer(a.optimizer);
     ps.adam = opt.adam;
     ps.sgd = {a.sgd_momentum, a.weight_decay};
+    ps.lion = {a.lion_beta1, a.lion_beta2, a.weight_decay};
     ps.lr = opt.lr;
     ps.clip_grad = opt.clip_grad;
     ps.save_interval = a.save.empty() ? 0 : a.save_interval;
@@ -1879,7 +1891,12 @@ int train_main(int argc, char** argv, const Job& job) {
                "it can be verified)");
   app.add_option("--save-interval", a.save_interval, "save every N steps (0 = only at the end)");
   app.add_option("--optimizer", a.optimizer,
-                 "adam (AdamW, the default) or sgd (torch.optim.SGD; --weight-decay as L2)");
+                 "adam (AdamW, the default), sgd (torch.optim.SGD; --weight-decay as L2) or lion "
+                 "(Lion: every element moves by the learning rate, so take it 3-10x smaller "
+                 "than AdamW's; --weight-decay decoupled)");
+  app.add_option("--lion-beta1", a.lion_beta1,
+                 "Lion's interpolation of momentum and gradient (with --optimizer lion)");
+  app.add_option("--lion-beta2", a.lion_beta2, "Lion's momentum decay (with --optimizer lion)");
   app.add_option("--sgd-momentum", a.sgd_momentum, "SGD's momentum (with --optimizer sgd)");
   app.add_option("--local-steps", a.local_steps,
                  "local SGD: each data-parallel replica updates alone from its own gradients, "

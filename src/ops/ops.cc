@@ -1658,6 +1658,25 @@ void check_grad_scale_at(const char* op, const Tensor& at, Device d) {
 const float* scale_at(const Tensor& at) { return at.defined() ? f(at) : nullptr; }
 }  // namespace
 
+void lion(const Tensor& p, const Tensor& g, const Tensor& m, float lr, float beta1, float beta2,
+          float weight_decay, float grad_scale, const Tensor& grad_scale_at) {
+  const Device d = common_device("lion", {&p, &g, &m});
+  const int64_t n = p.numel();
+  check_numel("lion", "the gradient", g, n);
+  check_numel("lion", "the momentum", m, n);
+  check_grad_scale_at("lion", grad_scale_at, d);
+  on_device(
+      d, "lion",
+      [&] {
+        cpu::lion(fw(p), f(g), fw(m), n, lr, beta1, beta2, weight_decay,
+                  grad_scale_at.defined() ? f(grad_scale_at)[0] : grad_scale);
+      },
+      [&](auto& cx) {
+        cuda::lion(cx, fw(p), f(g), fw(m), n, lr, beta1, beta2, weight_decay, grad_scale,
+                   scale_at(grad_scale_at));
+      });
+}
+
 void adamw(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v,
            const AdamWStep& s, const Tensor& grad_scale_at) {
   const Device d = common_device("adamw", {&p, &g, &m, &v});

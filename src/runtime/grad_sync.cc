@@ -3,6 +3,7 @@
 #include <weft/ops.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <map>
 
@@ -23,7 +24,10 @@ struct GradSync::Bucket {
   Tensor value;                 // (padded): Param::value are views into it
   Tensor shard_grad;            // (padded / dp): this replica's reduced slice
   Tensor shard_value;           // (padded / dp): its slice, sent by the all-gather
-  Tensor m, v;                  // (padded / dp): Adam's moments of the slice
+  // (padded / dp): the optimizer's state of the slice, as many as its rule keeps.
+  std::array<Tensor, kMaxOptimizerState> state;
+  std::vector<UpdatePiece> pieces;  // this step's slices, reused
+  std::shared_ptr<void> update_cache;  // the rule's device table for them
   // A bf16 reduction: the message (padded) and, distributed, this replica's slice.
   Tensor grad16, shard16;
   std::unique_ptr<PowerSgd> powersgd;  // when it compresses one of the bucket's matrices
@@ -61,9 +65,6 @@ void check_grad_sync_options(const GradSyncOptions& o) {
   check(o.powersgd_rank >= 1, "--powersgd-rank ({}) must be at least 1", o.powersgd_rank);
   check(o.powersgd_start_iter >= 0, "--powersgd-start-iter ({}) must not be negative",
         o.powersgd_start_iter);
-  check(o.optimizer != OptimizerKind::Sgd || !o.distributed_optimizer,
-        "--use-distributed-optimizer shards AdamW's moments; it cannot be combined with "
-        "--optimizer sgd");
   check(std::isfinite(o.sgd.momentum) && o.sgd.momentum >= 0 && o.sgd.momentum < 1,
         "--sgd-momentum ({}) must be in [0, 1)", o.sgd.momentum);
   if (o.compression != GradCompression::PowerSgd) return;
@@ -80,6 +81,10 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
                    AdamWConfig adam, GradSyncOptions options)
     : groups_(groups), options_(options), adam_(adam), params_(std::move(params)) {
   check_grad_sync_options(options_);
+  OptimizerConfig oc;
+  oc.kind = options_.optimizer, oc.adam = adam_, oc.sgd = options_.sgd, oc.lion = options_.lion;
+  rule_ = make_update_rule(oc);
+  state_count_ = rule_->state_suffixes().size();
   std::map<const Param*, int> index;
   for (size_t i = 0; i < params_.size(); ++i) index[params_[i]] = static_cast<int>(i);
   const size_t np = params_.size();
@@ -162,8 +167,8 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
       b.value = Tensor::zeros({b.padded}, DType::F32, device);
       b.shard_grad = Tensor::zeros({s}, DType::F32, device);
       b.shard_value = Tensor::zeros({s}, DType::F32, device);
-      b.m = Tensor::zeros({s}, DType::F32, device);
-      b.v = Tensor::zeros({s}, DType::F32, device);
+      for (size_t k = 0; k < state_count_; ++k)
+        b.state[k] = Tensor::zeros({s}, DType::F32, device);
       if (options_.reduce_dtype == DType::BF16) b.shard16 = Tensor::zeros({s}, DType::BF16);
     }
     if (dp > 1 && options_.reduce_dtype == DType::BF16)
@@ -189,10 +194,7 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
       }
     }
   }
-  if (!distributed() && options_.optimizer == OptimizerKind::Sgd)
-    plain_ = std::make_unique<Sgd>(params_, options_.sgd);
-  else if (!distributed())
-    plain_ = std::make_unique<AdamW>(params_, adam_);
+  if (!distributed()) plain_ = std::make_unique<Optimizer>(params_, make_update_rule(oc));
   remaining_.assign(np, 0);
 }
 
@@ -400,20 +402,25 @@ void GradSync::update(float lr, float grad_scale, const Tensor& grad_scale_at) {
   const int64_t r = groups_.dp_rank();
   std::vector<RequestPtr> gathers;
   gathers.reserve(buckets_.size());
+  UpdateStep step;
+  step.lr = lr, step.step = steps_, step.grad_scale = grad_scale, step.grad_scale_at = grad_scale_at;
   for (auto& bp : buckets_) {
     Bucket& b = *bp;
     const int64_t s = b.shard_grad.numel(), lo = r * s;
+    // This replica's slice of each parameter, updated by the optimizer's
+    // rule as the whole tensor would be (element-wise, the same bits).
+    b.pieces.clear();  // keeps its capacity
     for (size_t k = 0; k < b.params.size(); ++k) {
       const Param* p = params_[static_cast<size_t>(b.params[k])];
       const Overlap o = overlap(b.offset[k], b.offset[k] + p->value.numel(), lo, lo + s);
       if (o.empty()) continue;
       const int64_t at = o.lo - lo, n = o.hi - o.lo;
-      ops::adamw(elements(b.value, o.lo, n), elements(b.shard_grad, at, n), elements(b.m, at, n),
-                 elements(b.v, at, n),
-                 {lr, adam_.beta1, adam_.beta2, adam_.eps,
-                  p->weight_decay() ? adam_.weight_decay : 0.0f, steps_, grad_scale},
-                 grad_scale_at);
+      UpdatePiece piece{elements(b.value, o.lo, n), elements(b.shard_grad, at, n), {},
+                        p->weight_decay()};
+      for (size_t j = 0; j < state_count_; ++j) piece.state[j] = elements(b.state[j], at, n);
+      b.pieces.push_back(piece);
     }
+    rule_->update(b.pieces, step, b.update_cache);
     b.shard_value.copy_from(elements(b.value, lo, s));
     gathers.push_back(groups_.dp->iall_gather(b.shard_value, b.value));
   }
@@ -422,30 +429,29 @@ void GradSync::update(float lr, float grad_scale, const Tensor& grad_scale_at) {
 
 std::vector<std::pair<std::string, Tensor>> GradSync::optimizer_state() {
   if (!distributed()) return plain_->state();
+  const std::vector<std::string> suffixes = rule_->state_suffixes();
   std::vector<std::pair<std::string, Tensor>> out;
   for (auto& bp : buckets_) {
     Bucket& b = *bp;
     // Gathered where the shards live, then copied to host memory: the
     // checkpoint gets the same host tensors from a GPU run as from a CPU one.
-    const Device device = b.m.device();
-    Tensor m = Tensor::zeros({b.padded}, DType::F32, device),
-           v = Tensor::zeros({b.padded}, DType::F32, device);
-    groups_.dp->all_gather(b.m, m);
-    groups_.dp->all_gather(b.v, v);
-    if (!device.is_cpu()) {
-      Tensor hm = Tensor::zeros({b.padded}), hv = Tensor::zeros({b.padded});
-      hm.copy_from(m);
-      hv.copy_from(v);
-      m = hm;
-      v = hv;
+    std::array<Tensor, kMaxOptimizerState> whole;
+    for (size_t j = 0; j < state_count_; ++j) {
+      const Device device = b.state[j].device();
+      whole[j] = Tensor::zeros({b.padded}, DType::F32, device);
+      groups_.dp->all_gather(b.state[j], whole[j]);
+      if (!device.is_cpu()) {
+        Tensor host = Tensor::zeros({b.padded});
+        host.copy_from(whole[j]);
+        whole[j] = host;
+      }
     }
     for (size_t k = 0; k < b.params.size(); ++k) {
       const Param* p = params_[static_cast<size_t>(b.params[k])];
       const Shape& shape = p->value.shape();
-      out.emplace_back(p->name + ".exp_avg",
-                       Tensor(m.data<float>() + b.offset[k], shape, DType::F32).clone());
-      out.emplace_back(p->name + ".exp_avg_sq",
-                       Tensor(v.data<float>() + b.offset[k], shape, DType::F32).clone());
+      for (size_t j = 0; j < state_count_; ++j)
+        out.emplace_back(p->name + suffixes[j],
+                         Tensor(whole[j].data<float>() + b.offset[k], shape, DType::F32).clone());
     }
   }
   return out;
@@ -464,6 +470,7 @@ void GradSync::load_optimizer_state(const std::vector<std::pair<std::string, Ten
     for (auto& [name, t] : plain_->state()) t.copy_from(find(name, t.shape()));
     return;
   }
+  const std::vector<std::string> suffixes = rule_->state_suffixes();
   const int64_t r = groups_.dp_rank();
   for (auto& bp : buckets_) {
     Bucket& b = *bp;
@@ -472,13 +479,13 @@ void GradSync::load_optimizer_state(const std::vector<std::pair<std::string, Ten
       const Param* p = params_[static_cast<size_t>(b.params[k])];
       const Overlap o = overlap(b.offset[k], b.offset[k] + p->value.numel(), lo, lo + s);
       if (o.empty()) continue;
-      const Tensor& m = find(p->name + ".exp_avg", p->value.shape());
-      const Tensor& v = find(p->name + ".exp_avg_sq", p->value.shape());
       // The file's whole tensors (on the host) into this replica's slice,
       // wherever it lives.
       const int64_t from = o.lo - b.offset[k], n = o.hi - o.lo;
-      elements(b.m, o.lo - lo, n).copy_from(elements(m, from, n));
-      elements(b.v, o.lo - lo, n).copy_from(elements(v, from, n));
+      for (size_t j = 0; j < state_count_; ++j) {
+        const Tensor& t = find(p->name + suffixes[j], p->value.shape());
+        elements(b.state[j], o.lo - lo, n).copy_from(elements(t, from, n));
+      }
     }
   }
 }

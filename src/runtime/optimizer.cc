@@ -9,88 +9,145 @@ namespace weft {
 OptimizerKind parse_optimizer(const std::string& name) {
   if (name == "adam") return OptimizerKind::Adam;
   if (name == "sgd") return OptimizerKind::Sgd;
-  throw Error("--optimizer '{}' must be adam or sgd", name);
+  if (name == "lion") return OptimizerKind::Lion;
+  throw Error("--optimizer '{}' must be adam, sgd or lion", name);
 }
 
 const char* optimizer_name(OptimizerKind kind) {
-  return kind == OptimizerKind::Sgd ? "sgd" : "adamw";
+  return kind == OptimizerKind::Sgd ? "sgd" : kind == OptimizerKind::Lion ? "lion" : "adamw";
 }
 
 std::vector<std::string> optimizer_state_suffixes(OptimizerKind kind) {
-  if (kind == OptimizerKind::Sgd) return {".momentum_buffer"};
-  return {".exp_avg", ".exp_avg_sq"};
+  OptimizerConfig c;
+  c.kind = kind;
+  return make_update_rule(c)->state_suffixes();
 }
 
-Sgd::Sgd(std::vector<Param*> params, SgdConfig config)
-    : Optimizer(std::move(params)), config_(config) {
-  for (Param* p : params_) buf_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
-}
-
-void Sgd::step(float lr, float grad_scale) {
-  if (grad_scale != 1.0f) {  // one launch on a GPU, as clip_grads
-    grads_.clear();          // keeps its capacity
-    for (Param* p : params_) grads_.push_back(p->grad);
-    ops::scale_multi(grads_, grad_scale, scale_);
+std::unique_ptr<UpdateRule> make_update_rule(const OptimizerConfig& config) {
+  switch (config.kind) {
+    case OptimizerKind::Sgd: return make_sgd_rule(config.sgd);
+    case OptimizerKind::Lion: return make_lion_rule(config.lion);
+    case OptimizerKind::Adam: break;
   }
-  update(lr);
+  return make_adamw_rule(config.adam);
 }
 
-void Sgd::step(float lr, const Tensor& grad_scale) {
-  grads_.clear();
-  for (Param* p : params_) grads_.push_back(p->grad);
-  ops::scale_multi(grads_, grad_scale, scale_);  // x 1 where it is 1: the same bits
-  update(lr);
+namespace {
+
+// Every piece in one ops::adamw_multi call: on a GPU one launch.
+class AdamWRule final : public UpdateRule {
+ public:
+  explicit AdamWRule(const AdamWConfig& c) : c_(c) {}
+  const char* name() const override { return "adamw"; }
+  std::vector<std::string> state_suffixes() const override { return {".exp_avg", ".exp_avg_sq"}; }
+  bool normalised() const override { return true; }
+  void update(const std::vector<UpdatePiece>& pieces, const UpdateStep& s,
+              std::shared_ptr<void>& cache) const override {
+    auto& table = table_of(cache);
+    table.tensors.clear();  // keeps its capacity
+    for (const UpdatePiece& p : pieces)
+      table.tensors.push_back({p.value, p.grad, p.state[0], p.state[1], p.decay});
+    ops::adamw_multi(table.tensors,
+                     {s.lr, c_.beta1, c_.beta2, c_.eps, c_.weight_decay, s.step, s.grad_scale},
+                     table.device, s.grad_scale_at);
+  }
+
+ private:
+  struct Table {
+    std::vector<ops::AdamWTensors> tensors;
+    std::shared_ptr<void> device;  // ops::adamw_multi's
+  };
+  static Table& table_of(std::shared_ptr<void>& cache) {
+    if (!cache) cache = std::make_shared<Table>();
+    return *static_cast<Table*>(cache.get());
+  }
+  AdamWConfig c_;
+};
+
+// A grad_scale other than 1 scales the gradients first (one on the device
+// always does: x 1 is the same bits), in one launch on a GPU.
+class SgdRule final : public UpdateRule {
+ public:
+  explicit SgdRule(const SgdConfig& c) : c_(c) {}
+  const char* name() const override { return "sgd"; }
+  std::vector<std::string> state_suffixes() const override { return {".momentum_buffer"}; }
+  bool normalised() const override { return false; }
+  void update(const std::vector<UpdatePiece>& pieces, const UpdateStep& s,
+              std::shared_ptr<void>& cache) const override {
+    if (s.grad_scale_at.defined() || s.grad_scale != 1.0f) {
+      if (!cache) cache = std::make_shared<Table>();
+      auto& table = *static_cast<Table*>(cache.get());
+      table.grads.clear();  // keeps its capacity
+      for (const UpdatePiece& p : pieces) table.grads.push_back(p.grad);
+      if (s.grad_scale_at.defined())
+        ops::scale_multi(table.grads, s.grad_scale_at, table.device);
+      else
+        ops::scale_multi(table.grads, s.grad_scale, table.device);
+    }
+    for (const UpdatePiece& p : pieces)
+      ops::sgd(p.value, p.grad, p.state[0], s.lr, c_.momentum, p.decay ? c_.weight_decay : 0.0f);
+  }
+
+ private:
+  struct Table {
+    std::vector<Tensor> grads;
+    std::shared_ptr<void> device;  // ops::scale_multi's
+  };
+  SgdConfig c_;
+};
+
+}  // namespace
+
+std::unique_ptr<UpdateRule> make_adamw_rule(const AdamWConfig& config) {
+  return std::make_unique<AdamWRule>(config);
 }
 
-void Sgd::update(float lr) {
-  ++steps_;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Param* p = params_[i];
-    ops::sgd(p->value, p->grad, buf_[i], lr, config_.momentum,
-             p->weight_decay() ? config_.weight_decay : 0.0f);
+std::unique_ptr<UpdateRule> make_sgd_rule(const SgdConfig& config) {
+  return std::make_unique<SgdRule>(config);
+}
+
+Optimizer::Optimizer(std::vector<Param*> params, std::unique_ptr<UpdateRule> rule)
+    : params_(std::move(params)), rule_(std::move(rule)) {
+  const size_t n = rule_->state_suffixes().size();
+  check(n <= kMaxOptimizerState, "the {} optimizer keeps {} state tensors per parameter; at most "
+        "{} fit", rule_->name(), n, kMaxOptimizerState);
+  for (Param* p : params_) {
+    std::array<Tensor, kMaxOptimizerState> st;
+    for (size_t k = 0; k < n; ++k)
+      st[k] = Tensor::zeros(p->value.shape(), DType::F32, p->value.device());
+    state_.push_back(st);
   }
 }
 
-std::vector<std::pair<std::string, Tensor>> Sgd::state() {
+void Optimizer::step(float lr, float grad_scale) {
+  step_.grad_scale = grad_scale;
+  step_.grad_scale_at = Tensor();
+  step_.lr = lr;
+  step_.step = ++steps_;
+  pieces_.clear();  // keeps its capacity
+  for (size_t i = 0; i < params_.size(); ++i)
+    pieces_.push_back({params_[i]->value, params_[i]->grad, state_[i], params_[i]->weight_decay()});
+  rule_->update(pieces_, step_, cache_);
+}
+
+void Optimizer::step(float lr, const Tensor& grad_scale) {
+  step_.grad_scale = 1.0f;
+  step_.grad_scale_at = grad_scale;
+  step_.lr = lr;
+  step_.step = ++steps_;
+  pieces_.clear();
+  for (size_t i = 0; i < params_.size(); ++i)
+    pieces_.push_back({params_[i]->value, params_[i]->grad, state_[i], params_[i]->weight_decay()});
+  rule_->update(pieces_, step_, cache_);
+  step_.grad_scale_at = Tensor();  // holds no reference between steps
+}
+
+std::vector<std::pair<std::string, Tensor>> Optimizer::state() {
+  const std::vector<std::string> suffixes = rule_->state_suffixes();
   std::vector<std::pair<std::string, Tensor>> s;
   for (size_t i = 0; i < params_.size(); ++i)
-    s.emplace_back(params_[i]->name + ".momentum_buffer", buf_[i]);
-  return s;
-}
-
-AdamW::AdamW(std::vector<Param*> params, AdamWConfig config)
-    : Optimizer(std::move(params)), config_(config) {
-  for (Param* p : params_) {
-    m_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
-    v_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
-  }
-}
-
-// Every parameter in one ops::adamw_multi call: on a GPU one launch, from a
-// device table built on the first step and kept while the parameters stay.
-void AdamW::step(float lr, float grad_scale) { update(lr, grad_scale, Tensor()); }
-
-void AdamW::step(float lr, const Tensor& grad_scale) { update(lr, 1.0f, grad_scale); }
-
-void AdamW::update(float lr, float grad_scale, const Tensor& grad_scale_at) {
-  ++steps_;
-  multi_tensors_.clear();  // keeps its capacity: a steady step allocates nothing
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Param* p = params_[i];
-    multi_tensors_.push_back({p->value, p->grad, m_[i], v_[i], p->weight_decay()});
-  }
-  ops::adamw_multi(
-      multi_tensors_,
-      {lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay, steps_, grad_scale},
-      multi_, grad_scale_at);
-}
-
-std::vector<std::pair<std::string, Tensor>> AdamW::state() {
-  std::vector<std::pair<std::string, Tensor>> s;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    s.emplace_back(params_[i]->name + ".exp_avg", m_[i]);
-    s.emplace_back(params_[i]->name + ".exp_avg_sq", v_[i]);
-  }
+    for (size_t k = 0; k < suffixes.size(); ++k)
+      s.emplace_back(params_[i]->name + suffixes[k], state_[i][k]);
   return s;
 }
 

@@ -286,10 +286,10 @@ PsServer::PsServer(Communicator& world, Communicator& servers, std::vector<Param
     sum_.push_back(Tensor::zeros(p->value.shape()));
     grads_.push_back(p->grad);
   }
-  if (config_.optimizer == OptimizerKind::Sgd)
-    optimizer_ = std::make_unique<Sgd>(mine_, config_.sgd);
-  else
-    optimizer_ = std::make_unique<AdamW>(mine_, config_.adam);
+  OptimizerConfig oc;
+  oc.kind = config_.optimizer, oc.adam = config_.adam, oc.sgd = config_.sgd;
+  oc.lion = config_.lion;
+  optimizer_ = std::make_unique<Optimizer>(mine_, make_update_rule(oc));
   receive_pieces();
   pushed_.assign(static_cast<size_t>(workers_), 0);
   owed_.assign(static_cast<size_t>(workers_), -1);
@@ -459,8 +459,9 @@ void PsServer::round(int64_t step) {
 // S > 0: worker w's gradients alone, as they arrive: one update, clipped by
 // its own gradient's norm (times the workers, as a whole batch's estimate).
 // Its gradient is already 1 / workers of its share's mean gradient, so SGD
-// moves the parameters 1 / workers as far as a synchronous step; AdamW
-// normalises that scale away, so its learning rate takes the 1 / workers.
+// moves the parameters 1 / workers as far as a synchronous step; AdamW and
+// Lion normalise that scale away (UpdateRule::normalised), so their learning
+// rate takes the 1 / workers.
 void PsServer::apply(int w) {
   const Member& first = *worker_[static_cast<size_t>(w)]->members.front();
   const int64_t step = first.header.data<int32_t>()[0], read = first.header.data<int32_t>()[1];
@@ -469,7 +470,7 @@ void PsServer::apply(int w) {
   assemble(w, grads_);
   clip_grads(mine_, config_.clip_grad / n, norm / n, tables_);
   const float lr = config_.lr.at(step);
-  optimizer_->step(config_.optimizer == OptimizerKind::Adam ? lr / static_cast<float>(n) : lr);
+  optimizer_->step(optimizer_->rule().normalised() ? lr / static_cast<float>(n) : lr);
   const int64_t stale = version_ - read;
   ++histogram_[static_cast<size_t>(std::min<int64_t>(stale, kHistogramBins - 1))];
   ++version_;

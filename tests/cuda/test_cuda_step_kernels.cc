@@ -435,6 +435,43 @@ TEST(CudaAdamWMulti, AGradScaleGivesTheBitsOfScalingTheGradientsFirst) {
   EXPECT_FALSE(same(sets[0][1].g, g_before)) << "scale_multi did nothing";
 }
 
+// Lion on the GPU against the CPU's (src/runtime/lion.cc): the same
+// per-element formula, each side free to fuse a multiply and an add, so a
+// sum of two products differs by up to 2u of its terms' magnitudes (not of
+// the result: b2 m and (1 - b2) g may cancel). Over two steps, with the
+// first step's error carried into the second: 8u (|m| + |m0| + |g s|) for the
+// momentum, 8u (|p| + lr) for the weight. The step is lr times the sign of
+// c = b1 m + (1 - b1) g s, which agrees wherever c is not within that
+// rounding of 0 (uniform data: nowhere but where it is exactly 0); a sign
+// that differed would move the weight by 2 lr, far outside the bound. An
+// element with no gradient and no momentum moves by its decay alone. The
+// scale is read from the device where given (the host's 5 is ignored).
+TEST(CudaLion, MatchesTheCpuAndReadsTheScaleOnTheDevice) {
+  const int64_t n = 4099;
+  Tensor p = host_tensor(uniform(n, 31, -1.0f, 1.0f), {n});
+  Tensor g = host_tensor(uniform(n, 32, -1.0f, 1.0f), {n});
+  Tensor m = host_tensor(uniform(n, 33, -0.1f, 0.1f), {n});
+  for (int64_t i = 0; i < 8; ++i) g.data<float>()[i] = 0.0f, m.data<float>()[i] = 0.0f;
+  Tensor pg = on(p, kGpu), gg = on(g, kGpu), mg = on(m, kGpu);
+  const std::vector<float> m0(m.data<float>(), m.data<float>() + n);
+  const Tensor scale_at = on(host_tensor({0.5f}, {1}), kGpu);
+  const std::vector<float> p_before(p.data<float>(), p.data<float>() + n);
+  for (int step = 0; step < 2; ++step) {
+    ops::lion(p, g, m, 1e-3f, 0.9f, 0.99f, 0.1f, 0.5f);
+    ops::lion(pg, gg, mg, 1e-3f, 0.9f, 0.99f, 0.1f, 5.0f, scale_at);
+  }
+  const Tensor hp = on(pg, Device::cpu()), hm = on(mg, Device::cpu());
+  for (int64_t i = 0; i < n; ++i) {
+    const double mi = m.data<float>()[i], pi = p.data<float>()[i];
+    const double gs = 0.5 * std::abs(g.data<float>()[i]);
+    const size_t u = static_cast<size_t>(i);
+    EXPECT_NEAR(hm.data<float>()[i], mi, 8 * kU * (std::abs(mi) + std::abs(m0[u]) + gs)) << i;
+    EXPECT_NEAR(hp.data<float>()[i], pi, 8 * kU * (std::abs(pi) + 1e-3)) << i;
+  }
+  const float decayed = (1.0f - 1e-3f * 0.1f) * ((1.0f - 1e-3f * 0.1f) * p_before[3]);
+  EXPECT_EQ(hp.data<float>()[3], decayed) << "no gradient, no momentum: decay alone";
+}
+
 // The same parameter set reuses the table; another one rebuilds it, and
 // only its tensors are updated.
 TEST(CudaAdamWMulti, RebuildsOnlyWhenTheTensorsChange) {

@@ -439,6 +439,11 @@ void to_bf16_multi(Context& ctx, const std::vector<ConvertTensor>& tensors, Conv
 void sgd(Context& ctx, float* p, const float* g, float* buf, int64_t n, float lr, float momentum,
          float weight_decay);
 
+// --- Lion, as cpu::lion; the gradient read times grad_scale, or times
+// *grad_scale_at where it is not null (a device scalar) ---
+void lion(Context& ctx, float* p, const float* g, float* m, int64_t n, float lr, float beta1,
+          float beta2, float weight_decay, float grad_scale, const float* grad_scale_at);
+
 // --- reductions into one double on the device (deterministic two-pass trees) ---
 void sum(Context& ctx, const float* x, int64_t n, double* out);          // *out = sum x
 void sum(Context& ctx, const float* x, int64_t n, float* out);  // *out = float(sum x in double)
