@@ -1,0 +1,909 @@
+// The training job's run (weft/job.h): on this rank, the steps from the
+// communicators to the last save, and --check-links.
+#include <weft/checkpoint.h>
+#include <weft/job.h>
+#include <weft/error.h>
+#include <weft/layout.h>
+#include <weft/link_check.h>
+#include <weft/mesh.h>
+#include <weft/mpi_communicator.h>
+#include <weft/ops.h>
+#include <weft/param_server.h>
+#include <weft/nccl_communicator.h>
+#include <weft/staged_communicator.h>
+#include <weft/partition.h>
+#include <weft/pipeline.h>
+#include <weft/profile.h>
+#include <weft/schedule.h>
+#include <weft/threads.h>
+#include <weft/plot.h>
+#include <weft/tokenizer.h>
+#include <weft/trainer.h>
+#include <weft/units.h>
+#include <weft/plan.h>
+
+#include "models/gpt.h"
+
+#include <climits>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <fmt/core.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <charconv>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <numeric>
+#include <optional>
+#include <limits>
+#include <thread>
+#include <set>
+#include <span>
+#include <string>
+#include <tuple>
+
+#include "src/job/job_internal.h"
+
+namespace weft::job_detail {
+namespace {
+
+// Graceful stop (Megatron's exit-signal handling, on whenever --save is set):
+// SIGTERM, SIGINT or SIGUSR1 (Slurm's warning before its time limit) asks
+// every rank to stop after the step in flight and save. A second signal is
+// held (a launcher or a terminal often sends two), so the save still
+// happens; a third ends the process at once, losing the save, and says so.
+std::atomic<int> g_stop_signal{0};
+std::atomic<int> g_signals{0};
+// What the handler writes, made before it is installed (it may not allocate).
+std::string g_held_line, g_abort_line;
+
+extern "C" void on_stop_signal(int sig) {
+  const int n = g_signals.fetch_add(1) + 1;
+  if (n == 1) {
+    g_stop_signal.store(sig);
+    return;
+  }
+  // Only async-signal-safe calls here: write(2), then the default action.
+  if (n == 2) {
+    (void)!::write(STDERR_FILENO, g_held_line.data(), g_held_line.size());
+    return;
+  }
+  (void)!::write(STDERR_FILENO, g_abort_line.data(), g_abort_line.size());
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+
+void install_stop_handlers(const std::string& program) {
+  g_held_line = program + ": a second signal: held, the job stops and saves after the step in "
+                          "flight (a third signal ends it at once, without saving)\n";
+  g_abort_line = program + ": a third signal: ending at once, without saving\n";
+  for (int sig : {SIGTERM, SIGINT, SIGUSR1}) std::signal(sig, on_stop_signal);
+}
+
+// Why a run stops before --train-iters: every rank reaches the same answer
+// after the same step (one all-reduce of two numbers per step): a signal any
+// rank received, or --exit-duration-in-mins passed on any rank's clock.
+struct StopReason {
+  int signal = 0;
+  bool out_of_time = false;
+  bool any() const { return signal > 0 || out_of_time; }
+};
+
+StopReason stop_requested(weft::Communicator* world, weft::Tensor& flags, bool out_of_time) {
+  flags.data<float>()[0] = static_cast<float>(g_stop_signal.load());
+  flags.data<float>()[1] = out_of_time ? 1.0f : 0.0f;
+  if (world != nullptr && world->size() > 1) world->all_reduce(flags, weft::ReduceOp::Max);
+  return {static_cast<int>(flags.data<float>()[0]), flags.data<float>()[1] > 0};
+}
+
+const char* signal_name(int sig) {
+  switch (sig) {
+    case SIGTERM: return "SIGTERM";
+    case SIGINT: return "SIGINT";
+    case SIGUSR1: return "SIGUSR1";
+    default: return "a signal";
+  }
+}
+
+// Which process is which rank: host, PID and device of every rank, gathered
+// at start-up so that a rank that dies later can be named (rank 0 prints it,
+// writes it as the JSONL's first line and, for scripts/weft-run, to the file
+// $WEFT_RANK_TABLE).
+nlohmann::json rank_table(weft::Communicator* world, const weft::Device& device) {
+  constexpr int64_t kHost = 64, kDevice = 16, kRecord = 1 + kHost + kDevice;
+  char host[kHost] = {};
+  gethostname(host, kHost - 1);
+  const std::string dev = device.str();
+  weft::Tensor mine = weft::Tensor::zeros({kRecord}, weft::DType::I32);
+  int32_t* m = mine.data<int32_t>();
+  m[0] = static_cast<int32_t>(getpid());
+  for (int64_t i = 0; i < kHost && host[i] != 0; ++i) m[1 + i] = static_cast<unsigned char>(host[i]);
+  for (size_t i = 0; i < dev.size() && i < static_cast<size_t>(kDevice); ++i)
+    m[1 + kHost + static_cast<int64_t>(i)] = static_cast<unsigned char>(dev[i]);
+  const int n = world != nullptr ? world->size() : 1;
+  weft::Tensor all = weft::Tensor::zeros({n * kRecord}, weft::DType::I32);
+  if (world != nullptr && n > 1)
+    world->all_gather(mine, all);
+  else
+    all.copy_from(mine);
+  auto text = [](const int32_t* p, int64_t len) {
+    std::string t;
+    for (int64_t i = 0; i < len && p[i] != 0; ++i) t.push_back(static_cast<char>(p[i]));
+    return t;
+  };
+  nlohmann::json ranks = nlohmann::json::array();
+  for (int r = 0; r < n; ++r) {
+    const int32_t* p = all.data<int32_t>() + r * kRecord;
+    ranks.push_back({{"rank", r}, {"host", text(p + 1, kHost)}, {"pid", p[0]},
+                     {"device", text(p + 1 + kHost, kDevice)}});
+  }
+  return ranks;
+}
+
+// --check-links: every pair of ranks measured; rank 0 lists the links,
+// slowest first, and marks those below half the median bandwidth.
+void print_links(std::vector<weft::LinkResult> links, const nlohmann::json& ranks, int64_t mib,
+                 int reps, const std::string& over) {
+  std::sort(links.begin(), links.end(),
+            [](const auto& x, const auto& y) { return x.gb_per_s < y.gb_per_s; });
+  std::vector<double> bw;
+  for (const auto& l : links) bw.push_back(l.gb_per_s);
+  const double median = bw[bw.size() / 2];
+  auto host = [&](int r) { return ranks[static_cast<size_t>(r)]["host"].get<std::string>(); };
+  fmt::print("links between {} ranks over {} ({} MiB messages; one way, from the median of {} "
+             "round trips), slowest first:\n",
+             ranks.size(), over, mib, reps);
+  for (const auto& l : links)
+    fmt::print("rank {} ({}) <-> rank {} ({}): {:.2f} GB/s, latency {:.1f} us{}\n", l.a, host(l.a),
+               l.b, host(l.b), l.gb_per_s, l.latency_us,
+               l.gb_per_s < median / 2 ? "  <- below half the median" : "");
+  fmt::print("median {:.2f} GB/s over {} links; slowest {:.2f} GB/s (rank {} <-> rank {})\n",
+             median, links.size(), links.front().gb_per_s, links.front().a, links.front().b);
+}
+
+// 75 s -> "1m15s"; 4000 s -> "1h06m40s".
+std::string duration(double seconds) {
+  const int64_t s = static_cast<int64_t>(std::llround(std::max(0.0, seconds)));
+  if (s >= 3600) return fmt::format("{}h{:02d}m{:02d}s", s / 3600, s / 60 % 60, s % 60);
+  if (s >= 60) return fmt::format("{}m{:02d}s", s / 60, s % 60);
+  return fmt::format("{}s", s);
+}
+
+// Entropy of the data's token frequencies, in nats: the loss of the best
+// model that ignores context, which a trained model should beat by far.
+double unigram_entropy(const weft::TokenData& data) {
+  std::vector<int64_t> counts(static_cast<size_t>(data.max_token()), 0);
+  for (int32_t t : data.tokens()) ++counts[static_cast<size_t>(t)];
+  double h = 0;
+  const double n = static_cast<double>(data.size());
+  for (int64_t c : counts)
+    if (c > 0) h -= static_cast<double>(c) / n * std::log(static_cast<double>(c) / n);
+  return h;
+}
+
+// Runs f() with every parameter in `params` on `device`, then returns those
+// that were elsewhere to where they were: a measurement of the whole model
+// on the run's device, before the layout has placed its stage's parameters
+// there or after (those stay put). On a GPU the whole model's parameters and
+// one micro-batch's activations must then fit on it.
+template <typename F>
+void with_params_on(const std::vector<weft::Param*>& params, weft::Device device, F&& f) {
+  std::vector<std::pair<weft::Param*, weft::Device>> home;
+  for (weft::Param* p : params)
+    if (p->value.device() != device) home.emplace_back(p, p->value.device());
+  weft::place_params(params, device);
+  f();  // (when it throws, the run ends with its error)
+  for (const auto& [p, where] : home) weft::place_params({p}, where);
+}
+
+// The partitioner's cost model: analytic FLOPs, or with --profile times
+// measured on rank 0, on the run's device, and broadcast, so every rank cuts
+// the model the same way.
+weft::CostModel costs(const Args& a, weft::Graph& graph, const weft::ModelIO& io,
+                      const weft::BatchSource& data, weft::Communicator& world,
+                      weft::Device device) {
+  using namespace weft;
+  CostModel cost = CostModel::analytic(graph);
+  if (a.profile.empty()) return cost;
+  const int64_t n = static_cast<int64_t>(cost.nodes.size());
+  Tensor t = Tensor::zeros({3 * n});
+  float* d = t.data<float>();
+  if (world.rank() == 0) {
+    with_params_on(graph.params(), device,
+                   [&] { cost = profile_costs(graph, io, data, a.micro_batch); });
+    for (int64_t k = 0; k < n; ++k) {
+      const NodeCost& c = cost.nodes[static_cast<size_t>(k)];
+      d[3 * k] = static_cast<float>(c.f), d[3 * k + 1] = static_cast<float>(c.i);
+      d[3 * k + 2] = static_cast<float>(c.w);
+    }
+    std::ofstream f(a.profile, std::ios::trunc);
+    f << cost_model_json(cost, graph).dump(2) << '\n';
+    check(f.good(), "--profile {}: cannot write", a.profile);
+  }
+  world.broadcast(t, 0);
+  for (int64_t k = 0; k < n; ++k) {
+    NodeCost& c = cost.nodes[static_cast<size_t>(k)];
+    c.f = d[3 * k], c.i = d[3 * k + 1], c.w = d[3 * k + 2];
+  }
+  return cost;
+}
+
+// Parameters without the vocabulary tables' padding rows.
+int64_t true_param_count(const weft::Graph& graph) {
+  int64_t n = graph.param_count();
+  for (const weft::Param* p : graph.params())
+    if (p->true_rows > 0 && p->value.shape().rank > 0)
+      n -= (p->value.shape()[0] - p->true_rows) * (p->value.numel() / p->value.shape()[0]);
+  return n;
+}
+
+// One rank's run, step by step in the order run() takes them: each step a
+// method, each method's state the members it leaves for the next.
+class Run {
+ public:
+  Run(const Args& args, const CLI::App& parsed, Communicator* w)
+      : a(args),
+        app(parsed),
+        world(w),
+        cfg(resolve_config(a, app)),
+        global(a.global_batch > 0 ? a.global_batch : a.micro_batch) {}
+
+  int operator()() {
+    check_training_flags(a, app);
+    plan_ranks();
+    connect();                         // the communicators: staged or NCCL over MPI, the rank table
+    read_data();                       // the tokens, the split, a tokenizer for samples
+    build_model();                     // the family's logical model
+    set_options();                     // precision, the Trainer's and the layout's options
+    lock_save();                       // one writer per --save, its leftovers cleaned
+    if (serve_parameters()) return 0;  // a parameter server's run ends here
+    build_layout();                    // this rank's part: stages, schedule, Trainer
+    check_host_memory();
+    resume();               // --load, or the newest checkpoint in --save
+    announce();             // notes and the run's first line
+    if (train()) return 0;  // stopped by a signal, a time limit or --exit-interval
+    report();               // trace, memory, mean loss, plot, the last save
+    if (a.sample > 0) sample();
+    return 0;
+  }
+
+ private:
+  void plan_ranks() {
+    world_size = world ? world->size() : 1;
+    check_param_servers(a, app, world_size);
+    workers = world_size - a.ps_ranks;  // every rank when there are no servers
+    setup = check_parallel(a, cfg, workers, global);
+  }
+
+  void connect() {
+    if (setup.staged) world = &staged_world.emplace(*world);
+    if (setup.nccl) {
+      nccl = nccl_world(*world, setup.device.index, world->options());
+      world = nccl.get();
+    }
+    rank0 = world == nullptr || world->rank() == 0;
+    ranks = rank_table(world, setup.device);
+    if (rank0) {
+      for (const auto& r : ranks)
+        fmt::print("rank {} | host {} | pid {} | {}\n", r["rank"].get<int>(),
+                   r["host"].get<std::string>(), r["pid"].get<int>(),
+                   r["device"].get<std::string>());
+      if (const char* path = std::getenv("WEFT_RANK_TABLE"); path != nullptr && *path != 0) {
+        const std::string tmp = std::string(path) + ".tmp";
+        std::ofstream(tmp) << nlohmann::json{{"ranks", ranks}}.dump() << '\n';
+        check(std::rename(tmp.c_str(), path) == 0, "WEFT_RANK_TABLE {}: cannot write it", path);
+      }
+      std::fflush(stdout);
+    }
+  }
+
+  void read_data() {
+    set_threads(a.threads > 0 ? a.threads : default_threads());
+    data_.emplace(TokenData::load(a.data_path));
+    const TokenData& data = *data_;
+    check(data.max_token() <= cfg.vocab_size, "{} holds token id {}, outside --vocab-size ({})",
+          a.data_path, data.max_token() - 1, cfg.vocab_size);
+
+    // Token data decodes through an llm.c tokenizer file; it cannot encode, so
+    // a prompt is text data's only.
+    if (!a.tokenizer.empty()) {
+      check(!data.is_text(), "--tokenizer decodes token data; {} is text (bytes need none)",
+            a.data_path);
+      tokenizer = Tokenizer::load(a.tokenizer);
+      check(tokenizer->vocab_size() >= data.max_token(),
+            "--tokenizer {} has {} tokens; {} holds token id {}", a.tokenizer,
+            tokenizer->vocab_size(), a.data_path, data.max_token() - 1);
+    }
+    check(data.is_text() || !app.count("--sample-prompt"),
+          "--sample-prompt needs text data: {} holds token ids, and a tokenizer file only decodes "
+          "(the sample starts from end-of-text)",
+          a.data_path);
+    check(a.eval_interval >= 0, "--eval-interval ({}) must be >= 0 (0: no validation)",
+          a.eval_interval);
+    check(a.eval_iters > 0, "--eval-iters ({}) must be positive", a.eval_iters);
+    split = split_windows(a.split, data.windows(cfg.seq_length));
+    check(a.eval_interval == 0 || split.valid > 0,
+          "--eval-interval {} needs validation data: --split '{}' gives it none of the {} windows "
+          "of {} tokens (e.g. --split 98,2,0)",
+          a.eval_interval, a.split, data.windows(cfg.seq_length), cfg.seq_length);
+    entropy = unigram_entropy(data);
+  }
+
+  // The logical model; the layout instantiates this rank's part of it.
+  void build_model() {
+    family = &family_of(a, app);
+    model.emplace(family->build(model_args(a, cfg)));
+    model->io.graph = &model->graph;
+  }
+
+  void set_options() {
+    const TokenData& data = *data_;
+    opt.micro_batch = a.micro_batch;
+    opt.global_batch = global;
+    opt.lr.lr = a.lr;
+    opt.lr.min_lr = a.min_lr;
+    opt.lr.decay = a.lr_decay_style == "cosine" ? LrDecay::Cosine : LrDecay::Constant;
+    opt.lr.warmup_iters = a.lr_warmup_iters;
+    opt.lr.decay_iters = a.lr_decay_iters > 0 ? a.lr_decay_iters : a.train_iters;
+    opt.adam = {a.beta1, a.beta2, a.eps, a.weight_decay};
+    opt.clip_grad = a.clip_grad;
+    opt.save_timeout_s = a.save_timeout;
+    // A loss four times a uniform guess's, ln(vocabulary), is no training.
+    opt.max_loss = a.max_loss >= 0 ? a.max_loss : 4 * std::log(static_cast<double>(cfg.vocab_size));
+    opt.device = setup.device;
+    opt.local = {a.local_steps, a.outer_optimizer == "nesterov", a.outer_lr, a.outer_momentum};
+    opt.spike.enabled = a.check_spiky_loss;
+    opt.spike.factor = a.spiky_loss_factor;
+    opt.spike.max_skipped = a.max_skipped_steps;
+    // Mixed precision rounds every GEMM's inputs. --bf16 also stores the
+    // activations between nodes in bf16 (Megatron's --bf16); weights,
+    // gradients and optimizer state stay fp32 (weft/ops.h). --fp16 keeps fp32
+    // activations: its loss scale guards the gradients, not the values.
+    if (a.tf32) ops::set_matmul_precision(setup.device, ops::MatmulPrecision::Tf32);
+    if (a.bf16) {
+      ops::set_matmul_precision(setup.device, ops::MatmulPrecision::Bf16);
+      model->graph.set_activation_dtype(DType::BF16);
+    }
+    if (a.fp16) ops::set_matmul_precision(setup.device, ops::MatmulPrecision::Fp16);
+    opt.loss_scale.enabled = a.fp16;
+    opt.loss_scale.fixed = a.loss_scale;
+    opt.loss_scale.initial = a.initial_loss_scale;
+    opt.loss_scale.min = a.min_loss_scale;
+    opt.loss_scale.window = a.loss_scale_window;
+    opt.loss_scale.hysteresis = a.hysteresis;
+    ops::set_attention_backend(setup.device, ops::parse_attention_backend(a.attention_backend));
+    opt.config = {{"num_layers", cfg.num_layers},
+                  {"hidden_size", cfg.hidden_size},
+                  {"num_heads", cfg.num_heads},
+                  {"seq_length", cfg.seq_length},
+                  {"vocab_size", cfg.vocab_size},
+                  {"max_positions", cfg.positions()},
+                  {"make_vocab_size_divisible_by", a.vocab_divisor},
+                  {"micro_batch_size", a.micro_batch},
+                  {"global_batch_size", global},
+                  {"seed", a.seed},
+                  {"data_path", std::filesystem::absolute(a.data_path).string()},
+                  {"arch", family->name},
+                  {"optimizer", weft::optimizer_name(weft::parse_optimizer(a.optimizer))},
+                  {"precision", a.bf16   ? "bf16"
+                                : a.fp16 ? "fp16"
+                                         : "fp32"},
+                  {"split", a.split},
+                  {"lr", a.lr},
+                  {"min_lr", a.min_lr},
+                  {"lr_decay_style", a.lr_decay_style},
+                  {"lr_warmup_iters", a.lr_warmup_iters},
+                  {"lr_decay_iters", opt.lr.decay_iters},
+                  {"data_fingerprint", weft::data_fingerprint(a.data_path)}};
+    opt.config.update(model->config);  // the family's own fields
+    batches.emplace(data, global, cfg.seq_length, 0, split.train);
+    if (split.valid > 0) validation.emplace(data, global, cfg.seq_length, split.train, split.valid);
+    if (rank0 && split.train > 0)
+      fmt::print("data split {}: windows [0, {}) train, [{}, {}) validate\n", a.split, split.train,
+                 split.train, split.train + split.valid);
+    lo.tp = a.tp;
+    lo.pp = a.pp;
+    lo.schedule = a.schedule;
+    lo.chunks = setup.chunks;
+    lo.partition = parse_partition_method(a.partition);
+    lo.pipeline = PipelineOptions{a.recompute, !a.trace.empty(), a.overlap_p2p_comm};
+    if (!a.memory_budget.empty())
+      lo.memory_budget = parse_bytes("--memory-budget", a.memory_budget);
+    lo.sync.distributed_optimizer = a.distributed_optimizer;
+    lo.sync.bucket_elements = a.ddp_bucket_size;
+    lo.sync.overlap = a.overlap_grad_reduce;
+    set_grad_compression(a, lo.sync);
+  }
+
+  void lock_save() {
+    // One writer per --save folder: world rank 0, the writer, locks it for the
+    // job's life, before it touches anything there; a second job stops here.
+    if (rank0 && !a.save.empty()) save_lock.emplace(a.save);
+    // What an interrupted save left behind goes first (world rank 0 writes
+    // checkpoints, so it cleans them).
+    if (rank0 && !a.save.empty())
+      for (const std::string& line : clean_stale_checkpoint_files(a.save)) fmt::print("{}\n", line);
+    // Nobody reads before the cleaning is done; the disk bounds this wait.
+    if (world != nullptr && !a.save.empty()) world->barrier_without_deadline();
+  }
+
+  // Parameter servers: the last --ps-ranks ranks serve; the others train,
+  // as data-parallel replicas of their own group. True on a server, once
+  // it has served.
+  bool serve_parameters() {
+    if (a.ps_ranks > 0) {
+      PsConfig ps;
+      ps.servers = a.ps_ranks;
+      ps.max_staleness = a.max_staleness;
+      ps.optimizer = parse_optimizer(a.optimizer);
+      ps.adam = opt.adam;
+      ps.sgd = {a.sgd_momentum, a.weight_decay};
+      ps.lion = {a.lion_beta1, a.lion_beta2, a.weight_decay};
+      ps.lr = opt.lr;
+      ps.clip_grad = opt.clip_grad;
+      ps.save_interval = a.save.empty() ? 0 : a.save_interval;
+      ps.save_last = !a.save.empty();
+      if (world->rank() == a.slow_rank) ps.slow_factor = a.slow_factor;
+      assign_to_servers(model->graph.params(),
+                        ps.servers);  // refuses too many servers on every rank
+      std::vector<int> w(static_cast<size_t>(workers)), s(static_cast<size_t>(a.ps_ranks));
+      std::iota(w.begin(), w.end(), 0);
+      std::iota(s.begin(), s.end(), workers);
+      role = world->split({w, s}, "ps");
+      if (rank0)
+        fmt::print(
+            "parameter servers: world ranks {}..{} serve {} workers (ranks 0..{}), "
+            "--max-staleness {}\n",
+            workers, world_size - 1, workers, workers - 1, a.max_staleness);
+      if (world->rank() >= workers) {
+        for (Param* p : model->graph.params()) init_param(*p, static_cast<uint64_t>(a.seed));
+        PsServer server(*world, *role, model->graph.params(), ps);
+        int64_t first = 0;
+        if (!a.resume_from.empty()) {
+          const Checkpoint c = open_checkpoint(a.resume_from, a.load_unverified);
+          server.load(c);
+          first = c.meta.step;
+        }
+        server.serve(first, a.train_iters);
+        return true;
+      }
+      ps_worker.emplace(*world, model->graph.params(), ps);
+      lo.ps = &*ps_worker;
+    }
+    return false;
+  }
+
+  void build_layout() {
+    Communicator* team = role ? role.get() : world;  // the ranks that train
+    if (a.pp > 1) cost = costs(a, model->graph, model->io, *batches, *world, opt.device);
+    layout.emplace(team, model->graph, model->io, *batches, opt, lo, static_cast<uint64_t>(a.seed),
+                   cost ? &*cost : nullptr);
+    if (!a.init_from.empty()) load_weights(a.init_from, layout->graph().params());
+    if (rank0 && layout->mesh()) fmt::print("mesh: {}\n", layout->mesh()->layout.describe());
+    PipelineExecutor* pipeline = layout->pipeline();
+    if (pipeline) {
+      // The plan's per-stage sums join the node costs: what weft-sched --costs reads.
+      // With the whole model's layers on this process (tp 1), it also measures
+      // what each stage's actions add to memory, for weft-sched's memory figures.
+      if (rank0 && !a.profile.empty())
+        with_params_on(model->graph.params(), opt.device, [&] {
+          write_profile(a.profile, *cost, layout->plan(), model->graph,
+                        a.tp == 1
+                            ? measure_stage_bytes(model->graph, model->io, layout->plan(), *batches,
+                                                  a.micro_batch, a.recompute, opt.device)
+                            : std::vector<sched::StageBytes>{},
+                        a.recompute,
+                        {{"micro_batch_size", a.micro_batch},
+                         {"tp", a.tp},
+                         {"num_layers", cfg.num_layers},
+                         {"hidden_size", cfg.hidden_size},
+                         {"num_attention_heads", cfg.num_heads},
+                         {"seq_length", cfg.seq_length},
+                         {"vocab_size", cfg.vocab_size}});
+        });
+      if (rank0)
+        fmt::print("schedule {} over {} stages; partition {}:\n{}", a.schedule,
+                   layout->schedule().stages(), a.partition, layout->plan().describe(model->graph));
+    }
+  }
+
+  void check_host_memory() {
+    // Before the first step: the memory a micro-batch needs at the least. The
+    // sum of every node's outputs (the activations kept for the backward) over
+    // pp x tp ranks, and each rank's share of the weights, gradients and AdamW
+    // moments, times the ranks on this host. A shape far too large for the
+    // machine is refused here rather than found by the kernel's OOM killer.
+    if (setup.device.is_cpu()) {
+      const CostModel analytic = CostModel::analytic(model->graph);
+      double outputs = 0;
+      for (const NodeCost& c : analytic.nodes) outputs += c.output_bytes;
+      const double shards = static_cast<double>(a.pp * a.tp);
+      const double dp = static_cast<double>((world ? world->size() : 1) / (a.pp * a.tp));
+      const double state = 4.0 * static_cast<double>(model->graph.param_count()) / shards *
+                           (2.0 + 2.0 / (a.distributed_optimizer ? dp : 1.0));
+      char host[64] = {};
+      gethostname(host, sizeof host - 1);
+      int here = 0;
+      for (const auto& r : ranks) here += r["host"].get<std::string>() == host;
+      const double need = (outputs / shards + state) * here;
+      const double avail = static_cast<double>(host_memory_available());
+      check(
+          need <= avail,
+          "out of host memory: this run needs at least {} on {} ({} rank{} x ({} of activations "
+          "per micro-batch + {} of weights, gradients and AdamW state)), and {} are available: use "
+          "a smaller --micro-batch-size or --seq-length, or more --pp or --tp ranks",
+          format_bytes(need), host, here, here == 1 ? "" : "s", format_bytes(outputs / shards),
+          format_bytes(state), format_bytes(avail));
+    }
+  }
+
+  void resume() {
+    Trainer& trainer = layout->trainer();
+    const std::string& load = a.resume_from;
+    if (!load.empty() && a.weights_only) {
+      open_checkpoint(load, a.load_unverified).read_model(layout->graph().params());  // --finetune
+    } else if (!load.empty()) {
+      const CheckpointSource source = trainer.load(load, a.load_unverified);
+      if (rank0) {
+        for (const auto& [folder, why] : source.skipped)
+          fmt::print("warning: skipped {}, which does not verify: {}\n", folder, why);
+        if (!source.verified)
+          fmt::print("note: {} has no manifest.json: loaded unverified (--load-unverified)\n",
+                     source.path);
+      }
+    }
+  }
+
+  void announce() {
+    Trainer& trainer = layout->trainer();
+    if (rank0)
+      for (const std::string& note : a.notes) fmt::print("note: {}\n", note);
+    if (rank0 && !a.rewound.empty())
+      fmt::print(
+          "note: --overwrite-checkpoints: the first save removes {} from --save (newer than "
+          "the step this run starts after)\n",
+          fmt::join(a.rewound, ", "));
+
+    const int64_t padding = cfg.table_rows() - cfg.vocab_size;
+    if (rank0 && padding > 0)
+      fmt::print(
+          "vocabulary {} padded to {} (--make-vocab-size-divisible-by {} x tp {}): {} rows "
+          "of zeros with masked logits, not saved\n",
+          cfg.vocab_size, cfg.table_rows(), a.vocab_divisor, a.tp, padding);
+    if (rank0)
+      fmt::print(
+          "weft {} | layers {} | hidden {} | heads {} | seq {} | vocab {} | params {} "
+          "| micro-batch {} x {} = global {} | {} | data {} ({} tokens, unigram entropy "
+          "{:.3f} nats)\n",
+          a.job->program, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.seq_length,
+          cfg.vocab_size, true_param_count(model->graph), a.micro_batch, global / a.micro_batch,
+          global,
+          setup.device.is_cpu()
+              ? fmt::format(
+                    "threads {}{}", get_threads(),
+                    a.bf16 || a.fp16
+                        ? fmt::format(" {} (emulated on the CPU: GEMM inputs{} rounded, "
+                                      "slower than fp32)",
+                                      a.bf16 ? "bf16" : "fp16", a.bf16 ? " and activations" : "")
+                        : "")
+              : fmt::format("{}{}{}", setup.device.str(),
+                            a.tf32   ? " tf32"
+                            : a.bf16 ? " bf16"
+                            : a.fp16 ? " fp16"
+                                     : "",
+                            ops::attention_uses_fused(setup.device, cfg.hidden_size / cfg.num_heads)
+                                ? " fused-attention"
+                                : ""),
+          a.data_path, data_->size(), entropy);
+    if (rank0 && !a.adopted_note.empty()) fmt::print("{}\n", a.adopted_note);
+    if (trainer.steps_done() > 0 && rank0)
+      fmt::print("resumed from {} at step {}{}\n", a.resume_from, trainer.steps_done(),
+                 a.load.empty() || a.finetune
+                     ? " (automatic: --save holds it; --no-load starts over)"
+                     : "");
+    if (a.weights_only && rank0)
+      fmt::print("fine-tuning from the weights of {} (--finetune: no optimizer state, step 0)\n",
+                 a.resume_from);
+  }
+
+  // Every save goes through here: once per step, pruned, and said.
+  void save() {
+    Trainer& trainer = layout->trainer();
+    if (a.save.empty() || last_saved == trainer.steps_done()) return;
+    trainer.save(a.save, a.keep_last);
+    last_saved = trainer.steps_done();
+    if (rank0) fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
+  }
+
+  // The steps up to --train-iters; true when the run stopped before them
+  // (saved, and said why).
+  bool train() {
+    Trainer& trainer = layout->trainer();
+    if (!a.log_jsonl.empty() && rank0) {
+      jsonl.open(a.log_jsonl, trainer.steps_done() > 0 ? std::ios::app : std::ios::trunc);
+      check(jsonl.good(), "--log-jsonl {}: cannot open for writing", a.log_jsonl);
+      // A header line for every start (a resumed run appends one): step records
+      // are the lines with a "step".
+      jsonl << nlohmann::json{{"start_step", trainer.steps_done()}, {"ranks", ranks}}.dump()
+            << '\n';
+    }
+    // The family's count (GPT's: 6 x parameters without wpe + attention's
+    // 12 L T C), else 6 x parameters.
+    flops_per_token = model->flops_per_token > 0
+                          ? model->flops_per_token
+                          : 6.0 * static_cast<double>(true_param_count(model->graph));
+    const auto started = std::chrono::steady_clock::now();
+    Tensor stop_flags = Tensor::zeros({2});
+    // Signals are caught with --save; a time limit is checked whenever it is
+    // set. Parameter servers take neither yet: a signal ends the job, which
+    // resumes from its last checkpoint (scripts/weft-run).
+    const bool catch_signals = !a.save.empty() && !ps_worker;
+    if (catch_signals) install_stop_handlers(a.job->program);
+    const bool check_stop = catch_signals || a.exit_duration_mins > 0;
+    last_saved = trainer.steps_done();  // a resumed run's step is on disk already
+    // A step's record, once read: the ETA's pace, the plot, the metrics file
+    // and the log line.
+    auto take = [&, this](const StepRecord& r, std::optional<double> val_loss) {
+      if (recent.size() == kRecent)
+        recent.erase(recent.begin()), recent_ms.erase(recent_ms.begin());
+      recent.push_back(r.loss);
+      recent_ms.push_back(r.step_ms);
+      const double elapsed =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      // The remaining steps at the recent steps' mean pace.
+      double mean_ms = 0;
+      for (double ms : recent_ms) mean_ms += ms / static_cast<double>(recent_ms.size());
+      const double eta = mean_ms / 1e3 * static_cast<double>(a.train_iters - r.step - 1);
+      train_points.emplace_back(static_cast<double>(r.step + 1), r.loss);
+      if (jsonl.is_open()) {
+        auto j = r.json();
+        j["gflops"] = flops_per_token * r.tokens_per_s / 1e9;
+        j["elapsed_s"] = elapsed;
+        if (val_loss) j["val_loss"] = *val_loss;
+        jsonl << j.dump() << '\n';
+        jsonl.flush();
+      }
+      if (rank0 && ((r.step + 1) % a.log_interval == 0 || r.step + 1 == a.train_iters || r.skipped))
+        fmt::print("{} | {:.1f} GFLOP/s | elapsed {} | eta {}\n", r.line(a.train_iters),
+                   flops_per_token * r.tokens_per_s / 1e9, duration(elapsed), duration(eta));
+    };
+    // The records not yet read; the last one's step evaluated when `eval`.
+    auto take_all = [&, this](bool eval = false) {
+      const std::vector<StepRecord>& records = trainer.take_records();
+      std::optional<double> val_loss;
+      if (eval) {
+        val_loss = trainer.evaluate(*validation, a.eval_iters);
+        val_points.emplace_back(static_cast<double>(trainer.steps_done()), *val_loss);
+        if (rank0)
+          fmt::print("validation loss {:.4f} at step {} ({} batches)\n", *val_loss,
+                     trainer.steps_done(), a.eval_iters);
+      }
+      for (size_t i = 0; i < records.size(); ++i)
+        take(records[i], i + 1 == records.size() ? val_loss : std::nullopt);
+      std::fflush(stdout);
+    };
+    if (rank0 && trainer.steps_done() >= a.train_iters && a.train_iters > 0)
+      fmt::print(
+          "note: the run resumes after step {}, and --train-iters is {}: no step to take "
+          "(raise --train-iters to train further)\n",
+          trainer.steps_done(), a.train_iters);
+    while (trainer.steps_done() < a.train_iters) {
+      if (trainer.steps_done() == a.profile_step_start) profiler_range(setup.device, true);
+      // The records are read at logging, evaluation and save steps and at the
+      // last: between them, on a GPU, the host queues steps without waiting
+      // for the device (Trainer::launch_step).
+      const int64_t next = trainer.steps_done() + 1;
+      const bool eval_now =
+          a.eval_interval > 0 && (next % a.eval_interval == 0 || next == a.train_iters);
+      const bool save_now = a.save_interval > 0 && next % a.save_interval == 0;
+      const bool read_now = next % a.log_interval == 0 || next == a.train_iters || eval_now ||
+                            save_now || (a.exit_interval > 0 && next % a.exit_interval == 0);
+      trainer.launch_step(read_now);
+      if (read_now) take_all(eval_now);
+      if (trainer.steps_done() == a.profile_step_end) profiler_range(setup.device, false);
+      const double elapsed =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      if (a.save_interval > 0 && trainer.steps_done() % a.save_interval == 0) save();
+      if (trainer.steps_done() >= a.train_iters) continue;
+      // With --local-steps, the replicas agree (and can save) only every H steps.
+      const bool can_stop = a.local_steps == 0 || trainer.steps_done() % a.local_steps == 0;
+      const StopReason stop =
+          check_stop && can_stop
+              ? stop_requested(world, stop_flags,
+                               a.exit_duration_mins > 0 && elapsed >= a.exit_duration_mins * 60)
+              : StopReason{};
+      const bool at_exit_interval =
+          a.exit_interval > 0 && trainer.steps_done() % a.exit_interval == 0;
+      if (stop.any() || at_exit_interval) {
+        take_all();
+        save();
+        if (rank0) {
+          const std::string why = stop.signal > 0 ? fmt::format("on {}", signal_name(stop.signal))
+                                  : stop.out_of_time
+                                      ? fmt::format("after {:g} minutes (--exit-duration-in-mins)",
+                                                    a.exit_duration_mins)
+                                      : fmt::format("at --exit-interval {}", a.exit_interval);
+          fmt::print("stopping {} after step {}; {}\n", why, trainer.steps_done(),
+                     a.save.empty() ? std::string("nothing was saved (no --save)")
+                                    : fmt::format("run again with --load {} to continue", a.save));
+        }
+        std::fflush(stdout);
+        return true;
+      }
+    }
+    return false;
+  }
+
+  void report() {
+    PipelineExecutor* pipeline = layout->pipeline();
+    if (pipeline && !a.trace.empty()) {
+      pipeline->write_trace(a.trace);
+      if (rank0) fmt::print("wrote the trace of every action to {}\n", a.trace);
+    }
+    if (pipeline) {
+      // Each rank's peak of activation memory in the last step, measured (arena
+      // bytes) and as the schedule's model composes it from what this rank's
+      // actions added (sched::memory_use): the two agree exactly.
+      const int me = pipeline->group().rank();
+      const double modelled = sched::memory_use(layout->schedule(), pipeline->stage_bytes(),
+                                                a.recompute, a.overlap_p2p_comm)
+                                  .peak[static_cast<size_t>(me)];
+      Tensor all = Tensor::zeros({2 * a.pp}), mine = Tensor::zeros({2});
+      mine.data<float>()[0] = static_cast<float>(pipeline->peak_bytes());
+      mine.data<float>()[1] = static_cast<float>(modelled);
+      pipeline->group().all_gather(mine, all);
+      const std::vector<int> promised = sched::peak_in_flight(layout->schedule(), a.recompute);
+      if (rank0) {
+        std::vector<std::string> measured, composed;
+        for (int r = 0; r < a.pp; ++r) {
+          measured.push_back(format_bytes(all.data<float>()[2 * r]));
+          composed.push_back(format_bytes(all.data<float>()[2 * r + 1]));
+        }
+        fmt::print(
+            "activation memory, peak per pipeline rank: [{}] held, [{}] by {}'s model; "
+            "[{}] micro-batch stages\n",
+            fmt::join(measured, ", "), fmt::join(composed, ", "), a.schedule,
+            fmt::join(promised, ", "));
+      }
+    }
+    if (!recent.empty() && rank0) {
+      double mean = 0;
+      for (double l : recent) mean += l;
+      mean /= static_cast<double>(recent.size());
+      fmt::print(
+          "mean loss of the last {} steps: {:.4f} nats ({:.2f} bits per token); unigram "
+          "entropy of the data: {:.4f} nats\n",
+          recent.size(), mean, mean / std::log(2.0), entropy);
+    }
+    if (rank0 && !a.loss_plot.empty()) {
+      write_loss_plot(
+          a.loss_plot, train_points, val_points,
+          fmt::format("{} layers x {}, global batch {}", cfg.num_layers, cfg.hidden_size, global));
+      fmt::print("wrote the loss curve to {}\n", a.loss_plot);
+    }
+    save();  // the last step, once (unless the interval has just saved it)
+    if (ps_worker && rank0) {
+      const std::vector<int64_t> h = ps_worker->staleness_histogram();
+      std::vector<std::string> bins;
+      for (size_t s = 0; s < h.size(); ++s)
+        if (h[s] > 0)
+          bins.push_back(fmt::format("{}{}: {}", s, s + 1 == h.size() ? "+" : "", h[s]));
+      fmt::print(
+          "staleness of the servers' updates (updates from other workers between a "
+          "worker's read and its push): {}\n",
+          fmt::join(bins, ", "));
+    }
+  }
+
+  void sample() {
+    {
+      place_params(model->graph.params(), Device::cpu());  // sampling runs on the host
+      std::vector<int32_t> prompt;
+      if (data_->is_text()) {
+        for (unsigned char ch : a.sample_prompt) prompt.push_back(ch);
+      } else {  // token data: start from end-of-text (the tokenizer's, else GPT-2's)
+        const int32_t eot = tokenizer && tokenizer->eot() >= 0 ? tokenizer->eot() : 50256;
+        prompt.push_back(eot < cfg.vocab_size ? eot : 0);
+      }
+      // The family's model for one sequence at a time, with the trained weights.
+      ModelArgs one = model_args(a, cfg);
+      one.micro_batch = 1;
+      JobModel sampler = family->build(one);
+      sampler.io.graph = &sampler.graph;
+      for (Param* p : sampler.graph.params()) {
+        const Param* trained = model->params->find(p->name);
+        check(trained != nullptr,
+              "--sample: the {} family's model for one sequence has {}, which "
+              "the trained model lacks",
+              family->name, p->name);
+        p->value.copy_from(trained->value);
+      }
+      auto tokens = sample_tokens(sampler, cfg, prompt, a.sample, a.sample_temperature,
+                                  static_cast<uint64_t>(a.seed));
+      fmt::print("--- sample ({} tokens, temperature {}) ---\n", a.sample, a.sample_temperature);
+      if (data_->is_text()) {
+        std::string s(a.sample_prompt);
+        for (int32_t t : tokens) s.push_back(static_cast<char>(t));
+        fmt::print("{}\n", s);
+      } else if (tokenizer) {
+        std::string s;
+        for (int32_t t : tokens) s += tokenizer->decode(t);
+        fmt::print("{}\n", s);
+      } else {
+        for (int32_t t : tokens) fmt::print("{} ", t);
+        fmt::print("\n(token ids: give --tokenizer to decode them)\n");
+      }
+    }
+  }
+
+  const Args& a;
+  const CLI::App& app;
+  Communicator* world;  // the MPI world, or the staged or NCCL one over it
+  const GptConfig cfg;
+  const int64_t global;  // sequences per step
+  int world_size = 1, workers = 1;
+  PipelineSetup setup;
+  std::optional<HostStagedCommunicator> staged_world;
+  std::unique_ptr<Communicator> nccl;  // over the MPI world, which carries host tensors
+  bool rank0 = true;
+  nlohmann::json ranks;
+  std::optional<TokenData> data_;
+  std::optional<Tokenizer> tokenizer;
+  DataSplit split;
+  double entropy = 0;
+  const ModelFamily* family = nullptr;
+  std::optional<JobModel> model;
+  TrainOptions opt;
+  std::optional<TokenBatches> batches, validation;
+  LayoutOptions lo;
+  std::optional<SaveDirLock> save_lock;
+  std::unique_ptr<Communicator> role;
+  std::optional<PsWorker> ps_worker;
+  std::optional<CostModel> cost;
+  std::optional<RankLayout> layout;
+  // What the steps leave for the report: the metrics file, the recent
+  // steps' losses (noisy, each reads one stretch of the data: the run is
+  // summarised by their mean) and the curves.
+  std::ofstream jsonl;
+  double flops_per_token = 0;
+  static constexpr size_t kRecent = 50;
+  std::vector<double> recent, recent_ms;
+  std::vector<std::pair<double, double>> train_points, val_points;  // (step, loss)
+  int64_t last_saved = 0;
+};
+
+}  // namespace
+
+int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
+  return Run(a, app, world)();
+}
+
+// The MPI links (host memory) always; then, where the job's device tensors
+// would go by NCCL (--device cuda, a GPU per rank or WEFT_NCCL_ONE_GPU=1 with
+// --comm-backend nccl), NCCL's links between the ranks' GPUs too.
+int run_link_check(const Args& a, weft::Communicator& world) {
+  constexpr int kReps = 5;
+  const int64_t bytes = a.check_links_mib << 20;
+  bool staged = false, nccl = false;
+  const weft::Device device = resolve_device(a, world.size(), staged, nccl);
+  const nlohmann::json ranks = rank_table(&world, device);
+  std::vector<weft::LinkResult> links = weft::check_links(world, bytes, kReps);
+  if (world.rank() == 0) print_links(links, ranks, a.check_links_mib, kReps, "MPI (host memory)");
+  if (nccl) {
+    std::unique_ptr<weft::Communicator> gpus = weft::nccl_world(world, device.index, world.options());
+    links = weft::check_links(*gpus, bytes, kReps, device);
+    if (world.rank() == 0) print_links(links, ranks, a.check_links_mib, kReps, "NCCL (GPU memory)");
+  }
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace weft::job_detail
