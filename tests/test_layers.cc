@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <weft/arena.h>
 #include <weft/bf16.h>
+#include <weft/gradcheck.h>
 #include <weft/layer.h>
 #include <weft/ops.h>
 #include <weft/param.h>
@@ -1372,6 +1373,56 @@ TEST(TiedLmHeadLoss, Bf16ActivationsGiveTheLossOfBf16Logits) {
       EXPECT_NEAR(dx.data<float>()[e], dx_want[e], dx_bound[e] + 1e-6)
           << "rows " << rows << " at " << e;
   }
+}
+
+// The installed helper (weft/gradcheck.h) passes a correct layer, inputs and
+// parameters both, and names what a wrong backward got wrong: here a
+// LayerNorm whose input gradient is off by 3%, a term of the size a
+// forgotten piece of a gradient would have.
+class OffByThreePercent final : public Layer {
+ public:
+  explicit OffByThreePercent(std::unique_ptr<Layer> inner) : inner_(std::move(inner)) {}
+  const char* kind() const override { return "off_by_3_percent"; }
+  std::vector<Shape> output_shapes(std::span<const Shape> in) const override {
+    return inner_->output_shapes(in);
+  }
+  std::vector<Param*> params() const override { return inner_->params(); }
+  std::unique_ptr<LayerCtx> make_ctx() const override { return inner_->make_ctx(); }
+  void forward(LayerCtx& ctx, Arena& arena, std::span<const Tensor> in,
+               std::span<const Tensor> out) override {
+    inner_->forward(ctx, arena, in, out);
+  }
+  void backward_input(LayerCtx& ctx, Arena& arena, std::span<const Tensor> grad_out,
+                      std::span<const Tensor> grad_in) override {
+    inner_->backward_input(ctx, arena, grad_out, grad_in);
+    ops::scale(grad_in[0], 1.03f);
+  }
+  void backward_weight(LayerCtx& ctx, Arena& arena) override { inner_->backward_weight(ctx, arena); }
+
+ private:
+  std::unique_ptr<Layer> inner_;
+};
+
+TEST(GradCheck, PassesACorrectLayerAndNamesAWrongOne) {
+  ParamStore store;
+  Param* w = store.create("ln.weight", {6}, Init::normal(1.0f));
+  Param* b = store.create("ln.bias", {6}, Init::normal(1.0f));
+  init_param(*w, 1);
+  init_param(*b, 2);
+  const Tensor x = uniform({4, 6}, 3);
+  LayerNorm ln(w, b);
+  const GradCheck good = check_gradients(ln, {x});
+  EXPECT_TRUE(good.ok()) << good.describe();
+  EXPECT_EQ(good.bad, 0) << good.describe();
+  EXPECT_NE(good.compared.find("input 0 (24 elements), ln.weight (6 elements), ln.bias"),
+            std::string::npos)
+      << good.compared;
+  OffByThreePercent wrong(std::make_unique<LayerNorm>(w, b));
+  const GradCheck bad = check_gradients(wrong, {x});
+  EXPECT_FALSE(bad.ok()) << bad.describe();
+  EXPECT_EQ(bad.worst, "input 0") << bad.describe();
+  EXPECT_GT(bad.bad, 0);
+  EXPECT_NE(bad.describe().find("do not match"), std::string::npos) << bad.describe();
 }
 
 }  // namespace
