@@ -8,6 +8,9 @@
 //   throws          rank 1 throws while rank 0 waits in all_reduce
 //   missing-member  (3 ranks) ranks 0 and 1 wait in an all-reduce that rank 2,
 //                   busy waiting for a message, never joins (1 s deadline)
+//   missing-member-nonblocking  (3 ranks) the same with a posted all-reduce
+//                   (iall_reduce, as data-parallel buckets are reduced): ranks 0
+//                   and 1 post two and wait for the first
 #include <weft/mpi_communicator.h>
 
 #include <csignal>
@@ -19,7 +22,7 @@ namespace {
 using namespace weft;
 
 int run(Communicator& world, const std::string& scenario) {
-  const int want = scenario == "missing-member" ? 3 : 2;
+  const int want = scenario.starts_with("missing-member") ? 3 : 2;
   check(world.size() == want, "mpi_failures {} runs on {} ranks, not {}", scenario, want,
         world.size());
   const MessageTag tag{MessageTag::Kind::Activation, 3, 0, 0};
@@ -37,6 +40,18 @@ int run(Communicator& world, const std::string& scenario) {
     world.set_timeout(std::chrono::seconds(60));
     if (world.rank() == 0) std::raise(SIGKILL);
     world.recv(t, 0, tag);
+  } else if (scenario == "missing-member-nonblocking") {
+    world.all_reduce(t, ReduceOp::Sum);  // collective #1: every rank
+    if (world.rank() == 2) {
+      world.set_timeout(std::chrono::seconds(30));
+      world.recv(t, 0, tag);  // never sent: rank 2 is elsewhere
+    } else {
+      world.set_timeout(std::chrono::seconds(1));
+      Tensor u = Tensor::zeros({4});
+      RequestPtr first = world.iall_reduce(t, ReduceOp::Sum);   // #2
+      RequestPtr second = world.iall_reduce(u, ReduceOp::Sum);  // #3
+      first->wait();
+    }
   } else if (scenario == "missing-member") {
     world.all_reduce(t, ReduceOp::Sum);  // collective #1: every rank
     if (world.rank() == 2) {

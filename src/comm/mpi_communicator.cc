@@ -281,7 +281,7 @@ class MpiCommunicator final : public Communicator {
   // Waits for a posted collective that moves `bytes` in and out of this rank.
   template <typename What>
   void wait_collective(MPI_Request& req, size_t bytes, What&& what) {
-    ++collectives_;
+    const int64_t n = next_collective();
     try {
       poll(
           [&] {
@@ -291,18 +291,24 @@ class MpiCommunicator final : public Communicator {
           },
           what, bytes);
     } catch (const CommTimeout& e) {
-      throw CommTimeout("{}; {}", e.what(), roll_call());
+      throw CommTimeout("{}; {}", e.what(), roll_call(n));
     }
   }
 
-  // After a blocking collective timed out here: who never arrived. Each
-  // member that times out sends every other its count of this group's
-  // blocking collectives on roll_ and listens for theirs, as long as the
-  // deadline (60 s at most): a member never heard from was elsewhere
-  // (stuck in other work, or gone); one with another count is in another
-  // collective of the group.
-  std::string roll_call() {
-    roll_note_ = collectives_;
+ public:
+  // The number of the group's next collective, blocking or not: MPI has
+  // every member post the group's collectives in one order, so the same
+  // collective has the same number on every member.
+  int64_t next_collective() { return ++collectives_; }
+
+  // After collective number `mine` timed out here: who never arrived. Each
+  // member that times out sends every other the number of the collective
+  // it waits for on roll_ and listens for theirs, as long as the deadline
+  // (60 s at most): a member never heard from was elsewhere (stuck in other
+  // work, or gone); one with another number waits in another collective of
+  // the group.
+  std::string roll_call(int64_t mine) const {
+    roll_note_ = mine;
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
       MPI_Request q;
@@ -310,7 +316,7 @@ class MpiCommunicator final : public Communicator {
         MPI_Request_free(&q);  // sent in the background, or never: this rank is failing
     }
     std::vector<int64_t> count(static_cast<size_t>(size_), -1);
-    count[static_cast<size_t>(rank_)] = collectives_;
+    count[static_cast<size_t>(rank_)] = mine;
     int left = size_ - 1;
     const auto listen = std::min<std::chrono::milliseconds>(options_.timeout, std::chrono::seconds(60));
     const auto until = Clock::now() + listen;
@@ -335,7 +341,7 @@ class MpiCommunicator final : public Communicator {
       const int64_t c = count[static_cast<size_t>(r)];
       if (c < 0)
         missing.push_back(fmt::format("rank {} (world rank {})", r, world_rank(r)));
-      else if (c != collectives_)
+      else if (c != mine)
         elsewhere.push_back(fmt::format("rank {} (world rank {}) at collective #{}", r,
                                         world_rank(r), c));
     }
@@ -345,12 +351,14 @@ class MpiCommunicator final : public Communicator {
                         fmt::join(missing, ", "), static_cast<double>(listen.count()) / 1e3);
     if (!elsewhere.empty())
       out += fmt::format("{}in another collective of the group: {} (this rank at #{})",
-                         out.empty() ? "" : "; ", fmt::join(elsewhere, ", "), collectives_);
+                         out.empty() ? "" : "; ", fmt::join(elsewhere, ", "), mine);
     if (out.empty())
       out = fmt::format("every member of the group is in it (collective #{}) and timed out too",
-                        collectives_);
+                        mine);
     return out;
   }
+
+ private:
 
   MPI_Comm comm_;
   bool owned_;
@@ -359,8 +367,8 @@ class MpiCommunicator final : public Communicator {
   microseconds spin_;
   int rank_ = 0, size_ = 1;
   MPI_Comm roll_ = MPI_COMM_NULL;
-  int64_t collectives_ = 0;  // blocking collectives this rank entered in the group
-  int64_t roll_note_ = 0;    // roll_call's message (MPI reads it after the call)
+  int64_t collectives_ = 0;        // collectives this rank posted in the group
+  mutable int64_t roll_note_ = 0;  // roll_call's message (MPI reads it after the call)
 };
 
 // Leaves requests that will never be waited for to MPI: receives are
@@ -526,9 +534,14 @@ RequestPtr MpiCommunicator::irecv(const Tensor& t, int peer, MessageTag tag) {
 // completes is left to MPI (the job is ending with an error anyway).
 class CollectiveRequest final : public Request {
  public:
-  CollectiveRequest(const MpiCommunicator& comm, MPI_Request req, size_t bytes, std::string what,
+  CollectiveRequest(MpiCommunicator& comm, MPI_Request req, size_t bytes, std::string what,
                     Tensor keep_alive)
-      : comm_(comm), req_(req), bytes_(bytes), what_(std::move(what)), keep_(std::move(keep_alive)) {}
+      : comm_(comm),
+        req_(req),
+        bytes_(bytes),
+        what_(std::move(what)),
+        keep_(std::move(keep_alive)),
+        number_(comm.next_collective()) {}
 
   bool test() override {
     if (req_ == MPI_REQUEST_NULL) return true;
@@ -536,9 +549,15 @@ class CollectiveRequest final : public Request {
     mpi_check(MPI_Test(&req_, &flag, MPI_STATUS_IGNORE), "MPI_Test");
     return flag != 0;
   }
+  // Past the deadline, the members that waited here name who never
+  // arrived, as a blocking collective's do.
   void wait() override {
-    comm_.poll([&] { return test() ? Progress::Done : Progress::Waiting; },
-               [&] { return what_; }, bytes_);
+    try {
+      comm_.poll([&] { return test() ? Progress::Done : Progress::Waiting; },
+                 [&] { return what_; }, bytes_);
+    } catch (const CommTimeout& e) {
+      throw CommTimeout("{}; {}", e.what(), comm_.roll_call(number_));
+    }
   }
 
  private:
@@ -546,7 +565,8 @@ class CollectiveRequest final : public Request {
   MPI_Request req_;
   size_t bytes_;
   std::string what_;
-  Tensor keep_;  // a copy MPI reads from until done
+  Tensor keep_;     // a copy MPI reads from until done
+  int64_t number_;  // the group's collective number (roll_call)
 };
 
 namespace {
