@@ -512,6 +512,40 @@ TEST(MpiRestart, MinRanksKeepsTheGlobalBatchWhenAReplicaGoes) {
   expect_uninterrupted_losses(k, full, 0, 1e-5);
 }
 
+// Runs `job` (a launcher's command line that saves to dir/ckpt and logs to
+// `jsonl`) in the background, sends its launcher SIGTERM once three steps
+// are logged, as a scheduler does at its time limit, and checks that the
+// job stopped gracefully: exit 0, one line saying so, a checkpoint. Returns
+// the step it stopped after (0 where a check failed).
+int stop_with_sigterm(const std::string& job, const std::string& dir, const std::string& jsonl,
+                      int train_iters) {
+  const std::string rc = dir + "/job.rc";
+  std::filesystem::remove(jsonl);
+  std::filesystem::remove(rc);
+  std::filesystem::remove_all(dir + "/ckpt");
+  // The launcher in the background; its PID is $!.
+  EXPECT_EQ(std::system(("( " + job + " >" + dir + "/job.out 2>&1 & echo $! >" + dir +
+                         "/job.pid; wait $!; echo $? >" + rc + " ) &")
+                            .c_str()),
+            0);
+  if (!wait_for([&] { return logged_steps(jsonl) >= 3; })) {
+    ADD_FAILURE() << read_file(dir + "/job.out");
+    return 0;
+  }
+  EXPECT_EQ(::kill(std::stoi(read_file(dir + "/job.pid")), SIGTERM), 0);
+  if (!wait_for([&] { return !read_file(rc).empty(); })) {
+    ADD_FAILURE() << "the job did not stop";
+    return 0;
+  }
+  const std::string out = read_file(dir + "/job.out");
+  EXPECT_EQ(read_file(rc), "0\n") << out;
+  EXPECT_TRUE(testing::contains(out, "stopping on SIGTERM after step")) << out;
+  const int stopped = std::stoi(read_file(dir + "/ckpt/latest_checkpointed_iteration.txt"));
+  EXPECT_GE(stopped, 3);
+  EXPECT_LT(stopped, train_iters) << "the job ended before the signal";
+  return stopped >= 3 && stopped < train_iters ? stopped : 0;
+}
+
 // SIGTERM to mpiexec (what a scheduler sends at its time limit) reaches every
 // rank: they agree on the step, save once and exit 0; running the same
 // command again continues with the uninterrupted run's losses, bit for bit.
@@ -519,26 +553,12 @@ TEST(MpiSigterm, EveryRankStopsAtTheSameStepAndTheJobResumesBitExactly) {
   const std::string dir = restart_dir(), flags = restart_flags(dir);
   const testing::TrainRun full = testing::run_train_gpt(2, flags + " --pp 2", dir);
   ASSERT_TRUE(full.ok) << full.output;
-  const std::string jsonl = dir + "/job.jsonl", rc = dir + "/job.rc";
-  std::filesystem::remove(jsonl);
-  std::filesystem::remove_all(dir + "/ckpt");
+  const std::string jsonl = dir + "/job.jsonl";
   const std::string job = std::string(std::getenv("WEFT_MPIEXEC")) + " -n 2 " +
                           std::getenv("WEFT_TRAIN_GPT") + " " + flags +
                           " --pp 2 --save-interval 0 --save " + dir + "/ckpt --log-jsonl " + jsonl;
-  // The launcher in the background; its PID is $!.
-  ASSERT_EQ(std::system(("( " + job + " >" + dir + "/job.out 2>&1 & echo $! >" + dir +
-                         "/job.pid; wait $!; echo $? >" + rc + " ) &")
-                            .c_str()),
-            0);
-  ASSERT_TRUE(wait_for([&] { return logged_steps(jsonl) >= 3; })) << read_file(dir + "/job.out");
-  ASSERT_EQ(::kill(std::stoi(read_file(dir + "/job.pid")), SIGTERM), 0);
-  ASSERT_TRUE(wait_for([&] { return !read_file(rc).empty(); })) << "the job did not stop";
-  const std::string out = read_file(dir + "/job.out");
-  ASSERT_EQ(read_file(rc), "0\n") << out;
-  EXPECT_TRUE(testing::contains(out, "stopping on SIGTERM after step")) << out;
-  const int stopped = std::stoi(read_file(dir + "/ckpt/latest_checkpointed_iteration.txt"));
-  ASSERT_GE(stopped, 3);
-  ASSERT_LT(stopped, 60) << "the job ended before the signal";
+  const int stopped = stop_with_sigterm(job, dir, jsonl, 60);
+  ASSERT_GT(stopped, 0);
   // The same command again: it resumes by itself and finishes.
   const testing::TrainRun rest = testing::run_train_gpt(
       2, flags + " --pp 2 --save-interval 0 --save " + dir + "/ckpt", dir);
@@ -613,22 +633,11 @@ TEST(MpiFirstModel, TrainsStopsOnSigtermAndResumesWithTheSameCommand) {
   const std::string run = layout + " --train-iters 200 --save " + dir + "/ckpt";
   const testing::TrainRun full = testing::run_job(exe, 4, "--train-iters 200" + layout, dir);
   ASSERT_TRUE(full.ok) << full.output;
-  const std::string jsonl = dir + "/job.jsonl", rc = dir + "/job.rc";
+  const std::string jsonl = dir + "/job.jsonl";
   const std::string job = std::string(std::getenv("WEFT_MPIEXEC")) + " -n 4 " + exe + run +
                           " --device cpu --log-jsonl " + jsonl;
-  ASSERT_EQ(std::system(("( " + job + " >" + dir + "/job.out 2>&1 & echo $! >" + dir +
-                         "/job.pid; wait $!; echo $? >" + rc + " ) &")
-                            .c_str()),
-            0);
-  ASSERT_TRUE(wait_for([&] { return logged_steps(jsonl) >= 3; })) << read_file(dir + "/job.out");
-  ASSERT_EQ(::kill(std::stoi(read_file(dir + "/job.pid")), SIGTERM), 0);
-  ASSERT_TRUE(wait_for([&] { return !read_file(rc).empty(); })) << "the job did not stop";
-  const std::string out = read_file(dir + "/job.out");
-  ASSERT_EQ(read_file(rc), "0\n") << out;
-  EXPECT_TRUE(testing::contains(out, "stopping on SIGTERM after step")) << out;
-  const int stopped = std::stoi(read_file(dir + "/ckpt/latest_checkpointed_iteration.txt"));
-  ASSERT_GE(stopped, 3);
-  ASSERT_LT(stopped, 200) << "the job ended before the signal";
+  const int stopped = stop_with_sigterm(job, dir, jsonl, 200);
+  ASSERT_GT(stopped, 0);
   const testing::TrainRun rest = testing::run_job(exe, 4, run, dir);
   ASSERT_TRUE(rest.ok) << rest.output;
   EXPECT_TRUE(testing::contains(rest.output, fmt::format("at step {}", stopped))) << rest.output;

@@ -103,6 +103,32 @@ TEST(Parity, ForwardLossAndLogits) {
   EXPECT_LT(rel_error(logits.data<float>(), golden.data<float>(), golden.numel()), kTol);
 }
 
+// The final weights after `steps` updates at `lr` against the fixture's
+// "final.<name>" tensors, to kFinal (see FiveAdamWStepsWithClipping for the
+// error model). The key bias adds q.b to every score of a row, which softmax
+// ignores: its true gradient is zero and both frameworks hold only rounding
+// noise there, which AdamW and Lion turn into steps of about lr whose signs
+// are noise. So the query and value biases are compared as the rest are,
+// and the key bias is bounded by the steps taken.
+void expect_final_weights(const std::vector<Param*>& params, const safetensors::File& fixture,
+                          int64_t c, float lr, int64_t steps) {
+  constexpr double kFinal = 1e-3;
+  for (Param* p : params) {
+    Tensor want = fixture.get("final." + p->name);
+    const Tensor value = p->value.device().is_cpu() ? p->value : testing::to_host(p->value);
+    if (p->name.find("attn.c_attn.bias") == std::string::npos) {
+      EXPECT_LT(rel_error(value, want), kFinal) << p->name;
+      continue;
+    }
+    const float* got = value.data<float>();
+    const float* ref = want.data<float>();
+    EXPECT_LT(rel_error(got, ref, c), kFinal) << p->name << " (query)";
+    EXPECT_LT(rel_error(got + 2 * c, ref + 2 * c, c), kFinal) << p->name << " (value)";
+    for (int64_t i = c; i < 2 * c; ++i)
+      EXPECT_LE(std::abs(got[i] - ref[i]), 2.0f * static_cast<float>(steps) * lr) << p->name;
+  }
+}
+
 // The training step on each device through the same graph, layers and
 // Trainer: the CPU always, cuda:0 where a GPU is visible (skipped otherwise).
 // The GPU computes in fp32 too (no TF32) and differs from the CPU and from
@@ -170,27 +196,8 @@ TEST_P(DeviceParity, FiveAdamWStepsWithClipping) {
   // held to kTol: every step's loss and norm above depend on the weights the
   // steps before left, so a wrong update (AdamW's decay alone is 1.5e-3 of
   // the weights over these steps) fails there first.
-  constexpr double kFinal = 1e-3;
-  const int64_t c = fx.config().hidden_size;
-  const float lr = static_cast<float>(fx.fmeta("lr"));
-  for (Param* p : m.graph.params()) {
-    Tensor want = fx.golden.get("final." + p->name);
-    const Tensor value = host(p->value);
-    if (p->name.find("attn.c_attn.bias") == std::string::npos) {
-      EXPECT_LT(rel_error(value, want), kFinal) << p->name;
-      continue;
-    }
-    // The key bias adds q.b to every score of a row, which softmax ignores:
-    // its true gradient is zero and both frameworks hold only rounding noise
-    // there, which Adam turns into steps of about lr whose signs are noise.
-    // Compare q and v biases exactly; bound the key bias by the steps taken.
-    const float* got = value.data<float>();
-    const float* ref = want.data<float>();
-    EXPECT_LT(rel_error(got, ref, c), kFinal) << p->name << " (query)";
-    EXPECT_LT(rel_error(got + 2 * c, ref + 2 * c, c), kFinal) << p->name << " (value)";
-    for (int64_t i = c; i < 2 * c; ++i)
-      EXPECT_LE(std::abs(got[i] - ref[i]), 2.0f * static_cast<float>(steps) * lr) << p->name;
-  }
+  expect_final_weights(m.graph.params(), fx.golden, fx.config().hidden_size,
+                       static_cast<float>(fx.fmeta("lr")), steps);
 }
 
 // Lion (src/runtime/lion.cc) against PyTorch (tests/reference/lion_reference.py):
@@ -227,22 +234,7 @@ TEST_P(DeviceParity, FiveLionStepsWithClipping) {
     EXPECT_NEAR(r.loss, losses[s], kTol * losses[s]) << "step " << s;
     EXPECT_NEAR(r.grad_norm, norms[s], kTol * norms[s]) << "step " << s;
   }
-  constexpr double kFinal = 1e-3;
-  const int64_t c = fx.config().hidden_size;
-  for (Param* p : m.graph.params()) {
-    Tensor want = lion.get("final." + p->name);
-    const Tensor value = host(p->value);
-    if (p->name.find("attn.c_attn.bias") == std::string::npos) {
-      EXPECT_LT(rel_error(value, want), kFinal) << p->name;
-      continue;
-    }
-    const float* got = value.data<float>();
-    const float* ref = want.data<float>();
-    EXPECT_LT(rel_error(got, ref, c), kFinal) << p->name << " (query)";
-    EXPECT_LT(rel_error(got + 2 * c, ref + 2 * c, c), kFinal) << p->name << " (value)";
-    for (int64_t i = c; i < 2 * c; ++i)
-      EXPECT_LE(std::abs(got[i] - ref[i]), 2.0f * static_cast<float>(steps) * lr) << p->name;
-  }
+  expect_final_weights(m.graph.params(), lion, fx.config().hidden_size, lr, steps);
 }
 
 // The same fixture with the vocabulary padded (Megatron's
