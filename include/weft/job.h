@@ -67,7 +67,7 @@ struct JobModel {
   // For sampling (--sample): the (B, T) int32 token input and the LM head,
   // whose logits are read. A family without a head cannot sample.
   int tokens = -1, targets = -1;
-  const TiedLmHeadLoss* head = nullptr;
+  TiedLmHeadLoss* head = nullptr;
   // Training FLOPs per token for the GFLOP/s figure; 0: 6 x parameters.
   double flops_per_token = 0;
   // What the family records in a checkpoint's meta.json beside the shape

@@ -126,6 +126,7 @@ class Optimizer {
   const UpdateRule& rule() const { return *rule_; }
 
  private:
+  void update(float lr, float grad_scale, const Tensor& grad_scale_at);
   std::vector<Param*> params_;
   std::unique_ptr<UpdateRule> rule_;
   std::vector<std::array<Tensor, kMaxOptimizerState>> state_;

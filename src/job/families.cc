@@ -94,7 +94,7 @@ std::vector<int32_t> sample_tokens(JobModel& model, const GptConfig& shape,
   for (int k = 0; k < n; ++k)
     if (g.nodes()[static_cast<size_t>(k)].layer.get() == model.head) head_node = k;
   check(head_node >= 0, "sampling: the model's head is not a node of its graph");
-  const_cast<TiedLmHeadLoss*>(model.head)->set_keep_logits(true);
+  model.head->set_keep_logits(true);
   // Logits rows hold the padded vocabulary; only the true one is sampled.
   const int64_t T = shape.seq_length, V = shape.vocab_size, stride = shape.table_rows();
   MicroBatch mb(g);

@@ -119,23 +119,16 @@ Optimizer::Optimizer(std::vector<Param*> params, std::unique_ptr<UpdateRule> rul
   }
 }
 
-void Optimizer::step(float lr, float grad_scale) {
-  step_.grad_scale = grad_scale;
-  step_.grad_scale_at = Tensor();
-  step_.lr = lr;
-  step_.step = ++steps_;
-  pieces_.clear();  // keeps its capacity
-  for (size_t i = 0; i < params_.size(); ++i)
-    pieces_.push_back({params_[i]->value, params_[i]->grad, state_[i], params_[i]->weight_decay()});
-  rule_->update(pieces_, step_, cache_);
-}
+void Optimizer::step(float lr, float grad_scale) { update(lr, grad_scale, Tensor()); }
 
-void Optimizer::step(float lr, const Tensor& grad_scale) {
-  step_.grad_scale = 1.0f;
-  step_.grad_scale_at = grad_scale;
+void Optimizer::step(float lr, const Tensor& grad_scale) { update(lr, 1.0f, grad_scale); }
+
+void Optimizer::update(float lr, float grad_scale, const Tensor& grad_scale_at) {
   step_.lr = lr;
   step_.step = ++steps_;
-  pieces_.clear();
+  step_.grad_scale = grad_scale;
+  step_.grad_scale_at = grad_scale_at;
+  pieces_.clear();  // keeps its capacity
   for (size_t i = 0; i < params_.size(); ++i)
     pieces_.push_back({params_[i]->value, params_[i]->grad, state_[i], params_[i]->weight_decay()});
   rule_->update(pieces_, step_, cache_);
