@@ -40,15 +40,6 @@ std::string bytes_text(double bytes) {
   return s;
 }
 
-// The transformer block of a node named "h.<i>" or "h.<i>.*": i; otherwise -1.
-int block_of(const std::string& name) {
-  if (name.rfind("h.", 0) != 0) return -1;
-  size_t end = 2;
-  while (end < name.size() && std::isdigit(static_cast<unsigned char>(name[end]))) ++end;
-  if (end == 2 || end - 2 > 9 || (end < name.size() && name[end] != '.')) return -1;
-  return std::stoi(name.substr(2, end - 2));
-}
-
 // Where each of `parts` shares of `count` items starts, ending with `count`. The first
 // count % parts shares take one item more, as DeepSpeed's partition_uniform does.
 std::vector<int> even_starts(int count, int parts) {

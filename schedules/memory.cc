@@ -90,7 +90,8 @@ MemoryUse memory_use(const Schedule& s, const std::vector<StageBytes>& bytes, bo
         add(sl, b.recv_b);
         sl.grads = true;
       }
-      add(sl, recompute ? 0 : b.i);
+      add(sl, b.i);
+      if (recompute) peak = std::max(peak, held + b.i_work_above);
       if (stage > 0 && rank_of(stage - 1) == static_cast<int>(r)) {
         Slot& prev = slot(stage - 1, mb);
         add(prev, bytes[static_cast<size_t>(stage) - 1].recv_b);

@@ -254,9 +254,15 @@ StageCosts read_stage_costs(const std::string& path) {
     if (mem == st.end()) continue;
     weft::check(mem->is_object(), "--costs {}: stages[{}].memory is not an object", path, k);
     StageBytes b;
-    for (auto [key, field] : {std::pair{"recv_f", &b.recv_f}, {"f", &b.f}, {"recv_b", &b.recv_b},
-                              {"i", &b.i}, {"w", &b.w}, {"f_work", &b.f_work},
-                              {"i_work", &b.i_work}, {"i_keep", &b.i_keep}})
+    for (auto [key, field] : {std::pair{"recv_f", &b.recv_f},
+                              {"f", &b.f},
+                              {"recv_b", &b.recv_b},
+                              {"i", &b.i},
+                              {"w", &b.w},
+                              {"f_work", &b.f_work},
+                              {"i_work", &b.i_work},
+                              {"i_keep", &b.i_keep},
+                              {"i_work_above", &b.i_work_above}})
       *field = stage_number(c, *mem, k, key, false);
     c.memory.push_back(b);
   }

@@ -1,22 +1,21 @@
 // train_gpt end to end: bad input gets one error line and exit status 1;
 // good input trains, logs JSONL, saves, resumes and samples.
+#include <fmt/core.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <weft/device.h>
 #include <weft/ops.h>
 #include <weft/safetensors.h>
-
-#include <fmt/core.h>
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
-
-#include "test_util.h"
-
-#include <sys/wait.h>
+#include <weft/units.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
+
+#include "test_util.h"
 
 namespace weft {
 namespace {
@@ -314,9 +313,13 @@ TEST_F(Cli, ModelFamilyFlags) {
 // flag changes something).
 TEST_F(Cli, PipelineFlagsThatWouldDoNothingAreRefused) {
   expect_error(toy("--schedule zbh1"), {"--schedule 'zbh1' is not a schedule (one of: gpipe, 1f1b"});
-  for (const char* flag : {"--schedule 1f1b", "--virtual-stages 2", "--partition time",
-                           "--profile costs.json", "--recompute", "--memory-budget 1GiB"})
+  for (const char* flag :
+       {"--schedule 1f1b", "--virtual-stages 2", "--partition time", "--memory-budget 1GiB"})
     expect_error(toy(flag), {"shapes the pipeline, and there is none: it needs --pp > 1"});
+  expect_error(toy("--recompute"),
+               {"--recompute recomputes whole pipeline stages, and at --pp 1 the one stage is the "
+                "whole model",
+                "--recompute-granularity full --recompute-method uniform"});
   expect_error(toy("--pp 2 --schedule 1f1b --virtual-stages 2"),
                {"--virtual-stages 2: 1f1b runs one chunk per rank; only interleaved-1f1b and zb-v "
                 "run several"});
@@ -328,6 +331,69 @@ TEST_F(Cli, PipelineFlagsThatWouldDoNothingAreRefused) {
                {"--memory-budget '2XB' must be a positive size: bytes, or a number with KiB"});
   expect_error(toy("--pp 2 --schedule zb-h1 --recompute"),
                {"--recompute with --schedule zb-h1 would not be zero-bubble"});
+  // Megatron's recompute flags: full with a method, nothing half-given.
+  const std::string full = " --recompute-granularity full --recompute-method uniform";
+  expect_error(toy("--pp 2 --schedule zb-v" + full), {"would not be zero-bubble"});
+  expect_error(toy("--recompute-granularity full"),
+               {"--recompute-granularity full needs --recompute-method uniform or block"});
+  expect_error(toy("--recompute-method block"),
+               {"--recompute-method says which blocks --recompute-granularity full recomputes"});
+  expect_error(toy("--recompute-num-layers 2"), {"--recompute-num-layers says which blocks"});
+  expect_error(toy("--pp 2 --recompute" + full),
+               {"--recompute (whole stages) and --recompute-granularity full both say"});
+  expect_error(toy("--recompute-granularity selective"),
+               {"--recompute-granularity selective (attention's internals only) is not available"});
+  expect_error(toy("--recompute-granularity some"),
+               {"--recompute-granularity 'some' must be full"});
+  expect_error(toy("--recompute-granularity full --recompute-method layers"),
+               {"--recompute-method 'layers' must be uniform or block"});
+  expect_error(toy(full.substr(1) + " --recompute-num-layers 0"),
+               {"--recompute-num-layers 0 must be at least 1"});
+}
+
+// Megatron's recompute over blocks through train_gpt at pp 1: the same bits
+// as without it, in less activation memory (test_pipeline holds every
+// schedule and pp). The executor runs pp 1 too, so --profile and --trace
+// work there.
+TEST_F(Cli, RecomputedBlocksTrainTheSameBitsInLessMemory) {
+  const std::string base =
+      "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+      "--micro-batch-size 2 --global-batch-size 8 --lr 1e-2 --train-iters 3 --data-path " +
+      dir_ + "/text.txt";
+  // The peak: "activation memory, peak per pipeline rank: [12.0 KiB] held".
+  auto held = [](const std::string& out) {
+    const std::string head = "activation memory, peak per pipeline rank: [";
+    const size_t at = out.find(head);
+    if (at == std::string::npos) return -1.0;
+    const size_t begin = at + head.size();
+    std::string first = out.substr(begin, out.find(']', begin) - begin);
+    first.erase(std::remove(first.begin(), first.end(), ' '), first.end());
+    return parse_bytes("held", first);
+  };
+  const std::string plain_log = dir_ + "/plain.jsonl", recompute_log = dir_ + "/recompute.jsonl";
+  const Result plain = run(base + " --log-jsonl " + plain_log);
+  ASSERT_EQ(plain.code, 0) << plain.out << plain.err;
+  const Result recomputed =
+      run(base +
+          " --recompute-granularity full --recompute-method uniform "
+          "--recompute-num-layers 1 --log-jsonl " +
+          recompute_log + " --profile " + dir_ + "/costs.json --trace " + dir_ + "/trace.json");
+  ASSERT_EQ(recomputed.code, 0) << recomputed.out << recomputed.err;
+  const auto a = testing::jsonl_steps(plain_log), b = testing::jsonl_steps(recompute_log);
+  ASSERT_EQ(a.size(), 3u);
+  ASSERT_EQ(b.size(), 3u);
+  for (size_t i = 0; i < 3; ++i)
+    for (const char* key : {"loss", "grad_norm"})
+      EXPECT_EQ(a[i][key].get<double>(), b[i][key].get<double>()) << key << " step " << i;
+  // Four blocks' activations held at once, against one block's replayed.
+  EXPECT_GT(held(plain.out), 0) << plain.out;
+  EXPECT_GT(held(recomputed.out), 0) << recomputed.out;
+  EXPECT_LT(held(recomputed.out), held(plain.out)) << plain.out << recomputed.out;
+  std::ifstream costs(dir_ + "/costs.json");
+  const nlohmann::json profile = nlohmann::json::parse(costs);
+  ASSERT_EQ(profile["stages"].size(), 1u) << profile.dump();
+  EXPECT_TRUE(profile["stages"][0].contains("memory")) << profile.dump();
+  EXPECT_TRUE(std::ifstream(dir_ + "/trace.json").good()) << recomputed.out;
 }
 
 // --make-vocab-size-divisible-by (Megatron's, default 128): the fixture's 64

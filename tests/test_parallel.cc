@@ -364,7 +364,7 @@ TEST(Plan, ActivationMemoryUnderTensorParallelismIsWhatTheArenasHold) {
   po.pp = 2;
   const StagePlan plan = partition(model.graph, CostModel::analytic(model.graph), po);
   const std::vector<sched::StageBytes> bytes =
-      measure_stage_bytes(model.graph, model.io, plan, batches, kMicro, false);
+      measure_stage_bytes(model.graph, model.io, plan, batches, kMicro);
   nlohmann::json profile = cost_model_json(CostModel::analytic(model.graph), model.graph);
   profile.update(stage_costs_json(CostModel::analytic(model.graph), plan, model.graph, {}, bytes));
   profile["micro_batch_size"] = kMicro;

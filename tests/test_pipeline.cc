@@ -1,6 +1,8 @@
 // Pipelines train the same model: every schedule, on LocalCommunicator
 // threads, gives the single-process losses and gradient norms step for step,
 // and holds exactly the memory its schedule's model predicts.
+#include <gtest/gtest.h>
+#include <weft/layout.h>
 #include <weft/local_communicator.h>
 #include <weft/partition.h>
 #include <weft/pipeline.h>
@@ -8,14 +10,12 @@
 #include <weft/schedule.h>
 #include <weft/trainer.h>
 
-#include <gtest/gtest.h>
-
-#include "models/gpt.h"
-#include "test_util.h"
-
 #include <chrono>
 #include <mutex>
 #include <thread>
+
+#include "models/gpt.h"
+#include "test_util.h"
 
 namespace weft {
 namespace {
@@ -66,13 +66,33 @@ struct Case {
   bool skip = false;
   bool recompute = false;
   bool receives_ahead = false;
+  // Megatron's recompute over blocks, with this many blocks per stage.
+  RecomputeMethod method = RecomputeMethod::None;
+  int recompute_layers = 1;
+  int blocks_per_stage = 1;
 };
+
+PipelineOptions exec_options(const Case& c) {
+  PipelineOptions o;
+  o.recompute = c.recompute;
+  o.post_receives_ahead = c.receives_ahead;
+  o.recompute_method = c.method;
+  o.recompute_layers = c.recompute_layers;
+  return o;
+}
 
 std::string name_of(const ::testing::TestParamInfo<Case>& info) {
   std::string n = info.param.schedule + "_pp" + std::to_string(info.param.pp) + "_v" +
                   std::to_string(info.param.chunks) + (info.param.skip ? "_skip" : "") +
                   (info.param.recompute ? "_recompute" : "") +
-                  (info.param.receives_ahead ? "_receives_ahead" : "");
+                  (info.param.receives_ahead ? "_receives_ahead" : "") +
+                  (info.param.method == RecomputeMethod::None      ? ""
+                   : info.param.method == RecomputeMethod::Uniform ? "_uniform"
+                                                                   : "_block") +
+                  (info.param.method == RecomputeMethod::None
+                       ? ""
+                       : std::to_string(info.param.recompute_layers) + "_of_" +
+                             std::to_string(info.param.blocks_per_stage));
   for (char& ch : n)
     if (ch == '-') ch = '_';
   return n;
@@ -83,13 +103,14 @@ class PipelineMatchesSingleProcess : public ::testing::TestWithParam<Case> {};
 TEST_P(PipelineMatchesSingleProcess, LossesNormsAndStash) {
   const Case c = GetParam();
   const int64_t micro = 2, m = 8, global = micro * m;
-  GptConfig cfg = config(c.pp * c.chunks, c.skip);
+  GptConfig cfg = config(c.pp * c.chunks * c.blocks_per_stage, c.skip);
   TokenData data = text_data();
   const Losses want = single_process(cfg, micro, global, data);
+  const PipelineOptions po_exec = exec_options(c);
 
   sched::Schedule schedule = sched::lower(sched::make_schedule(c.schedule, c.pp, m, c.chunks));
   ASSERT_TRUE(sched::validate(schedule).ok) << sched::validate(schedule).message;
-  const std::vector<int> promised = sched::peak_in_flight(schedule, c.recompute);
+  const std::vector<int> promised = sched::peak_in_flight(schedule, po_exec.recomputes());
   std::mutex mu;
   std::vector<Losses> got(static_cast<size_t>(c.pp));
   std::vector<int> peaks(static_cast<size_t>(c.pp)), slots(static_cast<size_t>(c.pp));
@@ -106,9 +127,6 @@ TEST_P(PipelineMatchesSingleProcess, LossesNormsAndStash) {
     po.chunks = schedule.chunks;
     po.stage_rank = schedule.stage_rank;
     StagePlan plan = partition(model.graph, CostModel::analytic(model.graph), po);
-    PipelineOptions po_exec;
-    po_exec.recompute = c.recompute;
-    po_exec.post_receives_ahead = c.receives_ahead;
     PipelineExecutor exec(model.graph, model.io, plan, schedule, comm, po_exec);
     Trainer trainer(model.io, batches, options(micro, global), exec);
     Losses r;
@@ -133,8 +151,8 @@ TEST_P(PipelineMatchesSingleProcess, LossesNormsAndStash) {
   init_gpt(model_copy, 42);
   const sched::MemoryUse model = sched::memory_use(
       schedule,
-      measure_stage_bytes(model_copy.graph, model_copy.io, plan_used, batches, micro, c.recompute),
-      c.recompute, c.receives_ahead);
+      measure_stage_bytes(model_copy.graph, model_copy.io, plan_used, batches, micro, po_exec),
+      po_exec.recomputes(), c.receives_ahead);
   EXPECT_EQ(bytes, model.peak);
   EXPECT_EQ(slots, model.peak_slots);
   for (int rank = 0; rank < c.pp; ++rank) {
@@ -301,11 +319,64 @@ std::vector<Case> cases() {
   for (const char* s : {"gpipe", "1f1b", "zb-h1"}) v.push_back({s, 4, 1, false, false, true});
   v.push_back({"zb-v", 2, 2, true, false, true});
   v.push_back({"interleaved-1f1b", 2, 2, false, true, true});
+  // Megatron's recompute over blocks: groups of 1 and 2 of 3 blocks (the
+  // last group shorter), the first 2 blocks alone; with a skip, whose value
+  // crosses the ranges; on one rank, and with interleaving.
+  using M = RecomputeMethod;
+  v.push_back({"1f1b", 1, 1, false, false, false, M::Uniform, 1, 3});
+  v.push_back({"1f1b", 2, 1, false, false, false, M::Uniform, 2, 3});
+  v.push_back({"gpipe", 2, 1, true, false, false, M::Uniform, 1, 3});
+  v.push_back({"1f1b", 2, 1, false, false, true, M::Block, 2, 3});
+  v.push_back({"interleaved-1f1b", 2, 2, true, false, false, M::Uniform, 1, 2});
   return v;
 }
 
 INSTANTIATE_TEST_SUITE_P(Schedules, PipelineMatchesSingleProcess, ::testing::ValuesIn(cases()),
                          name_of);
+
+// Recompute over blocks takes the same steps bit for bit as keeping the
+// activations, at pp 1 and 2 (RankLayout: pp 1 runs the same executor): the
+// replayed forward computes what the first one did, and every gradient adds
+// in the same order. It holds less: with 3 blocks a stage, one replayed
+// range's activations at a time instead of the stage's.
+TEST(Pipeline, RecomputedBlocksTakeTheSameStepsBitForBitInLessMemory) {
+  const int64_t micro = 2, global = 8;
+  TokenData data = text_data();
+  for (int pp : {1, 2}) {
+    const GptConfig cfg = config(3 * pp, true);
+    std::vector<std::vector<double>> steps;
+    std::vector<double> peak;
+    for (RecomputeMethod method :
+         {RecomputeMethod::None, RecomputeMethod::Uniform, RecomputeMethod::Block}) {
+      std::vector<double> got;
+      double held = 0;
+      std::mutex mu;
+      run_local(pp, [&](Communicator& comm) {
+        TokenBatches batches(data, global, cfg.seq_length);
+        GptModel model = build_gpt(cfg, micro);
+        LayoutOptions lo;
+        lo.pp = pp;
+        lo.pipeline.recompute_method = method;
+        lo.pipeline.recompute_layers = method == RecomputeMethod::Block ? 2 : 1;
+        RankLayout rank(&comm, model.graph, model.io, batches, options(micro, global), lo, 42);
+        std::vector<double> mine;
+        for (int s = 0; s < kSteps; ++s) {
+          const StepRecord r = rank.trainer().train_step();
+          mine.push_back(r.loss);
+          mine.push_back(r.grad_norm);
+        }
+        std::lock_guard<std::mutex> lock(mu);
+        if (comm.rank() == 0) got = mine, held = rank.pipeline()->peak_bytes();
+      });
+      steps.push_back(got);
+      peak.push_back(held);
+    }
+    EXPECT_EQ(steps[1], steps[0]) << "uniform, pp " << pp;
+    EXPECT_EQ(steps[2], steps[0]) << "block, pp " << pp;
+    EXPECT_LT(peak[1], peak[2]) << "pp " << pp;  // all three blocks replayed, not two
+    EXPECT_LT(peak[2], peak[0]) << "pp " << pp;
+  }
+}
 
 // Measured costs: every node is timed, and the time plan they give is never
 // worse than the uniform one by the same costs.

@@ -280,13 +280,13 @@ TEST(Train, SteadyStateStepAllocatesNothing) {
     Trainer t(m.io, batches, o);
     t.train_step();  // plans the arena
     t.train_step();
-    const size_t arena_allocs = t.micro_batch_state().arena().system_allocations();
+    const size_t arena_allocs = t.pipeline().arena_allocations();
     const long before = g_allocations.load();
     t.train_step();
     t.train_step();
     const std::string what = ops::matmul_precision_name(p);
     EXPECT_EQ(g_allocations.load() - before, 0) << what;
-    EXPECT_EQ(t.micro_batch_state().arena().system_allocations(), arena_allocs) << what;
+    EXPECT_EQ(t.pipeline().arena_allocations(), arena_allocs) << what;
     EXPECT_LE(arena_allocs, 3u) << what;
   }
 }

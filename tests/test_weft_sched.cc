@@ -411,7 +411,7 @@ TEST(WeftSched, MemoryFromAProfileIsWhatTheExecutorHolds) {
   po.pp = 2;
   const StagePlan plan = partition(model.graph, CostModel::analytic(model.graph), po);
   const std::vector<sched::StageBytes> memory =
-      measure_stage_bytes(model.graph, model.io, plan, batches, micro, false);
+      measure_stage_bytes(model.graph, model.io, plan, batches, micro);
   nlohmann::json file = cost_model_json(CostModel::analytic(model.graph), model.graph);
   file.update(stage_costs_json(CostModel::analytic(model.graph), plan, model.graph, {}, memory));
   const std::string path = testing::temp_dir("weft-sched-memory") + "/costs.json";

@@ -17,6 +17,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace weft {
@@ -88,5 +89,9 @@ class Graph {
   std::vector<int> outputs_;
   DType activation_dtype_ = DType::F32;
 };
+
+// The transformer block of a node named "h.<i>" or "h.<i>.<...>": i;
+// otherwise -1. The uniform partition and block recompute count blocks so.
+int block_of(std::string_view node_name);
 
 }  // namespace weft

@@ -50,6 +50,7 @@ class RankLayout {
   // The graph this rank runs (the logical one, or its tensor-parallel form).
   Graph& graph() { return tp_graph_ ? *tp_graph_ : logical_; }
   ModelIO io() const { return io_; }
+  // The executor of this rank's stages; at pp 1 the whole graph is one stage.
   PipelineExecutor* pipeline() { return pipeline_.get(); }
   const sched::Schedule& schedule() const { return schedule_; }
   const StagePlan& plan() const { return plan_; }
@@ -63,6 +64,7 @@ class RankLayout {
   ModelIO io_;
   sched::Schedule schedule_;
   StagePlan plan_;
+  std::unique_ptr<Communicator> self_;  // pp 1: the one-stage pipeline's group
   std::unique_ptr<PipelineExecutor> pipeline_;
   std::unique_ptr<Trainer> trainer_;
 };

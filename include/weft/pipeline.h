@@ -14,8 +14,11 @@
 // gradients, layer contexts, arena) holding its own copies of its inputs; the
 // slot returns to a pool as soon as its backward (I and W) is done and its
 // sends have completed. Slots are reused, so steady-state steps allocate
-// nothing. With recompute, F keeps only the stage's inputs and replays the
-// forward right before the backward.
+// nothing. With recompute, F keeps only what crosses the edges of the
+// recomputed ranges of nodes (whole stages, or groups of blocks) and replays
+// each range's forward right before its backward. Without a pipeline (pp 1)
+// the whole graph is one stage on a group of one: every layout runs this
+// executor.
 #pragma once
 
 #include <weft/communicator.h>
@@ -36,8 +39,14 @@ namespace weft {
 
 class SpanTimer;  // weft/profile.h
 
+// Megatron's --recompute-method, over transformer blocks (the nodes named
+// h.<i>, as the uniform partition counts them).
+enum class RecomputeMethod : uint8_t { None, Uniform, Block };
 
 struct PipelineOptions {
+  // Whole stages (--recompute): F keeps only the stage's inputs and the
+  // outputs it sends, and replays the stage's forward right before its
+  // backward.
   bool recompute = false;
   // Record every action's start and end (for write_trace); off, a step
   // records only its compute time.
@@ -52,6 +61,19 @@ struct PipelineOptions {
   // device). Tokens are filled on the host and copied up. Device tensors
   // need a communicator that carries them (HostStagedCommunicator).
   Device device = Device::cpu();
+  // Megatron's --recompute-granularity full over blocks: F drops the
+  // activations of each recomputed range of blocks once the range is done,
+  // keeping what its later nodes read, and B replays the range's forward
+  // from its inputs before the range's backward, so that one range's
+  // activations are alive at a time instead of the stage's. Uniform: each
+  // stage's blocks in groups of `recompute_layers`, each group one range.
+  // Block: the first `recompute_layers` blocks of each stage, each its own
+  // range; the rest keep their activations. Nodes outside blocks (the
+  // embedding, the head) are never recomputed. Either way W runs with I,
+  // as with whole stages.
+  RecomputeMethod recompute_method = RecomputeMethod::None;
+  int recompute_layers = 1;
+  bool recomputes() const { return recompute || recompute_method != RecomputeMethod::None; }
 };
 
 // One action as it ran: microseconds since the pipeline's common start.
@@ -115,6 +137,9 @@ class PipelineExecutor {
   // The most (stage, micro-batch) slots alive at once; a slot lives from its
   // RECV_F or F until its I and W are done and its SEND_B is posted.
   int peak_slots() const { return peak_slots_; }
+  // Times the slots' arenas (and recompute's work area) took memory from
+  // the system: steady steps add none.
+  size_t arena_allocations() const;
   // The most arena bytes the live slots (and, with recompute, the work area)
   // held at once during the last run: what sched::memory_use predicts from
   // stage_bytes(). A slot whose sends are still in flight when it is freed
@@ -137,14 +162,24 @@ class PipelineExecutor {
  private:
   struct Slot;
   struct Boundary;
+  // A range of one stage's nodes run together: recomputed ones run in the
+  // work area (weft/pipeline.h's PipelineOptions).
+  struct Unit {
+    int begin = 0, end = 0;
+    bool recompute = false;
+    std::vector<int> ins;   // values its nodes read that come from before it
+    std::vector<int> outs;  // values it makes that later nodes read
+  };
+  std::vector<Unit> make_units(int begin, int end) const;
+  std::vector<std::vector<Unit>> units_;  // per stage
+  int loss_node_ = -1;                    // the node that makes the loss
   Slot& slot(int stage, int micro_batch, bool create);
   void release_if_done(int stage, int micro_batch);
   static bool sends_done(Slot& s);
   void forward_action(int stage, int mb, int64_t step);
-  void backward_input_action(int stage, int mb);
+  void backward_input_action(int stage, int mb, bool with_weights = false);
   void backward_weight_action(int stage, int mb);
   void fill_inputs(Slot& s, int stage, int mb, int64_t step);
-  void share_inputs(MicroBatch& from, MicroBatch& to, int stage) const;
   void reduce_tied();
   void set_step(int64_t step, size_t index, const sched::Action& a);
   void note_memory();
@@ -195,9 +230,15 @@ class PipelineExecutor {
   // one per action, then its end), so that busy time and the compute
   // actions' trace spans are the device's, not the host's launching.
   std::shared_ptr<SpanTimer> device_timer_;
-  std::unique_ptr<MicroBatch> work_;  // with recompute: where a stage's activations live
-  std::vector<int> keep_buf_;
+  std::unique_ptr<MicroBatch> work_;  // with recompute: where a range's activations live
 };
+
+// The one-process form of a pipeline: the whole graph as one stage (its
+// cost and memory by `cost`), and 1F1B over one rank (each micro-batch's
+// forward, then its backward). The Trainer runs a model without a pipeline
+// this way, and RankLayout at pp 1.
+StagePlan whole_graph_plan(const Graph& graph, const CostModel& cost);
+sched::Schedule one_stage_schedule(int micro_batches);
 
 // What each action of each stage of `plan` adds to memory (its slot's arena
 // bytes), measured by running every stage on this process for one
@@ -205,10 +246,11 @@ class PipelineExecutor {
 // messages. sched::memory_use composes these into any schedule's memory per
 // rank, which the executor then holds exactly. Leaves the parameters as they
 // were; their gradients hold one micro-batch's (zero them before a step, as
-// every step does). Runs on `device`, where every parameter must be.
+// every step does). `options` says how activations are recomputed and
+// where the stages run (options.device), where every parameter must be.
 std::vector<sched::StageBytes> measure_stage_bytes(const Graph& graph, const ModelIO& io,
                                                    StagePlan plan, const BatchSource& data,
-                                                   int64_t micro_batch, bool recompute,
-                                                   Device device = Device::cpu());
+                                                   int64_t micro_batch,
+                                                   const PipelineOptions& options = {});
 
 }  // namespace weft

@@ -116,7 +116,7 @@ UpdateCosts profile_update(const std::vector<Param*>& params, int repeats = 3);
 // gradient back is as large); stash_bytes sums its nodes' activation_bytes,
 // held from F until I and W. With `memory` (measure_stage_bytes, one per
 // stage) each stage also gets "memory": {"recv_f", "f", "recv_b", "i", "w",
-// "f_work", "i_work", "i_keep"}, the bytes each action adds, and the object
+// "f_work", "i_work", "i_keep", "i_work_above"}, the bytes each action adds, and the object
 // gets "recompute".
 nlohmann::json stage_costs_json(const CostModel& cost, const StagePlan& plan, const Graph& g,
                                 const std::vector<double>& update = {},

@@ -166,6 +166,13 @@ struct StageBytes {
   // the gradient it sends back (i_keep: recv_b of stage s-1, less what
   // already lives in the slot, a gradient relayed through the stage).
   double f_work = 0, i_work = 0, i_keep = 0;
+  // With recompute over several ranges of a stage (Megatron's
+  // --recompute-method), I replays them one after another: the most the
+  // ranges above the stage's first held at once beyond i, before the edge's
+  // gradients are placed. F's ranges are within f_work. What I adds to the
+  // slot beyond the edge's gradients (gradients between ranges, the kept
+  // ranges' backward) is i.
+  double i_work_above = 0;
   bool operator==(const StageBytes&) const = default;
 };
 

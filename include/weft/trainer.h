@@ -241,7 +241,10 @@ class Trainer {
   int64_t steps_done() const { return steps_done_; }
   GradSync& grad_sync() { return *sync_; }
   const std::vector<Param*>& params() const { return sync_->params(); }
-  MicroBatch& micro_batch_state() { return mb_; }
+  // The executor that runs this rank's stages: the pipeline's, or without
+  // one the Trainer's own, which runs the whole graph as one stage (each
+  // micro-batch's forward, then its backward: 1F1B on one rank).
+  PipelineExecutor& pipeline() { return *par_.pipeline; }
   // Micro-batches of micro_batch sequences each replica runs per step.
   // The loss-spike check's state (recent losses, steps skipped), kept in
   // checkpoints so that a resumed run decides as the uninterrupted one would.
@@ -305,10 +308,11 @@ class Trainer {
   void read_values();
   void check_finite(const StepRecord& r) const;
   ReplicaBatches data_;
+  // Without a pipeline: a group of one, and the one-stage executor over it.
+  std::unique_ptr<Communicator> self_;
+  std::unique_ptr<PipelineExecutor> own_pipeline_;
+  bool pipelined() const;  // more than one pipeline rank
   std::unique_ptr<GradSync> sync_;
-  MicroBatch mb_;
-  std::vector<Tensor> host_inputs_;  // one micro-batch's inputs, staged on the host for a GPU
-  std::vector<Tensor> inputs_;       // reused per micro-batch, so a step allocates nothing
   int64_t steps_done_ = 0;
   std::set<const Param*> owned_;  // counted and saved by this rank (its pipeline share)
   Tensor scalar_;

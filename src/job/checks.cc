@@ -283,7 +283,6 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
   check(a.sample == 0 || (a.pp == 1 && a.tp == 1),
         "--sample with --pp or --tp > 1 is not available yet (save a checkpoint and sample from "
         "it on one process)");
-  if (a.pp == 1) check(a.trace.empty(), "--trace records pipeline actions: it needs --pp > 1");
   return p;
 }
 
@@ -704,6 +703,39 @@ void check_param_servers(const Args& a, const CLI::App& app, int world) {
           flag);
 }
 
+// Megatron's recompute flags: --recompute-granularity full with a method, or
+// none of them.
+void check_recompute_flags(const Args& a, const CLI::App& app) {
+  using weft::check;
+  const bool granularity = app.count("--recompute-granularity") > 0;
+  check(!granularity || !a.recompute,
+        "--recompute (whole stages) and --recompute-granularity {} both say what to recompute: "
+        "give one",
+        a.recompute_granularity);
+  if (!granularity) {
+    for (const char* flag : {"--recompute-method", "--recompute-num-layers"})
+      check(app.count(flag) == 0,
+            "{} says which blocks --recompute-granularity full recomputes: "
+            "it needs --recompute-granularity full",
+            flag);
+    return;
+  }
+  check(a.recompute_granularity != "selective",
+        "--recompute-granularity selective (attention's internals only) is not available yet: "
+        "use --recompute-granularity full --recompute-method uniform");
+  check(a.recompute_granularity == "full",
+        "--recompute-granularity '{}' must be full (or selective, not available yet)",
+        a.recompute_granularity);
+  check(!a.recompute_method.empty(),
+        "--recompute-granularity full needs --recompute-method uniform or block (Megatron's "
+        "rule): uniform recomputes groups of --recompute-num-layers blocks, block the first "
+        "--recompute-num-layers blocks of each stage");
+  check(a.recompute_method == "uniform" || a.recompute_method == "block",
+        "--recompute-method '{}' must be uniform or block", a.recompute_method);
+  check(a.recompute_num_layers >= 1, "--recompute-num-layers {} must be at least 1",
+        a.recompute_num_layers);
+}
+
 // Pipeline flags that would change nothing are refused: every accepted flag
 // does something.
 void check_pipeline_flags(const Args& a, const CLI::App& app) {
@@ -711,10 +743,15 @@ void check_pipeline_flags(const Args& a, const CLI::App& app) {
   const std::vector<std::string> names = weft::sched::schedule_names();
   check(std::find(names.begin(), names.end(), a.schedule) != names.end(),
         "--schedule '{}' is not a schedule (one of: {})", a.schedule, fmt::join(names, ", "));
+  check_recompute_flags(a, app);
   if (a.pp == 1) {
-    for (const char* flag : {"--schedule", "--virtual-stages", "--num-layers-per-virtual-pipeline-stage",
-                             "--partition", "--profile", "--recompute", "--memory-budget",
-                             "--overlap-p2p-comm"})
+    check(!a.recompute,
+          "--recompute recomputes whole pipeline stages, and at --pp 1 the one stage is the "
+          "whole model: nothing would be freed. Recompute blocks instead: "
+          "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1");
+    for (const char* flag :
+         {"--schedule", "--virtual-stages", "--num-layers-per-virtual-pipeline-stage",
+          "--partition", "--memory-budget", "--overlap-p2p-comm"})
       check(app.count(flag) == 0,
             "{} shapes the pipeline, and there is none: it needs --pp > 1 (--pp is 1)", flag);
     return;
@@ -731,7 +768,7 @@ void check_pipeline_flags(const Args& a, const CLI::App& app) {
         "only interleaved-1f1b and zb-v run; --schedule {} runs one per rank",
         a.schedule);
   // Recompute folds each W into its I, which turns a zero-bubble order into 1F1B's.
-  if (a.recompute) {
+  if (a.recomputes()) {
     const std::string rule = weft::plan::recompute_rule(a.schedule);
     check(rule.empty(), "{}", rule);
   }
@@ -756,6 +793,9 @@ void apply_plan(Args& a, const CLI::App& app, int world) {
         a.job->program);
   check(app.count("--global-batch-size") > 0 || a.global_batch > 0,
         "--plan auto needs --global-batch-size: the planner splits it into micro-batches");
+  check(app.count("--recompute-granularity") == 0,
+        "--recompute-granularity with --plan auto is not available yet: the planner prices "
+        "whole-stage --recompute only (drop one of them)");
   for (const char* flag : {"--num-layers-per-virtual-pipeline-stage", "--ps-ranks"})
     check(app.count(flag) == 0,
           "{} contradicts --plan auto, which chooses the layout (fix the chunks with "

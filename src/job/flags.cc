@@ -181,7 +181,17 @@ void add_flags(CLI::App& app, Args& a, const Job& job) {
   app.add_option("--num-layers-per-virtual-pipeline-stage", a.layers_per_virtual,
                  "layers per chunk (sets the virtual stages as Megatron does)");
   app.add_option("--partition", a.partition, "stage partition: uniform, parameters, time");
-  app.add_flag("--recompute", a.recompute, "recompute activations in the backward pass");
+  app.add_flag("--recompute", a.recompute,
+               "recompute whole pipeline stages in the backward pass (needs --pp > 1)");
+  app.add_option("--recompute-granularity", a.recompute_granularity,
+                 "full: recompute transformer blocks from their inputs in the backward pass "
+                 "(with --recompute-method), at any --pp");
+  app.add_option("--recompute-method", a.recompute_method,
+                 "uniform: each stage's blocks in groups of --recompute-num-layers, each group "
+                 "recomputed from its input; block: the first --recompute-num-layers blocks of "
+                 "each stage, the rest kept");
+  app.add_option("--recompute-num-layers", a.recompute_num_layers,
+                 "blocks per recomputed group (uniform), or recomputed per stage (block)");
   app.add_option("--memory-budget", a.memory_budget,
                  "per pipeline rank, for the partitioner (e.g. 2GiB): stages are cut so that each "
                  "rank's weights, optimizer state and stashed activations fit, or the run is "

@@ -106,7 +106,11 @@ struct Args {
   std::string partition = "uniform";
   std::string profile;  // write measured per-node costs here (JSON) and partition by them
   std::string trace;    // Chrome trace of every action on every rank
-  bool recompute = false;
+  bool recompute = false;  // whole stages
+  // Megatron's recompute over blocks (weft::PipelineOptions); empty: not given.
+  std::string recompute_granularity, recompute_method;
+  int recompute_num_layers = 1;
+  bool recomputes() const { return recompute || !recompute_granularity.empty(); }
   std::string memory_budget;  // per pipeline rank for the partitioner: "2GiB", "512MiB", bytes
   double comm_timeout = 300;  // seconds
   // Data parallelism.

@@ -208,7 +208,7 @@ void with_params_on(const std::vector<weft::Param*>& params, weft::Device device
 // measured on rank 0, on the run's device, and broadcast, so every rank cuts
 // the model the same way.
 weft::CostModel costs(const Args& a, weft::Graph& graph, const weft::ModelIO& io,
-                      const weft::BatchSource& data, weft::Communicator& world,
+                      const weft::BatchSource& data, weft::Communicator* world,
                       weft::Device device) {
   using namespace weft;
   CostModel cost = CostModel::analytic(graph);
@@ -216,7 +216,7 @@ weft::CostModel costs(const Args& a, weft::Graph& graph, const weft::ModelIO& io
   const int64_t n = static_cast<int64_t>(cost.nodes.size());
   Tensor t = Tensor::zeros({3 * n});
   float* d = t.data<float>();
-  if (world.rank() == 0) {
+  if (world == nullptr || world->rank() == 0) {
     with_params_on(graph.params(), device,
                    [&] { cost = profile_costs(graph, io, data, a.micro_batch); });
     for (int64_t k = 0; k < n; ++k) {
@@ -228,7 +228,7 @@ weft::CostModel costs(const Args& a, weft::Graph& graph, const weft::ModelIO& io
     f << cost_model_json(cost, graph).dump(2) << '\n';
     check(f.good(), "--profile {}: cannot write", a.profile);
   }
-  world.broadcast(t, 0);
+  if (world != nullptr) world->broadcast(t, 0);
   for (int64_t k = 0; k < n; ++k) {
     NodeCost& c = cost.nodes[static_cast<size_t>(k)];
     c.f = d[3 * k], c.i = d[3 * k + 1], c.w = d[3 * k + 2];
@@ -415,6 +415,11 @@ class Run {
     lo.chunks = setup.chunks;
     lo.partition = parse_partition_method(a.partition);
     lo.pipeline = PipelineOptions{a.recompute, !a.trace.empty(), a.overlap_p2p_comm};
+    if (!a.recompute_granularity.empty()) {
+      lo.pipeline.recompute_method =
+          a.recompute_method == "block" ? RecomputeMethod::Block : RecomputeMethod::Uniform;
+      lo.pipeline.recompute_layers = a.recompute_num_layers;
+    }
     if (!a.memory_budget.empty())
       lo.memory_budget = parse_bytes("--memory-budget", a.memory_budget);
     lo.sync.distributed_optimizer = a.distributed_optimizer;
@@ -483,7 +488,8 @@ class Run {
 
   void build_layout() {
     Communicator* team = role ? role.get() : world;  // the ranks that train
-    if (a.pp > 1) cost = costs(a, model->graph, model->io, *batches, *world, opt.device);
+    if (a.pp > 1 || !a.profile.empty())
+      cost = costs(a, model->graph, model->io, *batches, world, opt.device);
     layout.emplace(team, model->graph, model->io, *batches, opt, lo, static_cast<uint64_t>(a.seed),
                    cost ? &*cost : nullptr);
     if (!a.init_from.empty()) load_weights(a.init_from, layout->graph().params());
@@ -493,14 +499,15 @@ class Run {
       // The plan's per-stage sums join the node costs: what weft-sched --costs reads.
       // With the whole model's layers on this process (tp 1), it also measures
       // what each stage's actions add to memory, for weft-sched's memory figures.
+      PipelineOptions stage_options = lo.pipeline;
+      stage_options.device = opt.device;
       if (rank0 && !a.profile.empty())
         with_params_on(model->graph.params(), opt.device, [&] {
           write_profile(a.profile, *cost, layout->plan(), model->graph,
-                        a.tp == 1
-                            ? measure_stage_bytes(model->graph, model->io, layout->plan(), *batches,
-                                                  a.micro_batch, a.recompute, opt.device)
-                            : std::vector<sched::StageBytes>{},
-                        a.recompute,
+                        a.tp == 1 ? measure_stage_bytes(model->graph, model->io, layout->plan(),
+                                                        *batches, a.micro_batch, stage_options)
+                                  : std::vector<sched::StageBytes>{},
+                        a.recomputes(),
                         {{"micro_batch_size", a.micro_batch},
                          {"tp", a.tp},
                          {"num_layers", cfg.num_layers},
@@ -509,7 +516,7 @@ class Run {
                          {"seq_length", cfg.seq_length},
                          {"vocab_size", cfg.vocab_size}});
         });
-      if (rank0)
+      if (rank0 && a.pp > 1)
         fmt::print("schedule {} over {} stages; partition {}:\n{}", a.schedule,
                    layout->schedule().stages(), a.partition, layout->plan().describe(model->graph));
     }
@@ -754,13 +761,13 @@ class Run {
       // actions added (sched::memory_use): the two agree exactly.
       const int me = pipeline->group().rank();
       const double modelled = sched::memory_use(layout->schedule(), pipeline->stage_bytes(),
-                                                a.recompute, a.overlap_p2p_comm)
+                                                a.recomputes(), a.overlap_p2p_comm)
                                   .peak[static_cast<size_t>(me)];
       Tensor all = Tensor::zeros({2 * a.pp}), mine = Tensor::zeros({2});
       mine.data<float>()[0] = static_cast<float>(pipeline->peak_bytes());
       mine.data<float>()[1] = static_cast<float>(modelled);
       pipeline->group().all_gather(mine, all);
-      const std::vector<int> promised = sched::peak_in_flight(layout->schedule(), a.recompute);
+      const std::vector<int> promised = sched::peak_in_flight(layout->schedule(), a.recomputes());
       if (rank0) {
         std::vector<std::string> measured, composed;
         for (int r = 0; r < a.pp; ++r) {

@@ -1,6 +1,7 @@
 #include <weft/graph.h>
 
 #include <algorithm>
+#include <cctype>
 #include <unordered_set>
 
 namespace weft {
@@ -102,6 +103,16 @@ void Graph::set_activation_dtype(DType dtype) {
     if (v.producer >= 0 && !v.consumers.empty() &&
         (v.dtype == DType::F32 || v.dtype == DType::BF16))
       v.dtype = dtype;
+}
+
+int block_of(std::string_view name) {
+  if (!name.starts_with("h.")) return -1;
+  size_t end = 2;
+  while (end < name.size() && std::isdigit(static_cast<unsigned char>(name[end]))) ++end;
+  if (end == 2 || end - 2 > 9 || (end < name.size() && name[end] != '.')) return -1;
+  int block = 0;
+  for (size_t k = 2; k < end; ++k) block = 10 * block + (name[k] - '0');
+  return block;
 }
 
 }  // namespace weft

@@ -1,4 +1,5 @@
 #include <weft/layout.h>
+#include <weft/local_communicator.h>
 #include <weft/tensor_parallel.h>
 
 namespace weft {
@@ -32,7 +33,19 @@ RankLayout::RankLayout(Communicator* world, Graph& logical, ModelIO io, const Ba
   par.ps = lo_.ps;
   if (mesh_ && lo_.tp > 1) par.groups.tp = mesh_->tp.get();
   if (mesh_ && shape.dp() > 1) par.groups.dp = mesh_->dp.get();
-  if (lo_.pp > 1) {
+  lo_.pipeline.device = opt.device;  // activations live with the parameters
+  const CostModel analytic = cost ? CostModel{} : CostModel::analytic(logical_);
+  const CostModel& costs = cost ? *cost : analytic;
+  if (lo_.pp == 1) {
+    // The whole graph as one stage, on a group of this rank alone: the same
+    // executor, and its recompute and trace, at every pp.
+    schedule_ = one_stage_schedule(static_cast<int>(micro_batches));
+    plan_ = whole_graph_plan(logical_, costs);
+    self_ = std::move(make_local_world(1).front());
+    pipeline_ =
+        std::make_unique<PipelineExecutor>(graph(), io_, plan_, schedule_, *self_, lo_.pipeline);
+    par.pipeline = pipeline_.get();
+  } else {
     schedule_ = sched::lower(
         sched::make_schedule(lo_.schedule, lo_.pp, static_cast<int>(micro_batches), lo_.chunks));
     PartitionOptions po;
@@ -44,8 +57,7 @@ RankLayout::RankLayout(Communicator* world, Graph& logical, ModelIO io, const Ba
     po.memory_budget = lo_.memory_budget;
     // The plan is cut on the logical graph: the tensor-parallel form has the
     // same nodes in the same order.
-    plan_ = partition(logical_, cost ? *cost : CostModel::analytic(logical_), po);
-    lo_.pipeline.device = opt.device;  // activations live with the parameters
+    plan_ = partition(logical_, costs, po);
     pipeline_ = std::make_unique<PipelineExecutor>(graph(), io_, plan_, schedule_, *mesh_->pp,
                                                    lo_.pipeline);
     par.pipeline = pipeline_.get();

@@ -98,14 +98,80 @@ PipelineExecutor::PipelineExecutor(const Graph& graph, ModelIO io, StagePlan pla
   all_step_stats_ = Tensor::zeros({2 * pp_.size()});
   pp_.barrier();
   epoch_ = std::chrono::steady_clock::now();
-  if (options_.recompute) work_ = std::make_unique<MicroBatch>(graph_, options_.device);
+  check(options_.recompute_method == RecomputeMethod::None || options_.recompute_layers >= 1,
+        "--recompute-num-layers {} must be at least 1", options_.recompute_layers);
+  check(!options_.recompute || options_.recompute_method == RecomputeMethod::None,
+        "--recompute recomputes whole stages; it cannot be combined with --recompute-method");
+  for (int s = 0; s < stages; ++s)
+    units_.push_back(
+        make_units(plan_.begin[static_cast<size_t>(s)], plan_.begin[static_cast<size_t>(s) + 1]));
+  if (io_.loss >= 0) loss_node_ = graph_.values()[static_cast<size_t>(io_.loss)].producer;
+  if (options_.recomputes()) work_ = std::make_unique<MicroBatch>(graph_, options_.device);
   if (!options_.device.is_cpu())
     for (int v : io_.inputs) {
       const Value& val = graph_.values()[static_cast<size_t>(v)];
       host_inputs_.push_back(Tensor::zeros(val.shape, val.dtype));
     }
-  keep_buf_.reserve(graph_.values().size());
   p2p_steps_ = sched::p2p_steps(schedule_.actions[static_cast<size_t>(pp_.rank())]);
+}
+
+// Nodes [begin, end) of a stage as ranges: one kept range without
+// recompute, one recomputed range with whole stages, and with a method the
+// blocks' ranges (PipelineOptions) between kept ranges of the other nodes.
+std::vector<PipelineExecutor::Unit> PipelineExecutor::make_units(int begin, int end) const {
+  std::vector<Unit> units;
+  auto add = [&](int b, int e, bool recompute) {
+    if (b == e) return;
+    if (!units.empty() && !recompute && !units.back().recompute) {
+      units.back().end = e;  // kept ranges merge
+      return;
+    }
+    units.push_back({b, e, recompute, {}, {}});
+  };
+  if (options_.recompute_method == RecomputeMethod::None) {
+    add(begin, end, options_.recompute);
+  } else {
+    const int per =
+        options_.recompute_method == RecomputeMethod::Uniform ? options_.recompute_layers : 1;
+    int blocks = 0, open = -1, count = 0, last_block = -1;
+    int kept = begin;  // start of the nodes not yet placed
+    for (int n = begin; n <= end; ++n) {
+      const int b = n < end ? block_of(graph_.nodes()[static_cast<size_t>(n)].name) : -1;
+      if (b >= 0 && b == last_block) continue;  // inside the same block
+      // A block ends at n: close the group once it holds `per` blocks, or
+      // when no block follows.
+      if (open >= 0 && (b < 0 || count == per)) {
+        add(kept, open, false);
+        add(open, n, true);
+        kept = n;
+        open = -1;
+        count = 0;
+      }
+      last_block = b;
+      if (b < 0) continue;
+      const bool recomputed = options_.recompute_method == RecomputeMethod::Uniform ||
+                              blocks < options_.recompute_layers;
+      ++blocks;
+      if (!recomputed) continue;
+      if (open < 0) open = n;
+      ++count;
+    }
+    add(kept, end, false);
+  }
+  // What crosses each range's edges.
+  const auto& values = graph_.values();
+  for (Unit& u : units)
+    for (size_t v = 0; v < values.size(); ++v) {
+      const Value& val = values[v];
+      const bool made = val.producer >= u.begin && val.producer < u.end;
+      const bool read_here = std::any_of(val.consumers.begin(), val.consumers.end(),
+                                         [&](int c) { return c >= u.begin && c < u.end; });
+      const bool read_after = std::any_of(val.consumers.begin(), val.consumers.end(),
+                                          [&](int c) { return c >= u.end; });
+      if (!made && read_here) u.ins.push_back(static_cast<int>(v));
+      if (made && read_after) u.outs.push_back(static_cast<int>(v));
+    }
+  return units;
 }
 
 // "step 3, action 12 (1F4)" without allocating: a timeout names where it was.
@@ -221,14 +287,17 @@ static void copy_local(const std::vector<int>& values, MicroBatch& from, MicroBa
   }
 }
 
-// With recompute a slot keeps only what crosses its stage's edges (inputs,
-// outputs to send, gradients to send); the stage's activations live in the
-// one work MicroBatch, for one forward, or one replayed forward + backward.
-void PipelineExecutor::share_inputs(MicroBatch& from, MicroBatch& to, int stage) const {
-  if (stage > 0)
-    for (int v : boundary_[static_cast<size_t>(stage) - 1].values) to.value(v) = from.value(v);
-  for (int v : io_.inputs)
+// With recompute a slot keeps only what crosses the edges of its recomputed
+// ranges (inputs, outputs later nodes read, gradients to send); a range's
+// activations live in the one work MicroBatch, for one forward, or one
+// replayed forward + backward. These point `to`'s tensors at `from`'s.
+static void share_values(const std::vector<int>& values, MicroBatch& from, MicroBatch& to) {
+  for (int v : values)
     if (from.value(v).defined()) to.value(v) = from.value(v);
+}
+static void share_grads(const std::vector<int>& values, MicroBatch& from, MicroBatch& to) {
+  for (int v : values)
+    if (from.grad(v).defined()) to.grad(v) = from.grad(v);
 }
 
 void PipelineExecutor::forward_action(int stage, int mb, int64_t step) {
@@ -243,78 +312,105 @@ void PipelineExecutor::forward_action(int stage, int mb, int64_t step) {
   }
   const double before = used(s.mb);
   fill_inputs(s, stage, mb, step);
-  const int begin = plan_.begin[static_cast<size_t>(stage)];
-  const int end = plan_.begin[static_cast<size_t>(stage) + 1];
-  MicroBatch& work = options_.recompute ? *work_ : s.mb;
-  if (options_.recompute) share_inputs(s.mb, work, stage);
-  forward(graph_, work, begin, end);
-  if (stage == schedule_.stages() - 1) {
-    if (!losses_.defined())
-      losses_ = Tensor::zeros({schedule_.micro_batches}, DType::F32, options_.device);
-    losses_.slice0(mb, mb + 1).copy_from(work.value(io_.loss).view({1}));
-    loss_order_.push_back(mb);
-  }
-  if (!options_.recompute) {
-    bytes.f = used(s.mb) - before;
+  double peak = 0;  // the most this action held above `before` at once
+  for (const Unit& u : units_[static_cast<size_t>(stage)]) {
+    MicroBatch& m = u.recompute ? *work_ : s.mb;
+    if (u.recompute) share_values(u.ins, s.mb, m);
+    forward(graph_, m, u.begin, u.end);
+    if (loss_node_ >= u.begin && loss_node_ < u.end) {
+      if (!losses_.defined())
+        losses_ = Tensor::zeros({schedule_.micro_batches}, DType::F32, options_.device);
+      losses_.slice0(mb, mb + 1).copy_from(m.value(io_.loss).view({1}));
+      loss_order_.push_back(mb);
+    }
+    if (!u.recompute) continue;
+    copy_local(u.outs, m, s.mb, graph_, false);
+    peak = std::max(peak, used(s.mb) - before + used(m));
     note_memory();
-    return;
+    m.reset();
   }
-  std::vector<int>& keep = keep_buf_;  // this stage's outputs that cross its edge
-  keep.clear();
-  for (int v : boundary_[static_cast<size_t>(stage)].values)
-    if (graph_.values()[static_cast<size_t>(v)].producer >= begin) keep.push_back(v);
-  copy_local(keep, work, s.mb, graph_, false);
   bytes.f = used(s.mb) - before;
-  bytes.f_work = used(work);
+  bytes.f_work = std::max(0.0, peak - bytes.f);
   note_memory();
-  work.reset();
 }
 
-void PipelineExecutor::backward_input_action(int stage, int mb) {
+// With `with_weights` (a B action), each node's W runs right after its I, so
+// that the data-parallel buckets fill, and go out, during the backward; the
+// bytes each part adds are still counted apart (StageBytes i and w), as
+// measure_stage_bytes measures them. With recompute W always runs with I.
+void PipelineExecutor::backward_input_action(int stage, int mb, bool with_weights) {
   Slot& s = slot(stage, mb, false);
   const double before = used(s.mb);
-  const int begin = plan_.begin[static_cast<size_t>(stage)];
-  const int end = plan_.begin[static_cast<size_t>(stage) + 1];
-  MicroBatch& work = options_.recompute ? *work_ : s.mb;
-  if (options_.recompute) {
-    share_inputs(s.mb, work, stage);
-    forward(graph_, work, begin, end);
-    for (int v : boundary_[static_cast<size_t>(stage)].values)
-      if (s.mb.grad(v).defined()) work.grad(v) = s.mb.grad(v);
-  }
-  if (stage == schedule_.stages() - 1)
-    work.seed_grad(io_.loss, 1.0f / static_cast<float>(global_batch_ * io_.terms_per_sample) *
-                                 loss_scale_);
-  for (int n = end - 1; n >= begin; --n) backward_input(graph_, work, n);
-  s.input_grad_done = true;
-  if (options_.recompute) {
-    // The work area is needed for the next stage's forward: finish W now.
-    for (int n = end - 1; n >= begin; --n) {
-      backward_weight(graph_, work, n);
-      if (sync_) sync_->weight_done(n);
+  const bool recompute = options_.recomputes();
+  const bool weights = with_weights || recompute;
+  const bool last = stage == schedule_.stages() - 1;
+  const std::vector<Unit>& units = units_[static_cast<size_t>(stage)];
+  double weight_bytes = 0, peak = 0;
+  MicroBatch* low = &s.mb;  // where the stage's first range ran its backward
+  for (size_t k = units.size(); k-- > 0;) {
+    const Unit& u = units[k];
+    MicroBatch& m = u.recompute ? *work_ : s.mb;
+    if (u.recompute) {
+      share_values(u.ins, s.mb, m);
+      forward(graph_, m, u.begin, u.end);
+      share_grads(u.outs, s.mb, m);
+      share_grads(u.ins, s.mb, m);  // what later ranges added to: accumulated in place
+      // The gradients of values relayed through the stage, for the edge below.
+      if (k == 0 && stage > 0)
+        share_grads(boundary_[static_cast<size_t>(stage) - 1].values, s.mb, m);
     }
-    s.weight_done = true;
+    if (last && loss_node_ >= u.begin && loss_node_ < u.end)
+      m.seed_grad(io_.loss,
+                  1.0f / static_cast<float>(global_batch_ * io_.terms_per_sample) * loss_scale_);
+    for (int n = u.end - 1; n >= u.begin; --n) {
+      backward_input(graph_, m, n);
+      if (!weights) continue;
+      const double at = used(s.mb);
+      backward_weight(graph_, m, n);
+      if (sync_) sync_->weight_done(n);
+      if (!recompute) weight_bytes += used(s.mb) - at;
+    }
+    if (!u.recompute) continue;
+    if (k == 0) {  // its inputs' gradients are the stage's edge, placed below
+      low = &m;
+      break;
+    }
+    // The gradients of the range's inputs that do not live in the slot yet.
+    for (int v : u.ins)
+      if (m.grad(v).defined() && m.grad(v).raw() != s.mb.grad(v).raw()) {
+        Tensor t = s.mb.arena().alloc(m.grad(v).shape(), m.grad(v).dtype());
+        t.copy_from(m.grad(v));
+        s.mb.grad(v) = t;
+      }
+    peak = std::max(peak, used(s.mb) - before + used(m));
+    note_memory();
+    m.reset();
   }
+  s.input_grad_done = true;
+  if (weights) s.weight_done = true;
   backward_part_done(s);
   sched::StageBytes& bytes = stage_bytes_[static_cast<size_t>(stage)];
-  bytes.i = used(s.mb) - before;
+  if (with_weights && !recompute) bytes.w = weight_bytes;
+  bytes.i = used(s.mb) - before - weight_bytes;
+  // With recompute over several ranges: the most the ranges above the
+  // stage's first held beyond i, before the edge's gradients are placed.
+  bytes.i_work_above = std::max(0.0, peak - bytes.i);
+  MicroBatch& work = *low;
   if (stage > 0) {
     const auto& edge = boundary_[static_cast<size_t>(stage) - 1].values;
     // With recompute, what the slot must keep of the gradient it sends back:
     // each edge gradient that does not already live in it (a relayed one).
     double keep = 0;
-    if (options_.recompute)
-      for (int v : edge)
-        if (work.grad(v).defined() && work.grad(v).raw() != s.mb.grad(v).raw())
-          keep += static_cast<double>(
-              Arena::bytes_for(work.grad(v).shape(), work.grad(v).dtype()));
+    for (int v : edge)
+      if (work.grad(v).defined() && work.grad(v).raw() != s.mb.grad(v).raw())
+        keep += static_cast<double>(Arena::bytes_for(work.grad(v).shape(), work.grad(v).dtype()));
     bytes.i_keep = keep;
     if (schedule_.stage_rank[static_cast<size_t>(stage) - 1] == pp_.rank()) {
       Slot& prev = slot(stage - 1, mb, false);
       const double at = used(prev.mb);
       copy_local(edge, work, prev.mb, graph_, true);
       stage_bytes_[static_cast<size_t>(stage) - 1].recv_b = used(prev.mb) - at;
-    } else if (options_.recompute) {
+    } else {
       for (int v : edge)  // keep what SEND_B sends, unless it already lives in the slot
         if (work.grad(v).defined() && work.grad(v).raw() != s.mb.grad(v).raw()) {
           Tensor t = s.mb.arena().alloc(work.grad(v).shape(), work.grad(v).dtype());
@@ -323,11 +419,12 @@ void PipelineExecutor::backward_input_action(int stage, int mb) {
         }
     }
   }
-  if (options_.recompute) {
+  if (low != &s.mb) {
     bytes.i_work = used(work);
     note_memory();
     work.reset();
   } else {
+    bytes.i_work = 0;
     note_memory();
   }
 }
@@ -446,8 +543,7 @@ void PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micro_
         forward_action(st, mb, step);
         break;
       case ActionKind::B:
-        backward_input_action(st, mb);
-        backward_weight_action(st, mb);  // no-op after recompute's I
+        backward_input_action(st, mb, /*with_weights=*/true);
         release_if_done(st, mb);
         break;
       case ActionKind::I:
@@ -455,7 +551,7 @@ void PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micro_
         release_if_done(st, mb);
         break;
       case ActionKind::W:
-        if (options_.recompute) break;  // W ran with I, and the slot may be gone
+        if (options_.recomputes()) break;  // W ran with I, and the slot may be gone
         backward_weight_action(st, mb);
         release_if_done(st, mb);
         break;
@@ -560,6 +656,22 @@ void PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micro_
   bubble_ = span > 0 ? 1.0 - busy / (span * pp_.size()) : 0.0;
 }
 
+size_t PipelineExecutor::arena_allocations() const {
+  size_t n = work_ ? work_->arena().system_allocations() : 0;
+  for (const auto& p : pool_) n += p->mb.arena().system_allocations();
+  return n;
+}
+
+StagePlan whole_graph_plan(const Graph& graph, const CostModel& cost) {
+  PartitionOptions po;
+  po.stage_rank = {0};
+  return evaluate_plan(graph, cost, po, {0, static_cast<int>(graph.nodes().size())}, "whole graph");
+}
+
+sched::Schedule one_stage_schedule(int micro_batches) {
+  return sched::lower(sched::make_schedule("1f1b", 1, micro_batches));
+}
+
 std::vector<Param*> PipelineExecutor::tied_params() const {
   std::vector<Param*> v;
   for (const auto& t : tied_)
@@ -633,8 +745,9 @@ void PipelineExecutor::write_trace(const std::string& path) const {
 
 std::vector<sched::StageBytes> measure_stage_bytes(const Graph& graph, const ModelIO& io,
                                                    StagePlan plan, const BatchSource& data,
-                                                   int64_t micro_batch, bool recompute,
-                                                   Device device) {
+                                                   int64_t micro_batch,
+                                                   const PipelineOptions& options) {
+  const Device device = options.device;
   for (const Param* p : graph.params())
     check(p->value.device() == device,
           "measuring the stages' memory on {}: parameter {} is on {} (place every parameter there "
@@ -649,10 +762,12 @@ std::vector<sched::StageBytes> measure_stage_bytes(const Graph& graph, const Mod
   for (int st = stages - 1; st >= 0; --st) one.actions[0].push_back({ActionKind::B, st, 0});
   std::vector<sched::StageBytes> bytes;
   run_local(1, [&](Communicator& self) {
-    PipelineOptions options;
-    options.recompute = recompute;
-    options.device = device;
-    PipelineExecutor exec(graph, io, plan, one, self, options);
+    PipelineOptions one_rank;  // no trace, no receives posted ahead
+    one_rank.recompute = options.recompute;
+    one_rank.recompute_method = options.recompute_method;
+    one_rank.recompute_layers = options.recompute_layers;
+    one_rank.device = device;
+    PipelineExecutor exec(graph, io, plan, one, self, one_rank);
     exec.run(data, 0, micro_batch);
     bytes = exec.stage_bytes();
   });

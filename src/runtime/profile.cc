@@ -286,9 +286,10 @@ nlohmann::json stage_costs_json(const CostModel& cost, const StagePlan& plan, co
                       {"stash_bytes", stash}});
     if (memory.empty()) continue;
     const sched::StageBytes& b = memory[static_cast<size_t>(s)];
-    stages.back()["memory"] = {{"recv_f", b.recv_f}, {"f", b.f},           {"recv_b", b.recv_b},
-                               {"i", b.i},           {"w", b.w},           {"f_work", b.f_work},
-                               {"i_work", b.i_work}, {"i_keep", b.i_keep}};
+    stages.back()["memory"] = {
+        {"recv_f", b.recv_f}, {"f", b.f},           {"recv_b", b.recv_b},
+        {"i", b.i},           {"w", b.w},           {"f_work", b.f_work},
+        {"i_work", b.i_work}, {"i_keep", b.i_keep}, {"i_work_above", b.i_work_above}};
   }
   nlohmann::json j = {{"pp", plan.pp}, {"chunks", plan.chunks}, {"partition", plan.method},
                       {"stages", stages}};

@@ -1,3 +1,4 @@
+#include <weft/local_communicator.h>
 #include <weft/ops.h>
 #include <weft/param_server.h>
 #include <weft/pipeline.h>
@@ -5,8 +6,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <map>
 #include <cmath>
+#include <map>
 
 namespace weft {
 
@@ -112,10 +113,20 @@ Trainer::Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, Parallel 
       opt_(std::move(opt)),
       par_(par),
       micro_batches_(replica_micro_batches(opt_, par_)),
-      data_(data, par_.groups.dp_rank() * (opt_.global_batch / par_.groups.dp_size())),
-      mb_(*g.graph, opt_.device) {
+      data_(data, par_.groups.dp_rank() * (opt_.global_batch / par_.groups.dp_size())) {
   const Graph& graph = *g.graph;
   check_model_io(g_, opt_.micro_batch);
+  if (par_.pipeline == nullptr) {
+    // No pipeline: the whole graph is one stage on this rank, run by the same
+    // executor as every pipeline stage (one step path for every layout).
+    self_ = std::move(make_local_world(1).front());
+    PipelineOptions po;
+    po.device = opt_.device;
+    own_pipeline_ = std::make_unique<PipelineExecutor>(
+        graph, g_, whole_graph_plan(graph, CostModel::analytic(graph)),
+        one_stage_schedule(static_cast<int>(micro_batches_)), *self_, po);
+    par_.pipeline = own_pipeline_.get();
+  }
   if (opt_.spike.enabled)
     check(std::isfinite(opt_.spike.factor) && opt_.spike.factor > 1 && opt_.spike.window >= 1 &&
               opt_.spike.max_skipped >= 0,
@@ -142,37 +153,20 @@ Trainer::Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, Parallel 
     scale_ = ls.fixed > 0 ? ls.fixed : ls.initial;
     hysteresis_left_ = ls.hysteresis;
   }
-  if (!opt_.device.is_cpu()) {
-    // A pipeline rank places only the parameters of its own stages.
-    place_params(par_.pipeline ? par_.pipeline->params() : graph.params(), opt_.device);
-    for (int v : g_.inputs) {
-      const Value& val = graph.values()[static_cast<size_t>(v)];
-      host_inputs_.push_back(Tensor::zeros(val.shape, val.dtype));
-    }
-  }
-  std::vector<int> nodes;
-  std::vector<Param*> params, late, owned;
-  if (par_.pipeline != nullptr) {
-    PipelineExecutor& p = *par_.pipeline;
-    check(p.micro_batches() == micro_batches_,
-          "the pipeline schedule has {} micro-batches but each replica runs {} (global batch {} "
-          "/ (micro-batch {} x data-parallel {}))",
-          p.micro_batches(), micro_batches_, opt_.global_batch, opt_.micro_batch,
-          par_.groups.dp_size());
-    par_.groups.pp = &p.group();
-    nodes = p.local_nodes();
-    params = p.params();
-    late = p.tied_params();
-    owned = p.norm_params();
-  } else {
-    for (int n = 0; n < static_cast<int>(graph.nodes().size()); ++n) nodes.push_back(n);
-    params = graph.params();
-    owned = params;
-  }
+  PipelineExecutor& exec = *par_.pipeline;
+  // A pipeline rank places only the parameters of its own stages.
+  if (!opt_.device.is_cpu()) place_params(exec.params(), opt_.device);
+  check(exec.micro_batches() == micro_batches_,
+        "the pipeline schedule has {} micro-batches but each replica runs {} (global batch {} "
+        "/ (micro-batch {} x data-parallel {}))",
+        exec.micro_batches(), micro_batches_, opt_.global_batch, opt_.micro_batch,
+        par_.groups.dp_size());
+  if (pipelined()) par_.groups.pp = &exec.group();
+  std::vector<Param*> owned = exec.norm_params();
   owned_.insert(owned.begin(), owned.end());
-  sync_ = std::make_unique<GradSync>(graph, std::move(nodes), std::move(params), std::move(late),
+  sync_ = std::make_unique<GradSync>(graph, exec.local_nodes(), exec.params(), exec.tied_params(),
                                      std::move(owned), par_.groups, opt_.adam, par_.sync);
-  if (par_.pipeline != nullptr) par_.pipeline->set_grad_sync(sync_.get());
+  exec.set_grad_sync(sync_.get());
   scalar_ = Tensor::zeros({1});
   if (local()) {
     check(!par_.sync.distributed_optimizer,
@@ -209,9 +203,9 @@ Trainer::Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, Parallel 
 Trainer::Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, PipelineExecutor& pipeline)
     : Trainer(g, data, std::move(opt), Parallel{{}, &pipeline, {}}) {}
 
-Trainer::~Trainer() {
-  if (par_.pipeline != nullptr) par_.pipeline->set_grad_sync(nullptr);
-}
+Trainer::~Trainer() { par_.pipeline->set_grad_sync(nullptr); }
+
+bool Trainer::pipelined() const { return par_.pipeline->group().size() > 1; }
 
 double Trainer::compute_gradients(int64_t step) { return run_batch(data_, step); }
 
@@ -253,43 +247,17 @@ void Trainer::run_batch_into(const BatchSource& batches, int64_t step, const Ten
   const Bf16Copies copies(*g_.graph, sync_->params(), bf16_tables_);
   sync_->begin(micro_batches_);
   order.clear();
-  if (par_.pipeline != nullptr) {
-    PipelineExecutor& pipeline = *par_.pipeline;
-    pipeline.set_loss_scale(static_cast<float>(scale_));
-    // The last buckets' reductions go out behind the backward.
-    pipeline.run(batches, step, opt_.micro_batch, opt_.global_batch, [this] { sync_->finish(); },
-                 measure);
-    if (pipeline.losses().defined()) {
-      losses.copy_from(pipeline.losses());
-      order = pipeline.loss_order();
-    }
-    return;
+  PipelineExecutor& pipeline = *par_.pipeline;
+  pipeline.set_loss_scale(static_cast<float>(scale_));
+  // The last buckets' reductions go out behind the backward. One stage has
+  // no bubble to measure.
+  pipeline.run(
+      batches, step, opt_.micro_batch, opt_.global_batch, [this] { sync_->finish(); },
+      measure && pipelined());
+  if (pipeline.losses().defined()) {
+    losses.copy_from(pipeline.losses());
+    order = pipeline.loss_order();
   }
-  const Graph& graph = *g_.graph;
-  const int n = static_cast<int>(graph.nodes().size());
-  const float seed = 1.0f / static_cast<float>(opt_.global_batch * g_.terms_per_sample);
-  for (int64_t j = 0; j < micro_batches_; ++j) {
-    if (opt_.device.is_cpu()) {  // straight into the arena
-      inputs_.clear();
-      for (int v : g_.inputs) inputs_.push_back(mb_.input(v));
-      batches.fill(step, j * opt_.micro_batch, inputs_);
-    } else {  // on the host, then an asynchronous upload through pinned memory
-      batches.fill(step, j * opt_.micro_batch, host_inputs_);
-      for (size_t k = 0; k < g_.inputs.size(); ++k)
-        mb_.input(g_.inputs[k]).copy_from(host_inputs_[k]);
-    }
-    forward(graph, mb_, 0, n);
-    losses.slice0(j, j + 1).copy_from(mb_.value(g_.loss).view({1}));
-    order.push_back(static_cast<int>(j));
-    mb_.seed_grad(g_.loss, seed * static_cast<float>(scale_));
-    for (int k = n - 1; k >= 0; --k) {
-      backward_input(graph, mb_, k);
-      backward_weight(graph, mb_, k);
-      sync_->weight_done(k);
-    }
-    mb_.reset();
-  }
-  sync_->finish();  // the last buckets' reductions go out behind the backward
 }
 
 // From each step's micro-batch loss sums, added in `order` as the CPU adds
@@ -311,7 +279,7 @@ void Trainer::mean_losses(std::span<const float* const> rows,
     for (int j : *orders[i]) sum += static_cast<double>(rows[i][j]);
     out[i] = sum;
   }
-  if (par_.pipeline != nullptr) {
+  if (pipelined()) {
     for (size_t i = 0; i < n; ++i) f[i] = static_cast<float>(out[i]);
     par_.pipeline->group().all_reduce(sums, ReduceOp::Sum);
     for (size_t i = 0; i < n; ++i) out[i] = static_cast<double>(f[i]) / terms;
@@ -450,7 +418,7 @@ void Trainer::launch_step(bool measure) {
   const bool now = host_decides();
   const int64_t row = unread_++;
   run_batch_into(data_, steps_done_, row_losses(row), l.loss_order, measure || now);
-  if (par_.pipeline != nullptr) r.bubble_frac = par_.pipeline->bubble_fraction();
+  if (pipelined()) r.bubble_frac = par_.pipeline->bubble_fraction();
   if (par_.ps != nullptr) {
     read_values();
     exchange_with_servers(r, t0);
@@ -615,7 +583,7 @@ void Trainer::exchange_with_servers(StepRecord& r, std::chrono::steady_clock::ti
   const PsStep s = par_.ps->exchange(steps_done_, r.loss, own * own, compute_ms);
   r.loss = s.loss;
   r.grad_norm = s.grad_norm;
-  if (par_.pipeline != nullptr) r.bubble_frac = par_.pipeline->bubble_fraction();
+  if (pipelined()) r.bubble_frac = par_.pipeline->bubble_fraction();
   r.ps_wait_ms = s.wait_ms;
   r.ps_staleness = s.staleness;
   r.dp_bytes = s.bytes;
