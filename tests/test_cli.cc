@@ -341,18 +341,19 @@ TEST_F(Cli, PipelineFlagsThatWouldDoNothingAreRefused) {
   expect_error(toy("--recompute-num-layers 2"), {"--recompute-num-layers says which blocks"});
   expect_error(toy("--pp 2 --recompute" + full),
                {"--recompute (whole stages) and --recompute-granularity full both say"});
-  expect_error(toy("--recompute-granularity selective"),
-               {"--recompute-granularity selective (attention's internals only) is not available"});
+  expect_error(toy("--recompute-granularity selective --recompute-method block"),
+               {"--recompute-method says which blocks --recompute-granularity full recomputes; "
+                "selective recomputes every attention node"});
   expect_error(toy("--recompute-granularity some"),
-               {"--recompute-granularity 'some' must be full"});
+               {"--recompute-granularity 'some' must be full or selective"});
   expect_error(toy("--recompute-granularity full --recompute-method layers"),
                {"--recompute-method 'layers' must be uniform or block"});
   expect_error(toy(full.substr(1) + " --recompute-num-layers 0"),
                {"--recompute-num-layers 0 must be at least 1"});
 }
 
-// Megatron's recompute over blocks through train_gpt at pp 1: the same bits
-// as without it, in less activation memory (test_pipeline holds every
+// Megatron's recompute (of blocks, or of attention alone) through train_gpt
+// at pp 1: the same bits as without it, in less activation memory (test_pipeline holds every
 // schedule and pp). The executor runs pp 1 too, so --profile and --trace
 // work there.
 TEST_F(Cli, RecomputedBlocksTrainTheSameBitsInLessMemory) {
@@ -389,6 +390,18 @@ TEST_F(Cli, RecomputedBlocksTrainTheSameBitsInLessMemory) {
   EXPECT_GT(held(plain.out), 0) << plain.out;
   EXPECT_GT(held(recomputed.out), 0) << recomputed.out;
   EXPECT_LT(held(recomputed.out), held(plain.out)) << plain.out << recomputed.out;
+  // Attention alone: the CPU's (B, H, T, T) probabilities are not held.
+  const std::string selective_log = dir_ + "/selective.jsonl";
+  const Result selective =
+      run(base + " --recompute-granularity selective --log-jsonl " + selective_log);
+  ASSERT_EQ(selective.code, 0) << selective.out << selective.err;
+  const auto c = testing::jsonl_steps(selective_log);
+  ASSERT_EQ(c.size(), 3u);
+  for (size_t i = 0; i < 3; ++i)
+    for (const char* key : {"loss", "grad_norm"})
+      EXPECT_EQ(a[i][key].get<double>(), c[i][key].get<double>()) << key << " step " << i;
+  EXPECT_GT(held(selective.out), 0) << selective.out;
+  EXPECT_LT(held(selective.out), held(plain.out)) << plain.out << selective.out;
   std::ifstream costs(dir_ + "/costs.json");
   const nlohmann::json profile = nlohmann::json::parse(costs);
   ASSERT_EQ(profile["stages"].size(), 1u) << profile.dump();

@@ -70,6 +70,7 @@ struct Case {
   RecomputeMethod method = RecomputeMethod::None;
   int recompute_layers = 1;
   int blocks_per_stage = 1;
+  bool selective = false;  // each attention node recomputed alone
 };
 
 PipelineOptions exec_options(const Case& c) {
@@ -78,6 +79,7 @@ PipelineOptions exec_options(const Case& c) {
   o.post_receives_ahead = c.receives_ahead;
   o.recompute_method = c.method;
   o.recompute_layers = c.recompute_layers;
+  o.recompute_core_attention = c.selective;
   return o;
 }
 
@@ -92,7 +94,8 @@ std::string name_of(const ::testing::TestParamInfo<Case>& info) {
                   (info.param.method == RecomputeMethod::None
                        ? ""
                        : std::to_string(info.param.recompute_layers) + "_of_" +
-                             std::to_string(info.param.blocks_per_stage));
+                             std::to_string(info.param.blocks_per_stage)) +
+                  (info.param.selective ? "_selective" : "");
   for (char& ch : n)
     if (ch == '-') ch = '_';
   return n;
@@ -328,14 +331,16 @@ std::vector<Case> cases() {
   v.push_back({"gpipe", 2, 1, true, false, false, M::Uniform, 1, 3});
   v.push_back({"1f1b", 2, 1, false, false, true, M::Block, 2, 3});
   v.push_back({"interleaved-1f1b", 2, 2, true, false, false, M::Uniform, 1, 2});
+  v.push_back({"1f1b", 1, 1, false, false, false, M::None, 1, 2, true});
+  v.push_back({"interleaved-1f1b", 2, 2, true, false, true, M::None, 1, 2, true});
   return v;
 }
 
 INSTANTIATE_TEST_SUITE_P(Schedules, PipelineMatchesSingleProcess, ::testing::ValuesIn(cases()),
                          name_of);
 
-// Recompute over blocks takes the same steps bit for bit as keeping the
-// activations, at pp 1 and 2 (RankLayout: pp 1 runs the same executor): the
+// Recompute over blocks, or of attention alone, takes the same steps bit
+// for bit as keeping the activations, at pp 1 and 2 (RankLayout: pp 1 runs the same executor): the
 // replayed forward computes what the first one did, and every gradient adds
 // in the same order. It holds less: with 3 blocks a stage, one replayed
 // range's activations at a time instead of the stage's.
@@ -346,8 +351,11 @@ TEST(Pipeline, RecomputedBlocksTakeTheSameStepsBitForBitInLessMemory) {
     const GptConfig cfg = config(3 * pp, true);
     std::vector<std::vector<double>> steps;
     std::vector<double> peak;
-    for (RecomputeMethod method :
-         {RecomputeMethod::None, RecomputeMethod::Uniform, RecomputeMethod::Block}) {
+    // None, uniform groups of 1, the first 2 blocks, the attention nodes.
+    for (int way = 0; way < 4; ++way) {
+      const RecomputeMethod method = way == 1   ? RecomputeMethod::Uniform
+                                     : way == 2 ? RecomputeMethod::Block
+                                                : RecomputeMethod::None;
       std::vector<double> got;
       double held = 0;
       std::mutex mu;
@@ -358,6 +366,7 @@ TEST(Pipeline, RecomputedBlocksTakeTheSameStepsBitForBitInLessMemory) {
         lo.pp = pp;
         lo.pipeline.recompute_method = method;
         lo.pipeline.recompute_layers = method == RecomputeMethod::Block ? 2 : 1;
+        lo.pipeline.recompute_core_attention = way == 3;
         RankLayout rank(&comm, model.graph, model.io, batches, options(micro, global), lo, 42);
         std::vector<double> mine;
         for (int s = 0; s < kSteps; ++s) {
@@ -373,8 +382,11 @@ TEST(Pipeline, RecomputedBlocksTakeTheSameStepsBitForBitInLessMemory) {
     }
     EXPECT_EQ(steps[1], steps[0]) << "uniform, pp " << pp;
     EXPECT_EQ(steps[2], steps[0]) << "block, pp " << pp;
+    EXPECT_EQ(steps[3], steps[0]) << "selective, pp " << pp;
     EXPECT_LT(peak[1], peak[2]) << "pp " << pp;  // all three blocks replayed, not two
     EXPECT_LT(peak[2], peak[0]) << "pp " << pp;
+    // The CPU's attention is unfused: without its (B, H, T, T) probabilities.
+    EXPECT_LT(peak[3], peak[0]) << "pp " << pp;
   }
 }
 

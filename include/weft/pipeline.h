@@ -73,7 +73,16 @@ struct PipelineOptions {
   // as with whole stages.
   RecomputeMethod recompute_method = RecomputeMethod::None;
   int recompute_layers = 1;
-  bool recomputes() const { return recompute || recompute_method != RecomputeMethod::None; }
+  // Megatron's --recompute-granularity selective: each attention node (kind
+  // "attention") is a recomputed range of its own. F keeps its output and
+  // drops what it saved; the backward replays it from qkv. The unfused
+  // attention's (B, H, T, T) probabilities are then never held from a
+  // micro-batch's forward to its backward; the fused one keeps only (B, H, T)
+  // anyway.
+  bool recompute_core_attention = false;
+  bool recomputes() const {
+    return recompute || recompute_method != RecomputeMethod::None || recompute_core_attention;
+  }
 };
 
 // One action as it ran: microseconds since the pipeline's common start.

@@ -720,12 +720,16 @@ void check_recompute_flags(const Args& a, const CLI::App& app) {
             flag);
     return;
   }
-  check(a.recompute_granularity != "selective",
-        "--recompute-granularity selective (attention's internals only) is not available yet: "
-        "use --recompute-granularity full --recompute-method uniform");
-  check(a.recompute_granularity == "full",
-        "--recompute-granularity '{}' must be full (or selective, not available yet)",
-        a.recompute_granularity);
+  check(a.recompute_granularity == "full" || a.recompute_granularity == "selective",
+        "--recompute-granularity '{}' must be full or selective", a.recompute_granularity);
+  if (a.recompute_granularity == "selective") {
+    for (const char* flag : {"--recompute-method", "--recompute-num-layers"})
+      check(app.count(flag) == 0,
+            "{} says which blocks --recompute-granularity full recomputes; selective recomputes "
+            "every attention node (Megatron's rule)",
+            flag);
+    return;
+  }
   check(!a.recompute_method.empty(),
         "--recompute-granularity full needs --recompute-method uniform or block (Megatron's "
         "rule): uniform recomputes groups of --recompute-num-layers blocks, block the first "

@@ -185,7 +185,8 @@ void add_flags(CLI::App& app, Args& a, const Job& job) {
                "recompute whole pipeline stages in the backward pass (needs --pp > 1)");
   app.add_option("--recompute-granularity", a.recompute_granularity,
                  "full: recompute transformer blocks from their inputs in the backward pass "
-                 "(with --recompute-method), at any --pp");
+                 "(with --recompute-method); selective: recompute each attention from its qkv "
+                 "(no (B, H, T, T) probabilities held); at any --pp");
   app.add_option("--recompute-method", a.recompute_method,
                  "uniform: each stage's blocks in groups of --recompute-num-layers, each group "
                  "recomputed from its input; block: the first --recompute-num-layers blocks of "

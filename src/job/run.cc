@@ -415,7 +415,9 @@ class Run {
     lo.chunks = setup.chunks;
     lo.partition = parse_partition_method(a.partition);
     lo.pipeline = PipelineOptions{a.recompute, !a.trace.empty(), a.overlap_p2p_comm};
-    if (!a.recompute_granularity.empty()) {
+    if (a.recompute_granularity == "selective") {
+      lo.pipeline.recompute_core_attention = true;
+    } else if (a.recompute_granularity == "full") {
       lo.pipeline.recompute_method =
           a.recompute_method == "block" ? RecomputeMethod::Block : RecomputeMethod::Uniform;
       lo.pipeline.recompute_layers = a.recompute_num_layers;

@@ -100,8 +100,10 @@ PipelineExecutor::PipelineExecutor(const Graph& graph, ModelIO io, StagePlan pla
   epoch_ = std::chrono::steady_clock::now();
   check(options_.recompute_method == RecomputeMethod::None || options_.recompute_layers >= 1,
         "--recompute-num-layers {} must be at least 1", options_.recompute_layers);
-  check(!options_.recompute || options_.recompute_method == RecomputeMethod::None,
-        "--recompute recomputes whole stages; it cannot be combined with --recompute-method");
+  check((options_.recompute ? 1 : 0) + (options_.recompute_method != RecomputeMethod::None) +
+                (options_.recompute_core_attention ? 1 : 0) <=
+            1,
+        "recompute: whole stages, blocks by a method, or attention alone; not two of them");
   for (int s = 0; s < stages; ++s)
     units_.push_back(
         make_units(plan_.begin[static_cast<size_t>(s)], plan_.begin[static_cast<size_t>(s) + 1]));
@@ -116,8 +118,9 @@ PipelineExecutor::PipelineExecutor(const Graph& graph, ModelIO io, StagePlan pla
 }
 
 // Nodes [begin, end) of a stage as ranges: one kept range without
-// recompute, one recomputed range with whole stages, and with a method the
-// blocks' ranges (PipelineOptions) between kept ranges of the other nodes.
+// recompute, one recomputed range with whole stages, and with a method (or
+// attention alone) the blocks' (or attention nodes') ranges between kept
+// ranges of the other nodes (PipelineOptions).
 std::vector<PipelineExecutor::Unit> PipelineExecutor::make_units(int begin, int end) const {
   std::vector<Unit> units;
   auto add = [&](int b, int e, bool recompute) {
@@ -128,7 +131,11 @@ std::vector<PipelineExecutor::Unit> PipelineExecutor::make_units(int begin, int 
     }
     units.push_back({b, e, recompute, {}, {}});
   };
-  if (options_.recompute_method == RecomputeMethod::None) {
+  if (options_.recompute_core_attention) {
+    for (int n = begin; n < end; ++n)
+      add(n, n + 1, std::string_view(graph_.nodes()[static_cast<size_t>(n)].layer->kind()) ==
+                        "attention");
+  } else if (options_.recompute_method == RecomputeMethod::None) {
     add(begin, end, options_.recompute);
   } else {
     const int per =
@@ -762,11 +769,9 @@ std::vector<sched::StageBytes> measure_stage_bytes(const Graph& graph, const Mod
   for (int st = stages - 1; st >= 0; --st) one.actions[0].push_back({ActionKind::B, st, 0});
   std::vector<sched::StageBytes> bytes;
   run_local(1, [&](Communicator& self) {
-    PipelineOptions one_rank;  // no trace, no receives posted ahead
-    one_rank.recompute = options.recompute;
-    one_rank.recompute_method = options.recompute_method;
-    one_rank.recompute_layers = options.recompute_layers;
-    one_rank.device = device;
+    PipelineOptions one_rank = options;  // its recompute, with no trace or receives ahead
+    one_rank.trace = false;
+    one_rank.post_receives_ahead = false;
     PipelineExecutor exec(graph, io, plan, one, self, one_rank);
     exec.run(data, 0, micro_batch);
     bytes = exec.stage_bytes();
