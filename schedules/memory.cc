@@ -54,6 +54,7 @@ void check_bytes(const Schedule& s, const std::vector<StageBytes>& bytes) {
 MemoryUse memory_use(const Schedule& s, const std::vector<StageBytes>& bytes, bool recompute,
                      bool receives_ahead) {
   check_bytes(s, bytes);
+  recompute = folds_weights(s, recompute);  // from here: W runs with I
   const bool with_messages = lowered(s);
   const int m = s.micro_batches;
   auto rank_of = [&](int stage) { return s.stage_rank[static_cast<size_t>(stage)]; };
@@ -91,17 +92,17 @@ MemoryUse memory_use(const Schedule& s, const std::vector<StageBytes>& bytes, bo
         sl.grads = true;
       }
       add(sl, b.i);
-      if (recompute) peak = std::max(peak, held + b.i_work_above);
+      peak = std::max(peak, held + b.i_work_above);
       if (stage > 0 && rank_of(stage - 1) == static_cast<int>(r)) {
         Slot& prev = slot(stage - 1, mb);
         add(prev, bytes[static_cast<size_t>(stage) - 1].recv_b);
         prev.grads = true;
-      } else if (recompute && stage > 0) {
+      } else if (stage > 0) {
         add(sl, b.i_keep);
       }
       sl.input_grad = true;
       if (recompute) sl.weight = true;
-      peak = std::max(peak, held + (recompute ? b.i_work : 0));
+      peak = std::max(peak, held + b.i_work);
     };
     auto weight = [&](int stage, int mb) {
       Slot& sl = slot(stage, mb);
@@ -147,7 +148,7 @@ MemoryUse memory_use(const Schedule& s, const std::vector<StageBytes>& bytes, bo
           if (!sl.inputs && st > 0) add(sl, b.recv_f);
           sl.inputs = true;
           add(sl, b.f);
-          peak = std::max(peak, held + (recompute ? b.f_work : 0));
+          peak = std::max(peak, held + b.f_work);
           break;
         }
         case ActionKind::I:
@@ -185,7 +186,16 @@ MemoryUse memory_use(const Schedule& s, const std::vector<StageBytes>& bytes, bo
   return use;
 }
 
+bool folds_weights(const Schedule& s, bool recompute) {
+  if (!recompute) return false;
+  for (const auto& list : s.actions)
+    for (const Action& a : list)
+      if (a.kind == ActionKind::I || a.kind == ActionKind::W) return false;
+  return true;
+}
+
 std::vector<int> peak_in_flight(const Schedule& s, bool recompute) {
+  recompute = folds_weights(s, recompute);
   std::vector<int> peaks;
   for (const auto& list : s.actions) {
     // Per (stage, micro-batch): 0 before F, then 1 after F, 2 after one of

@@ -227,15 +227,6 @@ LayerCosts flops_costs(const ModelShape& s, double flops_per_second, double memo
   return c;
 }
 
-std::string recompute_rule(const std::string& schedule) {
-  if (schedule != "zb-h1" && schedule != "zb-v") return "";
-  return fmt::format(
-      "--recompute with --schedule {} would not be zero-bubble: recomputation folds the "
-      "weight-gradient step into the input-gradient step (use 1f1b or interleaved-1f1b, or "
-      "drop --recompute)",
-      schedule);
-}
-
 std::string Layout::describe() const {
   std::string s = fmt::format("(dp {}, pp {}, tp {})", dp, pp, tp);
   if (pp > 1) s += fmt::format(" {}", schedule) + (chunks > 1 ? fmt::format(" x{}", chunks) : "");
@@ -286,10 +277,6 @@ std::string layout_rule(const ModelShape& shape, int64_t global, int world, cons
       sched::make_schedule(l.schedule, l.pp, static_cast<int>(l.micro_batches(global)), chunks);
     } catch (const Error& e) {
       return e.what();
-    }
-    if (l.recompute) {
-      const std::string rule = recompute_rule(l.schedule);
-      if (!rule.empty()) return rule;
     }
   } else if (l.recompute) {
     return "--recompute shapes the pipeline, and there is none: it needs --pp > 1 (--pp is 1)";
@@ -367,7 +354,13 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
     sched::StageBytes& b = bytes[k];
     b.recv_f = st > 0 ? act : 0;
     b.recv_b = st + 1 < stages ? act : 0;
-    if (l.recompute) {
+    if (l.recompute && (l.schedule == "zb-h1" || l.schedule == "zb-v")) {
+      // The backward is split (sched::folds_weights): I replays the stage
+      // into its slot, where W finds it.
+      b.f = act;
+      b.f_work = stash;
+      b.i = stash * (1 + c.input_grad_ratio) + partials;
+    } else if (l.recompute) {
       b.f = act;
       b.f_work = stash;
       b.i_work = stash * (1 + c.input_grad_ratio) + partials;

@@ -329,11 +329,8 @@ TEST_F(Cli, PipelineFlagsThatWouldDoNothingAreRefused) {
                {"--virtual-stages 3: zb-v runs exactly 2 chunks per rank"});
   expect_error(toy("--pp 2 --memory-budget 2XB"),
                {"--memory-budget '2XB' must be a positive size: bytes, or a number with KiB"});
-  expect_error(toy("--pp 2 --schedule zb-h1 --recompute"),
-               {"--recompute with --schedule zb-h1 would not be zero-bubble"});
   // Megatron's recompute flags: full with a method, nothing half-given.
   const std::string full = " --recompute-granularity full --recompute-method uniform";
-  expect_error(toy("--pp 2 --schedule zb-v" + full), {"would not be zero-bubble"});
   expect_error(toy("--recompute-granularity full"),
                {"--recompute-granularity full needs --recompute-method uniform or block"});
   expect_error(toy("--recompute-method block"),

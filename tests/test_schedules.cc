@@ -287,8 +287,13 @@ TEST(Schedules, PeakInFlight) {
       EXPECT_EQ(peak_in_flight(zb_h1(pp, m)),
                 std::vector<int>(static_cast<size_t>(pp), std::min(pp, m)))
           << at;
-      // Counted only up to I, ZB-H1 would be 1F1B's stash.
-      EXPECT_EQ(peak_in_flight(zb_h1(pp, m), /*recompute=*/true), one_f) << at;
+      // Recompute keeps a split backward's W apart (folds_weights): the same count.
+      EXPECT_FALSE(folds_weights(zb_h1(pp, m), true)) << at;
+      EXPECT_TRUE(folds_weights(one_f_one_b(pp, m), true)) << at;
+      EXPECT_EQ(peak_in_flight(zb_h1(pp, m), /*recompute=*/true), peak_in_flight(zb_h1(pp, m)))
+          << at;
+      // With W folded into I, 1F1B's order holds 1F1B's stash.
+      EXPECT_EQ(peak_in_flight(one_f_one_b(pp, m), /*recompute=*/true), one_f) << at;
       if (m < pp) continue;
       // Two half-size chunks per rank: 2pp chunk stashes is 1F1B's rank 0.
       for (int peak : peak_in_flight(zb_v(pp, m))) EXPECT_LE(peak, 2 * pp) << at;

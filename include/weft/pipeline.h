@@ -182,6 +182,7 @@ class PipelineExecutor {
   std::vector<Unit> make_units(int begin, int end) const;
   std::vector<std::vector<Unit>> units_;  // per stage
   int loss_node_ = -1;                    // the node that makes the loss
+  bool fold_ = false;                     // recompute folds W into I (sched::folds_weights)
   Slot& slot(int stage, int micro_batch, bool create);
   void release_if_done(int stage, int micro_batch);
   static bool sends_done(Slot& s);
@@ -257,9 +258,13 @@ sched::Schedule one_stage_schedule(int micro_batches);
 // were; their gradients hold one micro-batch's (zero them before a step, as
 // every step does). `options` says how activations are recomputed and
 // where the stages run (options.device), where every parameter must be.
+// With `split_backward`, each B is I then W, as the zero-bubble schedules
+// run them (which changes what recompute holds: sched::folds_weights); the
+// bytes without recompute are the same either way.
 std::vector<sched::StageBytes> measure_stage_bytes(const Graph& graph, const ModelIO& io,
                                                    StagePlan plan, const BatchSource& data,
                                                    int64_t micro_batch,
-                                                   const PipelineOptions& options = {});
+                                                   const PipelineOptions& options = {},
+                                                   bool split_backward = false);
 
 }  // namespace weft

@@ -138,12 +138,10 @@ struct Layout {
 // it runs: tp divides the heads and the vocabulary, dp x pp x tp = world,
 // every stage gets a layer, the global batch divides into micro-batches x
 // dp, the schedule runs those sizes and chunks (sched::make_schedule,
-// chunks_rule), recompute is not combined with a zero-bubble schedule
-// (recompute_rule). train_gpt checks its flags with this function.
+// chunks_rule), recompute has a pipeline. train_gpt checks its flags with
+// this function.
 std::string layout_rule(const ModelShape& shape, int64_t global_batch, int world,
                         const Layout& l);
-// Why --recompute cannot run with `schedule`, or "".
-std::string recompute_rule(const std::string& schedule);
 
 // What the search may choose; an unset field is searched, a set one fixed
 // (train_gpt --plan auto fixes the layout flags the command gives).

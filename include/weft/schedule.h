@@ -143,8 +143,14 @@ Schedule from_csv(std::string_view csv, const std::string& name = "csv");
 // its input gradient (I, or B) and its weight gradient (W, or B) are done,
 // since W still reads what F saved. GPipe: m; 1F1B: pp - rank (capped by m);
 // ZB-H1 and ZB-V more than the count up to I alone, by the W they defer.
-// With recompute, I runs W as well and ends it.
+// With recompute, I runs W as well and ends it, unless the schedule splits
+// the backward (folds_weights).
 std::vector<int> peak_in_flight(const Schedule& s, bool recompute = false);
+
+// Whether recompute folds W into I: with B actions only. A schedule that
+// splits the backward (I and W actions: ZB-H1, ZB-V) keeps them apart, and
+// its I replays a recomputed range into the slot, where its W finds it.
+bool folds_weights(const Schedule& s, bool recompute);
 
 // What one (stage, micro-batch) adds to its rank's memory, by action (bytes,
 // as the executor's arenas count them). A rank's memory is the sum over its
@@ -186,7 +192,9 @@ struct MemoryUse {
 // rank's memory changes only through its own actions, so this needs no
 // timing: it is what the executor measures, exactly. With `receives_ahead`
 // (PipelineOptions::post_receives_ahead), a receive's tensors are taken
-// before the compute action that precedes it. Throws weft::Error when `bytes` does not have one
+// before the compute action that precedes it. `recompute` folds W into I
+// where folds_weights says so; the transients (f_work, i_work, i_work_above)
+// count whenever `bytes` has them. Throws weft::Error when `bytes` does not have one
 // entry per stage or holds a negative or non-finite number.
 MemoryUse memory_use(const Schedule& s, const std::vector<StageBytes>& bytes,
                      bool recompute = false, bool receives_ahead = false);

@@ -771,11 +771,6 @@ void check_pipeline_flags(const Args& a, const CLI::App& app) {
         "--num-layers-per-virtual-pipeline-stage gives each rank several model chunks, which "
         "only interleaved-1f1b and zb-v run; --schedule {} runs one per rank",
         a.schedule);
-  // Recompute folds each W into its I, which turns a zero-bubble order into 1F1B's.
-  if (a.recomputes()) {
-    const std::string rule = weft::plan::recompute_rule(a.schedule);
-    check(rule.empty(), "{}", rule);
-  }
 }
 
 // --plan auto: search the layouts weft-sched plan searches, under the same

@@ -506,9 +506,11 @@ class Run {
       if (rank0 && !a.profile.empty())
         with_params_on(model->graph.params(), opt.device, [&] {
           write_profile(a.profile, *cost, layout->plan(), model->graph,
-                        a.tp == 1 ? measure_stage_bytes(model->graph, model->io, layout->plan(),
-                                                        *batches, a.micro_batch, stage_options)
-                                  : std::vector<sched::StageBytes>{},
+                        a.tp == 1
+                            ? measure_stage_bytes(model->graph, model->io, layout->plan(), *batches,
+                                                  a.micro_batch, stage_options,
+                                                  !sched::folds_weights(layout->schedule(), true))
+                            : std::vector<sched::StageBytes>{},
                         a.recomputes(),
                         {{"micro_batch_size", a.micro_batch},
                          {"tp", a.tp},

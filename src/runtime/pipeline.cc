@@ -108,6 +108,7 @@ PipelineExecutor::PipelineExecutor(const Graph& graph, ModelIO io, StagePlan pla
     units_.push_back(
         make_units(plan_.begin[static_cast<size_t>(s)], plan_.begin[static_cast<size_t>(s) + 1]));
   if (io_.loss >= 0) loss_node_ = graph_.values()[static_cast<size_t>(io_.loss)].producer;
+  fold_ = sched::folds_weights(schedule_, options_.recomputes());
   if (options_.recomputes()) work_ = std::make_unique<MicroBatch>(graph_, options_.device);
   if (!options_.device.is_cpu())
     for (int v : io_.inputs) {
@@ -344,11 +345,13 @@ void PipelineExecutor::forward_action(int stage, int mb, int64_t step) {
 // With `with_weights` (a B action), each node's W runs right after its I, so
 // that the data-parallel buckets fill, and go out, during the backward; the
 // bytes each part adds are still counted apart (StageBytes i and w), as
-// measure_stage_bytes measures them. With recompute W always runs with I.
+// measure_stage_bytes measures them. With recompute W runs with I too, unless
+// the schedule splits the backward: then I replays each recomputed range
+// into the slot, where the W action finds what it saved.
 void PipelineExecutor::backward_input_action(int stage, int mb, bool with_weights) {
   Slot& s = slot(stage, mb, false);
   const double before = used(s.mb);
-  const bool recompute = options_.recomputes();
+  const bool recompute = fold_;  // in the work area, with W
   const bool weights = with_weights || recompute;
   const bool last = stage == schedule_.stages() - 1;
   const std::vector<Unit>& units = units_[static_cast<size_t>(stage)];
@@ -356,8 +359,9 @@ void PipelineExecutor::backward_input_action(int stage, int mb, bool with_weight
   MicroBatch* low = &s.mb;  // where the stage's first range ran its backward
   for (size_t k = units.size(); k-- > 0;) {
     const Unit& u = units[k];
-    MicroBatch& m = u.recompute ? *work_ : s.mb;
-    if (u.recompute) {
+    MicroBatch& m = u.recompute && fold_ ? *work_ : s.mb;
+    if (u.recompute && !fold_) forward(graph_, m, u.begin, u.end);  // into the slot
+    if (u.recompute && fold_) {
       share_values(u.ins, s.mb, m);
       forward(graph_, m, u.begin, u.end);
       share_grads(u.outs, s.mb, m);
@@ -377,7 +381,7 @@ void PipelineExecutor::backward_input_action(int stage, int mb, bool with_weight
       if (sync_) sync_->weight_done(n);
       if (!recompute) weight_bytes += used(s.mb) - at;
     }
-    if (!u.recompute) continue;
+    if (!u.recompute || !fold_) continue;
     if (k == 0) {  // its inputs' gradients are the stage's edge, placed below
       low = &m;
       break;
@@ -558,7 +562,7 @@ void PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micro_
         release_if_done(st, mb);
         break;
       case ActionKind::W:
-        if (options_.recomputes()) break;  // W ran with I, and the slot may be gone
+        if (fold_) break;  // W ran with I, and the slot may be gone
         backward_weight_action(st, mb);
         release_if_done(st, mb);
         break;
@@ -753,7 +757,8 @@ void PipelineExecutor::write_trace(const std::string& path) const {
 std::vector<sched::StageBytes> measure_stage_bytes(const Graph& graph, const ModelIO& io,
                                                    StagePlan plan, const BatchSource& data,
                                                    int64_t micro_batch,
-                                                   const PipelineOptions& options) {
+                                                   const PipelineOptions& options,
+                                                   bool split_backward) {
   const Device device = options.device;
   for (const Param* p : graph.params())
     check(p->value.device() == device,
@@ -766,7 +771,14 @@ std::vector<sched::StageBytes> measure_stage_bytes(const Graph& graph, const Mod
   plan.stage_rank.assign(static_cast<size_t>(stages), 0);
   sched::Schedule one = sched::empty_schedule("one-rank", 1, 1, stages);
   for (int st = 0; st < stages; ++st) one.actions[0].push_back({ActionKind::F, st, 0});
-  for (int st = stages - 1; st >= 0; --st) one.actions[0].push_back({ActionKind::B, st, 0});
+  for (int st = stages - 1; st >= 0; --st) {
+    if (!split_backward) {
+      one.actions[0].push_back({ActionKind::B, st, 0});
+      continue;
+    }
+    one.actions[0].push_back({ActionKind::I, st, 0});
+    one.actions[0].push_back({ActionKind::W, st, 0});
+  }
   std::vector<sched::StageBytes> bytes;
   run_local(1, [&](Communicator& self) {
     PipelineOptions one_rank = options;  // its recompute, with no trace or receives ahead
