@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "models/gpt.h"
+#include "models/mlp.h"
 #include "test_util.h"
 
 namespace weft {
@@ -393,6 +394,27 @@ TEST(Pipeline, RecomputedBlocksTakeTheSameStepsBitForBitInLessMemory) {
     // The CPU's attention is unfused: without its (B, H, T, T) probabilities.
     EXPECT_LT(peak[3], peak[0]) << "pp " << pp;
   }
+}
+
+// A recompute that would find nothing to recompute is refused, naming what
+// it looks for: an MLP has no blocks named h.<i> and no attention.
+TEST(Pipeline, ARecomputeWithNothingToRecomputeIsRefused) {
+  MlpModel m = build_mlp({4, 16, 2}, 2);
+  const sched::Schedule one = one_stage_schedule(2);
+  const StagePlan plan = whole_graph_plan(m.graph, CostModel::analytic(m.graph));
+  PipelineOptions blocks, attention;
+  blocks.recompute_method = RecomputeMethod::Uniform;
+  attention.recompute_core_attention = true;
+  run_local(1, [&](Communicator& self) {
+    EXPECT_TRUE(testing::contains(
+        testing::error_message([&] { PipelineExecutor(m.graph, m.io(), plan, one, self, blocks); }),
+        "recomputes transformer blocks, the nodes named h.<i>"));
+    EXPECT_TRUE(testing::contains(
+        testing::error_message(
+            [&] { PipelineExecutor(m.graph, m.io(), plan, one, self, attention); }),
+        "recomputes the attention nodes (layer kind 'attention'): this model has none"));
+    PipelineExecutor whole(m.graph, m.io(), plan, one, self, PipelineOptions{true});  // any graph
+  });
 }
 
 // Measured costs: every node is timed, and the time plan they give is never

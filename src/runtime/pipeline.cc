@@ -104,6 +104,17 @@ PipelineExecutor::PipelineExecutor(const Graph& graph, ModelIO io, StagePlan pla
                 (options_.recompute_core_attention ? 1 : 0) <=
             1,
         "recompute: whole stages, blocks by a method, or attention alone; not two of them");
+  // A recompute that would find nothing to recompute is refused, not ignored.
+  const auto& nodes = graph_.nodes();
+  check(options_.recompute_method == RecomputeMethod::None ||
+            std::any_of(nodes.begin(), nodes.end(), [](const Node& n) { return block_of(n.name) >= 0; }),
+        "--recompute-method recomputes transformer blocks, the nodes named h.<i> or h.<i>.<...>: "
+        "this model has none (name each block's nodes so, as models/gpt.cc does)");
+  check(!options_.recompute_core_attention ||
+            std::any_of(nodes.begin(), nodes.end(),
+                        [](const Node& n) { return std::string_view(n.layer->kind()) == "attention"; }),
+        "--recompute-granularity selective recomputes the attention nodes (layer kind "
+        "'attention'): this model has none");
   for (int s = 0; s < stages; ++s)
     units_.push_back(
         make_units(plan_.begin[static_cast<size_t>(s)], plan_.begin[static_cast<size_t>(s) + 1]));
