@@ -712,22 +712,15 @@ void check_recompute_flags(const Args& a, const CLI::App& app) {
         "--recompute (whole stages) and --recompute-granularity {} both say what to recompute: "
         "give one",
         a.recompute_granularity);
-  if (!granularity) {
-    for (const char* flag : {"--recompute-method", "--recompute-num-layers"})
-      check(app.count(flag) == 0,
-            "{} says which blocks --recompute-granularity full recomputes: "
-            "it needs --recompute-granularity full",
-            flag);
-    return;
-  }
-  check(a.recompute_granularity == "full" || a.recompute_granularity == "selective",
+  check(!granularity || a.recompute_granularity == "full" ||
+            a.recompute_granularity == "selective",
         "--recompute-granularity '{}' must be full or selective", a.recompute_granularity);
-  if (a.recompute_granularity == "selective") {
+  if (a.recompute_granularity != "full") {
     for (const char* flag : {"--recompute-method", "--recompute-num-layers"})
-      check(app.count(flag) == 0,
-            "{} says which blocks --recompute-granularity full recomputes; selective recomputes "
-            "every attention node (Megatron's rule)",
-            flag);
+      check(app.count(flag) == 0, "{} says which blocks --recompute-granularity full recomputes{}",
+            flag,
+            granularity ? "; selective recomputes every attention node (Megatron's rule)"
+                        : ": it needs --recompute-granularity full");
     return;
   }
   check(!a.recompute_method.empty(),

@@ -318,6 +318,22 @@ static void share_grads(const std::vector<int>& values, MicroBatch& from, MicroB
   for (int v : values)
     if (from.grad(v).defined()) to.grad(v) = from.grad(v);
 }
+// Copies into `to` each gradient of `values` that `from` has and that does
+// not already live in `to` (a shared or relayed one); returns their bytes.
+static double keep_grads(const std::vector<int>& values, MicroBatch& from, MicroBatch& to,
+                         bool copy = true) {
+  double bytes = 0;
+  for (int v : values) {
+    const Tensor& g = from.grad(v);
+    if (!g.defined() || g.raw() == to.grad(v).raw()) continue;
+    bytes += static_cast<double>(Arena::bytes_for(g.shape(), g.dtype()));
+    if (!copy) continue;
+    Tensor t = to.arena().alloc(g.shape(), g.dtype());
+    t.copy_from(g);
+    to.grad(v) = t;
+  }
+  return bytes;
+}
 
 void PipelineExecutor::forward_action(int stage, int mb, int64_t step) {
   Slot& s = slot(stage, mb, true);
@@ -397,13 +413,7 @@ void PipelineExecutor::backward_input_action(int stage, int mb, bool with_weight
       low = &m;
       break;
     }
-    // The gradients of the range's inputs that do not live in the slot yet.
-    for (int v : u.ins)
-      if (m.grad(v).defined() && m.grad(v).raw() != s.mb.grad(v).raw()) {
-        Tensor t = s.mb.arena().alloc(m.grad(v).shape(), m.grad(v).dtype());
-        t.copy_from(m.grad(v));
-        s.mb.grad(v) = t;
-      }
+    keep_grads(u.ins, m, s.mb);  // the range's inputs' gradients, into the slot
     peak = std::max(peak, used(s.mb) - before + used(m));
     note_memory();
     m.reset();
@@ -422,23 +432,13 @@ void PipelineExecutor::backward_input_action(int stage, int mb, bool with_weight
     const auto& edge = boundary_[static_cast<size_t>(stage) - 1].values;
     // With recompute, what the slot must keep of the gradient it sends back:
     // each edge gradient that does not already live in it (a relayed one).
-    double keep = 0;
-    for (int v : edge)
-      if (work.grad(v).defined() && work.grad(v).raw() != s.mb.grad(v).raw())
-        keep += static_cast<double>(Arena::bytes_for(work.grad(v).shape(), work.grad(v).dtype()));
-    bytes.i_keep = keep;
-    if (schedule_.stage_rank[static_cast<size_t>(stage) - 1] == pp_.rank()) {
+    const bool local = schedule_.stage_rank[static_cast<size_t>(stage) - 1] == pp_.rank();
+    bytes.i_keep = keep_grads(edge, work, s.mb, /*copy=*/!local);
+    if (local) {
       Slot& prev = slot(stage - 1, mb, false);
       const double at = used(prev.mb);
       copy_local(edge, work, prev.mb, graph_, true);
       stage_bytes_[static_cast<size_t>(stage) - 1].recv_b = used(prev.mb) - at;
-    } else {
-      for (int v : edge)  // keep what SEND_B sends, unless it already lives in the slot
-        if (work.grad(v).defined() && work.grad(v).raw() != s.mb.grad(v).raw()) {
-          Tensor t = s.mb.arena().alloc(work.grad(v).shape(), work.grad(v).dtype());
-          t.copy_from(work.grad(v));
-          s.mb.grad(v) = t;
-        }
     }
   }
   if (low != &s.mb) {
