@@ -76,14 +76,18 @@ TEST(Bpe, TokenizerJsonGivesTheSameIds) {
   expect_fixture_ids(bpe);
 }
 
-// Older tokenizers save merges as "a b" strings, newer as ["a", "b"] pairs.
-TEST(Bpe, TokenizerJsonWithMergesAsStrings) {
+// Older tokenizers save merges as "a b" strings, newer as ["a", "b"] pairs;
+// GPT-2's own tokenizer.json has string merges and "" for the subword prefix
+// and the word suffix it does not use.
+TEST(Bpe, TokenizerJsonAsGpt2sOwn) {
   SKIP_WITHOUT_PCRE2();
   json j = json::parse(read_file(source_path(kTokenizerJson)));
   ASSERT_TRUE(j["model"]["merges"][0].is_array());
   for (json& merge : j["model"]["merges"]) {
     merge = merge[0].get<std::string>() + " " + merge[1].get<std::string>();
   }
+  j["model"]["continuing_subword_prefix"] = "";
+  j["model"]["end_of_word_suffix"] = "";
   std::string path = temp_dir("bpe_string_merges") + "/tokenizer.json";
   write_file(path, j.dump());
   BpeTokenizer bpe = BpeTokenizer::load_json(path);

@@ -377,9 +377,11 @@ BpeTokenizer BpeTokenizer::load_json(const std::string& path) {
   const json& model = field(j, "model");
   check(model.is_object() && field(model, "type") == "BPE", "{}: model.type is {}, not \"BPE\"",
         path, field(model, "type").dump());
+  // GPT-2's own tokenizer.json spells an absent prefix and suffix "".
   for (const char* key : {"dropout", "continuing_subword_prefix", "end_of_word_suffix"}) {
-    check(field(model, key).is_null(), "{}: model.{} is {}: weft's BPE has no such option", path,
-          key, field(model, key).dump());
+    const json& value = field(model, key);
+    check(value.is_null() || value == "", "{}: model.{} is {}: weft's BPE has no such option", path,
+          key, value.dump());
   }
   for (const char* key : {"byte_fallback", "ignore_merges"}) {
     check(field(model, key) != true, "{}: model.{} is true: weft's BPE has no such option", path,
