@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -123,9 +124,60 @@ struct StringHash {
 template <typename V>
 using StringMap = std::unordered_map<std::string, V, StringHash, std::equal_to<>>;
 
-uint64_t pair_key(int32_t left, int32_t right) {
-  return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
-}
+struct Merge {
+  int32_t rank = 0;
+  int32_t id = 0;  // the merged token
+};
+
+// The merges by (left, right) pair, in open addressing: a lookup reads one
+// slot, mostly one cache line, where std::unordered_map's read a bucket, a
+// node and its chain. Encoding a piece not seen before is little but these
+// lookups, and with std::unordered_map it took twice as long.
+class MergeTable {
+ public:
+  // A pair set twice keeps the later merge.
+  void set(int32_t left, int32_t right, Merge merge) {
+    if (2 * (count_ + 1) > slots_.size()) grow();
+    Slot& slot = slots_[probe(key(left, right))];
+    if (slot.key == kEmpty) ++count_;
+    slot = {key(left, right), merge};
+  }
+  const Merge* find(int32_t left, int32_t right) const {
+    if (slots_.empty()) return nullptr;
+    const Slot& slot = slots_[probe(key(left, right))];
+    return slot.key == kEmpty ? nullptr : &slot.merge;
+  }
+
+ private:
+  static constexpr uint64_t kEmpty = ~uint64_t{0};  // ids are below 2^31: no pair's key
+  struct Slot {
+    uint64_t key = kEmpty;
+    Merge merge;
+  };
+  static uint64_t key(int32_t left, int32_t right) {
+    return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) |
+           static_cast<uint32_t>(right);
+  }
+  // The slot holding `k`, or the empty one where it would go (linear probing
+  // from a Fibonacci hash; the table is at most half full).
+  size_t probe(uint64_t k) const {
+    size_t mask = slots_.size() - 1;
+    size_t i = static_cast<size_t>((k * 0x9E3779B97F4A7C15ull) >> shift_);
+    while (slots_[i].key != k && slots_[i].key != kEmpty) i = (i + 1) & mask;
+    return i;
+  }
+  void grow() {
+    std::vector<Slot> old =
+        std::exchange(slots_, std::vector<Slot>(std::max<size_t>(64, 2 * slots_.size())));
+    shift_ = 64 - std::countr_zero(slots_.size());
+    for (const Slot& slot : old) {
+      if (slot.key != kEmpty) slots_[probe(slot.key)] = slot;
+    }
+  }
+  std::vector<Slot> slots_;
+  size_t count_ = 0;
+  int shift_ = 64;
+};
 
 struct CodeFree {
   void operator()(pcre2_code* p) const { pcre2_code_free(p); }
@@ -137,10 +189,6 @@ struct MatchDataFree {
 }  // namespace
 
 struct BpeTokenizer::Impl {
-  struct Merge {
-    int32_t rank = 0;
-    int32_t id = 0;  // the merged token
-  };
   // A candidate merge of the symbol at `pos` with the one after it, valid
   // while those two are still `left` and `right`.
   struct Candidate {
@@ -155,7 +203,7 @@ struct BpeTokenizer::Impl {
   std::vector<std::string> bytes;       // id -> the bytes it stands for
   std::array<int32_t, 256> byte_ids{};  // byte -> the id of its symbol
   int32_t eod = -1;
-  std::unordered_map<uint64_t, Merge> merges;  // pair_key(left, right) -> merge
+  MergeTable merges;
 
   std::unique_ptr<pcre2_code, CodeFree> code;
   std::unique_ptr<pcre2_match_data, MatchDataFree> match;
@@ -246,7 +294,7 @@ void BpeTokenizer::Impl::add_merge(std::string_view left, std::string_view right
     }
     id[k] = it->second;
   }
-  merges[pair_key(id[0], id[1])] = {rank, id[2]};
+  merges.set(id[0], id[1], {rank, id[2]});
 }
 
 void BpeTokenizer::Impl::compile_pattern() {
@@ -309,9 +357,9 @@ void BpeTokenizer::Impl::merge(std::string_view piece, std::vector<int32_t>& out
     const Symbol& s = symbols[static_cast<size_t>(pos)];
     if (s.next < 0) return false;
     int32_t right = symbols[static_cast<size_t>(s.next)].id;
-    auto it = merges.find(pair_key(s.id, right));
-    if (it == merges.end()) return false;
-    queue.push_back({it->second.rank, pos, s.id, right, it->second.id});
+    const Merge* m = merges.find(s.id, right);
+    if (m == nullptr) return false;
+    queue.push_back({m->rank, pos, s.id, right, m->id});
     return true;
   };
   queue.clear();
