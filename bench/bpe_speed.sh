@@ -66,6 +66,7 @@ run_side() {  # side round
       --docs "$work/docs.jsonl" --ids "$work/$1.ids"
   fi >>"$work/results.jsonl"
 }
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 for round in 1 2 3; do
   if ((round % 2)); then sides=(weft tokenizers); else sides=(tokenizers weft); fi
   for side in "${sides[@]}"; do run_side "$side"; done
@@ -77,6 +78,7 @@ echo "# GPT-2 BPE encoding, one thread, one call per document ($(nproc) cores," 
   "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//'))"
 echo "# vocabulary: ${BPE_VOCAB:-a byte-level BPE tokenizers trained on the text}, $ntok tokens;" \
   "docs.jsonl $size bytes; ids identical on both sides in every round"
+echo "# load average before and after: $load_before; $(cut -d' ' -f1-3 /proc/loadavg)"
 echo
 "$python" - "$work/results.jsonl" <<'PY'
 import json, statistics, sys

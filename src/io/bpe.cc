@@ -344,6 +344,8 @@ void BpeTokenizer::Impl::encode_piece(std::string_view piece, std::vector<int32_
 // neighbours join the queue; a queued pair that a merge has since changed is
 // dropped when it comes up.
 void BpeTokenizer::Impl::merge(std::string_view piece, std::vector<int32_t>& out) {
+  check(piece.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()),
+        "BPE encode ({}): a piece of {} bytes, more than 2^31 - 1", source, piece.size());
   auto n = static_cast<int32_t>(piece.size());
   symbols.resize(piece.size());
   for (int32_t i = 0; i < n; ++i) {
