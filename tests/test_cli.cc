@@ -789,9 +789,9 @@ TEST_F(Cli, FlagsLeftOutComeFromTheCheckpointAndContradictionsAreRefused) {
   expect_error(toy("--finetune"), {"--finetune starts from the weights of --load DIR"});
 }
 
-// --check-for-spiky-loss: the batch of step 13 is random bytes, which the
-// model, trained on one repeated line, predicts badly; its update is skipped
-// and logged, and the run goes on.
+// --check-for-spiky-loss: the batch of step 13 is random bytes (read in file
+// order), which the model, trained on one repeated line, predicts badly; its
+// update is skipped and logged, and the run goes on.
 TEST_F(Cli, SpikyLossIsSkippedAndLogged) {
   std::string text;
   for (int i = 0; i < 100; ++i) text += "To be, or not to be, that is the question.\n";
@@ -800,7 +800,8 @@ TEST_F(Cli, SpikyLossIsSkippedAndLogged) {
   write_file(dir_ + "/spiky.txt", text);
   const std::string flags = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
                             "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --train-iters 16 "
-                            "--log-interval 100 --data-path " + dir_ + "/spiky.txt ";
+                            "--log-interval 100 --data-order file --data-path " + dir_ +
+                            "/spiky.txt ";
   Result r = run(flags + "--check-for-spiky-loss --spiky-loss-factor 1.5 --log-jsonl " + dir_ +
                  "/s.jsonl");
   ASSERT_EQ(r.code, 0) << r.err;

@@ -61,20 +61,24 @@ class BatchSource {
   virtual void fill(int64_t step, int64_t index, std::span<const Tensor> inputs) const = 0;
 };
 
-// docs/design.md's order over a token file: step s reads windows s*G .. s*G+G-1.
-// Fills two inputs: tokens and targets, (count, T) int32 each.
+// Token batches: the run's sequence k (k = step * G + index) is the window
+// a WindowOrder (weft/data.h) names. Fills two inputs: tokens and targets,
+// (count, T) int32 each.
 class TokenBatches final : public BatchSource {
  public:
-  // With num_windows > 0, only windows [first_window, first_window +
-  // num_windows) of the data: a train or validation split.
+  // With vocab > 0, a token outside [0, vocab) stops the run naming it.
+  TokenBatches(std::shared_ptr<const WindowOrder> order, int64_t global_batch, int64_t vocab = 0);
+  // One dataset in file order; with num_windows > 0, only windows
+  // [first_window, first_window + num_windows): a train or validation split.
   TokenBatches(const TokenData& data, int64_t global_batch, int64_t seq_len,
                int64_t first_window = 0, int64_t num_windows = 0);
   void fill(int64_t step, int64_t index, std::span<const Tensor> inputs) const override;
+  const WindowOrder& order() const { return *order_; }
 
  private:
-  const TokenData& data_;
+  std::shared_ptr<const WindowOrder> order_;
   int64_t global_batch_;
-  int64_t first_window_, num_windows_;
+  int64_t vocab_ = 0;
 };
 
 struct TrainOptions {

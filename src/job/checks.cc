@@ -69,6 +69,67 @@ void set_grad_compression(const Args& a, weft::GradSyncOptions& sync) {
 }
 
 
+DataBlend parse_blend(const char* flag, const std::vector<std::string>& list) {
+  using weft::check;
+  DataBlend b;
+  check(!list.empty(), "{} names no dataset", flag);
+  if (list.size() == 1) {
+    b.paths = list;
+    return b;
+  }
+  auto number = [](const std::string& s, double* v) {
+    char* end = nullptr;
+    *v = std::strtod(s.c_str(), &end);
+    return !s.empty() && end == s.c_str() + s.size();
+  };
+  double w = 0;
+  if (!number(list[0], &w)) {
+    for (const std::string& p : list)
+      check(!number(p, &w),
+            "{} '{}': a list that starts with a path takes no weights; give every dataset a "
+            "weight (W1 PATH1 W2 PATH2 ...) or none",
+            flag, p);
+    b.paths = list;
+    return b;
+  }
+  check(list.size() % 2 == 0,
+        "{} takes WEIGHT PATH pairs; {} values leave a weight without its path", flag,
+        list.size());
+  double total = 0;
+  for (size_t i = 0; i < list.size(); i += 2) {
+    check(number(list[i], &w) && std::isfinite(w) && w >= 0,
+          "{}: weight '{}' (before {}) is not a number >= 0", flag, list[i], list[i + 1]);
+    b.weights.push_back(w);
+    b.paths.push_back(list[i + 1]);
+    total += w;
+  }
+  check(total > 0, "{}: the weights sum to {}; they must sum to a positive number", flag, total);
+  return b;
+}
+
+nlohmann::json blend_json(const std::vector<std::string>& list) {
+  if (list.empty()) return nullptr;
+  if (list.size() == 1) return std::filesystem::absolute(list[0]).string();
+  nlohmann::json out = nlohmann::json::array();
+  const DataBlend b = parse_blend("--data-path", list);
+  for (size_t i = 0; i < b.paths.size(); ++i) {
+    if (!b.weights.empty()) out.push_back(list[2 * i]);
+    out.push_back(std::filesystem::absolute(b.paths[i]).string());
+  }
+  return out;
+}
+
+nlohmann::json blend_fingerprint(const std::vector<std::string>& list, const std::string& format) {
+  std::vector<std::string> files;
+  for (const std::string& p : parse_blend("--data-path", list).paths)
+    for (const std::string& f : weft::token_files(p, weft::parse_token_format(format)))
+      files.push_back(f);
+  if (files.size() == 1) return weft::data_fingerprint(files[0]);
+  nlohmann::json out = nlohmann::json::array();
+  for (const std::string& f : files) out.push_back(weft::data_fingerprint(f));
+  return out;
+}
+
 DataSplit split_windows(const std::string& split, int64_t windows) {
   using weft::check;
   DataSplit s;
@@ -431,11 +492,15 @@ weft::GptConfig flag_config(const Args& a, const CLI::App& app) {
 void check_paths(const Args& a) {
   namespace fs = std::filesystem;
   using weft::check;
-  for (const auto& [flag, value] :
-       {std::pair<const char*, const std::string*>{"--data-path", &a.data_path},
-        {"--save", &a.save}, {"--load", &a.load}, {"--log-jsonl", &a.log_jsonl}}) {
+  std::vector<std::pair<std::string, std::string>> paths{
+      {"--save", a.save}, {"--load", a.load}, {"--log-jsonl", a.log_jsonl}};
+  for (const auto& [flag, list] : {std::pair{"--data-path", &a.data_path},
+                                   {"--train-data-path", &a.train_data_path},
+                                   {"--valid-data-path", &a.valid_data_path}})
+    for (const std::string& p : *list) paths.emplace_back(flag, p);
+  for (const auto& [flag, value] : paths) {
     try {
-      (void)nlohmann::json(*value).dump();
+      (void)nlohmann::json(value).dump();
     } catch (const nlohmann::json::exception&) {
       throw weft::Error("{} is not valid UTF-8, and checkpoints and metrics record it as JSON "
                         "text: rename the path",
@@ -608,8 +673,28 @@ void adopt_checkpoint_args(Args& a, const CLI::App& app) {
           const std::string name = v.get<std::string>();
           a.optimizer = name == "sgd" || name == "lion" ? name : "adam";
         });
-  field("data_path", "--data-path", !a.data_path.empty(), a.data_path,
-        [&](const nlohmann::json& v) { a.data_path = v.get<std::string>(); });
+  // The datasets and their order. A checkpoint from before blends names one
+  // path and read it in file order.
+  auto paths = [](std::vector<std::string>& dest) {
+    return [&dest](const nlohmann::json& v) {
+      dest = v.is_string() ? std::vector<std::string>{v.get<std::string>()}
+                           : v.get<std::vector<std::string>>();
+    };
+  };
+  field("data_path", "--data-path", !a.data_path.empty(), blend_json(a.data_path),
+        paths(a.data_path));
+  field("train_data_path", "--train-data-path", !a.train_data_path.empty(),
+        blend_json(a.train_data_path), paths(a.train_data_path));
+  field("valid_data_path", "--valid-data-path", !a.valid_data_path.empty(),
+        blend_json(a.valid_data_path), paths(a.valid_data_path));
+  field("data_format", "--data-format", app.count("--data-format") > 0, a.data_format,
+        [&](const nlohmann::json& v) { a.data_format = v.get<std::string>(); });
+  if (!saved.contains("data_order") && !app.count("--data-order") && !saved.empty()) {
+    a.data_order = "file";
+    adopted.push_back("--data-order file");
+  }
+  field("data_order", "--data-order", app.count("--data-order") > 0, a.data_order,
+        [&](const nlohmann::json& v) { a.data_order = v.get<std::string>(); });
   field("micro_batch_size", "--micro-batch-size", app.count("--micro-batch-size") > 0,
         a.micro_batch, [&](const nlohmann::json& v) { a.micro_batch = v.get<int64_t>(); },
         /*must_agree=*/false);
@@ -636,16 +721,21 @@ void adopt_checkpoint_args(Args& a, const CLI::App& app) {
   field("lr_decay_iters", "--lr-decay-iters", app.count("--lr-decay-iters") > 0,
         a.lr_decay_iters, [&](const nlohmann::json& v) { a.lr_decay_iters = v.get<int64_t>(); },
         new_schedule);
-  // The data file itself: the same path may hold other bytes now.
-  if (saved.contains("data_fingerprint") && !free &&
-      std::filesystem::weakly_canonical(a.data_path) ==
-          std::filesystem::weakly_canonical(saved.value("data_path", ""))) {
-    const nlohmann::json now = weft::data_fingerprint(a.data_path);
-    check(now.is_null() || now == saved["data_fingerprint"],
-          "--data-path {} has changed since the checkpoint was saved ({} then, {} now): the "
-          "resumed run would not read the batches the saved steps continue; add "
-          "--override-checkpoint-args to train on it anyway",
-          a.data_path, saved["data_fingerprint"].dump(), now.dump());
+  // The data files themselves: the same paths may hold other bytes now.
+  for (const auto& [key, flag, list] :
+       {std::tuple{"data_path", "--data-path", &a.data_path},
+        {"train_data_path", "--train-data-path", &a.train_data_path}}) {
+    const std::string fkey = std::string(key) == "data_path" ? "data_fingerprint"
+                                                              : "train_data_fingerprint";
+    if (!saved.contains(fkey) || free || list->empty() || !saved.contains(key) ||
+        blend_json(*list) != saved[key])
+      continue;
+    const nlohmann::json now = blend_fingerprint(*list, a.data_format);
+    check(now.is_null() || now == saved[fkey],
+          "{} {} has changed since the checkpoint was saved ({} then, {} now): the resumed run "
+          "would not read the batches the saved steps continue; add --override-checkpoint-args "
+          "to train on it anyway",
+          flag, fmt::join(*list, " "), saved[fkey].dump(), now.dump());
   }
   // Mixed precision: a resume that names none takes the checkpoint's (an
   // fp16 run's loss scale resumes with it); one named on the command line
@@ -924,7 +1014,25 @@ void check_training_flags(const Args& a, const CLI::App& app) {
   check(a.exit_interval >= 0, "--exit-interval ({}) must be >= 0", a.exit_interval);
   check(std::isfinite(a.exit_duration_mins) && a.exit_duration_mins >= 0,
         "--exit-duration-in-mins ({}) must be a number of minutes >= 0", a.exit_duration_mins);
-  check(!a.data_path.empty(), "--data-path is required (a text file, or an llm.c .bin file)");
+  check(!a.data_path.empty() || !a.train_data_path.empty(),
+        "--data-path is required (a text file, an llm.c .bin file or a Megatron indexed "
+        "dataset; or --train-data-path)");
+  check(a.data_path.empty() || a.train_data_path.empty(),
+        "--data-path and --train-data-path both name training data: give one (--data-path is "
+        "split by --split; --train-data-path is read whole)");
+  check(a.valid_data_path.empty() || !a.train_data_path.empty(),
+        "--valid-data-path needs --train-data-path (with --data-path, --split sets validation "
+        "data apart)");
+  check(a.train_data_path.empty() || a.split.empty(),
+        "--split '{}' splits --data-path; --train-data-path and --valid-data-path are read whole",
+        a.split);
+  check(a.data_order == "shuffled" || a.data_order == "file",
+        "--data-order '{}' is not shuffled or file", a.data_order);
+  (void)weft::parse_token_format(a.data_format);
+  for (const auto& [flag, list] : {std::pair{"--data-path", &a.data_path},
+                                   {"--train-data-path", &a.train_data_path},
+                                   {"--valid-data-path", &a.valid_data_path}})
+    if (!list->empty()) (void)parse_blend(flag, *list);
   check(!a.save.empty() || a.keep_last == 0,
         "--keep-last-checkpoints {} needs --save: it rotates the checkpoints written there",
         a.keep_last);

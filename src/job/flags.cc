@@ -64,7 +64,24 @@ void add_flags(CLI::App& app, Args& a, const Job& job) {
   app.add_option("--adam-beta2", a.beta2);
   app.add_option("--adam-eps", a.eps);
   app.add_option("--seed", a.seed, "initialisation seed");
-  app.add_option("--data-path", a.data_path, "text file (bytes) or llm.c .bin token file");
+  app.add_option("--data-path", a.data_path_given,
+                 "datasets to train on, split by --split: PATH, or WEIGHT PATH WEIGHT PATH ..., or "
+                 "PATH PATH ... (weighted by size); a PATH is a text file (bytes), an llm.c .bin, "
+                 "a Megatron indexed dataset (PREFIX of PREFIX.bin and PREFIX.idx) or, with "
+                 "--data-format uint16, nanoGPT's .bin")
+      ->expected(1, -1);
+  app.add_option("--train-data-path", a.train_data_path_given,
+                 "datasets to train on, whole (as --data-path; instead of it and --split)")
+      ->expected(1, -1);
+  app.add_option("--valid-data-path", a.valid_data_path_given,
+                 "datasets to validate on, whole (with --train-data-path)")
+      ->expected(1, -1);
+  app.add_option("--data-format", a.data_format,
+                 "auto (by name: PREFIX with .idx and .bin is indexed, another .bin is llm.c's, "
+                 "anything else text), text, llmc, uint16 (nanoGPT's header-less .bin), indexed");
+  app.add_option("--data-order", a.data_order,
+                 "shuffled (default: each dataset's windows in an order drawn from --seed, "
+                 "another each epoch) or file (in file order)");
   app.add_option("--init-from", a.init_from, "safetensors weights with Hugging Face GPT-2 names");
   app.add_option("--save", a.save, "checkpoint directory to write");
   app.add_option("--load", a.load,

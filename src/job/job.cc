@@ -49,6 +49,12 @@ int train_main(int argc, char** argv, const Job& job) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  // A list flag given twice: the later list replaces the earlier, as any
+  // other flag given twice does.
+  for (auto [given, list] : {std::pair{&a.data_path_given, &a.data_path},
+                             {&a.train_data_path_given, &a.train_data_path},
+                             {&a.valid_data_path_given, &a.valid_data_path}})
+    if (!given->empty()) *list = given->back();
   const weft::LaunchInfo launch = weft::detect_launch();
   if (!a.check_links) {
     try {

@@ -47,7 +47,16 @@ struct Args {
   double save_timeout = 1800;  // seconds the ranks wait for a save; 0: none
   float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
   int64_t seed = 1234;  // >= 0; read signed so that a negative one is refused, not wrapped
-  std::string data_path, init_from, save, load, log_jsonl, tokenizer, loss_plot;
+  // Megatron's dataset lists: PATH, or W1 PATH1 W2 PATH2 ..., or PATH1 PATH2
+  // ... (each read in proportion to its size). --data-path is split by
+  // --split; --train-data-path and --valid-data-path name each role's own.
+  std::vector<std::string> data_path, train_data_path, valid_data_path;
+  // As given: one list per time the flag is given; the last one counts.
+  std::vector<std::vector<std::string>> data_path_given, train_data_path_given,
+      valid_data_path_given;
+  std::string data_format = "auto";     // weft/data.h's TokenFormat names
+  std::string data_order = "shuffled";  // or "file": every dataset's windows in file order
+  std::string init_from, save, load, log_jsonl, tokenizer, loss_plot;
   // Megatron's train/validation/test weights over the data's windows; empty:
   // every window trains. Validation every eval_interval steps (0: never).
   std::string split;
@@ -137,6 +146,14 @@ struct DataSplit {
   int64_t train = 0, valid = 0;  // windows; train 0 = every window (no --split)
 };
 
+// A dataset list as Megatron's --data-path takes it: PATH; W1 PATH1 W2 PATH2
+// ...; or PATH1 PATH2 ... (weights empty: each dataset in proportion to its
+// windows).
+struct DataBlend {
+  std::vector<std::string> paths;
+  std::vector<double> weights;
+};
+
 // Pipeline settings checked before any communication: every rank reaches the
 // same verdict from the flags and the world size alone.
 struct PipelineSetup {
@@ -154,6 +171,13 @@ void add_flags(CLI::App& app, Args& a, const Job& job);
 // value and the rule it broke.
 void set_grad_compression(const Args& a, GradSyncOptions& sync);
 DataSplit split_windows(const std::string& split, int64_t windows);
+DataBlend parse_blend(const char* flag, const std::vector<std::string>& list);
+// What meta.json records of a list: a lone path as its absolute path (as
+// before blends), else the list with each path made absolute.
+nlohmann::json blend_json(const std::vector<std::string>& list);
+// The files a list reads, fingerprinted (weft/checkpoint.h) one by one: a
+// lone file's fingerprint, else an array of them.
+nlohmann::json blend_fingerprint(const std::vector<std::string>& list, const std::string& format);
 Device resolve_device(const Args& a, int world, bool& staged, bool& nccl);
 PipelineSetup check_parallel(const Args& a, const GptConfig& cfg, int world, int64_t global);
 const ModelFamily& family_of(const Args& a, const CLI::App& app);

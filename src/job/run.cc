@@ -179,11 +179,23 @@ std::string duration(double seconds) {
 
 // Entropy of the data's token frequencies, in nats: the loss of the best
 // model that ignores context, which a trained model should beat by far.
-double unigram_entropy(const weft::TokenData& data) {
-  std::vector<int64_t> counts(static_cast<size_t>(data.max_token()), 0);
-  for (int32_t t : data.tokens()) ++counts[static_cast<size_t>(t)];
+// Counted over the first 2^24 tokens of each dataset (a dataset is read in
+// place, and may be far larger than that).
+double unigram_entropy(const std::vector<std::shared_ptr<const weft::TokenData>>& data) {
+  constexpr int64_t kMost = int64_t{1} << 24;
+  std::vector<int64_t> counts;
+  std::vector<int32_t> chunk;
+  double n = 0;
+  for (const auto& d : data) {
+    chunk.resize(static_cast<size_t>(std::min(d->size(), kMost)));
+    d->read(0, static_cast<int64_t>(chunk.size()), chunk.data());
+    for (int32_t t : chunk) {
+      if (static_cast<size_t>(t) >= counts.size()) counts.resize(static_cast<size_t>(t) + 1, 0);
+      ++counts[static_cast<size_t>(t)];
+    }
+    n += static_cast<double>(chunk.size());
+  }
   double h = 0;
-  const double n = static_cast<double>(data.size());
   for (int64_t c : counts)
     if (c > 0) h -= static_cast<double>(c) / n * std::log(static_cast<double>(c) / n);
   return h;
@@ -305,36 +317,89 @@ class Run {
     }
   }
 
+  // The datasets, each read in place, and the orders training and validation
+  // read their windows in (weft/data.h).
   void read_data() {
     set_threads(a.threads > 0 ? a.threads : default_threads());
-    data_.emplace(TokenData::load(a.data_path));
-    const TokenData& data = *data_;
-    check(data.max_token() <= cfg.vocab_size, "{} holds token id {}, outside --vocab-size ({})",
-          a.data_path, data.max_token() - 1, cfg.vocab_size);
+    const TokenFormat format = parse_token_format(a.data_format);
+    const bool shuffle = a.data_order == "shuffled";
+    const int64_t t = cfg.seq_length;
+    auto load = [&](const char* flag, const std::vector<std::string>& list) {
+      const DataBlend blend = parse_blend(flag, list);
+      std::vector<BlendPart> parts;
+      for (size_t i = 0; i < blend.paths.size(); ++i) {
+        auto d = std::make_shared<const TokenData>(TokenData::load(blend.paths[i], format));
+        // The first MiB of tokens is checked against the vocabulary now; the
+        // rest as it is read.
+        std::vector<int32_t> head(static_cast<size_t>(std::min<int64_t>(d->size(), 1 << 20)));
+        d->read(0, static_cast<int64_t>(head.size()), head.data());
+        const int32_t top = *std::max_element(head.begin(), head.end());
+        if (top >= head_top) {
+          head_top = top;
+          head_top_path = blend.paths[i];
+        }
+        check(top < cfg.vocab_size, "{} holds token id {}, outside --vocab-size ({})",
+              blend.paths[i], top, cfg.vocab_size);
+        const double w = blend.weights.empty() ? static_cast<double>(d->windows(t))
+                                               : blend.weights[i];
+        if (w > 0) parts.push_back({std::move(d), w, 0, 0});
+      }
+      return parts;
+    };
+    std::vector<BlendPart> train, valid;
+    if (!a.train_data_path.empty()) {
+      train = load("--train-data-path", a.train_data_path);
+      if (!a.valid_data_path.empty()) valid = load("--valid-data-path", a.valid_data_path);
+    } else {
+      // --split cuts each dataset's windows: the first share trains, the next validates.
+      for (BlendPart& p : load("--data-path", a.data_path)) {
+        const DataSplit split = split_windows(a.split, p.data->windows(t));
+        if (split.valid > 0) valid.push_back({p.data, p.weight, split.train, split.valid});
+        train.push_back({std::move(p.data), p.weight, 0, split.train});
+      }
+    }
+    for (const BlendPart& p : train) data_.push_back(p.data);
+    text_data = std::all_of(train.begin(), train.end(),
+                            [](const BlendPart& p) { return p.data->is_text(); });
+    const uint64_t seed = static_cast<uint64_t>(a.seed);
+    train_order = std::make_shared<const WindowOrder>(train, t, shuffle, seed);
+    if (!valid.empty())
+      valid_order = std::make_shared<const WindowOrder>(valid, t, shuffle, seed ^ 0x76616c6964ULL);
 
     // Token data decodes through an llm.c tokenizer file; it cannot encode, so
     // a prompt is text data's only.
     if (!a.tokenizer.empty()) {
-      check(!data.is_text(), "--tokenizer decodes token data; {} is text (bytes need none)",
-            a.data_path);
+      check(!text_data, "--tokenizer decodes token data; {} is text (bytes need none)",
+            fmt::join(train_paths(), " "));
       tokenizer = Tokenizer::load(a.tokenizer);
-      check(tokenizer->vocab_size() >= data.max_token(),
-            "--tokenizer {} has {} tokens; {} holds token id {}", a.tokenizer,
-            tokenizer->vocab_size(), a.data_path, data.max_token() - 1);
+      check(tokenizer->vocab_size() > head_top, "--tokenizer {} has {} tokens; {} holds token id {}",
+            a.tokenizer, tokenizer->vocab_size(), head_top_path, head_top);
     }
-    check(data.is_text() || !app.count("--sample-prompt"),
+    check(text_data || !app.count("--sample-prompt"),
           "--sample-prompt needs text data: {} holds token ids, and a tokenizer file only decodes "
           "(the sample starts from end-of-text)",
-          a.data_path);
+          fmt::join(train_paths(), " "));
     check(a.eval_interval >= 0, "--eval-interval ({}) must be >= 0 (0: no validation)",
           a.eval_interval);
     check(a.eval_iters > 0, "--eval-iters ({}) must be positive", a.eval_iters);
-    split = split_windows(a.split, data.windows(cfg.seq_length));
-    check(a.eval_interval == 0 || split.valid > 0,
-          "--eval-interval {} needs validation data: --split '{}' gives it none of the {} windows "
-          "of {} tokens (e.g. --split 98,2,0)",
-          a.eval_interval, a.split, data.windows(cfg.seq_length), cfg.seq_length);
-    entropy = unigram_entropy(data);
+    check(a.eval_interval == 0 || valid_order,
+          "--eval-interval {} needs validation data: give --split (e.g. --split 98,2,0) with "
+          "--data-path, or --valid-data-path with --train-data-path{}",
+          a.eval_interval,
+          a.split.empty() ? "" : fmt::format(" (--split '{}' leaves none)", a.split));
+    entropy = unigram_entropy(data_);
+  }
+
+  // " | 70% of the sequences" for a part of a blend; "" for a lone dataset.
+  static std::string share(const WindowOrder& order, size_t part) {
+    if (order.parts().size() == 1) return "";
+    double total = 0;
+    for (const BlendPart& p : order.parts()) total += p.weight;
+    return fmt::format(" | {:.3g}% of the sequences", 100 * order.parts()[part].weight / total);
+  }
+
+  const std::vector<std::string>& train_paths() const {
+    return a.train_data_path.empty() ? a.data_path : a.train_data_path;
   }
 
   // The logical model; the layout instantiates this rank's part of it.
@@ -345,7 +410,6 @@ class Run {
   }
 
   void set_options() {
-    const TokenData& data = *data_;
     opt.micro_batch = a.micro_batch;
     opt.global_batch = global;
     opt.lr.lr = a.lr;
@@ -390,7 +454,8 @@ class Run {
                   {"micro_batch_size", a.micro_batch},
                   {"global_batch_size", global},
                   {"seed", a.seed},
-                  {"data_path", std::filesystem::absolute(a.data_path).string()},
+                  {"data_format", a.data_format},
+                  {"data_order", a.data_order},
                   {"arch", family->name},
                   {"optimizer", weft::optimizer_name(weft::parse_optimizer(a.optimizer))},
                   {"precision", a.bf16   ? "bf16"
@@ -402,13 +467,45 @@ class Run {
                   {"lr_decay_style", a.lr_decay_style},
                   {"lr_warmup_iters", a.lr_warmup_iters},
                   {"lr_decay_iters", opt.lr.decay_iters},
-                  {"data_fingerprint", weft::data_fingerprint(a.data_path)}};
+};
+    // The datasets, and what a resume checks of their files.
+    if (!a.data_path.empty()) {
+      opt.config["data_path"] = blend_json(a.data_path);
+      opt.config["data_fingerprint"] = blend_fingerprint(a.data_path, a.data_format);
+    } else {
+      opt.config["train_data_path"] = blend_json(a.train_data_path);
+      opt.config["train_data_fingerprint"] = blend_fingerprint(a.train_data_path, a.data_format);
+      if (!a.valid_data_path.empty())
+        opt.config["valid_data_path"] = blend_json(a.valid_data_path);
+    }
     opt.config.update(model->config);  // the family's own fields
-    batches.emplace(data, global, cfg.seq_length, 0, split.train);
-    if (split.valid > 0) validation.emplace(data, global, cfg.seq_length, split.train, split.valid);
-    if (rank0 && split.train > 0)
-      fmt::print("data split {}: windows [0, {}) train, [{}, {}) validate\n", a.split, split.train,
-                 split.train, split.train + split.valid);
+    batches.emplace(train_order, global, cfg.vocab_size);
+    if (valid_order) validation.emplace(valid_order, global, cfg.vocab_size);
+    if (rank0) {
+      for (size_t i = 0; i < train_order->parts().size(); ++i) {
+        const BlendPart& p = train_order->parts()[i];
+        const BlendPart* v = nullptr;
+        if (valid_order)
+          for (const BlendPart& q : valid_order->parts())
+            if (q.data == p.data) v = &q;
+        fmt::print("data {} | {}{} | {} tokens{} | windows [{}, {}) train{}\n",
+                   p.data->path(), token_format_name(p.data->format()),
+                   p.data->documents() > 1 ? fmt::format(", {} documents", p.data->documents())
+                                           : "",
+                   p.data->size(), share(*train_order, i), p.first_window,
+                   p.first_window + train_order->windows(static_cast<int>(i)),
+                   v == nullptr ? ""
+                                : fmt::format(", [{}, {}) validate", v->first_window,
+                                              v->first_window + v->num_windows));
+      }
+      if (valid_order && !a.valid_data_path.empty())
+        for (const BlendPart& p : valid_order->parts())
+          fmt::print("validation data {} | {} tokens{}\n", p.data->path(), p.data->size(),
+                     share(*valid_order, static_cast<size_t>(&p - valid_order->parts().data())));
+      fmt::print("data order: {}\n", train_order->shuffled()
+                                          ? fmt::format("shuffled by --seed {}", a.seed)
+                                          : std::string("file order (--data-order file)"));
+    }
     lo.tp = a.tp;
     lo.pp = a.pp;
     lo.schedule = a.schedule;
@@ -613,7 +710,7 @@ class Run {
                             ops::attention_uses_fused(setup.device, cfg.hidden_size / cfg.num_heads)
                                 ? " fused-attention"
                                 : ""),
-          a.data_path, data_->size(), entropy);
+          fmt::join(train_paths(), " "), total_tokens(), entropy);
     if (rank0 && !a.adopted_note.empty()) fmt::print("{}\n", a.adopted_note);
     if (trainer.steps_done() > 0 && rank0)
       fmt::print("resumed from {} at step {}{}\n", a.resume_from, trainer.steps_done(),
@@ -818,7 +915,7 @@ class Run {
     {
       place_params(model->graph.params(), Device::cpu());  // sampling runs on the host
       std::vector<int32_t> prompt;
-      if (data_->is_text()) {
+      if (text_data) {
         for (unsigned char ch : a.sample_prompt) prompt.push_back(ch);
       } else {  // token data: start from end-of-text (the tokenizer's, else GPT-2's)
         const int32_t eot = tokenizer && tokenizer->eot() >= 0 ? tokenizer->eot() : 50256;
@@ -840,7 +937,7 @@ class Run {
       auto tokens = sample_tokens(sampler, cfg, prompt, a.sample, a.sample_temperature,
                                   static_cast<uint64_t>(a.seed));
       fmt::print("--- sample ({} tokens, temperature {}) ---\n", a.sample, a.sample_temperature);
-      if (data_->is_text()) {
+      if (text_data) {
         std::string s(a.sample_prompt);
         for (int32_t t : tokens) s.push_back(static_cast<char>(t));
         fmt::print("{}\n", s);
@@ -866,9 +963,18 @@ class Run {
   std::unique_ptr<Communicator> nccl;  // over the MPI world, which carries host tensors
   bool rank0 = true;
   nlohmann::json ranks;
-  std::optional<TokenData> data_;
+  std::vector<std::shared_ptr<const TokenData>> data_;  // the training datasets
+
+  int64_t total_tokens() const {
+    int64_t n = 0;
+    for (const auto& d : data_) n += d->size();
+    return n;
+  }
   std::optional<Tokenizer> tokenizer;
-  DataSplit split;
+  std::shared_ptr<const WindowOrder> train_order, valid_order;
+  bool text_data = false;
+  int32_t head_top = -1;  // the largest token id of the datasets' first MiB of tokens
+  std::string head_top_path;
   double entropy = 0;
   const ModelFamily* family = nullptr;
   std::optional<JobModel> model;

@@ -42,14 +42,20 @@ std::string StepRecord::line(int64_t train_iters) const {
                     : "");
 }
 
+TokenBatches::TokenBatches(std::shared_ptr<const WindowOrder> order, int64_t global_batch,
+                           int64_t vocab)
+    : order_(std::move(order)), global_batch_(global_batch), vocab_(vocab) {
+  check(order_ != nullptr && global_batch > 0, "token batches need an order and a global batch "
+        "of at least one sequence (got {})", global_batch);
+}
+
 TokenBatches::TokenBatches(const TokenData& data, int64_t global_batch, int64_t seq_len,
                            int64_t first_window, int64_t num_windows)
-    : data_(data), global_batch_(global_batch), first_window_(first_window),
-      num_windows_(num_windows) {
-  const int64_t all = data_.windows(seq_len);  // throws when the data holds no whole window
-  check(first_window >= 0 && num_windows >= 0 && first_window + num_windows <= all,
-        "windows [{}, +{}) are outside the data's {} windows", first_window, num_windows, all);
-}
+    : TokenBatches(std::make_shared<const WindowOrder>(
+                       std::vector<BlendPart>{{std::make_shared<const TokenData>(data), 1.0,
+                                               first_window, num_windows}},
+                       seq_len, /*shuffle=*/false, /*seed=*/0),
+                   global_batch) {}
 
 void TokenBatches::fill(int64_t step, int64_t index, std::span<const Tensor> inputs) const {
   check(inputs.size() == 2, "token batches fill two inputs (tokens, targets), the model has {}",
@@ -59,8 +65,11 @@ void TokenBatches::fill(int64_t step, int64_t index, std::span<const Tensor> inp
           "token batches fill (count, T) int32 tokens and targets, got {} {} and {} {}",
           dtype_name(inputs[0].dtype()), inputs[0].shape().str(), dtype_name(inputs[1].dtype()),
           inputs[1].shape().str());
-  data_.fill(step * global_batch_ + index, inputs[0].dim(0), inputs[0].dim(1),
-             inputs[0].data<int32_t>(), inputs[1].data<int32_t>(), first_window_, num_windows_);
+  check(inputs[0].dim(1) == order_->seq_len(),
+        "token batches of sequence length {} cannot fill inputs of length {}", order_->seq_len(),
+        inputs[0].dim(1));
+  order_->fill(step * global_batch_ + index, inputs[0].dim(0), inputs[0].data<int32_t>(),
+               inputs[1].data<int32_t>(), vocab_);
 }
 
 void check_model_io(const ModelIO& io, int64_t micro_batch) {
