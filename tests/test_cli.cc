@@ -5,6 +5,8 @@
 #include <sys/wait.h>
 #include <weft/device.h>
 #include <weft/ops.h>
+#include <weft/bpe.h>
+#include <weft/data.h>
 #include <weft/safetensors.h>
 #include <weft/units.h>
 
@@ -869,6 +871,115 @@ TEST_F(Cli, LocalSgdFlagsAreChecked) {
 
 TEST_F(Cli, MissingDataFile) {
   expect_error(toy("--data-path /nonexistent/corpus.txt"), {"/nonexistent/corpus.txt"});
+}
+
+// Megatron's dataset lists: an indexed dataset and a text file blended by
+// weight, each dataset's share printed; the roles' own paths; a resume of a
+// checkpoint from before shuffling keeps its file order; and every list or
+// data flag that cannot be read is one line before training.
+TEST_F(Cli, DatasetListsBlendSplitAndAreChecked) {
+  const std::string text = dir_ + "/text.txt", prefix = dir_ + "/indexed";
+  {
+    IndexedDatasetWriter w(prefix, 256);
+    const std::string doc = "Whether 'tis nobler in the mind to suffer the slings and arrows. ";
+    for (int d = 0; d < 40; ++d) {
+      std::vector<int32_t> ids(doc.begin(), doc.end());
+      w.add_document(ids);
+    }
+    w.finish();
+  }
+  Result r = run(toy("--data-path 0.7 " + prefix + " 0.3 " + text +
+                     " --split 90,10,0 --eval-interval 2 --eval-iters 1 --train-iters 2"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "data " + prefix + " | indexed, 40 documents | 2600 tokens "
+                                       "| 70% of the sequences | windows [0, 145) train, "
+                                       "[145, 161) validate")) << r.out;
+  EXPECT_TRUE(testing::contains(r.out, "| 30% of the sequences")) << r.out;
+  EXPECT_TRUE(testing::contains(r.out, "data order: shuffled by --seed 1234")) << r.out;
+  EXPECT_TRUE(testing::contains(r.out, "validation loss")) << r.out;
+  // Without weights, each dataset in proportion to its windows.
+  r = run(toy("--data-path " + prefix + " " + text + " --train-iters 1"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "| 37.7% of the sequences")) << r.out;  // 162 of 430
+  const std::string model = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 "
+                            "--seq-length 16 --micro-batch-size 2 ";
+  r = run(model + "--train-data-path " + prefix + " --valid-data-path " + text +
+          " --eval-interval 1 --eval-iters 1 --train-iters 1");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "validation data " + text)) << r.out;
+
+  // A checkpoint from before shuffling names no order: its run read the file in order.
+  const std::string ckpt = dir_ + "/ckpt";
+  r = run(toy("--train-iters 2 --save " + ckpt));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string meta_path = ckpt + "/iter_0000002/meta.json";
+  nlohmann::json meta = nlohmann::json::parse(read_file(meta_path));
+  EXPECT_EQ(meta["config"]["data_order"], "shuffled");
+  meta["config"].erase("data_order");
+  meta["config"].erase("data_format");
+  write_file(meta_path, meta.dump());
+  std::filesystem::remove(ckpt + "/iter_0000002/manifest.json");  // the edit would not verify
+  r = run(toy("--train-iters 3 --load " + ckpt + "/iter_0000002 --load-unverified"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "--data-order file")) << r.out;
+  EXPECT_TRUE(testing::contains(r.out, "data order: file order")) << r.out;
+
+  expect_error(toy("--data-path 0.7 " + prefix + " 0.3"), {"--data-path takes WEIGHT PATH pairs"});
+  expect_error(toy("--data-path 0 " + prefix + " 0 " + text), {"the weights sum to 0"});
+  expect_error(toy("--data-path " + prefix + " 0.5 " + text),
+               {"'0.5': a list that starts with a path takes no weights"});
+  expect_error(toy("--data-path -1 " + prefix + " 2 " + text), {"weight '-1'", "not a number >= 0"});
+  expect_error(toy("--train-data-path " + text), {"--data-path and --train-data-path both"});
+  expect_error(model + "--valid-data-path " + text, {"--valid-data-path needs --train-data-path"});
+  expect_error(model + "--train-data-path " + text + " --split 9,1,0",
+               {"--split '9,1,0' splits --data-path"});
+  expect_error(toy("--data-order random"), {"--data-order 'random' is not shuffled or file"});
+  expect_error(toy("--data-format npy"), {"'npy' is not one of auto, text, llmc, uint16, indexed"});
+  expect_error(toy("--data-path " + prefix + " --vocab-size 100"),
+               {prefix, "holds token id 119, outside --vocab-size (100)"});
+  expect_error(toy("--data-path " + prefix + ".idx --data-format text --vocab-size 100"),
+               {prefix + ".idx", "outside --vocab-size (100)"});
+  expect_error(toy("--tokenizer-type SentencePiece --sample 2"),
+               {"--tokenizer-type 'SentencePiece' is not GPT2BPETokenizer"});
+  expect_error(toy("--vocab-file v.json --sample 2"),
+               {"--tokenizer-type GPT2BPETokenizer takes --vocab-file and --merge-file"});
+  expect_error(toy("--tokenizer-type HuggingFaceTokenizer"),
+               {"--tokenizer-type HuggingFaceTokenizer takes --tokenizer-model"});
+}
+
+// Token data made with a byte-level BPE trains, and the sample continues a
+// prompt the same tokenizer encodes, decoded back to text.
+TEST_F(Cli, ABpeTokenizerEncodesThePromptAndDecodesTheSample) {
+  if (!BpeTokenizer::available()) GTEST_SKIP() << "weft was built without PCRE2";
+  const std::string vocab = source_path("tests/reference/fixtures/bpe_vocab.json"),
+                    merges = source_path("tests/reference/fixtures/bpe_merges.txt");
+  BpeTokenizer bpe = BpeTokenizer::load(vocab, merges);
+  const std::string prefix = dir_ + "/bpe";
+  {
+    IndexedDatasetWriter w(prefix, bpe.vocab_size());
+    for (int d = 0; d < 30; ++d) {
+      std::vector<int32_t> ids = bpe.encode("The quick brown fox jumps over the lazy dog. ");
+      ids.push_back(bpe.eod());
+      w.add_document(ids);
+    }
+    w.finish();
+  }
+  const std::string model = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 "
+                            "--seq-length 16 --micro-batch-size 2 --lr 1e-2 --train-iters 2 "
+                            "--vocab-size " + std::to_string(bpe.vocab_size()) +
+                            " --data-path " + prefix + " --sample 4 ";
+  Result r = run(model + "--tokenizer-type GPT2BPETokenizer --vocab-file " + vocab +
+                 " --merge-file " + merges + " --sample-prompt 'The quick'");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const size_t at = r.out.find("--- sample (4 tokens");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  EXPECT_EQ(r.out.substr(r.out.find('\n', at) + 1, 9), "The quick") << r.out;
+  r = run(model + "--tokenizer-type HuggingFaceTokenizer --tokenizer-model " +
+          source_path("tests/reference/fixtures/bpe_tokenizer.json"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_FALSE(testing::contains(r.out, "(token ids:")) << r.out;
+  expect_error(model + "--sample-prompt 'The quick'",
+               {"--sample-prompt needs text data, or a tokenizer that encodes"});
 }
 
 TEST_F(Cli, DataPathIsADirectory) { expect_error(toy("--data-path " + dir_), {dir_}); }

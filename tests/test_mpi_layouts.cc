@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <weft/data.h>
+
 #include "test_util.h"
 
 #include <sys/wait.h>
@@ -51,10 +53,16 @@ class MpiLayouts : public ::testing::Test {
   // The records match the reference's steps [first, first + size).
   static void expect_reference(const std::vector<nlohmann::json>& got, size_t first,
                                const std::string& what) {
-    ASSERT_TRUE(!got.empty() && first + got.size() <= reference_->size())
+    expect_same(got, *reference_, first, what);
+  }
+
+  static void expect_same(const std::vector<nlohmann::json>& got,
+                          const std::vector<nlohmann::json>& reference, size_t first,
+                          const std::string& what) {
+    ASSERT_TRUE(!got.empty() && first + got.size() <= reference.size())
         << what << ": " << got.size() << " records\n" << read_file(*dir_ + "/out.txt");
     for (size_t s = 0; s < got.size(); ++s) {
-      const auto& want = (*reference_)[first + s];
+      const auto& want = reference[first + s];
       EXPECT_EQ(got[s]["step"].get<int64_t>(), want["step"].get<int64_t>()) << what;
       const double loss = want["loss"], norm = want["grad_norm"];
       EXPECT_NEAR(got[s]["loss"].get<double>(), loss, 1e-5 * loss) << what << " step " << s;
@@ -96,6 +104,26 @@ TEST_F(MpiLayouts, EveryLayoutAndScheduleMatchesSingleProcess) {
       expect_reference(train(kWorld, l.args() + " --schedule " + schedule), 0, what);
     }
   }
+}
+
+// A blend of an indexed dataset and a text file, shuffled by the seed: the
+// data order is a function of the seed and the global batch only, so every
+// layout reads the single process's batches.
+TEST_F(MpiLayouts, ABlendOfDatasetsReadsTheSameBatchesAtEveryLayout) {
+  const std::string prefix = *dir_ + "/indexed";
+  {
+    IndexedDatasetWriter w(prefix, 256);
+    const std::string doc = "It was the best of times, it was the worst of times. ";
+    for (int d = 0; d < 60; ++d) w.add_document(std::vector<int32_t>(doc.begin(), doc.end()));
+    w.finish();
+  }
+  const std::string blend = "--data-path 0.6 " + prefix + " 0.4 " + *dir_ + "/text.txt";
+  const std::vector<nlohmann::json> single = train(1, blend);
+  ASSERT_EQ(single.size(), 5u);
+  for (const Layout& l : {Layout{2, 2, 2}, Layout{8, 1, 1}, Layout{1, 2, 4}})
+    expect_same(train(kWorld, l.args() + " " + blend), single, 0, l.str() + " blend");
+  // The blend is not the text alone.
+  EXPECT_NE(single[0]["loss"].get<double>(), (*reference_)[0]["loss"].get<double>());
 }
 
 TEST_F(MpiLayouts, DistributedOptimizerMatchesSingleProcess) {

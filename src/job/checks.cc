@@ -1014,15 +1014,15 @@ void check_training_flags(const Args& a, const CLI::App& app) {
   check(a.exit_interval >= 0, "--exit-interval ({}) must be >= 0", a.exit_interval);
   check(std::isfinite(a.exit_duration_mins) && a.exit_duration_mins >= 0,
         "--exit-duration-in-mins ({}) must be a number of minutes >= 0", a.exit_duration_mins);
+  check(a.valid_data_path.empty() || !a.train_data_path.empty(),
+        "--valid-data-path needs --train-data-path (with --data-path, --split sets validation "
+        "data apart)");
   check(!a.data_path.empty() || !a.train_data_path.empty(),
         "--data-path is required (a text file, an llm.c .bin file or a Megatron indexed "
         "dataset; or --train-data-path)");
   check(a.data_path.empty() || a.train_data_path.empty(),
         "--data-path and --train-data-path both name training data: give one (--data-path is "
         "split by --split; --train-data-path is read whole)");
-  check(a.valid_data_path.empty() || !a.train_data_path.empty(),
-        "--valid-data-path needs --train-data-path (with --data-path, --split sets validation "
-        "data apart)");
   check(a.train_data_path.empty() || a.split.empty(),
         "--split '{}' splits --data-path; --train-data-path and --valid-data-path are read whole",
         a.split);
@@ -1077,6 +1077,25 @@ void check_training_flags(const Args& a, const CLI::App& app) {
   check(a.eval_interval > 0 || !app.count("--eval-iters"),
         "--eval-iters sets the batches of each validation: it needs --eval-interval");
   check(a.sample > 0 || a.tokenizer.empty(), "--tokenizer decodes samples: it needs --sample N");
+  check(a.tokenizer_type.empty() || a.tokenizer_type == "GPT2BPETokenizer" ||
+            a.tokenizer_type == "HuggingFaceTokenizer",
+        "--tokenizer-type '{}' is not GPT2BPETokenizer or HuggingFaceTokenizer",
+        a.tokenizer_type);
+  const bool gpt2 = a.tokenizer_type == "GPT2BPETokenizer";
+  check(gpt2 == (!a.vocab_file.empty() && !a.merge_file.empty()) &&
+            (gpt2 || (a.vocab_file.empty() && a.merge_file.empty())),
+        "--tokenizer-type GPT2BPETokenizer takes --vocab-file and --merge-file, and they are "
+        "read by it alone (got --tokenizer-type '{}', --vocab-file '{}', --merge-file '{}')",
+        a.tokenizer_type, a.vocab_file, a.merge_file);
+  check((a.tokenizer_type == "HuggingFaceTokenizer") == !a.tokenizer_model.empty(),
+        "--tokenizer-type HuggingFaceTokenizer takes --tokenizer-model (a tokenizer.json), and "
+        "it is read by it alone (got --tokenizer-type '{}', --tokenizer-model '{}')",
+        a.tokenizer_type, a.tokenizer_model);
+  check(a.sample > 0 || a.tokenizer_type.empty(),
+        "--tokenizer-type encodes the prompt and decodes samples: it needs --sample N");
+  check(a.tokenizer.empty() || a.tokenizer_type.empty(),
+        "--tokenizer (an llm.c file that decodes) and --tokenizer-type both decode samples: "
+        "give one");
   // Local SGD / DiLoCo: the replicas agree only every --local-steps steps, so
   // the run saves and stops there.
   check(a.optimizer == "sgd" || !app.count("--sgd-momentum"),

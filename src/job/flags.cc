@@ -163,6 +163,14 @@ void add_flags(CLI::App& app, Args& a, const Job& job) {
   app.add_option("--sample-prompt", a.sample_prompt, "text the sample continues (text data)");
   app.add_option("--tokenizer", a.tokenizer,
                  "llm.c tokenizer file (e.g. gpt2_tokenizer.bin) to decode samples of token data");
+  app.add_option("--tokenizer-type", a.tokenizer_type,
+                 "GPT2BPETokenizer (--vocab-file, --merge-file) or HuggingFaceTokenizer "
+                 "(--tokenizer-model): encodes --sample-prompt and decodes the sample of token "
+                 "data");
+  app.add_option("--vocab-file", a.vocab_file, "GPT-2's vocab.json (GPT2BPETokenizer)");
+  app.add_option("--merge-file", a.merge_file, "GPT-2's merges.txt (GPT2BPETokenizer)");
+  app.add_option("--tokenizer-model", a.tokenizer_model,
+                 "a byte-level BPE tokenizer.json (HuggingFaceTokenizer)");
   app.add_option("--threads", a.threads, "CPU threads (default: cores / local ranks)");
   app.add_option("--device", a.device,
                  "cpu, cuda, cuda:N or auto: cuda when a GPU is visible; each rank takes the GPU "

@@ -57,6 +57,10 @@ struct Args {
   std::string data_format = "auto";     // weft/data.h's TokenFormat names
   std::string data_order = "shuffled";  // or "file": every dataset's windows in file order
   std::string init_from, save, load, log_jsonl, tokenizer, loss_plot;
+  // Megatron's tokenizer flags: GPT2BPETokenizer (--vocab-file, --merge-file)
+  // or HuggingFaceTokenizer (--tokenizer-model, a tokenizer.json), to encode
+  // --sample-prompt and decode samples of token data.
+  std::string tokenizer_type, vocab_file, merge_file, tokenizer_model;
   // Megatron's train/validation/test weights over the data's windows; empty:
   // every window trains. Validation every eval_interval steps (0: never).
   std::string split;

@@ -17,6 +17,7 @@
 #include <weft/schedule.h>
 #include <weft/threads.h>
 #include <weft/plot.h>
+#include <weft/bpe.h>
 #include <weft/tokenizer.h>
 #include <weft/trainer.h>
 #include <weft/units.h>
@@ -375,9 +376,19 @@ class Run {
       check(tokenizer->vocab_size() > head_top, "--tokenizer {} has {} tokens; {} holds token id {}",
             a.tokenizer, tokenizer->vocab_size(), head_top_path, head_top);
     }
-    check(text_data || !app.count("--sample-prompt"),
-          "--sample-prompt needs text data: {} holds token ids, and a tokenizer file only decodes "
-          "(the sample starts from end-of-text)",
+    if (!a.tokenizer_type.empty()) {
+      check(!text_data, "--tokenizer-type {} encodes text into token data; {} is text (bytes "
+            "need none)", a.tokenizer_type, fmt::join(train_paths(), " "));
+      bpe.emplace(a.tokenizer_type == "GPT2BPETokenizer"
+                      ? BpeTokenizer::load(a.vocab_file, a.merge_file)
+                      : BpeTokenizer::load_json(a.tokenizer_model));
+      check(bpe->vocab_size() > head_top, "--tokenizer-type {} has {} tokens; {} holds token id {}",
+            a.tokenizer_type, bpe->vocab_size(), head_top_path, head_top);
+    }
+    check(text_data || bpe || !app.count("--sample-prompt"),
+          "--sample-prompt needs text data, or a tokenizer that encodes (--tokenizer-type "
+          "GPT2BPETokenizer --vocab-file --merge-file): {} holds token ids, and an llm.c "
+          "tokenizer file only decodes (the sample starts from end-of-text)",
           fmt::join(train_paths(), " "));
     check(a.eval_interval >= 0, "--eval-interval ({}) must be >= 0 (0: no validation)",
           a.eval_interval);
@@ -917,8 +928,15 @@ class Run {
       std::vector<int32_t> prompt;
       if (text_data) {
         for (unsigned char ch : a.sample_prompt) prompt.push_back(ch);
+      } else if (bpe && !a.sample_prompt.empty()) {
+        prompt = bpe->encode(a.sample_prompt);
+        for (int32_t t : prompt)
+          check(t < cfg.vocab_size, "--sample-prompt: token {} of its encoding is outside "
+                "--vocab-size ({})", t, cfg.vocab_size);
       } else {  // token data: start from end-of-text (the tokenizer's, else GPT-2's)
-        const int32_t eot = tokenizer && tokenizer->eot() >= 0 ? tokenizer->eot() : 50256;
+        const int32_t eot = bpe && bpe->eod() >= 0               ? bpe->eod()
+                            : tokenizer && tokenizer->eot() >= 0 ? tokenizer->eot()
+                                                                 : 50256;
         prompt.push_back(eot < cfg.vocab_size ? eot : 0);
       }
       // The family's model for one sequence at a time, with the trained weights.
@@ -941,13 +959,15 @@ class Run {
         std::string s(a.sample_prompt);
         for (int32_t t : tokens) s.push_back(static_cast<char>(t));
         fmt::print("{}\n", s);
+      } else if (bpe) {
+        fmt::print("{}{}\n", a.sample_prompt, bpe->decode(tokens));
       } else if (tokenizer) {
         std::string s;
         for (int32_t t : tokens) s += tokenizer->decode(t);
         fmt::print("{}\n", s);
       } else {
         for (int32_t t : tokens) fmt::print("{} ", t);
-        fmt::print("\n(token ids: give --tokenizer to decode them)\n");
+        fmt::print("\n(token ids: give --tokenizer-type or --tokenizer to decode them)\n");
       }
     }
   }
@@ -971,6 +991,7 @@ class Run {
     return n;
   }
   std::optional<Tokenizer> tokenizer;
+  std::optional<BpeTokenizer> bpe;
   std::shared_ptr<const WindowOrder> train_order, valid_order;
   bool text_data = false;
   int32_t head_top = -1;  // the largest token id of the datasets' first MiB of tokens
