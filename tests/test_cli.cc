@@ -601,6 +601,58 @@ TEST_F(Cli, SigtermSavesAndTheResumedRunMatchesTheUninterruptedOne) {
   }
 }
 
+// --async-save: world rank 0 writes each checkpoint on a thread while
+// training goes on. The writer is made slow (300 ms a save), so the steps
+// after a save run during its writing; the files are the synchronous run's
+// byte for byte, and the first save's stall is the gathering alone (the next
+// one, two fast steps later, waits for the first to be written). A
+// writer killed mid-save (kill -9 inside the thread) leaves the newest
+// complete checkpoint, which resumes with the uninterrupted losses.
+TEST_F(Cli, AsyncSaveWritesTheSameCheckpointsWhileTrainingGoesOn) {
+  const std::string flags = toy("--threads 1 --train-iters 6 --save-interval 2 ");
+  Result sync = run(flags + "--save " + dir_ + "/sync --log-jsonl " + dir_ + "/sync.jsonl");
+  ASSERT_EQ(sync.code, 0) << sync.err;
+  ::setenv("WEFT_FAULT_INJECT", "slow-save:300", 1);
+  Result async = run(flags + "--async-save --save " + dir_ + "/async --log-jsonl " + dir_ +
+                     "/async.jsonl");
+  ::unsetenv("WEFT_FAULT_INJECT");
+  ASSERT_EQ(async.code, 0) << async.err;
+  for (int step : {2, 4}) {
+    const std::string line = fmt::format("saving checkpoint at step {} to {}/async in the "
+                                         "background: training stalled ", step, dir_);
+    const size_t at = async.out.find(line);
+    ASSERT_NE(at, std::string::npos) << async.out;
+    // Step 4's save comes before step 2's is written: it waits for that one first.
+    if (step == 2) {
+      EXPECT_LT(std::stod(async.out.substr(at + line.size())), 300.0) << async.out;
+    }
+  }
+  EXPECT_TRUE(testing::contains(async.out, "saved checkpoint at step 6 to " + dir_ + "/async"))
+      << async.out;
+  for (const char* iter : {"/iter_0000004/", "/iter_0000006/"})
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+      EXPECT_EQ(read_file(dir_ + "/async" + iter + file), read_file(dir_ + "/sync" + iter + file))
+          << iter << file;
+  const auto a = testing::jsonl_steps(dir_ + "/async.jsonl"),
+             b = testing::jsonl_steps(dir_ + "/sync.jsonl");
+  ASSERT_EQ(a.size(), 6u);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i]["loss"], b[i]["loss"]) << i;
+
+  const std::string killed = dir_ + "/killed";
+  ::setenv("WEFT_FAULT_INJECT", "writing-tensors@4", 1);
+  Result k = run(flags + "--async-save --save " + killed);
+  ::unsetenv("WEFT_FAULT_INJECT");
+  EXPECT_NE(k.code, 0) << k.out;
+  EXPECT_EQ(read_file(killed + "/latest_checkpointed_iteration.txt"), "2\n");
+  Result resumed = run(flags + "--async-save --save " + killed + " --log-jsonl " + dir_ +
+                       "/resumed.jsonl");
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  EXPECT_TRUE(testing::contains(resumed.out, "at step 2")) << resumed.out;
+  const auto c = testing::jsonl_steps(dir_ + "/resumed.jsonl");
+  ASSERT_EQ(c.size(), 4u);
+  for (size_t i = 0; i < c.size(); ++i) EXPECT_EQ(c[i]["loss"], b[i + 2]["loss"]) << i;
+}
+
 // A second signal (a launcher and a terminal both passing one on) is held
 // and the save still happens; a third ends the run at once and says it did
 // not save. The save is made slow (2 s), so that the later signals arrive

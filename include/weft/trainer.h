@@ -18,6 +18,7 @@
 #include <chrono>
 #include <deque>
 #include <memory>
+#include <thread>
 #include <set>
 #include <span>
 #include <string>
@@ -91,6 +92,10 @@ struct TrainOptions {
   // finish, in seconds; past it they stop with an error naming the save
   // (train_gpt's --save-timeout). 0: no deadline.
   double save_timeout_s = 0;
+  // Megatron's --async-save: save() returns once the tensors are gathered
+  // into host copies, and the writer (world rank 0) writes them on a thread
+  // of its own while training goes on; wait_for_saves() waits for it.
+  bool async_save = false;
   // A step whose loss is above this stops training (train_step or
   // take_records throws naming the step), as a non-finite one does: a
   // bound known before training (train_gpt: 4 x ln(vocabulary), four times
@@ -265,13 +270,31 @@ class Trainer {
   // layout can load (weft/checkpoint.h), written by world rank 0, which then
   // keeps only the newest `keep_last` (0: all). The ranks wait for the writer
   // without the communicators' deadline.
+  // With TrainOptions::async_save, the writing goes on after save()
+  // returns: a save, or wait_for_saves(), first waits for the one before it,
+  // and throws what went wrong in it.
   void save(const std::string& dir, int64_t keep_last = 0);
+  // Collective: returns once every save started is on disk (a no-op
+  // without async_save beyond the check for an earlier failure).
+  void wait_for_saves();
+  // How long the last save() held this rank's training, in milliseconds.
+  double last_save_stall_ms() const { return save_stall_ms_; }
   // Every rank reads its own pieces of the newest checkpoint in `dir` that
   // verifies, or of the one iter_N folder `dir` names (weft/checkpoint.h);
   // returns which one, and the newer ones it skipped.
   CheckpointSource load(const std::string& dir, bool allow_unverified = false);
 
  private:
+  // The writer's thread, joined (rethrowing its failure) before the next save.
+  void join_writer();
+  // Every rank waits for the writer of step `step`, within --save-timeout.
+  void await_writer(const std::string& dir, int64_t step);
+  std::thread writer_;
+  std::exception_ptr writer_error_;
+  int64_t writing_step_ = -1;
+  std::string writing_dir_;
+  double save_stall_ms_ = 0;
+
   ModelIO g_;
   TrainOptions opt_;
   Parallel par_;

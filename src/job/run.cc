@@ -431,6 +431,7 @@ class Run {
     opt.adam = {a.beta1, a.beta2, a.eps, a.weight_decay};
     opt.clip_grad = a.clip_grad;
     opt.save_timeout_s = a.save_timeout;
+    opt.async_save = a.async_save;
     // A loss four times a uniform guess's, ln(vocabulary), is no training.
     opt.max_loss = a.max_loss >= 0 ? a.max_loss : 4 * std::log(static_cast<double>(cfg.vocab_size));
     opt.device = setup.device;
@@ -733,13 +734,30 @@ class Run {
                  a.resume_from);
   }
 
-  // Every save goes through here: once per step, pruned, and said.
-  void save() {
+  // Every save goes through here: once per step, pruned, and said. With
+  // --async-save the writing goes on in the background unless `wait` (the
+  // run's last save, or a stop): the next save waits for it first.
+  void save(bool wait = false) {
     Trainer& trainer = layout->trainer();
-    if (a.save.empty() || last_saved == trainer.steps_done()) return;
-    trainer.save(a.save, a.keep_last);
-    last_saved = trainer.steps_done();
-    if (rank0) fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
+    if (!a.save.empty() && last_saved != trainer.steps_done()) {
+      trainer.save(a.save, a.keep_last);
+      last_saved = trainer.steps_done();
+      if (a.async_save && rank0) {
+        const double step_ms = recent_ms.empty() ? 0 : recent_ms.back();
+        fmt::print("saving checkpoint at step {} to {} in the background: training stalled "
+                   "{:.1f} ms{}\n",
+                   trainer.steps_done(), a.save, trainer.last_save_stall_ms(),
+                   step_ms > 0 ? fmt::format(" ({:.2f} steps)",
+                                             trainer.last_save_stall_ms() / step_ms)
+                               : "");
+      }
+      if (!a.async_save && rank0)
+        fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
+    }
+    if (wait && a.async_save && !a.save.empty()) {
+      trainer.wait_for_saves();
+      if (rank0) fmt::print("saved checkpoint at step {} to {}\n", last_saved, a.save);
+    }
   }
 
   // The steps up to --train-iters; true when the run stopped before them
@@ -843,7 +861,7 @@ class Run {
           a.exit_interval > 0 && trainer.steps_done() % a.exit_interval == 0;
       if (stop.any() || at_exit_interval) {
         take_all();
-        save();
+        save(/*wait=*/true);
         if (rank0) {
           const std::string why = stop.signal > 0 ? fmt::format("on {}", signal_name(stop.signal))
                                   : stop.out_of_time
@@ -908,7 +926,7 @@ class Run {
           fmt::format("{} layers x {}, global batch {}", cfg.num_layers, cfg.hidden_size, global));
       fmt::print("wrote the loss curve to {}\n", a.loss_plot);
     }
-    save();  // the last step, once (unless the interval has just saved it)
+    save(/*wait=*/true);  // the last step, once (unless the interval has just saved it)
     if (ps_worker && rank0) {
       const std::vector<int64_t> h = ps_worker->staleness_histogram();
       std::vector<std::string> bins;

@@ -212,7 +212,10 @@ Trainer::Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, Parallel 
 Trainer::Trainer(ModelIO g, const BatchSource& data, TrainOptions opt, PipelineExecutor& pipeline)
     : Trainer(g, data, std::move(opt), Parallel{{}, &pipeline, {}}) {}
 
-Trainer::~Trainer() { par_.pipeline->set_grad_sync(nullptr); }
+Trainer::~Trainer() {
+  if (writer_.joinable()) writer_.join();  // a save in flight is never cut short
+  par_.pipeline->set_grad_sync(nullptr);
+}
 
 bool Trainer::pipelined() const { return par_.pipeline->group().size() > 1; }
 
@@ -506,6 +509,8 @@ void Trainer::launch_step(bool measure) {
 // whole one) and summed over the tensor- and pipeline-parallel groups of
 // data-parallel replica 0, which holds world rank 0.
 void Trainer::save(const std::string& dir, int64_t keep_last) {
+  const auto t0 = std::chrono::steady_clock::now();
+  join_writer();  // one save at a time, each complete before the next starts
   read_values();  // a step that diverged is found before anything is written
   const Graph& graph = *g_.graph;
   check(!local() || steps_done_ % opt_.local.steps == 0,
@@ -563,10 +568,42 @@ void Trainer::save(const std::string& dir, int64_t keep_last) {
     if (opt_.spike.enabled) meta.trainer["spike"] = spike_state();
     if (scaling()) meta.trainer["loss_scale"] = loss_scale_state();
     if (meta.trainer.empty()) meta.trainer = nullptr;
-    save_checkpoint(dir, model, optimizer, optimizer_steps, meta);
-    prune_checkpoints(dir, keep_last);
+    if (opt_.async_save) {
+      // The copies move to the thread; the parameters train on meanwhile.
+      writer_ = std::thread([this, dir, keep_last, optimizer_steps, model = std::move(model),
+                             optimizer = std::move(optimizer), meta = std::move(meta)] {
+        try {
+          save_checkpoint(dir, model, optimizer, optimizer_steps, meta);
+          prune_checkpoints(dir, keep_last);
+        } catch (...) {
+          writer_error_ = std::current_exception();
+        }
+      });
+    } else {
+      save_checkpoint(dir, model, optimizer, optimizer_steps, meta);
+      prune_checkpoints(dir, keep_last);
+    }
   }
-  // Nobody returns before the checkpoint is complete: one barrier per group,
+  writing_step_ = steps_done_;
+  writing_dir_ = dir;
+  if (!opt_.async_save) await_writer(dir, steps_done_);
+  save_stall_ms_ =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Trainer::join_writer() {
+  if (writer_.joinable()) writer_.join();
+  if (writer_error_) std::rethrow_exception(std::exchange(writer_error_, nullptr));
+}
+
+void Trainer::wait_for_saves() {
+  join_writer();
+  if (opt_.async_save && writing_step_ >= 0) await_writer(writing_dir_, writing_step_);
+  writing_step_ = -1;
+}
+
+void Trainer::await_writer(const std::string& dir, int64_t step) {
+  // Nobody goes on before the checkpoint is complete: one barrier per group,
   // in turn, is a barrier of the world. The writer's disk, not the network,
   // bounds this wait, so --comm-timeout does not: a slow save is no failure,
   // a stuck one (past --save-timeout) is.
@@ -578,7 +615,7 @@ void Trainer::save(const std::string& dir, int64_t keep_last) {
     } catch (const CommTimeout& e) {
       throw CommTimeout("the save of step {} to {} did not finish within --save-timeout {:g} s "
                         "(world rank 0 writes it; look at its disk, or raise the timeout): {}",
-                        steps_done_, dir, opt_.save_timeout_s, e.what());
+                        step, dir, opt_.save_timeout_s, e.what());
     }
   }
 }
