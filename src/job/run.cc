@@ -734,6 +734,12 @@ class Run {
                  a.resume_from);
   }
 
+  // " (0.52 steps)": a stall against the last step read.
+  std::string stall_in_steps(double ms) const {
+    const double step_ms = recent_ms.empty() ? 0 : recent_ms.back();
+    return step_ms > 0 ? fmt::format(" ({:.2f} steps)", ms / step_ms) : "";
+  }
+
   // Every save goes through here: once per step, pruned, and said. With
   // --async-save the writing goes on in the background unless `wait` (the
   // run's last save, or a stop): the next save waits for it first.
@@ -742,17 +748,15 @@ class Run {
     if (!a.save.empty() && last_saved != trainer.steps_done()) {
       trainer.save(a.save, a.keep_last);
       last_saved = trainer.steps_done();
-      if (a.async_save && rank0) {
-        const double step_ms = recent_ms.empty() ? 0 : recent_ms.back();
+      if (a.async_save && rank0)
         fmt::print("saving checkpoint at step {} to {} in the background: training stalled "
                    "{:.1f} ms{}\n",
                    trainer.steps_done(), a.save, trainer.last_save_stall_ms(),
-                   step_ms > 0 ? fmt::format(" ({:.2f} steps)",
-                                             trainer.last_save_stall_ms() / step_ms)
-                               : "");
-      }
+                   stall_in_steps(trainer.last_save_stall_ms()));
       if (!a.async_save && rank0)
-        fmt::print("saved checkpoint at step {} to {}\n", trainer.steps_done(), a.save);
+        fmt::print("saved checkpoint at step {} to {}: training stalled {:.1f} ms{}\n",
+                   trainer.steps_done(), a.save, trainer.last_save_stall_ms(),
+                   stall_in_steps(trainer.last_save_stall_ms()));
     }
     if (wait && a.async_save && !a.save.empty()) {
       trainer.wait_for_saves();
