@@ -237,7 +237,7 @@ TEST_F(Cli, SamplesOfTokenDataDecodeThroughATokenizer) {
   const std::string text = r.out.substr(r.out.find('\n', r.out.find("--- sample")) + 1);
   EXPECT_EQ(std::count(text.begin(), text.end(), '|'), 12) << text;  // 12 decoded tokens
   r = run(tiny("--sample 4"));
-  EXPECT_TRUE(testing::contains(r.out, "give --tokenizer to decode them")) << r.out;
+  EXPECT_TRUE(testing::contains(r.out, "give --tokenizer-type or --tokenizer to decode them")) << r.out;
   expect_error(tiny("--sample 4 --sample-prompt Hello"), {"--sample-prompt needs text data"});
   expect_error(tiny("--sample 4 --tokenizer " + tokenizer("bad.bin", 123, 64)),
                {"bad.bin", "magic 123", "20240328"});
