@@ -237,7 +237,8 @@ TEST_F(Cli, SamplesOfTokenDataDecodeThroughATokenizer) {
   const std::string text = r.out.substr(r.out.find('\n', r.out.find("--- sample")) + 1);
   EXPECT_EQ(std::count(text.begin(), text.end(), '|'), 12) << text;  // 12 decoded tokens
   r = run(tiny("--sample 4"));
-  EXPECT_TRUE(testing::contains(r.out, "give --tokenizer-type or --tokenizer to decode them")) << r.out;
+  EXPECT_TRUE(testing::contains(r.out, "give --tokenizer-type or --tokenizer to decode them"))
+      << r.out;
   expect_error(tiny("--sample 4 --sample-prompt Hello"), {"--sample-prompt needs text data"});
   expect_error(tiny("--sample 4 --tokenizer " + tokenizer("bad.bin", 123, 64)),
                {"bad.bin", "magic 123", "20240328"});
@@ -613,13 +614,15 @@ TEST_F(Cli, AsyncSaveWritesTheSameCheckpointsWhileTrainingGoesOn) {
   Result sync = run(flags + "--save " + dir_ + "/sync --log-jsonl " + dir_ + "/sync.jsonl");
   ASSERT_EQ(sync.code, 0) << sync.err;
   ::setenv("WEFT_FAULT_INJECT", "slow-save:300", 1);
-  Result async = run(flags + "--async-save --save " + dir_ + "/async --log-jsonl " + dir_ +
-                     "/async.jsonl");
+  Result async =
+      run(flags + "--async-save --save " + dir_ + "/async --log-jsonl " + dir_ + "/async.jsonl");
   ::unsetenv("WEFT_FAULT_INJECT");
   ASSERT_EQ(async.code, 0) << async.err;
   for (int step : {2, 4}) {
-    const std::string line = fmt::format("saving checkpoint at step {} to {}/async in the "
-                                         "background: training stalled ", step, dir_);
+    const std::string line = fmt::format(
+        "saving checkpoint at step {} to {}/async in the "
+        "background: training stalled ",
+        step, dir_);
     const size_t at = async.out.find(line);
     ASSERT_NE(at, std::string::npos) << async.out;
     // Step 4's save comes before step 2's is written: it waits for that one first.
@@ -644,8 +647,8 @@ TEST_F(Cli, AsyncSaveWritesTheSameCheckpointsWhileTrainingGoesOn) {
   ::unsetenv("WEFT_FAULT_INJECT");
   EXPECT_NE(k.code, 0) << k.out;
   EXPECT_EQ(read_file(killed + "/latest_checkpointed_iteration.txt"), "2\n");
-  Result resumed = run(flags + "--async-save --save " + killed + " --log-jsonl " + dir_ +
-                       "/resumed.jsonl");
+  Result resumed =
+      run(flags + "--async-save --save " + killed + " --log-jsonl " + dir_ + "/resumed.jsonl");
   ASSERT_EQ(resumed.code, 0) << resumed.err;
   EXPECT_TRUE(testing::contains(resumed.out, "at step 2")) << resumed.out;
   const auto c = testing::jsonl_steps(dir_ + "/resumed.jsonl");
@@ -852,10 +855,11 @@ TEST_F(Cli, SpikyLossIsSkippedAndLogged) {
   uint32_t x = 7;
   for (size_t i = 12 * 64; i <= 13 * 64; ++i) text[i] = static_cast<char>((x = x * 1664525u + 1013904223u) >> 24);
   write_file(dir_ + "/spiky.txt", text);
-  const std::string flags = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-                            "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --train-iters 16 "
-                            "--log-interval 100 --data-order file --data-path " + dir_ +
-                            "/spiky.txt ";
+  const std::string flags =
+      "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+      "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --train-iters 16 "
+      "--log-interval 100 --data-order file --data-path " +
+      dir_ + "/spiky.txt ";
   Result r = run(flags + "--check-for-spiky-loss --spiky-loss-factor 1.5 --log-jsonl " + dir_ +
                  "/s.jsonl");
   ASSERT_EQ(r.code, 0) << r.err;
@@ -943,9 +947,11 @@ TEST_F(Cli, DatasetListsBlendSplitAndAreChecked) {
   Result r = run(toy("--data-path 0.7 " + prefix + " 0.3 " + text +
                      " --split 90,10,0 --eval-interval 2 --eval-iters 1 --train-iters 2"));
   ASSERT_EQ(r.code, 0) << r.err;
-  EXPECT_TRUE(testing::contains(r.out, "data " + prefix + " | indexed, 40 documents | 2600 tokens "
-                                       "| 70% of the sequences | windows [0, 145) train, "
-                                       "[145, 161) validate")) << r.out;
+  EXPECT_TRUE(testing::contains(r.out, "data " + prefix +
+                                           " | indexed, 40 documents | 2600 tokens "
+                                           "| 70% of the sequences | windows [0, 145) train, "
+                                           "[145, 161) validate"))
+      << r.out;
   EXPECT_TRUE(testing::contains(r.out, "| 30% of the sequences")) << r.out;
   EXPECT_TRUE(testing::contains(r.out, "data order: shuffled by --seed 1234")) << r.out;
   EXPECT_TRUE(testing::contains(r.out, "validation loss")) << r.out;
@@ -953,8 +959,9 @@ TEST_F(Cli, DatasetListsBlendSplitAndAreChecked) {
   r = run(toy("--data-path " + prefix + " " + text + " --train-iters 1"));
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_TRUE(testing::contains(r.out, "| 37.7% of the sequences")) << r.out;  // 162 of 430
-  const std::string model = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 "
-                            "--seq-length 16 --micro-batch-size 2 ";
+  const std::string model =
+      "--num-layers 2 --hidden-size 32 --num-attention-heads 4 "
+      "--seq-length 16 --micro-batch-size 2 ";
   r = run(model + "--train-data-path " + prefix + " --valid-data-path " + text +
           " --eval-interval 1 --eval-iters 1 --train-iters 1");
   ASSERT_EQ(r.code, 0) << r.err;
@@ -980,7 +987,8 @@ TEST_F(Cli, DatasetListsBlendSplitAndAreChecked) {
   expect_error(toy("--data-path 0 " + prefix + " 0 " + text), {"the weights sum to 0"});
   expect_error(toy("--data-path " + prefix + " 0.5 " + text),
                {"'0.5': a list that starts with a path takes no weights"});
-  expect_error(toy("--data-path -1 " + prefix + " 2 " + text), {"weight '-1'", "not a number >= 0"});
+  expect_error(toy("--data-path -1 " + prefix + " 2 " + text),
+               {"weight '-1'", "not a number >= 0"});
   expect_error(toy("--train-data-path " + text), {"--data-path and --train-data-path both"});
   expect_error(model + "--valid-data-path " + text, {"--valid-data-path needs --train-data-path"});
   expect_error(model + "--train-data-path " + text + " --split 9,1,0",
@@ -1016,10 +1024,11 @@ TEST_F(Cli, ABpeTokenizerEncodesThePromptAndDecodesTheSample) {
     }
     w.finish();
   }
-  const std::string model = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 "
-                            "--seq-length 16 --micro-batch-size 2 --lr 1e-2 --train-iters 2 "
-                            "--vocab-size " + std::to_string(bpe.vocab_size()) +
-                            " --data-path " + prefix + " --sample 4 ";
+  const std::string model =
+      "--num-layers 2 --hidden-size 32 --num-attention-heads 4 "
+      "--seq-length 16 --micro-batch-size 2 --lr 1e-2 --train-iters 2 "
+      "--vocab-size " +
+      std::to_string(bpe.vocab_size()) + " --data-path " + prefix + " --sample 4 ";
   Result r = run(model + "--tokenizer-type GPT2BPETokenizer --vocab-file " + vocab +
                  " --merge-file " + merges + " --sample-prompt 'The quick'");
   ASSERT_EQ(r.code, 0) << r.err;

@@ -245,8 +245,7 @@ TEST(TokenData, FromTokensValidatesIds) {
 // type code, sequence and document counts, then lengths (int32), byte
 // pointers (int64) and the document index (int64).
 std::string megatron_index(uint8_t code, const std::vector<int32_t>& lengths,
-                           const std::vector<int64_t>& pointers,
-                           const std::vector<int64_t>& docs) {
+                           const std::vector<int64_t>& pointers, const std::vector<int64_t>& docs) {
   std::string b("MMIDIDX\0\0", 9);
   auto put = [&](uint64_t v, int bytes) {
     for (int i = 0; i < bytes; ++i) b.push_back(static_cast<char>(v >> (8 * i)));
@@ -451,8 +450,10 @@ TEST(WindowOrder, BadWeightsAndTokensPastTheVocabularyAreNamed) {
   std::vector<int32_t> in(3), tg(3);
   order.fill(0, 1, in.data(), tg.data(), 200);
   msg = error_message([&] { order.fill(1, 1, in.data(), tg.data(), 105); });
-  EXPECT_TRUE(contains(msg, "token 105 (token 5 of the stream, in window 1) is outside the "
-                            "vocabulary of 105")) << msg;
+  EXPECT_TRUE(contains(msg,
+                       "token 105 (token 5 of the stream, in window 1) is outside the "
+                       "vocabulary of 105"))
+      << msg;
 }
 
 // Resident memory of this process, in bytes.

@@ -60,7 +60,8 @@ class MpiLayouts : public ::testing::Test {
                           const std::vector<nlohmann::json>& reference, size_t first,
                           const std::string& what) {
     ASSERT_TRUE(!got.empty() && first + got.size() <= reference.size())
-        << what << ": " << got.size() << " records\n" << read_file(*dir_ + "/out.txt");
+        << what << ": " << got.size() << " records\n"
+        << read_file(*dir_ + "/out.txt");
     for (size_t s = 0; s < got.size(); ++s) {
       const auto& want = reference[first + s];
       EXPECT_EQ(got[s]["step"].get<int64_t>(), want["step"].get<int64_t>()) << what;

@@ -110,11 +110,16 @@ TokenFormat parse_token_format(const std::string& name) {
 
 const char* token_format_name(TokenFormat format) {
   switch (format) {
-    case TokenFormat::Auto: return "auto";
-    case TokenFormat::Text: return "text";
-    case TokenFormat::LlmcBin: return "llmc";
-    case TokenFormat::Uint16: return "uint16";
-    case TokenFormat::Indexed: return "indexed";
+    case TokenFormat::Auto:
+      return "auto";
+    case TokenFormat::Text:
+      return "text";
+    case TokenFormat::LlmcBin:
+      return "llmc";
+    case TokenFormat::Uint16:
+      return "uint16";
+    case TokenFormat::Indexed:
+      return "indexed";
   }
   return "?";
 }
@@ -131,15 +136,14 @@ TokenData TokenData::load(const std::string& path, TokenFormat format) {
   std::string prefix;
   if (format == TokenFormat::Auto || format == TokenFormat::Indexed) prefix = indexed_prefix(path);
   if (format == TokenFormat::Auto)
-    format = !prefix.empty()                                    ? TokenFormat::Indexed
+    format = !prefix.empty()                                     ? TokenFormat::Indexed
              : std::filesystem::path(path).extension() == ".bin" ? TokenFormat::LlmcBin
                                                                  : TokenFormat::Text;
   TokenData d;
   d.path_ = path;
   d.format_ = format;
   if (format == TokenFormat::Indexed) {
-    check(!prefix.empty(), "{}: an indexed dataset needs both {}.idx and {}.bin", path,
-          path, path);
+    check(!prefix.empty(), "{}: an indexed dataset needs both {}.idx and {}.bin", path, path, path);
     const std::string idx_path = prefix + ".idx", bin_path = prefix + ".bin";
     d.files_ = {idx_path, bin_path};
     const auto idx = map_file(idx_path, "index");
@@ -224,8 +228,7 @@ TokenData TokenData::load(const std::string& path, TokenFormat format) {
     d.elem_ = 2;
     d.size_ = count;
   } else if (format == TokenFormat::Uint16) {
-    check(m->bytes % 2 == 0, "{}: {} bytes is not a whole number of uint16 tokens", path,
-          m->bytes);
+    check(m->bytes % 2 == 0, "{}: {} bytes is not a whole number of uint16 tokens", path, m->bytes);
     d.base_ = p;
     d.elem_ = 2;
     d.size_ = static_cast<int64_t>(m->bytes / 2);
@@ -341,8 +344,10 @@ IndexedDatasetWriter::~IndexedDatasetWriter() {
 
 void IndexedDatasetWriter::add_document(std::span<const int32_t> tokens) {
   check(bin_ != nullptr, "{}: the dataset is finished", prefix_);
-  check(tokens.size() < (size_t{1} << 31), "{}: a document of {} tokens is past the index's "
-        "int32 lengths", prefix_, tokens.size());
+  check(tokens.size() < (size_t{1} << 31),
+        "{}: a document of {} tokens is past the index's "
+        "int32 lengths",
+        prefix_, tokens.size());
   buf_.clear();
   for (size_t i = 0; i < tokens.size(); ++i) {
     check(tokens[i] >= 0 && tokens[i] < vocab_,
@@ -350,8 +355,10 @@ void IndexedDatasetWriter::add_document(std::span<const int32_t> tokens) {
           i, lengths_.size(), vocab_);
     put_le(buf_, static_cast<uint32_t>(tokens[i]), elem_);
   }
-  check(std::fwrite(buf_.data(), 1, buf_.size(), bin_) == buf_.size(), "{}.bin.tmp: cannot "
-        "write: {}", prefix_, std::strerror(errno));
+  check(std::fwrite(buf_.data(), 1, buf_.size(), bin_) == buf_.size(),
+        "{}.bin.tmp: cannot "
+        "write: {}",
+        prefix_, std::strerror(errno));
   lengths_.push_back(static_cast<int32_t>(tokens.size()));
   tokens_ += static_cast<int64_t>(tokens.size());
 }
@@ -409,8 +416,7 @@ uint64_t permute(uint64_t i, uint64_t n, uint64_t key) {
   return x;
 }
 
-WindowOrder::WindowOrder(std::vector<BlendPart> parts, int64_t seq_len, bool shuffle,
-                         uint64_t seed)
+WindowOrder::WindowOrder(std::vector<BlendPart> parts, int64_t seq_len, bool shuffle, uint64_t seed)
     : parts_(std::move(parts)), seq_len_(seq_len), shuffle_(shuffle), seed_(seed) {
   check(!parts_.empty(), "a blend needs at least one dataset");
   double total = 0;
@@ -477,11 +483,12 @@ WindowOrder::Where WindowOrder::locate(int64_t sequence) const {
   const int64_t c = part_sequence(sequence, &part);
   const auto j = static_cast<size_t>(part);
   const int64_t n = n_[j], epoch = c / n, at = c % n;
-  const uint64_t key = splitmix64(seed_ ^ splitmix64((static_cast<uint64_t>(j) << 40) ^
-                                                     static_cast<uint64_t>(epoch)));
-  const int64_t w = shuffle_ ? static_cast<int64_t>(permute(static_cast<uint64_t>(at),
-                                                            static_cast<uint64_t>(n), key))
-                             : at;
+  const uint64_t key = splitmix64(
+      seed_ ^ splitmix64((static_cast<uint64_t>(j) << 40) ^ static_cast<uint64_t>(epoch)));
+  const int64_t w =
+      shuffle_
+          ? static_cast<int64_t>(permute(static_cast<uint64_t>(at), static_cast<uint64_t>(n), key))
+          : at;
   return {part, parts_[j].first_window + w};
 }
 

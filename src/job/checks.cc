@@ -68,7 +68,6 @@ void set_grad_compression(const Args& a, weft::GradSyncOptions& sync) {
   weft::check_grad_sync_options(sync);
 }
 
-
 DataBlend parse_blend(const char* flag, const std::vector<std::string>& list) {
   using weft::check;
   DataBlend b;
@@ -93,8 +92,7 @@ DataBlend parse_blend(const char* flag, const std::vector<std::string>& list) {
     return b;
   }
   check(list.size() % 2 == 0,
-        "{} takes WEIGHT PATH pairs; {} values leave a weight without its path", flag,
-        list.size());
+        "{} takes WEIGHT PATH pairs; {} values leave a weight without its path", flag, list.size());
   double total = 0;
   for (size_t i = 0; i < list.size(); i += 2) {
     check(number(list[i], &w) && std::isfinite(w) && w >= 0,
@@ -725,8 +723,8 @@ void adopt_checkpoint_args(Args& a, const CLI::App& app) {
   for (const auto& [key, flag, list] :
        {std::tuple{"data_path", "--data-path", &a.data_path},
         {"train_data_path", "--train-data-path", &a.train_data_path}}) {
-    const std::string fkey = std::string(key) == "data_path" ? "data_fingerprint"
-                                                              : "train_data_fingerprint";
+    const std::string fkey =
+        std::string(key) == "data_path" ? "data_fingerprint" : "train_data_fingerprint";
     if (!saved.contains(fkey) || free || list->empty() || !saved.contains(key) ||
         blend_json(*list) != saved[key])
       continue;
@@ -1079,8 +1077,7 @@ void check_training_flags(const Args& a, const CLI::App& app) {
   check(a.sample > 0 || a.tokenizer.empty(), "--tokenizer decodes samples: it needs --sample N");
   check(a.tokenizer_type.empty() || a.tokenizer_type == "GPT2BPETokenizer" ||
             a.tokenizer_type == "HuggingFaceTokenizer",
-        "--tokenizer-type '{}' is not GPT2BPETokenizer or HuggingFaceTokenizer",
-        a.tokenizer_type);
+        "--tokenizer-type '{}' is not GPT2BPETokenizer or HuggingFaceTokenizer", a.tokenizer_type);
   const bool gpt2 = a.tokenizer_type == "GPT2BPETokenizer";
   check(gpt2 == (!a.vocab_file.empty() && !a.merge_file.empty()) &&
             (gpt2 || (a.vocab_file.empty() && a.merge_file.empty())),

@@ -341,8 +341,8 @@ class Run {
         }
         check(top < cfg.vocab_size, "{} holds token id {}, outside --vocab-size ({})",
               blend.paths[i], top, cfg.vocab_size);
-        const double w = blend.weights.empty() ? static_cast<double>(d->windows(t))
-                                               : blend.weights[i];
+        const double w =
+            blend.weights.empty() ? static_cast<double>(d->windows(t)) : blend.weights[i];
         if (w > 0) parts.push_back({std::move(d), w, 0, 0});
       }
       return parts;
@@ -373,12 +373,15 @@ class Run {
       check(!text_data, "--tokenizer decodes token data; {} is text (bytes need none)",
             fmt::join(train_paths(), " "));
       tokenizer = Tokenizer::load(a.tokenizer);
-      check(tokenizer->vocab_size() > head_top, "--tokenizer {} has {} tokens; {} holds token id {}",
-            a.tokenizer, tokenizer->vocab_size(), head_top_path, head_top);
+      check(tokenizer->vocab_size() > head_top,
+            "--tokenizer {} has {} tokens; {} holds token id {}", a.tokenizer,
+            tokenizer->vocab_size(), head_top_path, head_top);
     }
     if (!a.tokenizer_type.empty()) {
-      check(!text_data, "--tokenizer-type {} encodes text into token data; {} is text (bytes "
-            "need none)", a.tokenizer_type, fmt::join(train_paths(), " "));
+      check(!text_data,
+            "--tokenizer-type {} encodes text into token data; {} is text (bytes "
+            "need none)",
+            a.tokenizer_type, fmt::join(train_paths(), " "));
       bpe.emplace(a.tokenizer_type == "GPT2BPETokenizer"
                       ? BpeTokenizer::load(a.vocab_file, a.merge_file)
                       : BpeTokenizer::load_json(a.tokenizer_model));
@@ -478,8 +481,7 @@ class Run {
                   {"min_lr", a.min_lr},
                   {"lr_decay_style", a.lr_decay_style},
                   {"lr_warmup_iters", a.lr_warmup_iters},
-                  {"lr_decay_iters", opt.lr.decay_iters},
-};
+                  {"lr_decay_iters", opt.lr.decay_iters}};
     // The datasets, and what a resume checks of their files.
     if (!a.data_path.empty()) {
       opt.config["data_path"] = blend_json(a.data_path);
@@ -487,8 +489,7 @@ class Run {
     } else {
       opt.config["train_data_path"] = blend_json(a.train_data_path);
       opt.config["train_data_fingerprint"] = blend_fingerprint(a.train_data_path, a.data_format);
-      if (!a.valid_data_path.empty())
-        opt.config["valid_data_path"] = blend_json(a.valid_data_path);
+      if (!a.valid_data_path.empty()) opt.config["valid_data_path"] = blend_json(a.valid_data_path);
     }
     opt.config.update(model->config);  // the family's own fields
     batches.emplace(train_order, global, cfg.vocab_size);
@@ -500,23 +501,23 @@ class Run {
         if (valid_order)
           for (const BlendPart& q : valid_order->parts())
             if (q.data == p.data) v = &q;
-        fmt::print("data {} | {}{} | {} tokens{} | windows [{}, {}) train{}\n",
-                   p.data->path(), token_format_name(p.data->format()),
-                   p.data->documents() > 1 ? fmt::format(", {} documents", p.data->documents())
-                                           : "",
-                   p.data->size(), share(*train_order, i), p.first_window,
-                   p.first_window + train_order->windows(static_cast<int>(i)),
-                   v == nullptr ? ""
-                                : fmt::format(", [{}, {}) validate", v->first_window,
-                                              v->first_window + v->num_windows));
+        fmt::print(
+            "data {} | {}{} | {} tokens{} | windows [{}, {}) train{}\n", p.data->path(),
+            token_format_name(p.data->format()),
+            p.data->documents() > 1 ? fmt::format(", {} documents", p.data->documents()) : "",
+            p.data->size(), share(*train_order, i), p.first_window,
+            p.first_window + train_order->windows(static_cast<int>(i)),
+            v == nullptr ? ""
+                         : fmt::format(", [{}, {}) validate", v->first_window,
+                                       v->first_window + v->num_windows));
       }
       if (valid_order && !a.valid_data_path.empty())
         for (const BlendPart& p : valid_order->parts())
           fmt::print("validation data {} | {} tokens{}\n", p.data->path(), p.data->size(),
                      share(*valid_order, static_cast<size_t>(&p - valid_order->parts().data())));
       fmt::print("data order: {}\n", train_order->shuffled()
-                                          ? fmt::format("shuffled by --seed {}", a.seed)
-                                          : std::string("file order (--data-order file)"));
+                                         ? fmt::format("shuffled by --seed {}", a.seed)
+                                         : std::string("file order (--data-order file)"));
     }
     lo.tp = a.tp;
     lo.pp = a.pp;
@@ -749,10 +750,11 @@ class Run {
       trainer.save(a.save, a.keep_last);
       last_saved = trainer.steps_done();
       if (a.async_save && rank0)
-        fmt::print("saving checkpoint at step {} to {} in the background: training stalled "
-                   "{:.1f} ms{}\n",
-                   trainer.steps_done(), a.save, trainer.last_save_stall_ms(),
-                   stall_in_steps(trainer.last_save_stall_ms()));
+        fmt::print(
+            "saving checkpoint at step {} to {} in the background: training stalled "
+            "{:.1f} ms{}\n",
+            trainer.steps_done(), a.save, trainer.last_save_stall_ms(),
+            stall_in_steps(trainer.last_save_stall_ms()));
       if (!a.async_save && rank0)
         fmt::print("saved checkpoint at step {} to {}: training stalled {:.1f} ms{}\n",
                    trainer.steps_done(), a.save, trainer.last_save_stall_ms(),
@@ -953,8 +955,10 @@ class Run {
       } else if (bpe && !a.sample_prompt.empty()) {
         prompt = bpe->encode(a.sample_prompt);
         for (int32_t t : prompt)
-          check(t < cfg.vocab_size, "--sample-prompt: token {} of its encoding is outside "
-                "--vocab-size ({})", t, cfg.vocab_size);
+          check(t < cfg.vocab_size,
+                "--sample-prompt: token {} of its encoding is outside "
+                "--vocab-size ({})",
+                t, cfg.vocab_size);
       } else {  // token data: start from end-of-text (the tokenizer's, else GPT-2's)
         const int32_t eot = bpe && bpe->eod() >= 0               ? bpe->eod()
                             : tokenizer && tokenizer->eot() >= 0 ? tokenizer->eot()

@@ -45,8 +45,10 @@ std::string StepRecord::line(int64_t train_iters) const {
 TokenBatches::TokenBatches(std::shared_ptr<const WindowOrder> order, int64_t global_batch,
                            int64_t vocab)
     : order_(std::move(order)), global_batch_(global_batch), vocab_(vocab) {
-  check(order_ != nullptr && global_batch > 0, "token batches need an order and a global batch "
-        "of at least one sequence (got {})", global_batch);
+  check(order_ != nullptr && global_batch > 0,
+        "token batches need an order and a global batch "
+        "of at least one sequence (got {})",
+        global_batch);
 }
 
 TokenBatches::TokenBatches(const TokenData& data, int64_t global_batch, int64_t seq_len,
@@ -613,9 +615,10 @@ void Trainer::await_writer(const std::string& dir, int64_t step) {
     try {
       c->barrier_within(within);
     } catch (const CommTimeout& e) {
-      throw CommTimeout("the save of step {} to {} did not finish within --save-timeout {:g} s "
-                        "(world rank 0 writes it; look at its disk, or raise the timeout): {}",
-                        step, dir, opt_.save_timeout_s, e.what());
+      throw CommTimeout(
+          "the save of step {} to {} did not finish within --save-timeout {:g} s "
+          "(world rank 0 writes it; look at its disk, or raise the timeout): {}",
+          step, dir, opt_.save_timeout_s, e.what());
     }
   }
 }
