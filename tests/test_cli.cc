@@ -991,6 +991,10 @@ TEST_F(Cli, DatasetListsBlendSplitAndAreChecked) {
                {"weight '-1'", "not a number >= 0"});
   expect_error(toy("--train-data-path " + text), {"--data-path and --train-data-path both"});
   expect_error(model + "--valid-data-path " + text, {"--valid-data-path needs --train-data-path"});
+  expect_error(model + "--train-data-path " + prefix + " --valid-data-path " + text,
+               {"--valid-data-path is read by validations: it needs --eval-interval N"});
+  expect_error(toy("--async-save"), {"--async-save writes checkpoints in the background: it "
+                                     "needs --save"});
   expect_error(model + "--train-data-path " + text + " --split 9,1,0",
                {"--split '9,1,0' splits --data-path"});
   expect_error(toy("--data-order random"), {"--data-order 'random' is not shuffled or file"});

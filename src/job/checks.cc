@@ -1021,6 +1021,10 @@ void check_training_flags(const Args& a, const CLI::App& app) {
   check(a.data_path.empty() || a.train_data_path.empty(),
         "--data-path and --train-data-path both name training data: give one (--data-path is "
         "split by --split; --train-data-path is read whole)");
+  check(!app.count("--valid-data-path") || a.eval_interval > 0,
+        "--valid-data-path is read by validations: it needs --eval-interval N");
+  check(!a.async_save || !a.save.empty(),
+        "--async-save writes checkpoints in the background: it needs --save");
   check(a.train_data_path.empty() || a.split.empty(),
         "--split '{}' splits --data-path; --train-data-path and --valid-data-path are read whole",
         a.split);
