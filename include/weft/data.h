@@ -135,7 +135,7 @@ struct BlendPart {
 // shuffled, through a permutation of its n windows drawn from the seed, the
 // part and the epoch c / n: every window once per epoch, in another order
 // each epoch. Memory is O(parts) plus O(parts) per 4096 sequences of the
-// furthest sequence asked for.
+// furthest sequence asked for; sequences asked in order cost O(parts) each.
 class WindowOrder {
  public:
   WindowOrder(std::vector<BlendPart> parts, int64_t seq_len, bool shuffle, uint64_t seed);
@@ -170,6 +170,9 @@ class WindowOrder {
   mutable std::mutex mu_;
   // counts_[b * parts + j]: how many of the first b * kBlock sequences part j holds.
   mutable std::vector<int64_t> counts_;
+  // A cursor: cur_[j] is how many of the first at_ sequences part j holds.
+  mutable std::vector<int64_t> cur_;
+  mutable int64_t at_ = 0;
 };
 
 // A permutation of [0, n) drawn from key: permute(i, n, key) for i in [0, n)

@@ -434,6 +434,7 @@ WindowOrder::WindowOrder(std::vector<BlendPart> parts, int64_t seq_len, bool shu
   }
   for (const BlendPart& p : parts_) share_.push_back(p.weight / total);
   counts_.assign(parts_.size(), 0);  // block 0: nothing yet
+  cur_.assign(parts_.size(), 0);
 }
 
 // The part that sequence `sequence` comes from, and how many of the part's
@@ -445,13 +446,12 @@ int64_t WindowOrder::part_sequence(int64_t sequence, int* part) const {
     return sequence;
   }
   std::lock_guard lock(mu_);
-  const int64_t block = sequence / kBlock;
-  std::vector<int64_t> c;
-  auto advance = [&](int64_t k) {  // c holds the counts of the first k sequences
+  // The part furthest below its share, given cur_'s counts of the first k.
+  auto next = [&](int64_t k) {
     size_t best = 0;
     double gap = -1e300;
     for (size_t j = 0; j < p; ++j) {
-      const double g = share_[j] * static_cast<double>(k + 1) - static_cast<double>(c[j]);
+      const double g = share_[j] * static_cast<double>(k + 1) - static_cast<double>(cur_[j]);
       if (g > gap) {
         gap = g;
         best = j;
@@ -459,22 +459,23 @@ int64_t WindowOrder::part_sequence(int64_t sequence, int* part) const {
     }
     return best;
   };
-  while (static_cast<int64_t>(counts_.size() / p) <= block) {
-    const int64_t b = static_cast<int64_t>(counts_.size() / p) - 1;
-    c.assign(counts_.end() - static_cast<std::ptrdiff_t>(p), counts_.end());
-    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) ++c[advance(k)];
-    counts_.insert(counts_.end(), c.begin(), c.end());
+  // Training asks in order, so the cursor usually walks a few sequences on;
+  // behind it, or far ahead, it starts again from the last stored block.
+  const int64_t stored = static_cast<int64_t>(counts_.size() / p);
+  const int64_t from = std::min(sequence / kBlock, stored - 1);
+  if (at_ > sequence || at_ < from * kBlock) {
+    std::copy_n(counts_.begin() + static_cast<std::ptrdiff_t>(from * static_cast<int64_t>(p)), p,
+                cur_.begin());
+    at_ = from * kBlock;
   }
-  c.assign(counts_.begin() + static_cast<std::ptrdiff_t>(block * static_cast<int64_t>(p)),
-           counts_.begin() + static_cast<std::ptrdiff_t>((block + 1) * static_cast<int64_t>(p)));
-  for (int64_t k = block * kBlock;; ++k) {
-    const size_t j = advance(k);
-    if (k == sequence) {
-      *part = static_cast<int>(j);
-      return c[j];
-    }
-    ++c[j];
+  for (; at_ < sequence; ++at_) {
+    ++cur_[next(at_)];
+    if ((at_ + 1) % kBlock == 0 && (at_ + 1) / kBlock == static_cast<int64_t>(counts_.size() / p))
+      counts_.insert(counts_.end(), cur_.begin(), cur_.end());
   }
+  const size_t j = next(sequence);
+  *part = static_cast<int>(j);
+  return cur_[j];
 }
 
 WindowOrder::Where WindowOrder::locate(int64_t sequence) const {
