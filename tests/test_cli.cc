@@ -434,7 +434,7 @@ TEST_F(Cli, VocabularyPaddingTrainsTheUnpaddedModel) {
       const double want = b[i][key].get<double>();
       EXPECT_NEAR(a[i][key].get<double>(), want, 1e-5 * want) << key << " step " << i + 1;
     }
-  auto model = safetensors::File::open(ckpt + "/iter_0000003/model.safetensors");
+  auto model = safetensors::File::open(ckpt + "/iter_0000003/model-00001-of-00001.safetensors");
   EXPECT_EQ(model.find("wte.weight")->shape, (Shape{64, 32}));
   const Result resumed = run(tiny("--train-iters 4 --lr 1e-2 --make-vocab-size-divisible-by 1 "
                                   "--save " + ckpt));
@@ -633,7 +633,8 @@ TEST_F(Cli, AsyncSaveWritesTheSameCheckpointsWhileTrainingGoesOn) {
   EXPECT_TRUE(testing::contains(async.out, "saved checkpoint at step 6 to " + dir_ + "/async"))
       << async.out;
   for (const char* iter : {"/iter_0000004/", "/iter_0000006/"})
-    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+    for (const char* file :
+         {"model-00001-of-00001.safetensors", "optimizer-00001-of-00001.safetensors"})
       EXPECT_EQ(read_file(dir_ + "/async" + iter + file), read_file(dir_ + "/sync" + iter + file))
           << iter << file;
   const auto a = testing::jsonl_steps(dir_ + "/async.jsonl"),

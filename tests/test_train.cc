@@ -133,7 +133,7 @@ TEST(Train, ResumeReproducesUninterruptedLossesExactly) {
   // Written atomically: the final folder and pointer, no temporaries.
   for (const auto& e : std::filesystem::directory_iterator(dir))
     EXPECT_EQ(e.path().string().find(".tmp"), std::string::npos) << e.path();
-  EXPECT_TRUE(std::filesystem::exists(dir + "/iter_0000003/model.safetensors"));
+  EXPECT_TRUE(std::filesystem::exists(dir + "/iter_0000003/model-00001-of-00001.safetensors"));
   EXPECT_EQ(testing::read_file(dir + "/latest_checkpointed_iteration.txt"), "3\n");
 }
 

@@ -45,6 +45,7 @@
 #include <weft/optimizer.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -153,6 +154,25 @@ class GradSync {
   std::vector<std::pair<std::string, Tensor>> optimizer_state();
   // Sets the state from tensors shaped as optimizer_state() returns them.
   void load_optimizer_state(const std::vector<std::pair<std::string, Tensor>>& state);
+
+  // What this replica writes of a checkpoint: elements [lo, hi) of the piece
+  // params()[param] holds. Every bucket is cut into dp equal slices (the
+  // distributed optimizer's), and replica r writes slice r, whether the
+  // optimizer is distributed or not: each element once over the replicas.
+  struct OwnedSlice {
+    size_t param = 0;
+    int64_t lo = 0, hi = 0;
+  };
+  std::vector<OwnedSlice> owned_slices() const;
+  // The state `which` (an index into the rule's suffixes) of one owned
+  // slice, copied to the host.
+  Tensor state_slice(const OwnedSlice& s, size_t which) const;
+  // Sets the state from a reader that fills `dest` (hi - lo fp32 on the
+  // host) with elements [lo, hi) of params()[param]'s piece of state `which`.
+  // The distributed optimizer asks only for its own slices.
+  using StateReader = std::function<void(size_t param, size_t which, int64_t lo, int64_t hi,
+                                         const Tensor& dest)>;
+  void load_optimizer_state(const StateReader& read);
 
   // What the last step moved and waited for.
   struct Stats {

@@ -107,6 +107,14 @@ class ParamStore {
 void slice_shard(const Tensor& full, const Shard& s, const Tensor& part);
 void place_shard(const Tensor& part, const Shard& s, const Tensor& full);
 
+// The contiguous runs a rank's part is made of, in order: elements
+// [part, part + n) of the part are elements [full, full + n) of the full
+// tensor (row-major). Both offsets increase from run to run.
+struct ShardRun {
+  int64_t full = 0, part = 0, n = 0;
+};
+std::vector<ShardRun> shard_runs(const Shard& s);
+
 // Fills p.value from (seed, p.name, p.init); independent of everything else.
 // A shard gets its piece of the full tensor, so every layout starts alike.
 // Padding rows (true_rows) are zero; the real rows get the numbers the

@@ -34,6 +34,15 @@ class File {
   File& operator=(File&&) = default;
   // Reads and validates the whole file. Supported dtypes: F32, I32, BF16.
   static File open(const std::string& path);
+  // Reads and validates the header only (the same checks as open()); the
+  // data stay on disk: get() refuses, and a reader takes a tensor's bytes
+  // from data_start() + begin itself.
+  static File open_header(const std::string& path);
+  // The header as it is in the file (its 8-byte length, then the JSON).
+  const std::string& header_bytes() const { return header_; }
+  // Where the data section starts in the file, and its length.
+  uint64_t data_start() const { return header_.size(); }
+  uint64_t data_bytes() const { return data_bytes_; }
 
   const std::string& path() const { return path_; }
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
@@ -44,8 +53,12 @@ class File {
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
  private:
+  static File read(const std::string& path, bool data);
   std::string path_;
   std::vector<char> bytes_;  // the data section, 64-byte aligned copy
+  bool has_data_ = false;  // false: opened by open_header
+  std::string header_;
+  uint64_t data_bytes_ = 0;
   size_t data_offset_ = 0;
   std::vector<TensorInfo> tensors_;
   std::map<std::string, std::string> metadata_;

@@ -266,10 +266,10 @@ class Trainer {
   double loss_scale() const { return scale_; }
   int64_t micro_batches() const { return micro_batches_; }
 
-  // Collective over every rank: a checkpoint of full tensors that any other
-  // layout can load (weft/checkpoint.h), written by world rank 0, which then
-  // keeps only the newest `keep_last` (0: all). The ranks wait for the writer
-  // without the communicators' deadline.
+  // Collective over every rank: a checkpoint that any other layout can load
+  // (weft/checkpoint.h). Every rank writes the slices it holds; world rank 0
+  // completes the folder, then keeps only the newest `keep_last` (0: all).
+  // The ranks wait for the writers without the communicators' deadline.
   // With TrainOptions::async_save, the writing goes on after save()
   // returns: a save, or wait_for_saves(), first waits for the one before it,
   // and throws what went wrong in it.
@@ -279,16 +279,29 @@ class Trainer {
   void wait_for_saves();
   // How long the last save() held this rank's training, in milliseconds.
   double last_save_stall_ms() const { return save_stall_ms_; }
-  // Every rank reads its own pieces of the newest checkpoint in `dir` that
-  // verifies, or of the one iter_N folder `dir` names (weft/checkpoint.h);
-  // returns which one, and the newer ones it skipped.
-  CheckpointSource load(const std::string& dir, bool allow_unverified = false);
+  // Collective: every rank reads its own pieces of the newest checkpoint in
+  // `dir` that verifies, or of the one iter_N folder `dir` names
+  // (weft/checkpoint.h); returns which one, the newer ones it skipped, and
+  // the bytes this rank read. The ranks agree: a slice that fails its
+  // checksum on any rank sends every rank to the next older folder (or,
+  // `dir` naming one folder, stops them all naming it). `weights_only`: the
+  // parameters alone (a fine-tune's start), the step and optimizer untouched.
+  CheckpointSource load(const std::string& dir, bool allow_unverified = false,
+                        bool weights_only = false);
 
  private:
   // The writer's thread, joined (rethrowing its failure) before the next save.
   void join_writer();
   // Every rank waits for the writer of step `step`, within --save-timeout.
   void await_writer(const std::string& dir, int64_t step);
+  // This rank's place among the writers of a save.
+  SaveRank save_rank() const;
+  // Reads this rank's state from one opened checkpoint (load's body).
+  void read_checkpoint(const Checkpoint& c, bool weights_only);
+  // Whether any rank of the job says yes (a collective over tp, pp and dp).
+  bool any_rank(bool yes);
+  // A barrier of every rank (each group in turn).
+  void barrier_all();
   std::thread writer_;
   std::exception_ptr writer_error_;
   int64_t writing_step_ = -1;

@@ -133,7 +133,11 @@ TensorInfo parse_entry(const std::string& path, const std::string& name, const J
 
 }  // namespace
 
-File File::open(const std::string& path) {
+File File::open(const std::string& path) { return read(path, /*data=*/true); }
+
+File File::open_header(const std::string& path) { return read(path, /*data=*/false); }
+
+File File::read(const std::string& path, bool data) {
   Reader r;
   r.f = std::fopen(path.c_str(), "rb");
   check(r.f != nullptr, "{}: cannot open: {}", path, errno_str());
@@ -166,6 +170,10 @@ File File::open(const std::string& path) {
   File file;
   file.path_ = path;
   uint64_t data_bytes = file_bytes - 8 - n;
+  file.header_.assign(reinterpret_cast<const char*>(len_bytes), 8);
+  file.header_ += header;
+  file.data_bytes_ = data_bytes;
+  file.has_data_ = data;
   for (const auto& [key, value] : j.items()) {
     if (key == "__metadata__") {
       check(value.is_object(), "{}: __metadata__ is {}, not an object", path, value.type_name());
@@ -179,6 +187,7 @@ File File::open(const std::string& path) {
     file.tensors_.push_back(parse_entry(path, key, value, data_bytes));
   }
 
+  if (!data) return file;
   // Over-allocate so the data can start on a 64-byte boundary inside bytes_.
   file.bytes_.resize(static_cast<size_t>(data_bytes) + kAlign);
   auto addr = reinterpret_cast<uintptr_t>(file.bytes_.data());
@@ -198,6 +207,7 @@ Tensor File::get(const std::string& name) const {
   const TensorInfo* info = find(name);
   check(info != nullptr, "{}: no tensor named '{}' ({} tensors in the file)", path_, name,
         tensors_.size());
+  check(has_data_, "{}: tensor '{}': only the header was read", path_, name);
   // The Tensor API has no const view; callers must treat file tensors as read-only.
   char* base = const_cast<char*>(bytes_.data()) + data_offset_;
   return Tensor(base + info->begin, info->shape, info->dtype, Device::cpu());

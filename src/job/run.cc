@@ -669,16 +669,21 @@ class Run {
   void resume() {
     Trainer& trainer = layout->trainer();
     const std::string& load = a.resume_from;
-    if (!load.empty() && a.weights_only) {
-      open_checkpoint(load, a.load_unverified).read_model(layout->graph().params());  // --finetune
-    } else if (!load.empty()) {
-      const CheckpointSource source = trainer.load(load, a.load_unverified);
+    if (!load.empty()) {
+      const CheckpointSource source = trainer.load(load, a.load_unverified, a.weights_only);
       if (rank0) {
         for (const auto& [folder, why] : source.skipped)
           fmt::print("warning: skipped {}, which does not verify: {}\n", folder, why);
         if (!source.verified)
           fmt::print("note: {} has no manifest.json: loaded unverified (--load-unverified)\n",
                      source.path);
+        // Each rank reads the slices holding its state: at the layout that
+        // saved, exactly its own bytes.
+        fmt::print(
+            "loaded {}: the ranks read {} of its slices ({} bytes, at most {} on one rank) for "
+            "{} bytes of state\n",
+            source.path, format_bytes(static_cast<double>(source.all_read)), source.all_read,
+            source.most_read, source.all_wanted);
       }
     }
   }

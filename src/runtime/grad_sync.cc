@@ -460,34 +460,83 @@ std::vector<std::pair<std::string, Tensor>> GradSync::optimizer_state() {
 void GradSync::load_optimizer_state(const std::vector<std::pair<std::string, Tensor>>& state) {
   std::map<std::string, const Tensor*> by_name;
   for (const auto& [name, t] : state) by_name[name] = &t;
-  auto find = [&](const std::string& name, const Shape& shape) -> const Tensor& {
+  const std::vector<std::string> suffixes = rule_->state_suffixes();
+  load_optimizer_state([&](size_t param, size_t which, int64_t lo, int64_t hi, const Tensor& dest) {
+    const Param* p = params_[param];
+    const std::string name = p->name + suffixes[which];
     auto it = by_name.find(name);
     check(it != by_name.end(), "the optimizer state lacks '{}'", name);
-    check_shape(*it->second, shape, "optimizer state '" + name + "'");
-    return *it->second;
-  };
+    check_shape(*it->second, p->value.shape(), "optimizer state '" + name + "'");
+    dest.copy_from(elements(*it->second, lo, hi - lo));
+  });
+}
+
+void GradSync::load_optimizer_state(const StateReader& read) {
   if (!distributed()) {
-    for (auto& [name, t] : plain_->state()) t.copy_from(find(name, t.shape()));
+    const std::vector<std::pair<std::string, Tensor>> state = plain_->state();
+    for (size_t i = 0; i < params_.size(); ++i)
+      for (size_t j = 0; j < state_count_; ++j) {
+        const Tensor& t = state[i * state_count_ + j].second;
+        Tensor host = Tensor::zeros({t.numel()});
+        read(i, j, 0, t.numel(), host);
+        t.copy_from(host.view(t.shape()));
+      }
     return;
   }
-  const std::vector<std::string> suffixes = rule_->state_suffixes();
   const int64_t r = groups_.dp_rank();
   for (auto& bp : buckets_) {
     Bucket& b = *bp;
     const int64_t s = b.shard_grad.numel(), lo = r * s;
     for (size_t k = 0; k < b.params.size(); ++k) {
-      const Param* p = params_[static_cast<size_t>(b.params[k])];
-      const Overlap o = overlap(b.offset[k], b.offset[k] + p->value.numel(), lo, lo + s);
+      const size_t i = static_cast<size_t>(b.params[k]);
+      const Overlap o = overlap(b.offset[k], b.offset[k] + params_[i]->value.numel(), lo, lo + s);
       if (o.empty()) continue;
-      // The file's whole tensors (on the host) into this replica's slice,
-      // wherever it lives.
+      // Only this replica's slice, wherever it lives.
       const int64_t from = o.lo - b.offset[k], n = o.hi - o.lo;
       for (size_t j = 0; j < state_count_; ++j) {
-        const Tensor& t = find(p->name + suffixes[j], p->value.shape());
-        elements(b.state[j], o.lo - lo, n).copy_from(elements(t, from, n));
+        Tensor host = Tensor::zeros({n});
+        read(i, j, from, from + n, host);
+        elements(b.state[j], o.lo - lo, n).copy_from(host);
       }
     }
   }
+}
+
+std::vector<GradSync::OwnedSlice> GradSync::owned_slices() const {
+  std::vector<OwnedSlice> out;
+  const int64_t r = groups_.dp_rank(), dp = groups_.dp_size();
+  for (const auto& bp : buckets_) {
+    const Bucket& b = *bp;
+    const int64_t s = b.padded / dp, lo = r * s;
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      const size_t i = static_cast<size_t>(b.params[k]);
+      const Overlap o = overlap(b.offset[k], b.offset[k] + params_[i]->value.numel(), lo, lo + s);
+      if (!o.empty()) out.push_back({i, o.lo - b.offset[k], o.hi - b.offset[k]});
+    }
+  }
+  std::sort(out.begin(), out.end(),
+            [](const OwnedSlice& a, const OwnedSlice& b) { return a.param < b.param; });
+  return out;
+}
+
+Tensor GradSync::state_slice(const OwnedSlice& s, size_t which) const {
+  check(which < state_count_, "the optimizer keeps {} state tensors, not {}", state_count_,
+        which + 1);
+  Tensor host = Tensor::zeros({s.hi - s.lo});
+  if (!distributed()) {
+    const std::vector<std::pair<std::string, Tensor>> state = plain_->state();
+    host.copy_from(elements(state[s.param * state_count_ + which].second, s.lo, s.hi - s.lo));
+    return host;
+  }
+  const Bucket& b = *buckets_[static_cast<size_t>(bucket_of_[s.param])];
+  const auto at = std::find(b.params.begin(), b.params.end(), static_cast<int>(s.param));
+  const int64_t first = b.offset[static_cast<size_t>(at - b.params.begin())] + s.lo;
+  const int64_t shard_lo = groups_.dp_rank() * b.shard_grad.numel();
+  check(first >= shard_lo && first + (s.hi - s.lo) <= shard_lo + b.shard_grad.numel(),
+        "the state of '{}' [{}, {}) is not this replica's to read", params_[s.param]->name, s.lo,
+        s.hi);
+  host.copy_from(elements(b.state[which], first - shard_lo, s.hi - s.lo));
+  return host;
 }
 
 }  // namespace weft

@@ -568,8 +568,9 @@ ExportResult export_checkpoint(const std::string& load, const std::string& dir,
   r.source = ck.source;
   r.shape = shape_from_meta(ck.meta.config, (fs::path(ck.source.path) / "meta.json").string());
   TensorMap weft;
-  for (const auto& info : ck.model.tensors()) weft.emplace(info.name, as_f32(ck.model, info));
-  const NamedTensors hf = to_hf(r.shape, weft, ck.model.path());
+  for (const auto& [name, shape] : ck.tensors(Checkpoint::Part::Model))
+    weft.emplace(name, ck.read_whole(Checkpoint::Part::Model, name));
+  const NamedTensors hf = to_hf(r.shape, weft, ck.source.path);
   std::error_code ec;
   fs::create_directories(dir, ec);
   check(!ec && fs::is_directory(dir), "--output {}: cannot make the folder: {}", dir,

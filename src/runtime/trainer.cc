@@ -505,86 +505,129 @@ void Trainer::launch_step(bool measure) {
   }
 }
 
-// Full tensors from every layout: each parameter's pieces are placed into a
-// zero tensor by the ranks that own them (the pipeline rank that counts it,
-// every tensor-parallel rank for a split tensor, tensor-parallel rank 0 for a
-// whole one) and summed over the tensor- and pipeline-parallel groups of
-// data-parallel replica 0, which holds world rank 0.
+SaveRank Trainer::save_rank() const {
+  const int tp = par_.groups.tp ? par_.groups.tp->size() : 1;
+  const int pp = par_.groups.pp ? par_.groups.pp->size() : 1;
+  const int pp_rank = par_.groups.pp ? par_.groups.pp->rank() : 0;
+  SaveRank who;
+  who.rank = (par_.groups.dp_rank() * pp + pp_rank) * tp + par_.groups.tp_rank();
+  who.ranks = par_.groups.dp_size() * pp * tp;
+  who.timeout_s = opt_.save_timeout_s;
+  return who;
+}
+
+void Trainer::barrier_all() {
+  for (Communicator* c : {par_.groups.tp, par_.groups.pp, par_.groups.dp})
+    if (c) c->barrier();
+}
+
+bool Trainer::any_rank(bool yes) {
+  Tensor flag = Tensor::zeros({1});
+  flag.data<float>()[0] = yes ? 1.0f : 0.0f;
+  for (Communicator* c : {par_.groups.tp, par_.groups.pp, par_.groups.dp})
+    if (c) c->all_reduce(flag, ReduceOp::Max);
+  return flag.data<float>()[0] > 0;
+}
+
+// Every rank writes what it holds (weft/checkpoint.h): of each parameter it
+// owns (its pipeline share; a tensor replicated across the tensor-parallel
+// group on tp rank 0 only), the elements its data-parallel replica owns, and
+// their optimizer state. Host copies are taken here; with async_save the
+// files are written by a thread while training goes on.
 void Trainer::save(const std::string& dir, int64_t keep_last) {
   const auto t0 = std::chrono::steady_clock::now();
   join_writer();  // one save at a time, each complete before the next starts
   read_values();  // a step that diverged is found before anything is written
-  const Graph& graph = *g_.graph;
   check(!local() || steps_done_ % opt_.local.steps == 0,
         "with --local-steps {}, a checkpoint is taken when the replicas agree, after a step "
         "divisible by {}; this is step {}",
         opt_.local.steps, opt_.local.steps, steps_done_);
-  // With parameter servers the optimizer state is theirs: they send it to
-  // world rank 0, the writer (the save step is one every worker waits at).
-  int64_t optimizer_steps = sync_->steps();
-  // Their tensors are whole: world rank 0 holds them, the others add zeros.
-  NamedTensors state = par_.ps == nullptr ? sync_->optimizer_state()  // collective over dp
-                       : par_.ps->writer()  ? par_.ps->optimizer_state(optimizer_steps)
-                                            : NamedTensors{};
-  // DiLoCo's outer momentum (the same on every replica).
-  for (size_t i = 0; i < outer_buf_.size(); ++i)
-    state.emplace_back(sync_->params()[i]->name + ".outer_momentum", outer_buf_[i]);
-  std::vector<std::string> suffixes = optimizer_state_suffixes(par_.sync.optimizer);
-  if (local() && opt_.local.nesterov) suffixes.push_back(".outer_momentum");
-  std::map<std::string, Tensor> moments(state.begin(), state.end());
-  NamedTensors model, optimizer;
-  const bool writer_replica = par_.groups.dp_rank() == 0;
-  auto gather = [&](const Param& p, const Tensor* piece, bool owner) {
-    Tensor full = Tensor::zeros(p.shard.full);
-    if (piece != nullptr && par_.ps != nullptr && piece != &p.value) {
-      full.copy_from(*piece);  // a server's whole tensor, on world rank 0 only
-    } else if (piece != nullptr && owner && (p.shard.split() || par_.groups.tp_rank() == 0)) {
-      if (p.shard.split())
-        place_shard(*piece, p.shard, full);
-      else
-        full.copy_from(*piece);
-    }
-    if (par_.groups.tp) par_.groups.tp->all_reduce(full, ReduceOp::Sum);
-    if (par_.groups.pp) par_.groups.pp->all_reduce(full, ReduceOp::Sum);
-    return unpad_rows(p, full);  // files hold a padded vocabulary's true rows only
+  const SaveRank who = save_rank();
+  const int64_t optimizer_steps_here = sync_->steps();
+  int64_t optimizer_steps = optimizer_steps_here;
+  const std::vector<std::string> suffixes = optimizer_state_suffixes(par_.sync.optimizer);
+  const bool tp0 = par_.groups.tp_rank() == 0;
+  auto host_elements = [](const Tensor& t, int64_t lo, int64_t hi) {
+    Tensor h = Tensor::zeros({hi - lo});
+    h.copy_from(Tensor(t.data<float>() + lo, Shape{hi - lo}, DType::F32, t.device()));
+    return h;
   };
-  if (writer_replica) {
-    for (Param* p : graph.params()) {
-      const bool owner = owned_.count(p) > 0;
-      model.emplace_back(p->name, gather(*p, &p->value, owner));
-      for (const std::string& suffix : suffixes) {
-        auto it = moments.find(p->name + suffix);
-        optimizer.emplace_back(p->name + suffix,
-                               gather(*p, it == moments.end() ? nullptr : &it->second, owner));
-      }
+  auto slice = [](const Param& p, std::string name, int64_t lo, int64_t hi, Tensor data) {
+    SliceOut s;
+    s.name = std::move(name);
+    s.shard = p.shard;
+    s.true_rows = p.true_rows;
+    s.lo = lo, s.hi = hi;
+    s.data = std::move(data);
+    return s;
+  };
+  RankSlices out;
+  // With parameter servers the replicas' copies may differ by a few steps:
+  // replica 0's are the checkpoint's, as the servers' state is.
+  std::vector<GradSync::OwnedSlice> owned;
+  if (par_.ps == nullptr) {
+    owned = sync_->owned_slices();
+  } else if (par_.groups.dp_rank() == 0) {
+    for (size_t i = 0; i < sync_->params().size(); ++i)
+      owned.push_back({i, 0, sync_->params()[i]->value.numel()});
+  }
+  for (const GradSync::OwnedSlice& o : owned) {
+    const Param& p = *sync_->params()[o.param];
+    if (owned_.count(&p) == 0 || !(p.shard.split() || tp0)) continue;
+    out.model.push_back(slice(p, p.name, o.lo, o.hi, host_elements(p.value, o.lo, o.hi)));
+    if (par_.ps == nullptr)
+      for (size_t j = 0; j < suffixes.size(); ++j)
+        out.optimizer.push_back(
+            slice(p, p.name + suffixes[j], o.lo, o.hi, sync_->state_slice(o, j)));
+    if (!outer_buf_.empty())  // DiLoCo's outer momentum (the same on every replica)
+      out.optimizer.push_back(slice(p, p.name + ".outer_momentum", o.lo, o.hi,
+                                    host_elements(outer_buf_[o.param], o.lo, o.hi)));
+  }
+  // The servers' state: whole tensors of the model, sent to world rank 0.
+  if (par_.ps != nullptr && par_.ps->writer()) {
+    std::map<std::string, const Param*> by_state;
+    for (const Param* p : g_.graph->params())
+      for (const std::string& suffix : suffixes) by_state[p->name + suffix] = p;
+    for (auto& [name, t] : par_.ps->optimizer_state(optimizer_steps)) {
+      const Param& p = *by_state.at(name);
+      SliceOut s = slice(p, name, 0, t.numel(), t.view(Shape{t.numel()}));
+      s.shard = Shard{};
+      s.shard.full = t.shape();
+      out.optimizer.push_back(std::move(s));
     }
   }
-  const bool writer = writer_replica && par_.groups.tp_rank() == 0 &&
-                      (par_.groups.pp == nullptr || par_.groups.pp->rank() == 0);
-  if (writer) {
-    CheckpointMeta meta;
-    meta.step = steps_done_;
-    meta.consumed_samples = steps_done_ * opt_.global_batch;
-    meta.config = opt_.config;
-    meta.trainer = nlohmann::json::object();
-    if (opt_.spike.enabled) meta.trainer["spike"] = spike_state();
-    if (scaling()) meta.trainer["loss_scale"] = loss_scale_state();
-    if (meta.trainer.empty()) meta.trainer = nullptr;
-    if (opt_.async_save) {
-      // The copies move to the thread; the parameters train on meanwhile.
-      writer_ = std::thread([this, dir, keep_last, optimizer_steps, model = std::move(model),
-                             optimizer = std::move(optimizer), meta = std::move(meta)] {
-        try {
-          save_checkpoint(dir, model, optimizer, optimizer_steps, meta);
-          prune_checkpoints(dir, keep_last);
-        } catch (...) {
-          writer_error_ = std::current_exception();
-        }
-      });
-    } else {
-      save_checkpoint(dir, model, optimizer, optimizer_steps, meta);
+  CheckpointMeta meta;
+  meta.step = steps_done_;
+  meta.consumed_samples = steps_done_ * opt_.global_batch;
+  meta.config = opt_.config;
+  meta.trainer = nlohmann::json::object();
+  if (opt_.spike.enabled) meta.trainer["spike"] = spike_state();
+  if (scaling()) meta.trainer["loss_scale"] = loss_scale_state();
+  if (meta.trainer.empty()) meta.trainer = nullptr;
+  const std::string rule = meta.config.is_object() && meta.config.contains("optimizer")
+                               ? meta.config["optimizer"].get<std::string>()
+                               : std::string("adamw");
+  if (who.rank == 0) begin_checkpoint(dir, steps_done_);
+  barrier_all();  // the folder is there before any writer starts
+  auto write = [this, dir, keep_last, who, optimizer_steps, rule, out = std::move(out),
+                meta = std::move(meta)] {
+    write_checkpoint_slices(dir, meta.step, who, out, rule, optimizer_steps);
+    if (who.rank == 0) {
+      finish_checkpoint(dir, meta, optimizer_steps, who);
       prune_checkpoints(dir, keep_last);
     }
+  };
+  if (opt_.async_save) {
+    // The copies move to the thread; the parameters train on meanwhile.
+    writer_ = std::thread([this, write = std::move(write)] {
+      try {
+        write();
+      } catch (...) {
+        writer_error_ = std::current_exception();
+      }
+    });
+  } else {
+    write();
   }
   writing_step_ = steps_done_;
   writing_dir_ = dir;
@@ -759,36 +802,83 @@ void Trainer::set_spike_state(const nlohmann::json& state) {
   while (static_cast<int64_t>(recent_losses_.size()) > opt_.spike.window) recent_losses_.pop_front();
 }
 
-CheckpointSource Trainer::load(const std::string& dir, bool allow_unverified) {
+CheckpointSource Trainer::load(const std::string& dir, bool allow_unverified, bool weights_only) {
   check(launched_ == 0,
         "loading {}: {} launched steps' records are not taken yet (take_records first)", dir,
         launched_);
-  Checkpoint c = open_checkpoint(dir, allow_unverified);
+  std::vector<std::pair<std::string, std::string>> failed;
+  for (;;) {
+    Checkpoint c = open_checkpoint(dir, allow_unverified, failed);
+    std::string fault;
+    try {
+      read_checkpoint(c, weights_only);
+    } catch (const std::exception& e) {
+      fault = e.what();
+    }
+    if (!any_rank(!fault.empty())) {
+      if (!weights_only) {
+        sync_->set_steps(c.optimizer_steps);
+        steps_done_ = c.meta.step;
+      }
+      CheckpointSource source = c.source;
+      source.bytes_read = c.bytes_read();
+      source.bytes_wanted = c.bytes_wanted();
+      // Sums, exact in 32-bit integers: each count as its MiB and its remainder.
+      Tensor sums = Tensor::zeros({4}, DType::I32);
+      int32_t* v = sums.data<int32_t>();
+      v[0] = static_cast<int32_t>(source.bytes_read >> 20);
+      v[1] = static_cast<int32_t>(source.bytes_read & ((1 << 20) - 1));
+      v[2] = static_cast<int32_t>(source.bytes_wanted >> 20);
+      v[3] = static_cast<int32_t>(source.bytes_wanted & ((1 << 20) - 1));
+      Tensor most = Tensor::zeros({1});
+      most.data<float>()[0] = static_cast<float>(source.bytes_read);
+      for (Communicator* g : {par_.groups.tp, par_.groups.pp, par_.groups.dp}) {
+        if (!g) continue;
+        g->all_reduce(sums, ReduceOp::Sum);
+        g->all_reduce(most, ReduceOp::Max);
+      }
+      source.all_read = (int64_t{v[0]} << 20) + v[1];
+      source.all_wanted = (int64_t{v[2]} << 20) + v[3];
+      source.most_read = static_cast<int64_t>(most.data<float>()[0]);
+      return source;
+    }
+    // Every rank passes over the folder, whichever rank found the fault.
+    const std::string why =
+        fault.empty() ? "a slice another rank read does not verify (that rank names it)" : fault;
+    check(!is_checkpoint_folder(dir), "--load {}: {}", dir, why);
+    failed.emplace_back(c.source.path, why);
+  }
+}
+
+void Trainer::read_checkpoint(const Checkpoint& c, bool weights_only) {
   c.read_model(g_.graph->params());
-  const bool diloco = local() && opt_.local.nesterov;
-  std::vector<std::string> suffixes = optimizer_state_suffixes(par_.sync.optimizer);
-  if (diloco) suffixes.push_back(".outer_momentum");
-  NamedTensors state = c.read_optimizer(sync_->params(), suffixes);
-  if (diloco) {
+  if (weights_only) return;
+  const std::vector<std::string> suffixes = optimizer_state_suffixes(par_.sync.optimizer);
+  const std::vector<Param*>& params = sync_->params();
+  sync_->load_optimizer_state(
+      [&](size_t param, size_t which, int64_t lo, int64_t hi, const Tensor& dest) {
+        const Param& p = *params[param];
+        c.read(Checkpoint::Part::Optimizer, p.name + suffixes[which], p.shard, p.true_rows, lo, hi,
+               dest);
+      });
+  if (local() && opt_.local.nesterov) {
     outer_start_.clear();
     outer_buf_.clear();
-    for (Param* p : sync_->params()) {
+    for (Param* p : params) {
       outer_start_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
+      Tensor host = Tensor::zeros(p->value.shape());
+      c.read(Checkpoint::Part::Optimizer, p->name + ".outer_momentum", p->shard, p->true_rows, 0,
+             host.numel(), host.view(Shape{host.numel()}));
       outer_buf_.push_back(Tensor::zeros(p->value.shape(), DType::F32, p->value.device()));
+      outer_buf_.back().copy_from(host);
     }
-    std::map<std::string, const Tensor*> by_name;
-    for (const auto& [name, t] : state) by_name[name] = &t;
-    for (size_t i = 0; i < outer_buf_.size(); ++i)
-      outer_buf_[i].copy_from(*by_name.at(sync_->params()[i]->name + ".outer_momentum"));
   }
-  sync_->load_optimizer_state(state);
-  sync_->set_steps(c.optimizer_steps);
-  steps_done_ = c.meta.step;
   if (c.meta.trainer.is_object() && c.meta.trainer.contains("spike")) {
     try {
       set_spike_state(c.meta.trainer.at("spike"));
     } catch (const nlohmann::json::exception& e) {
-      throw Error("--load {}: meta.json's trainer.spike is malformed: {}", dir, e.what());
+      throw Error("--load {}: meta.json's trainer.spike is malformed: {}", c.source.path,
+                  e.what());
     }
   }
   // A checkpoint of an fp16 run resumes its scaler; one without starts the
@@ -797,10 +887,10 @@ CheckpointSource Trainer::load(const std::string& dir, bool allow_unverified) {
     try {
       set_loss_scale_state(c.meta.trainer.at("loss_scale"));
     } catch (const nlohmann::json::exception& e) {
-      throw Error("--load {}: meta.json's trainer.loss_scale is malformed: {}", dir, e.what());
+      throw Error("--load {}: meta.json's trainer.loss_scale is malformed: {}", c.source.path,
+                  e.what());
     }
   }
-  return c.source;
 }
 
 }  // namespace weft

@@ -151,6 +151,12 @@ Tensor on_host(const Tensor& t) {
 
 }  // namespace
 
+std::vector<ShardRun> shard_runs(const Shard& s) {
+  std::vector<ShardRun> runs;
+  for_each_run(s, [&](int64_t full, int64_t part, int64_t n) { runs.push_back({full, part, n}); });
+  return runs;
+}
+
 void slice_shard(const Tensor& full, const Shard& s, const Tensor& part) {
   check_shard_pair(full, s, part);
   if (!part.device().is_cpu()) {

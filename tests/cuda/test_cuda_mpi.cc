@@ -135,7 +135,14 @@ void expect_same_layout(const std::string& got, const std::string& want) {
   }
 }
 
-// Every parameter of two model.safetensors files within params_close.
+// The files of a checkpoint's writers ("model" or "optimizer"), one per rank.
+std::vector<std::string> writer_files(const char* part, int ranks) {
+  std::vector<std::string> out;
+  for (int r = 1; r <= ranks; ++r) out.push_back(fmt::format("/{}-{:05d}-of-{:05d}.safetensors", part, r, ranks));
+  return out;
+}
+
+// Every parameter of two model files within params_close.
 void expect_params_close(const std::string& got, const std::string& want) {
   const safetensors::File a = safetensors::File::open(got), b = safetensors::File::open(want);
   ASSERT_EQ(a.tensors().size(), b.tensors().size()) << got << " vs " << want;
@@ -186,9 +193,11 @@ TEST_F(SharedGpu, DistributedOptimizerGivesThePlainOptimizersAndTheCpusNumbers) 
   expect_steps_close(r.gpu.records, r.plain.records, 0, "ZeRO-1 against the plain optimizer");
   expect_steps_close(r.gpu.records, r.cpu.records, 0, "ZeRO-1 on the GPU against the CPU");
   // The parameters after five steps, gathered from the GPU's shards.
-  const std::string last = "/iter_0000005/model.safetensors";
-  expect_params_close(r.dir + "/zero1-gpu" + last, r.dir + "/plain-gpu" + last);
-  expect_params_close(r.dir + "/zero1-gpu" + last, r.dir + "/zero1-cpu" + last);
+  for (const std::string& file : writer_files("model", 2)) {
+    const std::string last = "/iter_0000005" + file;
+    expect_params_close(r.dir + "/zero1-gpu" + last, r.dir + "/plain-gpu" + last);
+    expect_params_close(r.dir + "/zero1-gpu" + last, r.dir + "/zero1-cpu" + last);
+  }
   // With a pipeline too: the pipeline-parallel groups hold their own buckets.
   expect_single_process(4, "--pp 2 --use-distributed-optimizer --comm-backend mpi");
 }
@@ -205,9 +214,12 @@ TEST_F(SharedGpu, DistributedOptimizerCheckpointsResumeOnTheGpuAndTheCpu) {
   ASSERT_TRUE(r.gpu.ok) << r.gpu.command << "\n" << r.gpu.output;
   ASSERT_TRUE(r.cpu.ok) << r.cpu.command << "\n" << r.cpu.output;
   const std::string gpu3 = r.dir + "/zero1-gpu/iter_0000003", cpu3 = r.dir + "/zero1-cpu/iter_0000003";
-  expect_same_layout(gpu3 + "/model.safetensors", cpu3 + "/model.safetensors");
-  expect_same_layout(gpu3 + "/optimizer.safetensors", cpu3 + "/optimizer.safetensors");
-  expect_params_close(gpu3 + "/model.safetensors", cpu3 + "/model.safetensors");
+  for (const std::string& file : writer_files("model", 2)) {
+    expect_same_layout(gpu3 + file, cpu3 + file);
+    expect_params_close(gpu3 + file, cpu3 + file);
+  }
+  for (const std::string& file : writer_files("optimizer", 2))
+    expect_same_layout(gpu3 + file, cpu3 + file);
 
   const std::string zero1 = " --use-distributed-optimizer --comm-backend mpi --load " + gpu3;
   const testing::TrainRun on_gpu = testing::run_train_gpt(
