@@ -420,6 +420,160 @@ TEST(Loader, PicksTheNewestThatVerifiesAndTrustsNoPointer) {
   for (int64_t step : {1, 2, 3}) EXPECT_TRUE(contains(msg, folder(dir, step) + "/")) << msg;
 }
 
+// --- slices: every rank writes what it holds ---
+
+// The whole tensors of the sharded tests: "w" (6 x 4) split by columns over
+// tp 2, and "e" (5 real rows, padded to 6) split by rows; element i is i / 2.
+Tensor whole_tensor(int64_t rows, int64_t cols) {
+  Tensor t = Tensor::zeros({rows, cols});
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = static_cast<float>(i) * 0.5f;
+  return t;
+}
+
+Shard piece_of(Shape full, int dim, int parts, int index) {
+  Shard s;
+  s.dim = dim, s.parts = parts, s.index = index, s.full = full;
+  return s;
+}
+
+// What writer (dp d, tp t) of 2 x 2 holds: piece t of each tensor, and of it
+// the elements [6 d, 6 d + 6).
+RankSlices rank_slices(int d, int t, bool drop_w = false) {
+  RankSlices out;
+  const struct {
+    const char* name;
+    Shard shard;
+    int64_t true_rows;
+  } tensors[] = {{"w", piece_of({6, 4}, 1, 2, t), 0}, {"e", piece_of({6, 4}, 0, 2, t), 5}};
+  for (const auto& x : tensors) {
+    if (drop_w && std::string(x.name) == "w") continue;
+    Tensor full = whole_tensor(6, 4), piece = Tensor::zeros(x.shard.local());
+    slice_shard(full, x.shard, piece);
+    SliceOut s;
+    s.name = x.name, s.shard = x.shard, s.true_rows = x.true_rows;
+    s.lo = 6 * d, s.hi = 6 * d + 6;
+    s.data = Tensor::zeros({6});
+    std::copy(piece.data<float>() + s.lo, piece.data<float>() + s.hi, s.data.data<float>());
+    out.model.push_back(std::move(s));
+  }
+  return out;
+}
+
+void save_sharded(const std::string& dir, int64_t step, int skip_writer = -1, bool drop_w = false,
+                  double timeout_s = 30) {
+  begin_checkpoint(dir, step);
+  for (int r = 0; r < 4; ++r)
+    if (r != skip_writer)
+      write_checkpoint_slices(dir, step, SaveRank{r, 4, timeout_s},
+                              rank_slices(r / 2, r % 2, drop_w && r == 3), "adamw", step);
+  CheckpointMeta meta;
+  meta.step = step;
+  finish_checkpoint(dir, meta, step, SaveRank{0, 4, timeout_s});
+}
+
+// Four writers (dp 2 x tp 2) each write their own file; the manifest maps
+// the slices, which cover each tensor once, and a padded table's padding is
+// never written. A reader at any cut gets its elements: at the writers' own
+// cut, it reads exactly its own bytes; at another, the slices that hold
+// them, each whole (so that its checksum is checked).
+TEST(Sharded, EachWriterWritesItsSlicesAndAnyCutReadsThem) {
+  const std::string dir = testing::temp_dir("sharded");
+  save_sharded(dir, 3);
+  const std::string f = folder(dir, 3);
+  std::vector<std::string> want = {"manifest.json", "meta.json"};
+  for (int r = 1; r <= 4; ++r) {
+    want.push_back(fmt::format("model-{:05d}-of-00004.safetensors", r));
+    want.push_back(fmt::format("optimizer-{:05d}-of-00004.safetensors", r));
+  }
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(entries(f), want) << "the writers' parts are folded into the manifest";
+  const auto m = nlohmann::json::parse(read_file(f + "/manifest.json"));
+  EXPECT_EQ(m["writers"], 4);
+  // Writer (dp 1, tp 1) holds rows 4 and 5 of e's second piece: row 5 is padding.
+  const auto& last = m["files"][6];
+  EXPECT_EQ(last["name"], "model-00004-of-00004.safetensors");
+  EXPECT_EQ(last["tensors"][1]["name"], "e");
+  EXPECT_EQ(last["tensors"][1]["slice"]["elements"], nlohmann::json::array({6, 8}));
+  EXPECT_EQ(last["tensors"][1]["shape"], nlohmann::json::array({2}));
+
+  const Tensor w = whole_tensor(6, 4);
+  Tensor e = whole_tensor(6, 4).slice0(0, 5).clone();
+  {
+    const Checkpoint c = open_checkpoint(f);
+    EXPECT_EQ(c.bytes_read(), 0);
+    const Tensor got_w = c.read_whole(Checkpoint::Part::Model, "w");
+    const Tensor got_e = c.read_whole(Checkpoint::Part::Model, "e");
+    EXPECT_EQ(std::memcmp(got_w.raw(), w.raw(), w.nbytes()), 0);
+    ASSERT_EQ(got_e.shape(), (Shape{5, 4}));
+    EXPECT_EQ(std::memcmp(got_e.raw(), e.raw(), e.nbytes()), 0);
+  }
+  // A writer's own slice: its 6 values and nothing else.
+  {
+    const Checkpoint c = open_checkpoint(f);
+    Tensor mine = Tensor::zeros({6});
+    c.read(Checkpoint::Part::Model, "w", piece_of({6, 4}, 1, 2, 1), 0, 6, 12, mine);
+    EXPECT_EQ(c.bytes_read(), 6 * 4);
+    EXPECT_EQ(c.bytes_wanted(), 6 * 4);
+    const Tensor want_mine = rank_slices(1, 1).model[0].data;
+    EXPECT_EQ(std::memcmp(mine.raw(), want_mine.raw(), 24), 0);
+  }
+  // Another cut: tp 4 by columns, the whole piece 3 (column 3), and e padded
+  // to 8 rows by tp 4 (rows 6 and 7 past the table read as zero).
+  {
+    const Checkpoint c = open_checkpoint(f);
+    Tensor col = Tensor::zeros({6});
+    c.read(Checkpoint::Part::Model, "w", piece_of({6, 4}, 1, 4, 3), 0, 0, 6, col);
+    for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(col.data<float>()[i], w.data<float>()[i * 4 + 3]);
+    // Column 3 lies in tp piece 1 of both dp halves: both slices, read whole.
+    EXPECT_EQ(c.bytes_wanted(), 6 * 4);
+    EXPECT_EQ(c.bytes_read(), 12 * 4);
+    Tensor rows = Tensor::zeros({8});
+    c.read(Checkpoint::Part::Model, "e", piece_of({8, 4}, 0, 4, 2), 5, 0, 8, rows);
+    for (int64_t i = 0; i < 4; ++i) EXPECT_EQ(rows.data<float>()[i], e.data<float>()[16 + i]);
+    for (int64_t i = 4; i < 8; ++i) EXPECT_EQ(rows.data<float>()[i], 0.0f) << "padding row";
+  }
+}
+
+// A slice no writer wrote, a writer that never reports, and one that fails:
+// the save stops naming the tensor or the writer, and nothing is put in place.
+TEST(Sharded, ASaveMissingASliceOrAWriterIsNamed) {
+  const std::string dir = testing::temp_dir("sharded-missing");
+  std::string msg = error_message([&] { save_sharded(dir, 1, -1, /*drop_w=*/true); });
+  EXPECT_TRUE(contains(msg, "elements [") && contains(msg, "of tensor 'w' (shape [6, 4]) are in no slice"))
+      << msg;
+  msg = error_message([&] { save_sharded(dir, 1, /*skip_writer=*/2, false, 0.2); });
+  EXPECT_TRUE(contains(msg, "writers 2 of 4 wrote no slices within 0.2 s")) << msg;
+  begin_checkpoint(dir, 1);
+  write_file(folder(dir, 1) + ".tmp/part-00003-of-00004.failed", "disk full\n");
+  CheckpointMeta meta;
+  meta.step = 1;
+  msg = error_message([&] { finish_checkpoint(dir, meta, 1, SaveRank{0, 4, 30}); });
+  EXPECT_TRUE(contains(msg, "writer 2 of 4 failed: disk full")) << msg;
+  EXPECT_EQ(newest_checkpoint_step(dir), -1);
+  EXPECT_FALSE(fs::exists(folder(dir, 1)));
+}
+
+// A checkpoint of whole tensors as weft wrote them before slices (manifest
+// version 1, model.safetensors and optimizer.safetensors): it verifies and
+// loads into a tensor-parallel piece as before.
+TEST(Sharded, ACheckpointOfWholeTensorsFromBeforeLoads) {
+  const std::string dir = testing::temp_dir("v1") + "/ckpt";
+  fs::copy(testing::source_path("tests/reference/fixtures/checkpoint-v1"), dir,
+           fs::copy_options::recursive);
+  EXPECT_EQ(newest_checkpoint_step(dir), 7);
+  const Checkpoint c = open_checkpoint(dir);
+  EXPECT_TRUE(c.source.verified);
+  EXPECT_EQ(c.optimizer_steps, 7);
+  // a.weight (4 x 6): element i is i / 8 - 1.5; rows 2 and 3 are piece 1 of 2.
+  Tensor rows = Tensor::zeros({12});
+  c.read(Checkpoint::Part::Model, "a.weight", piece_of({4, 6}, 0, 2, 1), 0, 0, 12, rows);
+  for (int64_t i = 0; i < 12; ++i)
+    EXPECT_EQ(rows.data<float>()[i], static_cast<float>(12 + i) * 0.125f - 1.5f);
+  // b.bias.exp_avg_sq (5): element i is i / 16 + 2.
+  const Tensor v = c.read_whole(Checkpoint::Part::Optimizer, "b.bias.exp_avg_sq");
+  for (int64_t i = 0; i < 5; ++i) EXPECT_EQ(v.data<float>()[i], static_cast<float>(i) * 0.0625f + 2);
+}
+
 // A save of a step that exists sets the old folder aside until the new one is
 // in place, and removes the folders of later steps (a rewound run's).
 TEST(Loader, ASaveReplacesItsStepAndRemovesLaterOnes) {

@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <sstream>
 
 namespace weft {
@@ -207,20 +208,49 @@ TEST_F(MpiLayouts, VocabularyTpDoesNotDivideIsPadded) {
     }
 }
 
+// The bytes a load's ranks read and the bytes of the state they hold, from
+// train_gpt's line "loaded DIR: the ranks read X of its slices (N bytes, at
+// most M on one rank) for W bytes of state".
+std::pair<int64_t, int64_t> bytes_loaded(const std::string& out) {
+  const std::string mark = " of its slices (";
+  const size_t at = out.find(mark);
+  if (at == std::string::npos) {
+    ADD_FAILURE() << "no load line in: " << out;
+    return {-1, -1};
+  }
+  const int64_t read = std::stoll(out.substr(at + mark.size()));
+  const size_t w = out.find(" for ", at);
+  return {read, std::stoll(out.substr(w + 5))};
+}
+
 TEST_F(MpiLayouts, CheckpointResumesInOtherLayouts) {
   for (const char* optimizer : {"", " --use-distributed-optimizer"}) {
     const std::string ckpt = *dir_ + "/ckpt" + (optimizer[0] ? "-zero" : "");
     auto first = train(kWorld, "--tp 2 --pp 2 --save " + ckpt + optimizer, 2);
     ASSERT_EQ(first.size(), 2u);
     expect_reference(first, 0, std::string("saving at (2, 2, 2)") + optimizer);
+    // 8 writers, each with its own two files.
+    EXPECT_TRUE(std::filesystem::exists(ckpt + "/iter_0000002/model-00008-of-00008.safetensors"));
     // train_iters counts in total: the resumed runs take steps 3 to 5.
-    for (const Layout& l : {Layout{1, 4, 2}, Layout{8, 1, 1}}) {
+    for (const Layout& l : {Layout{2, 2, 2}, Layout{1, 4, 2}, Layout{8, 1, 1}}) {
       auto rest = train(kWorld, l.args() + " --load " + ckpt + optimizer);
       ASSERT_EQ(rest.size(), 3u);
       expect_reference(rest, 2, "resumed at " + l.str() + optimizer);
+      // What the ranks read of the slices, against what they hold. The
+      // same tensor-parallel cut: every slice a rank reads is all its own.
+      // Only the distributed optimizer at dp 8 needs parts of slices saved
+      // at dp 2, and reads those slices whole.
+      const auto [read, wanted] = bytes_loaded(read_file(*dir_ + "/out.txt"));
+      EXPECT_GT(wanted, 0) << l.str() << optimizer;
+      if (optimizer[0] && l.dp == 8)
+        EXPECT_GT(read, wanted) << l.str() << optimizer;
+      else
+        EXPECT_EQ(read, wanted) << l.str() << optimizer;
     }
     auto single = train(1, std::string("--load ") + ckpt);
     expect_reference(single, 2, std::string("resumed on one process from") + optimizer);
+    const auto [read, wanted] = bytes_loaded(read_file(*dir_ + "/out.txt"));
+    EXPECT_EQ(read, wanted) << "one process" << optimizer;
   }
 }
 
