@@ -134,8 +134,8 @@ TEST(Manifest, ListsEveryFileWithItsSizeAndEveryTensorWithItsChecksum) {
   const std::string dir = testing::temp_dir("manifest");
   save_step(dir, 7);
   const std::string f = folder(dir, 7);
-  EXPECT_EQ(entries(f), (std::vector<std::string>{"manifest.json", "meta.json", kModel,
-                                                  kOptimizer}));
+  EXPECT_EQ(entries(f),
+            (std::vector<std::string>{"manifest.json", "meta.json", kModel, kOptimizer}));
   const auto m = nlohmann::json::parse(read_file(f + "/manifest.json"));
   EXPECT_EQ(m["format"], "weft checkpoint manifest");
   EXPECT_EQ(m["version"], 2);
@@ -216,9 +216,9 @@ TEST(Manifest, EveryMismatchIsNamedWithItsFileAndTensor) {
          const std::string stored = m["files"][0]["tensors"][1]["xxh3_64"];
          const auto [offset, size] = tensor_bytes(f + "/" + kModel, "b.bias");
          const std::string bytes = read_file(f + "/" + kModel);
-         return std::vector<std::string>{
-             f + "/" + kModel + ": tensor 'b.bias' checksum mismatch (stored " + stored +
-             ", computed " + xxh3(bytes.data() + offset, size) + ")"};
+         return std::vector<std::string>{f + "/" + kModel +
+                                         ": tensor 'b.bias' checksum mismatch (stored " + stored +
+                                         ", computed " + xxh3(bytes.data() + offset, size) + ")"};
        },
        /*when_read=*/true},
       {"a truncated file",
@@ -228,8 +228,8 @@ TEST(Manifest, EveryMismatchIsNamedWithItsFileAndTensor) {
        },
        [](const std::string& f) {
          const auto size = fs::file_size(f + "/" + kOptimizer);
-         return std::vector<std::string>{fmt::format("{}/{}: {} bytes, the manifest says {}", f,
-                                                     kOptimizer, size, size + 4)};
+         return std::vector<std::string>{
+             fmt::format("{}/{}: {} bytes, the manifest says {}", f, kOptimizer, size, size + 4)};
        }},
       {"a missing file", [](const std::string& f) { fs::remove(f + "/" + kModel); },
        [](const std::string& f) {
@@ -245,7 +245,8 @@ TEST(Manifest, EveryMismatchIsNamedWithItsFileAndTensor) {
       {"a safetensors header edited, same length",
        [](const std::string& f) { edit_file(f + "/" + kOptimizer, "adamw", "adamx"); },
        [](const std::string& f) {
-         return std::vector<std::string>{f + "/" + kOptimizer + ": header checksum mismatch (stored "};
+         return std::vector<std::string>{f + "/" + kOptimizer +
+                                         ": header checksum mismatch (stored "};
        }},
       {"a tensor's dtype in the manifest",
        [](const std::string& f) {
@@ -270,8 +271,8 @@ TEST(Manifest, EveryMismatchIsNamedWithItsFileAndTensor) {
          edit_file(f + "/manifest.json", "{\"name\":\"b.bias\"", "{\"name\":\"c.bias\"");
        },
        [](const std::string& f) {
-         return std::vector<std::string>{
-             f + "/" + kModel + ": tensor 'c.bias' is missing (the manifest lists it)"};
+         return std::vector<std::string>{f + "/" + kModel +
+                                         ": tensor 'c.bias' is missing (the manifest lists it)"};
        }},
       {"a manifest that is not JSON",
        [](const std::string& f) { write_file(f + "/manifest.json", "{ not json"); },
@@ -539,7 +540,8 @@ TEST(Sharded, EachWriterWritesItsSlicesAndAnyCutReadsThem) {
 TEST(Sharded, ASaveMissingASliceOrAWriterIsNamed) {
   const std::string dir = testing::temp_dir("sharded-missing");
   std::string msg = error_message([&] { save_sharded(dir, 1, -1, /*drop_w=*/true); });
-  EXPECT_TRUE(contains(msg, "elements [") && contains(msg, "of tensor 'w' (shape [6, 4]) are in no slice"))
+  EXPECT_TRUE(contains(msg, "elements [") &&
+              contains(msg, "of tensor 'w' (shape [6, 4]) are in no slice"))
       << msg;
   msg = error_message([&] { save_sharded(dir, 1, /*skip_writer=*/2, false, 0.2); });
   EXPECT_TRUE(contains(msg, "writers 2 of 4 wrote no slices within 0.2 s")) << msg;
@@ -571,7 +573,8 @@ TEST(Sharded, ACheckpointOfWholeTensorsFromBeforeLoads) {
     EXPECT_EQ(rows.data<float>()[i], static_cast<float>(12 + i) * 0.125f - 1.5f);
   // b.bias.exp_avg_sq (5): element i is i / 16 + 2.
   const Tensor v = c.read_whole(Checkpoint::Part::Optimizer, "b.bias.exp_avg_sq");
-  for (int64_t i = 0; i < 5; ++i) EXPECT_EQ(v.data<float>()[i], static_cast<float>(i) * 0.0625f + 2);
+  for (int64_t i = 0; i < 5; ++i)
+    EXPECT_EQ(v.data<float>()[i], static_cast<float>(i) * 0.0625f + 2);
 }
 
 // A save of a step that exists sets the old folder aside until the new one is
@@ -801,15 +804,15 @@ TEST_F(TrainGpt, CorruptWeightsAreSkippedOnResumeAndRefusedWhenNamed) {
   // The data are checked as they are read, before step 1: no step runs.
   EXPECT_FALSE(contains(r.out, "step ")) << r.out;
   for (const std::string& part :
-       {"train_gpt: error: --load " + newest + ": " + newest +
-            "/" + kModel + ": tensor 'h.0.attn.c_attn.weight' checksum mismatch (stored ",
+       {"train_gpt: error: --load " + newest + ": " + newest + "/" + kModel +
+            ": tensor 'h.0.attn.c_attn.weight' checksum mismatch (stored ",
         std::string(", computed ")})
     EXPECT_TRUE(contains(r.out, part)) << "missing '" << part << "' in: " << r.out;
 
   r = train("--train-iters 6 --save-interval 2 --save " + ckpt_);
   ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_TRUE(contains(r.out, "warning: skipped " + newest + ", which does not verify: " +
-                                  newest + "/" + kModel +
+  EXPECT_TRUE(contains(r.out, "warning: skipped " + newest + ", which does not verify: " + newest +
+                                  "/" + kModel +
                                   ": tensor 'h.0.attn.c_attn.weight' checksum mismatch (stored "))
       << r.out;
   EXPECT_TRUE(contains(r.out, "resumed from " + ckpt_ + " at step 2 (automatic")) << r.out;
@@ -830,8 +833,9 @@ TEST_F(TrainGpt, NoCheckpointThatVerifiesIsAnError) {
   r = train("--train-iters 4 --save " + ckpt_);
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_TRUE(contains(r.out, "--load " + ckpt_ + ": none of its 1 checkpoint folders verifies: " +
-                                  ckpt_ + "/iter_0000002/" + kOptimizer + ": tensor "
-                                          "'wte.weight.exp_avg' checksum mismatch"))
+                                  ckpt_ + "/iter_0000002/" + kOptimizer +
+                                  ": tensor "
+                                  "'wte.weight.exp_avg' checksum mismatch"))
       << r.out;
   EXPECT_TRUE(r.records.empty()) << r.out;
   // Its slices' data are read only by a load, so --no-load sees step 2 there.
@@ -861,8 +865,9 @@ TEST_F(TrainGpt, ACheckpointWithoutManifestResumesOnlyWhenNamed) {
   // from before manifests can: Manifest.AFolderWithoutOneLoadsOnlyWhenNamedAndAllowed).
   r = train("--train-iters 6 --load " + ckpt_ + "/iter_0000003 --load-unverified --save " + ckpt_);
   EXPECT_EQ(r.code, 1) << r.out;
-  EXPECT_TRUE(contains(r.out, "manifest.json is missing, and without it the slices of the "
-                              "folder's files cannot be placed"))
+  EXPECT_TRUE(contains(r.out,
+                       "manifest.json is missing, and without it the slices of the "
+                       "folder's files cannot be placed"))
       << r.out;
 }
 

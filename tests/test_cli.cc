@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <xxhash.h>
 #include <sstream>
 
 #include "test_util.h"
@@ -602,10 +603,10 @@ TEST_F(Cli, SigtermSavesAndTheResumedRunMatchesTheUninterruptedOne) {
   }
 }
 
-// --async-save: world rank 0 writes each checkpoint on a thread while
-// training goes on. The writer is made slow (300 ms a save), so the steps
+// --async-save: each rank writes its slices of each checkpoint on a thread
+// while training goes on. Completing the folder is made slow (300 ms a save), so the steps
 // after a save run during its writing; the files are the synchronous run's
-// byte for byte, and the first save's stall is the gathering alone (the next
+// byte for byte, and the first save's stall is the host copies alone (the next
 // one, two fast steps later, waits for the first to be written). A
 // writer killed mid-save (kill -9 inside the thread) leaves the newest
 // complete checkpoint, which resumes with the uninterrupted losses.
@@ -978,8 +979,17 @@ TEST_F(Cli, DatasetListsBlendSplitAndAreChecked) {
   meta["config"].erase("data_order");
   meta["config"].erase("data_format");
   write_file(meta_path, meta.dump());
-  std::filesystem::remove(ckpt + "/iter_0000002/manifest.json");  // the edit would not verify
-  r = run(toy("--train-iters 3 --load " + ckpt + "/iter_0000002 --load-unverified"));
+  // The manifest made to list the edited meta.json, as an old checkpoint's would.
+  const std::string manifest_path = ckpt + "/iter_0000002/manifest.json";
+  nlohmann::json manifest = nlohmann::json::parse(read_file(manifest_path));
+  const std::string edited = read_file(meta_path);
+  for (auto& f : manifest["files"])
+    if (f["name"] == "meta.json") {
+      f["size"] = edited.size();
+      f["xxh3_64"] = fmt::format("{:016x}", XXH3_64bits(edited.data(), edited.size()));
+    }
+  write_file(manifest_path, manifest.dump());
+  r = run(toy("--train-iters 3 --load " + ckpt + "/iter_0000002"));
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_TRUE(testing::contains(r.out, "--data-order file")) << r.out;
   EXPECT_TRUE(testing::contains(r.out, "data order: file order")) << r.out;

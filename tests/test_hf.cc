@@ -125,7 +125,8 @@ TEST_P(HfRoundTrip, ATrainGptCheckpointComesBackBitForBit) {
   EXPECT_EQ(config["model_type"], c.name);
   EXPECT_EQ(config["vocab_size"], 256);
   safetensors::File hf = safetensors::File::open(dir + "/hf/model.safetensors");
-  safetensors::File ckpt = safetensors::File::open(dir + "/ckpt/iter_0000001/model.safetensors");
+  safetensors::File ckpt =
+      safetensors::File::open(dir + "/ckpt/iter_0000001/model-00001-of-00001.safetensors");
   if (c.name == "llama") {
     EXPECT_EQ(config["num_key_value_heads"], 2);
     EXPECT_EQ(config["rope_theta"], 500.0);
@@ -597,7 +598,7 @@ TEST(HfExport, RefusesWhatItCannotRead) {
   Result lacks = weft_hf("export --load short --output out", dir);
   EXPECT_EQ(lacks.code, 1);
   EXPECT_TRUE(contains(lacks.err,
-                       "short/iter_0000000/model.safetensors: no tensor 'wpe.weight' "
+                       "short/iter_0000000: no tensor 'wpe.weight' "
                        "(shape [8, 4]), which a gpt2 of 1 layer,"))
       << lacks.err;
   EXPECT_FALSE(fs::exists(dir + "/out/model.safetensors"));

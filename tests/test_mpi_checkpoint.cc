@@ -1,5 +1,5 @@
-// train_gpt under mpiexec: rank 0 writes every checkpoint while the other
-// ranks wait for it, and that wait is bounded by the disk, not by
+// train_gpt under mpiexec: every rank writes its slices of a checkpoint and
+// world rank 0 completes it while the others wait, and that wait is bounded by the disk, not by
 // --comm-timeout: a healthy job whose saves are slower than the deadline
 // trains on and ends well.
 #include <weft/checkpoint.h>
@@ -63,7 +63,8 @@ TEST(MpiCheckpoint, ASaveStuckPastTheSaveTimeoutEndsTheJobNamingIt) {
   EXPECT_LT(seconds, 25.0) << "the ranks waited for the whole stuck save";
   EXPECT_TRUE(testing::contains(run.output, "rank 1: error: the save of step 3 to " + dir +
                                                 "/ckpt did not finish within --save-timeout 1 s "
-                                                "(world rank 0 writes it"))
+                                                "(every rank writes its slices, then world rank 0 "
+                                                "completes the folder"))
       << run.output;
 }
 

@@ -72,7 +72,8 @@
 //                     not yet flushed to disk, nothing renamed
 //   between-renames   an existing iter_N moved to iter_N.old, iter_N.tmp not yet renamed
 //   pointer-update    iter_N in place; the new pointer written but not yet renamed
-// WEFT_FAULT_INJECT=slow-save:MS makes each writer sleep MS milliseconds first.
+// WEFT_FAULT_INJECT=slow-save:MS makes world rank 0 sleep MS milliseconds before it
+// completes the folder.
 // check_fault_injection() refuses any other value up front.
 #pragma once
 
@@ -129,7 +130,7 @@ struct RankSlices {
 // A writer of a save: `rank` of `ranks` (every rank that trains writes).
 struct SaveRank {
   int rank = 0, ranks = 1;
-  double timeout_s = 1800;  // how long rank 0 waits for the other writers' parts
+  double timeout_s = 1800;  // how long rank 0 waits for the other writers' parts; 0: no limit
 };
 
 // A save in three steps (the layout above). 1: rank 0 alone, before any
@@ -144,8 +145,8 @@ void write_checkpoint_slices(const std::string& dir, int64_t step, const SaveRan
 // slices cover every tensor exactly once, writes meta.json and the manifest,
 // and puts the folder in place. Throws Error naming the writer or the tensor
 // at fault.
-void finish_checkpoint(const std::string& dir, const CheckpointMeta& meta,
-                       int64_t optimizer_steps, const SaveRank& who);
+void finish_checkpoint(const std::string& dir, const CheckpointMeta& meta, int64_t optimizer_steps,
+                       const SaveRank& who);
 
 // One process with whole tensors: the three steps, one writer.
 void save_checkpoint(const std::string& dir, const NamedTensors& model,

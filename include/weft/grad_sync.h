@@ -170,8 +170,8 @@ class GradSync {
   // Sets the state from a reader that fills `dest` (hi - lo fp32 on the
   // host) with elements [lo, hi) of params()[param]'s piece of state `which`.
   // The distributed optimizer asks only for its own slices.
-  using StateReader = std::function<void(size_t param, size_t which, int64_t lo, int64_t hi,
-                                         const Tensor& dest)>;
+  using StateReader =
+      std::function<void(size_t param, size_t which, int64_t lo, int64_t hi, const Tensor& dest)>;
   void load_optimizer_state(const StateReader& read);
 
   // What the last step moved and waited for.

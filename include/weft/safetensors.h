@@ -56,7 +56,7 @@ class File {
   static File read(const std::string& path, bool data);
   std::string path_;
   std::vector<char> bytes_;  // the data section, 64-byte aligned copy
-  bool has_data_ = false;  // false: opened by open_header
+  bool has_data_ = false;    // false: opened by open_header
   std::string header_;
   uint64_t data_bytes_ = 0;
   size_t data_offset_ = 0;

@@ -92,9 +92,9 @@ struct TrainOptions {
   // finish, in seconds; past it they stop with an error naming the save
   // (train_gpt's --save-timeout). 0: no deadline.
   double save_timeout_s = 0;
-  // Megatron's --async-save: save() returns once the tensors are gathered
-  // into host copies, and the writer (world rank 0) writes them on a thread
-  // of its own while training goes on; wait_for_saves() waits for it.
+  // Megatron's --async-save: save() returns once each rank's slices are
+  // copied to the host, and each rank writes its own on a thread while
+  // training goes on; wait_for_saves() waits for them.
   bool async_save = false;
   // A step whose loss is above this stops training (train_step or
   // take_records throws naming the step), as a non-finite one does: a

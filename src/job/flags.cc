@@ -104,8 +104,8 @@ void add_flags(CLI::App& app, Args& a, const Job& job) {
                "load the one folder --load names although it has no manifest.json (nothing in "
                "it can be verified)");
   app.add_flag("--async-save", a.async_save,
-               "write each checkpoint on a thread of world rank 0 while training goes on (the "
-               "ranks stall only to gather its tensors)");
+               "write each checkpoint on a thread of each rank while training goes on (the "
+               "ranks stall only to copy their slices to the host)");
   app.add_option("--save-interval", a.save_interval, "save every N steps (0 = only at the end)");
   app.add_option("--optimizer", a.optimizer,
                  "adam (AdamW, the default), sgd (torch.optim.SGD; --weight-decay as L2) or lion "

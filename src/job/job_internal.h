@@ -45,7 +45,7 @@ struct Args {
   double clip_grad = 1.0;
   double max_loss = -1;  // -1: 4 x ln(vocabulary); 0: off
   double save_timeout = 1800;
-  bool async_save = false;  // Megatron's: world rank 0 writes while training goes on  // seconds
+  bool async_save = false;  // Megatron's: each rank writes its slices while training goes on  // seconds
                             // the ranks wait for a save; 0: none
   float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
   int64_t seed = 1234;  // >= 0; read signed so that a negative one is refused, not wrapped

@@ -544,8 +544,8 @@ class Run {
     // One writer per --save folder: world rank 0, the writer, locks it for the
     // job's life, before it touches anything there; a second job stops here.
     if (rank0 && !a.save.empty()) save_lock.emplace(a.save);
-    // What an interrupted save left behind goes first (world rank 0 writes
-    // checkpoints, so it cleans them).
+    // What an interrupted save left behind goes first (world rank 0
+    // completes checkpoints, so it cleans them).
     if (rank0 && !a.save.empty())
       for (const std::string& line : clean_stale_checkpoint_files(a.save)) fmt::print("{}\n", line);
     // Nobody reads before the cleaning is done; the disk bounds this wait.

@@ -288,8 +288,8 @@ Manifest read_manifest(const fs::path& path) {
     check(j.is_object() && j.value("format", "") == kManifestFormat,
           "{}: not a {} (its 'format' must be '{}')", p, kManifestFormat, kManifestFormat);
     m.version = j.at("version").get<int>();
-    check(m.version == 1 || m.version == 2,
-          "{}: version {} is not one this weft reads (1 or 2)", p, j.at("version").dump());
+    check(m.version == 1 || m.version == 2, "{}: version {} is not one this weft reads (1 or 2)", p,
+          j.at("version").dump());
     check(j.at("checksum").get<std::string>() == kChecksum, "{}: checksum '{}' is not {}", p,
           j.at("checksum").get<std::string>(), kChecksum);
     for (const auto& e : j.at("files")) {
@@ -326,9 +326,9 @@ Manifest read_manifest(const fs::path& path) {
     throw Error("{}: malformed manifest: {}", p, e.what());
   }
   const std::vector<const char*> needed =
-      m.version == 1 ? std::vector<const char*>{"model.safetensors", "optimizer.safetensors",
-                                                "meta.json"}
-                     : std::vector<const char*>{"meta.json"};
+      m.version == 1
+          ? std::vector<const char*>{"model.safetensors", "optimizer.safetensors", "meta.json"}
+          : std::vector<const char*>{"meta.json"};
   for (const char* need : needed)
     check(std::any_of(files.begin(), files.end(), [&](const ManifestFile& mf) { return mf.name == need; }),
           "{} does not list {}", p, need);
@@ -469,10 +469,9 @@ struct Chunk {
   int64_t lo = 0, hi = 0;      // elements of the piece
 };
 
-nlohmann::ordered_json slice_json(const Shape& stored, const Shard& shard, int64_t lo,
-                                  int64_t hi) {
+nlohmann::ordered_json slice_json(const Shape& stored, const Shard& shard, int64_t lo, int64_t hi) {
   return {{"shape", dims_of(stored)}, {"padded", dims_of(shard.full)}, {"dim", shard.dim},
-          {"parts", shard.parts},     {"index", shard.index},           {"blocks", shard.blocks},
+          {"parts", shard.parts},     {"index", shard.index},          {"blocks", shard.blocks},
           {"elements", {lo, hi}}};
 }
 
@@ -500,8 +499,8 @@ Chunk parse_slice(const nlohmann::json& j, int64_t numel, Shape& stored, const s
   bool padded_ok = stored.rank == c.shard.full.rank;
   for (int i = 0; padded_ok && i < stored.rank; ++i)
     padded_ok = i == 0 ? stored[0] <= c.shard.full[0] : stored[i] == c.shard.full[i];
-  check(padded_ok, "{}: padded shape {} is not shape {} with more rows", where,
-        c.shard.full.str(), stored.str());
+  check(padded_ok, "{}: padded shape {} is not shape {} with more rows", where, c.shard.full.str(),
+        stored.str());
   const int64_t local = c.shard.local().numel();  // checks the blocks
   check(0 <= c.lo && c.lo <= c.hi && c.hi <= local,
         "{}: elements [{}, {}) are not within its piece's {}", where, c.lo, c.hi, local);
@@ -533,8 +532,8 @@ void check_coverage(const StoredPart& part, const std::string& where) {
     for (const auto& [r, c] : runs) {
       check(r.full >= at, "{}: elements [{}, {}) of tensor '{}' are in two slices ({} and {})",
             where, r.full, std::min(at, r.full + r.n), name, last->file, c->file);
-      check(r.full == at, "{}: elements [{}, {}) of tensor '{}' (shape {}) are in no slice",
-            where, at, r.full, name, t.shape.str());
+      check(r.full == at, "{}: elements [{}, {}) of tensor '{}' (shape {}) are in no slice", where,
+            at, r.full, name, t.shape.str());
       at = r.full + r.n;
       last = c;
     }
@@ -596,8 +595,8 @@ void open_slices(const fs::path& d, const Manifest& manifest, Checkpoint::Store&
     const uint64_t header = XXH3_64bits(f.header_bytes().data(), f.header_bytes().size());
     check(header == mf.header_xxh3, "{}: header checksum mismatch (stored {}, computed {})", path,
           hex(mf.header_xxh3), hex(header));
-    check(f.tensors().size() == mf.tensors.size(),
-          "{}: {} tensors, the manifest lists {}", path, f.tensors().size(), mf.tensors.size());
+    check(f.tensors().size() == mf.tensors.size(), "{}: {} tensors, the manifest lists {}", path,
+          f.tensors().size(), mf.tensors.size());
     // The tensors tile the data section, so their checksums cover it.
     std::vector<const safetensors::TensorInfo*> by_offset;
     for (const auto& info : f.tensors()) by_offset.push_back(&info);
@@ -605,12 +604,12 @@ void open_slices(const fs::path& d, const Manifest& manifest, Checkpoint::Store&
               [](const auto* a, const auto* b) { return a->begin < b->begin; });
     uint64_t at = 0;
     for (const auto* info : by_offset) {
-      check(info->begin == at, "{}: bytes [{}, {}) of the data section are in no tensor", path,
-            at, info->begin);
+      check(info->begin == at, "{}: bytes [{}, {}) of the data section are in no tensor", path, at,
+            info->begin);
       at = info->end;
     }
-    check(at == f.data_bytes(), "{}: bytes [{}, {}) of the data section are in no tensor", path,
-          at, f.data_bytes());
+    check(at == f.data_bytes(), "{}: bytes [{}, {}) of the data section are in no tensor", path, at,
+          f.data_bytes());
     StoredPart& part = store.parts[mf.holds == "model" ? 0 : 1];
     for (const ManifestTensor& mt : mf.tensors) {
       const safetensors::TensorInfo* info = f.find(mt.name);
@@ -688,9 +687,6 @@ Checkpoint open_folder(const fs::path& d, bool allow_unverified) {
           "a manifest, or copied without it); to load it anyway, name it alone: --load {} "
           "--load-unverified",
           (d / kManifest).string(), d.string());
-    check(fs::exists(d / "model.safetensors"),
-          "{} is missing, and without it the slices of the folder's files cannot be placed",
-          (d / kManifest).string());
   }
   std::ifstream mf(meta_file);
   check(mf.good(), "{} is missing", meta_path);
@@ -718,10 +714,14 @@ Checkpoint open_folder(const fs::path& d, bool allow_unverified) {
   const int64_t named = folder_step(d);
   check(named < 0 || named == c.meta.step, "{} says step {}, but its folder is {}", meta_path,
         c.meta.step, d.filename().string());
-  if (manifest && manifest->version >= 2)
+  if (manifest && manifest->version >= 2) {
     open_slices(d, *manifest, *c.store);
-  else
+  } else {
+    check(manifest || fs::exists(d / "model.safetensors"),
+          "{} is missing, and without it the slices of the folder's files cannot be placed",
+          (d / kManifest).string());
     open_whole_files(d, manifest, *c.store);
+  }
   c.source.step = c.meta.step;
   c.source.verified = manifest.has_value();
   return c;
@@ -814,8 +814,7 @@ nlohmann::ordered_json write_slices(const fs::path& path, const char* holds,
   NamedTensors tensors;
   std::vector<nlohmann::ordered_json> where;
   for (const SliceOut& s : slices) {
-    check(s.data.dtype() == DType::F32 && s.data.device().is_cpu() &&
-              s.data.numel() == s.hi - s.lo,
+    check(s.data.dtype() == DType::F32 && s.data.device().is_cpu() && s.data.numel() == s.hi - s.lo,
           "slice '{}' [{}, {}): its data must be {} fp32 values on the host", s.name, s.lo, s.hi,
           s.hi - s.lo);
     Shape stored = s.shard.full;
@@ -836,18 +835,17 @@ nlohmann::ordered_json write_slices(const fs::path& path, const char* holds,
       shape = local;
       shape[0] = kept / row;
     }
-    tensors.emplace_back(s.name, Tensor(const_cast<float*>(s.data.data<float>()), shape,
-                                        DType::F32, Device::cpu()));
+    tensors.emplace_back(
+        s.name, Tensor(const_cast<float*>(s.data.data<float>()), shape, DType::F32, Device::cpu()));
     where.push_back(slice_json(stored, s.shard, s.lo, s.lo + kept));
   }
   safetensors::save(path.string(), tensors, metadata, after_tensor);
   const safetensors::File f = safetensors::File::open_header(path.string());
-  nlohmann::ordered_json e = {
-      {"name", path.filename().string()},
-      {"holds", holds},
-      {"size", fs::file_size(path)},
-      {"header_" + std::string(kChecksum),
-       hex(XXH3_64bits(f.header_bytes().data(), f.header_bytes().size()))}};
+  nlohmann::ordered_json e = {{"name", path.filename().string()},
+                              {"holds", holds},
+                              {"size", fs::file_size(path)},
+                              {"header_" + std::string(kChecksum),
+                               hex(XXH3_64bits(f.header_bytes().data(), f.header_bytes().size()))}};
   e["tensors"] = nlohmann::ordered_json::array();
   for (size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i].second;
@@ -878,7 +876,6 @@ void write_checkpoint_slices(const std::string& dir, int64_t step, const SaveRan
   check(fs::is_directory(tmp), "the save of step {}: {} is missing (world rank 0 makes it first)",
         step, tmp.string());
   try {
-    if (fault.slow_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(fault.slow_ms));
     nlohmann::ordered_json part = {{"writer", who.rank}, {"writers", who.ranks}};
     part["files"] = {
         write_slices(tmp / writer_file("model", who.rank, who.ranks), "model", slices.model,
@@ -897,12 +894,13 @@ void write_checkpoint_slices(const std::string& dir, int64_t step, const SaveRan
   }
 }
 
-void finish_checkpoint(const std::string& dir, const CheckpointMeta& meta,
-                       int64_t optimizer_steps, const SaveRank& who) {
+void finish_checkpoint(const std::string& dir, const CheckpointMeta& meta, int64_t optimizer_steps,
+                       const SaveRank& who) {
   const FaultInjection fault = FaultInjection::from_env();
   const int64_t step = meta.step;
   const fs::path tmp_dir = tmp_folder(dir, step);
   const fs::path final_dir = fs::path(dir) / iter_name(step);
+  if (fault.slow_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(fault.slow_ms));
   // Every writer's part, as each arrives.
   std::vector<nlohmann::ordered_json> parts(static_cast<size_t>(who.ranks));
   std::vector<char> arrived(static_cast<size_t>(who.ranks), 0);
@@ -925,19 +923,18 @@ void finish_checkpoint(const std::string& dir, const CheckpointMeta& meta,
       try {
         f >> parts[static_cast<size_t>(r)];
       } catch (const nlohmann::json::exception& e) {
-        throw Error("the save of step {}: {} is not valid JSON: {}", step, done.string(),
-                    e.what());
+        throw Error("the save of step {}: {} is not valid JSON: {}", step, done.string(), e.what());
       }
       arrived[static_cast<size_t>(r)] = 1;
       --left;
     }
     if (left == 0) break;
-    if (std::chrono::steady_clock::now() > deadline) {
+    if (who.timeout_s > 0 && std::chrono::steady_clock::now() > deadline) {
       std::vector<int> missing;
       for (int r = 0; r < who.ranks; ++r)
         if (!arrived[static_cast<size_t>(r)]) missing.push_back(r);
-      throw Error("the save of step {} to {}: writers {} of {} wrote no slices within {:g} s",
-                  step, dir, fmt::join(missing, ", "), who.ranks, who.timeout_s);
+      throw Error("the save of step {} to {}: writers {} of {} wrote no slices within {:g} s", step,
+                  dir, fmt::join(missing, ", "), who.ranks, who.timeout_s);
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
@@ -952,9 +949,8 @@ void finish_checkpoint(const std::string& dir, const CheckpointMeta& meta,
       for (const nlohmann::ordered_json& t : e.at("tensors")) {
         const std::string name = t.at("name").get<std::string>();
         Shape stored;
-        Chunk c = parse_slice(t.at("slice"),
-                              numel_of(t.at("shape").get<std::vector<int64_t>>()), stored,
-                              where + ": tensor '" + name + "'");
+        Chunk c = parse_slice(t.at("slice"), numel_of(t.at("shape").get<std::vector<int64_t>>()),
+                              stored, where + ": tensor '" + name + "'");
         c.file = e.at("name").get<std::string>();
         add_chunk(into, name, stored, std::move(c), where);
       }
@@ -1044,7 +1040,8 @@ Checkpoint open_checkpoint(const std::string& dir, bool allow_unverified,
 
 std::vector<std::pair<std::string, Shape>> Checkpoint::tensors(Part part) const {
   std::vector<std::pair<std::string, Shape>> out;
-  for (const auto& [name, t] : store->parts[static_cast<int>(part)]) out.emplace_back(name, t.shape);
+  for (const auto& [name, t] : store->parts[static_cast<int>(part)])
+    out.emplace_back(name, t.shape);
   return out;
 }
 

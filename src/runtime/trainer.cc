@@ -660,7 +660,8 @@ void Trainer::await_writer(const std::string& dir, int64_t step) {
     } catch (const CommTimeout& e) {
       throw CommTimeout(
           "the save of step {} to {} did not finish within --save-timeout {:g} s "
-          "(world rank 0 writes it; look at its disk, or raise the timeout): {}",
+          "(every rank writes its slices, then world rank 0 completes the folder; look at "
+          "their disks, or raise the timeout): {}",
           step, dir, opt_.save_timeout_s, e.what());
     }
   }
@@ -877,8 +878,7 @@ void Trainer::read_checkpoint(const Checkpoint& c, bool weights_only) {
     try {
       set_spike_state(c.meta.trainer.at("spike"));
     } catch (const nlohmann::json::exception& e) {
-      throw Error("--load {}: meta.json's trainer.spike is malformed: {}", c.source.path,
-                  e.what());
+      throw Error("--load {}: meta.json's trainer.spike is malformed: {}", c.source.path, e.what());
     }
   }
   // A checkpoint of an fp16 run resumes its scaler; one without starts the

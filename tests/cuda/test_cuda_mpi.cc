@@ -138,7 +138,8 @@ void expect_same_layout(const std::string& got, const std::string& want) {
 // The files of a checkpoint's writers ("model" or "optimizer"), one per rank.
 std::vector<std::string> writer_files(const char* part, int ranks) {
   std::vector<std::string> out;
-  for (int r = 1; r <= ranks; ++r) out.push_back(fmt::format("/{}-{:05d}-of-{:05d}.safetensors", part, r, ranks));
+  for (int r = 1; r <= ranks; ++r)
+    out.push_back(fmt::format("/{}-{:05d}-of-{:05d}.safetensors", part, r, ranks));
   return out;
 }
 
