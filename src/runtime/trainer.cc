@@ -543,8 +543,7 @@ void Trainer::save(const std::string& dir, int64_t keep_last) {
         "divisible by {}; this is step {}",
         opt_.local.steps, opt_.local.steps, steps_done_);
   const SaveRank who = save_rank();
-  const int64_t optimizer_steps_here = sync_->steps();
-  int64_t optimizer_steps = optimizer_steps_here;
+  int64_t optimizer_steps = sync_->steps();  // the servers' count, with parameter servers
   const std::vector<std::string> suffixes = optimizer_state_suffixes(par_.sync.optimizer);
   const bool tp0 = par_.groups.tp_rank() == 0;
   auto host_elements = [](const Tensor& t, int64_t lo, int64_t hi) {
@@ -609,7 +608,7 @@ void Trainer::save(const std::string& dir, int64_t keep_last) {
                                : std::string("adamw");
   if (who.rank == 0) begin_checkpoint(dir, steps_done_);
   barrier_all();  // the folder is there before any writer starts
-  auto write = [this, dir, keep_last, who, optimizer_steps, rule, out = std::move(out),
+  auto write = [dir, keep_last, who, optimizer_steps, rule, out = std::move(out),
                 meta = std::move(meta)] {
     write_checkpoint_slices(dir, meta.step, who, out, rule, optimizer_steps);
     if (who.rank == 0) {
