@@ -649,7 +649,9 @@ void open_whole_files(const fs::path& d, const std::optional<Manifest>& manifest
       c.shard.full = info.shape;
       c.hi = info.shape.numel();
       c.bytes = info.end - info.begin;
-      if (info.dtype == DType::F32) c.mem = f.get(info.name).data<float>();
+      check(info.dtype == DType::F32, "{}: tensor '{}' has dtype {}, expected F32", f.path(),
+            info.name, dtype_name(info.dtype));
+      c.mem = f.get(info.name).data<float>();
       add_chunk(store.parts[k], info.name, info.shape, std::move(c), f.path());
     }
     store.bytes_read += static_cast<int64_t>(fs::file_size(d / names[k]));
