@@ -229,6 +229,12 @@ TEST(MpiLlama, Pp2Tp2GivesTheSingleProcessLosses) {
 // skips (the default 2^32 scale overflows at first, then halves), with the
 // same scales, and its losses are one process's to the fp32 layout
 // tolerance (1e-5; test_precision holds the threads' layouts to the same).
+// So do the distributed optimizer and sharded gradients, whose unscaling
+// acts on each replica's reduced slices; their norms are one process's too
+// (the unscaled gradients': the same bound as the losses at step 1, and
+// 1e-4 after, as for bf16 below). Before, the distributed optimizer's norm
+// was the scaled gradients' (scale x the norm) and its clipping acted on
+// them.
 TEST(MpiMixedPrecision, Fp16AtDp2Pp2SkipsWhereOneProcessDoes) {
   const std::string dir = testing::temp_dir("mpi-fp16");
   std::string text;
@@ -240,19 +246,28 @@ TEST(MpiMixedPrecision, Fp16AtDp2Pp2SkipsWhereOneProcessDoes) {
       "--loss-scale-window 4 --threads 1 --comm-timeout 60 --data-path " + dir + "/text.txt";
   const testing::TrainRun one = testing::run_train_gpt(1, flags, dir);
   ASSERT_TRUE(one.ok) << one.output;
-  const testing::TrainRun four = testing::run_train_gpt(4, flags + " --pp 2", dir);
-  ASSERT_TRUE(four.ok) << four.command << "\n" << four.output;
-  ASSERT_EQ(four.records.size(), one.records.size());
-  int skipped = 0;
-  for (size_t s = 0; s < one.records.size(); ++s) {
-    const nlohmann::json &a = one.records[s], &b = four.records[s];
-    EXPECT_EQ(b.value("skipped", false), a.value("skipped", false)) << "step " << s + 1;
-    EXPECT_EQ(b.value("loss_scale", 0.0), a.value("loss_scale", 0.0)) << "step " << s + 1;
-    const double loss = a["loss"];
-    EXPECT_NEAR(b["loss"].get<double>(), loss, 1e-5 * loss) << "step " << s + 1;
-    skipped += a.value("skipped", false);
+  for (const char* sharding : {"", " --use-distributed-optimizer",
+                               " --data-parallel-sharding-strategy optim_grads"}) {
+    SCOPED_TRACE(sharding);
+    const testing::TrainRun four = testing::run_train_gpt(4, flags + " --pp 2" + sharding, dir);
+    ASSERT_TRUE(four.ok) << four.command << "\n" << four.output;
+    ASSERT_EQ(four.records.size(), one.records.size());
+    int skipped = 0, compared = 0;
+    for (size_t s = 0; s < one.records.size(); ++s) {
+      const nlohmann::json &a = one.records[s], &b = four.records[s];
+      EXPECT_EQ(b.value("skipped", false), a.value("skipped", false)) << "step " << s + 1;
+      EXPECT_EQ(b.value("loss_scale", 0.0), a.value("loss_scale", 0.0)) << "step " << s + 1;
+      const double loss = a["loss"];
+      EXPECT_NEAR(b["loss"].get<double>(), loss, 1e-5 * loss) << "step " << s + 1;
+      skipped += a.value("skipped", false);
+      if (a.value("skipped", false)) continue;
+      const double norm = a["grad_norm"];
+      EXPECT_NEAR(b["grad_norm"].get<double>(), norm, (compared++ == 0 ? 1e-5 : 1e-4) * norm)
+          << "step " << s + 1;
+    }
+    EXPECT_GT(skipped, 0);
+    EXPECT_GT(compared, 0);
   }
-  EXPECT_GT(skipped, 0);
   EXPECT_FALSE(one.records.back().value("skipped", false)) << "the scale never fitted";
 }
 

@@ -116,6 +116,7 @@ struct Layout {
   bool distributed = false;
   bool recompute = false;
   int64_t bucket_elements = int64_t{1} << 20;
+  bool shard_grads = false;  // with distributed: ZeRO-2
   bool overlap = true;
   // Every tensor travels through HostStagedCommunicator's host buffers, as
   // device tensors do when ranks share a GPU.
@@ -131,6 +132,7 @@ struct Layout {
     lo.sync.lion = {0.9f, 0.99f, 0.1f};
     lo.pipeline.recompute = recompute;
     lo.sync.distributed_optimizer = distributed;
+    lo.sync.shard_grads = shard_grads;
     lo.sync.bucket_elements = bucket_elements;
     lo.sync.overlap = overlap;
     return lo;
@@ -139,7 +141,8 @@ struct Layout {
     std::string n =
         "dp" + std::to_string(dp) + "_pp" + std::to_string(pp) + "_tp" + std::to_string(tp);
     if (pp > 1) n += "_" + schedule + (chunks > 1 ? "_v" + std::to_string(chunks) : "");
-    if (distributed) n += "_zero1";
+    if (distributed) n += shard_grads ? "_zero2" : "_zero1";
+    if (bucket_elements != int64_t{1} << 20) n += "_b" + std::to_string(bucket_elements);
     if (recompute) n += "_recompute";
     if (staged) n += "_staged";
     for (char& ch : n)
@@ -314,6 +317,20 @@ std::vector<Layout> layouts() {
   v.push_back({8, 1, 1, "1f1b", 1, true});
   v.push_back({4, 1, 2, "1f1b", 1, true});
   v.push_back({2, 4, 1, "1f1b", 1, true});
+  // Sharded gradients (ZeRO-2): small buckets, so that several are open and
+  // in flight at once; pipelines whose W actions of two micro-batches
+  // interleave on one rank (interleaved and ZB-V chunks); tied weights (the
+  // late buckets at pp > 1); recompute.
+  for (Layout z2 : std::vector<Layout>{{2, 2, 2, "zb-h1"},
+                                       {8, 1, 1},
+                                       {4, 1, 2},
+                                       {2, 2, 1, "interleaved-1f1b", 2},
+                                       {2, 2, 1, "zb-v", 2},
+                                       {2, 2, 2, "1f1b", 1, false, true}}) {
+    z2.distributed = z2.shard_grads = true;
+    z2.bucket_elements = 2048;
+    v.push_back(z2);
+  }
   // Recomputation, with every axis.
   v.push_back({2, 2, 2, "1f1b", 1, false, true});
   // Staged through host buffers: pipeline messages, tensor-parallel
@@ -322,6 +339,8 @@ std::vector<Layout> layouts() {
   staged.staged = true;
   v.push_back(staged);
   staged.schedule = "1f1b", staged.distributed = true;
+  v.push_back(staged);
+  staged.shard_grads = true, staged.bucket_elements = 2048;
   v.push_back(staged);
   return v;
 }
@@ -563,6 +582,70 @@ TEST(DistributedOptimizer, EachReplicaKeepsMomentsForItsSliceOnly) {
   l.distributed = false;
   const std::vector<OwnedCounts> plain = moments_after_loading_per_replica_values(l);
   for (size_t r = 0; r < plain.size(); ++r) EXPECT_EQ(plain[r].by_replica[r], plain[r].total);
+}
+
+// Sharded gradients (ZeRO-2) keep, per replica, the reduced slice of each
+// bucket (padded / dp elements) and a pool of micro-batch buffers, where
+// ZeRO-1 keeps every bucket whole beside its slice. Measured: the bytes
+// GradSync holds after the steps, against those formulas, with small buckets
+// at dp 2. The pool holds the buckets open at once (those the running node's
+// parameters fall in, and wte's, open from the head's W to the embedding's:
+// the weights are tied) and the reductions in flight: it depends on a
+// layer's size, not on the depth, so twice the layers leave it as it is while
+// the slices double. Each bucket is reduce-scattered once per micro-batch
+// instead of once per step: M times ZeRO-1's messages and bytes. The steps
+// are ZeRO-1's and the single process's to kTol (another summation order:
+// micro-batches summed after the replicas, not before).
+TEST(ShardedGradients, KeepTheirSliceAndAPoolThatTheDepthDoesNotGrow) {
+  GptConfig deep = tiny();
+  deep.num_layers = 16;
+  for (const bool overlap : {true, false}) {
+    SCOPED_TRACE(overlap ? "overlap" : "no overlap");
+    Layout zero1{2, 1, 1};
+    zero1.distributed = true;
+    zero1.bucket_elements = 2048;
+    zero1.overlap = overlap;
+    Layout zero2 = zero1;
+    zero2.shard_grads = true;
+    auto run = [](const Layout& l, const GptConfig& cfg, int steps,
+                  std::vector<GradSync::Memory>& held) {
+      std::mutex mu;
+      held.assign(z(l.world()), {});
+      return run_layout(l, steps, {}, [&](RankLayout& rank) {
+        std::lock_guard<std::mutex> lock(mu);
+        held[z(rank.coord().dp)] = rank.trainer().grad_sync().memory();
+      }, cfg);
+    };
+    std::vector<GradSync::Memory> h1, h2, d1, d2;
+    const std::vector<RankRun> a = run(zero1, tiny(), kSteps, h1);
+    const std::vector<RankRun> b = run(zero2, tiny(), kSteps, h2);
+    run(zero1, deep, 1, d1);
+    run(zero2, deep, 1, d2);
+    expect_same_steps(a, b, "zero2 against zero1");
+    expect_reference_steps(b, 0);
+    const double micro_batches = static_cast<double>(kGlobal / (kMicro * zero1.dp));
+    for (size_t r = 0; r < b.size(); ++r) {
+      const GradSync::Memory &m1 = h1[r], &m2 = h2[r];
+      // ZeRO-1: each bucket whole (4 P' bytes) and its slice (4 P' / dp).
+      const double padded = m1.grads / (1.0 + 1.0 / zero1.dp);
+      EXPECT_EQ(m1.grad_buffers, 0.0);
+      // ZeRO-2: the slices alone; values and state as ZeRO-1's.
+      EXPECT_EQ(m2.grads, padded / zero1.dp) << "rank " << r;
+      EXPECT_EQ(d2[r].grads, d1[r].grads / (1.0 + zero1.dp)) << "rank " << r;
+      EXPECT_EQ(m2.values, m1.values);
+      EXPECT_EQ(m2.state, m1.state);
+      EXPECT_GT(m2.grad_buffers, 0.0);
+      EXPECT_EQ(d2[r].grad_buffers, m2.grad_buffers) << "rank " << r << ": the pool grew with depth";
+      EXPECT_GT(d1[r].grads, 1.9 * m1.grads) << "rank " << r;
+      EXPECT_LT(d2[r].grads + d2[r].grad_buffers, d1[r].grads) << "rank " << r;
+      const GradSync::Stats &s1 = a[r].stats.back(), &s2 = b[r].stats.back();
+      EXPECT_EQ(s2.buckets, s1.buckets * micro_batches) << "rank " << r;
+      EXPECT_NEAR(s2.bytes_sent, s1.bytes_sent * micro_batches, 1e-9 * s2.bytes_sent);
+      // Each starts when its micro-batch's last W is done (without overlap it
+      // is also waited for there).
+      EXPECT_EQ(s2.started_in_backward, s2.buckets) << "rank " << r;
+    }
+  }
 }
 
 // --- 3. bucket overlap ---

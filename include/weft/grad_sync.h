@@ -33,6 +33,19 @@
 // second (the Q factors) needs the first's result, and starts in finish() in
 // bucket order, so that every replica posts its collectives alike.
 //
+// With sharded gradients as well (ZeRO-2, Megatron-FSDP's optim_grads) no
+// replica keeps a whole gradient between micro-batches: the backward of each
+// micro-batch writes a bucket's gradients into a buffer borrowed from a pool
+// (weight_begin points Param::grad into it), and once that micro-batch's last
+// W on the bucket has run, the buffer is reduce-scattered and this replica's
+// slice added to the bucket's persistent slice, in micro-batch order; the
+// buffer goes back to the pool when the reduction is done. A replica keeps
+// (padded / dp) gradient elements per bucket plus the pool, whose size is
+// the buckets open or in flight at once, not the model. Parameters tied
+// across pipeline ranks keep ZeRO-1's whole gradient (they are summed over
+// the pipeline after the last W). It reduces once per micro-batch instead of
+// once per step: M times the reduce-scatters of ZeRO-1, the same bytes each.
+//
 // The gradient norm counts every parameter once, whether it is split by
 // tensor parallelism (each rank adds its piece), replicated across the
 // tensor-parallel group (tp rank 0 adds it), tied across pipeline stages (its
@@ -60,6 +73,13 @@ struct GradSyncOptions {
   // off, every bucket starts in finish(), after the whole backward.
   bool overlap = true;
   bool distributed_optimizer = false;  // --use-distributed-optimizer
+  // Gradients sharded too (ZeRO-2; --data-parallel-sharding-strategy
+  // optim_grads): needs distributed_optimizer.
+  bool shard_grads = false;
+  // With shard_grads: the reductions in flight before a new buffer waits for
+  // the oldest instead of growing the pool (on the CPU's transports; a GPU's
+  // stream-ordered ones are retired without the host waiting).
+  int max_in_flight = 2;
   // --grad-reduce-dtype: F32, or BF16 (rounded, reduced and sent as bf16).
   DType reduce_dtype = DType::F32;
   // --grad-compression, --powersgd-rank and --powersgd-start-iter (the steps
@@ -76,6 +96,19 @@ struct GradSyncOptions {
 
 // "fp32" -> F32, "bf16" -> BF16; throws Error naming the value and the choices.
 DType parse_grad_reduce_dtype(const std::string& name);
+
+// Megatron-FSDP's --data-parallel-sharding-strategy: what each
+// data-parallel replica keeps only a slice of.
+enum class ShardingStrategy {
+  NoShard,           // nothing: plain data parallelism
+  Optim,             // the optimizer state (ZeRO-1, --use-distributed-optimizer)
+  OptimGrads,        // and the gradients (ZeRO-2)
+  OptimGradsParams,  // and the parameters (ZeRO-3 / FSDP): not available yet
+};
+// "no_shard", "optim", "optim_grads", "optim_grads_params"; throws Error
+// naming the value and the choices.
+ShardingStrategy parse_sharding_strategy(const std::string& name);
+const char* sharding_strategy_name(ShardingStrategy s);
 // Throws Error naming the flags and values of impossible options: a bucket
 // size or PowerSGD rank below 1, a negative PowerSGD start, a reduce dtype
 // other than F32 or BF16, PowerSGD with the distributed optimizer or with a
@@ -109,11 +142,23 @@ class GradSync {
   // Zeroes every gradient and arms the buckets for `micro_batches` W actions
   // of each node.
   void begin(int64_t micro_batches);
+  // Node `node` is about to run its W action for micro-batch `micro_batch`
+  // (0 .. micro_batches - 1): with sharded gradients, points its parameters'
+  // gradients into that micro-batch's buffers (borrowed here on first use).
+  // Nothing otherwise.
+  void weight_begin(int node, int micro_batch);
   // Node `node` finished its W action for one micro-batch; starts every
-  // bucket this completes (in bucket order), and lets the transport progress.
-  void weight_done(int node);
+  // bucket this completes (in bucket order; with sharded gradients, every
+  // bucket it completes for this micro-batch), and lets the transport
+  // progress.
+  void weight_done(int node, int micro_batch = 0);
   // Starts the remaining buckets and waits for all reductions.
   void finish();
+
+  // Multiplies the gradients the update will read by `s`: every gradient, or
+  // with the distributed optimizer this replica's reduced slices (after
+  // finish). fp16's unscaling.
+  void scale_grads(float s);
 
   // Global L2 norm of the reduced gradients (collective over tp, dp and pp):
   // grad_norm_squared's sum, read back (on a GPU the host waits for it).
@@ -140,6 +185,7 @@ class GradSync {
 
   const std::vector<Param*>& params() const { return params_; }
   bool distributed() const { return options_.distributed_optimizer && groups_.dp_size() > 1; }
+  bool sharded_grads() const { return distributed() && options_.shard_grads; }
   // Off: the next steps' gradients are not reduced across replicas (and
   // PowerSGD's state is left alone): for evaluation, whose gradients are
   // thrown away. Every replica must agree.
@@ -186,6 +232,18 @@ class GradSync {
   };
   const Stats& stats() const { return stats_; }
 
+  // The bytes this rank keeps for its parameters' training state, on their
+  // device: the values, the gradients between steps (whole, or with sharded
+  // gradients this replica's slices and tied parameters' whole buffers), the
+  // most the pool of micro-batch buffers has held (sharded gradients only; it
+  // grows to its peak in the first step and keeps it), and the optimizer's
+  // state (whole, or the distributed optimizer's slices).
+  struct Memory {
+    double values = 0, grads = 0, grad_buffers = 0, state = 0;
+    double total() const { return values + grads + grad_buffers + state; }
+  };
+  Memory memory() const;
+
  private:
   struct Bucket;
   void launch(Bucket& b);
@@ -223,6 +281,40 @@ class GradSync {
   bool compressing_ = false;  // PowerSGD this step
   Tensor norm_sq_;  // grad_norm's sum, on the parameters' device
   void update(float lr, float grad_scale, const Tensor& grad_scale_at);
+
+  // Sharded gradients: one bucket's buffer for one micro-batch, from its
+  // first W to the end of its reduction.
+  struct Open {
+    int bucket = -1, micro_batch = -1;
+    int pending = 0;  // W actions on the bucket still to run for this micro-batch
+    int buffer = -1;  // index into pool_
+    RequestPtr request;
+    int64_t posted = -1;  // its place in the order of posting, once posted
+  };
+  struct PoolBuffer {
+    Tensor grad;    // (largest padded bucket): the micro-batch's gradients
+    Tensor shard;   // (its slice): this replica's part of their sum
+    bool busy = false;
+    std::vector<Tensor> views;  // per parameter index: its gradient in `grad`, once made
+  };
+  bool sharded(const Bucket& b) const;
+  // Parameter `param`'s gradient inside pool buffer `buffer` (made once).
+  const Tensor& grad_view(int buffer, int param);
+  std::vector<int64_t> offset_of_;  // param index -> its first element in its bucket
+  Open& open_for(int bucket, int micro_batch);
+  int borrow();
+  void post_open(Open& o);
+  // The oldest posted buffer, if its reduction is done (or, with `wait`,
+  // once it is): adds its slice to its bucket's and returns it to the pool.
+  // Buffers retire in the order they were posted, so each bucket adds its
+  // micro-batches in order. False when there is none to retire.
+  bool retire_oldest(bool wait);
+  std::vector<Open> open_;  // in the order they were opened; reused
+  std::vector<PoolBuffer> pool_;
+  std::vector<int> per_micro_batch_;  // bucket -> W actions on it per micro-batch
+  int64_t pool_elements_ = 0;         // elements of each pool buffer's `grad`
+  int64_t posts_ = 0;
+  std::shared_ptr<void> scale_cache_;
   // grad_norm's and clip's gradient lists and device tables, kept between steps.
   GradTables tables_;
 };

@@ -365,11 +365,9 @@ class Trainer {
                        par_.sync.compression != GradCompression::None);
   }
   std::vector<Tensor> outer_start_, outer_buf_;  // DiLoCo: the period's start, the momentum
-  // The parameters' gradients, and ops::scale_multi's device table for them
-  // (local SGD's x dp, loss scaling's 1 / scale: one launch on a GPU).
-  std::vector<Tensor> grads_;
-  std::shared_ptr<void> scale_table_;
   Bf16Tables bf16_tables_;  // --bf16: the weights' copies, one launch on a GPU (run_batch)
+  // Local SGD's x dp, loss scaling's 1 / scale, on what the update reads (one
+  // launch on a GPU).
   void scale_grads(float s);
   std::deque<double> recent_losses_;  // the loss-spike check's window (updated steps only)
   int64_t skipped_ = 0;               // steps whose update a loss spike skipped

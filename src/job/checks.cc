@@ -329,6 +329,7 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
   check(a.ddp_bucket_size > 0, "--ddp-bucket-size ({}) must be positive", a.ddp_bucket_size);
   GradSyncOptions sync;  // the compression flags, checked before any message
   sync.distributed_optimizer = a.distributed_optimizer;
+  sync.shard_grads = a.shard_grads;
   set_grad_compression(a, sync);
   // Compression shapes the data-parallel reduction; one replica has none.
   for (const auto& [flag, value, plain] :
@@ -783,6 +784,7 @@ void check_param_servers(const Args& a, const CLI::App& app, int world) {
   // Not built yet with servers: say so instead of running something else.
   for (const char* flag : {"--exit-interval",
                            "--exit-duration-in-mins", "--use-distributed-optimizer",
+                           "--data-parallel-sharding-strategy",
                            "--local-steps", "--check-for-spiky-loss", "--sample", "--init-from",
                            "--grad-compression", "--grad-reduce-dtype", "--finetune"})
     check(app.count(flag) == 0,
@@ -858,6 +860,22 @@ void check_pipeline_flags(const Args& a, const CLI::App& app) {
 // rules and costs, and set the layout flags to the fastest. A layout flag
 // the command gives fixes that dimension; when no plan has it, the flag is
 // refused, naming it.
+void settle_sharding(Args& a, const CLI::App& app) {
+  using weft::check;
+  if (!app.count("--data-parallel-sharding-strategy")) return;
+  const weft::ShardingStrategy s = weft::parse_sharding_strategy(a.sharding_strategy);
+  check(s != weft::ShardingStrategy::OptimGradsParams,
+        "--data-parallel-sharding-strategy optim_grads_params (ZeRO-3: parameters sharded too) "
+        "is not available yet; optim_grads shards the optimizer state and the gradients");
+  check(!app.count("--use-distributed-optimizer") || s == weft::ShardingStrategy::Optim ||
+            s == weft::ShardingStrategy::OptimGrads,
+        "--use-distributed-optimizer shards the optimizer state, and "
+        "--data-parallel-sharding-strategy {} says not to: give one of them",
+        a.sharding_strategy);
+  a.distributed_optimizer = s != weft::ShardingStrategy::NoShard;
+  a.shard_grads = s == weft::ShardingStrategy::OptimGrads;
+}
+
 void apply_plan(Args& a, const CLI::App& app, int world) {
   using weft::check;
   const bool planning = !a.plan.empty();
@@ -867,6 +885,9 @@ void apply_plan(Args& a, const CLI::App& app, int world) {
     check(planning || app.count(flag) == 0, "{} sets up the planner: it needs --plan auto", flag);
   if (!planning) return;
   check(a.plan == "auto", "--plan '{}' must be auto (weft-sched plan prints the others)", a.plan);
+  check(!a.shard_grads,
+        "--data-parallel-sharding-strategy optim_grads with --plan auto is not available yet: the "
+        "planner prices the optimizer's sharding (optim) only");
   check(!a.plan_costs.empty(),
         "--plan auto needs --plan-costs FILE: node costs that {} --pp 2 --profile FILE "
         "measured for this model",
@@ -924,6 +945,9 @@ void apply_plan(Args& a, const CLI::App& app, int world) {
   if (app.count("--recompute")) fx.recompute = true, fixed.push_back("--recompute");
   if (app.count("--use-distributed-optimizer"))
     fx.zero1 = true, fixed.push_back("--use-distributed-optimizer");
+  if (app.count("--data-parallel-sharding-strategy"))
+    fx.zero1 = a.distributed_optimizer,
+    fixed.push_back("--data-parallel-sharding-strategy " + a.sharding_strategy);
   // Pipeline flags need a pipeline: a plan at pp 1 would have them refused.
   const bool needs_pipeline = app.count("--schedule") || app.count("--virtual-stages") ||
                               app.count("--recompute") || app.count("--partition") ||

@@ -237,7 +237,11 @@ void add_flags(CLI::App& app, Args& a, const Job& job) {
                  "model: on a GPU it must fit there), write them to this JSON file and use them "
                  "for --partition time");
   app.add_flag("--use-distributed-optimizer", a.distributed_optimizer,
-               "shard AdamW's state across data-parallel replicas (ZeRO-1)");
+               "shard AdamW's state across data-parallel replicas (ZeRO-1); "
+               "--data-parallel-sharding-strategy optim");
+  app.add_option("--data-parallel-sharding-strategy", a.sharding_strategy,
+                 "what each data-parallel replica keeps a slice of: no_shard, optim (ZeRO-1), "
+                 "optim_grads (ZeRO-2: the gradients too); default no_shard");
   app.add_option("--ddp-bucket-size", a.ddp_bucket_size,
                  "gradient elements per data-parallel reduction bucket");
   // Two flags, so that --help shows the real default (a negated alias would print {false}).

@@ -59,6 +59,7 @@ int train_main(int argc, char** argv, const Job& job) {
   if (!a.check_links) {
     try {
       adopt_checkpoint_args(a, app);
+      settle_sharding(a, app);
       apply_plan(a, app, launch.size);
       if (launch.rank == 0 && !a.plan_note.empty()) fmt::print("{}\n", a.plan_note);
     } catch (const std::exception& e) {

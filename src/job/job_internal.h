@@ -130,6 +130,10 @@ struct Args {
   double comm_timeout = 300;  // seconds
   // Data parallelism.
   bool distributed_optimizer = false;
+  // --data-parallel-sharding-strategy (Megatron-FSDP's names); settled by
+  // settle_sharding into distributed_optimizer and shard_grads.
+  std::string sharding_strategy;
+  bool shard_grads = false;
   // --plan auto: weft-sched plan's best layout, from a profile.
   std::string plan, plan_costs, plan_memory;
   double plan_latency = 0, plan_bandwidth = std::numeric_limits<double>::infinity();
@@ -191,6 +195,9 @@ ModelArgs model_args(const Args& a, const GptConfig& cfg);
 void adopt_checkpoint_args(Args& a, const CLI::App& app);
 void check_param_servers(const Args& a, const CLI::App& app, int world);
 void apply_plan(Args& a, const CLI::App& app, int world);
+// --data-parallel-sharding-strategy and its alias --use-distributed-optimizer
+// into distributed_optimizer and shard_grads; throws naming a contradiction.
+void settle_sharding(Args& a, const CLI::App& app);
 GptConfig resolve_config(const Args& a, const CLI::App& app);
 void check_training_flags(const Args& a, const CLI::App& app);
 

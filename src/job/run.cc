@@ -535,6 +535,7 @@ class Run {
     if (!a.memory_budget.empty())
       lo.memory_budget = parse_bytes("--memory-budget", a.memory_budget);
     lo.sync.distributed_optimizer = a.distributed_optimizer;
+    lo.sync.shard_grads = a.shard_grads;
     lo.sync.bucket_elements = a.ddp_bucket_size;
     lo.sync.overlap = a.overlap_grad_reduce;
     set_grad_compression(a, lo.sync);
@@ -648,8 +649,11 @@ class Run {
       for (const NodeCost& c : analytic.nodes) outputs += c.output_bytes;
       const double shards = static_cast<double>(a.pp * a.tp);
       const double dp = static_cast<double>((world ? world->size() : 1) / (a.pp * a.tp));
+      // Values, gradients (a replica's slice with --data-parallel-sharding-strategy
+      // optim_grads) and AdamW's two moments (a slice with the distributed optimizer).
       const double state = 4.0 * static_cast<double>(model->graph.param_count()) / shards *
-                           (2.0 + 2.0 / (a.distributed_optimizer ? dp : 1.0));
+                           (1.0 + (a.shard_grads ? 1.0 / dp : 1.0) +
+                            2.0 / (a.distributed_optimizer ? dp : 1.0));
       char host[64] = {};
       gethostname(host, sizeof host - 1);
       int here = 0;
@@ -921,6 +925,22 @@ class Run {
             fmt::join(measured, ", "), fmt::join(composed, ", "), a.schedule,
             fmt::join(promised, ", "));
       }
+    }
+    if (rank0 && a.ps_ranks == 0) {
+      // What rank 0 keeps for its parameters (weft/grad_sync.h's Memory):
+      // the sharding strategy's effect, beside the activations above.
+      const GradSync::Memory m = layout->trainer().grad_sync().memory();
+      fmt::print(
+          "training state on rank 0 ({}): {} of values, {} of gradients{}, {} of optimizer "
+          "state; {} in all\n",
+          a.shard_grads ? "optimizer state and gradients sharded over dp"
+          : a.distributed_optimizer ? "optimizer state sharded over dp"
+                                    : "nothing sharded",
+          format_bytes(m.values), format_bytes(m.grads),
+          m.grad_buffers > 0 ? fmt::format(" + {} of micro-batch gradient buffers",
+                                           format_bytes(m.grad_buffers))
+                             : std::string(),
+          format_bytes(m.state), format_bytes(m.total()));
     }
     if (!recent.empty() && rank0) {
       double mean = 0;

@@ -58,8 +58,36 @@ DType parse_grad_reduce_dtype(const std::string& name) {
   throw Error("--grad-reduce-dtype '{}' must be fp32 or bf16", name);
 }
 
+ShardingStrategy parse_sharding_strategy(const std::string& name) {
+  for (ShardingStrategy s : {ShardingStrategy::NoShard, ShardingStrategy::Optim,
+                             ShardingStrategy::OptimGrads, ShardingStrategy::OptimGradsParams})
+    if (name == sharding_strategy_name(s)) return s;
+  throw Error(
+      "--data-parallel-sharding-strategy '{}' must be no_shard, optim, optim_grads or "
+      "optim_grads_params",
+      name);
+}
+
+const char* sharding_strategy_name(ShardingStrategy s) {
+  switch (s) {
+    case ShardingStrategy::NoShard: return "no_shard";
+    case ShardingStrategy::Optim: return "optim";
+    case ShardingStrategy::OptimGrads: return "optim_grads";
+    case ShardingStrategy::OptimGradsParams: return "optim_grads_params";
+  }
+  return "?";
+}
+
 void check_grad_sync_options(const GradSyncOptions& o) {
   check(o.bucket_elements > 0, "--ddp-bucket-size ({}) must be positive", o.bucket_elements);
+  check(!o.shard_grads || o.distributed_optimizer,
+        "sharded gradients (optim_grads) shard the optimizer state too: they need the "
+        "distributed optimizer");
+  check(!o.shard_grads || o.reduce_dtype == DType::F32,
+        "--data-parallel-sharding-strategy optim_grads reduces fp32 gradients: "
+        "--grad-reduce-dtype bf16 is not available with it yet");
+  check(o.max_in_flight >= 1, "sharded gradients need at least one reduction in flight, not {}",
+        o.max_in_flight);
   check(o.reduce_dtype == DType::F32 || o.reduce_dtype == DType::BF16,
         "--grad-reduce-dtype {} is not available (fp32 or bf16)", dtype_name(o.reduce_dtype));
   check(o.powersgd_rank >= 1, "--powersgd-rank ({}) must be at least 1", o.powersgd_rank);
@@ -156,10 +184,21 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
         "on {}, data parallelism reduces fp32 gradients: --grad-reduce-dtype bf16 and "
         "--grad-compression powersgd are not available on a GPU yet",
         device.str());
+  offset_of_.assign(np, 0);
+  per_micro_batch_.assign(buckets_.size(), 0);
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    Bucket& b = *buckets_[bi];
+    b.padded = (b.numel + dp - 1) / dp * dp;
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      offset_of_[static_cast<size_t>(b.params[k])] = b.offset[k];
+      per_micro_batch_[bi] += nodes_per_param_[static_cast<size_t>(b.params[k])];
+    }
+    if (sharded(b)) pool_elements_ = std::max(pool_elements_, b.padded);
+  }
   for (auto& bp : buckets_) {
     Bucket& b = *bp;
-    b.padded = (b.numel + dp - 1) / dp * dp;
-    b.grad = Tensor::zeros({b.padded}, DType::F32, device);
+    // Sharded gradients: no whole buffer; each micro-batch borrows one.
+    if (!sharded(b)) b.grad = Tensor::zeros({b.padded}, DType::F32, device);
     if (distributed()) {
       // Every shard lives beside the parameters: the reduce-scatter and the
       // all-gather move device tensors, and AdamW runs where they are.
@@ -183,10 +222,12 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
       }
       if (any) b.powersgd = std::make_unique<PowerSgd>(pieces, options_.powersgd_rank);
     }
+    if (sharded(b) && pool_.empty()) borrow();  // the gradients point somewhere from the start
     for (size_t k = 0; k < b.params.size(); ++k) {
       Param* p = params_[static_cast<size_t>(b.params[k])];
-      float* g = b.grad.data<float>() + b.offset[k];
-      p->grad = Tensor(g, p->value.shape(), DType::F32, device);
+      p->grad = sharded(b) ? grad_view(0, b.params[k])
+                           : Tensor(b.grad.data<float>() + b.offset[k], p->value.shape(),
+                                    DType::F32, device);
       if (distributed()) {
         Tensor view(b.value.data<float>() + b.offset[k], p->value.shape(), DType::F32, device);
         view.copy_from(p->value);
@@ -194,8 +235,125 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
       }
     }
   }
+  if (!pool_.empty()) pool_[0].busy = false;
   if (!distributed()) plain_ = std::make_unique<Optimizer>(params_, make_update_rule(oc));
   remaining_.assign(np, 0);
+}
+
+bool GradSync::sharded(const Bucket& b) const { return sharded_grads() && !b.late; }
+
+const Tensor& GradSync::grad_view(int buffer, int param) {
+  PoolBuffer& pb = pool_[static_cast<size_t>(buffer)];
+  Tensor& v = pb.views[static_cast<size_t>(param)];
+  if (!v.defined()) {
+    const Param* p = params_[static_cast<size_t>(param)];
+    v = Tensor(pb.grad.data<float>() + offset_of_[static_cast<size_t>(param)], p->value.shape(),
+               DType::F32, pb.grad.device());
+  }
+  return v;
+}
+
+// A free buffer of the pool. On a GPU the oldest reduction in flight is
+// retired first (the compute stream waits for it; the host does not), so the
+// pool holds the buffers open at once and one more. On the host's transports
+// the pool grows while fewer than max_in_flight reductions are in flight, and
+// then the oldest is waited for.
+int GradSync::borrow() {
+  auto free_one = [&]() -> int {
+    for (size_t k = 0; k < pool_.size(); ++k)
+      if (!pool_[k].busy) return static_cast<int>(k);
+    return -1;
+  };
+  int k = free_one();
+  if (k < 0) {
+    poll();
+    k = free_one();
+  }
+  int64_t in_flight = 0;
+  bool device_ordered = false;
+  for (const Open& o : open_)
+    if (o.posted >= 0) {
+      ++in_flight;
+      device_ordered = device_ordered || (o.request && o.request->device_ordered());
+    }
+  if (k < 0 && in_flight > 0 && (device_ordered || in_flight >= options_.max_in_flight)) {
+    retire_oldest(/*wait=*/true);
+    k = free_one();
+  }
+  if (k < 0) {
+    const Device device = params_[0]->value.device();
+    PoolBuffer pb;
+    pb.grad = Tensor::zeros({pool_elements_}, DType::F32, device);
+    pb.shard = Tensor::zeros({pool_elements_ / groups_.dp_size()}, DType::F32, device);
+    pb.views.resize(params_.size());
+    pool_.push_back(std::move(pb));
+    k = static_cast<int>(pool_.size()) - 1;
+  }
+  pool_[static_cast<size_t>(k)].busy = true;
+  return k;
+}
+
+GradSync::Open& GradSync::open_for(int bucket, int micro_batch) {
+  for (Open& o : open_)
+    if (o.bucket == bucket && o.micro_batch == micro_batch && o.posted < 0) return o;
+  const int buffer = borrow();
+  elements(pool_[static_cast<size_t>(buffer)].grad, 0, buckets_[static_cast<size_t>(bucket)]->padded)
+      .zero_();
+  Open o;
+  o.bucket = bucket, o.micro_batch = micro_batch, o.buffer = buffer;
+  o.pending = per_micro_batch_[static_cast<size_t>(bucket)];
+  open_.push_back(std::move(o));  // reserved: no allocation past the first step
+  return open_.back();
+}
+
+void GradSync::weight_begin(int node, int micro_batch) {
+  if (!sharded_grads()) return;
+  for (int i : node_params_[static_cast<size_t>(node)]) {
+    const int bi = bucket_of_[static_cast<size_t>(i)];
+    if (!sharded(*buckets_[static_cast<size_t>(bi)])) continue;
+    const int buffer = open_for(bi, micro_batch).buffer;
+    params_[static_cast<size_t>(i)]->grad = grad_view(buffer, i);
+  }
+}
+
+void GradSync::post_open(Open& o) {
+  Bucket& b = *buckets_[static_cast<size_t>(o.bucket)];
+  PoolBuffer& pb = pool_[static_cast<size_t>(o.buffer)];
+  if (!reduce_) {  // evaluation: the gradients are thrown away
+    pb.busy = false;
+    o.bucket = -1;
+    return;
+  }
+  if (!launched_any_) {
+    launched_any_ = true;
+    first_launch_ = Clock::now();
+  }
+  ++stats_.buckets;
+  if (!in_finish_) ++stats_.started_in_backward;
+  const Tensor shard = elements(pb.shard, 0, b.padded / groups_.dp_size());
+  o.request = reduce(elements(pb.grad, 0, b.padded), &shard);
+  o.posted = posts_++;
+}
+
+bool GradSync::retire_oldest(bool wait) {
+  Open* oldest = nullptr;
+  for (Open& o : open_)
+    if (o.posted >= 0 && (oldest == nullptr || o.posted < oldest->posted)) oldest = &o;
+  if (oldest == nullptr) return false;
+  if (oldest->request) {
+    if (wait) {
+      oldest->request->wait_on_device();  // on a GPU with NCCL, the stream waits, not the host
+    } else if (oldest->request->device_ordered() || !oldest->request->test()) {
+      return false;
+    }
+  }
+  Bucket& b = *buckets_[static_cast<size_t>(oldest->bucket)];
+  PoolBuffer& pb = pool_[static_cast<size_t>(oldest->buffer)];
+  ops::add(b.shard_grad, elements(pb.shard, 0, b.shard_grad.numel()));
+  pb.busy = false;
+  oldest->bucket = -1;  // erased below
+  std::erase_if(open_, [](const Open& o) { return o.bucket < 0; });
+  return true;
 }
 
 GradSync::~GradSync() = default;
@@ -206,15 +364,22 @@ void GradSync::set_steps(int64_t s) {
 }
 
 void GradSync::begin(int64_t micro_batches) {
+  check(open_.empty(), "a step began with {} micro-batch gradient buffers still open",
+        open_.size());
+  open_.reserve(buckets_.size() * 4);
   for (auto& b : buckets_) {
-    b->grad.zero_();
+    if (sharded(*b))
+      b->shard_grad.zero_();
+    else
+      b->grad.zero_();
     b->launched = false;
     b->request.reset();
     b->pending = 0;
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     remaining_[i] = nodes_per_param_[i] * micro_batches;
-    ++buckets_[static_cast<size_t>(bucket_of_[i])]->pending;
+    Bucket& b = *buckets_[static_cast<size_t>(bucket_of_[i])];
+    if (!sharded(b)) ++b.pending;  // a sharded bucket counts per micro-batch (Open)
   }
   next_launch_ = 0;
   launched_any_ = false;
@@ -227,7 +392,8 @@ void GradSync::begin(int64_t micro_batches) {
 
 void GradSync::launch(Bucket& b) {
   b.launched = true;
-  if (groups_.dp_size() <= 1 || !reduce_) return;
+  // A sharded bucket reduces each micro-batch's buffer as it completes.
+  if (groups_.dp_size() <= 1 || !reduce_ || sharded(b)) return;
   if (!launched_any_) {
     launched_any_ = true;
     first_launch_ = Clock::now();
@@ -323,15 +489,29 @@ void GradSync::poll() {
     if (buckets_[k]->request && !buckets_[k]->request->device_ordered() &&
         buckets_[k]->request->test())
       buckets_[k]->request.reset();
+  while (retire_oldest(/*wait=*/false)) {
+  }
 }
 
-void GradSync::weight_done(int node) {
+void GradSync::weight_done(int node, int micro_batch) {
   bool any = false;
-  for (int i : node_params_[static_cast<size_t>(node)])
+  for (int i : node_params_[static_cast<size_t>(node)]) {
+    const int bi = bucket_of_[static_cast<size_t>(i)];
+    if (sharded(*buckets_[static_cast<size_t>(bi)])) {
+      Open& o = open_for(bi, micro_batch);
+      if (--o.pending > 0) continue;
+      post_open(o);
+      if (o.bucket < 0)
+        std::erase_if(open_, [](const Open& x) { return x.bucket < 0; });
+      else if (!options_.overlap)
+        retire_oldest(/*wait=*/true);  // no overlap: each reduction done before going on
+      continue;
+    }
     if (--remaining_[static_cast<size_t>(i)] == 0) {
-      --buckets_[static_cast<size_t>(bucket_of_[static_cast<size_t>(i)])]->pending;
+      --buckets_[static_cast<size_t>(bi)]->pending;
       any = true;
     }
+  }
   if (!options_.overlap) return;
   if (any) launch_ready();
   poll();
@@ -341,6 +521,11 @@ void GradSync::finish() {
   in_finish_ = true;
   const auto t0 = Clock::now();
   while (next_launch_ < buckets_.size()) launch(*buckets_[next_launch_++]);
+  for (const Open& o : open_)
+    check(o.posted >= 0, "bucket {} of micro-batch {} still waits for {} W actions at the step's end",
+          o.bucket, o.micro_batch, o.pending);
+  while (retire_oldest(/*wait=*/true)) {
+  }
   if (groups_.dp_size() > 1 && reduce_) complete();
   const auto t1 = Clock::now();
   in_finish_ = false;
@@ -376,6 +561,36 @@ void GradSync::grad_norm_squared(const Tensor& out) {
   if (distributed()) groups_.dp->all_reduce(out, ReduceOp::Sum);
   if (groups_.tp) groups_.tp->all_reduce(out, ReduceOp::Sum);
   if (groups_.pp) groups_.pp->all_reduce(out, ReduceOp::Sum);
+}
+
+void GradSync::scale_grads(float s) {
+  std::vector<Tensor>& xs = tables_.grads;
+  xs.clear();  // keeps its capacity
+  if (!distributed()) {
+    for (Param* p : params_) xs.push_back(p->grad);
+  } else {
+    for (auto& b : buckets_) xs.push_back(b->shard_grad);
+  }
+  ops::scale_multi(xs, s, scale_cache_);
+}
+
+GradSync::Memory GradSync::memory() const {
+  Memory m;
+  auto bytes = [](const Tensor& t) { return t.defined() ? static_cast<double>(t.nbytes()) : 0.0; };
+  for (const Param* p : params_) {
+    if (!distributed()) m.values += bytes(p->value), m.grads += bytes(p->grad);
+  }
+  if (!distributed()) {
+    m.state = 4.0 * static_cast<double>(state_count_) * (m.values / 4.0);
+    return m;
+  }
+  for (const auto& b : buckets_) {
+    m.values += bytes(b->value) + bytes(b->shard_value);
+    m.grads += bytes(b->grad) + bytes(b->shard_grad);
+    for (size_t j = 0; j < state_count_; ++j) m.state += bytes(b->state[j]);
+  }
+  for (const PoolBuffer& pb : pool_) m.grad_buffers += bytes(pb.grad) + bytes(pb.shard);
+  return m;
 }
 
 double GradSync::grad_norm() {

@@ -404,8 +404,9 @@ void PipelineExecutor::backward_input_action(int stage, int mb, bool with_weight
       backward_input(graph_, m, n);
       if (!weights) continue;
       const double at = used(s.mb);
+      if (sync_) sync_->weight_begin(n, mb);
       backward_weight(graph_, m, n);
-      if (sync_) sync_->weight_done(n);
+      if (sync_) sync_->weight_done(n, mb);
       if (!recompute) weight_bytes += used(s.mb) - at;
     }
     if (!u.recompute || !fold_) continue;
@@ -458,8 +459,9 @@ void PipelineExecutor::backward_weight_action(int stage, int mb) {
   const int end = plan_.begin[static_cast<size_t>(stage) + 1];
   const double before = used(s.mb);
   for (int n = end - 1; n >= begin; --n) {
+    if (sync_) sync_->weight_begin(n, mb);
     backward_weight(graph_, s.mb, n);
-    if (sync_) sync_->weight_done(n);
+    if (sync_) sync_->weight_done(n, mb);
   }
   s.weight_done = true;
   backward_part_done(s);
@@ -533,7 +535,7 @@ void PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micro_
   peak_slots_ = 0;
   peak_stashed_ = 0;
   peak_bytes_ = 0;
-  zero_grads(params_);
+  if (!sync_) zero_grads(params_);  // else GradSync::begin has zeroed them where they live
   const auto& mine = schedule_.actions[static_cast<size_t>(pp_.rank())];
   using Clock = std::chrono::steady_clock;
   const auto run_start = Clock::now();

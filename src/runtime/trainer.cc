@@ -223,11 +223,9 @@ bool Trainer::pipelined() const { return par_.pipeline->group().size() > 1; }
 
 double Trainer::compute_gradients(int64_t step) { return run_batch(data_, step); }
 
-void Trainer::scale_grads(float s) {
-  grads_.clear();  // keeps its capacity
-  for (Param* p : sync_->params()) grads_.push_back(p->grad);
-  ops::scale_multi(grads_, s, scale_table_);
-}
+// The gradients the update reads: with the distributed optimizer, the
+// replica's reduced slices.
+void Trainer::scale_grads(float s) { sync_->scale_grads(s); }
 
 double Trainer::evaluate(const BatchSource& data, int64_t iters) {
   check(iters > 0, "evaluation needs at least one batch, got {}", iters);
