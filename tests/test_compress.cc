@@ -501,6 +501,22 @@ TEST(CompressionOptions, ImpossibleCombinationsNameTheFlags) {
   o.reduce_dtype = DType::I32;
   msg = error_message([&] { check_grad_sync_options(o); });
   EXPECT_TRUE(contains(msg, "--grad-reduce-dtype I32")) << msg;
+  // Sharded gradients: with the optimizer's state sharded, in fp32.
+  o = GradSyncOptions{};
+  o.shard_grads = true;
+  msg = error_message([&] { check_grad_sync_options(o); });
+  EXPECT_TRUE(contains(msg, "need the distributed optimizer")) << msg;
+  o.distributed_optimizer = true;
+  o.reduce_dtype = DType::BF16;
+  msg = error_message([&] { check_grad_sync_options(o); });
+  EXPECT_TRUE(contains(msg, "optim_grads reduces fp32 gradients")) << msg;
+  msg = error_message([] { parse_sharding_strategy("zero3"); });
+  EXPECT_TRUE(contains(msg, "--data-parallel-sharding-strategy 'zero3' must be no_shard, optim, "
+                            "optim_grads or optim_grads_params"))
+      << msg;
+  for (ShardingStrategy s : {ShardingStrategy::NoShard, ShardingStrategy::Optim,
+                             ShardingStrategy::OptimGrads, ShardingStrategy::OptimGradsParams})
+    EXPECT_EQ(parse_sharding_strategy(sharding_strategy_name(s)), s);
 }
 
 // train_gpt checks the flags before anything else, on one line.
@@ -515,6 +531,19 @@ TEST(CompressionOptions, TrainGptRejectsBadFlagsWithOneLine) {
       {"--grad-compression powersgd --powersgd-rank 0", "--powersgd-rank (0) must be at least 1"},
       {"--grad-compression powersgd --use-distributed-optimizer",
        "cannot be combined with --use-distributed-optimizer"},
+      {"--data-parallel-sharding-strategy zero2",
+       "--data-parallel-sharding-strategy 'zero2' must be no_shard, optim, optim_grads or "
+       "optim_grads_params"},
+      {"--data-parallel-sharding-strategy optim_grads_params",
+       "optim_grads_params (ZeRO-3: parameters sharded too) is not available yet"},
+      {"--use-distributed-optimizer --data-parallel-sharding-strategy no_shard",
+       "--use-distributed-optimizer shards the optimizer state, and "
+       "--data-parallel-sharding-strategy no_shard says not to"},
+      {"--data-parallel-sharding-strategy optim_grads --grad-reduce-dtype bf16",
+       "optim_grads reduces fp32 gradients"},
+      {"--data-parallel-sharding-strategy optim_grads --plan auto --plan-costs x.json "
+       "--global-batch-size 4",
+       "optim_grads with --plan auto is not available yet"},
   };
   for (const auto& [flags, want] : cases) {
     const std::string cmd = std::string(exe) + " --device cpu --model toy --train-iters 1 --data-path " + dir +

@@ -135,6 +135,12 @@ TEST_F(MpiLayouts, DistributedOptimizerMatchesSingleProcess) {
                      0, l.str() + " distributed optimizer");
   // Small buckets: many reductions overlap the backward, same numbers.
   expect_reference(train(kWorld, "--tp 1 --pp 1 --ddp-bucket-size 4096"), 0, "small buckets");
+  // Sharded gradients (ZeRO-2), small buckets, with each axis.
+  for (const Layout& l : {Layout{2, 2, 2}, Layout{8, 1, 1}})
+    expect_reference(train(kWorld, l.args() + (l.pp > 1 ? " --schedule zb-h1" : "") +
+                                       " --data-parallel-sharding-strategy optim_grads"
+                                       " --ddp-bucket-size 4096"),
+                     0, l.str() + " sharded gradients");
 }
 
 // Parameter servers as processes: with --max-staleness 0, 4 workers and 4

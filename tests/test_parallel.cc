@@ -746,6 +746,19 @@ TEST(Checkpoint, SavedByTheDistributedOptimizerResumesElsewhere) {
   save_and_resume(from, {{1, 4, 2, "zb-h1"}, to_zero1, {1, 1, 1}}, "ckpt_222_zero1");
 }
 
+// Sharded gradients save what ZeRO-1 saves (the gradients are not state):
+// a checkpoint moves between every strategy and layout.
+TEST(Checkpoint, SavedWithShardedGradientsResumesUnderEveryStrategy) {
+  Layout from{2, 2, 2, "1f1b"};
+  from.distributed = from.shard_grads = true;
+  from.bucket_elements = 2048;
+  Layout to_zero2{4, 1, 2};
+  to_zero2.distributed = to_zero2.shard_grads = true;
+  Layout to_zero1{8, 1, 1};
+  to_zero1.distributed = true;
+  save_and_resume(from, {to_zero2, to_zero1, {2, 2, 2, "1f1b"}, {1, 1, 1}}, "ckpt_222_zero2");
+}
+
 TEST(Checkpoint, AnotherModelShapeNamesTheTensorAndBothShapes) {
   const std::string dir = testing::temp_dir("ckpt_shape");
   run_layout({2, 1, 1}, 1, {}, [&](RankLayout& rank) { rank.trainer().save(dir); });

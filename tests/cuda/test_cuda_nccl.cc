@@ -116,12 +116,16 @@ TEST_F(NcclRanks, TensorAndDataParallel) {
   expect_single_process(2, "--tp 2");
   expect_single_process(2, "");  // dp 2
   expect_single_process(2, "--use-distributed-optimizer");
+  // Sharded gradients: each micro-batch's buffer is reduce-scattered on the
+  // NCCL stream and retired by the compute stream waiting for it.
+  expect_single_process(2, "--data-parallel-sharding-strategy optim_grads --ddp-bucket-size 4096");
   expect_single_process(4, "--pp 2 --tp 2");
 }
 
 TEST_F(NcclRanks, DataPipelineAndTensorParallelOnEightRanks) {
   expect_single_process(8, "--pp 2 --tp 2");
   expect_single_process(8, "--pp 2 --tp 2 --use-distributed-optimizer");
+  expect_single_process(8, "--pp 2 --tp 2 --data-parallel-sharding-strategy optim_grads");
 }
 
 // The same layouts with every rank on one GPU, each its own NCCL host
