@@ -23,7 +23,6 @@ struct GradSync::Bucket {
   // Distributed optimizer only.
   Tensor value;                 // (padded): Param::value are views into it
   Tensor shard_grad;            // (padded / dp): this replica's reduced slice
-  Tensor shard_value;           // (padded / dp): its slice, sent by the all-gather
   // (padded / dp): the optimizer's state of the slice, as many as its rule keeps.
   std::array<Tensor, kMaxOptimizerState> state;
   std::vector<UpdatePiece> pieces;  // this step's slices, reused
@@ -205,7 +204,6 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
       const int64_t s = b.padded / dp;
       b.value = Tensor::zeros({b.padded}, DType::F32, device);
       b.shard_grad = Tensor::zeros({s}, DType::F32, device);
-      b.shard_value = Tensor::zeros({s}, DType::F32, device);
       for (size_t k = 0; k < state_count_; ++k)
         b.state[k] = Tensor::zeros({s}, DType::F32, device);
       if (options_.reduce_dtype == DType::BF16) b.shard16 = Tensor::zeros({s}, DType::BF16);
@@ -585,7 +583,7 @@ GradSync::Memory GradSync::memory() const {
     return m;
   }
   for (const auto& b : buckets_) {
-    m.values += bytes(b->value) + bytes(b->shard_value);
+    m.values += bytes(b->value);
     m.grads += bytes(b->grad) + bytes(b->shard_grad);
     for (size_t j = 0; j < state_count_; ++j) m.state += bytes(b->state[j]);
   }
@@ -636,8 +634,8 @@ void GradSync::update(float lr, float grad_scale, const Tensor& grad_scale_at) {
       b.pieces.push_back(piece);
     }
     rule_->update(b.pieces, step, b.update_cache);
-    b.shard_value.copy_from(elements(b.value, lo, s));
-    gathers.push_back(groups_.dp->iall_gather(b.shard_value, b.value));
+    // In place: the updated slice is this replica's part of the output.
+    gathers.push_back(groups_.dp->iall_gather(elements(b.value, lo, s), b.value));
   }
   wait_all_on_device(gathers);
 }
