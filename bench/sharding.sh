@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# What each data-parallel sharding strategy keeps per rank, and what it costs
+# a step: --data-parallel-sharding-strategy no_shard, optim (ZeRO-1) and
+# optim_grads (ZeRO-2), in the same run, at dp 2 on 2 ranks.
+#
+#   bench/sharding.sh [build-dir] [rounds]      (defaults: build, 2)
+#
+# Protocol, fixed before the run: GPT --model small (10.8M parameters),
+# micro-batches of 2, a global batch of 8 (2 micro-batches per replica), 8
+# steps, one thread per rank, the default buckets (2^20 elements). The three
+# strategies alternate, in that order, for `rounds` rounds. Reported per
+# strategy: rank 0's training state as train_gpt prints it (GradSync's
+# bytes: values, gradients, the micro-batch buffers of sharded gradients,
+# optimizer state), the same from the formula each strategy stands for (P =
+# the parameters' fp32 bytes on a rank, as the no_shard run prints them;
+# sharded gradients add their pool, measured), the peak resident memory of
+# the larger rank (/usr/bin/time's maximum RSS: everything, activations and
+# the program included) as a median over the rounds, and the median step
+# time of steps 2-8 over the rounds.
+set -euo pipefail
+build=${1:-build}
+rounds=${2:-2}
+exe="$build/train_gpt"
+[[ -x "$exe" ]] || { echo "error: $exe not found; build first: ./scripts/setup.sh" >&2; exit 1; }
+data=/usr/share/games/fortunes/fortunes
+[[ -f $data ]] || { echo "error: $data not found (apt-get install fortunes)" >&2; exit 1; }
+[[ -x /usr/bin/time ]] || { echo "error: /usr/bin/time not found (apt-get install time)" >&2; exit 1; }
+export MPIEXEC_TIMEOUT=600 OMP_WAIT_POLICY=PASSIVE
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+model="--model small --micro-batch-size 2 --global-batch-size 8 --data-path $data --threads 1 \
+  --train-iters 8 --log-interval 1 --comm-timeout 120"
+strategies="no_shard optim optim_grads"
+
+for round in $(seq "$rounds"); do
+  for s in $strategies; do
+    out="$work/$s-$round.txt"
+    # shellcheck disable=SC2086
+    # Each rank's maximum RSS into its own file (PMI_RANK: hydra's rank).
+    "$build/bench/mpiexec" -n 2 sh -c '/usr/bin/time -f "%M" -o "$0.$PMI_RANK" "$@"' \
+      "$work/rss-$s-$round" "$exe" $model --data-parallel-sharding-strategy "$s" \
+      --log-jsonl "$work/$s-$round.jsonl" >"$out" 2>&1 ||
+      { echo "error: the $s run failed:" >&2; cat "$out" >&2; exit 1; }
+  done
+done
+python3 - "$work" "$rounds" $strategies <<'PY'
+import json, re, statistics, sys
+work, rounds, strategies = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+def size(text):
+    v, u = text.split()
+    return float(v) * units[u]
+line = re.compile(r"training state on rank 0 \([^)]*\): (\S+ \S+) of values, (\S+ \S+) of gradients"
+                  r"(?: \+ (\S+ \S+) of micro-batch gradient buffers)?, (\S+ \S+) of optimizer state")
+rows = {}
+for s in strategies:
+    state, rss, steps = None, [], []
+    for r in range(1, rounds + 1):
+        text = open(f"{work}/{s}-{r}.txt").read()
+        m = line.search(text)
+        assert m, f"{s}: no training-state line"
+        state = [size(x) if x else 0.0 for x in m.groups()]
+        rss.append(max(int(open(f"{work}/rss-{s}-{r}.{k}").read().split()[-1]) for k in (0, 1))
+                   * 1024)
+        for l in open(f"{work}/{s}-{r}.jsonl"):
+            j = json.loads(l)
+            if j.get("step", 0) > 1 and "step_ms" in j:
+                steps.append(j["step_ms"])
+    rows[s] = (state, statistics.median(rss), min(rss), max(rss), statistics.median(steps),
+               min(steps), max(steps))
+P = rows["no_shard"][0][0]  # a rank's parameters, fp32 bytes
+dp = 2
+formula = {"no_shard": 4 * P, "optim": P + P * (1 + 1 / dp) + 2 * P / dp,
+           "optim_grads": P + P / dp + 2 * P / dp}
+mib = lambda b: f"{b / 2**20:.1f}"
+print(f"# data-parallel sharding at dp 2 (2 ranks): GPT --model small, {rounds} rounds")
+print()
+print("| strategy | values | gradients | micro-batch buffers | optimizer state | state, measured | "
+      "state, formula | peak RSS (median, range) | step ms (median, range) |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+for s in strategies:
+    (v, g, b, o), rss, rlo, rhi, step, slo, shi = rows[s]
+    f = formula[s] + b
+    print(f"| {s} | {mib(v)} MiB | {mib(g)} MiB | {mib(b)} MiB | {mib(o)} MiB | {mib(v + g + b + o)} MiB "
+          f"| {mib(f)} MiB | {mib(rss)} MiB ({mib(rlo)}-{mib(rhi)}) | {step:.0f} ({slo:.0f}-{shi:.0f}) |")
+PY
