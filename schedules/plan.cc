@@ -232,7 +232,7 @@ std::string Layout::describe() const {
   if (pp > 1) s += fmt::format(" {}", schedule) + (chunks > 1 ? fmt::format(" x{}", chunks) : "");
   s += fmt::format(" mb {}", micro_batch);
   if (recompute) s += " recompute";
-  if (zero1) s += " zero-1";
+  if (zero1) s += zero2 ? " zero-2" : " zero-1";
   return s;
 }
 
@@ -243,7 +243,11 @@ std::vector<std::string> Layout::flags() const {
     f.insert(f.end(), {"--schedule", schedule, "--virtual-stages", std::to_string(chunks)});
     if (recompute) f.push_back("--recompute");
   }
-  if (zero1) f.push_back("--use-distributed-optimizer");
+  if (zero2) {
+    f.insert(f.end(), {"--data-parallel-sharding-strategy", "optim_grads"});
+  } else if (zero1) {
+    f.push_back("--use-distributed-optimizer");
+  }
   return f;
 }
 
@@ -395,11 +399,40 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
         stage_params[static_cast<size_t>(st)];
   most_params = *std::max_element(rank_params.begin(), rank_params.end());
   out.dp_time = all_reduce(dp_link, most_params, l.dp, m.wake);
+  // ZeRO-2: a reduce-scatter (half an all-reduce) per micro-batch, and the
+  // all-gather.
+  if (l.zero2) out.dp_time *= (static_cast<double>(mbs) + 1) / 2;
   out.step_time = out.pipeline_time + out.dp_time + out.update_time;
-  // Memory: weights and gradients, and AdamW's two moments (1/dp with ZeRO-1).
+  // Memory: weights, gradients and AdamW's two moments, as the strategy
+  // shards them (weft/plan.h), on the rank that holds the most.
   out.activation_bytes = *std::max_element(r.peak_activation_bytes.begin(),
                                            r.peak_activation_bytes.end());
-  out.memory_per_rank = most_params * (2 + 2.0 / (l.zero1 ? l.dp : 1)) + out.activation_bytes;
+  const double dp = static_cast<double>(l.dp);
+  const double h = static_cast<double>(shape.hidden);
+  // The tied embedding, vocabulary-parallel: wte's bytes on a tp rank.
+  const double embedding_bytes = 4.0 * static_cast<double>(shape.vocab) * h / tp;
+  // ZeRO-2's pool buffer: the default bucket, or the largest tensor that is
+  // a bucket of its own (an MLP matrix; at pp 1 the tied embedding, whose
+  // bucket is open from the head's W to the embedding's).
+  const double largest_bucket = std::max({4.0 * (1 << 20), 4.0 * 4 * h * h / tp,
+                                          l.pp == 1 ? embedding_bytes : 0.0});
+  double state = 0;
+  for (int rank = 0; rank < l.pp; ++rank) {
+    const double p = rank_params[static_cast<size_t>(rank)];
+    double here = 4 * p;  // values, gradients, two moments
+    if (l.zero2) {
+      // The tied embedding (on the first and last pipeline ranks, when
+      // they differ) keeps its whole gradient and its slice.
+      const bool tied = l.pp > 1 && (rank == 0 || rank == s.stage_rank.back());
+      const double whole = tied ? embedding_bytes : 0;
+      here = p + (p - whole) / dp + whole * (1 + 1 / dp) + 2 * p / dp +
+             4 * largest_bucket * (1 + 1 / dp);
+    } else if (l.zero1) {
+      here = p + p * (1 + 1 / dp) + 2 * p / dp;
+    }
+    state = std::max(state, here);
+  }
+  out.memory_per_rank = state + out.activation_bytes;
   // Bytes: every replica's pipeline messages (each tp rank sends its copy),
   // tp's all-reduces (2 (tp - 1) / tp of the tensor per rank), dp's.
   const double pp_bytes =
@@ -408,7 +441,8 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
                                          act * static_cast<double>(mbs) * l.dp
                                    : 0;
   double params_all = std::accumulate(stage_params.begin(), stage_params.end(), 0.0) * tp;
-  const double dp_bytes = l.dp > 1 ? 2.0 * (l.dp - 1) * params_all : 0;
+  double dp_bytes = l.dp > 1 ? 2.0 * (l.dp - 1) * params_all : 0;
+  if (l.zero2) dp_bytes *= (static_cast<double>(mbs) + 1) / 2;
   out.bytes_per_step = pp_bytes + tp_bytes + dp_bytes;
   return out;
 }
@@ -452,10 +486,12 @@ PlanResult plan(const PlanInput& in) {
             for (bool recompute : {false, true}) {
               if (fx.recompute && *fx.recompute != recompute) continue;
               if (recompute && pp == 1) continue;  // no pipeline to recompute in
-              for (bool zero1 : {false, true}) {
+              for (int zero : {0, 1, 2}) {
+                const bool zero1 = zero >= 1, zero2 = zero == 2;
                 if (fx.zero1 && *fx.zero1 != zero1) continue;
-                if (zero1 && dp == 1 && !fx.zero1) continue;
-                Layout l{dp, pp, tp, name, chunks, mb, recompute, zero1};
+                if (fx.zero2 && *fx.zero2 != zero2) continue;
+                if (zero1 && dp == 1 && !fx.zero1) continue;  // nothing to shard
+                Layout l{dp, pp, tp, name, chunks, mb, recompute, zero1, zero2};
                 if (const std::string why = layout_rule(in.shape, in.global_batch, m.world, l);
                     !why.empty()) {
                   refuse(why);
@@ -492,14 +528,14 @@ PlanResult plan(const PlanInput& in) {
 std::string plan_table(const PlanResult& r, size_t top) {
   constexpr const char* row = "{:>4} {:>3} {:>3} {:>3} {:<17} {:>6} {:>3} {:>4} {:>9} {:>6} {:>11} {:>8} {:>11} {:>11}\n";
   std::string out = fmt::format(row, "rank", "dp", "pp", "tp", "schedule", "chunks", "mb",
-                                "m", "recompute", "zero-1", "step ms", "bubble", "memory/rank",
+                                "m", "recompute", "zero", "step ms", "bubble", "memory/rank",
                                 "bytes/step");
   const size_t n = top == 0 ? r.plans.size() : std::min(top, r.plans.size());
   for (size_t k = 0; k < n; ++k) {
     const Plan& p = r.plans[k];
     const Layout& l = p.layout;
     out += fmt::format(row, k + 1, l.dp, l.pp, l.tp, l.pp > 1 ? l.schedule : "-", l.chunks,
-                       l.micro_batch, p.micro_batches, l.recompute ? "yes" : "no", l.zero1 ? "yes" : "no",
+                       l.micro_batch, p.micro_batches, l.recompute ? "yes" : "no", l.zero2 ? "2" : l.zero1 ? "1" : "-",
                        fmt::format("{:.3f}", 1e3 * p.step_time),
                        fmt::format("{:.1f}%", 100 * std::max(0.0, p.bubble)), format_bytes(p.memory_per_rank),
                        format_bytes(p.bytes_per_step));

@@ -15,7 +15,7 @@
 //       --inter-latency 1e-5 --inter-bandwidth 50e9 (--profile costs.json | --flops 4e14)
 //
 // plan searches dp x pp x tp, schedule, virtual stages, micro-batch size,
-// recompute and ZeRO-1 (weft/plan.h), refuses what train_gpt would refuse
+// recompute and ZeRO-1 or 2 (weft/plan.h), refuses what train_gpt would refuse
 // or what does not fit --memory, and prints the plans fastest first; the
 // layout flags (--tp, --pp, --schedule, ...) fix that dimension.
 //
@@ -639,7 +639,7 @@ int plan_command(PlanRequest q) {
                      {"schedule", p.layout.pp > 1 ? p.layout.schedule : "-"},
                      {"chunks", p.layout.chunks}, {"micro_batch", p.layout.micro_batch},
                      {"micro_batches", p.micro_batches}, {"recompute", p.layout.recompute},
-                     {"zero1", p.layout.zero1}, {"step_time", p.step_time},
+                     {"zero1", p.layout.zero1}, {"zero2", p.layout.zero2}, {"step_time", p.step_time},
                      {"pipeline_time", p.pipeline_time}, {"dp_time", p.dp_time},
                      {"update_time", p.update_time}, {"bubble", p.bubble},
                      {"memory_per_rank", p.memory_per_rank}, {"activation_bytes", p.activation_bytes},
@@ -722,7 +722,7 @@ int main(int argc, char** argv) {
   timeline->add_option("--trace", o.trace, "write the step alone as a Chrome trace");
   PlanRequest q;
   CLI::App* plan = app.add_subcommand(
-      "plan", "search layouts (dp, pp, tp, schedule, chunks, micro-batch, recompute, ZeRO-1) "
+      "plan", "search layouts (dp, pp, tp, schedule, chunks, micro-batch, recompute, ZeRO-1/2) "
               "and rank them by predicted step time");
   add_plan_options(plan, q);
   try {

@@ -461,6 +461,13 @@ TEST_F(Cli, PlanAutoRunsTheBestPlan) {
       << r.out;
   EXPECT_TRUE(testing::contains(r.out, "the fastest of 1 plans")) << r.out;
   EXPECT_TRUE(testing::contains(r.out, "micro-batch 2 x 2 = global 4")) << r.out;
+  // A sharding strategy given is fixed, as a layout flag is: the plan keeps
+  // it (at dp 1 it shards nothing, as train_gpt runs it).
+  r = run(toy("--plan auto --plan-costs " + costs +
+              " --train-iters 1 --data-parallel-sharding-strategy optim_grads"));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "plan auto: (dp 1, pp 1, tp 1) mb 2 zero-2, predicted step"))
+      << r.out;
   expect_error(toy("--plan-costs " + costs), {"--plan-costs sets up the planner: it needs --plan auto"});
   expect_error(toy("--plan-wake 1e-3"), {"--plan-wake sets up the planner: it needs --plan auto"});
   expect_error(toy("--plan auto --plan-wake -1 --plan-costs " + costs),

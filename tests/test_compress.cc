@@ -541,9 +541,6 @@ TEST(CompressionOptions, TrainGptRejectsBadFlagsWithOneLine) {
        "--data-parallel-sharding-strategy no_shard says not to"},
       {"--data-parallel-sharding-strategy optim_grads --grad-reduce-dtype bf16",
        "optim_grads reduces fp32 gradients"},
-      {"--data-parallel-sharding-strategy optim_grads --plan auto --plan-costs x.json "
-       "--global-batch-size 4",
-       "optim_grads with --plan auto is not available yet"},
   };
   for (const auto& [flags, want] : cases) {
     const std::string cmd = std::string(exe) + " --device cpu --model toy --train-iters 1 --data-path " + dir +

@@ -41,7 +41,7 @@ PlanInput synthetic(int world, int64_t global, double latency = 1e-3) {
 // The candidates the search walks, counted here independently: every
 // dp x pp x tp of the world; at pp > 1 every schedule (interleaved with 2, 3
 // and 4 chunks), with and without recompute; micro-batches 1, 2, 4, 8, 16;
-// ZeRO-1 on and off where dp > 1.
+// no sharding, ZeRO-1 and ZeRO-2 where dp > 1.
 TEST(Plan, WalksTheWholeSearchSpaceAndEveryPlanPassesTheRules) {
   const PlanInput in = synthetic(8, 32);
   const PlanResult r = plan(in);
@@ -53,8 +53,8 @@ TEST(Plan, WalksTheWholeSearchSpaceAndEveryPlanPassesTheRules) {
       const int dp = 8 / (tp * pp);
       const int schedules = pp > 1 ? 4 + 3 : 1;  // gpipe, 1f1b, zb-h1, zb-v + interleaved x3
       const int recompute = pp > 1 ? 2 : 1;
-      const int zero1 = dp > 1 ? 2 : 1;
-      expected += schedules * 5 * recompute * zero1;
+      const int sharding = dp > 1 ? 3 : 1;
+      expected += schedules * 5 * recompute * sharding;
       layouts.insert({dp, pp, tp});
     }
   EXPECT_EQ(static_cast<int>(r.plans.size()) + r.refused, expected);
@@ -124,8 +124,10 @@ TEST(Plan, MemoryPerRankIsALimit) {
   EXPECT_TRUE(plan(in).plans.empty());
 }
 
-// Memory of a replica at dp: weights and gradients, AdamW's moments (a dp-th
-// with ZeRO-1), and the activations the schedule holds.
+// Memory of a replica at dp: weights, gradients and AdamW's moments as
+// GradSync keeps them (ZeRO-1: the moments' dp-th, and the reduced dp-th of
+// the gradients beside them; ZeRO-2: the gradients' dp-th and a pool of 4
+// buckets and their slices), and the activations the schedule holds.
 TEST(Plan, MemoryIsStateAndTheSchedulesActivations) {
   const PlanInput in = synthetic(8, 32);
   const double params = 8 * 1e6 + 2e5 + 1e3;  // bytes of one replica's weights
@@ -134,8 +136,38 @@ TEST(Plan, MemoryIsStateAndTheSchedulesActivations) {
   const double stash = 2 * (8 * 1e6 + 1e5 + 4e5);
   EXPECT_NEAR(p.activation_bytes, 2 * stash, 1e-6 * stash);
   EXPECT_NEAR(p.memory_per_rank, 4 * params + p.activation_bytes, 1);
-  p = evaluate(in, {8, 1, 1, "1f1b", 1, 2, false, true});
-  EXPECT_NEAR(p.memory_per_rank, (2 + 2.0 / 8) * params + p.activation_bytes, 1);
+  const Plan zero1 = evaluate(in, {8, 1, 1, "1f1b", 1, 2, false, true});
+  EXPECT_NEAR(zero1.memory_per_rank, (2 + 3.0 / 8) * params + p.activation_bytes, 1);
+  // The pool's bucket: the default 2^20 elements (the small shape's largest
+  // tensor, 256 x 128, is smaller).
+  const Plan zero2 = evaluate(in, {8, 1, 1, "1f1b", 1, 2, false, true, true});
+  const double pool = 4 * 4.0 * (1 << 20) * (1 + 1.0 / 8);
+  EXPECT_NEAR(zero2.memory_per_rank, (1 + 3.0 / 8) * params + pool + p.activation_bytes, 1);
+  // ZeRO-2 reduce-scatters once per micro-batch (2 per replica here: 32 /
+  // (2 x 8)) and all-gathers once: 3/2 of an all-reduce.
+  ASSERT_EQ(zero2.micro_batches, 2);
+  EXPECT_NEAR(zero2.dp_time, 1.5 * zero1.dp_time, 1e-9 * zero1.dp_time);
+  EXPECT_EQ(zero2.layout.flags().back(), "optim_grads");
+}
+
+// Where ZeRO-1's state does not fit and ZeRO-2's does, the planner runs
+// ZeRO-2; with more memory, it prefers ZeRO-1 (fewer reductions).
+TEST(Plan, ShardedGradientsWhereOnlyTheyFit) {
+  PlanInput in = synthetic(8, 32);
+  in.costs.layer.param_bytes = 1e8;  // a model whose state outweighs ZeRO-2's pool
+  in.fixed.dp = 8;
+  in.fixed.micro_batch = 2;
+  const Plan zero1 = evaluate(in, {8, 1, 1, "1f1b", 1, 2, false, true});
+  const Plan zero2 = evaluate(in, {8, 1, 1, "1f1b", 1, 2, false, true, true});
+  ASSERT_LT(zero2.memory_per_rank, zero1.memory_per_rank);
+  in.machine.memory = (zero1.memory_per_rank + zero2.memory_per_rank) / 2;
+  PlanResult r = plan(in);
+  ASSERT_FALSE(r.plans.empty());
+  EXPECT_TRUE(r.plans.front().layout.zero2) << r.plans.front().layout.describe();
+  in.machine.memory = 2 * zero1.memory_per_rank;
+  r = plan(in);
+  ASSERT_FALSE(r.plans.empty());
+  EXPECT_FALSE(r.plans.front().layout.zero2) << r.plans.front().layout.describe();
 }
 
 // Where the answer is known: free compute sharing and no bubble make pure

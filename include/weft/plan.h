@@ -3,7 +3,8 @@
 // plan() searches every way to run a model on `world` ranks: data, pipeline
 // and tensor parallel sizes (dp x pp x tp = world), the schedule and its
 // model chunks per rank, the micro-batch size, activation recompute and
-// ZeRO-1 (--use-distributed-optimizer). It refuses what train_gpt would
+// the data-parallel sharding (--data-parallel-sharding-strategy: none,
+// ZeRO-1's optimizer state, ZeRO-2's gradients too). It refuses what train_gpt would
 // refuse (layout_rule: the same rules, in the same words) and what does not
 // fit the memory per rank (sched::memory_use over the schedule, plus the
 // weights, gradients and AdamW state), times the rest with the simulator,
@@ -26,8 +27,16 @@
 // 2 ceil(log2 n) rounds of (latency + machine.wake) and 2 (n - 1) / n of its
 // bytes over the bandwidth. A message between pipeline ranks costs latency
 // + bytes / bandwidth (plus a wake when its receiver waited); after the
-// pipeline, the gradients are all-reduced over dp, then each rank updates
-// its share (1/dp of it with ZeRO-1). Processes share `machine.cores` when
+// pipeline, the gradients are all-reduced over dp (ZeRO-1: reduce-scattered
+// and the parameters all-gathered, the same bytes; ZeRO-2: reduce-scattered
+// once per micro-batch, M times, then all-gathered), then each rank updates
+// its share (1/dp of it with ZeRO-1 or 2). Memory per rank, P the fp32
+// bytes of a rank's parameters: P values, P gradients and 2P of AdamW's
+// moments; ZeRO-1 keeps the moments' 1/dp and, beside the whole gradients,
+// their reduced 1/dp; ZeRO-2 keeps the gradients' 1/dp (weights tied
+// across pipeline stages whole) and a pool of 4 buffers of the largest
+// gradient bucket (2^20 elements, or the largest tensor if larger) and
+// their slices, as weft/grad_sync.h runs them. Processes share `machine.cores` when
 // it is set (dp x tp processes per pipeline rank; see SimCost::cores).
 #pragma once
 
@@ -120,7 +129,8 @@ struct Machine {
 };
 
 // One candidate layout. recompute and zero1 as train_gpt's --recompute and
-// --use-distributed-optimizer.
+// --use-distributed-optimizer; zero2 (with zero1) as
+// --data-parallel-sharding-strategy optim_grads.
 struct Layout {
   int dp = 1, pp = 1, tp = 1;
   std::string schedule = "1f1b";  // at pp 1: none is run
@@ -128,6 +138,7 @@ struct Layout {
   int64_t micro_batch = 1;
   bool recompute = false;
   bool zero1 = false;
+  bool zero2 = false;
   int64_t micro_batches(int64_t global_batch) const { return global_batch / (micro_batch * dp); }
   std::string describe() const;
   // The train_gpt flags that run it.
@@ -149,7 +160,7 @@ struct Constraints {
   std::optional<int> dp, pp, tp, chunks;
   std::optional<std::string> schedule;
   std::optional<int64_t> micro_batch;
-  std::optional<bool> recompute, zero1;
+  std::optional<bool> recompute, zero1, zero2;
   int64_t max_micro_batch = 16;
 };
 
@@ -186,8 +197,8 @@ Plan evaluate(const PlanInput& in, const Layout& l);
 PlanResult plan(const PlanInput& in);
 
 // The ranked table as text: rank, dp, pp, tp, schedule, chunks,
-// micro-batch, recompute, ZeRO-1, step, bubble, memory per rank, bytes per
-// step; `top` rows at most (0: all).
+// micro-batch, recompute, ZeRO stage (-, 1 or 2), step, bubble, memory per
+// rank, bytes per step; `top` rows at most (0: all).
 std::string plan_table(const PlanResult& r, size_t top = 10);
 
 }  // namespace weft::plan

@@ -885,9 +885,6 @@ void apply_plan(Args& a, const CLI::App& app, int world) {
     check(planning || app.count(flag) == 0, "{} sets up the planner: it needs --plan auto", flag);
   if (!planning) return;
   check(a.plan == "auto", "--plan '{}' must be auto (weft-sched plan prints the others)", a.plan);
-  check(!a.shard_grads,
-        "--data-parallel-sharding-strategy optim_grads with --plan auto is not available yet: the "
-        "planner prices the optimizer's sharding (optim) only");
   check(!a.plan_costs.empty(),
         "--plan auto needs --plan-costs FILE: node costs that {} --pp 2 --profile FILE "
         "measured for this model",
@@ -945,9 +942,12 @@ void apply_plan(Args& a, const CLI::App& app, int world) {
   if (app.count("--recompute")) fx.recompute = true, fixed.push_back("--recompute");
   if (app.count("--use-distributed-optimizer"))
     fx.zero1 = true, fixed.push_back("--use-distributed-optimizer");
-  if (app.count("--data-parallel-sharding-strategy"))
-    fx.zero1 = a.distributed_optimizer,
+  if (app.count("--data-parallel-sharding-strategy")) {
+    fx.zero1 = a.distributed_optimizer, fx.zero2 = a.shard_grads;
     fixed.push_back("--data-parallel-sharding-strategy " + a.sharding_strategy);
+  } else if (app.count("--use-distributed-optimizer")) {
+    fx.zero2 = false;  // optim, the alias's strategy
+  }
   // Pipeline flags need a pipeline: a plan at pp 1 would have them refused.
   const bool needs_pipeline = app.count("--schedule") || app.count("--virtual-stages") ||
                               app.count("--recompute") || app.count("--partition") ||
@@ -969,6 +969,7 @@ void apply_plan(Args& a, const CLI::App& app, int world) {
   a.pp = l.pp;
   a.micro_batch = l.micro_batch;
   a.distributed_optimizer = l.zero1;
+  a.shard_grads = l.zero2;
   if (l.pp > 1) {
     a.schedule = l.schedule;
     a.virtual_stages = l.chunks;
