@@ -271,6 +271,49 @@ TEST(MpiMixedPrecision, Fp16AtDp2Pp2SkipsWhereOneProcessDoes) {
   EXPECT_FALSE(one.records.back().value("skipped", false)) << "the scale never fitted";
 }
 
+// --sample at pp 2 x tp 2: the weights are split over the ranks, so rank 0
+// draws the sample from the run's last checkpoint, read whole. The same
+// checkpoint loaded by one process (the trainer's own load, tensor by
+// tensor) gives the same sample bit for bit, at temperature 1 (each token
+// drawn from the softmax, so any weight out of place changes it); the
+// sample is printed once; without --save the run is refused before it
+// starts.
+TEST(MpiSample, AtPp2Tp2RankZeroSamplesTheLastCheckpoint) {
+  const std::string dir = testing::temp_dir("mpi-sample");
+  std::string text;
+  for (int i = 0; i < 60; ++i) text += "It is a truth universally acknowledged, that a single. ";
+  testing::write_file(dir + "/text.txt", text);
+  const std::string flags =
+      "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+      "--micro-batch-size 1 --global-batch-size 4 --train-iters 6 --lr 1e-2 --threads 1 "
+      "--comm-timeout 60 --sample 24 --sample-temperature 1 --sample-prompt 'It is' "
+      "--data-path " + dir + "/text.txt";
+  const testing::TrainRun four =
+      testing::run_train_gpt(4, flags + " --pp 2 --tp 2 --save " + dir + "/ckpt", dir);
+  ASSERT_TRUE(four.ok) << four.command << "\n" << four.output;
+  EXPECT_TRUE(testing::contains(four.output, "sampling on rank 0 with the weights of " + dir +
+                                                 "/ckpt/iter_0000006 (step 6)"))
+      << four.output;
+  auto sample = [](const std::string& out) {
+    const size_t at = out.find("--- sample (24 tokens");
+    EXPECT_NE(at, std::string::npos) << out;
+    EXPECT_EQ(out.find("--- sample", at + 1), std::string::npos) << "sampled twice:\n" << out;
+    const size_t from = out.find('\n', at) + 1;
+    return at == std::string::npos ? std::string() : out.substr(from, out.find('\n', from) - from);
+  };
+  const testing::TrainRun one = testing::run_train_gpt(1, flags + " --load " + dir + "/ckpt", dir);
+  ASSERT_TRUE(one.ok) << one.command << "\n" << one.output;
+  const std::string drawn = sample(four.output);
+  EXPECT_EQ(drawn.substr(0, 5), "It is");
+  EXPECT_EQ(drawn, sample(one.output));
+  const testing::TrainRun refused = testing::run_train_gpt(4, flags + " --pp 2 --tp 2", dir);
+  EXPECT_FALSE(refused.ok);
+  EXPECT_TRUE(testing::contains(refused.output, "--sample with --pp or --tp > 1 draws on rank 0 "
+                                                "from the run's last checkpoint, whole: it needs "
+                                                "--save"))
+      << refused.output;
+}
+
 // --bf16 on real processes at dp 2 x pp 2: the stages send bf16 activations
 // through MPI, the same bytes one process keeps, so the losses and norms are
 // one process's to test_precision's bounds for the threads' layouts (1e-5

@@ -340,9 +340,9 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
           "{} {} compresses the data-parallel reduction, and there is none: dp is 1 (world {} / "
           "(tp {} x pp {}))",
           flag, value, world, a.tp, a.pp);
-  check(a.sample == 0 || (a.pp == 1 && a.tp == 1),
-        "--sample with --pp or --tp > 1 is not available yet (save a checkpoint and sample from "
-        "it on one process)");
+  check(a.sample == 0 || (a.pp == 1 && a.tp == 1) || !a.save.empty(),
+        "--sample with --pp or --tp > 1 draws on rank 0 from the run's last checkpoint, whole: "
+        "it needs --save");
   return p;
 }
 

@@ -972,8 +972,8 @@ class Run {
   }
 
   void sample() {
+    if (!rank0) return;  // one sample, drawn by rank 0
     {
-      place_params(model->graph.params(), Device::cpu());  // sampling runs on the host
       std::vector<int32_t> prompt;
       if (text_data) {
         for (unsigned char ch : a.sample_prompt) prompt.push_back(ch);
@@ -995,13 +995,24 @@ class Run {
       one.micro_batch = 1;
       JobModel sampler = family->build(one);
       sampler.io.graph = &sampler.graph;
-      for (Param* p : sampler.graph.params()) {
-        const Param* trained = model->params->find(p->name);
-        check(trained != nullptr,
-              "--sample: the {} family's model for one sequence has {}, which "
-              "the trained model lacks",
-              family->name, p->name);
-        p->value.copy_from(trained->value);
+      if (a.pp > 1 || a.tp > 1) {
+        // The trained weights are split over the ranks: rank 0 reads them
+        // whole from the run's last checkpoint (saved above, and verified as
+        // it is read).
+        const Checkpoint c = open_checkpoint(a.save);
+        c.read_model(sampler.graph.params());
+        fmt::print("sampling on rank 0 with the weights of {} (step {})\n", c.source.path,
+                   c.meta.step);
+      } else {
+        place_params(model->graph.params(), Device::cpu());  // sampling runs on the host
+        for (Param* p : sampler.graph.params()) {
+          const Param* trained = model->params->find(p->name);
+          check(trained != nullptr,
+                "--sample: the {} family's model for one sequence has {}, which "
+                "the trained model lacks",
+                family->name, p->name);
+          p->value.copy_from(trained->value);
+        }
       }
       auto tokens = sample_tokens(sampler, cfg, prompt, a.sample, a.sample_temperature,
                                   static_cast<uint64_t>(a.seed));
