@@ -16,7 +16,11 @@
 # sharded gradients add their pool, measured), the peak resident memory of
 # the larger rank (/usr/bin/time's maximum RSS: everything, activations and
 # the program included) as a median over the rounds, and the median step
-# time of steps 2-8 over the rounds.
+# time of steps 2-8 over the rounds. Beside them, the planner's prediction
+# for the same layout and strategy (weft-sched plan's memory per rank, from a
+# profile of this model that train_gpt --pp 2 --profile writes first)
+# against what the engine held: the training state plus the activations'
+# measured peak (train_gpt's "activation memory ... held").
 set -euo pipefail
 build=${1:-build}
 rounds=${2:-2}
@@ -31,6 +35,14 @@ trap 'rm -rf "$work"' EXIT
 model="--model small --micro-batch-size 2 --global-batch-size 8 --data-path $data --threads 1 \
   --train-iters 8 --log-interval 1 --comm-timeout 120"
 strategies="no_shard optim optim_grads"
+shape="--num-layers 6 --hidden-size 384 --num-attention-heads 6 --seq-length 256 --vocab-size 256"
+
+# shellcheck disable=SC2086
+"$build/bench/mpiexec" -n 2 "$exe" $model --train-iters 1 --pp 2 --profile "$work/profile.json" \
+  >"$work/profile.txt" 2>&1 || { echo "error: the profile run failed:" >&2; cat "$work/profile.txt" >&2; exit 1; }
+# shellcheck disable=SC2086
+"$build/weft-sched" plan --profile "$work/profile.json" $shape --global-batch-size 8 \
+  --world-size 2 --dp 2 --micro-batch-size 2 --top 0 --json >"$work/plans.json"
 
 for round in $(seq "$rounds"); do
   for s in $strategies; do
@@ -60,14 +72,18 @@ for s in strategies:
         m = line.search(text)
         assert m, f"{s}: no training-state line"
         state = [size(x) if x else 0.0 for x in m.groups()]
+        act = size(re.search(r"activation memory, peak per pipeline rank: \[([^]]+)\] held", text)[1])
         rss.append(max(int(open(f"{work}/rss-{s}-{r}.{k}").read().split()[-1]) for k in (0, 1))
                    * 1024)
         for l in open(f"{work}/{s}-{r}.jsonl"):
             j = json.loads(l)
             if j.get("step", 0) > 1 and "step_ms" in j:
                 steps.append(j["step_ms"])
-    rows[s] = (state, statistics.median(rss), min(rss), max(rss), statistics.median(steps),
+    rows[s] = (state, act, statistics.median(rss), min(rss), max(rss), statistics.median(steps),
                min(steps), max(steps))
+plans = {}
+for p in json.load(open(f"{work}/plans.json")):
+    plans["optim_grads" if p["zero2"] else "optim" if p["zero1"] else "no_shard"] = p["memory_per_rank"]
 P = rows["no_shard"][0][0]  # a rank's parameters, fp32 bytes
 dp = 2
 formula = {"no_shard": 4 * P, "optim": P + P * (1 + 1 / dp) + 2 * P / dp,
@@ -76,11 +92,16 @@ mib = lambda b: f"{b / 2**20:.1f}"
 print(f"# data-parallel sharding at dp 2 (2 ranks): GPT --model small, {rounds} rounds")
 print()
 print("| strategy | values | gradients | micro-batch buffers | optimizer state | state, measured | "
-      "state, formula | peak RSS (median, range) | step ms (median, range) |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+      "state, formula | state + activations, held | planner's prediction | predicted / held | "
+      "peak RSS (median, range) | step ms (median, range) |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for s in strategies:
-    (v, g, b, o), rss, rlo, rhi, step, slo, shi = rows[s]
+    (v, g, b, o), act, rss, rlo, rhi, step, slo, shi = rows[s]
     f = formula[s] + b
-    print(f"| {s} | {mib(v)} MiB | {mib(g)} MiB | {mib(b)} MiB | {mib(o)} MiB | {mib(v + g + b + o)} MiB "
-          f"| {mib(f)} MiB | {mib(rss)} MiB ({mib(rlo)}-{mib(rhi)}) | {step:.0f} ({slo:.0f}-{shi:.0f}) |")
+    held = v + g + b + o + act
+    print(f"| {s} | {mib(v)} | {mib(g)} | {mib(b)} | {mib(o)} | {mib(v + g + b + o)} | {mib(f)} | "
+          f"{mib(held)} | {mib(plans[s])} | {plans[s] / held:.3f} | {mib(rss)} ({mib(rlo)}-{mib(rhi)}) | "
+          f"{step:.0f} ({slo:.0f}-{shi:.0f}) |")
+print()
+print("(MiB; the activations' peak held: " + mib(rows[strategies[0]][1]) + " MiB under each strategy)")
 PY
