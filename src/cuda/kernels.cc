@@ -1,5 +1,5 @@
 // The public kernels of weft/cuda/kernels.h: argument checks, scratch memory
-// from the caching allocator, the launch (src/cuda/kernels.cu) and its check.
+// from the caching allocator, the launch (src/cuda/kernels/*.cu) and its check.
 #include <weft/cuda/kernels.h>
 
 #include "src/cuda/check.h"
