@@ -414,8 +414,8 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
   // ZeRO-2's pool buffer: the default bucket, or the largest tensor that is
   // a bucket of its own (an MLP matrix; at pp 1 the tied embedding, whose
   // bucket is open from the head's W to the embedding's).
-  const double largest_bucket = std::max({4.0 * (1 << 20), 4.0 * 4 * h * h / tp,
-                                          l.pp == 1 ? embedding_bytes : 0.0});
+  const double largest_bucket =
+      std::max({4.0 * (1 << 20), 4.0 * 4 * h * h / tp, l.pp == 1 ? embedding_bytes : 0.0});
   double state = 0;
   for (int rank = 0; rank < l.pp; ++rank) {
     const double p = rank_params[static_cast<size_t>(rank)];
@@ -527,18 +527,19 @@ PlanResult plan(const PlanInput& in) {
 
 std::string plan_table(const PlanResult& r, size_t top) {
   constexpr const char* row = "{:>4} {:>3} {:>3} {:>3} {:<17} {:>6} {:>3} {:>4} {:>9} {:>6} {:>11} {:>8} {:>11} {:>11}\n";
-  std::string out = fmt::format(row, "rank", "dp", "pp", "tp", "schedule", "chunks", "mb",
-                                "m", "recompute", "zero", "step ms", "bubble", "memory/rank",
-                                "bytes/step");
+  std::string out =
+      fmt::format(row, "rank", "dp", "pp", "tp", "schedule", "chunks", "mb", "m", "recompute",
+                  "zero", "step ms", "bubble", "memory/rank", "bytes/step");
   const size_t n = top == 0 ? r.plans.size() : std::min(top, r.plans.size());
   for (size_t k = 0; k < n; ++k) {
     const Plan& p = r.plans[k];
     const Layout& l = p.layout;
+    const char* zero = l.zero2 ? "2" : l.zero1 ? "1" : "-";
     out += fmt::format(row, k + 1, l.dp, l.pp, l.tp, l.pp > 1 ? l.schedule : "-", l.chunks,
-                       l.micro_batch, p.micro_batches, l.recompute ? "yes" : "no", l.zero2 ? "2" : l.zero1 ? "1" : "-",
+                       l.micro_batch, p.micro_batches, l.recompute ? "yes" : "no", zero,
                        fmt::format("{:.3f}", 1e3 * p.step_time),
-                       fmt::format("{:.1f}%", 100 * std::max(0.0, p.bubble)), format_bytes(p.memory_per_rank),
-                       format_bytes(p.bytes_per_step));
+                       fmt::format("{:.1f}%", 100 * std::max(0.0, p.bubble)),
+                       format_bytes(p.memory_per_rank), format_bytes(p.bytes_per_step));
   }
   out += fmt::format("{} feasible plans ({} shown); {} refused\n", r.plans.size(), n, r.refused);
   for (const auto& [why, count] : r.reasons) out += fmt::format("  {} x {}\n", count, why);

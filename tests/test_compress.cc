@@ -511,8 +511,9 @@ TEST(CompressionOptions, ImpossibleCombinationsNameTheFlags) {
   msg = error_message([&] { check_grad_sync_options(o); });
   EXPECT_TRUE(contains(msg, "optim_grads reduces fp32 gradients")) << msg;
   msg = error_message([] { parse_sharding_strategy("zero3"); });
-  EXPECT_TRUE(contains(msg, "--data-parallel-sharding-strategy 'zero3' must be no_shard, optim, "
-                            "optim_grads or optim_grads_params"))
+  EXPECT_TRUE(contains(msg,
+                       "--data-parallel-sharding-strategy 'zero3' must be no_shard, optim, "
+                       "optim_grads or optim_grads_params"))
       << msg;
   for (ShardingStrategy s : {ShardingStrategy::NoShard, ShardingStrategy::Optim,
                              ShardingStrategy::OptimGrads, ShardingStrategy::OptimGradsParams})

@@ -246,8 +246,8 @@ TEST(MpiMixedPrecision, Fp16AtDp2Pp2SkipsWhereOneProcessDoes) {
       "--loss-scale-window 4 --threads 1 --comm-timeout 60 --data-path " + dir + "/text.txt";
   const testing::TrainRun one = testing::run_train_gpt(1, flags, dir);
   ASSERT_TRUE(one.ok) << one.output;
-  for (const char* sharding : {"", " --use-distributed-optimizer",
-                               " --data-parallel-sharding-strategy optim_grads"}) {
+  for (const char* sharding :
+       {"", " --use-distributed-optimizer", " --data-parallel-sharding-strategy optim_grads"}) {
     SCOPED_TRACE(sharding);
     const testing::TrainRun four = testing::run_train_gpt(4, flags + " --pp 2" + sharding, dir);
     ASSERT_TRUE(four.ok) << four.command << "\n" << four.output;
@@ -287,12 +287,13 @@ TEST(MpiSample, AtPp2Tp2RankZeroSamplesTheLastCheckpoint) {
       "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
       "--micro-batch-size 1 --global-batch-size 4 --train-iters 6 --lr 1e-2 --threads 1 "
       "--comm-timeout 60 --sample 24 --sample-temperature 1 --sample-prompt 'It is' "
-      "--data-path " + dir + "/text.txt";
+      "--data-path " +
+      dir + "/text.txt";
   const testing::TrainRun four =
       testing::run_train_gpt(4, flags + " --pp 2 --tp 2 --save " + dir + "/ckpt", dir);
   ASSERT_TRUE(four.ok) << four.command << "\n" << four.output;
-  EXPECT_TRUE(testing::contains(four.output, "sampling on rank 0 with the weights of " + dir +
-                                                 "/ckpt/iter_0000006 (step 6)"))
+  EXPECT_TRUE(testing::contains(
+      four.output, "sampling on rank 0 with the weights of " + dir + "/ckpt/iter_0000006 (step 6)"))
       << four.output;
   auto sample = [](const std::string& out) {
     const size_t at = out.find("--- sample (24 tokens");
@@ -308,9 +309,10 @@ TEST(MpiSample, AtPp2Tp2RankZeroSamplesTheLastCheckpoint) {
   EXPECT_EQ(drawn, sample(one.output));
   const testing::TrainRun refused = testing::run_train_gpt(4, flags + " --pp 2 --tp 2", dir);
   EXPECT_FALSE(refused.ok);
-  EXPECT_TRUE(testing::contains(refused.output, "--sample with --pp or --tp > 1 draws on rank 0 "
-                                                "from the run's last checkpoint, whole: it needs "
-                                                "--save"))
+  EXPECT_TRUE(testing::contains(refused.output,
+                                "--sample with --pp or --tp > 1 draws on rank 0 "
+                                "from the run's last checkpoint, whole: it needs "
+                                "--save"))
       << refused.output;
 }
 

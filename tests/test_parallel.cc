@@ -611,10 +611,13 @@ TEST(ShardedGradients, KeepTheirSliceAndAPoolThatTheDepthDoesNotGrow) {
                   std::vector<GradSync::Memory>& held) {
       std::mutex mu;
       held.assign(z(l.world()), {});
-      return run_layout(l, steps, {}, [&](RankLayout& rank) {
-        std::lock_guard<std::mutex> lock(mu);
-        held[z(rank.coord().dp)] = rank.trainer().grad_sync().memory();
-      }, cfg);
+      return run_layout(
+          l, steps, {},
+          [&](RankLayout& rank) {
+            std::lock_guard<std::mutex> lock(mu);
+            held[z(rank.coord().dp)] = rank.trainer().grad_sync().memory();
+          },
+          cfg);
     };
     std::vector<GradSync::Memory> h1, h2, d1, d2;
     const std::vector<RankRun> a = run(zero1, tiny(), kSteps, h1);
@@ -635,7 +638,8 @@ TEST(ShardedGradients, KeepTheirSliceAndAPoolThatTheDepthDoesNotGrow) {
       EXPECT_EQ(m2.values, m1.values);
       EXPECT_EQ(m2.state, m1.state);
       EXPECT_GT(m2.grad_buffers, 0.0);
-      EXPECT_EQ(d2[r].grad_buffers, m2.grad_buffers) << "rank " << r << ": the pool grew with depth";
+      EXPECT_EQ(d2[r].grad_buffers, m2.grad_buffers)
+          << "rank " << r << ": the pool grew with depth";
       EXPECT_GT(d1[r].grads, 1.9 * m1.grads) << "rank " << r;
       EXPECT_LT(d2[r].grads + d2[r].grad_buffers, d1[r].grads) << "rank " << r;
       const GradSync::Stats &s1 = a[r].stats.back(), &s2 = b[r].stats.back();

@@ -292,8 +292,8 @@ class GradSync {
     int64_t posted = -1;  // its place in the order of posting, once posted
   };
   struct PoolBuffer {
-    Tensor grad;    // (largest padded bucket): the micro-batch's gradients
-    Tensor shard;   // (its slice): this replica's part of their sum
+    Tensor grad;   // (largest padded bucket): the micro-batch's gradients
+    Tensor shard;  // (its slice): this replica's part of their sum
     bool busy = false;
     std::vector<Tensor> views;  // per parameter index: its gradient in `grad`, once made
   };

@@ -782,11 +782,10 @@ void check_param_servers(const Args& a, const CLI::App& app, int world) {
   check(!app.count("--slow-factor") || (std::isfinite(a.slow_factor) && a.slow_factor > 1),
         "--slow-factor ({}) must be a number > 1", a.slow_factor);
   // Not built yet with servers: say so instead of running something else.
-  for (const char* flag : {"--exit-interval",
-                           "--exit-duration-in-mins", "--use-distributed-optimizer",
-                           "--data-parallel-sharding-strategy",
-                           "--local-steps", "--check-for-spiky-loss", "--sample", "--init-from",
-                           "--grad-compression", "--grad-reduce-dtype", "--finetune"})
+  for (const char* flag :
+       {"--exit-interval", "--exit-duration-in-mins", "--use-distributed-optimizer",
+        "--data-parallel-sharding-strategy", "--local-steps", "--check-for-spiky-loss", "--sample",
+        "--init-from", "--grad-compression", "--grad-reduce-dtype", "--finetune"})
     check(app.count(flag) == 0,
           "{} is not available with --ps-ranks yet: the servers hold the parameters and the "
           "optimizer, and the other ranks cannot stop, fine-tune or reduce without them",

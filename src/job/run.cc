@@ -651,9 +651,9 @@ class Run {
       const double dp = static_cast<double>((world ? world->size() : 1) / (a.pp * a.tp));
       // Values, gradients (a replica's slice with --data-parallel-sharding-strategy
       // optim_grads) and AdamW's two moments (a slice with the distributed optimizer).
-      const double state = 4.0 * static_cast<double>(model->graph.param_count()) / shards *
-                           (1.0 + (a.shard_grads ? 1.0 / dp : 1.0) +
-                            2.0 / (a.distributed_optimizer ? dp : 1.0));
+      const double state =
+          4.0 * static_cast<double>(model->graph.param_count()) / shards *
+          (1.0 + (a.shard_grads ? 1.0 / dp : 1.0) + 2.0 / (a.distributed_optimizer ? dp : 1.0));
       char host[64] = {};
       gethostname(host, sizeof host - 1);
       int here = 0;
@@ -933,13 +933,13 @@ class Run {
       fmt::print(
           "training state on rank 0 ({}): {} of values, {} of gradients{}, {} of optimizer "
           "state; {} in all\n",
-          a.shard_grads ? "optimizer state and gradients sharded over dp"
+          a.shard_grads             ? "optimizer state and gradients sharded over dp"
           : a.distributed_optimizer ? "optimizer state sharded over dp"
                                     : "nothing sharded",
           format_bytes(m.values), format_bytes(m.grads),
-          m.grad_buffers > 0 ? fmt::format(" + {} of micro-batch gradient buffers",
-                                           format_bytes(m.grad_buffers))
-                             : std::string(),
+          m.grad_buffers > 0
+              ? fmt::format(" + {} of micro-batch gradient buffers", format_bytes(m.grad_buffers))
+              : std::string(),
           format_bytes(m.state), format_bytes(m.total()));
     }
     if (!recent.empty() && rank0) {

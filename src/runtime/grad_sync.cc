@@ -69,10 +69,14 @@ ShardingStrategy parse_sharding_strategy(const std::string& name) {
 
 const char* sharding_strategy_name(ShardingStrategy s) {
   switch (s) {
-    case ShardingStrategy::NoShard: return "no_shard";
-    case ShardingStrategy::Optim: return "optim";
-    case ShardingStrategy::OptimGrads: return "optim_grads";
-    case ShardingStrategy::OptimGradsParams: return "optim_grads_params";
+    case ShardingStrategy::NoShard:
+      return "no_shard";
+    case ShardingStrategy::Optim:
+      return "optim";
+    case ShardingStrategy::OptimGrads:
+      return "optim_grads";
+    case ShardingStrategy::OptimGradsParams:
+      return "optim_grads_params";
   }
   return "?";
 }
@@ -295,7 +299,8 @@ GradSync::Open& GradSync::open_for(int bucket, int micro_batch) {
   for (Open& o : open_)
     if (o.bucket == bucket && o.micro_batch == micro_batch && o.posted < 0) return o;
   const int buffer = borrow();
-  elements(pool_[static_cast<size_t>(buffer)].grad, 0, buckets_[static_cast<size_t>(bucket)]->padded)
+  elements(pool_[static_cast<size_t>(buffer)].grad, 0,
+           buckets_[static_cast<size_t>(bucket)]->padded)
       .zero_();
   Open o;
   o.bucket = bucket, o.micro_batch = micro_batch, o.buffer = buffer;
@@ -520,8 +525,9 @@ void GradSync::finish() {
   const auto t0 = Clock::now();
   while (next_launch_ < buckets_.size()) launch(*buckets_[next_launch_++]);
   for (const Open& o : open_)
-    check(o.posted >= 0, "bucket {} of micro-batch {} still waits for {} W actions at the step's end",
-          o.bucket, o.micro_batch, o.pending);
+    check(o.posted >= 0,
+          "bucket {} of micro-batch {} still waits for {} W actions at the step's end", o.bucket,
+          o.micro_batch, o.pending);
   while (retire_oldest(/*wait=*/true)) {
   }
   if (groups_.dp_size() > 1 && reduce_) complete();
