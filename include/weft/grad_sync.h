@@ -294,6 +294,7 @@ class GradSync {
   struct PoolBuffer {
     Tensor grad;   // (largest padded bucket): the micro-batch's gradients
     Tensor shard;  // (its slice): this replica's part of their sum
+    Tensor grad16, shard16;  // the same as bf16, for a bf16 reduction (host memory)
     bool busy = false;
     std::vector<Tensor> views;  // per parameter index: its gradient in `grad`, once made
   };

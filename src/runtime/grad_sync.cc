@@ -86,9 +86,6 @@ void check_grad_sync_options(const GradSyncOptions& o) {
   check(!o.shard_grads || o.distributed_optimizer,
         "sharded gradients (optim_grads) shard the optimizer state too: they need the "
         "distributed optimizer");
-  check(!o.shard_grads || o.reduce_dtype == DType::F32,
-        "--data-parallel-sharding-strategy optim_grads reduces fp32 gradients: "
-        "--grad-reduce-dtype bf16 is not available with it yet");
   check(o.max_in_flight >= 1, "sharded gradients need at least one reduction in flight, not {}",
         o.max_in_flight);
   check(o.reduce_dtype == DType::F32 || o.reduce_dtype == DType::BF16,
@@ -210,9 +207,11 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
       b.shard_grad = Tensor::zeros({s}, DType::F32, device);
       for (size_t k = 0; k < state_count_; ++k)
         b.state[k] = Tensor::zeros({s}, DType::F32, device);
-      if (options_.reduce_dtype == DType::BF16) b.shard16 = Tensor::zeros({s}, DType::BF16);
+      // A sharded bucket's bf16 messages live in the pool's buffers.
+      if (options_.reduce_dtype == DType::BF16 && !sharded(b))
+        b.shard16 = Tensor::zeros({s}, DType::BF16);
     }
-    if (dp > 1 && options_.reduce_dtype == DType::BF16)
+    if (dp > 1 && options_.reduce_dtype == DType::BF16 && !sharded(b))
       b.grad16 = Tensor::zeros({b.padded}, DType::BF16);
     if (dp > 1 && options_.compression == GradCompression::PowerSgd) {
       std::vector<PowerSgd::Piece> pieces;
@@ -287,6 +286,10 @@ int GradSync::borrow() {
     PoolBuffer pb;
     pb.grad = Tensor::zeros({pool_elements_}, DType::F32, device);
     pb.shard = Tensor::zeros({pool_elements_ / groups_.dp_size()}, DType::F32, device);
+    if (options_.reduce_dtype == DType::BF16) {
+      pb.grad16 = Tensor::zeros({pool_elements_}, DType::BF16);
+      pb.shard16 = Tensor::zeros({pool_elements_ / groups_.dp_size()}, DType::BF16);
+    }
     pb.views.resize(params_.size());
     pool_.push_back(std::move(pb));
     k = static_cast<int>(pool_.size()) - 1;
@@ -333,8 +336,17 @@ void GradSync::post_open(Open& o) {
   }
   ++stats_.buckets;
   if (!in_finish_) ++stats_.started_in_backward;
-  const Tensor shard = elements(pb.shard, 0, b.padded / groups_.dp_size());
-  o.request = reduce(elements(pb.grad, 0, b.padded), &shard);
+  const int64_t s = b.padded / groups_.dp_size();
+  if (pb.grad16.defined()) {  // rounded to bf16 and reduced in bf16, as a ZeRO-1 bucket is
+    to_bf16(pb.grad.data<float>(), pb.grad16.data<uint16_t>(), b.padded);
+    const Tensor shard16(pb.shard16.data<uint16_t>(), Shape{s}, DType::BF16, pb.shard16.device());
+    o.request = reduce(Tensor(pb.grad16.data<uint16_t>(), Shape{b.padded}, DType::BF16,
+                              pb.grad16.device()),
+                       &shard16);
+  } else {
+    const Tensor shard = elements(pb.shard, 0, s);
+    o.request = reduce(elements(pb.grad, 0, b.padded), &shard);
+  }
   o.posted = posts_++;
 }
 
@@ -352,6 +364,8 @@ bool GradSync::retire_oldest(bool wait) {
   }
   Bucket& b = *buckets_[static_cast<size_t>(oldest->bucket)];
   PoolBuffer& pb = pool_[static_cast<size_t>(oldest->buffer)];
+  if (pb.shard16.defined())  // widened: each micro-batch's bf16 sum, added in fp32
+    bf16_to_float(pb.shard16.data<uint16_t>(), pb.shard.data<float>(), b.shard_grad.numel());
   ops::add(b.shard_grad, elements(pb.shard, 0, b.shard_grad.numel()));
   pb.busy = false;
   oldest->bucket = -1;  // erased below
