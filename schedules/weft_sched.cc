@@ -40,6 +40,7 @@
 #include <weft/error.h>
 #include <weft/plan.h>
 #include <weft/schedule.h>
+#include <weft/sharding.h>
 #include <weft/simulate.h>
 #include <weft/units.h>
 
@@ -553,6 +554,7 @@ struct PlanRequest {
   std::optional<int> dp, pp, tp, chunks;
   std::optional<std::string> schedule;
   std::optional<int64_t> micro_batch;
+  std::optional<std::string> sharding;  // --data-parallel-sharding-strategy
   size_t top = 10;
   bool json = false;
 };
@@ -600,6 +602,8 @@ void add_plan_options(CLI::App* cmd, PlanRequest& q) {
   cmd->add_option("--schedule", q.schedule, "fix the schedule");
   cmd->add_option("--virtual-stages", q.chunks, "fix the model chunks per rank");
   cmd->add_option("--micro-batch-size", q.micro_batch, "fix the micro-batch size");
+  cmd->add_option("--data-parallel-sharding-strategy", q.sharding,
+                  "fix what the replicas shard: no_shard, optim (ZeRO-1) or optim_grads (ZeRO-2)");
   cmd->add_option("--max-micro-batch-size", q.in.fixed.max_micro_batch,
                   "largest micro-batch size searched (powers of 2; default 16)");
   cmd->add_option("--top", q.top, "rows to print (0: all; default 10)");
@@ -630,6 +634,14 @@ int plan_command(PlanRequest q) {
   fx.chunks = q.chunks;
   fx.schedule = q.schedule;
   fx.micro_batch = q.micro_batch;
+  if (q.sharding) {
+    const weft::ShardingStrategy st = weft::parse_sharding_strategy(*q.sharding);
+    weft::check(st != weft::ShardingStrategy::OptimGradsParams,
+                "--data-parallel-sharding-strategy optim_grads_params (ZeRO-3) is not available "
+                "yet: no_shard, optim or optim_grads");
+    fx.zero1 = st != weft::ShardingStrategy::NoShard;
+    fx.zero2 = st == weft::ShardingStrategy::OptimGrads;
+  }
   if (q.schedule) default_chunks(*q.schedule);  // an unknown name is refused here
   const PlanResult r = plan(q.in);
   if (q.json) {

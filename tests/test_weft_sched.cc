@@ -20,6 +20,7 @@
 #include <map>
 #include <regex>
 #include <sstream>
+#include <tuple>
 
 namespace weft {
 namespace {
@@ -66,6 +67,24 @@ TEST(WeftSched, PlanPrintsTheRankedTable) {
     EXPECT_EQ(p["pp"], 2);
     EXPECT_EQ(p["schedule"], "zb-h1");
   }
+  // A sharding strategy fixed: every plan runs it (at dp 2 here).
+  for (const auto& [strategy, zero1, zero2] : {std::tuple{"no_shard", false, false},
+                                               {"optim", true, false},
+                                               {"optim_grads", true, true}}) {
+    o = run(shape + "--flops 1e10 --tp 2 --pp 2 --json --data-parallel-sharding-strategy " +
+            strategy);
+    ASSERT_EQ(o.code, 0) << o.err;
+    const auto fixed = nlohmann::json::parse(o.out);
+    ASSERT_FALSE(fixed.empty()) << strategy;
+    for (const auto& p : fixed) {
+      EXPECT_EQ(p["zero1"], zero1) << strategy;
+      EXPECT_EQ(p["zero2"], zero2) << strategy;
+    }
+  }
+  o = run(shape + "--flops 1e10 --data-parallel-sharding-strategy optim_grads_params");
+  EXPECT_EQ(o.code, 1);
+  EXPECT_NE(o.err.find("optim_grads_params (ZeRO-3) is not available yet"), std::string::npos)
+      << o.err;
   o = run(shape);
   EXPECT_EQ(o.code, 1);
   EXPECT_NE(o.err.find("plan needs costs: --profile FILE"), std::string::npos) << o.err;

@@ -56,6 +56,7 @@
 #include <weft/compress.h>
 #include <weft/graph.h>
 #include <weft/optimizer.h>
+#include <weft/sharding.h>
 
 #include <chrono>
 #include <functional>
@@ -97,18 +98,7 @@ struct GradSyncOptions {
 // "fp32" -> F32, "bf16" -> BF16; throws Error naming the value and the choices.
 DType parse_grad_reduce_dtype(const std::string& name);
 
-// Megatron-FSDP's --data-parallel-sharding-strategy: what each
-// data-parallel replica keeps only a slice of.
-enum class ShardingStrategy {
-  NoShard,           // nothing: plain data parallelism
-  Optim,             // the optimizer state (ZeRO-1, --use-distributed-optimizer)
-  OptimGrads,        // and the gradients (ZeRO-2)
-  OptimGradsParams,  // and the parameters (ZeRO-3 / FSDP): not available yet
-};
-// "no_shard", "optim", "optim_grads", "optim_grads_params"; throws Error
-// naming the value and the choices.
-ShardingStrategy parse_sharding_strategy(const std::string& name);
-const char* sharding_strategy_name(ShardingStrategy s);
+// ShardingStrategy, parse_sharding_strategy: weft/sharding.h.
 // Throws Error naming the flags and values of impossible options: a bucket
 // size or PowerSGD rank below 1, a negative PowerSGD start, a reduce dtype
 // other than F32 or BF16, PowerSGD with the distributed optimizer or with a

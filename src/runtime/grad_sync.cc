@@ -57,30 +57,6 @@ DType parse_grad_reduce_dtype(const std::string& name) {
   throw Error("--grad-reduce-dtype '{}' must be fp32 or bf16", name);
 }
 
-ShardingStrategy parse_sharding_strategy(const std::string& name) {
-  for (ShardingStrategy s : {ShardingStrategy::NoShard, ShardingStrategy::Optim,
-                             ShardingStrategy::OptimGrads, ShardingStrategy::OptimGradsParams})
-    if (name == sharding_strategy_name(s)) return s;
-  throw Error(
-      "--data-parallel-sharding-strategy '{}' must be no_shard, optim, optim_grads or "
-      "optim_grads_params",
-      name);
-}
-
-const char* sharding_strategy_name(ShardingStrategy s) {
-  switch (s) {
-    case ShardingStrategy::NoShard:
-      return "no_shard";
-    case ShardingStrategy::Optim:
-      return "optim";
-    case ShardingStrategy::OptimGrads:
-      return "optim_grads";
-    case ShardingStrategy::OptimGradsParams:
-      return "optim_grads_params";
-  }
-  return "?";
-}
-
 void check_grad_sync_options(const GradSyncOptions& o) {
   check(o.bucket_elements > 0, "--ddp-bucket-size ({}) must be positive", o.bucket_elements);
   check(!o.shard_grads || o.distributed_optimizer,
