@@ -14,8 +14,9 @@ struct Ctx : LayerCtx {
 };
 }  // namespace
 
-Embedding::Embedding(Param* wte, Param* wpe, Communicator* group)
-    : group_(group), wte_(wte), wpe_(wpe) {
+Embedding::Embedding(Param* wte, Param* wpe, Communicator* group,
+                     std::optional<SequenceParallel> sp)
+    : group_(group), wte_(wte), wpe_(wpe), sp_(std::move(sp)) {
   check(wte->value.rank() == 2 &&
             (wpe == nullptr || (wpe->value.rank() == 2 && wte->value.dim(1) == wpe->value.dim(1))),
         "embedding tables {} {} and {} {} must be 2-D with the same width", wte->name,
@@ -34,7 +35,8 @@ std::vector<Shape> Embedding::output_shapes(std::span<const Shape> in) const {
   check(wpe_ == nullptr || in[0][1] <= wpe_->value.dim(0),
         "sequence length ({}) must not exceed the position table ({} positions)", in[0][1],
         wpe_ ? wpe_->value.dim(0) : 0);
-  return {Shape{in[0][0], in[0][1], wte_->value.dim(1)}};
+  const Shape whole{in[0][0], in[0][1], wte_->value.dim(1)};
+  return {sp_ ? sp_->slice_shape(whole) : whole};
 }
 
 std::unique_ptr<Layer> Embedding::tensor_parallel(TpBuild& build) const {
@@ -44,7 +46,7 @@ std::unique_ptr<Layer> Embedding::tensor_parallel(TpBuild& build) const {
         "--make-vocab-size-divisible-by",
         wte_->value.dim(0), tp);
   return std::make_unique<Embedding>(build.param(*wte_, 0), wpe_ ? build.param(*wpe_, -1) : nullptr,
-                                     build.group);
+                                     build.group, sequence_parallel(build));
 }
 
 std::unique_ptr<LayerCtx> Embedding::make_ctx() const { return std::make_unique<Ctx>(); }
@@ -55,21 +57,26 @@ void Embedding::forward(LayerCtx& ctx_, Arena&, std::span<const Tensor> in,
   auto& ctx = static_cast<Ctx&>(ctx_);
   ops::check_token_range(in[0], vocab_, "token");
   const bool positions = wpe_ != nullptr && (group_ == nullptr || group_->rank() == 0);
-  ops::embedding_forward(in[0], wte_->value, first_, positions ? wpe_->value : Tensor(), out[0]);
-  if (group_) reduce_from_tp_forward(*group_, out[0]);
+  const Tensor y = sp_ ? sp_->whole(out[0], SequenceScratch::kWholeA) : out[0];
+  ops::embedding_forward(in[0], wte_->value, first_, positions ? wpe_->value : Tensor(), y);
+  if (sp_)
+    sp_->scatter(y, out[0]);
+  else if (group_)
+    reduce_from_tp_forward(*group_, out[0]);
   ctx.tokens = in[0];
 }
 
 void Embedding::backward_input(LayerCtx& ctx_, Arena&, std::span<const Tensor> grad_out,
                                std::span<const Tensor>) {
-  if (group_) reduce_from_tp_backward(*group_, grad_out[0]);
+  if (group_ && !sp_) reduce_from_tp_backward(*group_, grad_out[0]);
   static_cast<Ctx&>(ctx_).dy = grad_out[0];  // tokens have no gradient
 }
 
 // dwte_r[tokens[i] - first] += dy[i] for this rank's tokens; dwpe[t] += sum_b dy[b, t]
 void Embedding::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  ops::embedding_backward(ctx.tokens, ctx.dy, wte_->grad, first_, wpe_ ? wpe_->grad : Tensor());
+  const Tensor dy = sp_ ? sp_->gather(ctx.dy, SequenceScratch::kWholeA) : ctx.dy;
+  ops::embedding_backward(ctx.tokens, dy, wte_->grad, first_, wpe_ ? wpe_->grad : Tensor());
   ctx.dy = Tensor();  // W is done with it (weft/layer.h)
 }
 

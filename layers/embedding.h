@@ -10,11 +10,18 @@
 // computes the same bits. Without a group (or a group of one) it is the plain
 // lookup: vocabulary offset 0, nothing to sum. A padded table
 // (wte->true_rows) has rows no token reads: tokens must be below the true
-// vocabulary, so the padding rows get no gradient.
+// vocabulary, so the padding rows get no gradient. Under sequence
+// parallelism the sum is reduce-scattered, each rank keeping its tokens,
+// and W gathers the output's gradient whole (wpe's gradient, whole, is then
+// the same on every rank).
 #pragma once
 
 #include <weft/communicator.h>
 #include <weft/layer.h>
+
+#include <optional>
+
+#include "layers/tp_regions.h"
 
 namespace weft {
 
@@ -24,7 +31,10 @@ class Embedding final : public Layer {
   // wpe (P, C) whole, or null for a model without learned positions (Llama's
   // rotary embedding works inside attention). `group`: the tensor-parallel
   // group, or null.
-  Embedding(Param* wte, Param* wpe, Communicator* group = nullptr);
+  // `sp`: the output is this rank's tokens (sequence parallelism,
+  // layers/tp_regions.h), reduce-scattered rather than all-reduced.
+  Embedding(Param* wte, Param* wpe, Communicator* group = nullptr,
+            std::optional<SequenceParallel> sp = std::nullopt);
   const char* kind() const override { return group_ ? "vocab_parallel_embedding" : "embedding"; }
   std::vector<Shape> output_shapes(std::span<const Shape> in) const override;
   std::vector<Param*> params() const override {
@@ -46,6 +56,7 @@ class Embedding final : public Layer {
   Param* wpe_;
   int64_t vocab_;  // V, the whole vocabulary without padding
   int64_t first_;  // the first token id of this rank's rows
+  std::optional<SequenceParallel> sp_;
 };
 
 }  // namespace weft

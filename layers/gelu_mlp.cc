@@ -24,8 +24,10 @@ Tensor new_grad(Arena& arena, Shape shape, DType dtype, Device device) {
 }
 }  // namespace
 
-GeluMlp::GeluMlp(Param* w_fc, Param* b_fc, Param* w_proj, Param* b_proj, Communicator* group)
-    : w_fc_(w_fc), b_fc_(b_fc), w_proj_(w_proj), b_proj_(b_proj), group_(group) {
+GeluMlp::GeluMlp(Param* w_fc, Param* b_fc, Param* w_proj, Param* b_proj, Communicator* group,
+                 std::optional<SequenceParallel> sp)
+    : w_fc_(w_fc), b_fc_(b_fc), w_proj_(w_proj), b_proj_(b_proj), group_(group),
+      sp_(std::move(sp)) {
   check(w_fc_ && b_fc_ && w_proj_ && b_proj_, "a GELU MLP takes two weights and two biases");
   check(w_fc_->value.rank() == 2 && w_proj_->value.rank() == 2,
         "{}, {}: the MLP's weights must be 2-D (in, out), got {} and {}", w_fc_->name,
@@ -52,15 +54,19 @@ std::vector<Shape> GeluMlp::output_shapes(std::span<const Shape> in) const {
   return {s};
 }
 
+double GeluMlp::whole_rows(const Shape& in) const {
+  return static_cast<double>(sp_ ? sp_->whole_shape(in).rows() : in.rows());
+}
+
 // The two GEMMs, and GELU's 10 per element as layers/gelu.h counts them.
 double GeluMlp::flops(std::span<const Shape> in) const {
-  const auto rows = static_cast<double>(in[0].rows());
+  const double rows = whole_rows(in[0]);
   return 2.0 * rows * static_cast<double>(w_fc_->value.numel() + w_proj_->value.numel()) +
          10.0 * rows * static_cast<double>(hidden());
 }
 
 double GeluMlp::stashed_elements(std::span<const Shape> in) const {
-  return 2.0 * static_cast<double>(in[0].rows()) * static_cast<double>(hidden());
+  return 2.0 * whole_rows(in[0]) * static_cast<double>(hidden());
 }
 
 std::unique_ptr<LayerCtx> GeluMlp::make_ctx() const { return std::make_unique<Ctx>(); }
@@ -68,18 +74,18 @@ std::unique_ptr<LayerCtx> GeluMlp::make_ctx() const { return std::make_unique<Ct
 std::unique_ptr<Layer> GeluMlp::tensor_parallel(TpBuild& build) const {
   return std::make_unique<GeluMlp>(build.param(*w_fc_, 1), build.param(*b_fc_, 0),
                                    build.param(*w_proj_, 0), build.param(*b_proj_, -1),
-                                   build.group);
+                                   build.group, sequence_parallel(build));
 }
 
 // pre, h = gemm_bias_gelu(x, W_fc, b_fc); y = h W_proj (+ the group's sum) + b_proj
 void GeluMlp::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tensor> in,
                       std::span<const Tensor> out) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const Tensor& x = in[0];
+  const Tensor x = sp_ ? sp_->gather(in[0], SequenceScratch::kWholeA) : in[0];
   const DType dt = x.dtype();
-  if (group_) copy_to_tp_forward(*group_, x);
+  if (group_ && !sp_) copy_to_tp_forward(*group_, x);
   const Shape hs{x.shape().rows(), hidden()};
-  ctx.x = x;
+  ctx.x = in[0];  // this rank's tokens under sequence parallelism: W gathers them again
   ctx.pre = arena.alloc(hs, dt);
   ctx.h = arena.alloc(hs, dt);
   ops::gemm_bias_gelu(x, false, gemm_operand(*w_fc_, dt), false, gemm_operand(*b_fc_, dt),
@@ -89,8 +95,14 @@ void GeluMlp::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tensor> in,
     ops::gemm_bias(ctx.h, false, w, false, gemm_operand(*b_proj_, dt), out[0]);
     return;
   }
-  ops::gemm(ctx.h, false, w, false, out[0]);
-  reduce_from_tp_forward(*group_, out[0]);
+  if (sp_) {
+    const Tensor partial = sp_->whole(out[0], SequenceScratch::kWholeB);
+    ops::gemm(ctx.h, false, w, false, partial);
+    sp_->scatter(partial, out[0]);
+  } else {
+    ops::gemm(ctx.h, false, w, false, out[0]);
+    reduce_from_tp_forward(*group_, out[0]);
+  }
   ops::add_rows(out[0], b_proj_->value);
 }
 
@@ -99,9 +111,9 @@ void GeluMlp::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tensor> in,
 void GeluMlp::backward_input(LayerCtx& ctx_, Arena& arena, std::span<const Tensor> grad_out,
                              std::span<const Tensor> grad_in) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const Tensor& dy = grad_out[0];
-  if (group_) reduce_from_tp_backward(*group_, dy);
-  ctx.dy = dy;
+  ctx.dy = grad_out[0];  // this rank's tokens under sequence parallelism
+  const Tensor dy = sp_ ? sp_->gather(ctx.dy, SequenceScratch::kWholeA) : ctx.dy;
+  if (group_ && !sp_) reduce_from_tp_backward(*group_, dy);
   ctx.dpre = new_grad(arena, ctx.pre.shape(), ctx.pre.dtype(), ctx.pre.device());
   ops::gemm_dgelu(dy, false, gemm_operand(*w_proj_, dy.dtype()), true, ctx.pre, ctx.dpre);
   if (!grad_in[0].defined()) return;
@@ -109,6 +121,12 @@ void GeluMlp::backward_input(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
   if (!group_) {
     const bool fresh = ctx.fresh_grads_in & 1u;  // beta 0: dx is not read
     ops::gemm(ctx.dpre, false, w, true, grad_in[0], 1.0f, fresh ? 0.0f : 1.0f);
+    return;
+  }
+  if (sp_) {
+    const Tensor part = sp_->whole(grad_in[0], SequenceScratch::kWholeB);
+    ops::gemm(ctx.dpre, false, w, true, part, 1.0f, 0.0f);
+    sp_->gather_backward(part, grad_in[0], ctx.fresh_grads_in & 1u);
     return;
   }
   const Tensor part = copy_to_tp_grad_buffer(*group_, arena, grad_in[0]);
@@ -121,8 +139,10 @@ void GeluMlp::backward_input(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
 // db_fc += sum of dpre's rows (the order of the Linear nodes' W actions)
 void GeluMlp::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  ops::gemm_bias_grad(ctx.h, true, ctx.dy, w_proj_->grad, 1.0f, b_proj_->grad);
-  ops::gemm_bias_grad(ctx.x, true, ctx.dpre, w_fc_->grad, 1.0f, b_fc_->grad);
+  const Tensor dy = sp_ ? sp_->gather(ctx.dy, SequenceScratch::kWholeA) : ctx.dy;
+  ops::gemm_bias_grad(ctx.h, true, dy, w_proj_->grad, 1.0f, b_proj_->grad);
+  const Tensor x = sp_ ? sp_->gather(ctx.x, SequenceScratch::kWholeB) : ctx.x;
+  ops::gemm_bias_grad(x, true, ctx.dpre, w_fc_->grad, 1.0f, b_fc_->grad);
   ctx.dy = ctx.dpre = Tensor();  // W is done with them (weft/layer.h)
 }
 

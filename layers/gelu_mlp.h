@@ -18,11 +18,17 @@
 // b_fc and the matching rows of W_proj, so h needs no communication; the
 // partial products of the second GEMM are summed across the group, and
 // b_proj (whole) is added once after the sum, as ColumnParallelLinear then
-// RowParallelLinear (layers/tp_linear.h) do.
+// RowParallelLinear (layers/tp_linear.h) do. Under sequence parallelism x
+// arrives as this rank's tokens and is gathered, the sum is reduce-scattered
+// to this rank's tokens, and W gathers x and dy again.
 #pragma once
 
 #include <weft/communicator.h>
 #include <weft/layer.h>
+
+#include <optional>
+
+#include "layers/tp_regions.h"
 
 namespace weft {
 
@@ -31,7 +37,7 @@ class GeluMlp final : public Layer {
   // With `group`, the parameters are this rank's pieces (made by
   // tensor_parallel).
   GeluMlp(Param* w_fc, Param* b_fc, Param* w_proj, Param* b_proj,
-          Communicator* group = nullptr);
+          Communicator* group = nullptr, std::optional<SequenceParallel> sp = std::nullopt);
   const char* kind() const override { return group_ ? "parallel_gelu_mlp" : "gelu_mlp"; }
   std::vector<Shape> output_shapes(std::span<const Shape> in) const override;
   std::vector<Param*> params() const override;
@@ -39,8 +45,9 @@ class GeluMlp final : public Layer {
   double stashed_elements(std::span<const Shape> in) const override;
   std::unique_ptr<LayerCtx> make_ctx() const override;
   // The input gradient is one GEMM (beta 0 when fresh); tensor-parallel, the
-  // rank's part is summed across the group and then added.
-  bool writes_input_grad(size_t) const override { return group_ == nullptr; }
+  // rank's part is summed across the group and then added (or, under
+  // sequence parallelism, reduce-scattered into a fresh buffer).
+  bool writes_input_grad(size_t) const override { return group_ == nullptr || sp_.has_value(); }
   std::unique_ptr<Layer> tensor_parallel(TpBuild& build) const override;
 
   void forward(LayerCtx& ctx, Arena& arena, std::span<const Tensor> in,
@@ -52,8 +59,12 @@ class GeluMlp final : public Layer {
  private:
   int64_t hidden() const { return w_fc_->value.dim(1); }
 
+  // Rows of the whole sequence for an input of shape `in`.
+  double whole_rows(const Shape& in) const;
+
   Param *w_fc_, *b_fc_, *w_proj_, *b_proj_;
   Communicator* group_;
+  std::optional<SequenceParallel> sp_;
 };
 
 }  // namespace weft

@@ -108,10 +108,11 @@ std::unique_ptr<Layer> Linear::tensor_parallel(TpBuild& build) const {
     case ParallelRole::Column:
       return std::make_unique<ColumnParallelLinear>(
           *build.group, build.param(*w_, 1, out_blocks_),
-          b_ ? build.param(*b_, 0, out_blocks_) : nullptr);
+          b_ ? build.param(*b_, 0, out_blocks_) : nullptr, sequence_parallel(build));
     case ParallelRole::Row:
       return std::make_unique<RowParallelLinear>(*build.group, build.param(*w_, 0),
-                                                 b_ ? build.param(*b_, -1) : nullptr);
+                                                 b_ ? build.param(*b_, -1) : nullptr,
+                                                 sequence_parallel(build));
     case ParallelRole::None: break;
   }
   return std::make_unique<Linear>(build.param(*w_, -1), b_ ? build.param(*b_, -1) : nullptr,

@@ -28,7 +28,9 @@ struct Ctx : LayerCtx {
 };
 }  // namespace
 
-TiedLmHeadLoss::TiedLmHeadLoss(Param* wte, Communicator* group) : group_(group), wte_(wte) {
+TiedLmHeadLoss::TiedLmHeadLoss(Param* wte, Communicator* group,
+                               std::optional<SequenceParallel> sp)
+    : group_(group), wte_(wte), sp_(std::move(sp)) {
   check(wte->value.rank() == 2, "{}: the lm head's table must be 2-D (V, C), got {}", wte->name,
         wte->value.shape().str());
   check(wte->shard.dim == 0 || !wte->shard.split(),
@@ -43,13 +45,14 @@ std::vector<Shape> TiedLmHeadLoss::output_shapes(std::span<const Shape> in) cons
   check(in[0].last() == wte_->value.dim(1),
         "lm head: input width {} does not match the embedding width {}", in[0].last(),
         wte_->value.dim(1));
-  check(in[1].numel() == in[0].rows(), "lm head: {} targets for {} positions", in[1].numel(),
-        in[0].rows());
+  const int64_t rows = sp_ ? sp_->whole_shape(in[0]).rows() : in[0].rows();
+  check(in[1].numel() == rows, "lm head: {} targets for {} positions", in[1].numel(), rows);
   return {Shape{1}};
 }
 
 double TiedLmHeadLoss::flops(std::span<const Shape> in) const {
-  return 2.0 * static_cast<double>(in[0].rows()) * static_cast<double>(wte_->value.numel());
+  const int64_t rows = sp_ ? sp_->whole_shape(in[0]).rows() : in[0].rows();
+  return 2.0 * static_cast<double>(rows) * static_cast<double>(wte_->value.numel());
 }
 
 std::unique_ptr<Layer> TiedLmHeadLoss::tensor_parallel(TpBuild& build) const {
@@ -58,7 +61,8 @@ std::unique_ptr<Layer> TiedLmHeadLoss::tensor_parallel(TpBuild& build) const {
         "vocabulary ({}) must be divisible by tensor-parallel size ({}): pad it with "
         "--make-vocab-size-divisible-by",
         wte_->value.dim(0), tp);
-  auto head = std::make_unique<TiedLmHeadLoss>(build.param(*wte_, 0), build.group);
+  auto head =
+      std::make_unique<TiedLmHeadLoss>(build.param(*wte_, 0), build.group, sequence_parallel(build));
   head->set_keep_logits(keep_logits_);
   return head;
 }
@@ -80,17 +84,19 @@ const Tensor& TiedLmHeadLoss::logits(LayerCtx& ctx) { return static_cast<Ctx&>(c
 void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tensor> in,
                              std::span<const Tensor> out) {
   auto& ctx = static_cast<Ctx&>(ctx_);
-  const int64_t n = in[0].shape().rows(), v = wte_->value.dim(0);
+  // Under sequence parallelism: the group's tokens, whole for this call.
+  const Tensor x = sp_ ? sp_->gather(in[0], SequenceScratch::kWholeA) : in[0];
+  const int64_t n = x.shape().rows(), v = wte_->value.dim(0);
   ops::check_token_range(in[1], vocab_, "target token");
-  if (group_) copy_to_tp_forward(*group_, in[0]);
+  if (group_ && !sp_) copy_to_tp_forward(*group_, x);
   ctx.x = in[0];
   ctx.targets = in[1];
   ctx.unit_dlogits = ctx.chunked = false;
   // bf16 logits (see lm_head.h); the chunked head has neither a group nor kept logits.
   // A chunk's budget counts 2 bytes a logit on a GPU, 4 on the CPU, which
   // widens a chunk's bf16 logits to fp32 for the mask and the classifier.
-  const bool narrow = in[0].dtype() == DType::BF16 && !keep_logits_ && !split();
-  const Device& dev = in[0].device();
+  const bool narrow = x.dtype() == DType::BF16 && !keep_logits_ && !split();
+  const Device& dev = x.device();
   const int64_t rows =
       chunk_rows_ > 0 ? chunk_rows_ : chunk_rows(n, v, dev, narrow && !dev.is_cpu() ? 2 : 4);
   if (group_ == nullptr && !keep_logits_ && n > rows) {
@@ -102,7 +108,7 @@ void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
   const int64_t real = std::clamp<int64_t>(vocab_ - first_, 0, v);
   if (narrow) {  // bf16 logits, then bf16 dlogits in their place, on every device
     ctx.probs = arena.alloc({n, v}, DType::BF16);
-    ops::gemm(in[0], false, gemm_operand(*wte_, DType::BF16), true, ctx.probs);
+    ops::gemm(x, false, gemm_operand(*wte_, DType::BF16), true, ctx.probs);
     if (real < v) ops::mask_columns(ctx.probs, real);
     const Tensor losses = arena.alloc({n});
     ops::fused_cross_entropy_rows(ctx.probs, in[1], losses, 1.0f, ctx.probs);
@@ -111,7 +117,7 @@ void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
     return;
   }
   ctx.probs = arena.alloc({n, v});
-  ops::gemm(in[0], false, gemm_operand(*wte_, in[0].dtype()), true, ctx.probs);
+  ops::gemm(x, false, gemm_operand(*wte_, x.dtype()), true, ctx.probs);
   if (real < v) ops::mask_columns(ctx.probs, real);
   if (keep_logits_) {
     ctx.logits = arena.alloc({n, v});
@@ -124,7 +130,7 @@ void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
       // elementwise pass over (N, V) is left for the backward. The loss is
       // summed on the GPU: nothing waits for it here.
       ctx.unit_dlogits = true;
-      if (in[0].dtype() == DType::BF16) {
+      if (x.dtype() == DType::BF16) {
         // bf16 activations with the logits kept (fp32): the dlogits in bf16
         // (one rounding, which the backward GEMMs would make anyway), so
         // that those GEMMs read bf16 operands with the table's bf16 copy.
@@ -209,6 +215,12 @@ void TiedLmHeadLoss::backward_input(LayerCtx& ctx_, Arena& arena,
               1.0f);
     return;
   }
+  if (sp_) {
+    const Tensor part = sp_->whole(grad_in[0], SequenceScratch::kWholeA);
+    ops::gemm(ctx.probs, false, wte_->value, false, part, alpha, 0.0f);
+    sp_->gather_backward(part, grad_in[0], false);
+    return;
+  }
   const Tensor part = copy_to_tp_grad_buffer(*group_, arena, grad_in[0]);
   ops::gemm(ctx.probs, false, wte_->value, false, part, alpha, 1.0f);
   copy_to_tp_backward(*group_, part, grad_in[0]);
@@ -221,7 +233,8 @@ void TiedLmHeadLoss::backward_weight(LayerCtx& ctx_, Arena&) {
     ops::add_scaled(wte_->grad, ctx.dw_unit, ctx.g);
     return;
   }
-  ops::gemm(ctx.probs, true, ctx.x, false, wte_->grad, ctx.unit_dlogits ? ctx.g : 1.0f, 1.0f);
+  const Tensor x = sp_ ? sp_->gather(ctx.x, SequenceScratch::kWholeA) : ctx.x;
+  ops::gemm(ctx.probs, true, x, false, wte_->grad, ctx.unit_dlogits ? ctx.g : 1.0f, 1.0f);
 }
 
 }  // namespace weft

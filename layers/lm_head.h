@@ -41,10 +41,18 @@
 // either softmax, so they take no probability, and their dlogits and wte
 // gradients are exactly zero: the loss is the unpadded model's. Tensor
 // parallelism splits the padded rows, so a rank may hold only padding.
+//
+// Under sequence parallelism x arrives as this rank's tokens: the forward
+// gathers it whole, dx is reduce-scattered back to the tokens, and W
+// gathers x again.
 #pragma once
 
 #include <weft/communicator.h>
 #include <weft/layer.h>
+
+#include <optional>
+
+#include "layers/tp_regions.h"
 
 namespace weft {
 
@@ -52,7 +60,8 @@ class TiedLmHeadLoss final : public Layer {
  public:
   // wte (V, C), or this rank's rows (V/tp, C) of it (wte->shard says which),
   // V padded or not. `group`: the tensor-parallel group, or null.
-  explicit TiedLmHeadLoss(Param* wte, Communicator* group = nullptr);
+  explicit TiedLmHeadLoss(Param* wte, Communicator* group = nullptr,
+                          std::optional<SequenceParallel> sp = std::nullopt);
   const char* kind() const override {
     return group_ ? "vocab_parallel_lm_head_loss" : "lm_head_loss";
   }
@@ -105,6 +114,7 @@ class TiedLmHeadLoss final : public Layer {
   int64_t first_;  // the first token id of this rank's rows
   bool keep_logits_ = false;
   int64_t chunk_rows_ = 0;
+  std::optional<SequenceParallel> sp_;
 };
 
 }  // namespace weft

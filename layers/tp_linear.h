@@ -11,26 +11,38 @@
 // activation is exactly what its rows of the second weight consume. The row
 // layer's bias is whole and added once, after the sum, so its gradient is the
 // same on every rank. Both are built by Linear::tensor_parallel.
+//
+// Under sequence parallelism (layers/tp_regions.h) x enters a column-parallel
+// layer as this rank's tokens and is all-gathered, and a row-parallel
+// layer's sum is reduce-scattered to this rank's tokens. Neither keeps a
+// whole activation between its actions: the weight gradient's W gathers its
+// whole operand again (x for the column layer, dy for the row layer).
 #pragma once
 
 #include <weft/communicator.h>
 #include <weft/layer.h>
 
+#include <optional>
+
 #include "layers/linear.h"
+#include "layers/tp_regions.h"
 
 namespace weft {
 
 class ColumnParallelLinear final : public Layer {
  public:
-  // weight (in, out/tp), bias (out/tp) or null: this rank's pieces.
-  ColumnParallelLinear(Communicator& group, Param* weight, Param* bias);
+  // weight (in, out/tp), bias (out/tp) or null: this rank's pieces. `sp`:
+  // x arrives as this rank's tokens (sequence parallelism).
+  ColumnParallelLinear(Communicator& group, Param* weight, Param* bias,
+                       std::optional<SequenceParallel> sp = std::nullopt);
   const char* kind() const override { return "column_parallel_linear"; }
-  std::vector<Shape> output_shapes(std::span<const Shape> in) const override {
-    return local_.output_shapes(in);
-  }
+  std::vector<Shape> output_shapes(std::span<const Shape> in) const override;
   std::vector<Param*> params() const override { return local_.params(); }
-  double flops(std::span<const Shape> in) const override { return local_.flops(in); }
-  std::unique_ptr<LayerCtx> make_ctx() const override { return local_.make_ctx(); }
+  double flops(std::span<const Shape> in) const override;
+  std::unique_ptr<LayerCtx> make_ctx() const override;
+  // Under sequence parallelism the input gradient is a reduce-scatter, which
+  // writes a fresh buffer whole.
+  bool writes_input_grad(size_t) const override { return sp_.has_value(); }
 
   void forward(LayerCtx& ctx, Arena& arena, std::span<const Tensor> in,
                std::span<const Tensor> out) override;
@@ -41,16 +53,17 @@ class ColumnParallelLinear final : public Layer {
  private:
   Communicator* group_;
   Linear local_;  // this rank's columns
+  std::optional<SequenceParallel> sp_;
 };
 
 class RowParallelLinear final : public Layer {
  public:
-  // weight (in/tp, out): this rank's rows; bias (out) whole, or null.
-  RowParallelLinear(Communicator& group, Param* weight, Param* bias);
+  // weight (in/tp, out): this rank's rows; bias (out) whole, or null. `sp`:
+  // y leaves as this rank's tokens (sequence parallelism).
+  RowParallelLinear(Communicator& group, Param* weight, Param* bias,
+                    std::optional<SequenceParallel> sp = std::nullopt);
   const char* kind() const override { return "row_parallel_linear"; }
-  std::vector<Shape> output_shapes(std::span<const Shape> in) const override {
-    return local_.output_shapes(in);
-  }
+  std::vector<Shape> output_shapes(std::span<const Shape> in) const override;
   std::vector<Param*> params() const override;
   double flops(std::span<const Shape> in) const override { return local_.flops(in); }
   std::unique_ptr<LayerCtx> make_ctx() const override;
@@ -65,6 +78,7 @@ class RowParallelLinear final : public Layer {
   Communicator* group_;
   Linear local_;  // this rank's rows, without the bias
   Param* b_;
+  std::optional<SequenceParallel> sp_;
 };
 
 }  // namespace weft

@@ -353,6 +353,11 @@ TEST_F(Cli, PipelineFlagsThatWouldDoNothingAreRefused) {
                {"--recompute-num-layers 0 must be at least 1"});
 }
 
+TEST_F(Cli, SequenceParallelNeedsTensorParallelism) {
+  expect_error(toy("--sequence-parallel"),
+               {"--sequence-parallel needs --tensor-model-parallel-size above 1 (got 1)"});
+}
+
 // Megatron's recompute (of blocks, or of attention alone) through train_gpt
 // at pp 1: the same bits as without it, in less activation memory (test_pipeline holds every
 // schedule and pp). The executor runs pp 1 too, so --profile and --trace

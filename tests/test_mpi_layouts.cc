@@ -143,6 +143,16 @@ TEST_F(MpiLayouts, DistributedOptimizerMatchesSingleProcess) {
                      0, l.str() + " sharded gradients");
 }
 
+// Sequence parallelism under mpiexec: the norms, residual adds and the
+// loss's input split along the sequence across the tp ranks, with a
+// pipeline whose W actions run apart (each gathers again), and at tp 4.
+TEST_F(MpiLayouts, SequenceParallelMatchesSingleProcess) {
+  expect_reference(train(kWorld, "--tp 2 --pp 2 --schedule zb-h1 --sequence-parallel"), 0,
+                   "(dp 2, pp 2, tp 2) zb-h1 sequence-parallel");
+  expect_reference(train(kWorld, "--tp 4 --pp 1 --sequence-parallel"), 0,
+                   "(dp 2, pp 1, tp 4) sequence-parallel");
+}
+
 // Parameter servers as processes: with --max-staleness 0, 4 workers and 4
 // servers, 2 workers and 1, and 2 workers of 2 ranks each (pp 2, or tp 2),
 // take the single-process steps (the servers
@@ -285,6 +295,11 @@ TEST(MpiLayoutErrors, ImpossibleLayoutsFailBeforeCommunicating) {
       << out;
   out = run("--model toy --tp 3");
   EXPECT_NE(out.find("world size (8) must be divisible"), std::string::npos) << out;
+  out = run("--model toy --tp 8 --seq-length 12 --sequence-parallel");
+  EXPECT_NE(out.find("--sequence-parallel splits the sequence across the tensor-parallel ranks: "
+                     "--seq-length (12) must be divisible by --tensor-model-parallel-size (8)"),
+            std::string::npos)
+      << out;
   // Parameter servers: one line each, before any message.
   for (const auto& [args, line] : std::vector<std::pair<std::string, std::string>>{
            {"--ps-ranks 8", "--ps-ranks 8 must be below the world size 8"},

@@ -206,7 +206,10 @@ TEST(MpiPipelineErrors, ImpossibleLayoutsFailOnEveryRankBeforeCommunicating) {
 // losses and norms (the same sums in another order: 1e-5). With grouped-query
 // attention (4 query heads, 2 key/value heads), so each tensor-parallel rank
 // holds unequal q|k|v blocks; multi-head Llama's layouts are checked on
-// threads (test_parity).
+// threads (test_parity). With --sequence-parallel too: RMSNorm's gradients
+// summed over the group, rotary inside the regions, the untied head
+// gathering its input; two sequences a micro-batch, so each rank's tokens
+// are one whole sequence of the two (layers/tp_regions.h).
 TEST(MpiLlama, Pp2Tp2GivesTheSingleProcessLosses) {
   const std::string dir = testing::temp_dir("mpi-llama");
   std::string text;
@@ -219,9 +222,12 @@ TEST(MpiLlama, Pp2Tp2GivesTheSingleProcessLosses) {
       "--threads 1 --comm-timeout 60 --data-path " + dir + "/text.txt";
   const testing::TrainRun one = testing::run_train_gpt(1, flags, dir);
   ASSERT_TRUE(one.ok) << one.output;
-  const testing::TrainRun four = testing::run_train_gpt(4, flags + " --pp 2 --tp 2", dir);
-  ASSERT_TRUE(four.ok) << four.command << "\n" << four.output;
-  expect_same_steps(four, one, 1e-5);
+  for (const char* sp : {"", " --sequence-parallel"}) {
+    SCOPED_TRACE(sp);
+    const testing::TrainRun four = testing::run_train_gpt(4, flags + " --pp 2 --tp 2" + sp, dir);
+    ASSERT_TRUE(four.ok) << four.command << "\n" << four.output;
+    expect_same_steps(four, one, 1e-5);
+  }
 }
 
 // --fp16 on real processes at dp 2 x pp 2: the skip decision comes from the

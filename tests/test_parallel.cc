@@ -122,11 +122,13 @@ struct Layout {
   // device tensors do when ranks share a GPU.
   bool staged = false;
   OptimizerKind optimizer = OptimizerKind::Adam;
+  bool sequence_parallel = false;
 
   int world() const { return dp * pp * tp; }
   LayoutOptions options() const {
     LayoutOptions lo;
     lo.tp = tp, lo.pp = pp, lo.schedule = schedule, lo.chunks = chunks;
+    lo.sequence_parallel = sequence_parallel;
     lo.sync.optimizer = optimizer;
     lo.sync.sgd = {0.9f, 0.1f};
     lo.sync.lion = {0.9f, 0.99f, 0.1f};
@@ -145,6 +147,7 @@ struct Layout {
     if (bucket_elements != int64_t{1} << 20) n += "_b" + std::to_string(bucket_elements);
     if (recompute) n += "_recompute";
     if (staged) n += "_staged";
+    if (sequence_parallel) n += "_sp";
     for (char& ch : n)
       if (ch == '-') ch = '_';
     return n;
@@ -342,6 +345,25 @@ std::vector<Layout> layouts() {
   v.push_back(staged);
   staged.shard_grads = true, staged.bucket_elements = 2048;
   v.push_back(staged);
+  // Sequence parallelism: tp 2, 4 and 8 (two tokens a rank), with pipelines
+  // whose W actions run apart from I (ZB-H1, ZB-V), recompute (each replay
+  // gathers and scatters again), ZeRO-2, and through host buffers.
+  for (Layout sp : std::vector<Layout>{{2, 2, 2, "1f1b"},
+                                       {1, 2, 4, "zb-h1"},
+                                       {4, 1, 2},
+                                       {1, 1, 8},
+                                       {1, 2, 2, "zb-v", 2},
+                                       {2, 2, 2, "1f1b", 1, false, true},
+                                       {2, 2, 2, "zb-h1", 1, true}}) {
+    sp.sequence_parallel = true;
+    v.push_back(sp);
+  }
+  Layout sp_zero2{2, 1, 2, "1f1b", 1, true};
+  sp_zero2.shard_grads = true, sp_zero2.bucket_elements = 2048, sp_zero2.sequence_parallel = true;
+  v.push_back(sp_zero2);
+  Layout sp_staged{2, 2, 2, "zb-h1"};
+  sp_staged.staged = sp_staged.sequence_parallel = true;
+  v.push_back(sp_staged);
   return v;
 }
 
@@ -418,6 +440,60 @@ TEST(Plan, ActivationMemoryUnderTensorParallelismIsWhatTheArenasHold) {
     // Before, the planner divided every stashed byte by tp and left out
     // what F keeps beyond the outputs: far outside this bound.
     EXPECT_LT(allowed, 0.1 * most) << "tp " << tp;
+  }
+}
+
+// Sequence parallelism: exactly the values the profile calls whole under
+// tensor parallelism (tp_whole_outputs: the embedding's, the norms', the
+// residual adds', the row-parallel GEMMs') hold 1/tp of the tokens on each
+// rank, every other value keeps its shape, and the arenas hold less by at
+// least those values' bytes for each micro-batch a stage keeps in flight
+// at its peak, with the shared whole-sequence buffers counted beside (the
+// values' gradients shrink too, and the whole partial gradients entering a
+// region go to those buffers).
+TEST(SequenceParallel, TheValuesBetweenRegionsHoldOneTpthOfTheirTokens) {
+  const GptConfig cfg = tiny();
+  GptModel logical = build_gpt(cfg, kMicro);
+  const std::vector<bool> whole = tp_whole_outputs(logical.graph);
+  for (int tp : {2, 4}) {
+    std::vector<Shape> plain_shapes, sp_shapes;
+    double plain_peak = 0, sp_peak = 0;
+    for (bool sp : {false, true}) {
+      Layout l{1, 2, tp, "1f1b"};
+      l.sequence_parallel = sp;
+      run_layout(l, 1, {}, [&](RankLayout& rank) {
+        if (rank.coord().tp != 0 || rank.coord().pp != 0) return;
+        std::vector<Shape>& shapes = sp ? sp_shapes : plain_shapes;
+        for (const Value& v : rank.graph().values()) shapes.push_back(v.shape);
+        (sp ? sp_peak : plain_peak) = rank.pipeline()->peak_bytes();
+      });
+    }
+    ASSERT_EQ(sp_shapes.size(), plain_shapes.size());
+    double split_bytes = 0;  // one micro-batch's, on stage 0
+    const StagePlan plan = [&] {
+      PartitionOptions po;
+      po.pp = 2;
+      return partition(logical.graph, CostModel::analytic(logical.graph), po);
+    }();
+    for (size_t v = 0; v < sp_shapes.size(); ++v) {
+      const Value& val = logical.graph.values()[v];
+      const bool between = val.producer >= 0 && whole[z(val.producer)] && val.shape.rank >= 2;
+      Shape want = plain_shapes[v];
+      if (between) want[1] /= tp;
+      EXPECT_EQ(sp_shapes[v], want) << val.name << " at tp " << tp;
+      if (between && val.producer < plan.begin[1])
+        split_bytes += 4.0 * static_cast<double>(plain_shapes[v].numel() - want.numel());
+    }
+    EXPECT_GT(split_bytes, 0);
+    // Stage 0 of 1F1B at pp 2 holds at least this many micro-batches'
+    // activations, awaiting their backward, at its peak.
+    const sched::Schedule s = sched::lower(sched::make_schedule("1f1b", 2, kGlobal / kMicro, 1));
+    const double held = sched::peak_in_flight(s, false)[0];
+    ASSERT_GE(held, 2);
+    // The shared buffers: two whole (B, T, C) tensors and one slice.
+    const double scratch = (2.0 + 1.0 / tp) * 4 * kMicro * cfg.seq_length * cfg.hidden_size;
+    EXPECT_LE(sp_peak + scratch, plain_peak - held * split_bytes)
+        << "tp " << tp << ": " << held << " micro-batches of " << split_bytes << " bytes";
   }
 }
 

@@ -753,5 +753,77 @@ TEST(TpErrors, LayerWithoutParallelForm) {
   EXPECT_TRUE(contains(msg, "layers of kind 'doubler' have no tensor-parallel form")) << msg;
 }
 
+// Sequence parallelism refuses, naming the node, what would silently see
+// 1/tp of the tokens: a layer between regions that is not token by token,
+// and a layer that splits parameters with no sequence-parallel form. At tp
+// 1 there is nothing to split.
+class SequenceMean final : public Layer {  // (B, T, C) -> (B, C)
+ public:
+  const char* kind() const override { return "sequence_mean"; }
+  std::vector<Shape> output_shapes(std::span<const Shape> in) const override {
+    return {Shape{in[0][0], in[0][2]}};
+  }
+  void forward(LayerCtx&, Arena&, std::span<const Tensor>, std::span<const Tensor>) override {}
+  void backward_input(LayerCtx&, Arena&, std::span<const Tensor>,
+                      std::span<const Tensor>) override {}
+  std::unique_ptr<Layer> tensor_parallel(TpBuild&) const override {
+    return std::make_unique<SequenceMean>();
+  }
+};
+
+class ColumnsOnly final : public Layer {  // x W, W split by columns, no sequence form
+ public:
+  explicit ColumnsOnly(Param* w) : w_(w) {}
+  const char* kind() const override { return "columns_only"; }
+  std::vector<Shape> output_shapes(std::span<const Shape> in) const override {
+    Shape s = in[0];
+    s[s.rank - 1] = w_->value.dim(1);
+    return {s};
+  }
+  std::vector<Param*> params() const override { return {w_}; }
+  void forward(LayerCtx&, Arena&, std::span<const Tensor>, std::span<const Tensor>) override {}
+  void backward_input(LayerCtx&, Arena&, std::span<const Tensor>,
+                      std::span<const Tensor>) override {}
+  std::unique_ptr<Layer> tensor_parallel(TpBuild& build) const override {
+    return std::make_unique<ColumnsOnly>(build.param(*w_, 1));
+  }
+
+ private:
+  Param* w_;
+};
+
+TEST(TpErrors, SequenceParallelRefusesWhatWouldSeeOnlyItsTokens) {
+  auto graph_with = [](auto make_layer) {
+    auto params = std::make_shared<ParamStore>();
+    Graph g(params);
+    const int tokens = g.input("tokens", {2, 8}, DType::I32);
+    Param* wte = params->create("wte", {16, 4}, Init::normal(0.1f));
+    const int x = g.add1("embed", std::make_unique<Embedding>(wte, nullptr), {tokens});
+    g.mark_output(g.add1("odd", make_layer(*params), {x}));
+    return g;
+  };
+  const Graph pooled = graph_with([](ParamStore&) { return std::make_unique<SequenceMean>(); });
+  EXPECT_EQ(error_message([&] { check_tensor_parallel(pooled, 2); }), "");
+  std::string msg = error_message([&] { check_tensor_parallel(pooled, 2, true); });
+  EXPECT_TRUE(contains(msg, "odd (sequence_mean): under --sequence-parallel its input holds 1/2 "
+                            "of the tokens, and its output [2, 4] (whole: [2, 4]) does not"))
+      << msg;
+  const Graph columns = graph_with([](ParamStore& p) {
+    return std::make_unique<ColumnsOnly>(p.create("w", {4, 8}, Init::normal(0.1f)));
+  });
+  EXPECT_EQ(error_message([&] { check_tensor_parallel(columns, 2); }), "");
+  msg = error_message([&] { check_tensor_parallel(columns, 2, true); });
+  EXPECT_TRUE(contains(msg, "odd (columns_only): --sequence-parallel needs every layer that "
+                            "splits parameters"))
+      << msg;
+  msg = error_message([&] { check_tensor_parallel(columns, 1, true); });
+  EXPECT_TRUE(contains(msg, "--sequence-parallel needs --tensor-model-parallel-size above 1"))
+      << msg;
+  // A sequence that does not divide, named by the embedding.
+  msg = error_message([&] { check_tensor_parallel(pooled, 16, true); });
+  EXPECT_TRUE(contains(msg, "embed")) << msg;
+  EXPECT_TRUE(contains(msg, "must be divisible by tensor-parallel size (16)")) << msg;
+}
+
 }  // namespace
 }  // namespace weft

@@ -25,6 +25,9 @@ namespace weft {
 
 struct LayoutOptions {
   int tp = 1, pp = 1;  // dp = world / (tp x pp)
+  // Megatron's --sequence-parallel: outside the tensor-parallel regions each
+  // tp rank holds 1/tp of the tokens (weft/tensor_parallel.h); tp > 1.
+  bool sequence_parallel = false;
   std::string schedule = "1f1b";
   int chunks = 1;      // virtual stages per pipeline rank
   PartitionMethod partition = PartitionMethod::Uniform;

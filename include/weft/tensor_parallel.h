@@ -13,11 +13,22 @@
 //
 // Activations enter and leave a split region through the conjugate pairs of
 // layers/tp_regions.h (the vocab-parallel cross-entropy also all-reduces its
-// per-token max and sums, inside the layer). The parallel layers are in
-// layers/tp_*.h: ColumnParallelLinear and RowParallelLinear (tp_linear),
-// VocabParallelEmbedding (tp_embedding) and VocabParallelLmHeadLoss
-// (tp_lm_head). Building a graph communicates nothing, so a config that does
-// not divide fails on every rank before any message.
+// per-token max and sums, inside the layer). The parallel layers:
+// ColumnParallelLinear and RowParallelLinear (layers/tp_linear.h), the
+// vocabulary-parallel Embedding and TiedLmHeadLoss (their own files), and
+// GeluMlp (column then row in one node). Building a graph communicates
+// nothing, so a config that does not divide fails on every rank before any
+// message.
+//
+// With sequence parallelism (Megatron's --sequence-parallel) the values
+// outside the split regions hold 1/tp of the tokens (layers/tp_regions.h):
+// the layers that split parameters enter and leave their regions by
+// all-gather and reduce-scatter instead, and each must have that form. A
+// layer between regions (a norm, a residual add) is instantiated as it is:
+// it must work token by token (its outputs keep its inputs' leading
+// dimensions, or the graph is refused naming it), and the gradients of its
+// whole parameters, which each rank now computes from its tokens only, are
+// summed over the group after every W.
 #pragma once
 
 #include <weft/communicator.h>
@@ -27,10 +38,18 @@
 
 namespace weft {
 
+class SequenceScratch;  // layers/tp_regions.h
+
 // What a layer needs to build its form for one rank.
 struct TpBuild {
+  TpBuild(Communicator* g, ParamStore* s) : group(g), store(s) {}
   Communicator* group = nullptr;  // the tensor-parallel group (any size >= 1)
   ParamStore* store = nullptr;    // this rank's parameters
+  // Sequence parallelism: the rank's shared whole-sequence buffers, or null
+  // without it. A layer that builds its sequence-parallel form sets
+  // `took_sequence` (layers/tp_regions.h: sequence_parallel(build)).
+  std::shared_ptr<SequenceScratch> sequence;
+  bool took_sequence = false;
 
   // This rank's parameter for `logical`: its piece along `dim` (of each of
   // the packed blocks of widths `blocks`, one block when empty; see Shard),
@@ -50,11 +69,11 @@ struct TpBuild {
 // its piece of the full tensor). Throws Error naming the node and the rule
 // when a layer has no tensor-parallel form or a size does not divide.
 Graph tensor_parallel_graph(const Graph& logical, Communicator& tp,
-                            std::shared_ptr<ParamStore> store);
+                            std::shared_ptr<ParamStore> store, bool sequence_parallel = false);
 
 // Throws what tensor_parallel_graph would throw at size `tp` (a head count or
 // vocabulary that does not divide, a layer without a tensor-parallel form),
 // without any communicator: call it before building the mesh.
-void check_tensor_parallel(const Graph& logical, int tp);
+void check_tensor_parallel(const Graph& logical, int tp, bool sequence_parallel = false);
 
 }  // namespace weft

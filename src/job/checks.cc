@@ -284,6 +284,14 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
   using namespace weft;
   check_numbers(a);
   MeshLayout layout(world, a.tp, a.pp);
+  check(!a.sequence_parallel || a.tp > 1,
+        "--sequence-parallel needs --tensor-model-parallel-size above 1 (got {}): it splits "
+        "the tokens across the tensor-parallel ranks",
+        a.tp);
+  check(!a.sequence_parallel || cfg.seq_length % a.tp == 0,
+        "--sequence-parallel splits the sequence across the tensor-parallel ranks: --seq-length "
+        "({}) must be divisible by --tensor-model-parallel-size ({})",
+        cfg.seq_length, a.tp);
   PipelineSetup p;
   p.device = resolve_device(a, world, p.staged, p.nccl);
   if (a.layers_per_virtual > 0) {

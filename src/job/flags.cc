@@ -203,6 +203,10 @@ void add_flags(CLI::App& app, Args& a, const Job& job) {
                  "with --fp16: overflows before the loss scale halves (2)");
   app.add_option("--tensor-model-parallel-size,--tp", a.tp, "tensor-parallel ranks");
   app.add_option("--pipeline-model-parallel-size,--pp", a.pp, "pipeline ranks");
+  app.add_flag("--sequence-parallel", a.sequence_parallel,
+               "with --tp > 1: split the norms, residual adds and the loss's input along the "
+               "sequence across the tensor-parallel ranks (all-gather and reduce-scatter in "
+               "place of each all-reduce)");
   app.add_option("--schedule", a.schedule,
                  "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v");
   app.add_option("--virtual-stages", a.virtual_stages, "model chunks per pipeline rank");

@@ -115,6 +115,7 @@ struct Args {
   std::string attention_backend = "auto";
   // Parallelism (Megatron's names; dp = world / (tp x pp)).
   int tp = 1, pp = 1;
+  bool sequence_parallel = false;  // tp > 1: the tokens split outside the tensor-parallel regions
   std::string schedule = "1f1b";
   int virtual_stages = 0;       // chunks per pipeline rank
   int layers_per_virtual = 0;   // --num-layers-per-virtual-pipeline-stage

@@ -520,6 +520,7 @@ class Run {
                                          : std::string("file order (--data-order file)"));
     }
     lo.tp = a.tp;
+    lo.sequence_parallel = a.sequence_parallel;
     lo.pp = a.pp;
     lo.schedule = a.schedule;
     lo.chunks = setup.chunks;

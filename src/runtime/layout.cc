@@ -14,14 +14,16 @@ RankLayout::RankLayout(Communicator* world, Graph& logical, ModelIO io, const Ba
         "size ({})",
         opt.global_batch, opt.micro_batch, shape.dp());
   const int64_t micro_batches = opt.global_batch / (opt.micro_batch * shape.dp());
-  check_tensor_parallel(logical_, lo_.tp);  // heads, vocabulary: before any message
+  // heads, vocabulary, the sequence: before any message
+  check_tensor_parallel(logical_, lo_.tp, lo_.sequence_parallel);
   if (world != nullptr) mesh_.emplace(Mesh::build(*world, lo_.tp, lo_.pp));
 
   // This rank's graph and parameters: each rank starts from its piece of the
   // same full tensors, a function of (seed, name) only.
   if (lo_.tp > 1) {
     tp_graph_ = std::make_unique<Graph>(
-        tensor_parallel_graph(logical_, *mesh_->tp, std::make_shared<ParamStore>()));
+        tensor_parallel_graph(logical_, *mesh_->tp, std::make_shared<ParamStore>(),
+                              lo_.sequence_parallel));
     io_.graph = tp_graph_.get();
   } else {
     io_.graph = &logical_;

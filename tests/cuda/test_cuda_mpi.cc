@@ -74,7 +74,12 @@ TEST_F(SharedGpu, EverySchedule) {
       expect_single_process(pp, fmt::format("--pp {} --schedule {}", pp, schedule));
 }
 
-TEST_F(SharedGpu, PipelineTimesTensorParallel) { expect_single_process(4, "--pp 2 --tp 2"); }
+TEST_F(SharedGpu, PipelineTimesTensorParallel) {
+  expect_single_process(4, "--pp 2 --tp 2");
+  // Sequence parallelism: all-gathers and reduce-scatters of device
+  // tensors through host buffers, into the ranks' shared device buffers.
+  expect_single_process(4, "--pp 2 --tp 2 --schedule zb-h1 --sequence-parallel");
+}
 
 // --profile on a GPU: rank 0 times the whole model's nodes and measures each
 // stage's memory on the GPU (the parameters of the stages it does not run

@@ -3,7 +3,8 @@
 // pp 2 with every schedule NCCL can run (interleaved 1F1B refused with the
 // place it would hang), pp 4, tp 2, dp 2 with and without the distributed
 // optimizer (ZeRO-1), pp 2 x tp 2, (dp, pp, tp) = (2, 2, 2) on 8 ranks,
-// --bf16 at pp 2 x tp 2, and a checkpoint saved over NCCL resumed.
+// --bf16 at pp 2 x tp 2, sequence parallelism with each, and a checkpoint
+// saved over NCCL resumed.
 //
 // The ranks get NCCL one of two ways. Where there are GPUs enough, each rank
 // takes its own (the GPU emulator gives the ranks WEFT_EMU_DEVICES=8 here).
@@ -120,10 +121,15 @@ TEST_F(NcclRanks, TensorAndDataParallel) {
   // NCCL stream and retired by the compute stream waiting for it.
   expect_single_process(2, "--data-parallel-sharding-strategy optim_grads --ddp-bucket-size 4096");
   expect_single_process(4, "--pp 2 --tp 2");
+  // Sequence parallelism: all-gathers and reduce-scatters on the NCCL
+  // stream, into whole-sequence buffers the layers reuse in the compute
+  // stream's order.
+  expect_single_process(2, "--tp 2 --sequence-parallel");
 }
 
 TEST_F(NcclRanks, DataPipelineAndTensorParallelOnEightRanks) {
   expect_single_process(8, "--pp 2 --tp 2");
+  expect_single_process(8, "--pp 2 --tp 2 --schedule zb-h1 --sequence-parallel");
   expect_single_process(8, "--pp 2 --tp 2 --use-distributed-optimizer");
   expect_single_process(8, "--pp 2 --tp 2 --data-parallel-sharding-strategy optim_grads");
 }
@@ -136,6 +142,7 @@ TEST_F(NcclRanks, RanksSharingOneGpuAsNcclHosts) {
   expect_steps(run, *reference_, 0, kTol, "pp 2 x tp 2, one GPU");
   EXPECT_TRUE(testing::contains(run.output, "rank 3 | host")) << run.output;
   expect_single_process(2, "--use-distributed-optimizer");
+  expect_single_process(4, "--pp 2 --tp 2 --sequence-parallel");
 }
 
 TEST_F(NcclRanks, Bf16WithinItsErrorModel) {
@@ -143,6 +150,10 @@ TEST_F(NcclRanks, Bf16WithinItsErrorModel) {
   ASSERT_TRUE(one.ok) << one.command << "\n" << one.output;
   const testing::TrainRun run = nccl(4, "--pp 2 --tp 2 --bf16");
   expect_steps(run, one.records, 0, 2 * std::ldexp(1.0, -8), "--bf16 at pp 2 x tp 2");
+  // Sequence parallelism reduce-scatters the same bf16 partial outputs the
+  // all-reduce summed: one rounding per row-parallel output, as before.
+  expect_steps(nccl(4, "--pp 2 --tp 2 --bf16 --sequence-parallel"), one.records, 0,
+               2 * std::ldexp(1.0, -8), "--bf16 at pp 2 x tp 2, sequence-parallel");
   // ... and it is a bf16 run, not fp32's.
   double apart = 0;
   for (size_t s = 0; s < run.records.size() && s < reference_->size(); ++s)
