@@ -233,6 +233,7 @@ std::string Layout::describe() const {
   s += fmt::format(" mb {}", micro_batch);
   if (recompute) s += " recompute";
   if (zero1) s += zero2 ? " zero-2" : " zero-1";
+  if (sequence_parallel) s += " sequence-parallel";
   return s;
 }
 
@@ -248,6 +249,7 @@ std::vector<std::string> Layout::flags() const {
   } else if (zero1) {
     f.push_back("--use-distributed-optimizer");
   }
+  if (sequence_parallel) f.push_back("--sequence-parallel");
   return f;
 }
 
@@ -261,6 +263,16 @@ std::string layout_rule(const ModelShape& shape, int64_t global, int world, cons
         shape.heads, l.tp);
   // The vocabulary needs no rule: train_gpt pads it to a multiple of tp
   // (--make-vocab-size-divisible-by), so every tp splits it.
+  if (l.sequence_parallel && l.tp < 2)
+    return fmt::format(
+        "--sequence-parallel needs --tensor-model-parallel-size above 1 (got {}): it splits "
+        "the tokens across the tensor-parallel ranks",
+        l.tp);
+  if (l.sequence_parallel && shape.seq % l.tp != 0)
+    return fmt::format(
+        "--sequence-parallel splits the sequence across the tensor-parallel ranks: "
+        "--seq-length ({}) must be divisible by --tensor-model-parallel-size ({})",
+        shape.seq, l.tp);
   if (l.pp > 1) {
     const std::string rule = sched::chunks_rule(l.schedule, l.chunks);
     if (!rule.empty()) return fmt::format("--virtual-stages {}: {}", l.chunks, rule);
@@ -319,6 +331,8 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
   const double tp_small =
       all_reduce(tp_link, act / std::max<double>(1, static_cast<double>(shape.hidden)), l.tp,
                  m.wake);
+  const bool sp = l.sequence_parallel && l.tp > 1;
+  const double message = sp ? act / tp : act;  // what a tp rank sends between stages
   sched::SimCost cost;
   std::vector<sched::StageBytes> bytes(static_cast<size_t>(stages));
   std::vector<double> stage_params(static_cast<size_t>(stages));
@@ -330,14 +344,26 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
     if (st == stages - 1) add(p, c.post);
     const double n = static_cast<double>(layers[k]);
     const double scale = c.compute_scale * mb;
-    // A 1/tp share of the split work, all of the replicated work.
-    double f = ((p.f - p.rf) / tp + p.rf) * scale, i = ((p.i - p.ri) / tp + p.ri) * scale;
-    const double w = ((p.w - p.rw) / tp + p.rw) * scale;
+    // A 1/tp share of the split work, all of the replicated work; under
+    // sequence parallelism the replicated work but the embedding's is split.
+    double rf = p.rf, ri = p.ri, rw = p.rw;
+    if (sp) {
+      const double keep = st == 0 ? 1 : 0;
+      rf = keep * c.pre.rf + (p.rf - keep * c.pre.rf) / tp;
+      ri = keep * c.pre.ri + (p.ri - keep * c.pre.ri) / tp;
+      rw = keep * c.pre.rw + (p.rw - keep * c.pre.rw) / tp;
+    }
+    double f = ((p.f - p.rf) / tp + rf) * scale, i = ((p.i - p.ri) / tp + ri) * scale;
+    const double w = ((p.w - p.rw) / tp + rw) * scale;
     // The collectives wait on the other tensor-parallel ranks: no core.
-    double f_wait = 0, i_wait = 0;
+    double f_wait = 0, i_wait = 0, w_wait = 0;
     if (l.tp > 1) {
       f_wait = 2 * n * tp_ar + (st == 0 ? tp_ar : 0) + (st == stages - 1 ? 2 * tp_small : 0);
       i_wait = 2 * n * tp_ar + (st == stages - 1 ? tp_ar : 0);
+      // W's gathers: four per block, the head's input; the embedding's
+      // output gradient.
+      if (sp)
+        w_wait = (4 * n + (st == 0 ? 1 : 0) + (st == stages - 1 ? 1 : 0)) * tp_ar / 2;
     }
     if (l.recompute) i += f, i_wait += f_wait;  // the forward again, before the input gradient
     cost.f.push_back(f);
@@ -345,30 +371,32 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
     cost.w.push_back(w);
     cost.f_wait.push_back(f_wait);
     cost.i_wait.push_back(i_wait);
-    cost.activation_bytes.push_back(act);
+    cost.w_wait.push_back(w_wait);
+    cost.activation_bytes.push_back(message);
     stage_params[k] = p.param_bytes / tp;
     cost.update.push_back(c.update_per_param_byte * stage_params[k] / (l.zero1 ? l.dp : 1));
     // Whole outputs on every tp rank, a 1/tp share of the split ones and of
     // what F keeps beyond its outputs.
     const double split = p.stash_bytes - p.whole_stash_bytes + p.kept_bytes;
-    const double stash = (p.whole_stash_bytes + split / tp) * mb;
+    const double stash = ((sp ? p.whole_stash_bytes / tp : p.whole_stash_bytes) + split / tp) * mb;
     // I's gradients as F's outputs, and under tp the column-parallel GEMMs'
-    // whole partial input gradients.
-    const double partials = l.tp > 1 ? p.column_gemms * act : 0;
+    // whole partial input gradients (under sequence parallelism in the
+    // shared buffers instead).
+    const double partials = l.tp > 1 && !sp ? p.column_gemms * act : 0;
     sched::StageBytes& b = bytes[k];
-    b.recv_f = st > 0 ? act : 0;
-    b.recv_b = st + 1 < stages ? act : 0;
+    b.recv_f = st > 0 ? message : 0;
+    b.recv_b = st + 1 < stages ? message : 0;
     if (l.recompute && (l.schedule == "zb-h1" || l.schedule == "zb-v")) {
       // The backward is split (sched::folds_weights): I replays the stage
       // into its slot, where W finds it.
-      b.f = act;
+      b.f = message;
       b.f_work = stash;
       b.i = stash * (1 + c.input_grad_ratio) + partials;
     } else if (l.recompute) {
-      b.f = act;
+      b.f = message;
       b.f_work = stash;
       b.i_work = stash * (1 + c.input_grad_ratio) + partials;
-      b.i_keep = st > 0 ? act : 0;
+      b.i_keep = st > 0 ? message : 0;
     } else {
       b.f = stash;
       b.i = stash * c.input_grad_ratio + partials;
@@ -432,14 +460,18 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
     }
     state = std::max(state, here);
   }
-  out.memory_per_rank = state + out.activation_bytes;
+  // Sequence parallelism's shared buffers: two whole activations and a slice.
+  const double shared = sp ? (2 + 1 / tp) * act : 0;
+  out.memory_per_rank = state + out.activation_bytes + shared;
   // Bytes: every replica's pipeline messages (each tp rank sends its copy),
   // tp's all-reduces (2 (tp - 1) / tp of the tensor per rank), dp's.
   const double pp_bytes =
       std::accumulate(r.bytes_sent.begin(), r.bytes_sent.end(), 0.0) * l.tp * l.dp;
-  const double tp_bytes = l.tp > 1 ? (4 * static_cast<double>(shape.layers) + 2) * 2.0 * (tp - 1) *
-                                         act * static_cast<double>(mbs) * l.dp
-                                   : 0;
+  // Sequence parallelism's gathers in W: 2 L + 1 more all-reduces' worth.
+  const double tp_collectives =
+      4 * static_cast<double>(shape.layers) + 2 + (sp ? 2 * static_cast<double>(shape.layers) + 1 : 0);
+  const double tp_bytes =
+      l.tp > 1 ? tp_collectives * 2.0 * (tp - 1) * act * static_cast<double>(mbs) * l.dp : 0;
   double params_all = std::accumulate(stage_params.begin(), stage_params.end(), 0.0) * tp;
   double dp_bytes = l.dp > 1 ? 2.0 * (l.dp - 1) * params_all : 0;
   if (l.zero2) dp_bytes *= (static_cast<double>(mbs) + 1) / 2;
@@ -491,19 +523,23 @@ PlanResult plan(const PlanInput& in) {
                 if (fx.zero1 && *fx.zero1 != zero1) continue;
                 if (fx.zero2 && *fx.zero2 != zero2) continue;
                 if (zero1 && dp == 1 && !fx.zero1) continue;  // nothing to shard
-                Layout l{dp, pp, tp, name, chunks, mb, recompute, zero1, zero2};
-                if (const std::string why = layout_rule(in.shape, in.global_batch, m.world, l);
-                    !why.empty()) {
-                  refuse(why);
-                  continue;
+                for (bool sp : {false, true}) {
+                  if (fx.sequence_parallel && *fx.sequence_parallel != sp) continue;
+                  if (sp && tp == 1 && !fx.sequence_parallel) continue;  // nothing to split
+                  Layout l{dp, pp, tp, name, chunks, mb, recompute, zero1, zero2, sp};
+                  if (const std::string why = layout_rule(in.shape, in.global_batch, m.world, l);
+                      !why.empty()) {
+                    refuse(why);
+                    continue;
+                  }
+                  Plan p = evaluate(in, l);
+                  if (p.memory_per_rank > m.memory) {
+                    refuse(fmt::format("needs {} per rank, more than the {} each has",
+                                       format_bytes(p.memory_per_rank), format_bytes(m.memory)));
+                    continue;
+                  }
+                  out.plans.push_back(std::move(p));
                 }
-                Plan p = evaluate(in, l);
-                if (p.memory_per_rank > m.memory) {
-                  refuse(fmt::format("needs {} per rank, more than the {} each has",
-                                     format_bytes(p.memory_per_rank), format_bytes(m.memory)));
-                  continue;
-                }
-                out.plans.push_back(std::move(p));
               }
             }
           }
@@ -526,16 +562,17 @@ PlanResult plan(const PlanInput& in) {
 }
 
 std::string plan_table(const PlanResult& r, size_t top) {
-  constexpr const char* row = "{:>4} {:>3} {:>3} {:>3} {:<17} {:>6} {:>3} {:>4} {:>9} {:>6} {:>11} {:>8} {:>11} {:>11}\n";
+  constexpr const char* row = "{:>4} {:>3} {:>3} {:>3} {:>3} {:<17} {:>6} {:>3} {:>4} {:>9} {:>6} {:>11} {:>8} {:>11} {:>11}\n";
   std::string out =
-      fmt::format(row, "rank", "dp", "pp", "tp", "schedule", "chunks", "mb", "m", "recompute",
-                  "zero", "step ms", "bubble", "memory/rank", "bytes/step");
+      fmt::format(row, "rank", "dp", "pp", "tp", "sp", "schedule", "chunks", "mb", "m",
+                  "recompute", "zero", "step ms", "bubble", "memory/rank", "bytes/step");
   const size_t n = top == 0 ? r.plans.size() : std::min(top, r.plans.size());
   for (size_t k = 0; k < n; ++k) {
     const Plan& p = r.plans[k];
     const Layout& l = p.layout;
     const char* zero = l.zero2 ? "2" : l.zero1 ? "1" : "-";
-    out += fmt::format(row, k + 1, l.dp, l.pp, l.tp, l.pp > 1 ? l.schedule : "-", l.chunks,
+    out += fmt::format(row, k + 1, l.dp, l.pp, l.tp, l.sequence_parallel ? "yes" : "-",
+                       l.pp > 1 ? l.schedule : "-", l.chunks,
                        l.micro_batch, p.micro_batches, l.recompute ? "yes" : "no", zero,
                        fmt::format("{:.3f}", 1e3 * p.step_time),
                        fmt::format("{:.1f}%", 100 * std::max(0.0, p.bubble)),

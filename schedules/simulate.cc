@@ -56,10 +56,11 @@ void check_costs(const Schedule& s, const SimCost& c) {
       {"stash_bytes", &c.stash_bytes},
       {"update", &c.update},
       {"f_wait", &c.f_wait},
-      {"i_wait", &c.i_wait}};
+      {"i_wait", &c.i_wait},
+      {"w_wait", &c.w_wait}};
   for (const auto& [name, v] : per_stage) {
     const bool optional = (v == &c.activation_bytes || v == &c.stash_bytes || v == &c.update ||
-                           v == &c.f_wait || v == &c.i_wait) &&
+                           v == &c.f_wait || v == &c.i_wait || v == &c.w_wait) &&
                           v->empty();
     check(optional || v->size() == n, "simulate: cost {} has {} entries, not one per stage ({})",
           name, v->size(), n);
@@ -164,8 +165,9 @@ class Simulator {
     auto at = [st](const std::vector<double>& v) { return v.empty() ? 0.0 : v[st]; };
     switch (a.kind) {
       case ActionKind::F: return at(c_.f_wait);
-      case ActionKind::I:
-      case ActionKind::B: return at(c_.i_wait);
+      case ActionKind::I: return at(c_.i_wait);
+      case ActionKind::W: return at(c_.w_wait);
+      case ActionKind::B: return at(c_.i_wait) + at(c_.w_wait);
       default: return 0;
     }
   }

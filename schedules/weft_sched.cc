@@ -555,6 +555,7 @@ struct PlanRequest {
   std::optional<std::string> schedule;
   std::optional<int64_t> micro_batch;
   std::optional<std::string> sharding;  // --data-parallel-sharding-strategy
+  bool sequence_parallel = false;       // fixed on; otherwise searched
   size_t top = 10;
   bool json = false;
 };
@@ -604,6 +605,8 @@ void add_plan_options(CLI::App* cmd, PlanRequest& q) {
   cmd->add_option("--micro-batch-size", q.micro_batch, "fix the micro-batch size");
   cmd->add_option("--data-parallel-sharding-strategy", q.sharding,
                   "fix what the replicas shard: no_shard, optim (ZeRO-1) or optim_grads (ZeRO-2)");
+  cmd->add_flag("--sequence-parallel", q.sequence_parallel,
+               "fix sequence parallelism on (needs tp > 1); otherwise tried at every tp > 1");
   cmd->add_option("--max-micro-batch-size", q.in.fixed.max_micro_batch,
                   "largest micro-batch size searched (powers of 2; default 16)");
   cmd->add_option("--top", q.top, "rows to print (0: all; default 10)");
@@ -642,6 +645,7 @@ int plan_command(PlanRequest q) {
     fx.zero1 = st != weft::ShardingStrategy::NoShard;
     fx.zero2 = st == weft::ShardingStrategy::OptimGrads;
   }
+  if (q.sequence_parallel) fx.sequence_parallel = true;
   if (q.schedule) default_chunks(*q.schedule);  // an unknown name is refused here
   const PlanResult r = plan(q.in);
   if (q.json) {
@@ -652,6 +656,7 @@ int plan_command(PlanRequest q) {
                      {"chunks", p.layout.chunks}, {"micro_batch", p.layout.micro_batch},
                      {"micro_batches", p.micro_batches}, {"recompute", p.layout.recompute},
                      {"zero1", p.layout.zero1}, {"zero2", p.layout.zero2},
+                     {"sequence_parallel", p.layout.sequence_parallel},
                      {"step_time", p.step_time},
                      {"pipeline_time", p.pipeline_time}, {"dp_time", p.dp_time},
                      {"update_time", p.update_time}, {"bubble", p.bubble},

@@ -295,7 +295,7 @@ TEST(MpiLayoutErrors, ImpossibleLayoutsFailBeforeCommunicating) {
       << out;
   out = run("--model toy --tp 3");
   EXPECT_NE(out.find("world size (8) must be divisible"), std::string::npos) << out;
-  out = run("--model toy --tp 8 --seq-length 12 --sequence-parallel");
+  out = run("--model toy --tp 8 --num-attention-heads 8 --seq-length 12 --sequence-parallel");
   EXPECT_NE(out.find("--sequence-parallel splits the sequence across the tensor-parallel ranks: "
                      "--seq-length (12) must be divisible by --tensor-model-parallel-size (8)"),
             std::string::npos)

@@ -382,7 +382,8 @@ TEST(Reference, ClipsAndLearns) {
 // Same layout, both flags: the same losses, norms, parameters and Adam moments.
 // The planner's activation memory under tensor parallelism, from a profile
 // taken at tp 1, against the bytes the executor's arenas held at tp 2 (and at
-// tp 1). The profile gives each stage's F and I bytes, measured; the planner
+// tp 1), and with sequence parallelism at tp 2 and 4 (where the outputs the
+// profile calls whole are split, and so are the norms' statistics). The profile gives each stage's F and I bytes, measured; the planner
 // splits what each node's "tp_whole" says is split and what F keeps beyond
 // the outputs (attention's probabilities, the loss's), gives I its gradients
 // in the same proportion and, under tp, one whole partial input gradient per
@@ -420,23 +421,25 @@ TEST(Plan, ActivationMemoryUnderTensorParallelismIsWhatTheArenasHold) {
     ratio_error = std::max(ratio_error, std::abs(b.i - i_sum / f_sum * b.f));
   const double norm_stats = 2.0 * 4 * static_cast<double>(kMicro * cfg.seq_length);
 
-  for (int tp : {1, 2}) {
+  for (auto [tp, sp] : {std::pair{1, false}, {2, false}, {2, true}, {4, true}}) {
     in.machine.world = 2 * tp;
     Layout l;
-    l.pp = 2, l.tp = tp;
+    l.pp = 2, l.tp = tp, l.sequence_parallel = sp;
     std::vector<double> held(2);
     run_layout(l, 1, {}, [&](RankLayout& rank) {
       if (rank.coord().tp == 0) held[z(rank.coord().pp)] = rank.pipeline()->peak_bytes();
     });
-    const plan::Plan p = plan::evaluate(in, {1, 2, tp, "1f1b", 1, kMicro, false, false});
+    const plan::Plan p =
+        plan::evaluate(in, {1, 2, tp, "1f1b", 1, kMicro, false, false, false, sp});
     const double blocks = static_cast<double>(cfg.num_layers) / 2;
     const sched::Schedule s = sched::lower(sched::make_schedule("1f1b", 2, kGlobal / kMicro, 1));
     const std::vector<int> in_flight = sched::peak_in_flight(s, false);
     const double held_f = *std::max_element(in_flight.begin(), in_flight.end()) + 1;
+    // Under sequence parallelism the norms' statistics are split too.
     const double allowed =
-        ratio_error + held_f * (2 * blocks + 1) * norm_stats * (tp - 1.0) / tp + 1;
+        ratio_error + (sp ? 0 : held_f * (2 * blocks + 1) * norm_stats * (tp - 1.0) / tp) + 1;
     const double most = *std::max_element(held.begin(), held.end());
-    EXPECT_NEAR(p.activation_bytes, most, allowed) << "tp " << tp;
+    EXPECT_NEAR(p.activation_bytes, most, allowed) << "tp " << tp << (sp ? " sp" : "");
     // Before, the planner divided every stashed byte by tp and left out
     // what F keeps beyond the outputs: far outside this bound.
     EXPECT_LT(allowed, 0.1 * most) << "tp " << tp;

@@ -41,7 +41,8 @@ PlanInput synthetic(int world, int64_t global, double latency = 1e-3) {
 // The candidates the search walks, counted here independently: every
 // dp x pp x tp of the world; at pp > 1 every schedule (interleaved with 2, 3
 // and 4 chunks), with and without recompute; micro-batches 1, 2, 4, 8, 16;
-// no sharding, ZeRO-1 and ZeRO-2 where dp > 1.
+// no sharding, ZeRO-1 and ZeRO-2 where dp > 1; with and without sequence
+// parallelism where tp > 1.
 TEST(Plan, WalksTheWholeSearchSpaceAndEveryPlanPassesTheRules) {
   const PlanInput in = synthetic(8, 32);
   const PlanResult r = plan(in);
@@ -54,7 +55,8 @@ TEST(Plan, WalksTheWholeSearchSpaceAndEveryPlanPassesTheRules) {
       const int schedules = pp > 1 ? 4 + 3 : 1;  // gpipe, 1f1b, zb-h1, zb-v + interleaved x3
       const int recompute = pp > 1 ? 2 : 1;
       const int sharding = dp > 1 ? 3 : 1;
-      expected += schedules * 5 * recompute * sharding;
+      const int sequence = tp > 1 ? 2 : 1;
+      expected += schedules * 5 * recompute * sharding * sequence;
       layouts.insert({dp, pp, tp});
     }
   EXPECT_EQ(static_cast<int>(r.plans.size()) + r.refused, expected);

@@ -38,6 +38,18 @@
 // gradient bucket (2^20 elements, or the largest tensor if larger) and
 // their slices, as weft/grad_sync.h runs them. Processes share `machine.cores` when
 // it is set (dp x tp processes per pipeline rank; see SimCost::cores).
+//
+// Sequence parallelism (weft/tensor_parallel.h): the outputs every tp rank
+// held whole, and the work of the norms and residual adds of the blocks and
+// the final norm, are split too (the embedding's lookup is not: each rank
+// writes its whole partial sum before the reduce-scatter); the pipeline
+// messages are 1/tp; each all-reduce becomes a reduce-scatter and an
+// all-gather of the same total, and W gathers again what it needs whole
+// (per block: the attention's input, its projection's and the MLP's output
+// gradients, the MLP's input; the head's input): half an all-reduce each,
+// waited without a core. The whole partial input gradients go to three
+// shared buffers (two whole activations and a slice), counted once per rank
+// rather than per micro-batch.
 #pragma once
 
 #include <weft/simulate.h>
@@ -130,7 +142,8 @@ struct Machine {
 
 // One candidate layout. recompute and zero1 as train_gpt's --recompute and
 // --use-distributed-optimizer; zero2 (with zero1) as
-// --data-parallel-sharding-strategy optim_grads.
+// --data-parallel-sharding-strategy optim_grads; sequence_parallel as
+// --sequence-parallel (tp > 1).
 struct Layout {
   int dp = 1, pp = 1, tp = 1;
   std::string schedule = "1f1b";  // at pp 1: none is run
@@ -139,6 +152,7 @@ struct Layout {
   bool recompute = false;
   bool zero1 = false;
   bool zero2 = false;
+  bool sequence_parallel = false;
   int64_t micro_batches(int64_t global_batch) const { return global_batch / (micro_batch * dp); }
   std::string describe() const;
   // The train_gpt flags that run it.
@@ -160,7 +174,7 @@ struct Constraints {
   std::optional<int> dp, pp, tp, chunks;
   std::optional<std::string> schedule;
   std::optional<int64_t> micro_batch;
-  std::optional<bool> recompute, zero1, zero2;
+  std::optional<bool> recompute, zero1, zero2, sequence_parallel;
   int64_t max_micro_batch = 16;
 };
 
@@ -196,9 +210,9 @@ Plan evaluate(const PlanInput& in, const Layout& l);
 // weft::Error when the input is malformed (world < 1, no layers, ...).
 PlanResult plan(const PlanInput& in);
 
-// The ranked table as text: rank, dp, pp, tp, schedule, chunks,
-// micro-batch, recompute, ZeRO stage (-, 1 or 2), step, bubble, memory per
-// rank, bytes per step; `top` rows at most (0: all).
+// The ranked table as text: rank, dp, pp, tp, sequence-parallel, schedule,
+// chunks, micro-batch, recompute, ZeRO stage (-, 1 or 2), step, bubble,
+// memory per rank, bytes per step; `top` rows at most (0: all).
 std::string plan_table(const PlanResult& r, size_t top = 10);
 
 }  // namespace weft::plan

@@ -27,10 +27,11 @@ struct SimCost {
   // Per stage (size stages()): forward, input-gradient and weight-gradient
   // time. A full backward B costs I + W.
   std::vector<double> f, i, w;
-  // Per stage, optional: of F's and I's (and B's) time, what is spent
-  // waiting inside the action for other ranks (tensor-parallel collectives),
-  // which takes no core when ranks share cores. Added to f and i. Empty: 0.
-  std::vector<double> f_wait, i_wait;
+  // Per stage, optional: of F's, I's and W's (and B's) time, what is spent
+  // waiting inside the action for other ranks (tensor-parallel collectives;
+  // W's: sequence parallelism's gathers), which takes no core when ranks
+  // share cores. Added to f, i and w. Empty: 0.
+  std::vector<double> f_wait, i_wait, w_wait;
   // A message takes link_latency + bytes / bandwidth to arrive.
   double link_latency = 0;
   double bandwidth = std::numeric_limits<double>::infinity();  // bytes per time unit

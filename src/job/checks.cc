@@ -284,14 +284,6 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
   using namespace weft;
   check_numbers(a);
   MeshLayout layout(world, a.tp, a.pp);
-  check(!a.sequence_parallel || a.tp > 1,
-        "--sequence-parallel needs --tensor-model-parallel-size above 1 (got {}): it splits "
-        "the tokens across the tensor-parallel ranks",
-        a.tp);
-  check(!a.sequence_parallel || cfg.seq_length % a.tp == 0,
-        "--sequence-parallel splits the sequence across the tensor-parallel ranks: --seq-length "
-        "({}) must be divisible by --tensor-model-parallel-size ({})",
-        cfg.seq_length, a.tp);
   PipelineSetup p;
   p.device = resolve_device(a, world, p.staged, p.nccl);
   if (a.layers_per_virtual > 0) {
@@ -307,10 +299,12 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
   }
   // The rules weft-sched plan searches under, in the same words: tensor
   // parallelism splits heads and the MLP's columns (the vocabulary is padded
-  // to a multiple of tp, so any --vocab-size splits); every stage needs a layer; the batch splits into micro-batches x dp; the
-  // schedule runs those sizes.
-  plan::Layout l{layout.dp(), a.pp, a.tp, a.schedule, p.chunks, a.micro_batch, a.recompute,
-                 a.distributed_optimizer};
+  // to a multiple of tp, so any --vocab-size splits), and with
+  // --sequence-parallel the sequence; every stage needs a layer; the batch
+  // splits into micro-batches x dp; the schedule runs those sizes.
+  plan::Layout l{layout.dp(), a.pp,       a.tp,        a.schedule,           p.chunks,
+                 a.micro_batch, a.recompute, a.distributed_optimizer, a.shard_grads,
+                 a.sequence_parallel};
   const std::string rule = plan::layout_rule(shape_of(cfg), global, world, l);
   check(rule.empty(), "{}", rule);
   p.micro_batches = global / (a.micro_batch * layout.dp());
@@ -949,6 +943,8 @@ void apply_plan(Args& a, const CLI::App& app, int world) {
   if (app.count("--recompute")) fx.recompute = true, fixed.push_back("--recompute");
   if (app.count("--use-distributed-optimizer"))
     fx.zero1 = true, fixed.push_back("--use-distributed-optimizer");
+  if (app.count("--sequence-parallel"))
+    fx.sequence_parallel = true, fixed.push_back("--sequence-parallel");
   if (app.count("--data-parallel-sharding-strategy")) {
     fx.zero1 = a.distributed_optimizer, fx.zero2 = a.shard_grads;
     fixed.push_back("--data-parallel-sharding-strategy " + a.sharding_strategy);
@@ -977,6 +973,7 @@ void apply_plan(Args& a, const CLI::App& app, int world) {
   a.micro_batch = l.micro_batch;
   a.distributed_optimizer = l.zero1;
   a.shard_grads = l.zero2;
+  a.sequence_parallel = l.sequence_parallel;
   if (l.pp > 1) {
     a.schedule = l.schedule;
     a.virtual_stages = l.chunks;

@@ -607,7 +607,9 @@ class Run {
     layout.emplace(team, model->graph, model->io, *batches, opt, lo, static_cast<uint64_t>(a.seed),
                    cost ? &*cost : nullptr);
     if (!a.init_from.empty()) load_weights(a.init_from, layout->graph().params());
-    if (rank0 && layout->mesh()) fmt::print("mesh: {}\n", layout->mesh()->layout.describe());
+    if (rank0 && layout->mesh())
+      fmt::print("mesh: {}{}\n", layout->mesh()->layout.describe(),
+                 a.sequence_parallel ? " | sequence-parallel" : "");
     PipelineExecutor* pipeline = layout->pipeline();
     if (pipeline) {
       // The plan's per-stage sums join the node costs: what weft-sched --costs reads.
