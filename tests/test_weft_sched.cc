@@ -81,6 +81,32 @@ TEST(WeftSched, PlanPrintsTheRankedTable) {
       EXPECT_EQ(p["zero2"], zero2) << strategy;
     }
   }
+  // Sequence parallelism: searched at tp > 1, beside each plan without it,
+  // with less activation memory; fixed on, every plan runs it; at tp 1 none can.
+  bool with = false, without = false;
+  for (const auto& p : plans) (p["sequence_parallel"].get<bool>() ? with : without) = true;
+  EXPECT_TRUE(with && without);
+  for (const auto& p : plans) {
+    if (!p["sequence_parallel"].get<bool>()) continue;
+    for (const auto& q : plans) {
+      if (q["sequence_parallel"].get<bool>() || q["micro_batch"] != p["micro_batch"] ||
+          q["recompute"] != p["recompute"] || q["zero1"] != p["zero1"] ||
+          q["zero2"] != p["zero2"])
+        continue;
+      EXPECT_LT(p["activation_bytes"].get<double>(), q["activation_bytes"].get<double>());
+    }
+  }
+  o = run(shape + "--flops 1e10 --tp 2 --json --sequence-parallel");
+  ASSERT_EQ(o.code, 0) << o.err;
+  for (const auto& p : nlohmann::json::parse(o.out)) {
+    EXPECT_TRUE(p["sequence_parallel"].get<bool>());
+    EXPECT_EQ(p["flags"].back(), "--sequence-parallel");
+  }
+  o = run(shape + "--flops 1e10 --tp 1 --sequence-parallel");
+  EXPECT_EQ(o.code, 1);
+  EXPECT_NE(o.out.find("--sequence-parallel needs --tensor-model-parallel-size above 1 (got 1)"),
+            std::string::npos)
+      << o.out;
   o = run(shape + "--flops 1e10 --data-parallel-sharding-strategy optim_grads_params");
   EXPECT_EQ(o.code, 1);
   EXPECT_NE(o.err.find("optim_grads_params (ZeRO-3) is not available yet"), std::string::npos)
