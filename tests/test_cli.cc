@@ -477,7 +477,17 @@ TEST_F(Cli, PlanAutoRunsTheBestPlan) {
   expect_error(toy("--plan-wake 1e-3"), {"--plan-wake sets up the planner: it needs --plan auto"});
   expect_error(toy("--plan auto --plan-wake -1 --plan-costs " + costs),
                {"--plan-wake (-1) must be seconds >= 0"});
-  expect_error(toy("--plan auto"), {"--plan auto needs --plan-costs FILE"});
+  // Without --plan-costs the run profiles the model itself, plans, runs
+  // the plan and sets its prediction beside the first steps.
+  r = run(toy("--plan auto --train-iters 3"));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  for (const char* line :
+       {"plan auto: profiled on rank 0 at micro-batch 2 on cpu", "one rank, no links",
+        "plan auto: (dp 1, pp 1, tp 1) mb ", "plan auto: predicted ", " ms a step; steps 2-3 took "})
+    EXPECT_TRUE(testing::contains(r.out, line)) << line << "\n" << r.out;
+  expect_error(toy("--plan auto --pp 2"), {"--plan auto: no layout of 1 ranks runs with --pp 2"});
+  expect_error(toy("--plan auto --pp 2 --profile " + dir_ + "/p.json"),
+               {"--profile with --plan auto and no --plan-costs"});
   expect_error(toy("--plan best --plan-costs " + costs), {"--plan 'best' must be auto"});
   expect_error(toy("--plan auto --pp 2 --plan-costs " + costs),
                {"--plan auto: no layout of 1 ranks runs with --pp 2"});

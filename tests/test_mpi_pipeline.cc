@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <regex>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
@@ -228,6 +229,34 @@ TEST(MpiLlama, Pp2Tp2GivesTheSingleProcessLosses) {
     ASSERT_TRUE(four.ok) << four.command << "\n" << four.output;
     expect_same_steps(four, one, 1e-5);
   }
+}
+
+// --plan auto with no other planning flag, on 4 processes: rank 0 profiles
+// the model, every rank measures the links, and every rank runs the layout
+// rank 0 chose (the mesh it builds is the plan's), with the prediction set
+// beside the first steps.
+TEST(MpiPlanAuto, ProfilesPlansAndRunsThePlanOnEveryRank) {
+  const std::string dir = testing::temp_dir("mpi-plan-auto");
+  std::string text;
+  for (int i = 0; i < 60; ++i) text += "All the world's a stage, and all the men and women. ";
+  testing::write_file(dir + "/text.txt", text);
+  const testing::TrainRun run = testing::run_train_gpt(
+      4,
+      "--model toy --global-batch-size 8 --train-iters 3 --threads 1 --comm-timeout 60 "
+      "--plan auto --data-path " + dir + "/text.txt",
+      dir);
+  ASSERT_TRUE(run.ok) << run.command << "\n" << run.output;
+  EXPECT_TRUE(testing::contains(run.output, "plan auto: profiled on rank 0 at micro-batch 1 on cpu"))
+      << run.output;
+  EXPECT_TRUE(testing::contains(run.output, "(measured, median of 6 pairs)")) << run.output;
+  const std::regex chose(R"(plan auto: \(dp (\d+), pp (\d+), tp (\d+)\))");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(run.output, m, chose)) << run.output;
+  EXPECT_TRUE(testing::contains(run.output, "mesh: world 4 = tp " + m[3].str() + " x dp " +
+                                                m[1].str() + " x pp " + m[2].str()))
+      << run.output;
+  EXPECT_TRUE(testing::contains(run.output, " ms a step; steps 2-3 took ")) << run.output;
+  EXPECT_EQ(run.records.size(), 3u);
 }
 
 // --fp16 on real processes at dp 2 x pp 2: the skip decision comes from the

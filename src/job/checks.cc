@@ -877,19 +877,18 @@ void settle_sharding(Args& a, const CLI::App& app) {
   a.shard_grads = s == weft::ShardingStrategy::OptimGrads;
 }
 
-void apply_plan(Args& a, const CLI::App& app, int world) {
+// --plan auto's flags, checked; true when the planner has its costs
+// (--plan-costs) now, false when the run profiles the model first
+// (plan_by_profile, in run.cc).
+bool check_plan_flags(const Args& a, const CLI::App& app) {
   using weft::check;
   const bool planning = !a.plan.empty();
   for (const char* flag : {"--plan-costs", "--plan-memory", "--plan-link-latency",
                            "--plan-bandwidth", "--plan-cores", "--plan-compute-scale",
                            "--plan-wake"})
     check(planning || app.count(flag) == 0, "{} sets up the planner: it needs --plan auto", flag);
-  if (!planning) return;
+  if (!planning) return false;
   check(a.plan == "auto", "--plan '{}' must be auto (weft-sched plan prints the others)", a.plan);
-  check(!a.plan_costs.empty(),
-        "--plan auto needs --plan-costs FILE: node costs that {} --pp 2 --profile FILE "
-        "measured for this model",
-        a.job->program);
   check(app.count("--global-batch-size") > 0 || a.global_batch > 0,
         "--plan auto needs --global-batch-size: the planner splits it into micro-batches");
   check(app.count("--recompute-granularity") == 0,
@@ -900,6 +899,9 @@ void apply_plan(Args& a, const CLI::App& app, int world) {
           "{} contradicts --plan auto, which chooses the layout (fix the chunks with "
           "--virtual-stages, or drop --plan)",
           flag);
+  check(app.count("--profile") == 0 || !a.plan_costs.empty(),
+        "--profile with --plan auto and no --plan-costs: the plan's own profile is taken at "
+        "--pp 1 before the run; give --plan-costs FILE to profile the planned layout instead");
   check(std::isfinite(a.plan_compute_scale) && a.plan_compute_scale > 0,
         "--plan-compute-scale ({}) must be a positive number", a.plan_compute_scale);
   check(a.plan_latency >= 0 && std::isfinite(a.plan_latency),
@@ -907,6 +909,14 @@ void apply_plan(Args& a, const CLI::App& app, int world) {
   check(a.plan_bandwidth > 0, "--plan-bandwidth ({}) must be positive", a.plan_bandwidth);
   check(a.plan_wake >= 0 && std::isfinite(a.plan_wake), "--plan-wake ({}) must be seconds >= 0",
         a.plan_wake);
+  if (a.plan_cores)
+    check(std::isfinite(*a.plan_cores) && *a.plan_cores >= 0,
+          "--plan-cores ({}) must be a number of cores >= 0 (0: one per rank)", *a.plan_cores);
+  return !a.plan_costs.empty();
+}
+
+weft::plan::PlanInput plan_input(const Args& a, const CLI::App& app, int world,
+                                 const nlohmann::json& profile, const std::string& source) {
   const weft::GptConfig cfg = flag_config(a, app);
   weft::plan::PlanInput in;
   in.shape = shape_of(cfg);
@@ -918,18 +928,13 @@ void apply_plan(Args& a, const CLI::App& app, int world) {
   if (!a.plan_memory.empty()) in.machine.memory = weft::parse_bytes("--plan-memory", a.plan_memory);
   in.machine.cores = a.plan_cores ? *a.plan_cores
                                   : static_cast<double>(std::max(1u, std::thread::hardware_concurrency()));
-  check(std::isfinite(in.machine.cores) && in.machine.cores >= 0,
-        "--plan-cores ({}) must be a number of cores >= 0 (0: one per rank)", in.machine.cores);
-  std::ifstream file(a.plan_costs);
-  check(file.good(), "--plan-costs {}: cannot open the file", a.plan_costs);
-  nlohmann::json profile;
-  try {
-    profile = nlohmann::json::parse(file);
-  } catch (const nlohmann::json::exception& e) {
-    throw weft::Error("--plan-costs {}: not valid JSON ({})", a.plan_costs, e.what());
-  }
-  in.costs = weft::plan::profile_costs(profile, a.plan_costs);
+  in.costs = weft::plan::profile_costs(profile, source);
   in.costs.compute_scale = a.plan_compute_scale;
+  return in;
+}
+
+void adopt_plan(Args& a, const CLI::App& app, weft::plan::PlanInput in) {
+  using weft::check;
   // The layout flags given are constraints.
   std::vector<std::string> fixed;
   weft::plan::Constraints& fx = in.fixed;
@@ -964,7 +969,7 @@ void apply_plan(Args& a, const CLI::App& app, int world) {
       break;
     }
   check(best != nullptr,
-        "--plan auto: no layout of {} ranks runs{}{}: {} refused{}", world,
+        "--plan auto: no layout of {} ranks runs{}{}: {} refused{}", in.machine.world,
         fixed.empty() ? "" : " with ", fmt::join(fixed, " "), r.refused,
         r.reasons.empty() ? std::string() : ", e.g. " + r.reasons.front().first);
   const weft::plan::Layout& l = best->layout;
@@ -979,12 +984,29 @@ void apply_plan(Args& a, const CLI::App& app, int world) {
     a.virtual_stages = l.chunks;
     a.recompute = l.recompute;
   }
+  a.plan_step_ms = 1e3 * best->step_time;
   a.plan_note = fmt::format(
       "plan auto: {}, predicted step {:.1f} ms, bubble {:.1f}%, {} per rank (the fastest of {} "
       "plans; {} refused): {}",
       l.describe(), 1e3 * best->step_time, 100 * best->bubble,
       weft::format_bytes(best->memory_per_rank), r.plans.size(), r.refused,
       fmt::join(l.flags(), " "));
+}
+
+void apply_plan(Args& a, const CLI::App& app, int world) {
+  if (!check_plan_flags(a, app)) {
+    a.plan_pending = !a.plan.empty();
+    return;
+  }
+  std::ifstream file(a.plan_costs);
+  weft::check(file.good(), "--plan-costs {}: cannot open the file", a.plan_costs);
+  nlohmann::json profile;
+  try {
+    profile = nlohmann::json::parse(file);
+  } catch (const nlohmann::json::exception& e) {
+    throw weft::Error("--plan-costs {}: not valid JSON ({})", a.plan_costs, e.what());
+  }
+  adopt_plan(a, app, plan_input(a, app, world, profile, a.plan_costs));
 }
 
 weft::GptConfig resolve_config(const Args& a, const CLI::App& app) {

@@ -94,8 +94,10 @@ int train_main(int argc, char** argv, const Job& job) {
   // Several ranks: catch bad flags before any communication, printed once.
   try {
     check_param_servers(a, app, launch.size);
-    check_parallel(a, resolve_config(a, app), launch.size - a.ps_ranks,
-                   a.global_batch > 0 ? a.global_batch : a.micro_batch);
+    // A plan the run makes itself is checked once it is made.
+    if (!a.plan_pending)
+      check_parallel(a, resolve_config(a, app), launch.size - a.ps_ranks,
+                     a.global_batch > 0 ? a.global_batch : a.micro_batch);
   } catch (const std::exception& e) {
     if (launch.rank == 0) fmt::print(stderr, "{}: error: {}\n", job.program, e.what());
     return 1;

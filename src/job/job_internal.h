@@ -6,6 +6,7 @@
 #include <weft/grad_sync.h>
 #include <weft/job.h>
 #include <weft/partition.h>
+#include <weft/plan.h>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -141,6 +142,8 @@ struct Args {
   double plan_compute_scale = 1, plan_wake = 0;
   std::optional<double> plan_cores;
   std::string plan_note;  // what the planner chose, printed by rank 0
+  double plan_step_ms = 0;  // its predicted step, against the first steps measured
+  bool plan_pending = false;  // --plan auto without --plan-costs: planned by the run
   int64_t ddp_bucket_size = int64_t{1} << 20;  // elements
   bool overlap_grad_reduce = true;
   bool overlap_p2p_comm = false;  // post pipeline receives ahead
@@ -195,7 +198,17 @@ const ModelFamily& family_of(const Args& a, const CLI::App& app);
 ModelArgs model_args(const Args& a, const GptConfig& cfg);
 void adopt_checkpoint_args(Args& a, const CLI::App& app);
 void check_param_servers(const Args& a, const CLI::App& app, int world);
+// --plan auto: with --plan-costs, sets the layout flags to the planner's
+// best plan now; without, only checks the flags (the run profiles the
+// model and plans once the ranks are connected: plan_by_profile).
 void apply_plan(Args& a, const CLI::App& app, int world);
+bool check_plan_flags(const Args& a, const CLI::App& app);
+// The planner's input from the flags and a profile (train_gpt --profile's
+// JSON, named `source` in errors); the best plan under the layout flags
+// given, into a's layout flags, plan_note and plan_step_ms.
+plan::PlanInput plan_input(const Args& a, const CLI::App& app, int world,
+                           const nlohmann::json& profile, const std::string& source);
+void adopt_plan(Args& a, const CLI::App& app, plan::PlanInput in);
 // --data-parallel-sharding-strategy and its alias --use-distributed-optimizer
 // into distributed_optimizer and shard_grads; throws naming a contradiction.
 void settle_sharding(Args& a, const CLI::App& app);

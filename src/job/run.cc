@@ -806,11 +806,19 @@ class Run {
     last_saved = trainer.steps_done();  // a resumed run's step is on disk already
     // A step's record, once read: the ETA's pace, the plot, the metrics file
     // and the log line.
+    // --plan auto: its predicted step against this run's first steps (the
+    // first, warming up, left out when there are more).
+    const auto plan_check =
+        static_cast<size_t>(std::clamp<int64_t>(a.train_iters - trainer.steps_done(), 1, 6));
     auto take = [&, this](const StepRecord& r, std::optional<double> val_loss) {
       if (recent.size() == kRecent)
         recent.erase(recent.begin()), recent_ms.erase(recent_ms.begin());
       recent.push_back(r.loss);
       recent_ms.push_back(r.step_ms);
+      if (rank0 && a.plan_step_ms > 0 && recent_ms.size() == plan_check)
+        check_plan(std::vector<double>(recent_ms.begin() + (plan_check > 1 ? 1 : 0),
+                                       recent_ms.end()),
+                   r.step + 1);
       const double elapsed =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
       // The remaining steps at the recent steps' mean pace.
@@ -895,6 +903,27 @@ class Run {
       }
     }
     return false;
+  }
+
+  // The planner's validation (docs/plan_validate.md) holds every step it
+  // predicts within 15% on this machine: a plan further off than that says
+  // so, for its prediction (and the choice it made from it) is suspect.
+  void check_plan(std::vector<double> ms, int64_t last_step) const {
+    constexpr double kStatedError = 0.15;
+    std::sort(ms.begin(), ms.end());
+    const double median = ms[ms.size() / 2];
+    const double error = median / a.plan_step_ms - 1;
+    fmt::print(
+        "plan auto: predicted {:.1f} ms a step; steps {}-{} took {:.1f} ms (median; {:.1f}-{:.1f}), "
+        "{:+.1f}%{}\n",
+        a.plan_step_ms, last_step - static_cast<int64_t>(ms.size()) + 1, last_step, median,
+        ms.front(), ms.back(), 100 * error,
+        std::abs(error) <= kStatedError
+            ? ", within the planner's stated error (15%)"
+            : ": beyond the planner's stated error (15%), so the plan it chose may not be the "
+              "fastest here; weft-sched plan --profile with a --profile of this run ranks the "
+              "layouts again");
+    std::fflush(stdout);
   }
 
   void report() {
@@ -1085,8 +1114,110 @@ class Run {
 
 }  // namespace
 
+// --plan auto without --plan-costs: rank 0 profiles the model as train_gpt
+// --pp 2 --profile would (every node's F, I and W on the run's device, at
+// the --micro-batch-size given, else 1; what each of two stages' actions
+// hold; the update), on tokens drawn from the seed, since a step's time does
+// not depend on which tokens it reads. Every rank measures the links
+// (check_links, 1 MiB messages), unless --plan-link-latency and
+// --plan-bandwidth say them. Rank 0 plans, and every rank takes its layout.
+void plan_by_profile(Args& a, const CLI::App& app, weft::Communicator* world) {
+  using namespace weft;
+  const int size = world ? world->size() : 1;
+  const bool rank0 = world == nullptr || world->rank() == 0;
+  const GptConfig cfg = resolve_config(a, app);
+  std::string links = "one rank, no links";
+  if (size > 1) {
+    const std::vector<LinkResult> measured = check_links(*world, int64_t{1} << 20, 3);
+    std::vector<double> lat, bw;
+    for (const LinkResult& l : measured) lat.push_back(l.latency_us), bw.push_back(l.gb_per_s);
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v.empty() ? 0.0 : v[v.size() / 2];
+    };
+    if (app.count("--plan-link-latency") == 0) a.plan_latency = median(lat) * 1e-6;
+    if (app.count("--plan-bandwidth") == 0) a.plan_bandwidth = median(bw) * 1e9;
+    links = fmt::format("links {:.1f} us, {:.2f} GB/s ({}, median of {} pairs)",
+                        a.plan_latency * 1e6, a.plan_bandwidth / 1e9,
+                        app.count("--plan-link-latency") + app.count("--plan-bandwidth") == 2
+                            ? "as given"
+                            : "measured",
+                        measured.size());
+  }
+  const std::vector<std::string> schedules = sched::schedule_names();
+  Tensor choice = Tensor::zeros({10}, DType::I32);
+  int32_t* c = choice.data<int32_t>();
+  std::string error;
+  if (rank0) {
+    try {
+      Args b = a;
+      b.micro_batch = app.count("--micro-batch-size") ? a.micro_batch : 1;
+      bool staged = false, nccl = false;
+      const Device device = resolve_device(a, size, staged, nccl);
+      JobModel model = family_of(a, app).build(model_args(b, cfg));
+      model.io.graph = &model.graph;
+      for (Param* q : model.graph.params()) init_param(*q, static_cast<uint64_t>(a.seed));
+      std::vector<int32_t> tokens(static_cast<size_t>(b.micro_batch * (cfg.seq_length + 1) * 4));
+      uint64_t x = static_cast<uint64_t>(a.seed) * 0x9E3779B97F4A7C15ull + 1;
+      for (int32_t& t : tokens) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        t = static_cast<int32_t>(x % static_cast<uint64_t>(cfg.vocab_size));
+      }
+      const TokenData data = TokenData::from_tokens(std::move(tokens),
+                                                    static_cast<int32_t>(cfg.vocab_size));
+      const TokenBatches batches(data, b.micro_batch, cfg.seq_length);
+      nlohmann::json profile;
+      const auto started = std::chrono::steady_clock::now();
+      with_params_on(model.graph.params(), device, [&] {
+        const CostModel cost = profile_costs(model.graph, model.io, batches, b.micro_batch, 5);
+        PartitionOptions po;
+        po.pp = cfg.num_layers >= 2 ? 2 : 1;
+        const StagePlan stages = partition(model.graph, cost, po);
+        PipelineOptions options;
+        options.device = device;
+        profile = cost_model_json(cost, model.graph);
+        profile.update(stage_costs_json(
+            cost, stages, model.graph, profile_updates(model.graph, stages),
+            measure_stage_bytes(model.graph, model.io, stages, batches, b.micro_batch, options)));
+      });
+      profile["micro_batch_size"] = b.micro_batch;
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      adopt_plan(b, app, plan_input(b, app, size, profile, "--plan auto's profile"));
+      a.plan_note = fmt::format(
+          "plan auto: profiled on rank 0 at micro-batch {} on {} in {:.1f} s; {}\n{}",
+          b.micro_batch, device.str(), seconds, links, b.plan_note);
+      a.plan_step_ms = b.plan_step_ms;
+      const auto at = std::find(schedules.begin(), schedules.end(), b.schedule);
+      c[0] = 1, c[1] = b.tp, c[2] = b.pp, c[3] = b.virtual_stages;
+      c[4] = static_cast<int32_t>(b.micro_batch), c[5] = b.recompute, c[6] = b.distributed_optimizer;
+      c[7] = b.shard_grads, c[8] = b.sequence_parallel;
+      c[9] = static_cast<int32_t>(at - schedules.begin());
+    } catch (const std::exception& e) {
+      error = e.what();
+      c[0] = -1;
+    }
+  }
+  if (world) {
+    world->barrier_without_deadline();  // the profile takes what it takes
+    world->broadcast(choice, 0);
+  }
+  if (c[0] < 0)
+    throw Error("{}", rank0 ? error : "--plan auto: rank 0 could not plan (its error says why)");
+  a.tp = c[1], a.pp = c[2], a.virtual_stages = c[3], a.micro_batch = c[4];
+  a.recompute = c[5] != 0, a.distributed_optimizer = c[6] != 0, a.shard_grads = c[7] != 0;
+  a.sequence_parallel = c[8] != 0;
+  if (c[9] >= 0 && c[9] < static_cast<int32_t>(schedules.size()))
+    a.schedule = schedules[static_cast<size_t>(c[9])];
+  a.plan_pending = false;
+  if (rank0) fmt::print("{}\n", a.plan_note);
+}
+
 int run(const Args& a, const CLI::App& app, weft::Communicator* world) {
-  return Run(a, app, world)();
+  if (!a.plan_pending) return Run(a, app, world)();
+  Args planned = a;
+  plan_by_profile(planned, app, world);
+  return Run(planned, app, world)();
 }
 
 // The MPI links (host memory) always; then, where the job's device tensors
