@@ -1,30 +1,33 @@
 #!/usr/bin/env bash
-# The simulator and the planner, validated out of sample on this machine, in
-# one script:
+# The simulator and the planner, validated strictly out of sample on this
+# machine, in one script, each to a protocol fixed before the run:
 #   1. the timed simulator (bench/sched_report.py): its costs come from
-#      1F1B runs at pp 2 with 4 micro-batches, and its compute scale at pp 4
+#      1F1B runs at pp 2 with 6 micro-batches, and its compute scale at pp 4
 #      (how much slower ranks that outnumber cores run) from 1F1B runs at
-#      pp 4 with 6; those calibration runs go between the rows, since this
-#      machine's speed drifts within minutes; it predicts every schedule at
-#      pp 2 and pp 4 with 4 and 8 micro-batches, sharing this machine's cores
-#      among the ranks that compute at once; each row runs RUNS times; writes
+#      pp 4 with 6; no row has 6 micro-batches. Those calibration runs go
+#      between the rows, and each pp's scale is their median, fitted once;
+#      it predicts every schedule at pp 2 and pp 4 with 4 and 8
+#      micro-batches, sharing this machine's cores among the ranks that
+#      compute at once, step and bubble; each row runs RUNS times; writes
 #      schedules.md and its timelines;
 #   2. the planner (bench/plan_report.py): its costs come from one run at
-#      pp 2, its compute scale and its wake from two 8-rank runs that are no
-#      row (dp 4 x pp 2, dp 2 x tp 4);
-#      it predicts every 8-rank layout of bench/layouts.sh; each runs RUNS
-#      times; writes plan_validate.md with the errors and the Spearman
-#      correlation of the rankings.
+#      pp 2, its compute scale and its wake from two 8-rank layouts that are
+#      no row (dp 4 x pp 2, dp 2 x tp 4), RUNS runs each, fitted once before
+#      any row runs; every prediction and the planner's top pick are fixed
+#      then. The rows: every 8-rank layout of bench/layouts.sh, the options
+#      the planner ranks (recompute, virtual stages, ZeRO-1 and 2, sequence
+#      parallelism, micro-batch sizes) and the top pick, each RUNS times;
+#      writes plan_validate.md with step and bubble errors, Spearman, and the
+#      regret of the planner's pick against simple rules' picks.
 # It prints both tables, and the load average beside the runs.
 #
 #   bench/plan_validate.sh [build-dir] [--out DIR]   (default: build, and
 #                                                     build-dir/plan_validate)
 #
 # The tracked pages in docs/ (schedules.md, its SVGs, plan_validate.md) are
-# updated only on purpose: --out docs. About 20 minutes on 2 idle cores with
-# RUNS=3 (the default), about 33 with RUNS=5, whose medians outlast two
-# disturbed runs of a row; timings are only worth reading on an otherwise
-# idle machine.
+# updated only on purpose: --out docs. About 30 minutes on 2 idle cores with
+# RUNS=3 (the default); timings are only worth reading on an otherwise idle
+# machine, and the README quotes one run, never the best of several.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=build

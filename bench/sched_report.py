@@ -6,8 +6,8 @@ it runs train_gpt under mpiexec with --trace, --log-jsonl and --profile (the
 median step after warm-up, the memory peaks, and its plan: which nodes each
 stage holds and the bytes each action adds).
 
-The simulator is calibrated on runs that are no row (1F1B, pp 2, 4
-micro-batches; and at every other pp, 1F1B with 6 micro-batches), and every
+The simulator is calibrated on runs that are no row (1F1B with 6
+micro-batches at every pp, where the rows have 2, 4 and 8), and every
 row is a prediction of a run it never saw: other schedules, micro-batch
 counts and pp. From the first (medians over their runs) come each graph
 node's F, I and W time (--profile), the update's time per parameter byte and
@@ -17,11 +17,13 @@ costs say (`--compute-scale`; at pp 2 its actions summed over the profile's,
 at every other pp fitted to its step, since ranks that outnumber cores also
 slow each other down beyond sharing them).
 
-The machine's speed drifts within minutes by more than the goal, so the
-runs go in --runs rounds; in each, every pp's rows run in pairs with a
-calibration run before, between and after them, and a row's run is
-predicted with the median scale of the four calibration runs nearest it,
-two before and two after (the row: the median over its runs). A row's stage costs are the calibration's
+The calibration is fitted once per pp: its compute scale is the median
+over all its calibration runs, and every row at that pp is predicted with
+it. The machine's speed drifts within minutes by more than the goal, so
+the runs go in --runs rounds; in each, every pp's rows run in pairs with a
+calibration run before, between and after them: the calibration's median
+sees the whole run's drift, and no row is fitted to the runs beside it.
+Each row's bubble error is reported beside its step error. A row's stage costs are the calibration's
 node costs summed over the row's stages; its own profile supplies only the
 layout and bytes. `weft-sched simulate --cores` (this machine's cores)
 shares the cores among the ranks that compute at once, which is what pp 4
@@ -47,13 +49,13 @@ import time
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"]
 TWO_CHUNKS = {"interleaved-1f1b", "zb-v"}
 COMPUTE = {"F", "I", "W", "B"}
-CALIBRATION = ("1f1b", 2, 4)  # schedule, pp, micro-batches: the run the costs come from
+CALIBRATION = ("1f1b", 2, 6)  # schedule, pp, micro-batches: the run the costs come from
 # Where ranks outnumber cores, F, I and W run at another speed than the
 # profile's, beyond the share of a core each gets (switching processes,
 # caches shared among more of them). That depends on how many processes
 # share a core, so at every other pp the calibration runs are 1F1B with 6
-# micro-batches (the rows have 2, 4 and 8), and the compute scale is fitted
-# to their steps.
+# micro-batches too (the rows have 2, 4 and 8: no calibration run is a
+# row), and the compute scale is fitted to their steps.
 SCALE_MICRO_BATCHES = 6
 
 
@@ -315,7 +317,8 @@ def sim_held(sim):
 
 
 HEADER = ["pp", "schedule", "m", "step ms", "sim ms", "error", "span ms", "sim span", "error",
-          "bubble", "sim bubble", "held", "sim held", "sim stash", "actions", "scale", "others"]
+          "bubble", "sim bubble", "held", "sim held", "sim stash", "actions", "scale", "others",
+          "bubble error"]
 
 
 def pct(x):
@@ -346,6 +349,7 @@ def row_markdown(r):
         cells[8] = pct((sim["pipeline_time"] - r["span"]) / r["span"])
         cells[14] = f"{meas['actions']:.2f}x"
         cells[15] = f"{r['scale']:.2f}x"
+        cells[17] = f"{100 * (sim['bubble_fraction'] - meas['bubble']):+.1f}"
     return "| " + " | ".join(cells) + " |"
 
 
@@ -446,13 +450,6 @@ def main():
           ", ".join(f"{lo:.3f}x-{hi:.3f}x the profile at pp {pp}"
                     for pp, (lo, _, hi) in sorted(a.scale.items())), flush=True)
 
-    def local_scale(pp, at):
-        """The median scale of the two calibration runs before `at` and the two after: it
-        follows the drift and one calibration run that ran slow does not move it."""
-        before = [x for t, x in scales[pp] if t < at]
-        after = [x for t, x in scales[pp] if t > at]
-        return statistics.median(before[-2:] + after[:2])
-
     for r in rows:
         pp, name, m = r["pp"], r["schedule"], r["m"]
         prefix = os.path.join(a.docs if r["drawn"] else a.work, r["prefix"])
@@ -461,9 +458,8 @@ def main():
                 raise Failed("not measured")
             meas = r["meas"] = median_run(r["runs"])
             costs = calibrated_costs(a, calibration, meas)
-            # The median of its runs' scales: the simulated step grows with the scale, so
-            # this is the median of the runs' predictions.
-            r["scale"] = statistics.median(local_scale(pp, run["seq"]) for run in r["runs"])
+            # The pp's one scale, fitted once to all its calibration runs.
+            r["scale"] = a.scale[pp][1]
             r["sim"] = simulate(a, pp, name, m, costs, prefix + "-simulated.svg", log,
                                 r["scale"])
             tl = timeline(a, meas["trace"], meas["drawn_step"], prefix + "-measured.svg", log)
@@ -522,12 +518,13 @@ def write_report(a, rows, seconds, png):
         f"at once, each runs at 1 / ceil(n / {a.cores:g}) of its profiled speed once n "
         f"exceeds them (the share of the busiest core; waiting and messages take no core), "
         f"which matters at pp 4.\n",
-        f"**The machine drifts.** This VM's speed wanders by more than the goal within "
-        f"minutes, so the calibration runs are spread through the measurement: each of the "
-        f"{a.runs} rounds runs each pp's rows in pairs, with a calibration run before, "
-        f"between and after the pairs. A row's run is predicted with the median compute "
-        f"scale of the four calibration runs nearest it (two before, two after; one that ran "
-        f"slow does not move it), and the row's **scale** is the median over its runs. Over this script the calibration runs' scales ranged " +
+        f"**Fitted once.** This VM's speed wanders by more than the goal within minutes, so "
+        f"the calibration runs are spread through the measurement: each of the {a.runs} "
+        f"rounds runs each pp's rows in pairs, with a calibration run before, between and "
+        f"after the pairs. Each pp's compute scale is the median over all its calibration "
+        f"runs, and every row at that pp is predicted with that one value (its **scale**): "
+        f"no row is fitted to the runs beside it. Over this script the calibration runs' "
+        f"scales ranged " +
         ", ".join(f"{lo:.3f}x-{hi:.3f}x (median {mid:.3f}x) at pp {pp}"
                   for pp, (lo, mid, hi) in sorted(a.scale.items())) + ".\n",
         f"Columns: **step** is train_gpt's `step_ms`, the median of {a.runs} runs' median "
@@ -542,20 +539,25 @@ def write_report(a, rows, seconds, png):
         "**sim stash**: the most micro-batch stages each rank holds at once. **actions**: the run's F, I, W and B summed "
         "against their profiled time (what `--compute-scale` would have to be for this row), "
         "and **scale** the one it was predicted with. "
-        "**others**: the share of the machine's CPU time "
+        "**bubble error**: the simulated bubble less the measured, in points (the goal: "
+        "within 5). **others**: the share of the machine's CPU time "
         "that other processes used during the run (the script waits for a quiet machine "
         f"and runs a row again, up to {a.retries} times, when others took more than "
         f"{100 * a.max_others:.0f}%).\n",
         "| " + " | ".join(HEADER) + " |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|",
     ]
     out.extend(row_markdown(r) for r in rows)
     out.append("")
     for pp in sorted({r["pp"] for r in ok}):
         errs = [abs(r["error"]) for r in ok if r["pp"] == pp]
+        berrs = [abs(r["sim"]["bubble_fraction"] - r["meas"]["bubble"]) for r in ok
+                 if r["pp"] == pp]
         out.append(f"pp {pp}: mean |error| {100 * statistics.mean(errs):.1f}%, worst "
                    f"{100 * max(errs):.1f}%, {sum(e <= 0.10 for e in errs)} of {len(errs)} "
-                   f"measured rows within 10%.\n")
+                   f"measured rows within 10%; bubble error mean "
+                   f"{100 * statistics.mean(berrs):.1f} points, worst {100 * max(berrs):.1f}, "
+                   f"{sum(e <= 0.05 for e in berrs)} of {len(berrs)} within 5.\n")
     stash_ok = sum(r["meas"]["peaks"] == sim_held(r["sim"]) for r in ok)
     out.append("## Reading the numbers\n")
     out.append(
