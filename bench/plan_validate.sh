@@ -25,7 +25,7 @@
 #                                                     build-dir/plan_validate)
 #
 # The tracked pages in docs/ (schedules.md, its SVGs, plan_validate.md) are
-# updated only on purpose: --out docs. About 30 minutes on 2 idle cores with
+# updated only on purpose: --out docs. About 42 minutes on 2 cores with
 # RUNS=3 (the default); timings are only worth reading on an otherwise idle
 # machine, and the README quotes one run, never the best of several.
 set -euo pipefail
