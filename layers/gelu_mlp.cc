@@ -26,7 +26,11 @@ Tensor new_grad(Arena& arena, Shape shape, DType dtype, Device device) {
 
 GeluMlp::GeluMlp(Param* w_fc, Param* b_fc, Param* w_proj, Param* b_proj, Communicator* group,
                  std::optional<SequenceParallel> sp)
-    : w_fc_(w_fc), b_fc_(b_fc), w_proj_(w_proj), b_proj_(b_proj), group_(group),
+    : w_fc_(w_fc),
+      b_fc_(b_fc),
+      w_proj_(w_proj),
+      b_proj_(b_proj),
+      group_(group),
       sp_(std::move(sp)) {
   check(w_fc_ && b_fc_ && w_proj_ && b_proj_, "a GELU MLP takes two weights and two biases");
   check(w_fc_->value.rank() == 2 && w_proj_->value.rank() == 2,
@@ -73,8 +77,8 @@ std::unique_ptr<LayerCtx> GeluMlp::make_ctx() const { return std::make_unique<Ct
 
 std::unique_ptr<Layer> GeluMlp::tensor_parallel(TpBuild& build) const {
   return std::make_unique<GeluMlp>(build.param(*w_fc_, 1), build.param(*b_fc_, 0),
-                                   build.param(*w_proj_, 0), build.param(*b_proj_, -1),
-                                   build.group, sequence_parallel(build));
+                                   build.param(*w_proj_, 0), build.param(*b_proj_, -1), build.group,
+                                   sequence_parallel(build));
 }
 
 // pre, h = gemm_bias_gelu(x, W_fc, b_fc); y = h W_proj (+ the group's sum) + b_proj

@@ -36,8 +36,8 @@ class GeluMlp final : public Layer {
  public:
   // With `group`, the parameters are this rank's pieces (made by
   // tensor_parallel).
-  GeluMlp(Param* w_fc, Param* b_fc, Param* w_proj, Param* b_proj,
-          Communicator* group = nullptr, std::optional<SequenceParallel> sp = std::nullopt);
+  GeluMlp(Param* w_fc, Param* b_fc, Param* w_proj, Param* b_proj, Communicator* group = nullptr,
+          std::optional<SequenceParallel> sp = std::nullopt);
   const char* kind() const override { return group_ ? "parallel_gelu_mlp" : "gelu_mlp"; }
   std::vector<Shape> output_shapes(std::span<const Shape> in) const override;
   std::vector<Param*> params() const override;

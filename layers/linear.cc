@@ -106,9 +106,9 @@ void Linear::backward_weight(LayerCtx& ctx_, Arena&) {
 std::unique_ptr<Layer> Linear::tensor_parallel(TpBuild& build) const {
   switch (role_) {
     case ParallelRole::Column:
-      return std::make_unique<ColumnParallelLinear>(
-          *build.group, build.param(*w_, 1, out_blocks_),
-          b_ ? build.param(*b_, 0, out_blocks_) : nullptr, sequence_parallel(build));
+      return std::make_unique<ColumnParallelLinear>(*build.group, build.param(*w_, 1, out_blocks_),
+                                                    b_ ? build.param(*b_, 0, out_blocks_) : nullptr,
+                                                    sequence_parallel(build));
     case ParallelRole::Row:
       return std::make_unique<RowParallelLinear>(*build.group, build.param(*w_, 0),
                                                  b_ ? build.param(*b_, -1) : nullptr,

@@ -28,8 +28,7 @@ struct Ctx : LayerCtx {
 };
 }  // namespace
 
-TiedLmHeadLoss::TiedLmHeadLoss(Param* wte, Communicator* group,
-                               std::optional<SequenceParallel> sp)
+TiedLmHeadLoss::TiedLmHeadLoss(Param* wte, Communicator* group, std::optional<SequenceParallel> sp)
     : group_(group), wte_(wte), sp_(std::move(sp)) {
   check(wte->value.rank() == 2, "{}: the lm head's table must be 2-D (V, C), got {}", wte->name,
         wte->value.shape().str());
@@ -61,8 +60,8 @@ std::unique_ptr<Layer> TiedLmHeadLoss::tensor_parallel(TpBuild& build) const {
         "vocabulary ({}) must be divisible by tensor-parallel size ({}): pad it with "
         "--make-vocab-size-divisible-by",
         wte_->value.dim(0), tp);
-  auto head =
-      std::make_unique<TiedLmHeadLoss>(build.param(*wte_, 0), build.group, sequence_parallel(build));
+  auto head = std::make_unique<TiedLmHeadLoss>(build.param(*wte_, 0), build.group,
+                                               sequence_parallel(build));
   head->set_keep_logits(keep_logits_);
   return head;
 }

@@ -52,8 +52,8 @@ void ColumnParallelLinear::forward(LayerCtx& ctx, Arena& arena, std::span<const 
                                    std::span<const Tensor> out) {
   if (sp_) {
     const std::vector<Param*> p = local_.params();
-    linear_forward(sp_->gather(in[0], SequenceScratch::kWholeA), *p[0], p.size() > 1 ? p[1] : nullptr,
-                   out[0]);
+    linear_forward(sp_->gather(in[0], SequenceScratch::kWholeA), *p[0],
+                   p.size() > 1 ? p[1] : nullptr, out[0]);
     static_cast<SpCtx&>(ctx).x = in[0];
     return;
   }

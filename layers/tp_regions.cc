@@ -61,7 +61,8 @@ Tensor SequenceParallel::gather(const Tensor& x, int slot) const {
 }
 
 void SequenceParallel::gather_backward(const Tensor& part, const Tensor& dx, bool write) const {
-  check_shape(part, whole_shape(dx.shape()), "partial gradient entering a sequence-parallel region");
+  check_shape(part, whole_shape(dx.shape()),
+              "partial gradient entering a sequence-parallel region");
   if (write) {
     group->reduce_scatter(part, dx, ReduceOp::Sum);
     return;

@@ -362,8 +362,7 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
       i_wait = 2 * n * tp_ar + (st == stages - 1 ? tp_ar : 0);
       // W's gathers: four per block, the head's input; the embedding's
       // output gradient.
-      if (sp)
-        w_wait = (4 * n + (st == 0 ? 1 : 0) + (st == stages - 1 ? 1 : 0)) * tp_ar / 2;
+      if (sp) w_wait = (4 * n + (st == 0 ? 1 : 0) + (st == stages - 1 ? 1 : 0)) * tp_ar / 2;
     }
     if (l.recompute) i += f, i_wait += f_wait;  // the forward again, before the input gradient
     cost.f.push_back(f);
@@ -468,8 +467,8 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
   const double pp_bytes =
       std::accumulate(r.bytes_sent.begin(), r.bytes_sent.end(), 0.0) * l.tp * l.dp;
   // Sequence parallelism's gathers in W: 2 L + 1 more all-reduces' worth.
-  const double tp_collectives =
-      4 * static_cast<double>(shape.layers) + 2 + (sp ? 2 * static_cast<double>(shape.layers) + 1 : 0);
+  const double tp_collectives = 4 * static_cast<double>(shape.layers) + 2 +
+                                (sp ? 2 * static_cast<double>(shape.layers) + 1 : 0);
   const double tp_bytes =
       l.tp > 1 ? tp_collectives * 2.0 * (tp - 1) * act * static_cast<double>(mbs) * l.dp : 0;
   double params_all = std::accumulate(stage_params.begin(), stage_params.end(), 0.0) * tp;
@@ -562,19 +561,20 @@ PlanResult plan(const PlanInput& in) {
 }
 
 std::string plan_table(const PlanResult& r, size_t top) {
-  constexpr const char* row = "{:>4} {:>3} {:>3} {:>3} {:>3} {:<17} {:>6} {:>3} {:>4} {:>9} {:>6} {:>11} {:>8} {:>11} {:>11}\n";
+  constexpr const char* row =
+      "{:>4} {:>3} {:>3} {:>3} {:>3} {:<17} {:>6} {:>3} {:>4} {:>9} {:>6} {:>11} {:>8} {:>11} "
+      "{:>11}\n";
   std::string out =
-      fmt::format(row, "rank", "dp", "pp", "tp", "sp", "schedule", "chunks", "mb", "m",
-                  "recompute", "zero", "step ms", "bubble", "memory/rank", "bytes/step");
+      fmt::format(row, "rank", "dp", "pp", "tp", "sp", "schedule", "chunks", "mb", "m", "recompute",
+                  "zero", "step ms", "bubble", "memory/rank", "bytes/step");
   const size_t n = top == 0 ? r.plans.size() : std::min(top, r.plans.size());
   for (size_t k = 0; k < n; ++k) {
     const Plan& p = r.plans[k];
     const Layout& l = p.layout;
     const char* zero = l.zero2 ? "2" : l.zero1 ? "1" : "-";
     out += fmt::format(row, k + 1, l.dp, l.pp, l.tp, l.sequence_parallel ? "yes" : "-",
-                       l.pp > 1 ? l.schedule : "-", l.chunks,
-                       l.micro_batch, p.micro_batches, l.recompute ? "yes" : "no", zero,
-                       fmt::format("{:.3f}", 1e3 * p.step_time),
+                       l.pp > 1 ? l.schedule : "-", l.chunks, l.micro_batch, p.micro_batches,
+                       l.recompute ? "yes" : "no", zero, fmt::format("{:.3f}", 1e3 * p.step_time),
                        fmt::format("{:.1f}%", 100 * std::max(0.0, p.bubble)),
                        format_bytes(p.memory_per_rank), format_bytes(p.bytes_per_step));
   }

@@ -165,9 +165,12 @@ class Simulator {
     auto at = [st](const std::vector<double>& v) { return v.empty() ? 0.0 : v[st]; };
     switch (a.kind) {
       case ActionKind::F: return at(c_.f_wait);
-      case ActionKind::I: return at(c_.i_wait);
-      case ActionKind::W: return at(c_.w_wait);
-      case ActionKind::B: return at(c_.i_wait) + at(c_.w_wait);
+      case ActionKind::I:
+        return at(c_.i_wait);
+      case ActionKind::W:
+        return at(c_.w_wait);
+      case ActionKind::B:
+        return at(c_.i_wait) + at(c_.w_wait);
       default: return 0;
     }
   }

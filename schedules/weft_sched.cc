@@ -606,7 +606,7 @@ void add_plan_options(CLI::App* cmd, PlanRequest& q) {
   cmd->add_option("--data-parallel-sharding-strategy", q.sharding,
                   "fix what the replicas shard: no_shard, optim (ZeRO-1) or optim_grads (ZeRO-2)");
   cmd->add_flag("--sequence-parallel", q.sequence_parallel,
-               "fix sequence parallelism on (needs tp > 1); otherwise tried at every tp > 1");
+                "fix sequence parallelism on (needs tp > 1); otherwise tried at every tp > 1");
   cmd->add_option("--max-micro-batch-size", q.in.fixed.max_micro_batch,
                   "largest micro-batch size searched (powers of 2; default 16)");
   cmd->add_option("--top", q.top, "rows to print (0: all; default 10)");
@@ -651,16 +651,24 @@ int plan_command(PlanRequest q) {
   if (q.json) {
     nlohmann::json out = nlohmann::json::array();
     for (const Plan& p : r.plans)
-      out.push_back({{"dp", p.layout.dp}, {"pp", p.layout.pp}, {"tp", p.layout.tp},
+      out.push_back({{"dp", p.layout.dp},
+                     {"pp", p.layout.pp},
+                     {"tp", p.layout.tp},
                      {"schedule", p.layout.pp > 1 ? p.layout.schedule : "-"},
-                     {"chunks", p.layout.chunks}, {"micro_batch", p.layout.micro_batch},
-                     {"micro_batches", p.micro_batches}, {"recompute", p.layout.recompute},
-                     {"zero1", p.layout.zero1}, {"zero2", p.layout.zero2},
+                     {"chunks", p.layout.chunks},
+                     {"micro_batch", p.layout.micro_batch},
+                     {"micro_batches", p.micro_batches},
+                     {"recompute", p.layout.recompute},
+                     {"zero1", p.layout.zero1},
+                     {"zero2", p.layout.zero2},
                      {"sequence_parallel", p.layout.sequence_parallel},
                      {"step_time", p.step_time},
-                     {"pipeline_time", p.pipeline_time}, {"dp_time", p.dp_time},
-                     {"update_time", p.update_time}, {"bubble", p.bubble},
-                     {"memory_per_rank", p.memory_per_rank}, {"activation_bytes", p.activation_bytes},
+                     {"pipeline_time", p.pipeline_time},
+                     {"dp_time", p.dp_time},
+                     {"update_time", p.update_time},
+                     {"bubble", p.bubble},
+                     {"memory_per_rank", p.memory_per_rank},
+                     {"activation_bytes", p.activation_bytes},
                      {"bytes_per_step", p.bytes_per_step},
                      {"flags", p.layout.flags()}});
     fmt::print("{}\n", out.dump());

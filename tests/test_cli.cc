@@ -481,9 +481,9 @@ TEST_F(Cli, PlanAutoRunsTheBestPlan) {
   // the plan and sets its prediction beside the first steps.
   r = run(toy("--plan auto --train-iters 3"));
   ASSERT_EQ(r.code, 0) << r.out << r.err;
-  for (const char* line :
-       {"plan auto: profiled on rank 0 at micro-batch 2 on cpu", "one rank, no links",
-        "plan auto: (dp 1, pp 1, tp 1) mb ", "plan auto: predicted ", " ms a step; steps 2-3 took "})
+  for (const char* line : {"plan auto: profiled on rank 0 at micro-batch 2 on cpu",
+                           "one rank, no links", "plan auto: (dp 1, pp 1, tp 1) mb ",
+                           "plan auto: predicted ", " ms a step; steps 2-3 took "})
     EXPECT_TRUE(testing::contains(r.out, line)) << line << "\n" << r.out;
   expect_error(toy("--plan auto --pp 2"), {"--plan auto: no layout of 1 ranks runs with --pp 2"});
   expect_error(toy("--plan auto --pp 2 --profile " + dir_ + "/p.json"),

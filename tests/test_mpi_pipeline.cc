@@ -202,7 +202,6 @@ TEST(MpiPipelineErrors, ImpossibleLayoutsFailOnEveryRankBeforeCommunicating) {
   EXPECT_NE(out.find("pipedream"), std::string::npos) << out;
 }
 
-
 // The Llama family under mpiexec with pp 2 and tp 2 gives the single-process
 // losses and norms (the same sums in another order: 1e-5). With grouped-query
 // attention (4 query heads, 2 key/value heads), so each tensor-parallel rank
@@ -243,10 +242,12 @@ TEST(MpiPlanAuto, ProfilesPlansAndRunsThePlanOnEveryRank) {
   const testing::TrainRun run = testing::run_train_gpt(
       4,
       "--model toy --global-batch-size 8 --train-iters 3 --threads 1 --comm-timeout 60 "
-      "--plan auto --data-path " + dir + "/text.txt",
+      "--plan auto --data-path " +
+          dir + "/text.txt",
       dir);
   ASSERT_TRUE(run.ok) << run.command << "\n" << run.output;
-  EXPECT_TRUE(testing::contains(run.output, "plan auto: profiled on rank 0 at micro-batch 1 on cpu"))
+  EXPECT_TRUE(
+      testing::contains(run.output, "plan auto: profiled on rank 0 at micro-batch 1 on cpu"))
       << run.output;
   EXPECT_TRUE(testing::contains(run.output, "(measured, median of 6 pairs)")) << run.output;
   const std::regex chose(R"(plan auto: \(dp (\d+), pp (\d+), tp (\d+)\))");

@@ -383,11 +383,11 @@ TEST(Reference, ClipsAndLearns) {
 // The planner's activation memory under tensor parallelism, from a profile
 // taken at tp 1, against the bytes the executor's arenas held at tp 2 (and at
 // tp 1), and with sequence parallelism at tp 2 and 4 (where the outputs the
-// profile calls whole are split, and so are the norms' statistics). The profile gives each stage's F and I bytes, measured; the planner
-// splits what each node's "tp_whole" says is split and what F keeps beyond
-// the outputs (attention's probabilities, the loss's), gives I its gradients
-// in the same proportion and, under tp, one whole partial input gradient per
-// column-parallel GEMM. Its errors:
+// profile calls whole are split, and so are the norms' statistics). The profile gives each stage's
+// F and I bytes, measured; the planner splits what each node's "tp_whole" says is split and what F
+// keeps beyond the outputs (attention's probabilities, the loss's), gives I its gradients in the
+// same proportion and, under tp, one whole partial input gradient per column-parallel GEMM. Its
+// errors:
 //   - I's bytes: every stage gets the profile's mean ratio of I's bytes to
 //     F's, while each stage has its own; at the peak one I is held, so the
 //     error is at most max over stages |i_s - ratio f_s| (at tp 1; split
@@ -429,8 +429,7 @@ TEST(Plan, ActivationMemoryUnderTensorParallelismIsWhatTheArenasHold) {
     run_layout(l, 1, {}, [&](RankLayout& rank) {
       if (rank.coord().tp == 0) held[z(rank.coord().pp)] = rank.pipeline()->peak_bytes();
     });
-    const plan::Plan p =
-        plan::evaluate(in, {1, 2, tp, "1f1b", 1, kMicro, false, false, false, sp});
+    const plan::Plan p = plan::evaluate(in, {1, 2, tp, "1f1b", 1, kMicro, false, false, false, sp});
     const double blocks = static_cast<double>(cfg.num_layers) / 2;
     const sched::Schedule s = sched::lower(sched::make_schedule("1f1b", 2, kGlobal / kMicro, 1));
     const std::vector<int> in_flight = sched::peak_in_flight(s, false);

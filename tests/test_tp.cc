@@ -805,16 +805,18 @@ TEST(TpErrors, SequenceParallelRefusesWhatWouldSeeOnlyItsTokens) {
   const Graph pooled = graph_with([](ParamStore&) { return std::make_unique<SequenceMean>(); });
   EXPECT_EQ(error_message([&] { check_tensor_parallel(pooled, 2); }), "");
   std::string msg = error_message([&] { check_tensor_parallel(pooled, 2, true); });
-  EXPECT_TRUE(contains(msg, "odd (sequence_mean): under --sequence-parallel its input holds 1/2 "
-                            "of the tokens, and its output [2, 4] (whole: [2, 4]) does not"))
+  EXPECT_TRUE(contains(msg,
+                       "odd (sequence_mean): under --sequence-parallel its input holds 1/2 "
+                       "of the tokens, and its output [2, 4] (whole: [2, 4]) does not"))
       << msg;
   const Graph columns = graph_with([](ParamStore& p) {
     return std::make_unique<ColumnsOnly>(p.create("w", {4, 8}, Init::normal(0.1f)));
   });
   EXPECT_EQ(error_message([&] { check_tensor_parallel(columns, 2); }), "");
   msg = error_message([&] { check_tensor_parallel(columns, 2, true); });
-  EXPECT_TRUE(contains(msg, "odd (columns_only): --sequence-parallel needs every layer that "
-                            "splits parameters"))
+  EXPECT_TRUE(contains(msg,
+                       "odd (columns_only): --sequence-parallel needs every layer that "
+                       "splits parameters"))
       << msg;
   msg = error_message([&] { check_tensor_parallel(columns, 1, true); });
   EXPECT_TRUE(contains(msg, "--sequence-parallel needs --tensor-model-parallel-size above 1"))

@@ -90,8 +90,7 @@ TEST(WeftSched, PlanPrintsTheRankedTable) {
     if (!p["sequence_parallel"].get<bool>()) continue;
     for (const auto& q : plans) {
       if (q["sequence_parallel"].get<bool>() || q["micro_batch"] != p["micro_batch"] ||
-          q["recompute"] != p["recompute"] || q["zero1"] != p["zero1"] ||
-          q["zero2"] != p["zero2"])
+          q["recompute"] != p["recompute"] || q["zero1"] != p["zero1"] || q["zero2"] != p["zero2"])
         continue;
       EXPECT_LT(p["activation_bytes"].get<double>(), q["activation_bytes"].get<double>());
     }

@@ -302,9 +302,11 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
   // to a multiple of tp, so any --vocab-size splits), and with
   // --sequence-parallel the sequence; every stage needs a layer; the batch
   // splits into micro-batches x dp; the schedule runs those sizes.
-  plan::Layout l{layout.dp(), a.pp,       a.tp,        a.schedule,           p.chunks,
-                 a.micro_batch, a.recompute, a.distributed_optimizer, a.shard_grads,
-                 a.sequence_parallel};
+  plan::Layout l{layout.dp(),   a.pp,
+                 a.tp,          a.schedule,
+                 p.chunks,      a.micro_batch,
+                 a.recompute,   a.distributed_optimizer,
+                 a.shard_grads, a.sequence_parallel};
   const std::string rule = plan::layout_rule(shape_of(cfg), global, world, l);
   check(rule.empty(), "{}", rule);
   p.micro_batches = global / (a.micro_batch * layout.dp());
@@ -968,9 +970,8 @@ void adopt_plan(Args& a, const CLI::App& app, weft::plan::PlanInput in) {
       best = &p;
       break;
     }
-  check(best != nullptr,
-        "--plan auto: no layout of {} ranks runs{}{}: {} refused{}", in.machine.world,
-        fixed.empty() ? "" : " with ", fmt::join(fixed, " "), r.refused,
+  check(best != nullptr, "--plan auto: no layout of {} ranks runs{}{}: {} refused{}",
+        in.machine.world, fixed.empty() ? "" : " with ", fmt::join(fixed, " "), r.refused,
         r.reasons.empty() ? std::string() : ", e.g. " + r.reasons.front().first);
   const weft::plan::Layout& l = best->layout;
   a.tp = l.tp;

@@ -142,7 +142,7 @@ struct Args {
   double plan_compute_scale = 1, plan_wake = 0;
   std::optional<double> plan_cores;
   std::string plan_note;  // what the planner chose, printed by rank 0
-  double plan_step_ms = 0;  // its predicted step, against the first steps measured
+  double plan_step_ms = 0;    // its predicted step, against the first steps measured
   bool plan_pending = false;  // --plan auto without --plan-costs: planned by the run
   int64_t ddp_bucket_size = int64_t{1} << 20;  // elements
   bool overlap_grad_reduce = true;

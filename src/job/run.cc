@@ -816,9 +816,9 @@ class Run {
       recent.push_back(r.loss);
       recent_ms.push_back(r.step_ms);
       if (rank0 && a.plan_step_ms > 0 && recent_ms.size() == plan_check)
-        check_plan(std::vector<double>(recent_ms.begin() + (plan_check > 1 ? 1 : 0),
-                                       recent_ms.end()),
-                   r.step + 1);
+        check_plan(
+            std::vector<double>(recent_ms.begin() + (plan_check > 1 ? 1 : 0), recent_ms.end()),
+            r.step + 1);
       const double elapsed =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
       // The remaining steps at the recent steps' mean pace.
@@ -914,7 +914,8 @@ class Run {
     const double median = ms[ms.size() / 2];
     const double error = median / a.plan_step_ms - 1;
     fmt::print(
-        "plan auto: predicted {:.1f} ms a step; steps {}-{} took {:.1f} ms (median; {:.1f}-{:.1f}), "
+        "plan auto: predicted {:.1f} ms a step; steps {}-{} took {:.1f} ms (median; "
+        "{:.1f}-{:.1f}), "
         "{:+.1f}%{}\n",
         a.plan_step_ms, last_step - static_cast<int64_t>(ms.size()) + 1, last_step, median,
         ms.front(), ms.back(), 100 * error,
@@ -1163,8 +1164,8 @@ void plan_by_profile(Args& a, const CLI::App& app, weft::Communicator* world) {
         x ^= x << 13, x ^= x >> 7, x ^= x << 17;
         t = static_cast<int32_t>(x % static_cast<uint64_t>(cfg.vocab_size));
       }
-      const TokenData data = TokenData::from_tokens(std::move(tokens),
-                                                    static_cast<int32_t>(cfg.vocab_size));
+      const TokenData data =
+          TokenData::from_tokens(std::move(tokens), static_cast<int32_t>(cfg.vocab_size));
       const TokenBatches batches(data, b.micro_batch, cfg.seq_length);
       nlohmann::json profile;
       const auto started = std::chrono::steady_clock::now();
@@ -1184,13 +1185,14 @@ void plan_by_profile(Args& a, const CLI::App& app, weft::Communicator* world) {
       const double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
       adopt_plan(b, app, plan_input(b, app, size, profile, "--plan auto's profile"));
-      a.plan_note = fmt::format(
-          "plan auto: profiled on rank 0 at micro-batch {} on {} in {:.1f} s; {}\n{}",
-          b.micro_batch, device.str(), seconds, links, b.plan_note);
+      a.plan_note =
+          fmt::format("plan auto: profiled on rank 0 at micro-batch {} on {} in {:.1f} s; {}\n{}",
+                      b.micro_batch, device.str(), seconds, links, b.plan_note);
       a.plan_step_ms = b.plan_step_ms;
       const auto at = std::find(schedules.begin(), schedules.end(), b.schedule);
       c[0] = 1, c[1] = b.tp, c[2] = b.pp, c[3] = b.virtual_stages;
-      c[4] = static_cast<int32_t>(b.micro_batch), c[5] = b.recompute, c[6] = b.distributed_optimizer;
+      c[4] = static_cast<int32_t>(b.micro_batch), c[5] = b.recompute,
+      c[6] = b.distributed_optimizer;
       c[7] = b.shard_grads, c[8] = b.sequence_parallel;
       c[9] = static_cast<int32_t>(at - schedules.begin());
     } catch (const std::exception& e) {

@@ -21,9 +21,8 @@ RankLayout::RankLayout(Communicator* world, Graph& logical, ModelIO io, const Ba
   // This rank's graph and parameters: each rank starts from its piece of the
   // same full tensors, a function of (seed, name) only.
   if (lo_.tp > 1) {
-    tp_graph_ = std::make_unique<Graph>(
-        tensor_parallel_graph(logical_, *mesh_->tp, std::make_shared<ParamStore>(),
-                              lo_.sequence_parallel));
+    tp_graph_ = std::make_unique<Graph>(tensor_parallel_graph(
+        logical_, *mesh_->tp, std::make_shared<ParamStore>(), lo_.sequence_parallel));
     io_.graph = tp_graph_.get();
   } else {
     io_.graph = &logical_;
