@@ -27,7 +27,7 @@ void linear_forward(const Tensor& x, const Param& w, const Param* b, const Tenso
 
 ColumnParallelLinear::ColumnParallelLinear(Communicator& group, Param* weight, Param* bias,
                                            std::optional<SequenceParallel> sp)
-    : group_(&group), local_(weight, bias), sp_(std::move(sp)) {}
+    : group_(&group), local_(weight, bias), w_(weight), b_(bias), sp_(std::move(sp)) {}
 
 std::vector<Shape> ColumnParallelLinear::output_shapes(std::span<const Shape> in) const {
   if (!sp_ || in.size() != 1) return local_.output_shapes(in);
@@ -51,9 +51,7 @@ std::unique_ptr<LayerCtx> ColumnParallelLinear::make_ctx() const {
 void ColumnParallelLinear::forward(LayerCtx& ctx, Arena& arena, std::span<const Tensor> in,
                                    std::span<const Tensor> out) {
   if (sp_) {
-    const std::vector<Param*> p = local_.params();
-    linear_forward(sp_->gather(in[0], SequenceScratch::kWholeA), *p[0],
-                   p.size() > 1 ? p[1] : nullptr, out[0]);
+    linear_forward(sp_->gather(in[0], SequenceScratch::kWholeA), *w_, b_, out[0]);
     static_cast<SpCtx&>(ctx).x = in[0];
     return;
   }
@@ -70,9 +68,8 @@ void ColumnParallelLinear::backward_input(LayerCtx& ctx, Arena& arena,
     auto& c = static_cast<SpCtx&>(ctx);
     c.dy = grad_out[0];
     if (!grad_in[0].defined()) return;
-    const Param& w = *local_.params()[0];
     const Tensor part = sp_->whole(grad_in[0], SequenceScratch::kWholeA);
-    ops::gemm(c.dy, false, gemm_operand(w, c.dy.dtype()), true, part, 1.0f, 0.0f);
+    ops::gemm(c.dy, false, gemm_operand(*w_, c.dy.dtype()), true, part, 1.0f, 0.0f);
     sp_->gather_backward(part, grad_in[0], c.fresh_grads_in & 1u);
     return;
   }
@@ -93,12 +90,11 @@ void ColumnParallelLinear::backward_weight(LayerCtx& ctx, Arena& arena) {
     return;
   }
   auto& c = static_cast<SpCtx&>(ctx);
-  const std::vector<Param*> p = local_.params();
   const Tensor x = sp_->gather(c.x, SequenceScratch::kWholeA);
-  if (p.size() > 1)
-    ops::gemm_bias_grad(x, true, c.dy, p[0]->grad, 1.0f, p[1]->grad);
+  if (b_)
+    ops::gemm_bias_grad(x, true, c.dy, w_->grad, 1.0f, b_->grad);
   else
-    ops::gemm(x, true, c.dy, false, p[0]->grad, 1.0f, 1.0f);
+    ops::gemm(x, true, c.dy, false, w_->grad, 1.0f, 1.0f);
   c.dy = Tensor();  // W is done with it (weft/layer.h)
 }
 
@@ -113,7 +109,7 @@ struct RowCtx : LayerCtx {
 
 RowParallelLinear::RowParallelLinear(Communicator& group, Param* weight, Param* bias,
                                      std::optional<SequenceParallel> sp)
-    : group_(&group), local_(weight, nullptr), b_(bias), sp_(std::move(sp)) {
+    : group_(&group), local_(weight, nullptr), w_(weight), b_(bias), sp_(std::move(sp)) {
   check(b_ == nullptr || b_->value.numel() == weight->value.dim(1),
         "{}: bias length {} does not match the output width {}", b_ ? b_->name : "",
         b_ ? b_->value.numel() : 0, weight->value.dim(1));
@@ -144,8 +140,7 @@ void RowParallelLinear::forward(LayerCtx& ctx_, Arena& arena, std::span<const Te
                                 std::span<const Tensor> out) {
   if (sp_) {
     const Tensor partial = sp_->whole(out[0], SequenceScratch::kWholeA);
-    const Param& w = *local_.params()[0];
-    ops::gemm(in[0], false, gemm_operand(w, in[0].dtype()), false, partial);
+    ops::gemm(in[0], false, gemm_operand(*w_, in[0].dtype()), false, partial);
     sp_->scatter(partial, out[0]);
     if (b_) ops::add_rows(out[0], b_->value);
     static_cast<SpCtx&>(ctx_).x = in[0];
@@ -166,8 +161,7 @@ void RowParallelLinear::backward_input(LayerCtx& ctx_, Arena& arena,
     c.dy = grad_out[0];
     if (!grad_in[0].defined()) return;
     const Tensor dy = sp_->gather(c.dy, SequenceScratch::kWholeA);
-    const Param& w = *local_.params()[0];
-    ops::gemm(dy, false, gemm_operand(w, dy.dtype()), true, grad_in[0], 1.0f, 1.0f);
+    ops::gemm(dy, false, gemm_operand(*w_, dy.dtype()), true, grad_in[0], 1.0f, 1.0f);
     return;
   }
   auto& ctx = static_cast<RowCtx&>(ctx_);
@@ -181,7 +175,7 @@ void RowParallelLinear::backward_weight(LayerCtx& ctx_, Arena& arena) {
   if (sp_) {  // dy gathered again
     auto& c = static_cast<SpCtx&>(ctx_);
     const Tensor dy = sp_->gather(c.dy, SequenceScratch::kWholeA);
-    ops::gemm(c.x, true, dy, false, local_.params()[0]->grad, 1.0f, 1.0f);
+    ops::gemm(c.x, true, dy, false, w_->grad, 1.0f, 1.0f);
     if (b_) ops::sum_rows(dy, b_->grad);
     c.dy = Tensor();
     return;

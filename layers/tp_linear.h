@@ -53,6 +53,7 @@ class ColumnParallelLinear final : public Layer {
  private:
   Communicator* group_;
   Linear local_;  // this rank's columns
+  Param *w_, *b_;  // local_'s, for the sequence-parallel form (b_ may be null)
   std::optional<SequenceParallel> sp_;
 };
 
@@ -77,6 +78,7 @@ class RowParallelLinear final : public Layer {
  private:
   Communicator* group_;
   Linear local_;  // this rank's rows, without the bias
+  Param* w_;      // local_'s
   Param* b_;
   std::optional<SequenceParallel> sp_;
 };

@@ -81,10 +81,9 @@ namespace {
 class SequenceParallelReplica final : public Layer {
  public:
   SequenceParallelReplica(std::unique_ptr<Layer> layer, Communicator& group)
-      : layer_(std::move(layer)), group_(&group) {
-    int64_t total = 0;
-    for (Param* p : layer_->params()) total += p->value.numel();
-    total_ = total;
+      : layer_(std::move(layer)), group_(&group), params_(layer_->params()) {
+    for (Param* p : params_) total_ += p->value.numel();
+    saved_.reserve(params_.size());
   }
   const char* kind() const override { return layer_->kind(); }
   std::vector<Shape> output_shapes(std::span<const Shape> in) const override {
@@ -113,7 +112,7 @@ class SequenceParallelReplica final : public Layer {
   // The layer's W into zeroed views of one buffer, summed over the group in
   // one all-reduce, then added to the parameters' gradients.
   void backward_weight(LayerCtx& ctx, Arena& arena) override {
-    const std::vector<Param*> params = layer_->params();
+    const std::vector<Param*>& params = params_;
     if (!sums_.defined() || !(sums_.device() == params.front()->value.device()))
       sums_ = Tensor::empty({total_}, DType::F32, params.front()->value.device());
     sums_.zero_();
@@ -147,6 +146,7 @@ class SequenceParallelReplica final : public Layer {
   }
   std::unique_ptr<Layer> layer_;
   Communicator* group_;
+  std::vector<Param*> params_;  // the layer's, fixed once built: a W allocates nothing
   int64_t total_ = 0;
   Tensor sums_;                // the group's sums, one view per parameter
   std::vector<Tensor> saved_;  // the parameters' own gradients during the call
