@@ -13,16 +13,8 @@
 # median step time of the same runs are reported. The stall of an async
 # save is the host copies of the rank's slices (plus, for a save that comes
 # before the previous one is written, the wait for it).
-set -euo pipefail
-build=${1:-build}
-rounds=${2:-2}
-exe="$build/train_gpt"
-[[ -x "$exe" ]] || { echo "error: $exe not found; build first: ./scripts/setup.sh" >&2; exit 1; }
-data=/usr/share/games/fortunes/fortunes
-[[ -f $data ]] || { echo "error: $data not found (apt-get install fortunes)" >&2; exit 1; }
-export MPIEXEC_TIMEOUT=600 OMP_WAIT_POLICY=PASSIVE
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+# shellcheck source=bench/preamble.sh
+source "$(dirname "$0")/preamble.sh" "$@"
 model="--model small --micro-batch-size 4 --global-batch-size 8 --data-path $data --threads 1 \
   --train-iters 8 --save-interval 2 --comm-timeout 120"
 

@@ -18,17 +18,9 @@
 # (/usr/bin/time's maximum RSS: everything, the program included) as a
 # median over the rounds, and the median step time of steps 2-8 over the
 # rounds.
-set -euo pipefail
-build=${1:-build}
-rounds=${2:-2}
-exe="$build/train_gpt"
-[[ -x "$exe" ]] || { echo "error: $exe not found; build first: ./scripts/setup.sh" >&2; exit 1; }
-data=/usr/share/games/fortunes/fortunes
-[[ -f $data ]] || { echo "error: $data not found (apt-get install fortunes)" >&2; exit 1; }
-[[ -x /usr/bin/time ]] || { echo "error: /usr/bin/time not found (apt-get install time)" >&2; exit 1; }
-export MPIEXEC_TIMEOUT=600 OMP_WAIT_POLICY=PASSIVE
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+need_time=1
+# shellcheck source=bench/preamble.sh
+source "$(dirname "$0")/preamble.sh" "$@"
 model="--model small --micro-batch-size 2 --global-batch-size 8 --data-path $data --threads 1 \
   --train-iters 8 --log-interval 1 --comm-timeout 120"
 shape="--num-layers 6 --hidden-size 384 --num-attention-heads 6 --seq-length 256 --vocab-size 256"

@@ -21,17 +21,9 @@
 # profile of this model that train_gpt --pp 2 --profile writes first)
 # against what the engine held: the training state plus the activations'
 # measured peak (train_gpt's "activation memory ... held").
-set -euo pipefail
-build=${1:-build}
-rounds=${2:-2}
-exe="$build/train_gpt"
-[[ -x "$exe" ]] || { echo "error: $exe not found; build first: ./scripts/setup.sh" >&2; exit 1; }
-data=/usr/share/games/fortunes/fortunes
-[[ -f $data ]] || { echo "error: $data not found (apt-get install fortunes)" >&2; exit 1; }
-[[ -x /usr/bin/time ]] || { echo "error: /usr/bin/time not found (apt-get install time)" >&2; exit 1; }
-export MPIEXEC_TIMEOUT=600 OMP_WAIT_POLICY=PASSIVE
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+need_time=1
+# shellcheck source=bench/preamble.sh
+source "$(dirname "$0")/preamble.sh" "$@"
 model="--model small --micro-batch-size 2 --global-batch-size 8 --data-path $data --threads 1 \
   --train-iters 8 --log-interval 1 --comm-timeout 120"
 strategies="no_shard optim optim_grads"
