@@ -25,9 +25,13 @@ CausalSelfAttention::CausalSelfAttention(int64_t heads, int64_t groups)
 
 std::vector<Shape> CausalSelfAttention::output_shapes(std::span<const Shape> in) const {
   const int64_t n = heads_ + 2 * groups_;
-  check(in.size() == 1 && in[0].rank == 3 && in[0][2] % n == 0,
-        "attention with {} heads and {} key/value groups takes qkv (B, T, {} x head size), got {}",
+  check((in.size() == 1 || in.size() == 2) && in[0].rank == 3 && in[0][2] % n == 0,
+        "attention with {} heads and {} key/value groups takes qkv (B, T, {} x head size), and "
+        "optionally positions (B, T), got {}",
         heads_, groups_, n, in.empty() ? "nothing" : in[0].str());
+  check(in.size() == 1 || (in[1].rank == 2 && in[1][0] == in[0][0] && in[1][1] == in[0][1]),
+        "attention: positions {} must be (B, T) of qkv {}", in.size() > 1 ? in[1].str() : "",
+        in[0].str());
   return {Shape{in[0][0], in[0][1], in[0][2] / n * heads_}};
 }
 
@@ -58,7 +62,14 @@ void CausalSelfAttention::forward(LayerCtx& ctx_, Arena& arena, std::span<const 
   ctx.qkv = in[0];
   // The method is the device's (ops::set_attention_backend), chosen again at
   // every forward and kept for this micro-batch's backward.
-  ctx.fused = ops::attention_uses_fused(in[0].device(), in[0].dim(2) / (heads_ + 2 * groups_));
+  // Documents (positions given) run unfused: cuDNN's fused attention here
+  // has no mask but the causal one.
+  const bool documents = in.size() > 1;
+  ctx.fused = !documents &&
+              ops::attention_uses_fused(in[0].device(), in[0].dim(2) / (heads_ + 2 * groups_));
+  check(!documents || ops::attention_backend(in[0].device()) != ops::AttentionBackend::Fused,
+        "attention within documents (--reset-attention-mask) runs unfused; "
+        "--attention-backend fused cannot run it (use auto or unfused)");
   if (ctx.fused) {
     ctx.lse = arena.alloc({b, heads_, t});
     ctx.out = out[0];
@@ -68,7 +79,7 @@ void CausalSelfAttention::forward(LayerCtx& ctx_, Arena& arena, std::span<const 
   }
   ctx.lse = ctx.out = Tensor();
   ctx.probs = arena.alloc({b, heads_, t, t});
-  ops::attention_forward(in[0], out[0], ctx.probs, heads_, groups_);
+  ops::attention_forward(in[0], out[0], ctx.probs, heads_, groups_, documents ? in[1] : Tensor());
 }
 
 void CausalSelfAttention::backward_input(LayerCtx& ctx_, Arena& arena,

@@ -6,6 +6,9 @@
 // q, k and v each C = H D wide; with G < H, grouped-query attention: G divides
 // H, and query head i reads key/value head i / (H / G).
 // y = softmax(q k^T / sqrt(D) + causal mask) v, heads concatenated in order.
+// With a second input, positions (B, T) int32 (--reset-attention-mask: each
+// token's position p within its document), query t reads keys t - p .. t
+// only, its own document's; that runs unfused (ops::attention_forward).
 // The projections around it are ordinary Linear layers.
 //
 // Tensor-parallel: rank r of tp keeps query heads r*H/tp .. (r+1)*H/tp - 1 and

@@ -9,8 +9,9 @@ namespace weft {
 
 namespace {
 struct Ctx : LayerCtx {
-  Tensor tokens;  // (B, T) int32
-  Tensor dy;      // (B, T, C), kept by I for W
+  Tensor tokens;     // (B, T) int32
+  Tensor positions;  // (B, T) int32, or undefined: t
+  Tensor dy;         // (B, T, C), kept by I for W
 };
 }  // namespace
 
@@ -30,8 +31,10 @@ Embedding::Embedding(Param* wte, Param* wpe, Communicator* group,
 }
 
 std::vector<Shape> Embedding::output_shapes(std::span<const Shape> in) const {
-  check(in.size() == 1 && in[0].rank == 2, "embedding takes tokens (B, T), got {} inputs",
-        in.size());
+  check((in.size() == 1 || in.size() == 2) && in[0].rank == 2,
+        "embedding takes tokens (B, T), and optionally their positions, got {} inputs", in.size());
+  check(in.size() == 1 || in[1] == in[0], "embedding: positions {} must have the tokens' shape {}",
+        in.size() > 1 ? in[1].str() : "", in[0].str());
   check(wpe_ == nullptr || in[0][1] <= wpe_->value.dim(0),
         "sequence length ({}) must not exceed the position table ({} positions)", in[0][1],
         wpe_ ? wpe_->value.dim(0) : 0);
@@ -58,7 +61,9 @@ void Embedding::forward(LayerCtx& ctx_, Arena&, std::span<const Tensor> in,
   ops::check_token_range(in[0], vocab_, "token");
   const bool positions = wpe_ != nullptr && (group_ == nullptr || group_->rank() == 0);
   const Tensor y = sp_ ? sp_->whole(out[0], SequenceScratch::kWholeA) : out[0];
-  ops::embedding_forward(in[0], wte_->value, first_, positions ? wpe_->value : Tensor(), y);
+  ctx.positions = in.size() > 1 ? in[1] : Tensor();
+  ops::embedding_forward(in[0], wte_->value, first_, positions ? wpe_->value : Tensor(), y,
+                         ctx.positions);
   if (sp_)
     sp_->scatter(y, out[0]);
   else if (group_)
@@ -76,7 +81,8 @@ void Embedding::backward_input(LayerCtx& ctx_, Arena&, std::span<const Tensor> g
 void Embedding::backward_weight(LayerCtx& ctx_, Arena&) {
   auto& ctx = static_cast<Ctx&>(ctx_);
   const Tensor dy = sp_ ? sp_->gather(ctx.dy, SequenceScratch::kWholeA) : ctx.dy;
-  ops::embedding_backward(ctx.tokens, dy, wte_->grad, first_, wpe_ ? wpe_->grad : Tensor());
+  ops::embedding_backward(ctx.tokens, dy, wte_->grad, first_, wpe_ ? wpe_->grad : Tensor(),
+                          ctx.positions);
   ctx.dy = Tensor();  // W is done with it (weft/layer.h)
 }
 

@@ -1,5 +1,7 @@
 // Token + position embedding: tokens (B, T) int32 -> x (B, T, C).
 //   x[b, t] = wte[tokens[b, t]] + wpe[t]
+// With a second input, positions (B, T) int32 (--reset-position-ids: each
+// token's position within its document), wpe[positions[b, t]] in place of wpe[t].
 //
 // One layer for one process and for a tensor-parallel group (Megatron's
 // VocabParallelEmbedding): with a group of tp ranks, rank r holds rows

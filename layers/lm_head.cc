@@ -86,7 +86,7 @@ void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
   // Under sequence parallelism: the group's tokens, whole for this call.
   const Tensor x = sp_ ? sp_->gather(in[0], SequenceScratch::kWholeA) : in[0];
   const int64_t n = x.shape().rows(), v = wte_->value.dim(0);
-  ops::check_token_range(in[1], vocab_, "target token");
+  ops::check_token_range(in[1], vocab_, "target token", /*targets=*/true);
   if (group_ && !sp_) copy_to_tp_forward(*group_, x);
   ctx.x = in[0];
   ctx.targets = in[1];
@@ -155,7 +155,7 @@ void TiedLmHeadLoss::forward(LayerCtx& ctx_, Arena& arena, std::span<const Tenso
   group_->all_reduce(stats, ReduceOp::Sum);
   // probs_r = exp(logit - m) / S; every rank sums the same losses in the
   // same order, on the device (nothing waits for it here).
-  ops::normalise_and_loss(ctx.probs, stats, out[0]);
+  ops::normalise_and_loss(ctx.probs, stats, in[1], out[0]);
 }
 
 // Rows [r0, r0 + rows) at a time: logits (rows, V) = x_c wte^T, their losses

@@ -113,7 +113,7 @@ GptModel build_gpt(const GptConfig& cfg, int64_t micro_batch,
     return std::make_unique<Linear>(w, b, role, out_blocks);
   };
 
-  GptModel m{params, Graph(params), {}, -1, -1, nullptr};
+  GptModel m{params, Graph(params), {}, -1, -1, -1, nullptr};
   Graph& g = m.graph;
   const int64_t B = micro_batch, T = cfg.seq_length;
   Param* wte = vocab_table(param("wte.weight", {cfg.table_rows(), c}, Init::normal(0.02f)),
@@ -122,14 +122,24 @@ GptModel build_gpt(const GptConfig& cfg, int64_t micro_batch,
   m.tokens = g.input("tokens", {B, T}, DType::I32);
   m.targets = g.input("targets", {B, T}, DType::I32);
   m.io.inputs = {m.tokens, m.targets};
+  if (cfg.reset_position_ids || cfg.reset_attention_mask) {
+    m.positions = g.input("positions", {B, T}, DType::I32);
+    m.io.inputs.push_back(m.positions);
+  }
   m.io.terms_per_sample = T;
-  const int embedded = g.add1("embed", std::make_unique<Embedding>(wte, wpe), {m.tokens});
+  const int embedded = g.add1("embed", std::make_unique<Embedding>(wte, wpe),
+                              cfg.reset_position_ids ? std::vector<int>{m.tokens, m.positions}
+                                                     : std::vector<int>{m.tokens});
+  const std::vector<int> masked =
+      cfg.reset_attention_mask ? std::vector<int>{m.positions} : std::vector<int>{};
   int x = embedded;
   for (int64_t i = 0; i < L; ++i) {
     const std::string h = fmt::format("h.{}", i);
     int a = g.add1(h + ".ln_1", norm(h + ".ln_1"), {x});
     a = g.add1(h + ".attn.c_attn", linear(h + ".attn.c_attn", c, 3 * c, 0.02f, ParallelRole::Column, 3), {a});
-    a = g.add1(h + ".attn.core", std::make_unique<CausalSelfAttention>(cfg.num_heads), {a});
+    std::vector<int> core_in{a};
+    core_in.insert(core_in.end(), masked.begin(), masked.end());
+    a = g.add1(h + ".attn.core", std::make_unique<CausalSelfAttention>(cfg.num_heads), core_in);
     a = g.add1(h + ".attn.c_proj", linear(h + ".attn.c_proj", c, c, proj_std, ParallelRole::Row), {a});
     // The attention's residual add and ln_2 as one node (layers/layernorm.h):
     // outputs the residual stream, then ln_2 of it. The add that ends the

@@ -38,6 +38,12 @@ struct GptConfig {
   // Adds the embedding output to the last block's output before ln_f: a skip
   // connection that crosses every pipeline stage (not part of GPT-2).
   bool embedding_skip = false;
+  // Documents (weft/trainer.h's DocumentOptions): the graph takes a third
+  // input, each token's position within its document, which the position
+  // embedding reads (reset_position_ids) and/or every attention masks by
+  // (reset_attention_mask: a query reads its own document's keys only).
+  bool reset_position_ids = false;
+  bool reset_attention_mask = false;
 
   int64_t positions() const { return max_positions > 0 ? max_positions : seq_length; }
   int64_t table_rows() const { return padded_vocab_size > 0 ? padded_vocab_size : vocab_size; }
@@ -57,8 +63,9 @@ std::vector<std::string> gpt_preset_names();
 struct GptModel {
   std::shared_ptr<ParamStore> params;
   Graph graph;
-  ModelIO io;  // inputs {tokens, targets}; the loss sums T terms per sequence
+  ModelIO io;  // inputs {tokens, targets[, positions]}; the loss sums T terms per sequence
   int tokens = -1, targets = -1;  // the (B, T) int32 inputs
+  int positions = -1;             // (B, T) int32, with reset_position_ids or reset_attention_mask
   TiedLmHeadLoss* head = nullptr;
 };
 

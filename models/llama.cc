@@ -62,11 +62,16 @@ LlamaModel build_llama(const LlamaConfig& cfg, int64_t micro_batch) {
                                     nullptr, role, std::move(out_blocks));
   };
 
-  LlamaModel m{params, Graph(params), {}, -1, -1, nullptr};
+  LlamaModel m{params, Graph(params), {}, -1, -1, -1, nullptr};
   Graph& g = m.graph;
   const int64_t B = micro_batch, T = cfg.seq_length;
   m.tokens = g.input("tokens", {B, T}, DType::I32);
   m.targets = g.input("targets", {B, T}, DType::I32);
+  if (cfg.reset_position_ids || cfg.reset_attention_mask)
+    m.positions = g.input("positions", {B, T}, DType::I32);
+  auto with_positions = [&](int v, bool yes) {
+    return yes ? std::vector<int>{v, m.positions} : std::vector<int>{v};
+  };
   // Padding rows past vocab_size (Param::true_rows), as GPT's.
   auto vocab_table = [&](const std::string& name) {
     Param* p = ps.create(name, {cfg.table_rows(), c}, Init::normal(0.02f));
@@ -80,8 +85,10 @@ LlamaModel build_llama(const LlamaConfig& cfg, int64_t micro_batch) {
     int a = g.add1(h + ".input_norm", norm(h + ".input_norm"), {x});
     a = g.add1(h + ".attn.qkv",
                linear(h + ".attn.qkv", c, {c, kv, kv}, 0.02f, ParallelRole::Column), {a});
-    a = g.add1(h + ".attn.rotary", std::make_unique<Rotary>(heads, groups, cfg.rope_base), {a});
-    a = g.add1(h + ".attn.core", std::make_unique<CausalSelfAttention>(heads, groups), {a});
+    a = g.add1(h + ".attn.rotary", std::make_unique<Rotary>(heads, groups, cfg.rope_base),
+               with_positions(a, cfg.reset_position_ids));
+    a = g.add1(h + ".attn.core", std::make_unique<CausalSelfAttention>(heads, groups),
+               with_positions(a, cfg.reset_attention_mask));
     a = g.add1(h + ".attn.o", linear(h + ".attn.o", c, {c}, proj_std, ParallelRole::Row), {a});
     x = g.add1(h + ".res_1", std::make_unique<Residual>(), {x, a});
     int y = g.add1(h + ".post_attn_norm", norm(h + ".post_attn_norm"), {x});
@@ -98,6 +105,7 @@ LlamaModel build_llama(const LlamaConfig& cfg, int64_t micro_batch) {
   const int loss = g.add1("lm_head", std::move(lm_head), {x, m.targets});
   g.mark_output(loss);
   m.io = ModelIO{&m.graph, {m.tokens, m.targets}, loss, T};
+  if (m.positions >= 0) m.io.inputs.push_back(m.positions);
   return m;
 }
 

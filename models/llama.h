@@ -35,6 +35,10 @@ struct LlamaConfig {
   int64_t seq_length = 64;
   float rope_base = 10000.0f;
   float norm_eps = 1e-5f;
+  // Documents, as GptConfig's: rotary reads the positions within documents
+  // (reset_position_ids), attention masks by them (reset_attention_mask).
+  bool reset_position_ids = false;
+  bool reset_attention_mask = false;
 
   int64_t ffn() const;
   int64_t table_rows() const { return padded_vocab_size > 0 ? padded_vocab_size : vocab_size; }
@@ -48,6 +52,7 @@ struct LlamaModel {
   Graph graph;
   ModelIO io;  // inputs {tokens, targets}; the loss sums T terms per sequence
   int tokens = -1, targets = -1;
+  int positions = -1;  // (B, T) int32, with reset_position_ids or reset_attention_mask
   class TiedLmHeadLoss* head = nullptr;  // the LM head (set_keep_logits for tests, sampling)
 };
 

@@ -66,6 +66,30 @@ Tensor tokens(uint64_t seed) {
 
 double at(const Tensor& t, int64_t i) { return static_cast<double>(t.data<float>()[i]); }
 
+// Positions within documents (--reset-position-ids, --reset-attention-mask):
+// three documents in sequence 0 and two in sequence 1 (or the reverse, by
+// seed), each a document's first token at 0.
+Tensor doc_positions(uint64_t seed) {
+  static const int32_t a[kB * kT] = {0, 1, 0, 1, 2, 0, 1, 2, 0, 0};
+  static const int32_t b[kB * kT] = {0, 1, 2, 0, 0, 0, 0, 1, 0, 1};
+  Tensor t = Tensor::empty({kB, kT}, DType::I32);
+  std::copy_n(seed % 2 ? b : a, kB * kT, t.data<int32_t>());
+  return t;
+}
+
+// tokens(seed) with two targets ignored (--eod-mask-loss).
+Tensor masked_targets(uint64_t seed) {
+  Tensor t = tokens(seed);
+  t.data<int32_t>()[2] = t.data<int32_t>()[2 + kT + static_cast<int64_t>(seed % 2)] =
+      kIgnoredTarget;
+  return t;
+}
+
+// Each token's position: its own within its document, or t.
+int64_t position_of(const Tensor* positions, int64_t row, int64_t t_len) {
+  return positions ? positions->data<int32_t>()[row] : row % t_len;
+}
+
 // --- the layers under test ---
 
 struct Case {
@@ -117,8 +141,10 @@ std::vector<double> sum_ref(const std::vector<Tensor>& in) {
   return y;
 }
 
-// qkv (B, T, (H + 2G) D): query head hi reads key/value head hi / (H / G).
-std::vector<double> attention_ref(const Tensor& qkv, int64_t h, int64_t g) {
+// qkv (B, T, (H + 2G) D): query head hi reads key/value head hi / (H / G);
+// with positions, query i reads keys i - positions[i] .. i only.
+std::vector<double> attention_ref(const Tensor& qkv, int64_t h, int64_t g,
+                                  const Tensor* positions = nullptr) {
   const int64_t b = qkv.dim(0), t = qkv.dim(1), w = qkv.dim(2), d = w / (h + 2 * g), c = h * d;
   std::vector<double> out(z(b * t * c), 0.0);
   auto q = [&](int64_t bi, int64_t ti, int64_t col) { return at(qkv, (bi * t + ti) * w + col); };
@@ -126,15 +152,16 @@ std::vector<double> attention_ref(const Tensor& qkv, int64_t h, int64_t g) {
     for (int64_t hi = 0; hi < h; ++hi) {
       const int64_t k0 = c + hi / (h / g) * d, v0 = k0 + g * d;
       for (int64_t i = 0; i < t; ++i) {
+        const int64_t first = positions ? i - position_of(positions, bi * t + i, t) : 0;
         std::vector<double> s(z(i + 1));
         double mx = -std::numeric_limits<double>::infinity(), sum = 0;
-        for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t j = first; j <= i; ++j) {
           for (int64_t e = 0; e < d; ++e)
             s[z(j)] += q(bi, i, hi * d + e) * q(bi, j, k0 + e) / std::sqrt(double(d));
           mx = std::max(mx, s[z(j)]);
         }
-        for (double& v : s) sum += (v = std::exp(v - mx));
-        for (int64_t j = 0; j <= i; ++j)
+        for (int64_t j = first; j <= i; ++j) sum += (s[z(j)] = std::exp(s[z(j)] - mx));
+        for (int64_t j = first; j <= i; ++j)
           for (int64_t e = 0; e < d; ++e)
             out[z((bi * t + i) * c + hi * d + e)] += s[z(j)] / sum * q(bi, j, v0 + e);
       }
@@ -144,12 +171,13 @@ std::vector<double> attention_ref(const Tensor& qkv, int64_t h, int64_t g) {
 
 // Rotary embedding of qkv (B, T, (H + 2G) D) in double: the H query and G key
 // heads' pairs (i, i + D/2) rotated by t * base^(-2i/D); the values as they are.
-std::vector<double> rotary_ref(const Tensor& qkv, int64_t h, int64_t g, double base) {
+std::vector<double> rotary_ref(const Tensor& qkv, int64_t h, int64_t g, double base,
+                               const Tensor* positions = nullptr) {
   const int64_t rows = qkv.shape().rows(), t_len = qkv.dim(1), w = qkv.dim(2);
   const int64_t d = w / (h + 2 * g), half = d / 2;
   std::vector<double> y(z(qkv.numel()));
   for (int64_t row = 0; row < rows; ++row) {
-    const int64_t t = row % t_len;
+    const int64_t t = position_of(positions, row, t_len);
     for (int64_t head = 0; head < h + 2 * g; ++head)
       for (int64_t i = 0; i < half; ++i) {
         const int64_t a = row * w + head * d + i, b = a + half;
@@ -177,7 +205,8 @@ double lm_loss_ref(const Tensor& x, const Tensor& targets, const Param* wte) {
       mx = std::max(mx, logit[z(k)]);
     }
     for (double l : logit) sum += std::exp(l - mx);
-    total += std::log(sum) + mx - logit[z(targets.data<int32_t>()[i])];
+    const int32_t target = targets.data<int32_t>()[i];
+    if (target != kIgnoredTarget) total += std::log(sum) + mx - logit[z(target)];
   }
   return total;
 }
@@ -188,18 +217,23 @@ Case make_case(const std::string& name) {
   c.store = std::make_unique<ParamStore>();
   ParamStore& s = *c.store;
   const Shape act{kB, kT, kC};
-  if (name == "embedding") {
+  if (name == "embedding" || name == "embedding_documents") {
     Param* wte = make_param(s, "wte", {kV, kC}, 0.5f, 0.0f, 1);
     Param* wpe = make_param(s, "wpe", {kPos, kC}, 0.5f, 0.0f, 1);
     c.layer = std::make_unique<Embedding>(wte, wpe);
-    c.make_inputs = [](uint64_t seed) { return std::vector<Tensor>{tokens(seed)}; };
-    c.float_input = {false};
+    const bool docs = name == "embedding_documents";
+    c.make_inputs = [docs](uint64_t seed) {
+      return docs ? std::vector<Tensor>{tokens(seed), doc_positions(seed)}
+                  : std::vector<Tensor>{tokens(seed)};
+    };
+    c.float_input = docs ? std::vector<bool>{false, false} : std::vector<bool>{false};
     c.reference = [wte, wpe](const std::vector<Tensor>& in) {
+      const Tensor* positions = in.size() > 1 ? &in[1] : nullptr;
       std::vector<double> y(z(kB * kT * kC));
       for (int64_t i = 0; i < kB * kT; ++i)
         for (int64_t j = 0; j < kC; ++j)
-          y[z(i * kC + j)] =
-              at(wte->value, in[0].data<int32_t>()[i] * kC + j) + at(wpe->value, (i % kT) * kC + j);
+          y[z(i * kC + j)] = at(wte->value, in[0].data<int32_t>()[i] * kC + j) +
+                             at(wpe->value, position_of(positions, i, kT) * kC + j);
       return y;
     };
   } else if (name == "layernorm") {
@@ -293,6 +327,16 @@ Case make_case(const std::string& name) {
     };
     c.float_input = {true};
     c.reference = [](const std::vector<Tensor>& in) { return attention_ref(in[0], kHeads, kHeads); };
+  } else if (name == "attention_documents") {  // each query reads its document's keys only
+    c.layer = std::make_unique<CausalSelfAttention>(kHeads);
+    c.make_inputs = [](uint64_t seed) {
+      return std::vector<Tensor>{uniform({kB, kT, 3 * kC}, 420 + seed, -1.5f, 1.5f),
+                                 doc_positions(seed)};
+    };
+    c.float_input = {true, false};
+    c.reference = [](const std::vector<Tensor>& in) {
+      return attention_ref(in[0], kHeads, kHeads, &in[1]);
+    };
   } else if (name == "attention_gqa") {  // both query heads share one key/value head
     c.layer = std::make_unique<CausalSelfAttention>(kHeads, 1);
     c.make_inputs = [](uint64_t seed) {
@@ -307,14 +351,18 @@ Case make_case(const std::string& name) {
     };
     c.float_input = {true, true};
     c.reference = sum_ref;
-  } else if (name == "lm_head" || name == "lm_head_chunked") {
+  } else if (name == "lm_head" || name == "lm_head_chunked" || name == "lm_head_ignored" ||
+             name == "lm_head_chunked_ignored") {
     Param* wte = make_param(s, "wte", {kV, kC}, 0.7f, 0.0f, 4);
     auto head = std::make_unique<TiedLmHeadLoss>(wte);
     // Chunks of 3 rows: the ragged last one too (B T is not a multiple of 3).
-    if (name == "lm_head_chunked") head->set_chunk_rows(3);
+    if (contains(name, "chunked")) head->set_chunk_rows(3);
     c.layer = std::move(head);
-    c.make_inputs = [act](uint64_t seed) {
-      return std::vector<Tensor>{uniform(act, 700 + seed), tokens(seed + 4)};
+    // Ignored targets (--eod-mask-loss) add no term and no gradient.
+    const bool ignored = contains(name, "ignored");
+    c.make_inputs = [act, ignored](uint64_t seed) {
+      return std::vector<Tensor>{uniform(act, 700 + seed),
+                                 ignored ? masked_targets(seed + 4) : tokens(seed + 4)};
     };
     c.float_input = {true, false};
     c.loss = true;
@@ -388,19 +436,47 @@ Case make_case(const std::string& name) {
     };
     c.float_input = {true};
     c.reference = [](const std::vector<Tensor>& in) { return rotary_ref(in[0], kHeads, 1, 100.0); };
+  } else if (name == "rotary_documents") {  // positions within documents
+    c.layer = std::make_unique<Rotary>(kHeads, kHeads, 100.0f);
+    c.make_inputs = [](uint64_t seed) {
+      return std::vector<Tensor>{uniform({kB, kT, 3 * kC}, 1250 + seed), doc_positions(seed)};
+    };
+    c.float_input = {true, false};
+    c.reference = [](const std::vector<Tensor>& in) {
+      return rotary_ref(in[0], kHeads, kHeads, 100.0, &in[1]);
+    };
   } else {
     ADD_FAILURE() << "unknown layer case " << name;
   }
   return c;
 }
 
-const std::vector<std::string> kAllLayers = {
-    "embedding", "layernorm", "linear_bias", "linear_nobias", "gelu",   "attention",
-    "residual",  "lm_head",   "mse",         "rmsnorm",       "swiglu", "rotary",
-    "attention_gqa", "rotary_gqa", "lm_head_chunked", "gelu_mlp", "residual_layernorm"};
+const std::vector<std::string> kAllLayers = {"embedding",
+                                             "layernorm",
+                                             "linear_bias",
+                                             "linear_nobias",
+                                             "gelu",
+                                             "attention",
+                                             "residual",
+                                             "lm_head",
+                                             "mse",
+                                             "rmsnorm",
+                                             "swiglu",
+                                             "rotary",
+                                             "attention_gqa",
+                                             "rotary_gqa",
+                                             "lm_head_chunked",
+                                             "gelu_mlp",
+                                             "residual_layernorm",
+                                             "embedding_documents",
+                                             "attention_documents",
+                                             "rotary_documents",
+                                             "lm_head_ignored",
+                                             "lm_head_chunked_ignored"};
 const std::vector<std::string> kParamLayers = {
-    "embedding", "layernorm",       "linear_bias", "linear_nobias",     "lm_head",
-    "rmsnorm",   "lm_head_chunked", "gelu_mlp",    "residual_layernorm"};
+    "embedding",      "layernorm",       "linear_bias", "linear_nobias",      "lm_head",
+    "rmsnorm",        "lm_head_chunked", "gelu_mlp",    "residual_layernorm", "embedding_documents",
+    "lm_head_ignored"};
 
 // --- running a layer the way the runner does ---
 

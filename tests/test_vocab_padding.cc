@@ -194,7 +194,7 @@ TEST(VocabPaddingKernels, ParallelStepsGiveMaskedColumnsExactZeros) {
       EXPECT_EQ(stats.data<float>()[0], 0.0f) << "padding adds nothing to S";
     }
     for (int64_t i = 0; i < n; ++i) stats.data<float>()[i] += 2.0f;  // the group's S
-    ops::normalise_and_loss(logits, stats, Tensor::zeros({1}));
+    ops::normalise_and_loss(logits, stats, targets, Tensor::zeros({1}));
     ops::cross_entropy_backward(logits, targets, 100, logits, 1.0f);
     for (int64_t i = 0; i < n; ++i)
       for (int64_t j = real; j < v; ++j)

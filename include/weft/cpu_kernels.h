@@ -5,6 +5,8 @@
 // Shapes are given in comments as (rows, cols); N = rows = B*T tokens.
 #pragma once
 
+#include <weft/targets.h>
+
 #include <cstdint>
 
 namespace weft::cpu {
@@ -57,11 +59,13 @@ void swiglu_backward(const float* dy, const float* x, float* dx, int64_t n, int6
 // value heads, each D wide. q and k heads rotate in pairs (i, i + D/2) by
 // angle t * base^(-2i/D) (Llama's rotate-half convention); v is copied.
 // y may not alias x.
-void rope_forward(const float* x, float* y, int64_t b, int64_t t, int64_t h, int64_t g,
-                  int64_t d, float base);
+// `positions` (B*T), where given: each token's position within its document
+// (--reset-position-ids), in place of t.
+void rope_forward(const float* x, float* y, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d,
+                  float base, const int32_t* positions = nullptr);
 // dx += the inverse rotation of dy.
 void rope_backward(const float* dy, float* dx, int64_t b, int64_t t, int64_t h, int64_t g,
-                   int64_t d, float base);
+                   int64_t d, float base, const int32_t* positions = nullptr);
 
 // --- tanh-approximated GELU, element-wise over n values. ---
 void gelu_forward(const float* x, float* y, int64_t n);
@@ -83,8 +87,12 @@ void add_scaled(float* y, const float* x, float s, int64_t n);
 // attention): query head i reads key/value head i / (H / G).
 // probs (B, H, T, T) keeps the softmax for backward (upper triangle zero).
 // `r` rounds the inputs of every GEMM inside (gemm_rounded).
-void attention_forward(const float* qkv, float* out, float* probs, int64_t b, int64_t t,
-                       int64_t h, int64_t g, int64_t d, Rounding r = Rounding::None);
+// `positions` (B*T), where given: each token's position p within its
+// document (--reset-attention-mask); query t then reads keys t - p .. t only,
+// and the other probabilities are 0 (the backward needs nothing more).
+void attention_forward(const float* qkv, float* out, float* probs, int64_t b, int64_t t, int64_t h,
+                       int64_t g, int64_t d, Rounding r = Rounding::None,
+                       const int32_t* positions = nullptr);
 // dqkv += gradient; scratch needs B*H*T*T floats.
 void attention_backward(const float* dout, const float* qkv, const float* probs, float* dqkv,
                         float* scratch, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d,
@@ -112,18 +120,23 @@ void row_max(const float* logits, float* m, int64_t n, int64_t v);
 // logit[target] - m where this slice holds the target, else 0.
 void exp_and_stats(float* logits, const int32_t* targets, int64_t first, const float* m,
                    float* sum, float* z, int64_t n, int64_t v);
-// In place: p = exps / sum; returns the sum over rows of log(sum) - z.
-double normalise_and_loss(float* p, const float* sum, const float* z, int64_t n, int64_t v);
+// In place: p = exps / sum; returns the sum over rows of log(sum) - z, rows
+// whose target is kIgnoredTarget left out.
+double normalise_and_loss(float* p, const float* sum, const float* z, const int32_t* targets,
+                          int64_t n, int64_t v);
 
 // --- token + position embedding; wte holds the `rows` rows of tokens
 // [first, first + rows), other tokens read zeros ---
 // y (B*T, C) = wte[tokens - first] (or 0) + wpe[i % T]; wpe may be null.
+// `positions` (B*T), where given, replace i % T (--reset-position-ids).
 void embedding_forward(const int32_t* tokens, const float* wte, int64_t rows, int64_t first,
-                       const float* wpe, float* y, int64_t b, int64_t t, int64_t c);
-// dwte[tokens - first] += dy for this slice's tokens; dwpe[i % T] += dy[i].
-// Summed in token order whatever the thread count.
+                       const float* wpe, float* y, int64_t b, int64_t t, int64_t c,
+                       const int32_t* positions = nullptr);
+// dwte[tokens - first] += dy for this slice's tokens; dwpe[i % T] (or
+// dwpe[positions[i]]) += dy[i]. Summed in token order whatever the thread count.
 void embedding_backward(const int32_t* tokens, const float* dy, float* dwte, int64_t rows,
-                        int64_t first, float* dwpe, int64_t b, int64_t t, int64_t c);
+                        int64_t first, float* dwpe, int64_t b, int64_t t, int64_t c,
+                        const int32_t* positions = nullptr);
 
 // --- squared error: returns 0.5 * sum (p - t)^2 in double; d += g * (p - t) ---
 double mse_loss(const float* p, const float* t, int64_t n);

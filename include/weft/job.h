@@ -68,6 +68,10 @@ struct JobModel {
   // whose logits are read. A family without a head cannot sample.
   int tokens = -1, targets = -1;
   TiedLmHeadLoss* head = nullptr;
+  // The (B, T) int32 positions within documents, where the shape asks for
+  // them (GptConfig::reset_position_ids or reset_attention_mask): the data
+  // fills them as its third input, sampling from the prompt's documents.
+  int positions = -1;
   // Training FLOPs per token for the GFLOP/s figure; 0: 6 x parameters.
   double flops_per_token = 0;
   // What the family records in a checkpoint's meta.json beside the shape
@@ -133,9 +137,10 @@ ModelFamily llama_family();
 
 // Tokens after `prompt`, sampled from `model`'s softmax at `temperature`
 // (0: greedy) over a sliding window of `shape.seq_length`; `model` is built
-// for micro-batches of 1 and has a head.
+// for micro-batches of 1 and has a head. A model with positions reads them
+// from the window's documents, which `eod` ends.
 std::vector<int32_t> sample_tokens(JobModel& model, const GptConfig& shape,
                                    std::vector<int32_t> prompt, int64_t count, float temperature,
-                                   uint64_t seed);
+                                   uint64_t seed, int32_t eod = -1);
 
 }  // namespace weft

@@ -30,6 +30,7 @@
 // GPU those calls wait for the compute stream.
 #pragma once
 
+#include <weft/targets.h>
 #include <weft/tensor.h>
 
 #include <cstdint>
@@ -202,10 +203,19 @@ void swiglu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx);  // d
 // --- rotary position embedding of q and k in a packed qkv (B, T, (H + 2G) D) ---
 // `heads` query heads, then `groups` key and `groups` value heads (see
 // layers/attention.h). Pairs (i, i + D/2) of each q and k head rotate by
-// t * base^(-2i/D); v is copied. y must not alias qkv.
-void rope_forward(const Tensor& qkv, const Tensor& y, int64_t heads, int64_t groups, float base);
-void rope_backward(const Tensor& dy, const Tensor& dqkv, int64_t heads, int64_t groups,
-                   float base);  // dqkv +=
+// t * base^(-2i/D); v is copied. y must not alias qkv. `positions` (B, T)
+// int32, where given, replace t: each token's position within its document
+// (--reset-position-ids; check_positions' rule).
+void rope_forward(const Tensor& qkv, const Tensor& y, int64_t heads, int64_t groups, float base,
+                  const Tensor& positions = {});
+void rope_backward(const Tensor& dy, const Tensor& dqkv, int64_t heads, int64_t groups, float base,
+                   const Tensor& positions = {});  // dqkv +=
+
+// Throws Error unless `positions` (B, T) int32 are positions within
+// documents: each 0, or one more than the token before it's, and below
+// `limit` (the rows of a position table) where limit > 0. Checked on the
+// host only (a device's come from the data reader, which makes them so).
+void check_positions(const Tensor& positions, int64_t limit = 0);
 
 // --- tanh-approximated GELU ---
 
@@ -216,9 +226,12 @@ void gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& dx, bool acc
 // --- causal self-attention on a packed qkv (B, T, (H + 2G) D) -> out (B, T, H D) ---
 // H = heads query heads share G = groups key/value heads (G = H: multi-head).
 
-// probs (B, H, T, T) keeps the softmax for backward.
+// probs (B, H, T, T) keeps the softmax for backward. `positions` (B, T)
+// int32, where given: each token's position p within its document
+// (--reset-attention-mask); query t then reads keys t - p .. t only. The
+// backward needs nothing more: probs are 0 elsewhere.
 void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t heads,
-                       int64_t groups);
+                       int64_t groups, const Tensor& positions = {});
 // dqkv += gradient; scratch holds B*H*T*T floats.
 void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs,
                         const Tensor& dqkv, const Tensor& scratch, int64_t heads, int64_t groups);
@@ -261,14 +274,17 @@ void attention_backward_fused(const Tensor& dout, const Tensor& qkv, const Tenso
 // Throws Error naming the first token outside [0, vocab) and its position.
 // On a GPU nothing is checked here: tokens reach the device from the data
 // reader, which checks them on the host.
-void check_token_range(const Tensor& tokens, int64_t vocab, const char* what);
+// With `targets`, kIgnoredTarget is allowed too.
+void check_token_range(const Tensor& tokens, int64_t vocab, const char* what, bool targets = false);
 // y (B, T, C) = wte[tokens - first] (or 0) + wpe[t]; wpe may be undefined
 // (no positions added: with tensor parallelism only one rank adds them).
+// `positions` (B, T) int32, where given, replace t (--reset-position-ids).
 void embedding_forward(const Tensor& tokens, const Tensor& wte, int64_t first, const Tensor& wpe,
-                       const Tensor& y);
-// dwte[tokens - first] += dy for the tokens of this slice; dwpe[t] += sum_b dy[b, t].
+                       const Tensor& y, const Tensor& positions = {});
+// dwte[tokens - first] += dy for the tokens of this slice; dwpe[t] += sum_b dy[b, t]
+// (dwpe[positions[b, t]] += dy[b, t] where positions are given).
 void embedding_backward(const Tensor& tokens, const Tensor& dy, const Tensor& dwte, int64_t first,
-                        const Tensor& dwpe);
+                        const Tensor& dwpe, const Tensor& positions = {});
 
 // --- softmax cross-entropy over logits (N, V) ---
 
@@ -312,8 +328,10 @@ void exp_and_stats(const Tensor& logits, const Tensor& targets, int64_t first, c
                    const Tensor& stats);
 // In place: exps become probabilities, exps / sum; loss (one F32 on the same
 // device) = the sum over rows of log(sum) - z, from the all-reduced stats
-// (2, N), summed in double and rounded once. On a GPU nothing waits for it.
-void normalise_and_loss(const Tensor& exps, const Tensor& stats, const Tensor& loss);
+// (2, N), summed in double and rounded once, rows whose target is
+// kIgnoredTarget left out. On a GPU nothing waits for it.
+void normalise_and_loss(const Tensor& exps, const Tensor& stats, const Tensor& targets,
+                        const Tensor& loss);
 
 // --- mean-squared error, as a sum: 0.5 * sum (pred - target)^2 ---
 

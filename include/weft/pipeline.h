@@ -121,6 +121,9 @@ class PipelineExecutor {
   // their forwards ran (empty without the last stage).
   const Tensor& losses() const { return losses_; }
   const std::vector<int>& loss_order() const { return loss_order_; }
+  // The last run's loss terms, over the whole global batch: the mean's
+  // denominator (BatchSource::loss_terms, or global batch x terms per sample).
+  int64_t loss_terms() const { return loss_terms_; }
   // fp16's loss scale: the seed above is multiplied by it (the Trainer
   // unscales the gradients). 1 unless set.
   void set_loss_scale(float scale) { loss_scale_ = scale; }
@@ -214,7 +217,7 @@ class PipelineExecutor {
   std::vector<Slot*> live_;  // indexed by stage * m + micro_batch
   const BatchSource* data_ = nullptr;
   GradSync* sync_ = nullptr;
-  int64_t micro_batch_size_ = 0, step_ = 0, global_batch_ = 0;
+  int64_t micro_batch_size_ = 0, step_ = 0, global_batch_ = 0, loss_terms_ = 1;
   float loss_scale_ = 1.0f;
   std::vector<Tensor> inputs_;       // the data inputs being filled, reused
   std::vector<Tensor> host_inputs_;  // on a device: filled here, then copied up

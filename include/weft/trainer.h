@@ -18,6 +18,7 @@
 #include <chrono>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <set>
 #include <span>
@@ -60,11 +61,33 @@ class BatchSource {
   // count is the first dimension of every tensor of `inputs` (host tensors,
   // in ModelIO::inputs order).
   virtual void fill(int64_t step, int64_t index, std::span<const Tensor> inputs) const = 0;
+  // The loss terms of `step`'s whole global batch where some targets are
+  // kIgnoredTarget (weft/targets.h): the step's loss, and the gradients, are
+  // the mean over these, on every layout. -1, the default: every term
+  // counts (global batch x ModelIO::terms_per_sample).
+  virtual int64_t loss_terms(int64_t /*step*/) const { return -1; }
+};
+
+// Documents in a token stream (Megatron's flags): the token `eod` ends a
+// document, and belongs to it.
+struct DocumentOptions {
+  int32_t eod = -1;
+  // --eod-mask-loss: a target whose input token is eod (the next document's
+  // first token) is kIgnoredTarget (weft/targets.h), no loss term.
+  bool eod_mask_loss = false;
+  // --reset-position-ids / --reset-attention-mask: a third input, each
+  // token's position within its document (0 after each eod), which the
+  // model reads for its position embedding and/or its attention mask.
+  bool reset_position_ids = false;
+  bool reset_attention_mask = false;
+  bool positions() const { return reset_position_ids || reset_attention_mask; }
+  bool any() const { return eod_mask_loss || positions(); }
 };
 
 // Token batches: the run's sequence k (k = step * G + index) is the window
 // a WindowOrder (weft/data.h) names. Fills two inputs: tokens and targets,
-// (count, T) int32 each.
+// (count, T) int32 each; and with DocumentOptions::positions(), a third:
+// each token's position within its document.
 class TokenBatches final : public BatchSource {
  public:
   // With vocab > 0, a token outside [0, vocab) stops the run naming it.
@@ -74,13 +97,30 @@ class TokenBatches final : public BatchSource {
   TokenBatches(const TokenData& data, int64_t global_batch, int64_t seq_len,
                int64_t first_window = 0, int64_t num_windows = 0);
   void fill(int64_t step, int64_t index, std::span<const Tensor> inputs) const override;
+  // With eod_mask_loss: the global batch's tokens that are not eod (read
+  // once a step, on every rank alike); else -1.
+  int64_t loss_terms(int64_t step) const override;
   const WindowOrder& order() const { return *order_; }
+  // Throws Error for an eod outside [0, vocab) when documents are asked for.
+  void set_documents(const DocumentOptions& docs);
+  const DocumentOptions& documents() const { return docs_; }
 
  private:
   std::shared_ptr<const WindowOrder> order_;
   int64_t global_batch_;
   int64_t vocab_ = 0;
+  DocumentOptions docs_;
+  // loss_terms' last step and count, and the global batch it read.
+  mutable std::mutex terms_mu_;
+  mutable int64_t terms_step_ = -1, terms_ = 0;
+  mutable std::vector<int32_t> terms_tokens_, terms_targets_;
 };
+
+// Each token's position within its document: 0 at a sequence's start and
+// after each eod, else one more than the token before. tokens and positions
+// are `count` sequences of `t`.
+void document_positions(const int32_t* tokens, int32_t* positions, int64_t count, int64_t t,
+                        int32_t eod);
 
 struct TrainOptions {
   int64_t micro_batch = 1;   // sequences per micro-batch (the graph's B)
@@ -196,6 +236,7 @@ class ReplicaBatches final : public BatchSource {
   void fill(int64_t step, int64_t index, std::span<const Tensor> inputs) const override {
     all_.fill(step, offset_ + index, inputs);
   }
+  int64_t loss_terms(int64_t step) const override { return all_.loss_terms(step); }
 
  private:
   const BatchSource& all_;
@@ -316,14 +357,17 @@ class Trainer {
   // Forward and backward of one batch; the micro-batch loss sums go to
   // `losses` (micro_batches_ F32 on the device; a pipeline's last stage
   // only), `order` the order to add them in.
-  void run_batch_into(const BatchSource& data, int64_t step, const Tensor& losses,
-                      std::vector<int>& order, bool measure);
+  // Returns the step's loss terms (PipelineExecutor::loss_terms).
+  double run_batch_into(const BatchSource& data, int64_t step, const Tensor& losses,
+                        std::vector<int>& order, bool measure);
   void mean_losses(std::span<const float* const> rows,
-                   std::span<const std::vector<int>* const> orders, std::span<double> out);
+                   std::span<const std::vector<int>* const> orders, std::span<const double> terms,
+                   std::span<double> out);
   // A launched step: its record, and what reading its values needs.
   struct Launched {
     StepRecord record;
     std::vector<int> loss_order;  // this rank's micro-batch losses, in the order to add them
+    double terms = 0;             // the step's loss terms (BatchSource::loss_terms)
     std::chrono::steady_clock::time_point start;
   };
   std::vector<Launched> launches_;
@@ -341,6 +385,7 @@ class Trainer {
   Tensor loss_sums_;                     // mean_losses' host buffer for the collectives
   std::vector<const float*> rows_;
   std::vector<const std::vector<int>*> orders_;
+  std::vector<double> terms_;
   std::vector<double> read_losses_;
   bool host_decides() const;
   Tensor row_losses(int64_t row) const;

@@ -16,13 +16,17 @@ namespace {
 using RowMap = Eigen::Map<Eigen::ArrayXf>;
 using CRowMap = Eigen::Map<const Eigen::ArrayXf>;
 
-// Row i of a causal score matrix: softmax over columns 0..i, zero after.
-void causal_softmax_rows(float* p, int64_t t) {
+// Row i of a causal score matrix: softmax over columns 0..i, zero after;
+// with `positions` (one sequence's), over columns i - positions[i] .. i, the
+// row's document, zero elsewhere.
+void causal_softmax_rows(float* p, int64_t t, const int32_t* positions) {
   for (int64_t i = 0; i < t; ++i) {
-    RowMap row(p + i * t, i + 1);
+    const int64_t start = positions ? i - positions[i] : 0;
+    RowMap row(p + i * t + start, i + 1 - start);
     const float mx = row.maxCoeff();
     row = (row - mx).exp();
     row *= 1.0f / row.sum();
+    std::fill(p + i * t, p + i * t + start, 0.0f);
     std::fill(p + i * t + i + 1, p + (i + 1) * t, 0.0f);
   }
 }
@@ -31,8 +35,8 @@ void causal_softmax_rows(float* p, int64_t t) {
 // qkv (B, T, (H + 2G) D): H query heads, G key heads, G value heads, each D
 // columns; query head i reads key/value head i / (H / G). out (B, T, H D).
 // probs (B, H, T, T).
-void attention_forward(const float* qkv, float* out, float* probs, int64_t b, int64_t t,
-                       int64_t h, int64_t g, int64_t d, Rounding r) {
+void attention_forward(const float* qkv, float* out, float* probs, int64_t b, int64_t t, int64_t h,
+                       int64_t g, int64_t d, Rounding r, const int32_t* positions) {
   const int64_t c = h * d, ld = (h + 2 * g) * d, per_group = h / g;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
 #pragma omp parallel for schedule(static)
@@ -43,7 +47,7 @@ void attention_forward(const float* qkv, float* out, float* probs, int64_t b, in
     const float* v = k + g * d;
     float* p = probs + bh * t * t;
     gemm_rounded(r, false, true, t, t, d, scale, q, ld, k, ld, 0.0f, p, t);
-    causal_softmax_rows(p, t);
+    causal_softmax_rows(p, t, positions ? positions + bi * t : nullptr);
     gemm_rounded(r, false, false, t, d, t, 1.0f, p, t, v, ld, 0.0f, out + bi * t * c + hi * d, c);
   }
 }

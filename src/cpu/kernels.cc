@@ -167,12 +167,12 @@ float rope_angle(int64_t t, int64_t i, int64_t d, float base) {
 }
 }  // namespace
 
-void rope_forward(const float* x, float* y, int64_t b, int64_t t, int64_t h, int64_t g,
-                  int64_t d, float base) {
+void rope_forward(const float* x, float* y, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d,
+                  float base, const int32_t* positions) {
   const int64_t half = d / 2, w = (h + 2 * g) * d, rotated = (h + g) * d;
 #pragma omp parallel for schedule(static)
   for (int64_t row = 0; row < b * t; ++row) {
-    const int64_t pos = row % t;
+    const int64_t pos = positions ? positions[row] : row % t;
     const float* xr = x + row * w;
     float* yr = y + row * w;
     std::copy_n(xr + rotated, g * d, yr + rotated);  // v
@@ -189,11 +189,11 @@ void rope_forward(const float* x, float* y, int64_t b, int64_t t, int64_t h, int
 }
 
 void rope_backward(const float* dy, float* dx, int64_t b, int64_t t, int64_t h, int64_t g,
-                   int64_t d, float base) {
+                   int64_t d, float base, const int32_t* positions) {
   const int64_t half = d / 2, w = (h + 2 * g) * d, rotated = (h + g) * d;
 #pragma omp parallel for schedule(static)
   for (int64_t row = 0; row < b * t; ++row) {
-    const int64_t pos = row % t;
+    const int64_t pos = positions ? positions[row] : row % t;
     const float* gr = dy + row * w;
     float* dr = dx + row * w;
     for (int64_t j = rotated; j < w; ++j) dr[j] += gr[j];  // v
@@ -306,7 +306,7 @@ void mask_columns(float* logits, int64_t n, int64_t v, int64_t from) {
 double softmax_cross_entropy(float* logits, const int32_t* targets, float* losses, int64_t n,
                              int64_t v) {
   for (int64_t i = 0; i < n; ++i)
-    check(targets[i] >= 0 && targets[i] < v,
+    check(targets[i] >= kIgnoredTarget && targets[i] < v,
           "target token {} at position {} is outside the vocabulary [0, {})", targets[i], i, v);
   double total = 0;
 #pragma omp parallel for schedule(static) reduction(+ : total)
@@ -319,12 +319,13 @@ double softmax_cross_entropy(float* logits, const int32_t* targets, float* losse
     while (live > 1 && r[live - 1] == -std::numeric_limits<float>::infinity()) --live;
     MapF row(r, live);
     const float mx = row.maxCoeff();
-    const float target_logit = r[targets[i]] - mx;
+    const bool ignored = targets[i] == kIgnoredTarget;
+    const float target_logit = ignored ? 0.0f : r[targets[i]] - mx;
     std::fill(r + live, r + v, 0.0f);
     row = (row - mx).exp();
     const float sum = row.sum();
     row *= 1.0f / sum;
-    losses[i] = std::log(sum) - target_logit;
+    losses[i] = ignored ? 0.0f : std::log(sum) - target_logit;
     total += static_cast<double>(losses[i]);
   }
   return total;
@@ -336,6 +337,10 @@ void cross_entropy_backward(const float* probs, const int32_t* targets, float* d
   for (int64_t i = 0; i < n; ++i) {
     const float* p = probs + i * v;
     float* d = dlogits + i * v;
+    if (targets[i] == kIgnoredTarget) {  // no loss term, no gradient
+      std::fill(d, d + v, 0.0f);
+      continue;
+    }
     for (int64_t j = 0; j < v; ++j) d[j] = p[j] * scale;
     const int64_t col = targets[i] - first;
     if (col >= 0 && col < v) d[col] -= scale;
@@ -360,42 +365,45 @@ void exp_and_stats(float* logits, const int32_t* targets, int64_t first, const f
   }
 }
 
-double normalise_and_loss(float* p, const float* sum, const float* z, int64_t n, int64_t v) {
+double normalise_and_loss(float* p, const float* sum, const float* z, const int32_t* targets,
+                          int64_t n, int64_t v) {
   double total = 0;
 #pragma omp parallel for schedule(static) reduction(+ : total)
   for (int64_t i = 0; i < n; ++i) {
     float* row = p + i * v;
     const float inv = 1.0f / sum[i];
     for (int64_t j = 0; j < v; ++j) row[j] *= inv;
-    total += static_cast<double>(std::log(sum[i]) - z[i]);
+    if (targets[i] != kIgnoredTarget) total += static_cast<double>(std::log(sum[i]) - z[i]);
   }
   return total;
 }
 
 void embedding_forward(const int32_t* tokens, const float* wte, int64_t rows, int64_t first,
-                       const float* wpe, float* y, int64_t b, int64_t t, int64_t c) {
+                       const float* wpe, float* y, int64_t b, int64_t t, int64_t c,
+                       const int32_t* positions) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < b * t; ++i) {
-    const int64_t row = tokens[i] - first;
+    const int64_t row = tokens[i] - first, at = positions ? positions[i] : i % t;
     float* yi = y + i * c;
     if (row >= 0 && row < rows) {
       const float* e = wte + row * c;
       if (wpe == nullptr) {
         std::copy_n(e, c, yi);
       } else {
-        const float* p = wpe + (i % t) * c;
+        const float* p = wpe + at * c;
         for (int64_t j = 0; j < c; ++j) yi[j] = e[j] + p[j];
       }
     } else if (wpe == nullptr) {
       std::fill_n(yi, c, 0.0f);
     } else {
-      std::copy_n(wpe + (i % t) * c, c, yi);
+      std::copy_n(wpe + at * c, c, yi);
     }
   }
 }
 
 void embedding_backward(const int32_t* tokens, const float* dy, float* dwte, int64_t rows,
-                        int64_t first, float* dwpe, int64_t b, int64_t t, int64_t c) {
+                        int64_t first, float* dwpe, int64_t b, int64_t t, int64_t c,
+                        const int32_t* positions) {
   const int64_t blocks = (c + kColBlock - 1) / kColBlock;
   // Column blocks: no two threads touch the same element, and the summation
   // order is the token order whatever the thread count.
@@ -405,7 +413,7 @@ void embedding_backward(const int32_t* tokens, const float* dy, float* dwte, int
     for (int64_t i = 0; i < b * t; ++i) {
       const float* d = dy + i * c;
       if (dwpe != nullptr) {
-        float* p = dwpe + (i % t) * c;
+        float* p = dwpe + (positions ? positions[i] : i % t) * c;
         for (int64_t j = j0; j < j1; ++j) p[j] += d[j];
       }
       const int64_t row = tokens[i] - first;

@@ -35,7 +35,8 @@ void check_shape(int64_t b, int64_t t, int64_t h, int64_t g, int64_t d) {
 }  // namespace
 
 void attention_forward(Context& ctx, MathMode mode, const float* qkv, float* out, float* probs,
-                       int64_t b, int64_t t, int64_t h, int64_t g, int64_t d) {
+                       int64_t b, int64_t t, int64_t h, int64_t g, int64_t d,
+                       const int32_t* positions) {
   check_shape(b, t, h, g, d);
   ctx.make_current();
   const int64_t bh = b * h, n = b * t * h * d;
@@ -47,7 +48,7 @@ void attention_forward(Context& ctx, MathMode mode, const float* qkv, float* out
   // S (T, T) = scale q k^T, per (batch, head)
   gemm_strided_batched(ctx, mode, false, true, t, t, d, scale, q.data(), d, t * d, k.data(), d,
                        t * d, 0.0f, probs, t, t * t, bh);
-  launch::causal_softmax(s, probs, bh * t, t);
+  launch::causal_softmax(s, probs, bh * t, t, h, positions);
   WEFT_LAUNCH_CHECK("causal_softmax");
   // o (T, D) = P v
   gemm_strided_batched(ctx, mode, false, false, t, d, t, 1.0f, probs, t, t * t, v.data(), d, t * d,

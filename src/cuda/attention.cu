@@ -87,19 +87,24 @@ __device__ float warp_max(float v) {
 
 // One warp per score row (rows of B*H stacked T x T matrices). Row i keeps
 // columns 0..i: softmax there, zero after (the CPU's causal_softmax_rows).
-__global__ void causal_softmax_kernel(float* p, int64_t rows, int64_t t) {
+// With `positions` (B*T; h query heads a batch row), row i of batch b keeps
+// columns i - positions[b T + i] .. i only: its document.
+__global__ void causal_softmax_kernel(float* p, int64_t rows, int64_t t, int64_t h,
+                                      const int32_t* positions) {
   const int64_t r = int64_t{blockIdx.x} * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (r >= rows) return;
   const int64_t i = r % t;
+  const int64_t start = positions ? i - positions[r / (t * h) * t + i] : 0;
   float* row = p + r * t;
   float mx = -INFINITY;
-  for (int64_t j = lane; j <= i; j += kWarp) mx = fmaxf(mx, row[j]);
+  for (int64_t j = start + lane; j <= i; j += kWarp) mx = fmaxf(mx, row[j]);
   mx = warp_max(mx);
   float s = 0;
-  for (int64_t j = lane; j <= i; j += kWarp) s += expf(row[j] - mx);
+  for (int64_t j = start + lane; j <= i; j += kWarp) s += expf(row[j] - mx);
   const float inv = 1.0f / warp_sum(s);
-  for (int64_t j = lane; j < t; j += kWarp) row[j] = j <= i ? expf(row[j] - mx) * inv : 0.0f;
+  for (int64_t j = lane; j < t; j += kWarp)
+    row[j] = j >= start && j <= i ? expf(row[j] - mx) * inv : 0.0f;
 }
 
 // In place over dP: dS = P * (dP - sum_j P dP) on the causal part, zero after.
@@ -140,8 +145,9 @@ void accumulate_qkv(cudaStream_t s, const float* dq, const float* dk, const floa
                                                                                  b, t, h, g, d);
 }
 
-void causal_softmax(cudaStream_t s, float* p, int64_t rows, int64_t t) {
-  causal_softmax_kernel<<<warp_row_blocks(rows), kThreads, 0, s>>>(p, rows, t);
+void causal_softmax(cudaStream_t s, float* p, int64_t rows, int64_t t, int64_t h,
+                    const int32_t* positions) {
+  causal_softmax_kernel<<<warp_row_blocks(rows), kThreads, 0, s>>>(p, rows, t, h, positions);
 }
 
 void softmax_backward(cudaStream_t s, const float* p, float* ds, int64_t rows, int64_t t) {

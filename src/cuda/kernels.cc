@@ -159,9 +159,9 @@ void swiglu_backward_of(Context& ctx, const T* dy, const T* x, T* dx, int64_t n,
 
 template <class T>
 void rope_of(Context& ctx, bool backward, const T* src, T* dst, int64_t b, int64_t t, int64_t h,
-             int64_t g, int64_t d, float base) {
+             int64_t g, int64_t d, float base, const int32_t* positions) {
   if (b * t * d == 0) return;
-  launch::rope(prepare(ctx), backward, src, dst, b, t, h, g, d, base);
+  launch::rope(prepare(ctx), backward, src, dst, b, t, h, g, d, base, positions);
   if (backward)
     WEFT_LAUNCH_CHECK("rope_backward");
   else
@@ -213,21 +213,21 @@ void swiglu_backward(Context& ctx, const bf16* dy, const bf16* x, bf16* dx, int6
 }
 
 void rope_forward(Context& ctx, const float* x, float* y, int64_t b, int64_t t, int64_t h,
-                  int64_t g, int64_t d, float base) {
-  rope_of(ctx, false, x, y, b, t, h, g, d, base);
+                  int64_t g, int64_t d, float base, const int32_t* positions) {
+  rope_of(ctx, false, x, y, b, t, h, g, d, base, positions);
 }
-void rope_forward(Context& ctx, const bf16* x, bf16* y, int64_t b, int64_t t, int64_t h,
-                  int64_t g, int64_t d, float base) {
-  rope_of(ctx, false, raw(x), raw(y), b, t, h, g, d, base);
+void rope_forward(Context& ctx, const bf16* x, bf16* y, int64_t b, int64_t t, int64_t h, int64_t g,
+                  int64_t d, float base, const int32_t* positions) {
+  rope_of(ctx, false, raw(x), raw(y), b, t, h, g, d, base, positions);
 }
 
 void rope_backward(Context& ctx, const float* dy, float* dx, int64_t b, int64_t t, int64_t h,
-                   int64_t g, int64_t d, float base) {
-  rope_of(ctx, true, dy, dx, b, t, h, g, d, base);
+                   int64_t g, int64_t d, float base, const int32_t* positions) {
+  rope_of(ctx, true, dy, dx, b, t, h, g, d, base, positions);
 }
 void rope_backward(Context& ctx, const bf16* dy, bf16* dx, int64_t b, int64_t t, int64_t h,
-                   int64_t g, int64_t d, float base) {
-  rope_of(ctx, true, raw(dy), raw(dx), b, t, h, g, d, base);
+                   int64_t g, int64_t d, float base, const int32_t* positions) {
+  rope_of(ctx, true, raw(dy), raw(dx), b, t, h, g, d, base, positions);
 }
 
 void gelu_forward(Context& ctx, const float* x, float* y, int64_t n) {
@@ -425,43 +425,47 @@ void exp_and_stats(Context& ctx, float* logits, const int32_t* targets, int64_t 
   WEFT_LAUNCH_CHECK("exp_and_stats");
 }
 
-void normalise_and_loss(Context& ctx, float* p, const float* sum, const float* z, int64_t n,
-                        int64_t v, float* loss) {
+void normalise_and_loss(Context& ctx, float* p, const float* sum, const float* z,
+                        const int32_t* targets, int64_t n, int64_t v, float* loss) {
   if (n == 0) return zero(ctx, loss, sizeof(float));
   check_rows(n, "normalise_and_loss");
   DeviceBuffer<float> losses(ctx, n);
-  launch::normalise(prepare(ctx), p, sum, z, losses.data(), n, v);
+  launch::normalise(prepare(ctx), p, sum, z, targets, losses.data(), n, v);
   WEFT_LAUNCH_CHECK("normalise_and_loss");
   weft::cuda::sum(ctx, losses.data(), n, loss);
 }
 
 void embedding_forward(Context& ctx, const int32_t* tokens, const float* wte, const float* wpe,
-                       float* y, int64_t b, int64_t t, int64_t c, int64_t rows, int64_t first) {
+                       float* y, int64_t b, int64_t t, int64_t c, int64_t rows, int64_t first,
+                       const int32_t* positions) {
   if (b * t * c == 0) return;
-  launch::embedding_forward(prepare(ctx), tokens, wte, rows, first, wpe, y, b, t, c);
+  launch::embedding_forward(prepare(ctx), tokens, wte, rows, first, wpe, y, b, t, c, positions);
   WEFT_LAUNCH_CHECK("embedding_forward");
 }
 
 void embedding_forward(Context& ctx, const int32_t* tokens, const float* wte, const float* wpe,
-                       bf16* y, int64_t b, int64_t t, int64_t c, int64_t rows, int64_t first) {
+                       bf16* y, int64_t b, int64_t t, int64_t c, int64_t rows, int64_t first,
+                       const int32_t* positions) {
   if (b * t * c == 0) return;
-  launch::embedding_forward(prepare(ctx), tokens, wte, rows, first, wpe, raw(y), b, t, c);
+  launch::embedding_forward(prepare(ctx), tokens, wte, rows, first, wpe, raw(y), b, t, c,
+                            positions);
   WEFT_LAUNCH_CHECK("embedding_forward (bf16)");
 }
 
 void embedding_backward(Context& ctx, const int32_t* tokens, const float* dy, float* dwte,
-                        float* dwpe, int64_t b, int64_t t, int64_t c, int64_t rows,
-                        int64_t first) {
+                        float* dwpe, int64_t b, int64_t t, int64_t c, int64_t rows, int64_t first,
+                        const int32_t* positions) {
   if (b * t * c == 0) return;
-  launch::embedding_backward(prepare(ctx), tokens, dy, dwte, rows, first, dwpe, b, t, c);
+  launch::embedding_backward(prepare(ctx), tokens, dy, dwte, rows, first, dwpe, b, t, c, positions);
   WEFT_LAUNCH_CHECK("embedding_backward");
 }
 
 void embedding_backward(Context& ctx, const int32_t* tokens, const bf16* dy, float* dwte,
-                        float* dwpe, int64_t b, int64_t t, int64_t c, int64_t rows,
-                        int64_t first) {
+                        float* dwpe, int64_t b, int64_t t, int64_t c, int64_t rows, int64_t first,
+                        const int32_t* positions) {
   if (b * t * c == 0) return;
-  launch::embedding_backward(prepare(ctx), tokens, raw(dy), dwte, rows, first, dwpe, b, t, c);
+  launch::embedding_backward(prepare(ctx), tokens, raw(dy), dwte, rows, first, dwpe, b, t, c,
+                             positions);
   WEFT_LAUNCH_CHECK("embedding_backward (bf16)");
 }
 

@@ -11,6 +11,8 @@
 // (the kernel is templated on the element type), rounding only on the store.
 #pragma once
 
+#include <weft/targets.h>
+
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -63,9 +65,10 @@ void rmsnorm_backward_input(cudaStream_t s, const float* dy, const float* x, con
 void swiglu_forward(cudaStream_t s, const float* x, float* y, int64_t n, int64_t h);
 void swiglu_backward(cudaStream_t s, const float* dy, const float* x, float* dx, int64_t n,
                      int64_t h);
-// qkv (B, T, (H + 2G) D): rotates the H query and G key heads, copies the values.
+// qkv (B, T, (H + 2G) D): rotates the H query and G key heads, copies the
+// values. `positions` (B*T) may be null: each row's place in its sequence.
 void rope(cudaStream_t s, bool backward, const float* src, float* dst, int64_t b, int64_t t,
-          int64_t h, int64_t g, int64_t d, float base);
+          int64_t h, int64_t g, int64_t d, float base, const int32_t* positions);
 // The same on bf16 activations (the weight and rstd fp32).
 void rmsnorm_forward(cudaStream_t s, const uint16_t* x, const float* w, uint16_t* y, float* rstd,
                      int64_t n, int64_t c, float eps);
@@ -75,7 +78,7 @@ void swiglu_forward(cudaStream_t s, const uint16_t* x, uint16_t* y, int64_t n, i
 void swiglu_backward(cudaStream_t s, const uint16_t* dy, const uint16_t* x, uint16_t* dx,
                      int64_t n, int64_t h);
 void rope(cudaStream_t s, bool backward, const uint16_t* src, uint16_t* dst, int64_t b, int64_t t,
-          int64_t h, int64_t g, int64_t d, float base);
+          int64_t h, int64_t g, int64_t d, float base, const int32_t* positions);
 void gelu_forward(cudaStream_t s, const float* x, float* y, int64_t n);
 void gelu_forward(cudaStream_t s, const uint16_t* x, uint16_t* y, int64_t n);
 void gelu_backward(cudaStream_t s, const float* dy, const float* x, float* dx, int64_t n,
@@ -117,21 +120,22 @@ void cross_entropy_backward(cudaStream_t s, const float* probs, const int32_t* t
 void row_max(cudaStream_t s, const float* logits, float* m, int64_t n, int64_t v);
 void exp_and_stats(cudaStream_t s, float* logits, const int32_t* targets, int64_t first,
                    const float* m, float* sum, float* z, int64_t n, int64_t v);
-void normalise(cudaStream_t s, float* p, const float* sum, const float* z, float* losses,
-               int64_t n, int64_t v);
+void normalise(cudaStream_t s, float* p, const float* sum, const float* z, const int32_t* targets,
+               float* losses, int64_t n, int64_t v);
 
 // --- embedding ---
 void embedding_forward(cudaStream_t s, const int32_t* tokens, const float* wte, int64_t rows,
-                       int64_t first, const float* wpe, float* y, int64_t b, int64_t t, int64_t c);
+                       int64_t first, const float* wpe, float* y, int64_t b, int64_t t, int64_t c,
+                       const int32_t* positions);
 void embedding_forward(cudaStream_t s, const int32_t* tokens, const float* wte, int64_t rows,
                        int64_t first, const float* wpe, uint16_t* y, int64_t b, int64_t t,
-                       int64_t c);
+                       int64_t c, const int32_t* positions);
 void embedding_backward(cudaStream_t s, const int32_t* tokens, const float* dy, float* dwte,
-                        int64_t rows, int64_t first, float* dwpe, int64_t b, int64_t t,
-                        int64_t c);
+                        int64_t rows, int64_t first, float* dwpe, int64_t b, int64_t t, int64_t c,
+                        const int32_t* positions);
 void embedding_backward(cudaStream_t s, const int32_t* tokens, const uint16_t* dy, float* dwte,
-                        int64_t rows, int64_t first, float* dwpe, int64_t b, int64_t t,
-                        int64_t c);
+                        int64_t rows, int64_t first, float* dwpe, int64_t b, int64_t t, int64_t c,
+                        const int32_t* positions);
 
 // --- SGD with momentum, as cpu::sgd ---
 void sgd(cudaStream_t s, float* p, const float* g, float* buf, int64_t n, float lr,
@@ -233,8 +237,10 @@ void permute_heads(cudaStream_t s, const float* src, float* dst, int64_t b, int6
 // each key/value head summing its query heads' gradients in order.
 void accumulate_qkv(cudaStream_t s, const float* dq, const float* dk, const float* dv,
                     float* dqkv, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d);
-// Rows of stacked T x T score matrices: row r keeps columns 0 .. r % T.
-void causal_softmax(cudaStream_t s, float* p, int64_t rows, int64_t t);
+// Rows of stacked T x T score matrices: row r keeps columns 0 .. r % T, or
+// with `positions` (B*T, h heads a batch row) only its document's.
+void causal_softmax(cudaStream_t s, float* p, int64_t rows, int64_t t, int64_t h,
+                    const int32_t* positions);
 void softmax_backward(cudaStream_t s, const float* p, float* ds, int64_t rows, int64_t t);
 
 }  // namespace weft::cuda::launch

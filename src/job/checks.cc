@@ -438,11 +438,12 @@ const weft::ModelFamily& family_of(const Args& a, const CLI::App& app) {
           known.empty() ? std::string("none of these") : fmt::format("{}", fmt::join(known, "; ")));
   }
   // The optional model flags.
-  for (const auto& [flag, on] :
-       {std::pair<const char*, bool>{"--group-query-attention", a.gqa},
-        {"--num-query-groups", app.count("--num-query-groups") > 0},
-        {"--ffn-hidden-size", app.count("--ffn-hidden-size") > 0},
-        {"--rotary-base", app.count("--rotary-base") > 0}}) {
+  for (const auto& [flag, on] : {std::pair<const char*, bool>{"--group-query-attention", a.gqa},
+                                 {"--num-query-groups", app.count("--num-query-groups") > 0},
+                                 {"--ffn-hidden-size", app.count("--ffn-hidden-size") > 0},
+                                 {"--rotary-base", app.count("--rotary-base") > 0},
+                                 {"--reset-position-ids", a.reset_position_ids},
+                                 {"--reset-attention-mask", a.reset_attention_mask}}) {
     if (!on || std::count(family->reads.begin(), family->reads.end(), flag)) continue;
     std::vector<std::string> readers;
     for (const weft::ModelFamily& f : families)
@@ -484,6 +485,8 @@ weft::GptConfig flag_config(const Args& a, const CLI::App& app) {
   if (given("--seq-length")) cfg.seq_length = a.gpt.seq_length;
   if (given("--max-position-embeddings")) cfg.max_positions = a.gpt.max_positions;
   if (given("--vocab-size")) cfg.vocab_size = a.gpt.vocab_size;
+  cfg.reset_position_ids = a.reset_position_ids;
+  cfg.reset_attention_mask = a.reset_attention_mask;
   return cfg;
 }
 

@@ -31,6 +31,7 @@ LlamaConfig llama_config(const ModelArgs& a) {
   l.num_heads = s.num_heads, l.seq_length = s.seq_length;
   l.ffn_hidden_size = a.ffn_hidden_size, l.rope_base = a.rotary_base;
   l.num_query_groups = a.num_query_groups;
+  l.reset_position_ids = s.reset_position_ids, l.reset_attention_mask = s.reset_attention_mask;
   return l;
 }
 
@@ -41,14 +42,14 @@ ModelFamily gpt_family() {
   f.name = "gpt2";
   f.about = "GPT-2: LayerNorm, learned positions, GELU MLP, tied LM head, biases";
   f.traits = ArchTraits{};
-  f.reads = {"--max-position-embeddings"};
+  f.reads = {"--max-position-embeddings", "--reset-position-ids", "--reset-attention-mask"};
   f.validate = [](const ModelArgs& a) { a.shape.validate(); };
   f.build = [](const ModelArgs& a) {
     GptModel g = build_gpt(a.shape, a.micro_batch);
     JobModel m(g.params);
     m.graph = std::move(g.graph);
     m.io = g.io;
-    m.tokens = g.tokens, m.targets = g.targets, m.head = g.head;
+    m.tokens = g.tokens, m.targets = g.targets, m.head = g.head, m.positions = g.positions;
     m.flops_per_token = a.shape.train_flops_per_token();
     return m;
   };
@@ -60,8 +61,8 @@ ModelFamily llama_family() {
   f.name = "llama";
   f.about = "Llama: RMSNorm, rope, SwiGLU MLP, untied LM head, no biases, grouped-query attention";
   f.traits = ArchTraits{"RMSNorm", "rope", true, true, true};
-  f.reads = {"--group-query-attention", "--num-query-groups", "--ffn-hidden-size",
-             "--rotary-base"};
+  f.reads = {"--group-query-attention", "--num-query-groups",   "--ffn-hidden-size",
+             "--rotary-base",           "--reset-position-ids", "--reset-attention-mask"};
   f.validate = [](const ModelArgs& a) { llama_config(a).validate(); };
   f.build = [](const ModelArgs& a) {
     const LlamaConfig cfg = llama_config(a);
@@ -69,7 +70,7 @@ ModelFamily llama_family() {
     JobModel m(l.params);
     m.graph = std::move(l.graph);
     m.io = l.io;
-    m.tokens = l.tokens, m.targets = l.targets, m.head = l.head;
+    m.tokens = l.tokens, m.targets = l.targets, m.head = l.head, m.positions = l.positions;
     // 6 x parameters x tokens + attention's 12 L T C.
     m.flops_per_token = 6.0 * static_cast<double>(m.graph.param_count()) +
                         12.0 * static_cast<double>(cfg.num_layers * cfg.seq_length *
@@ -84,7 +85,7 @@ ModelFamily llama_family() {
 
 std::vector<int32_t> sample_tokens(JobModel& model, const GptConfig& shape,
                                    std::vector<int32_t> prompt, int64_t count, float temperature,
-                                   uint64_t seed) {
+                                   uint64_t seed, int32_t eod) {
   check(!prompt.empty(), "sampling needs a prompt of at least one token");
   check(model.head != nullptr && model.tokens >= 0 && model.targets >= 0,
         "sampling reads the logits of the model's LM head, and this model has none");
@@ -110,6 +111,8 @@ std::vector<int32_t> sample_tokens(JobModel& model, const GptConfig& shape,
       tok[t] = t < len ? ctx_tokens[t] : 0;  // causal: padding after len is never seen
       tgt[t] = 0;
     }
+    if (model.positions >= 0)
+      document_positions(tok, mb.input(model.positions).data<int32_t>(), 1, T, eod);
     forward(g, mb, 0, head_node + 1);
     const float* logits =
         TiedLmHeadLoss::logits(mb.ctx(head_node)).data<float>() + (len - 1) * stride;

@@ -154,6 +154,13 @@ void add_flags(CLI::App& app, Args& a, const Job& job) {
                  "keep only the newest N checkpoints in --save (0: keep all)");
   app.add_option("--log-interval", a.log_interval, "print every N steps");
   app.add_option("--log-jsonl", a.log_jsonl, "write one JSON object per step here");
+  app.add_flag("--eod-mask-loss", a.eod_mask_loss,
+               "no loss on the token after each end-of-document token (the next document's "
+               "first): the mean is over the other tokens");
+  app.add_flag("--reset-position-ids", a.reset_position_ids,
+               "positions restart at 0 after each end-of-document token");
+  app.add_flag("--reset-attention-mask", a.reset_attention_mask,
+               "a token attends only to its own document's tokens (attention runs unfused)");
   app.add_option("--split", a.split,
                  "train,valid,test weights over the data's windows, e.g. 98,2,0 (default: all "
                  "train)");

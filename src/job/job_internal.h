@@ -31,6 +31,9 @@ struct Args {
   bool swiglu = false, untie = false, disable_bias = false, gqa = false;
   int64_t num_query_groups = 0, ffn_hidden_size = 0;
   float rotary_base = 10000.0f;
+  // Megatron's document flags (weft/trainer.h's DocumentOptions): the
+  // tokenizer's end-of-document token ends a document.
+  bool eod_mask_loss = false, reset_position_ids = false, reset_attention_mask = false;
   // Megatron's --make-vocab-size-divisible-by: the vocabulary table is padded
   // to a multiple of this times --tp (1: no padding).
   int64_t vocab_divisor = 128;

@@ -388,6 +388,32 @@ class Run {
       check(bpe->vocab_size() > head_top, "--tokenizer-type {} has {} tokens; {} holds token id {}",
             a.tokenizer_type, bpe->vocab_size(), head_top_path, head_top);
     }
+    // Documents: the tokenizer's end-of-document token ends each.
+    if (a.eod_mask_loss || a.reset_position_ids || a.reset_attention_mask) {
+      const char* flag = a.eod_mask_loss        ? "--eod-mask-loss"
+                         : a.reset_position_ids ? "--reset-position-ids"
+                                                : "--reset-attention-mask";
+      check(!text_data,
+            "{} needs documents, which an end-of-document token ends; {} is text (bytes have "
+            "none): tokenize it with weft-preprocess --append-eod",
+            flag, fmt::join(train_paths(), " "));
+      docs.eod = bpe && bpe->eod() >= 0               ? bpe->eod()
+                 : tokenizer && tokenizer->eot() >= 0 ? tokenizer->eot()
+                 : bpe || tokenizer                   ? -1
+                                                      : 50256;  // GPT-2's
+      check(docs.eod >= 0,
+            "{} needs an end-of-document token, and the tokenizer's vocabulary "
+            "has no <|endoftext|>",
+            flag);
+      check(docs.eod < cfg.vocab_size,
+            "{}: the end-of-document token {} ({}) is outside --vocab-size ({}); give the "
+            "tokenizer the data was made with (--tokenizer-type or --tokenizer)",
+            flag, docs.eod, bpe || tokenizer ? "the tokenizer's" : "GPT-2's, without a tokenizer",
+            cfg.vocab_size);
+      docs.eod_mask_loss = a.eod_mask_loss;
+      docs.reset_position_ids = a.reset_position_ids;
+      docs.reset_attention_mask = a.reset_attention_mask;
+    }
     check(text_data || bpe || !app.count("--sample-prompt"),
           "--sample-prompt needs text data, or a tokenizer that encodes (--tokenizer-type "
           "GPT2BPETokenizer --vocab-file --merge-file): {} holds token ids, and an llm.c "
@@ -421,6 +447,10 @@ class Run {
     family = &family_of(a, app);
     model.emplace(family->build(model_args(a, cfg)));
     model->io.graph = &model->graph;
+    check(!docs.positions() || model->positions >= 0,
+          "--reset-position-ids and --reset-attention-mask need a model that reads positions "
+          "within documents; the {} family's takes none (JobModel::positions)",
+          family->name);
   }
 
   void set_options() {
@@ -493,7 +523,11 @@ class Run {
     }
     opt.config.update(model->config);  // the family's own fields
     batches.emplace(train_order, global, cfg.vocab_size);
-    if (valid_order) validation.emplace(valid_order, global, cfg.vocab_size);
+    batches->set_documents(docs);
+    if (valid_order) {
+      validation.emplace(valid_order, global, cfg.vocab_size);
+      validation->set_documents(docs);
+    }
     if (rank0) {
       for (size_t i = 0; i < train_order->parts().size(); ++i) {
         const BlendPart& p = train_order->parts()[i];
@@ -1048,7 +1082,7 @@ class Run {
         }
       }
       auto tokens = sample_tokens(sampler, cfg, prompt, a.sample, a.sample_temperature,
-                                  static_cast<uint64_t>(a.seed));
+                                  static_cast<uint64_t>(a.seed), docs.eod);
       fmt::print("--- sample ({} tokens, temperature {}) ---\n", a.sample, a.sample_temperature);
       if (text_data) {
         std::string s(a.sample_prompt);
@@ -1086,6 +1120,7 @@ class Run {
     return n;
   }
   std::optional<Tokenizer> tokenizer;
+  DocumentOptions docs;  // --eod-mask-loss, --reset-position-ids, --reset-attention-mask
   std::optional<BpeTokenizer> bpe;
   std::shared_ptr<const WindowOrder> train_order, valid_order;
   bool text_data = false;
@@ -1166,7 +1201,14 @@ void plan_by_profile(Args& a, const CLI::App& app, weft::Communicator* world) {
       }
       const TokenData data =
           TokenData::from_tokens(std::move(tokens), static_cast<int32_t>(cfg.vocab_size));
-      const TokenBatches batches(data, b.micro_batch, cfg.seq_length);
+      TokenBatches batches(data, b.micro_batch, cfg.seq_length);
+      if (model.positions >= 0) {  // documents at token 0: the time is the same
+        DocumentOptions docs;
+        docs.eod = 0;
+        docs.reset_position_ids = cfg.reset_position_ids;
+        docs.reset_attention_mask = cfg.reset_attention_mask;
+        batches.set_documents(docs);
+      }
       nlohmann::json profile;
       const auto started = std::chrono::steady_clock::now();
       with_params_on(model.graph.params(), device, [&] {

@@ -15,58 +15,94 @@ int64_t qkv_head_size(const char* op, const Tensor& qkv, int64_t heads, int64_t 
         op, w, n, heads, groups);
   return w / n;
 }
+
+// Positions, where given, are (B, T) int32 on the activations' device.
+void check_positions_for(const char* op, const Tensor& positions, int64_t b, int64_t t) {
+  if (!positions.defined()) return;
+  check(positions.dtype() == DType::I32 && positions.rank() == 2 && positions.dim(0) == b &&
+            positions.dim(1) == t,
+        "{}: positions must be ({}, {}) int32, got {} {}", op, b, t, dtype_name(positions.dtype()),
+        positions.shape().str());
+  check_positions(positions);
+}
 }  // namespace
 
-void rope_forward(const Tensor& qkv, const Tensor& y, int64_t heads, int64_t groups, float base) {
+void check_positions(const Tensor& positions, int64_t limit) {
+  check_dtype("check_positions", "positions", positions, DType::I32);
+  if (!positions.device().is_cpu()) return;
+  const int64_t t = positions.dim(positions.rank() - 1);
+  const int32_t* p = i32(positions);
+  for (int64_t i = 0; i < positions.numel(); ++i) {
+    const int64_t prev = i % t == 0 ? -1 : p[i - 1];
+    check(p[i] == 0 || p[i] == prev + 1,
+          "position {} at token {} of sequence {} must be 0 (a document's first token) or one "
+          "more than the token before it's ({})",
+          p[i], i % t, i / t, prev);
+    check(limit <= 0 || p[i] < limit,
+          "position {} at token {} of sequence {} is past the {} "
+          "positions of the table",
+          p[i], i % t, i / t, limit);
+  }
+}
+
+void rope_forward(const Tensor& qkv, const Tensor& y, int64_t heads, int64_t groups, float base,
+                  const Tensor& positions) {
   const Device d = common_device("rope_forward", {&qkv, &y});
   const int64_t hd = qkv_head_size("rope_forward", qkv, heads, groups);
   const int64_t b = qkv.dim(0), t = qkv.dim(1);
   check(hd % 2 == 0, "rope: the head size {} must be even", hd);
   check_numel("rope_forward", "y", y, qkv.numel());
+  check_positions_for("rope_forward", positions, b, t);
+  const int32_t* pos = opt_i32(positions);
   if (any_bf16({&qkv, &y})) {
     if (is_bf16(qkv) && is_bf16(y) && on_gpu(d, "rope_forward", [&](auto& cx) {
-          cuda::rope_forward(cx, b16(qkv), b16w(y), b, t, heads, groups, hd, base);
+          cuda::rope_forward(cx, b16(qkv), b16w(y), b, t, heads, groups, hd, base, pos);
         }))
       return;
     Widen wd(__func__);
-    rope_forward(wd.in(qkv), wd.out(y, false), heads, groups, base);
+    rope_forward(wd.in(qkv), wd.out(y, false), heads, groups, base, positions);
     return wd.commit();
   }
   on_device(
       d, "rope_forward",
-      [&] { cpu::rope_forward(f(qkv), fw(y), b, t, heads, groups, hd, base); },
-      [&](auto& cx) { cuda::rope_forward(cx, f(qkv), fw(y), b, t, heads, groups, hd, base); });
+      [&] { cpu::rope_forward(f(qkv), fw(y), b, t, heads, groups, hd, base, pos); },
+      [&](auto& cx) { cuda::rope_forward(cx, f(qkv), fw(y), b, t, heads, groups, hd, base, pos); });
 }
 
-void rope_backward(const Tensor& dy, const Tensor& dqkv, int64_t heads, int64_t groups,
-                   float base) {
+void rope_backward(const Tensor& dy, const Tensor& dqkv, int64_t heads, int64_t groups, float base,
+                   const Tensor& positions) {
   const Device d = common_device("rope_backward", {&dy, &dqkv});
   const int64_t hd = qkv_head_size("rope_backward", dqkv, heads, groups);
   const int64_t b = dqkv.dim(0), t = dqkv.dim(1);
   check(hd % 2 == 0, "rope: the head size {} must be even", hd);
   check_numel("rope_backward", "dy", dy, dqkv.numel());
+  check_positions_for("rope_backward", positions, b, t);
+  const int32_t* pos = opt_i32(positions);
   if (any_bf16({&dy, &dqkv})) {
     if (is_bf16(dy) && is_bf16(dqkv) && on_gpu(d, "rope_backward", [&](auto& cx) {
-          cuda::rope_backward(cx, b16(dy), b16w(dqkv), b, t, heads, groups, hd, base);
+          cuda::rope_backward(cx, b16(dy), b16w(dqkv), b, t, heads, groups, hd, base, pos);
         }))
       return;
     Widen wd(__func__);
-    rope_backward(wd.in(dy), wd.out(dqkv, true), heads, groups, base);
+    rope_backward(wd.in(dy), wd.out(dqkv, true), heads, groups, base, positions);
     return wd.commit();
   }
   on_device(
       d, "rope_backward",
-      [&] { cpu::rope_backward(f(dy), fw(dqkv), b, t, heads, groups, hd, base); },
-      [&](auto& cx) { cuda::rope_backward(cx, f(dy), fw(dqkv), b, t, heads, groups, hd, base); });
+      [&] { cpu::rope_backward(f(dy), fw(dqkv), b, t, heads, groups, hd, base, pos); },
+      [&](auto& cx) {
+        cuda::rope_backward(cx, f(dy), fw(dqkv), b, t, heads, groups, hd, base, pos);
+      });
 }
 
 // --- attention ---
 
 void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t heads,
-                       int64_t groups) {
+                       int64_t groups, const Tensor& positions) {
   if (any_bf16({&qkv, &out, &probs})) {
     Widen wd(__func__);
-    attention_forward(wd.in(qkv), wd.out(out, false), wd.out(probs, false), heads, groups);
+    attention_forward(wd.in(qkv), wd.out(out, false), wd.out(probs, false), heads, groups,
+                      positions);
     return wd.commit();
   }
   const Device d = common_device("attention_forward", {&qkv, &out, &probs});
@@ -74,15 +110,17 @@ void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs
   const int64_t b = qkv.dim(0), t = qkv.dim(1);
   check_numel("attention_forward", "out", out, b * t * heads * hd);
   check_numel("attention_forward", "probs", probs, b * heads * t * t);
+  check_positions_for("attention_forward", positions, b, t);
+  const int32_t* pos = opt_i32(positions);
   on_device(
       d, "attention_forward",
       [&] {
-        cpu::attention_forward(f(qkv), fw(out), fw(probs), b, t, heads, groups, hd,
-                               cpu_rounding());
+        cpu::attention_forward(f(qkv), fw(out), fw(probs), b, t, heads, groups, hd, cpu_rounding(),
+                               pos);
       },
       [&](auto& cx) {
         cuda::attention_forward(cx, math_mode(d), f(qkv), fw(out), fw(probs), b, t, heads, groups,
-                                hd);
+                                hd, pos);
       });
 }
 

@@ -116,6 +116,8 @@ inline float* fp32_data(const Tensor& t) {
 inline const float* f(const Tensor& t) { return fp32_data(t); }
 inline float* fw(const Tensor& t) { return fp32_data(t); }
 inline const int32_t* i32(const Tensor& t) { return t.data<int32_t>(); }
+// An optional int32 input: null where undefined.
+inline const int32_t* opt_i32(const Tensor& t) { return t.defined() ? t.data<int32_t>() : nullptr; }
 
 inline bool any_bf16(std::initializer_list<const Tensor*> ts) {
   for (const Tensor* t : ts)

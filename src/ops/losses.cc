@@ -175,25 +175,29 @@ void exp_and_stats(const Tensor& logits, const Tensor& targets, int64_t first, c
       });
 }
 
-void normalise_and_loss(const Tensor& exps, const Tensor& stats, const Tensor& loss) {
+void normalise_and_loss(const Tensor& exps, const Tensor& stats, const Tensor& targets,
+                        const Tensor& loss) {
   check_numel("normalise_and_loss", "loss", loss, 1);
   check_dtype("normalise_and_loss", "loss", loss, DType::F32);
   if (any_bf16({&exps, &stats})) {
     Widen wd(__func__);
-    normalise_and_loss(wd.out(exps, true), wd.in(stats), loss);
+    normalise_and_loss(wd.out(exps, true), wd.in(stats), targets, loss);
     return wd.commit();
   }
-  const Device d = common_device("normalise_and_loss", {&exps, &stats, &loss});
+  const Device d = common_device("normalise_and_loss", {&exps, &stats, &targets, &loss});
   const int64_t n = exps.shape().rows(), v = exps.shape().last();
   check_numel("normalise_and_loss", "stats", stats, 2 * n);
+  check_dtype("normalise_and_loss", "targets", targets, DType::I32);
+  check_numel("normalise_and_loss", "targets", targets, n);
   on_device(
       d, "normalise_and_loss",
       [&] {
-        fw(loss)[0] =
-            static_cast<float>(cpu::normalise_and_loss(fw(exps), f(stats), f(stats) + n, n, v));
+        fw(loss)[0] = static_cast<float>(
+            cpu::normalise_and_loss(fw(exps), f(stats), f(stats) + n, i32(targets), n, v));
       },
       [&](auto& cx) {
-        cuda::normalise_and_loss(cx, fw(exps), f(stats), f(stats) + n, n, v, fw(loss));
+        cuda::normalise_and_loss(cx, fw(exps), f(stats), f(stats) + n, i32(targets), n, v,
+                                 fw(loss));
       });
 }
 

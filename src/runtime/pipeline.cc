@@ -398,8 +398,7 @@ void PipelineExecutor::backward_input_action(int stage, int mb, bool with_weight
         share_grads(boundary_[static_cast<size_t>(stage) - 1].values, s.mb, m);
     }
     if (last && loss_node_ >= u.begin && loss_node_ < u.end)
-      m.seed_grad(io_.loss,
-                  1.0f / static_cast<float>(global_batch_ * io_.terms_per_sample) * loss_scale_);
+      m.seed_grad(io_.loss, 1.0f / static_cast<float>(loss_terms_) * loss_scale_);
     for (int n = u.end - 1; n >= u.begin; --n) {
       backward_input(graph_, m, n);
       if (!weights) continue;
@@ -529,6 +528,8 @@ void PipelineExecutor::run(const BatchSource& data, int64_t step, int64_t micro_
                            bool measure) {
   data_ = &data;
   global_batch_ = global_batch > 0 ? global_batch : schedule_.micro_batches * micro_batch;
+  const int64_t counted = data.loss_terms(step);  // a step with none left: loss and gradients 0
+  loss_terms_ = counted >= 0 ? std::max<int64_t>(counted, 1) : global_batch_ * io_.terms_per_sample;
   micro_batch_size_ = micro_batch;
   step_ = step;
   loss_order_.clear();

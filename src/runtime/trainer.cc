@@ -59,9 +59,41 @@ TokenBatches::TokenBatches(const TokenData& data, int64_t global_batch, int64_t 
                        seq_len, /*shuffle=*/false, /*seed=*/0),
                    global_batch) {}
 
+void TokenBatches::set_documents(const DocumentOptions& docs) {
+  check(!docs.any() || (docs.eod >= 0 && (vocab_ <= 0 || docs.eod < vocab_)),
+        "the end-of-document token {} is outside the vocabulary [0, {})", docs.eod, vocab_);
+  docs_ = docs;
+}
+
+void document_positions(const int32_t* tokens, int32_t* positions, int64_t count, int64_t t,
+                        int32_t eod) {
+  for (int64_t s = 0; s < count; ++s) {
+    int32_t p = 0;
+    for (int64_t i = s * t; i < (s + 1) * t; ++i) {
+      positions[i] = p;
+      p = tokens[i] == eod ? 0 : p + 1;
+    }
+  }
+}
+
+int64_t TokenBatches::loss_terms(int64_t step) const {
+  if (!docs_.eod_mask_loss) return -1;
+  std::lock_guard<std::mutex> lock(terms_mu_);
+  if (terms_step_ == step) return terms_;
+  const int64_t n = global_batch_ * order_->seq_len();
+  terms_tokens_.resize(static_cast<size_t>(n));
+  terms_targets_.resize(static_cast<size_t>(n));
+  order_->fill(step * global_batch_, global_batch_, terms_tokens_.data(), terms_targets_.data(),
+               vocab_);
+  terms_ = n - std::count(terms_tokens_.begin(), terms_tokens_.end(), docs_.eod);
+  terms_step_ = step;
+  return terms_;
+}
+
 void TokenBatches::fill(int64_t step, int64_t index, std::span<const Tensor> inputs) const {
-  check(inputs.size() == 2, "token batches fill two inputs (tokens, targets), the model has {}",
-        inputs.size());
+  const size_t want = docs_.positions() ? 3 : 2;
+  check(inputs.size() == want, "token batches fill {} inputs (tokens, targets{}), the model has {}",
+        want, want == 3 ? ", positions" : "", inputs.size());
   for (const Tensor& t : inputs)
     check(t.dtype() == DType::I32 && t.rank() == 2 && t.shape() == inputs[0].shape(),
           "token batches fill (count, T) int32 tokens and targets, got {} {} and {} {}",
@@ -72,6 +104,15 @@ void TokenBatches::fill(int64_t step, int64_t index, std::span<const Tensor> inp
         inputs[0].dim(1));
   order_->fill(step * global_batch_ + index, inputs[0].dim(0), inputs[0].data<int32_t>(),
                inputs[1].data<int32_t>(), vocab_);
+  const int32_t* tokens = inputs[0].data<int32_t>();
+  if (docs_.eod_mask_loss) {
+    int32_t* targets = inputs[1].data<int32_t>();
+    for (int64_t i = 0; i < inputs[0].numel(); ++i)
+      if (tokens[i] == docs_.eod) targets[i] = kIgnoredTarget;
+  }
+  if (want == 3)
+    document_positions(tokens, inputs[2].data<int32_t>(), inputs[0].dim(0), inputs[0].dim(1),
+                       docs_.eod);
 }
 
 void check_model_io(const ModelIO& io, int64_t micro_batch) {
@@ -254,8 +295,8 @@ double Trainer::evaluate(const BatchSource& data, int64_t iters) {
   return sum / static_cast<double>(iters);
 }
 
-void Trainer::run_batch_into(const BatchSource& batches, int64_t step, const Tensor& losses,
-                             std::vector<int>& order, bool measure) {
+double Trainer::run_batch_into(const BatchSource& batches, int64_t step, const Tensor& losses,
+                               std::vector<int>& order, bool measure) {
   const Bf16Copies copies(*g_.graph, sync_->params(), bf16_tables_);
   sync_->begin(micro_batches_);
   order.clear();
@@ -270,6 +311,7 @@ void Trainer::run_batch_into(const BatchSource& batches, int64_t step, const Ten
     losses.copy_from(pipeline.losses());
     order = pipeline.loss_order();
   }
+  return static_cast<double>(pipeline.loss_terms());
 }
 
 // From each step's micro-batch loss sums, added in `order` as the CPU adds
@@ -279,13 +321,12 @@ void Trainer::run_batch_into(const BatchSource& batches, int64_t step, const Ten
 // collective per group for all the steps.
 void Trainer::mean_losses(std::span<const float* const> rows,
                           std::span<const std::vector<int>* const> orders,
-                          std::span<double> out) {
+                          std::span<const double> terms, std::span<double> out) {
   const size_t n = out.size();
   if (!loss_sums_.defined() || loss_sums_.numel() < static_cast<int64_t>(n))
     loss_sums_ = Tensor::zeros({static_cast<int64_t>(std::max<size_t>(n, kRows))});
   const Tensor sums = loss_sums_.slice0(0, static_cast<int64_t>(n));
   float* f = sums.data<float>();
-  const double terms = static_cast<double>(opt_.global_batch * g_.terms_per_sample);
   for (size_t i = 0; i < n; ++i) {
     double sum = 0;
     for (int j : *orders[i]) sum += static_cast<double>(rows[i][j]);
@@ -294,9 +335,9 @@ void Trainer::mean_losses(std::span<const float* const> rows,
   if (pipelined()) {
     for (size_t i = 0; i < n; ++i) f[i] = static_cast<float>(out[i]);
     par_.pipeline->group().all_reduce(sums, ReduceOp::Sum);
-    for (size_t i = 0; i < n; ++i) out[i] = static_cast<double>(f[i]) / terms;
+    for (size_t i = 0; i < n; ++i) out[i] = static_cast<double>(f[i]) / terms[i];
   } else {
-    for (size_t i = 0; i < n; ++i) out[i] /= terms;
+    for (size_t i = 0; i < n; ++i) out[i] /= terms[i];
   }
   if (par_.groups.dp_size() > 1 && par_.ps == nullptr) {
     for (size_t i = 0; i < n; ++i) f[i] = static_cast<float>(out[i]);
@@ -312,12 +353,13 @@ double Trainer::run_batch(const BatchSource& batches, int64_t step) {
     scratch_host_ = Tensor::zeros({width});
   }
   std::vector<int> order;
-  run_batch_into(batches, step, scratch_values_.slice0(0, micro_batches_), order, true);
+  const double terms =
+      run_batch_into(batches, step, scratch_values_.slice0(0, micro_batches_), order, true);
   scratch_host_.copy_from(scratch_values_);  // on a GPU, the host waits here
   const float* row = scratch_host_.data<float>();
   const std::vector<int>* o = &order;
   double loss = 0;
-  mean_losses({&row, 1}, {&o, 1}, {&loss, 1});
+  mean_losses({&row, 1}, {&o, 1}, {&terms, 1}, {&loss, 1});
   return loss;
 }
 
@@ -358,12 +400,14 @@ void Trainer::read_values() {
   const size_t first = static_cast<size_t>(launched_ - n);
   rows_.clear();
   orders_.clear();
+  terms_.clear();
   for (int64_t i = 0; i < n; ++i) {
     rows_.push_back(host.data<float>() + i * width);
     orders_.push_back(&launches_[first + static_cast<size_t>(i)].loss_order);
+    terms_.push_back(launches_[first + static_cast<size_t>(i)].terms);
   }
   read_losses_.assign(static_cast<size_t>(n), 0.0);
-  mean_losses(rows_, orders_, read_losses_);
+  mean_losses(rows_, orders_, terms_, read_losses_);
   unread_ = 0;
   // A deferred step's time: the span since the first of them started,
   // shared evenly (the device's pace, which the host follows only here).
@@ -429,7 +473,7 @@ void Trainer::launch_step(bool measure) {
   }
   const bool now = host_decides();
   const int64_t row = unread_++;
-  run_batch_into(data_, steps_done_, row_losses(row), l.loss_order, measure || now);
+  l.terms = run_batch_into(data_, steps_done_, row_losses(row), l.loss_order, measure || now);
   if (pipelined()) r.bubble_frac = par_.pipeline->bubble_fraction();
   if (par_.ps != nullptr) {
     read_values();

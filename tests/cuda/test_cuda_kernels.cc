@@ -561,7 +561,7 @@ TEST(CudaCrossEntropy, MaskedPaddingColumnsAreExactlyZero) {
     }
     Dev<float> group_sum(std::vector<float>(static_cast<size_t>(n), 2.0f));  // the group's S
     Dev<float> loss(zeros(1));
-    normalise_and_loss(ctx(), gs.p(), group_sum.p(), gz.p(), n, w, loss.p());
+    normalise_and_loss(ctx(), gs.p(), group_sum.p(), gz.p(), gt.p(), n, w, loss.p());
     cross_entropy_backward(ctx(), gs.p(), gt.p(), gs.p(), scale, n, w, first);
     const std::vector<float> d = gs.host();
     for (int64_t i = 0; i < n; ++i)

@@ -182,10 +182,12 @@ void swiglu_forward(Context& ctx, const float* x, float* y, int64_t n, int64_t h
 void swiglu_backward(Context& ctx, const float* dy, const float* x, float* dx, int64_t n,
                      int64_t h);  // dx +=
 // qkv (B, T, (H + 2G) D), as cpu::rope_forward.
+// `positions` (B*T) may be null: each row's place in its sequence.
 void rope_forward(Context& ctx, const float* x, float* y, int64_t b, int64_t t, int64_t h,
-                  int64_t g, int64_t d, float base);
+                  int64_t g, int64_t d, float base, const int32_t* positions = nullptr);
 void rope_backward(Context& ctx, const float* dy, float* dx, int64_t b, int64_t t, int64_t h,
-                   int64_t g, int64_t d, float base);  // dx +=
+                   int64_t g, int64_t d, float base,
+                   const int32_t* positions = nullptr);  // dx +=
 // The same on bf16 activations (x, y, dy, dx; the weight, rstd and dw
 // fp32): each computed as the fp32 kernel computes it, and rounded once.
 void rmsnorm_forward(Context& ctx, const bf16* x, const float* w, bf16* y, float* rstd, int64_t n,
@@ -197,10 +199,11 @@ void rmsnorm_backward_weight(Context& ctx, const bf16* dy, const bf16* x, const 
 void swiglu_forward(Context& ctx, const bf16* x, bf16* y, int64_t n, int64_t h);
 void swiglu_backward(Context& ctx, const bf16* dy, const bf16* x, bf16* dx, int64_t n,
                      int64_t h);  // dx +=
-void rope_forward(Context& ctx, const bf16* x, bf16* y, int64_t b, int64_t t, int64_t h,
-                  int64_t g, int64_t d, float base);
+void rope_forward(Context& ctx, const bf16* x, bf16* y, int64_t b, int64_t t, int64_t h, int64_t g,
+                  int64_t d, float base, const int32_t* positions = nullptr);
 void rope_backward(Context& ctx, const bf16* dy, bf16* dx, int64_t b, int64_t t, int64_t h,
-                   int64_t g, int64_t d, float base);  // dx +=
+                   int64_t g, int64_t d, float base,
+                   const int32_t* positions = nullptr);  // dx +=
 
 // --- tanh-approximated GELU, element-wise ---
 void gelu_forward(Context& ctx, const float* x, float* y, int64_t n);
@@ -240,9 +243,12 @@ void add_scaled(Context& ctx, bf16* y, const float* x, float s, int64_t n);
 // The layout of layers/attention.h: H query heads, then G key heads, then G
 // value heads, D columns each; query head i reads key/value head i / (H / G).
 // probs (B, H, T, T) keeps the softmax (upper triangle zero). The score and
-// value GEMMs use `mode`.
+// value GEMMs use `mode`. `positions` (B*T), where given: each token's
+// position within its document, and a query reads its document's keys only
+// (cpu::attention_forward's).
 void attention_forward(Context& ctx, MathMode mode, const float* qkv, float* out, float* probs,
-                       int64_t b, int64_t t, int64_t h, int64_t g, int64_t d);
+                       int64_t b, int64_t t, int64_t h, int64_t g, int64_t d,
+                       const int32_t* positions = nullptr);
 // dqkv += gradient; scratch holds B*H*T*T floats.
 void attention_backward(Context& ctx, MathMode mode, const float* dout, const float* qkv,
                         const float* probs, float* dqkv, float* scratch, int64_t b, int64_t t,
@@ -283,31 +289,33 @@ void fused_cross_entropy(Context& ctx, const bf16* logits, bf16* dlogits, const 
 void row_max(Context& ctx, const float* logits, float* m, int64_t n, int64_t v);
 void exp_and_stats(Context& ctx, float* logits, const int32_t* targets, int64_t first,
                    const float* m, float* sum, float* z, int64_t n, int64_t v);
-// p /= sum per row; loss[0] = the sum over rows of log(sum) - z, summed in
-// double and rounded once (queued: the host does not wait).
-void normalise_and_loss(Context& ctx, float* p, const float* sum, const float* z, int64_t n,
-                        int64_t v, float* loss);
+// p /= sum per row; loss[0] = the sum over rows of log(sum) - z, rows whose
+// target is kIgnoredTarget left out, summed in double and rounded once
+// (queued: the host does not wait).
+void normalise_and_loss(Context& ctx, float* p, const float* sum, const float* z,
+                        const int32_t* targets, int64_t n, int64_t v, float* loss);
 
 // --- token + position embedding (layers/embedding.h) ---
 // y (B, T, C) = wte[tokens - first] + wpe[t]. wte holds the `rows` rows of
 // tokens [first, first + rows); other tokens read zeros (by default the
 // whole vocabulary, first 0). wpe may be null: no positions are added.
+// `positions` (B*T), where given, replace t (--reset-position-ids).
 void embedding_forward(Context& ctx, const int32_t* tokens, const float* wte, const float* wpe,
                        float* y, int64_t b, int64_t t, int64_t c, int64_t rows = INT64_MAX,
-                       int64_t first = 0);
+                       int64_t first = 0, const int32_t* positions = nullptr);
 // The same into bf16 y: wte + wpe summed in fp32, then rounded.
 void embedding_forward(Context& ctx, const int32_t* tokens, const float* wte, const float* wpe,
                        bf16* y, int64_t b, int64_t t, int64_t c, int64_t rows = INT64_MAX,
-                       int64_t first = 0);
+                       int64_t first = 0, const int32_t* positions = nullptr);
 // dwte[tokens[i] - first] += dy[i] (atomic scatter-add) for this slice's
 // tokens; dwpe[t] += sum_b dy[b, t]
 void embedding_backward(Context& ctx, const int32_t* tokens, const float* dy, float* dwte,
                         float* dwpe, int64_t b, int64_t t, int64_t c, int64_t rows = INT64_MAX,
-                        int64_t first = 0);
+                        int64_t first = 0, const int32_t* positions = nullptr);
 // The same from a bf16 dy (bf16 activations' gradient), each element widened.
 void embedding_backward(Context& ctx, const int32_t* tokens, const bf16* dy, float* dwte,
                         float* dwpe, int64_t b, int64_t t, int64_t c, int64_t rows = INT64_MAX,
-                        int64_t first = 0);
+                        int64_t first = 0, const int32_t* positions = nullptr);
 
 // --- AdamW, PyTorch semantics, as cpu::adamw; step is 1-based; each
 // gradient element read as g * grad_scale (a clip's coefficient), or as

@@ -33,11 +33,12 @@ __global__ void swiglu_backward_kernel(const T* dy, const T* x, T* dx, int64_t n
 
 // One thread per (row, head of q|k|v, column of the first half of a head) of
 // qkv (rows, (H + 2G) D); the pair (i, i + D/2) of the H query and G key heads
-// is rotated by pos * base^(-2i/D), the G value heads copied.
+// is rotated by pos * base^(-2i/D), the G value heads copied; pos is the
+// row's place in its sequence, or positions[row] where given.
 // backward: the inverse rotation, accumulated.
 template <bool backward, class T>
 __global__ void rope_kernel(const T* src, T* dst, int64_t rows, int64_t t, int64_t h, int64_t g,
-                            int64_t d, float base) {
+                            int64_t d, float base, const int32_t* positions) {
   const int64_t half = d / 2, n = h + 2 * g;
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < rows * n * half;
        i += int64_t{gridDim.x} * blockDim.x) {
@@ -54,8 +55,9 @@ __global__ void rope_kernel(const T* src, T* dst, int64_t rows, int64_t t, int64
       }
       continue;
     }
-    const float angle = static_cast<float>(
-        static_cast<double>(row % t) * pow(static_cast<double>(base), -2.0 * p / static_cast<double>(d)));
+    const float angle =
+        static_cast<float>(static_cast<double>(positions ? positions[row] : row % t) *
+                           pow(static_cast<double>(base), -2.0 * p / static_cast<double>(d)));
     const float cs = cosf(angle), sn = sinf(angle);
     if constexpr (backward) {
       store(dst, at, load(dst, at) + (a0 * cs + a1 * sn));
@@ -144,14 +146,15 @@ __global__ void gelu_backward_vec_kernel(const __nv_bfloat16* dy, const __nv_bfl
 
 template <class T>
 void rope_of(cudaStream_t s, bool backward, const T* src, T* dst, int64_t b, int64_t t, int64_t h,
-             int64_t g, int64_t d, float base) {
+             int64_t g, int64_t d, float base, const int32_t* positions) {
   const int64_t work = b * t * (h + 2 * g) * d / 2;
   if (backward)
-    rope_kernel<true><<<blocks_for(work), kThreads, 0, s>>>(src, dst, b * t, t, h, g, d, base);
+    rope_kernel<true>
+        <<<blocks_for(work), kThreads, 0, s>>>(src, dst, b * t, t, h, g, d, base, positions);
   else
-    rope_kernel<false><<<blocks_for(work), kThreads, 0, s>>>(src, dst, b * t, t, h, g, d, base);
+    rope_kernel<false>
+        <<<blocks_for(work), kThreads, 0, s>>>(src, dst, b * t, t, h, g, d, base, positions);
 }
-
 
 void swiglu_forward(cudaStream_t s, const float* x, float* y, int64_t n, int64_t h) {
   swiglu_forward_kernel<<<blocks_for(n * h), kThreads, 0, s>>>(x, y, n, h);
@@ -172,13 +175,13 @@ void swiglu_backward(cudaStream_t s, const uint16_t* dy, const uint16_t* x, uint
 }
 
 void rope(cudaStream_t s, bool backward, const float* src, float* dst, int64_t b, int64_t t,
-          int64_t h, int64_t g, int64_t d, float base) {
-  rope_of(s, backward, src, dst, b, t, h, g, d, base);
+          int64_t h, int64_t g, int64_t d, float base, const int32_t* positions) {
+  rope_of(s, backward, src, dst, b, t, h, g, d, base, positions);
 }
 
 void rope(cudaStream_t s, bool backward, const uint16_t* src, uint16_t* dst, int64_t b, int64_t t,
-          int64_t h, int64_t g, int64_t d, float base) {
-  rope_of(s, backward, bf(src), bf(dst), b, t, h, g, d, base);
+          int64_t h, int64_t g, int64_t d, float base, const int32_t* positions) {
+  rope_of(s, backward, bf(src), bf(dst), b, t, h, g, d, base, positions);
 }
 
 void gelu_forward(cudaStream_t s, const float* x, float* y, int64_t n) {

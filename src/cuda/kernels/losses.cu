@@ -88,6 +88,7 @@ __global__ void cross_entropy_kernel(const S* logits, D* dst, const int32_t* tar
   const float mx = block_reduce(m, shared, Max{});
   s = block_reduce(m == -INFINITY ? s : s * expf(m - mx), shared, Add{});
   const bool valid = target >= 0 && target < v;
+  const bool ignored = target == weft::kIgnoredTarget;  // no loss term, dlogits 0
   // Read the target's logit before the output pass overwrites the row.
   const float target_logit = valid ? load(row, target) - mx : 0.0f;
   __syncthreads();
@@ -95,7 +96,7 @@ __global__ void cross_entropy_kernel(const S* logits, D* dst, const int32_t* tar
   auto out = [&](int64_t j, float x) {
     const float p = expf(x - mx) * inv;
     if constexpr (fused)
-      return j == target ? p * scale - scale : p * scale;
+      return ignored ? 0.0f : j == target ? p * scale - scale : p * scale;
     else
       return p;
   };
@@ -115,7 +116,7 @@ __global__ void cross_entropy_kernel(const S* logits, D* dst, const int32_t* tar
   } else {
     for (int64_t j = threadIdx.x; j < v; j += blockDim.x) store(drow, j, out(j, load(row, j)));
   }
-  if (threadIdx.x == 0) losses[blockIdx.x] = valid ? logf(s) - target_logit : NAN;
+  if (threadIdx.x == 0) losses[blockIdx.x] = ignored ? 0.0f : valid ? logf(s) - target_logit : NAN;
 }
 
 // Columns [from, v) of each row = -inf: a padded vocabulary's logits (float
@@ -162,25 +163,27 @@ __global__ void exp_and_stats_kernel(float* logits, const int32_t* targets, int6
   }
 }
 
-// row /= sum[i]; losses[i] = log(sum[i]) - z[i].
-__global__ void normalise_kernel(float* p, const float* sum, const float* z, float* losses,
-                                 int64_t v) {
+// row /= sum[i]; losses[i] = log(sum[i]) - z[i], or 0 for an ignored target.
+__global__ void normalise_kernel(float* p, const float* sum, const float* z, const int32_t* targets,
+                                 float* losses, int64_t v) {
   const int64_t i = blockIdx.x;
   const float inv = 1.0f / sum[i];
   float* row = p + i * v;
   for (int64_t j = threadIdx.x; j < v; j += blockDim.x) row[j] *= inv;
-  if (threadIdx.x == 0) losses[i] = logf(sum[i]) - z[i];
+  if (threadIdx.x == 0) losses[i] = targets[i] == weft::kIgnoredTarget ? 0.0f : logf(sum[i]) - z[i];
 }
 
 // The vocabulary columns [first, first + v) of dlogits; a target outside them
-// (another tensor-parallel rank's) subtracts nothing here.
+// (another tensor-parallel rank's) subtracts nothing here; an ignored one's
+// row is 0.
 __global__ void cross_entropy_backward_kernel(const float* probs, const int32_t* targets,
                                               float* dlogits, float scale, int64_t n, int64_t v,
                                               int64_t first) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n * v;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const float d = probs[i] * scale;
-    dlogits[i] = (i % v) + first == targets[i / v] ? d - scale : d;
+    const int32_t target = targets[i / v];
+    const float d = target == weft::kIgnoredTarget ? 0.0f : probs[i] * scale;
+    dlogits[i] = (i % v) + first == target ? d - scale : d;
   }
 }
 
@@ -254,10 +257,9 @@ void exp_and_stats(cudaStream_t s, float* logits, const int32_t* targets, int64_
                                                                         sum, z, v);
 }
 
-void normalise(cudaStream_t s, float* p, const float* sum, const float* z, float* losses,
-               int64_t n, int64_t v) {
-  normalise_kernel<<<static_cast<unsigned>(n), kRowThreads, 0, s>>>(p, sum, z, losses, v);
+void normalise(cudaStream_t s, float* p, const float* sum, const float* z, const int32_t* targets,
+               float* losses, int64_t n, int64_t v) {
+  normalise_kernel<<<static_cast<unsigned>(n), kRowThreads, 0, s>>>(p, sum, z, targets, losses, v);
 }
-
 
 }  // namespace weft::cuda::launch
