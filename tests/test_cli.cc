@@ -1080,6 +1080,43 @@ TEST_F(Cli, ABpeTokenizerEncodesThePromptAndDecodesTheSample) {
                {"--sample-prompt needs text data, or a tokenizer that encodes"});
 }
 
+// Megatron's document flags on token data a BPE made with --append-eod: the
+// tokenizer's <|endoftext|> ends each document. All three at once train,
+// on one process and as a sample; without documents they are refused.
+TEST_F(Cli, DocumentFlagsTrainOnDocumentsAndNeedAnEndOfDocumentToken) {
+  if (!BpeTokenizer::available()) GTEST_SKIP() << "weft was built without PCRE2";
+  const std::string vocab = source_path("tests/reference/fixtures/bpe_vocab.json"),
+                    merges = source_path("tests/reference/fixtures/bpe_merges.txt");
+  BpeTokenizer bpe = BpeTokenizer::load(vocab, merges);
+  const std::string prefix = dir_ + "/docs";
+  {
+    IndexedDatasetWriter w(prefix, bpe.vocab_size());
+    const char* lines[] = {"The quick brown fox. ", "Jumps over ", "the lazy dog, who sleeps. "};
+    for (int d = 0; d < 40; ++d) {
+      std::vector<int32_t> ids = bpe.encode(lines[d % 3]);
+      ids.push_back(bpe.eod());
+      w.add_document(ids);
+    }
+    w.finish();
+  }
+  const std::string model =
+      "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+      "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --train-iters 3 --vocab-size " +
+      std::to_string(bpe.vocab_size()) + " --data-path " + prefix +
+      " --tokenizer-type GPT2BPETokenizer --vocab-file " + vocab + " --merge-file " + merges + " ";
+  const std::string docs = "--eod-mask-loss --reset-position-ids --reset-attention-mask ";
+  Result r = run(model + docs + "--sample 4 --sample-prompt 'The quick'");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "--- sample (4 tokens")) << r.out;
+  r = run(model + docs + "--arch llama --sample 2");
+  ASSERT_EQ(r.code, 0) << r.err;
+  // Text has no end-of-document token, and GPT-2's is past a small vocabulary.
+  expect_error(toy("--eod-mask-loss"),
+               {"--eod-mask-loss needs documents", "text.txt", "weft-preprocess --append-eod"});
+  expect_error(tiny("--reset-attention-mask"),
+               {"--reset-attention-mask", "end-of-document token 50256", "--vocab-size (64)"});
+}
+
 TEST_F(Cli, DataPathIsADirectory) { expect_error(toy("--data-path " + dir_), {dir_}); }
 
 TEST_F(Cli, BadTokenFileMagic) {

@@ -84,26 +84,29 @@ struct Reference {
   std::map<std::string, Tensor> first_moments;  // Adam's, after step 1
 };
 
+Reference train_reference(const GptConfig& cfg, const DocumentOptions& docs) {
+  TokenBatches batches(text_data(), kGlobal, cfg.seq_length);
+  batches.set_documents(docs);
+  GptModel m = build_gpt(cfg, kMicro);
+  init_gpt(m, kSeed);
+  Trainer t(m.io, batches, options());
+  Reference r;
+  for (int s = 0; s < kSteps; ++s) {
+    const StepRecord rec = t.train_step();
+    r.loss.push_back(rec.loss);
+    r.norm.push_back(rec.grad_norm);
+    if (s == 0)
+      for (auto& [name, moment] : t.grad_sync().optimizer_state())
+        r.first_moments.emplace(name, moment.clone());
+  }
+  for (Param* p : m.graph.params()) r.params.emplace(p->name, p->value.clone());
+  for (auto& [name, moment] : t.grad_sync().optimizer_state())
+    r.moments.emplace(name, moment.clone());
+  return r;
+}
+
 const Reference& reference() {
-  static const Reference ref = [] {
-    TokenBatches batches(text_data(), kGlobal, tiny().seq_length);
-    GptModel m = build_gpt(tiny(), kMicro);
-    init_gpt(m, kSeed);
-    Trainer t(m.io, batches, options());
-    Reference r;
-    for (int s = 0; s < kSteps; ++s) {
-      const StepRecord rec = t.train_step();
-      r.loss.push_back(rec.loss);
-      r.norm.push_back(rec.grad_norm);
-      if (s == 0)
-        for (auto& [name, moment] : t.grad_sync().optimizer_state())
-          r.first_moments.emplace(name, moment.clone());
-    }
-    for (Param* p : m.graph.params()) r.params.emplace(p->name, p->value.clone());
-    for (auto& [name, moment] : t.grad_sync().optimizer_state())
-      r.moments.emplace(name, moment.clone());
-    return r;
-  }();
+  static const Reference ref = train_reference(tiny(), {});
   return ref;
 }
 
@@ -174,11 +177,12 @@ struct RankRun {
 using RankHook = std::function<void(RankLayout&)>;
 std::vector<RankRun> run_layout(const Layout& l, int steps, const RankHook& before = {},
                                 const RankHook& after = {}, const GptConfig& cfg = tiny(),
-                                bool with_moments = false) {
+                                bool with_moments = false, const DocumentOptions& docs = {}) {
   std::vector<RankRun> runs(z(l.world()));
   std::mutex mu;
   auto body = [&](Communicator* world) {
     TokenBatches batches(text_data(), kGlobal, cfg.seq_length);
+    batches.set_documents(docs);
     GptModel model = build_gpt(cfg, kMicro);  // zero-filled: RankLayout initialises
     RankLayout rank(world, model.graph, model.io, batches, options(), l.options(), kSeed);
     if (before) before(rank);
@@ -216,8 +220,8 @@ std::vector<RankRun> run_layout(const Layout& l, int steps, const RankHook& befo
 }
 
 // Every rank's steps are reference steps first .. first + n - 1.
-void expect_reference_steps(const std::vector<RankRun>& runs, int first) {
-  const Reference& ref = reference();
+void expect_reference_steps(const std::vector<RankRun>& runs, int first,
+                            const Reference& ref = reference()) {
   for (size_t rank = 0; rank < runs.size(); ++rank) {
     const RankRun& r = runs[rank];
     ASSERT_FALSE(r.steps.empty()) << "rank " << rank << " ran no step";
@@ -368,6 +372,69 @@ std::vector<Layout> layouts() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, EveryLayout, ::testing::ValuesIn(layouts()),
+                         [](const ::testing::TestParamInfo<Layout>& p) { return p.param.name(); });
+
+// --- documents: every layout divides by the same counted terms and reads
+// the same positions (--eod-mask-loss, --reset-position-ids,
+// --reset-attention-mask) ---
+
+// Spaces end the documents of the text: words, several in every sequence
+// of 16.
+DocumentOptions documents() {
+  DocumentOptions d;
+  d.eod = ' ';
+  d.eod_mask_loss = d.reset_position_ids = d.reset_attention_mask = true;
+  return d;
+}
+
+GptConfig tiny_documents() {
+  GptConfig c = tiny();
+  c.reset_position_ids = c.reset_attention_mask = true;
+  return c;
+}
+
+const Reference& documents_reference() {
+  static const Reference ref = train_reference(tiny_documents(), documents());
+  return ref;
+}
+
+TEST(DocumentsReference, DiffersFromThePlainRun) {
+  // At initialisation every token's loss is near ln 256 either way; the
+  // gradients differ at once (a fifth of the terms are left out, the
+  // positions and masks are others), the losses after an update.
+  EXPECT_GT(std::abs(documents_reference().norm[0] / reference().norm[0] - 1), 0.05);
+  EXPECT_GT(std::abs(documents_reference().loss[1] - reference().loss[1]), 1e-2);
+  EXPECT_LT(documents_reference().loss.back(), documents_reference().loss.front());
+}
+
+class DocumentLayouts : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(DocumentLayouts, GiveTheSingleProcessLossesAndNorms) {
+  const Layout l = GetParam();
+  const std::vector<RankRun> runs =
+      run_layout(l, kSteps, {}, {}, tiny_documents(), false, documents());
+  ASSERT_EQ(runs.size(), z(l.world()));
+  expect_reference_steps(runs, 0, documents_reference());
+}
+
+// Replicas (each counts the whole batch's terms), pipelines (the positions
+// reach every stage, the loss's count the last), tensor parallelism
+// (vocabulary-parallel loss with ignored targets), sequence parallelism
+// (positions whole inside the regions), recompute (replays read them again).
+INSTANTIATE_TEST_SUITE_P(Layouts, DocumentLayouts, ::testing::ValuesIn([] {
+                           std::vector<Layout> v = {{2, 2, 2, "1f1b"},
+                                                    {8, 1, 1},
+                                                    {1, 2, 4, "zb-h1"},
+                                                    {2, 2, 1, "interleaved-1f1b", 2},
+                                                    {2, 2, 2, "1f1b", 1, false, true}};
+                           Layout sp{2, 1, 4};
+                           sp.sequence_parallel = true;
+                           v.push_back(sp);
+                           Layout zero2{4, 1, 2, "1f1b", 1, true};
+                           zero2.shard_grads = true, zero2.bucket_elements = 2048;
+                           v.push_back(zero2);
+                           return v;
+                         }()),
                          [](const ::testing::TestParamInfo<Layout>& p) { return p.param.name(); });
 
 // The reference itself is a meaningful target: clipping acts, and training moves.

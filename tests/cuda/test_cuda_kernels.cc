@@ -61,6 +61,20 @@ std::vector<int32_t> random_tokens(int64_t n, int32_t v, uint64_t seed) {
 // Outputs start as zeros, never as the CPU's answer.
 std::vector<float> zeros(int64_t n) { return std::vector<float>(static_cast<size_t>(n), 0.0f); }
 
+// Positions within documents of 1 to 9 tokens, in b sequences of t.
+std::vector<int32_t> document_positions(int64_t b, int64_t t, uint64_t seed) {
+  const std::vector<int32_t> ends = random_tokens(b * t, 9, seed);
+  std::vector<int32_t> pos(static_cast<size_t>(b * t));
+  for (int64_t s = 0; s < b; ++s) {
+    int32_t p = 0, left = ends[static_cast<size_t>(s * t)] + 1;
+    for (int64_t i = s * t; i < (s + 1) * t; ++i) {
+      pos[static_cast<size_t>(i)] = p++;
+      if (--left == 0) p = 0, left = ends[static_cast<size_t>(i)] + 1;
+    }
+  }
+  return pos;
+}
+
 std::vector<float> rounded_to_bf16(std::vector<float> x) {
   for (float& f : x) f = to_float(to_bf16(f));
   return x;
@@ -399,31 +413,41 @@ cpu::Rounding cpu_rounding(MathMode mode) {
                                   : cpu::Rounding::None;
 }
 
+// With `documents`, positions within documents (--reset-attention-mask):
+// a query reads its own document's keys only.
 void check_attention(int64_t b, int64_t t, int64_t h, int64_t c, MathMode mode, double tol,
-                     int64_t g = 0) {
+                     int64_t g = 0, bool documents = false) {
   g = g > 0 ? g : h;
   const int64_t d = c / h, w = (h + 2 * g) * d;
   const std::vector<float> qkv = uniform(b * t * w, 61, -2.0f, 2.0f), dout = uniform(b * t * c, 62);
   std::vector<float> out(b * t * c), probs(b * h * t * t), scratch(b * h * t * t);
   std::vector<float> dqkv = uniform(b * t * w, 63);
+  const std::vector<int32_t> pos =
+      documents ? document_positions(b, t, 64) : std::vector<int32_t>(static_cast<size_t>(b * t));
   Dev<float> gqkv(qkv), gout(out), gprobs(probs), gdout(dout), gdqkv(dqkv), gscratch(scratch);
-  cpu::attention_forward(qkv.data(), out.data(), probs.data(), b, t, h, g, d, cpu_rounding(mode));
+  Dev<int32_t> gpos(pos);
+  const int32_t* cpos = documents ? pos.data() : nullptr;
+  cpu::attention_forward(qkv.data(), out.data(), probs.data(), b, t, h, g, d, cpu_rounding(mode),
+                         cpos);
   cpu::attention_backward(dout.data(), qkv.data(), probs.data(), dqkv.data(), scratch.data(), b, t,
                           h, g, d, cpu_rounding(mode));
-  attention_forward(ctx(), mode, gqkv.p(), gout.p(), gprobs.p(), b, t, h, g, d);
+  attention_forward(ctx(), mode, gqkv.p(), gout.p(), gprobs.p(), b, t, h, g, d,
+                    documents ? gpos.p() : nullptr);
   attention_backward(ctx(), mode, gdout.p(), gqkv.p(), gprobs.p(), gdqkv.p(), gscratch.p(), b, t,
                      h, g, d);
   const std::vector<float> got_probs = gprobs.host();
   EXPECT_LT(rel(gout.host(), out), tol) << "T " << t;
   EXPECT_LT(rel(got_probs, probs), tol) << "T " << t;
   EXPECT_LT(rel(gdqkv.host(), dqkv), tol) << "T " << t;
-  // The causal mask: nothing above the diagonal, every row sums to 1.
+  // The causal mask: nothing above the diagonal (nor before the row's
+  // document), every row sums to 1.
   for (int64_t r = 0; r < b * h * t; r += 7) {
     const int64_t i = r % t;
+    const int64_t first = documents ? i - pos[static_cast<size_t>(r / (h * t) * t + i)] : 0;
     double row = 0;
     for (int64_t j = 0; j < t; ++j) {
       const float p = got_probs[static_cast<size_t>(r * t + j)];
-      if (j > i) {
+      if (j > i || j < first) {
         EXPECT_EQ(p, 0.0f) << "row " << r << " col " << j;
       }
       row += p;
@@ -448,6 +472,13 @@ TEST(CudaAttention, Fp32MatchesCpuAtEverySequenceLength) {
   int k = 0;
   for (const int64_t t : weft::testing::kSeqLengths)
     check_attention(t <= 129 ? 2 : 1, t, 2, 32, MathMode::FP32, kFp32, k++ % 2 == 1 ? 1 : 0);
+}
+
+// --reset-attention-mask: documents of 1 to 9 tokens, multi-head and
+// grouped-query; the backward reads the masked probabilities as they are.
+TEST(CudaAttention, WithinDocumentsMatchesCpu) {
+  check_attention(2, 37, 3, 48, MathMode::FP32, kFp32, 0, true);
+  check_attention(3, 64, 4, 64, MathMode::FP32, kFp32, 2, true);
 }
 
 TEST(CudaAttention, Tf32Bf16AndFp16AreClose) {
@@ -570,6 +601,41 @@ TEST(CudaCrossEntropy, MaskedPaddingColumnsAreExactlyZero) {
   }
 }
 
+// --eod-mask-loss: an ignored target's row has loss 0 and dlogits 0 in
+// every path (two-step, fused, vocabulary-parallel), as on the CPU.
+TEST(CudaCrossEntropy, IgnoredTargetsAddNoLossAndNoGradient) {
+  const int64_t n = 9, v = 300;
+  const std::vector<float> logits = uniform(n * v, 75, -6.0f, 6.0f);
+  std::vector<int32_t> targets = random_tokens(n, static_cast<int32_t>(v), 76);
+  targets[1] = targets[4] = targets[8] = kIgnoredTarget;
+  const float scale = 0.25f;
+  std::vector<float> probs = logits, losses(n), dlogits(n * v);
+  cpu::softmax_cross_entropy(probs.data(), targets.data(), losses.data(), n, v);
+  cpu::cross_entropy_backward(probs.data(), targets.data(), dlogits.data(), scale, n, v);
+  for (int64_t i : {1, 4, 8}) {
+    EXPECT_EQ(losses[static_cast<size_t>(i)], 0.0f);
+    for (int64_t j = 0; j < v; ++j) EXPECT_EQ(dlogits[static_cast<size_t>(i * v + j)], 0.0f);
+  }
+  Dev<int32_t> gt(targets);
+  Dev<float> gp(logits), gl(zeros(n)), gd(zeros(n * v));
+  softmax_cross_entropy(ctx(), gp.p(), gt.p(), gl.p(), n, v);
+  cross_entropy_backward(ctx(), gp.p(), gt.p(), gd.p(), scale, n, v);
+  EXPECT_LT(rel(gl.host(), losses), kFp32);
+  EXPECT_LT(rel(gd.host(), dlogits), kFp32);
+  Dev<float> gf(logits), gfl(zeros(n));
+  fused_cross_entropy(ctx(), gf.p(), gt.p(), gfl.p(), scale, n, v);
+  EXPECT_LT(rel(gf.host(), dlogits), kFp32);
+  EXPECT_LT(rel(gfl.host(), losses), kFp32);
+  // The vocabulary-parallel steps on one whole slice: the loss of the others.
+  double total = 0;
+  for (float l : losses) total += l;
+  Dev<float> gv(logits), gm(zeros(n)), gsum(zeros(n)), gz(zeros(n)), gloss(zeros(1));
+  row_max(ctx(), gv.p(), gm.p(), n, v);
+  exp_and_stats(ctx(), gv.p(), gt.p(), 0, gm.p(), gsum.p(), gz.p(), n, v);
+  normalise_and_loss(ctx(), gv.p(), gsum.p(), gz.p(), gt.p(), n, v, gloss.p());
+  EXPECT_NEAR(gloss.host()[0], total, 1e-5 * total);
+}
+
 TEST(CudaCrossEntropy, TargetOutsideTheVocabularyGivesNaNNotAStrayWrite) {
   const int64_t n = 2, v = 10;
   Dev<float> gp(uniform(n * v, 74)), gl(zeros(n));
@@ -619,6 +685,45 @@ TEST(CudaEmbedding, ForwardAndScatterAddBackwardMatchTheLayer) {
   EXPECT_LT(rel(gy.host(), vec(y)), kFp32);
   EXPECT_LT(rel(gdwte.host(), vec(wte->grad)), kFp32);
   EXPECT_LT(rel(gdwpe.host(), vec(wpe->grad)), kFp32);
+
+  // Positions within documents (--reset-position-ids): wpe read, and its
+  // gradient scattered, by position.
+  const std::vector<int32_t> pos = document_positions(b, t, 85);
+  Tensor post(const_cast<int32_t*>(pos.data()), Shape{b, t}, DType::I32);
+  const Tensor ins[2] = {tok, post};
+  auto dctx = layer.make_ctx();
+  wpe->grad.copy_from(Tensor(dwpe0.data(), Shape{positions, c}, DType::F32));
+  layer.forward(*dctx, arena, std::span<const Tensor>(ins, 2), std::span<const Tensor>(&y, 1));
+  layer.backward_input(*dctx, arena, std::span<const Tensor>(&dyt, 1),
+                       std::span<const Tensor>(&none, 1));
+  layer.backward_weight(*dctx, arena);
+  Dev<float> gdwpe2(dwpe0), gy2(zeros(b * t * c));
+  Dev<int32_t> gpos(pos);
+  embedding_forward(ctx(), gtok.p(), gwte.p(), gwpe.p(), gy2.p(), b, t, c, INT64_MAX, 0, gpos.p());
+  embedding_backward(ctx(), gtok.p(), gdy.p(), gdwte.p(), gdwpe2.p(), b, t, c, INT64_MAX, 0,
+                     gpos.p());
+  EXPECT_LT(rel(gy2.host(), vec(y)), kFp32);
+  EXPECT_LT(rel(gdwpe2.host(), vec(wpe->grad)), kFp32);
+}
+
+// Rotary embedding at each token's position within its document
+// (--reset-position-ids), and at t, as the CPU's.
+TEST(CudaRope, PositionsWithinDocumentsMatchCpu) {
+  const int64_t b = 2, t = 19, h = 4, g = 2, d = 16, w = (h + 2 * g) * d;
+  const std::vector<float> x = uniform(b * t * w, 91), dy = uniform(b * t * w, 92);
+  const std::vector<int32_t> pos = document_positions(b, t, 93);
+  for (const bool documents : {false, true}) {
+    const int32_t* cpos = documents ? pos.data() : nullptr;
+    std::vector<float> y(x.size()), dx = uniform(b * t * w, 94);
+    Dev<float> gx(x), gy(zeros(b * t * w)), gdy(dy), gdx(dx);
+    Dev<int32_t> gpos(pos);
+    cpu::rope_forward(x.data(), y.data(), b, t, h, g, d, 100.0f, cpos);
+    cpu::rope_backward(dy.data(), dx.data(), b, t, h, g, d, 100.0f, cpos);
+    rope_forward(ctx(), gx.p(), gy.p(), b, t, h, g, d, 100.0f, documents ? gpos.p() : nullptr);
+    rope_backward(ctx(), gdy.p(), gdx.p(), b, t, h, g, d, 100.0f, documents ? gpos.p() : nullptr);
+    EXPECT_LT(rel(gy.host(), y), kFp32) << documents;
+    EXPECT_LT(rel(gdx.host(), dx), kFp32) << documents;
+  }
 }
 
 // ---------------------------------------------------------------- AdamW, reductions, bf16

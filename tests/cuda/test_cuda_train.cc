@@ -88,6 +88,55 @@ TEST(CudaTrain, TrainLlamaOnTheGpuGivesTheCpuLosses) {
   expect_gpu_follows_cpu(flags, dir, "llama");
 }
 
+// Documents (--eod-mask-loss, --reset-position-ids, --reset-attention-mask;
+// spaces end them, so every sequence holds several) on the GPU: the
+// positions go up with the tokens, attention runs unfused within each
+// document, the ignored targets' rows are zero, and the step divides by
+// the counted terms. GPT and Llama, five steps, the CPU's losses and norms;
+// the error model above.
+TEST(CudaTrain, DocumentsOnTheGpuGiveTheCpuLosses) {
+  const std::string s = text();
+  const TokenData data = TokenData::from_tokens(std::vector<int32_t>(s.begin(), s.end()), 256);
+  DocumentOptions docs;
+  docs.eod = ' ';
+  docs.eod_mask_loss = docs.reset_position_ids = docs.reset_attention_mask = true;
+  TrainOptions o;
+  o.micro_batch = 4, o.global_batch = 8, o.lr.lr = 3e-3f;
+  for (const bool llama : {false, true}) {
+    std::vector<StepRecord> runs[2];
+    for (int on_gpu = 0; on_gpu < 2; ++on_gpu) {
+      o.device = on_gpu ? Device::cuda(0) : Device::cpu();
+      TokenBatches batches(data, o.global_batch, 32);
+      batches.set_documents(docs);
+      auto train = [&](auto& m) {
+        Trainer t(m.io, batches, o);
+        for (int k = 0; k < 5; ++k) runs[on_gpu].push_back(t.train_step());
+      };
+      if (llama) {
+        LlamaConfig c;
+        c.num_layers = 2, c.hidden_size = 32, c.num_heads = 4, c.seq_length = 32;
+        c.reset_position_ids = c.reset_attention_mask = true;
+        LlamaModel m = build_llama(c, o.micro_batch);
+        init_llama(m, 5);
+        train(m);
+      } else {
+        GptConfig c = gpt_preset("toy");
+        c.seq_length = 32;
+        c.reset_position_ids = c.reset_attention_mask = true;
+        GptModel m = build_gpt(c, o.micro_batch);
+        init_gpt(m, 5);
+        train(m);
+      }
+    }
+    for (size_t k = 0; k < runs[0].size(); ++k) {
+      EXPECT_NEAR(runs[1][k].loss, runs[0][k].loss, kTol * runs[0][k].loss)
+          << (llama ? "llama" : "gpt") << " step " << k + 1;
+      EXPECT_NEAR(runs[1][k].grad_norm, runs[0][k].grad_norm, kTol * runs[0][k].grad_norm)
+          << (llama ? "llama" : "gpt") << " step " << k + 1;
+    }
+  }
+}
+
 // --bf16 and --fp16 on the GPU (fp32 GEMM operands rounded by round_values,
 // then TF32 tensor cores) against the CPU's emulation of the same rounding.
 // --bf16 also stores the activations in bf16 on both devices; the GPU's
