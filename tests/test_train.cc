@@ -291,6 +291,28 @@ TEST(Train, SteadyStateStepAllocatesNothing) {
   }
 }
 
+// Documents: the positions input, the masked targets and the step's count
+// of terms (read from the whole global batch) reuse their buffers.
+TEST(Train, SteadyStateStepWithDocumentsAllocatesNothing) {
+  TokenData data = text_data();
+  TokenBatches batches(data, 4, small_config().seq_length);
+  DocumentOptions docs;
+  docs.eod = ' ';
+  docs.eod_mask_loss = docs.reset_position_ids = docs.reset_attention_mask = true;
+  batches.set_documents(docs);
+  GptConfig cfg = small_config();
+  cfg.reset_position_ids = cfg.reset_attention_mask = true;
+  GptModel m = build_gpt(cfg, 2);
+  init_gpt(m, 1);
+  Trainer t(m.io, batches, train_options(2, 4));
+  t.train_step();
+  t.train_step();
+  const long before = g_allocations.load();
+  t.train_step();
+  t.train_step();
+  EXPECT_EQ(g_allocations.load() - before, 0);
+}
+
 TEST(Train, LearningRateSchedule) {
   LrSchedule s;
   s.lr = 1.0f;
