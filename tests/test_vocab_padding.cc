@@ -390,5 +390,70 @@ TEST(VocabPadding, SamplingNeverReturnsAPaddingToken) {
   }
 }
 
+// A model samples through a decode hook of its own (here reading the same
+// head's kept logits, so the tokens must be the head's), and a family with
+// neither a head nor a hook is refused --sample before step 1.
+TEST(Sampling, ThroughAModelsOwnDecodeHookAndRefusedWithoutOne) {
+  ModelArgs args;
+  args.shape = gpt(64);
+  JobModel by_head = gpt_family().build(args), by_hook = gpt_family().build(args);
+  for (JobModel* m : {&by_head, &by_hook}) {
+    m->io.graph = &m->graph;
+    for (Param* p : m->params->all()) init_param(*p, kSeed);
+  }
+  TiedLmHeadLoss* head = by_hook.head;
+  const int64_t stride = args.shape.table_rows();
+  by_hook.head = nullptr;
+  by_hook.decode_node = static_cast<int>(by_hook.graph.nodes().size()) - 1;
+  head->set_keep_logits(true);
+  int calls = 0;
+  by_hook.decode = [&](MicroBatch& mb, int64_t t) {
+    ++calls;
+    return TiedLmHeadLoss::logits(mb.ctx(by_hook.decode_node)).data<float>() + t * stride;
+  };
+  for (const float temperature : {0.0f, 1.0f}) {
+    const std::vector<int32_t> want =
+        sample_tokens(by_head, args.shape, {1, 2, 3}, 12, temperature, 9);
+    EXPECT_EQ(sample_tokens(by_hook, args.shape, {1, 2, 3}, 12, temperature, 9), want);
+  }
+  EXPECT_EQ(calls, 24);
+  by_hook.decode = nullptr;
+  EXPECT_TRUE(testing::contains(
+      testing::error_message([&] { sample_tokens(by_hook, args.shape, {1}, 2, 0.0f, 9); }),
+      "has neither"));
+
+  // train_main with a family that has neither: refused before any step.
+  const std::string dir = testing::temp_dir("decode-hook");
+  testing::write_file(dir + "/t.txt", testing::best_of_times(20));
+  Job job;
+  job.program = "headless";
+  ModelFamily f = gpt_family();
+  f.name = "headless";
+  const auto build = f.build;
+  f.build = [build](const ModelArgs& a) {
+    JobModel m = build(a);
+    m.head = nullptr;
+    return m;
+  };
+  job.families = {f};
+  const std::string data = dir + "/t.txt";
+  std::vector<std::string> args_s = {
+      "headless", "--num-layers", "1",  "--hidden-size",      "32", "--num-attention-heads",
+      "4",        "--seq-length", "16", "--micro-batch-size", "2",  "--train-iters",
+      "3",        "--data-path",  data, "--sample",           "5",  "--device",
+      "cpu"};
+  std::vector<char*> argv;
+  for (std::string& s : args_s) argv.push_back(s.data());
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  const int rc = train_main(static_cast<int>(argv.size()), argv.data(), job);
+  const std::string out = ::testing::internal::GetCapturedStdout();
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(rc, 1) << out << err;
+  EXPECT_TRUE(testing::contains(err, "--sample 5: the headless family's model has no LM head"))
+      << err;
+  EXPECT_FALSE(testing::contains(out, "step     1/")) << out;  // no step ran
+}
+
 }  // namespace
 }  // namespace weft

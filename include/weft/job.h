@@ -36,6 +36,7 @@
 
 namespace weft {
 
+class MicroBatch;
 class TiedLmHeadLoss;
 
 // What the command line says of the model, resolved (preset, shape flags,
@@ -65,9 +66,16 @@ struct JobModel {
   // at `graph`.
   ModelIO io;
   // For sampling (--sample): the (B, T) int32 token input and the LM head,
-  // whose logits are read. A family without a head cannot sample.
+  // whose logits are read.
   int tokens = -1, targets = -1;
   TiedLmHeadLoss* head = nullptr;
+  // Sampling through a head of the model's own (any layer that keeps its
+  // logits): after a forward of one sequence through nodes 0 .. decode_node,
+  // decode(mb, t) points at position t's logits, the true vocabulary's
+  // first (shape.vocab_size values, on the host). Set, it is used in place
+  // of `head`; a family with neither is refused --sample before training.
+  int decode_node = -1;
+  std::function<const float*(MicroBatch& mb, int64_t t)> decode;
   // The (B, T) int32 positions within documents, where the shape asks for
   // them (GptConfig::reset_position_ids or reset_attention_mask): the data
   // fills them as its third input, sampling from the prompt's documents.

@@ -87,15 +87,20 @@ std::vector<int32_t> sample_tokens(JobModel& model, const GptConfig& shape,
                                    std::vector<int32_t> prompt, int64_t count, float temperature,
                                    uint64_t seed, int32_t eod) {
   check(!prompt.empty(), "sampling needs a prompt of at least one token");
-  check(model.head != nullptr && model.tokens >= 0 && model.targets >= 0,
-        "sampling reads the logits of the model's LM head, and this model has none");
+  check(model.tokens >= 0 && (model.head != nullptr || model.decode),
+        "sampling reads the logits of the model's LM head (JobModel::head) or of its decode "
+        "hook (JobModel::decode), and this model has neither");
   Graph& g = model.graph;
   const int n = static_cast<int>(g.nodes().size());
-  int head_node = -1;
-  for (int k = 0; k < n; ++k)
-    if (g.nodes()[static_cast<size_t>(k)].layer.get() == model.head) head_node = k;
-  check(head_node >= 0, "sampling: the model's head is not a node of its graph");
-  model.head->set_keep_logits(true);
+  int head_node = model.decode ? model.decode_node : -1;
+  if (!model.decode) {
+    for (int k = 0; k < n; ++k)
+      if (g.nodes()[static_cast<size_t>(k)].layer.get() == model.head) head_node = k;
+    check(head_node >= 0, "sampling: the model's head is not a node of its graph");
+    model.head->set_keep_logits(true);
+  }
+  check(head_node >= 0 && head_node < n,
+        "sampling: JobModel::decode_node ({}) is not a node of the graph's {}", head_node, n);
   // Logits rows hold the padded vocabulary; only the true one is sampled.
   const int64_t T = shape.seq_length, V = shape.vocab_size, stride = shape.table_rows();
   MicroBatch mb(g);
@@ -106,16 +111,15 @@ std::vector<int32_t> sample_tokens(JobModel& model, const GptConfig& shape,
     const int64_t len = std::min<int64_t>(static_cast<int64_t>(out.size()), T);
     const int32_t* ctx_tokens = out.data() + out.size() - static_cast<size_t>(len);
     int32_t* tok = mb.input(model.tokens).data<int32_t>();
-    int32_t* tgt = mb.input(model.targets).data<int32_t>();
-    for (int64_t t = 0; t < T; ++t) {
+    for (int64_t t = 0; t < T; ++t)
       tok[t] = t < len ? ctx_tokens[t] : 0;  // causal: padding after len is never seen
-      tgt[t] = 0;
-    }
+    if (model.targets >= 0) std::fill_n(mb.input(model.targets).data<int32_t>(), T, 0);
     if (model.positions >= 0)
       document_positions(tok, mb.input(model.positions).data<int32_t>(), 1, T, eod);
     forward(g, mb, 0, head_node + 1);
     const float* logits =
-        TiedLmHeadLoss::logits(mb.ctx(head_node)).data<float>() + (len - 1) * stride;
+        model.decode ? model.decode(mb, len - 1)
+                     : TiedLmHeadLoss::logits(mb.ctx(head_node)).data<float>() + (len - 1) * stride;
     int32_t next = 0;
     if (temperature <= 0) {
       for (int64_t j = 1; j < V; ++j)

@@ -447,6 +447,10 @@ class Run {
     family = &family_of(a, app);
     model.emplace(family->build(model_args(a, cfg)));
     model->io.graph = &model->graph;
+    check(a.sample == 0 || model->head != nullptr || model->decode,
+          "--sample {}: the {} family's model has no LM head (JobModel::head) and no decode "
+          "hook (JobModel::decode) to read logits from",
+          a.sample, family->name);
     check(!docs.positions() || model->positions >= 0,
           "--reset-position-ids and --reset-attention-mask need a model that reads positions "
           "within documents; the {} family's takes none (JobModel::positions)",
