@@ -585,7 +585,9 @@ TEST_F(Cli, CheckpointRotationAndStaleTemporaries) {
   expect_error(toy("--keep-last-checkpoints 2"), {"--keep-last-checkpoints 2 needs --save"});
   expect_error(toy("--overwrite-checkpoints --save " + ckpt), {"only matters with --no-load"});
   expect_error(toy("--eval-iters 3"), {"--eval-iters sets the batches", "needs --eval-interval"});
-  expect_error(tiny("--tokenizer " + dir_ + "/t.bin"), {"--tokenizer decodes samples: it needs --sample"});
+  expect_error(tiny("--tokenizer " + dir_ + "/t.bin"),
+               {"--tokenizer decodes samples and names the end-of-document token: it needs "
+                "--sample N or a document flag"});
 }
 
 // SIGTERM mid-run: the job finishes its step, saves, exits 0; run again with

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <weft/bpe.h>
 #include <weft/data.h>
 
 #include "test_util.h"
@@ -151,6 +152,36 @@ TEST_F(MpiLayouts, SequenceParallelMatchesSingleProcess) {
                    "(dp 2, pp 2, tp 2) zb-h1 sequence-parallel");
   expect_reference(train(kWorld, "--tp 4 --pp 1 --sequence-parallel"), 0,
                    "(dp 2, pp 1, tp 4) sequence-parallel");
+}
+
+// Documents (--eod-mask-loss, --reset-position-ids, --reset-attention-mask)
+// under mpiexec: token data a BPE made, its <|endoftext|> ending each
+// document; the positions are filled on every stage, the count of loss
+// terms on every rank. Without --sample: the tokenizer names the token.
+TEST_F(MpiLayouts, DocumentsMatchSingleProcess) {
+  if (!BpeTokenizer::available()) GTEST_SKIP() << "weft was built without PCRE2";
+  const std::string vocab = testing::source_path("tests/reference/fixtures/bpe_vocab.json"),
+                    merges = testing::source_path("tests/reference/fixtures/bpe_merges.txt");
+  BpeTokenizer bpe = BpeTokenizer::load(vocab, merges);
+  const std::string prefix = *dir_ + "/documents";
+  {
+    IndexedDatasetWriter w(prefix, bpe.vocab_size());
+    const char* lines[] = {"Call me Ishmael. ", "Some years ago, ", "never mind how long. "};
+    for (int d = 0; d < 60; ++d) {
+      std::vector<int32_t> ids = bpe.encode(lines[d % 3]);
+      ids.push_back(bpe.eod());
+      w.add_document(ids);
+    }
+    w.finish();
+  }
+  const std::string docs =
+      "--data-path " + prefix + " --vocab-size " + std::to_string(bpe.vocab_size()) +
+      " --tokenizer-type GPT2BPETokenizer --vocab-file " + vocab + " --merge-file " + merges +
+      " --eod-mask-loss --reset-position-ids --reset-attention-mask";
+  const std::vector<nlohmann::json> single = train(1, docs);
+  ASSERT_EQ(single.size(), 5u);
+  for (const Layout& l : {Layout{2, 2, 2}, Layout{1, 2, 4}})
+    expect_same(train(kWorld, l.args() + " " + docs), single, 0, l.str() + " documents");
 }
 
 // Parameter servers as processes: with --max-staleness 0, 4 workers and 4

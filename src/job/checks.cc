@@ -1133,7 +1133,12 @@ void check_training_flags(const Args& a, const CLI::App& app) {
   }
   check(a.eval_interval > 0 || !app.count("--eval-iters"),
         "--eval-iters sets the batches of each validation: it needs --eval-interval");
-  check(a.sample > 0 || a.tokenizer.empty(), "--tokenizer decodes samples: it needs --sample N");
+  // A tokenizer decodes samples, and names the end-of-document token of the
+  // document flags.
+  const bool documents = a.eod_mask_loss || a.reset_position_ids || a.reset_attention_mask;
+  check(a.sample > 0 || documents || a.tokenizer.empty(),
+        "--tokenizer decodes samples and names the end-of-document token: it needs --sample N "
+        "or a document flag (--eod-mask-loss, --reset-position-ids, --reset-attention-mask)");
   check(a.tokenizer_type.empty() || a.tokenizer_type == "GPT2BPETokenizer" ||
             a.tokenizer_type == "HuggingFaceTokenizer",
         "--tokenizer-type '{}' is not GPT2BPETokenizer or HuggingFaceTokenizer", a.tokenizer_type);
@@ -1147,8 +1152,10 @@ void check_training_flags(const Args& a, const CLI::App& app) {
         "--tokenizer-type HuggingFaceTokenizer takes --tokenizer-model (a tokenizer.json), and "
         "it is read by it alone (got --tokenizer-type '{}', --tokenizer-model '{}')",
         a.tokenizer_type, a.tokenizer_model);
-  check(a.sample > 0 || a.tokenizer_type.empty(),
-        "--tokenizer-type encodes the prompt and decodes samples: it needs --sample N");
+  check(a.sample > 0 || documents || a.tokenizer_type.empty(),
+        "--tokenizer-type encodes the prompt, decodes samples and names the end-of-document "
+        "token: it needs --sample N or a document flag (--eod-mask-loss, --reset-position-ids, "
+        "--reset-attention-mask)");
   check(a.tokenizer.empty() || a.tokenizer_type.empty(),
         "--tokenizer (an llm.c file that decodes) and --tokenizer-type both decode samples: "
         "give one");
