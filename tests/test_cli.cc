@@ -485,6 +485,23 @@ TEST_F(Cli, PlanAutoRunsTheBestPlan) {
                            "one rank, no links", "plan auto: (dp 1, pp 1, tp 1) mb ",
                            "plan auto: predicted ", " ms a step; steps 2-3 took "})
     EXPECT_TRUE(testing::contains(r.out, line)) << line << "\n" << r.out;
+  // The profile runs in the run's precision: --bf16's activations are half
+  // the bytes (the attention's probabilities stay fp32), so the plan holds less.
+  auto per_rank = [](const std::string& out) {
+    const size_t at = out.find(" per rank (the fastest");
+    EXPECT_NE(at, std::string::npos) << out;
+    if (at == std::string::npos) return 0.0;
+    const size_t unit = out.rfind(' ', at - 1), number = out.rfind(' ', unit - 1);
+    const std::string u = out.substr(unit + 1, at - unit - 1);
+    const double scale = u == "B" ? 1 : u == "KiB" ? 1024 : u == "MiB" ? 1024 * 1024 : 0;
+    EXPECT_GT(scale, 0) << u;
+    return std::stod(out.substr(number + 1, unit - number - 1)) * scale;
+  };
+  const Result fp32 = run(toy("--plan auto --train-iters 1"));
+  const Result bf16 = run(toy("--plan auto --train-iters 1 --bf16"));
+  ASSERT_EQ(fp32.code, 0) << fp32.err;
+  ASSERT_EQ(bf16.code, 0) << bf16.err;
+  EXPECT_LT(per_rank(bf16.out), 0.95 * per_rank(fp32.out)) << fp32.out << bf16.out;
   expect_error(toy("--plan auto --pp 2"), {"--plan auto: no layout of 1 ranks runs with --pp 2"});
   expect_error(toy("--plan auto --pp 2 --profile " + dir_ + "/p.json"),
                {"--profile with --plan auto and no --plan-costs"});

@@ -260,6 +260,24 @@ int64_t true_param_count(const weft::Graph& graph) {
 
 // One rank's run, step by step in the order run() takes them: each step a
 // method, each method's state the members it leaves for the next.
+// What the flags say the device computes in, set on `device` and `graph`:
+// the run's, and --plan auto's profile, which must time and measure what
+// the run will run. Mixed precision rounds every GEMM's inputs. --bf16 also
+// stores the activations between nodes in bf16 (Megatron's --bf16);
+// weights, gradients and optimizer state stay fp32 (weft/ops.h). --fp16
+// keeps fp32 activations: its loss scale guards the gradients, not the
+// values. Then the attention backend.
+void set_precision(const Args& a, weft::Device device, weft::Graph& graph) {
+  using namespace weft;
+  if (a.tf32) ops::set_matmul_precision(device, ops::MatmulPrecision::Tf32);
+  if (a.bf16) {
+    ops::set_matmul_precision(device, ops::MatmulPrecision::Bf16);
+    graph.set_activation_dtype(DType::BF16);
+  }
+  if (a.fp16) ops::set_matmul_precision(device, ops::MatmulPrecision::Fp16);
+  ops::set_attention_backend(device, ops::parse_attention_backend(a.attention_backend));
+}
+
 class Run {
  public:
   Run(const Args& args, const CLI::App& parsed, Communicator* w)
@@ -476,23 +494,13 @@ class Run {
     opt.spike.enabled = a.check_spiky_loss;
     opt.spike.factor = a.spiky_loss_factor;
     opt.spike.max_skipped = a.max_skipped_steps;
-    // Mixed precision rounds every GEMM's inputs. --bf16 also stores the
-    // activations between nodes in bf16 (Megatron's --bf16); weights,
-    // gradients and optimizer state stay fp32 (weft/ops.h). --fp16 keeps fp32
-    // activations: its loss scale guards the gradients, not the values.
-    if (a.tf32) ops::set_matmul_precision(setup.device, ops::MatmulPrecision::Tf32);
-    if (a.bf16) {
-      ops::set_matmul_precision(setup.device, ops::MatmulPrecision::Bf16);
-      model->graph.set_activation_dtype(DType::BF16);
-    }
-    if (a.fp16) ops::set_matmul_precision(setup.device, ops::MatmulPrecision::Fp16);
+    set_precision(a, setup.device, model->graph);
     opt.loss_scale.enabled = a.fp16;
     opt.loss_scale.fixed = a.loss_scale;
     opt.loss_scale.initial = a.initial_loss_scale;
     opt.loss_scale.min = a.min_loss_scale;
     opt.loss_scale.window = a.loss_scale_window;
     opt.loss_scale.hysteresis = a.hysteresis;
-    ops::set_attention_backend(setup.device, ops::parse_attention_backend(a.attention_backend));
     opt.config = {{"num_layers", cfg.num_layers},
                   {"hidden_size", cfg.hidden_size},
                   {"num_heads", cfg.num_heads},
@@ -1196,6 +1204,7 @@ void plan_by_profile(Args& a, const CLI::App& app, weft::Communicator* world) {
       const Device device = resolve_device(a, size, staged, nccl);
       JobModel model = family_of(a, app).build(model_args(b, cfg));
       model.io.graph = &model.graph;
+      set_precision(a, device, model.graph);  // the run's precision and attention
       for (Param* q : model.graph.params()) init_param(*q, static_cast<uint64_t>(a.seed));
       std::vector<int32_t> tokens(static_cast<size_t>(b.micro_batch * (cfg.seq_length + 1) * 4));
       uint64_t x = static_cast<uint64_t>(a.seed) * 0x9E3779B97F4A7C15ull + 1;
