@@ -176,6 +176,7 @@ LayerCosts profile_costs(const nlohmann::json& p, const std::string& path) {
   add(out.pre, pre);
   add(out.post, post);
   kept_bytes(p, blocks.size(), out);
+  out.weight_copy_ratio = p.value("activation_dtype", "fp32") == "bf16" ? 0.5 : 0;
   for (PartCosts* c : {&out.layer, &out.pre, &out.post}) {
     PartCosts scaled;
     add(scaled, *c, per);
@@ -202,27 +203,34 @@ LayerCosts profile_costs(const nlohmann::json& p, const std::string& path) {
   return out;
 }
 
-LayerCosts flops_costs(const ModelShape& s, double flops_per_second, double memory_bandwidth) {
+LayerCosts flops_costs(const ModelShape& s, double flops_per_second, double memory_bandwidth,
+                       Recipe r) {
   check(flops_per_second > 0 && memory_bandwidth > 0,
         "flops_costs: FLOP/s ({}) and memory bandwidth ({}) must be positive", flops_per_second,
         memory_bandwidth);
+  check(r.activation_bytes == 4 || r.activation_bytes == 2,
+        "flops_costs: activations of {} bytes: fp32 (4) or bf16 (2)", r.activation_bytes);
   const double h = static_cast<double>(s.hidden), t = static_cast<double>(s.seq);
   const double v = static_cast<double>(s.vocab), a = static_cast<double>(s.heads);
+  const double b = r.activation_bytes;
   LayerCosts c;
   const double block_f = t * (24 * h * h + 4 * t * h) / flops_per_second;
   c.layer = {block_f, block_f, t * 24 * h * h / flops_per_second, 4 * (12 * h * h + 13 * h),
-             4 * t * (17 * h + 2.5 * a * t)};
+             b * t * 18 * h};
+  c.layer.kept_bytes = t * (16 + (r.fused_attention ? 4 * a : 4 * a * t));
   const double head = t * 2 * h * v / flops_per_second;
-  c.pre = {0, 0, 0, 4 * (v + t) * h, 4 * t * h};
-  c.post = {head, head, head, 4 * 2 * h, 4 * t * (2 * h + 2 * v)};
+  c.pre = {0, 0, 0, 4 * (v + t) * h, b * t * h};
+  c.post = {head, head, head, 4 * 2 * h, b * t * h + 4};
+  c.post.kept_bytes = t * (8 + b * v + 4);
   // Whole on every tensor-parallel rank: a block's two norms, two residual
-  // sums and two row-parallel outputs (6 of its 17 h per token), the
+  // sums and two row-parallel outputs (6 of its 18 h per token), the
   // embedding's output and the final norm's.
-  c.layer.whole_stash_bytes = 4 * t * 6 * h;
+  c.layer.whole_stash_bytes = b * t * 6 * h;
   c.layer.column_gemms = 2;
-  c.pre.whole_stash_bytes = 4 * t * h;
-  c.post.whole_stash_bytes = 4 * t * h;
-  c.boundary_bytes = 4 * t * h;
+  c.pre.whole_stash_bytes = b * t * h;
+  c.post.whole_stash_bytes = b * t * h;
+  c.boundary_bytes = b * t * h;
+  c.weight_copy_ratio = r.activation_bytes == 2 ? 0.5 : 0;
   c.update_per_param_byte = 32.0 / 4.0 / memory_bandwidth;
   return c;
 }
@@ -457,6 +465,7 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
     } else if (l.zero1) {
       here = p + p * (1 + 1 / dp) + 2 * p / dp;
     }
+    here += c.weight_copy_ratio * p;  // whole on every replica, whatever is sharded
     state = std::max(state, here);
   }
   // Sequence parallelism's shared buffers: two whole activations and a slice.

@@ -556,6 +556,8 @@ struct PlanRequest {
   std::optional<int64_t> micro_batch;
   std::optional<std::string> sharding;  // --data-parallel-sharding-strategy
   bool sequence_parallel = false;       // fixed on; otherwise searched
+  bool bf16 = false;                    // --flops: bf16 activations
+  std::string attention = "unfused";    // --flops: unfused or fused attention
   size_t top = 10;
   bool json = false;
 };
@@ -595,6 +597,14 @@ void add_plan_options(CLI::App* cmd, PlanRequest& q) {
   cmd->add_option("--memory-bandwidth", q.memory_bandwidth,
                   "bytes/s per rank for the optimizer step with --flops (default 4.8e12)")
       ->needs(flops);
+  cmd->add_flag("--bf16", q.bf16,
+                "with --flops: activations in bf16, as train_gpt --bf16 keeps them (a profile "
+                "has its own)")
+      ->needs(flops);
+  cmd->add_option("--attention-backend", q.attention,
+                  "with --flops: unfused (the probabilities kept, fp32) or fused (cuDNN's "
+                  "flash attention: a log-sum-exp per row)")
+      ->needs(flops);
   cmd->add_option("--compute-scale", q.compute_scale,
                   "multiply every F, I and W time (a calibration, as weft-sched simulate's)");
   cmd->add_option("--tp,--tensor-model-parallel-size", q.tp, "fix the tensor-parallel size");
@@ -627,7 +637,10 @@ int plan_command(PlanRequest q) {
   m.cores = cores_of(c, !q.profile.empty());
   weft::check(m.wake >= 0 && std::isfinite(m.wake), "--wake ({}) must be seconds, at least 0",
               m.wake);
-  q.in.costs = q.profile.empty() ? flops_costs(q.in.shape, q.flops, q.memory_bandwidth)
+  weft::check(q.attention == "unfused" || q.attention == "fused",
+              "--attention-backend '{}' is not unfused or fused", q.attention);
+  q.in.costs = q.profile.empty() ? flops_costs(q.in.shape, q.flops, q.memory_bandwidth,
+                                               {q.bf16 ? 2 : 4, q.attention == "fused"})
                                  : profile_costs(parse_json(q.profile, "--profile"), q.profile);
   q.in.costs.compute_scale = q.compute_scale;
   Constraints& fx = q.in.fixed;

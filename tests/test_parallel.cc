@@ -512,6 +512,67 @@ TEST(Plan, ActivationMemoryUnderTensorParallelismIsWhatTheArenasHold) {
   }
 }
 
+// The planner's activation bytes without a profile (weft-sched plan
+// --flops, flops_costs) against a profile's, measured by the executor's
+// arenas on this CPU, fp32 and --bf16 (the activations between nodes in
+// bf16, attention's probabilities and the norms' statistics in fp32): per
+// sequence, a block's outputs and what it keeps beyond them, the whole
+// ones under tensor parallelism, the boundary, the embedding's and the
+// head's. Both count the same tensors; the arena rounds each allocation up
+// to 64 bytes, which the formula leaves out: the block's and the head's
+// small ones (the loss's one float, 60 bytes of padding a micro-batch) are
+// the difference, under 64 bytes each, two at most a part here. Fused
+// attention, GPU-only, is the formula's alone.
+TEST(Plan, FlopsCostsHoldTheActivationsTheArenasHold) {
+  const GptConfig cfg = tiny();
+  for (const bool bf16 : {false, true}) {
+    TokenBatches batches(text_data(), kGlobal, cfg.seq_length);
+    GptModel model = build_gpt(cfg, kMicro);
+    init_gpt(model, kSeed);
+    if (bf16) model.graph.set_activation_dtype(DType::BF16);
+    PartitionOptions po;
+    po.method = PartitionMethod::Uniform;
+    po.pp = 2;
+    const CostModel analytic = CostModel::analytic(model.graph);
+    const StagePlan stages = partition(model.graph, analytic, po);
+    const std::vector<sched::StageBytes> bytes =
+        measure_stage_bytes(model.graph, model.io, stages, batches, kMicro);
+    nlohmann::json profile = cost_model_json(analytic, model.graph);
+    profile.update(stage_costs_json(analytic, stages, model.graph, {}, bytes));
+    profile["micro_batch_size"] = kMicro;
+    const plan::LayerCosts measured = plan::profile_costs(profile, "test");
+    const plan::ModelShape shape{cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.seq_length,
+                                 cfg.vocab_size};
+    const plan::LayerCosts formula = plan::flops_costs(shape, 1e12, 1e12, {bf16 ? 2 : 4, false});
+    const std::string what = bf16 ? "bf16" : "fp32";
+    EXPECT_EQ(formula.layer.stash_bytes, measured.layer.stash_bytes) << what;
+    EXPECT_EQ(formula.layer.whole_stash_bytes, measured.layer.whole_stash_bytes) << what;
+    EXPECT_NEAR(formula.layer.kept_bytes, measured.layer.kept_bytes, 2 * 63) << what;
+    EXPECT_EQ(formula.boundary_bytes, measured.boundary_bytes) << what;
+    EXPECT_EQ(formula.pre.stash_bytes, measured.pre.stash_bytes) << what;
+    EXPECT_EQ(formula.post.stash_bytes, measured.post.stash_bytes) << what;
+    EXPECT_NEAR(formula.post.kept_bytes, measured.post.kept_bytes, 2 * 63) << what;
+    // bf16 activations keep a bf16 copy of every weight: half its fp32 bytes more.
+    EXPECT_EQ(formula.weight_copy_ratio, bf16 ? 0.5 : 0.0) << what;
+    EXPECT_EQ(measured.weight_copy_ratio, formula.weight_copy_ratio) << what;
+    plan::PlanInput in;
+    in.shape = shape;
+    in.global_batch = kGlobal;
+    in.costs = formula;
+    const plan::Plan one = plan::evaluate(in, {1, 1, 1, "1f1b", 1, kMicro});
+    double weights = 0;
+    for (Param* q : model.graph.params()) weights += 4.0 * static_cast<double>(q->value.numel());
+    EXPECT_NEAR(one.memory_per_rank - one.activation_bytes,
+                (4 + formula.weight_copy_ratio) * weights, 1e-6 * weights)
+        << what;
+  }
+  // Fused attention keeps 4 bytes a head and token where unfused keeps 4 T.
+  const plan::ModelShape shape{2, 64, 4, 128, 256};
+  const double unfused = plan::flops_costs(shape, 1e12, 1e12, {2, false}).layer.kept_bytes;
+  const double fused = plan::flops_costs(shape, 1e12, 1e12, {2, true}).layer.kept_bytes;
+  EXPECT_EQ(unfused - fused, 128.0 * 4 * 4 * (128 - 1));
+}
+
 // Sequence parallelism: exactly the values the profile calls whole under
 // tensor parallelism (tp_whole_outputs: the embedding's, the norms', the
 // residual adds', the row-parallel GEMMs') hold 1/tp of the tokens on each

@@ -110,6 +110,26 @@ TEST(WeftSched, PlanPrintsTheRankedTable) {
   EXPECT_EQ(o.code, 1);
   EXPECT_NE(o.err.find("optim_grads_params (ZeRO-3) is not available yet"), std::string::npos)
       << o.err;
+  // The recipe of --flops: bf16 activations halve the outputs' bytes and
+  // add the weights' bf16 copies; fused attention keeps a log-sum-exp, not
+  // the T x T probabilities.
+  auto one = [&](const std::string& recipe) {
+    Out r = run(shape +
+                "--flops 1e10 --tp 1 --pp 1 --micro-batch-size 4 "
+                "--data-parallel-sharding-strategy no_shard --json " +
+                recipe);
+    EXPECT_EQ(r.code, 0) << recipe << r.err;
+    return r.code == 0 ? nlohmann::json::parse(r.out).at(0) : nlohmann::json::object();
+  };
+  const auto fp32 = one(""), bf16 = one("--bf16"), fused = one("--bf16 --attention-backend fused");
+  EXPECT_LT(bf16["activation_bytes"].get<double>(), fp32["activation_bytes"].get<double>());
+  EXPECT_LT(fused["activation_bytes"].get<double>(), bf16["activation_bytes"].get<double>());
+  EXPECT_GT(bf16["memory_per_rank"].get<double>() - bf16["activation_bytes"].get<double>(),
+            fp32["memory_per_rank"].get<double>() - fp32["activation_bytes"].get<double>());
+  o = run(shape + "--flops 1e10 --attention-backend flash");
+  EXPECT_EQ(o.code, 1);
+  EXPECT_NE(o.err.find("--attention-backend 'flash' is not unfused or fused"), std::string::npos)
+      << o.err;
   o = run(shape);
   EXPECT_EQ(o.code, 1);
   EXPECT_NE(o.err.find("plan needs costs: --profile FILE"), std::string::npos) << o.err;

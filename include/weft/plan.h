@@ -102,6 +102,9 @@ struct LayerCosts {
   double boundary_bytes = 0;  // a block's output, what crosses a stage boundary
   double input_grad_ratio = 1;  // bytes I keeps per byte F stashed (StageBytes::i / f)
   double update_per_param_byte = 0;  // seconds of the update (norm, clip, AdamW)
+  // Bytes kept beside each byte of fp32 weights: bf16 activations' copies of
+  // the weights for the GEMMs (Bf16Copies), 0.5; else 0.
+  double weight_copy_ratio = 0;
   double compute_scale = 1;          // times every F, I and W (a calibration)
 };
 
@@ -112,14 +115,28 @@ struct LayerCosts {
 // and what is missing.
 LayerCosts profile_costs(const nlohmann::json& profile, const std::string& path);
 
+// What the engine computes in, for flops_costs: the activations between
+// nodes in fp32 (4 bytes) or bf16 (2, --bf16), and attention unfused (its
+// probabilities kept, fp32) or fused (cuDNN's: the row log-sum-exp alone).
+struct Recipe {
+  int activation_bytes = 4;
+  bool fused_attention = false;
+};
+
 // From FLOPs, where no profile exists: a block's forward is
 // (24 h^2 + 4 T h) FLOPs per token, the head's 2 h V; I and W each cost
 // what F does (W: the weights' part only), all at `flops_per_second` (peak
-// times an assumed efficiency). Activations: fp32, 4 (17 h + 2.5 a T)
-// bytes per token per block (Korthikanti et al.'s 16-bit count, doubled).
+// times an assumed efficiency). Activations as GPT's graph holds them, per
+// token (b the recipe's bytes per activation):
+//   a block's outputs b 10 h and the MLP's hidden pair b 8 h; beyond them
+//   its norms' statistics (16 bytes) and attention's probabilities (4 a T,
+//   fp32) or, fused, its log-sum-exp (4 a);
+//   the embedding's output b h; the final norm's b h and statistics (8),
+//   the head's logits (b V, the whole vocabulary's: chunking, which caps
+//   them at 256 MiB a micro-batch, is not modelled) and loss (4).
 // The update streams 32 bytes per parameter at `memory_bandwidth`.
-LayerCosts flops_costs(const ModelShape& shape, double flops_per_second,
-                       double memory_bandwidth);
+LayerCosts flops_costs(const ModelShape& shape, double flops_per_second, double memory_bandwidth,
+                       Recipe recipe = {});
 
 struct Link {
   double latency = 0;  // seconds per message

@@ -198,7 +198,10 @@ nlohmann::json cost_model_json(const CostModel& cost, const Graph& g) {
                      {"output_bytes", c.output_bytes},
                      {"tp_whole", static_cast<bool>(whole[k])}});
   }
-  return {{"unit", "seconds"}, {"nodes", nodes}};
+  // bf16 activations keep a bf16 copy of every weight beside it (Bf16Copies).
+  return {{"unit", "seconds"},
+          {"activation_dtype", g.activation_dtype() == DType::BF16 ? "bf16" : "fp32"},
+          {"nodes", nodes}};
 }
 
 namespace {
