@@ -1104,25 +1104,13 @@ TEST_F(Cli, ABpeTokenizerEncodesThePromptAndDecodesTheSample) {
 // on one process and as a sample; without documents they are refused.
 TEST_F(Cli, DocumentFlagsTrainOnDocumentsAndNeedAnEndOfDocumentToken) {
   if (!BpeTokenizer::available()) GTEST_SKIP() << "weft was built without PCRE2";
-  const std::string vocab = source_path("tests/reference/fixtures/bpe_vocab.json"),
-                    merges = source_path("tests/reference/fixtures/bpe_merges.txt");
-  BpeTokenizer bpe = BpeTokenizer::load(vocab, merges);
-  const std::string prefix = dir_ + "/docs";
-  {
-    IndexedDatasetWriter w(prefix, bpe.vocab_size());
-    const char* lines[] = {"The quick brown fox. ", "Jumps over ", "the lazy dog, who sleeps. "};
-    for (int d = 0; d < 40; ++d) {
-      std::vector<int32_t> ids = bpe.encode(lines[d % 3]);
-      ids.push_back(bpe.eod());
-      w.add_document(ids);
-    }
-    w.finish();
-  }
   const std::string model =
       "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-      "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --train-iters 3 --vocab-size " +
-      std::to_string(bpe.vocab_size()) + " --data-path " + prefix +
-      " --tokenizer-type GPT2BPETokenizer --vocab-file " + vocab + " --merge-file " + merges + " ";
+      "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --train-iters 3 " +
+      testing::write_bpe_documents(
+          dir_ + "/docs", {"The quick brown fox. ", "Jumps over ", "the lazy dog, who sleeps. "},
+          40) +
+      " ";
   const std::string docs = "--eod-mask-loss --reset-position-ids --reset-attention-mask ";
   Result r = run(model + docs + "--sample 4 --sample-prompt 'The quick'");
   ASSERT_EQ(r.code, 0) << r.err;

@@ -160,23 +160,10 @@ TEST_F(MpiLayouts, SequenceParallelMatchesSingleProcess) {
 // terms on every rank. Without --sample: the tokenizer names the token.
 TEST_F(MpiLayouts, DocumentsMatchSingleProcess) {
   if (!BpeTokenizer::available()) GTEST_SKIP() << "weft was built without PCRE2";
-  const std::string vocab = testing::source_path("tests/reference/fixtures/bpe_vocab.json"),
-                    merges = testing::source_path("tests/reference/fixtures/bpe_merges.txt");
-  BpeTokenizer bpe = BpeTokenizer::load(vocab, merges);
-  const std::string prefix = *dir_ + "/documents";
-  {
-    IndexedDatasetWriter w(prefix, bpe.vocab_size());
-    const char* lines[] = {"Call me Ishmael. ", "Some years ago, ", "never mind how long. "};
-    for (int d = 0; d < 60; ++d) {
-      std::vector<int32_t> ids = bpe.encode(lines[d % 3]);
-      ids.push_back(bpe.eod());
-      w.add_document(ids);
-    }
-    w.finish();
-  }
   const std::string docs =
-      "--data-path " + prefix + " --vocab-size " + std::to_string(bpe.vocab_size()) +
-      " --tokenizer-type GPT2BPETokenizer --vocab-file " + vocab + " --merge-file " + merges +
+      testing::write_bpe_documents(
+          *dir_ + "/documents", {"Call me Ishmael. ", "Some years ago, ", "never mind how long. "},
+          60) +
       " --eod-mask-loss --reset-position-ids --reset-attention-mask";
   const std::vector<nlohmann::json> single = train(1, docs);
   ASSERT_EQ(single.size(), 5u);

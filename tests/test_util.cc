@@ -1,5 +1,8 @@
 #include "test_util.h"
 
+#include <weft/bpe.h>
+#include <weft/data.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -21,6 +24,22 @@ std::string best_of_times(int repeats) {
 TokenData best_of_times_tokens(int repeats) {
   const std::string text = best_of_times(repeats);
   return TokenData::from_tokens(std::vector<int32_t>(text.begin(), text.end()), 256);
+}
+
+std::string write_bpe_documents(const std::string& prefix, const std::vector<std::string>& lines,
+                                int documents) {
+  const std::string vocab = source_path("tests/reference/fixtures/bpe_vocab.json"),
+                    merges = source_path("tests/reference/fixtures/bpe_merges.txt");
+  BpeTokenizer bpe = BpeTokenizer::load(vocab, merges);
+  IndexedDatasetWriter w(prefix, bpe.vocab_size());
+  for (int d = 0; d < documents; ++d) {
+    std::vector<int32_t> ids = bpe.encode(lines[static_cast<size_t>(d) % lines.size()]);
+    ids.push_back(bpe.eod());
+    w.add_document(ids);
+  }
+  w.finish();
+  return "--data-path " + prefix + " --vocab-size " + std::to_string(bpe.vocab_size()) +
+         " --tokenizer-type GPT2BPETokenizer --vocab-file " + vocab + " --merge-file " + merges;
 }
 
 std::string source_path(const std::string& rel) {

@@ -34,6 +34,13 @@ double rel_error(const Tensor& a, const Tensor& b);
 // the text small tests train on, and as byte tokens (vocabulary 256).
 std::string best_of_times(int repeats);
 TokenData best_of_times_tokens(int repeats);
+// Token data a BPE made with --append-eod: the fixture tokenizer's
+// (tests/reference/fixtures/bpe_*) encoding of `documents` documents, line
+// k % lines.size() each, each ended by its <|endoftext|>, as an indexed
+// dataset at `prefix`. Returns train_gpt's flags for it: --data-path,
+// --vocab-size and the tokenizer's. Needs BpeTokenizer::available().
+std::string write_bpe_documents(const std::string& prefix, const std::vector<std::string>& lines,
+                                int documents);
 // Writes a file with these bytes.
 void write_file(const std::string& path, const std::string& bytes);
 std::string read_file(const std::string& path);
