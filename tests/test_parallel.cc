@@ -120,6 +120,7 @@ struct Layout {
   bool recompute = false;
   int64_t bucket_elements = int64_t{1} << 20;
   bool shard_grads = false;  // with distributed: ZeRO-2
+  bool shard_params = false;  // with shard_grads: ZeRO-3
   bool overlap = true;
   // Every tensor travels through HostStagedCommunicator's host buffers, as
   // device tensors do when ranks share a GPU.
@@ -138,6 +139,7 @@ struct Layout {
     lo.pipeline.recompute = recompute;
     lo.sync.distributed_optimizer = distributed;
     lo.sync.shard_grads = shard_grads;
+    lo.sync.shard_params = shard_params;
     lo.sync.bucket_elements = bucket_elements;
     lo.sync.overlap = overlap;
     return lo;
@@ -146,7 +148,7 @@ struct Layout {
     std::string n =
         "dp" + std::to_string(dp) + "_pp" + std::to_string(pp) + "_tp" + std::to_string(tp);
     if (pp > 1) n += "_" + schedule + (chunks > 1 ? "_v" + std::to_string(chunks) : "");
-    if (distributed) n += shard_grads ? "_zero2" : "_zero1";
+    if (distributed) n += shard_params ? "_zero3" : shard_grads ? "_zero2" : "_zero1";
     if (bucket_elements != int64_t{1} << 20) n += "_b" + std::to_string(bucket_elements);
     if (recompute) n += "_recompute";
     if (staged) n += "_staged";
@@ -195,8 +197,13 @@ std::vector<RankRun> run_layout(const Layout& l, int steps, const RankHook& befo
         for (auto& [name, t] : rank.trainer().grad_sync().optimizer_state())
           r.first_moments.emplace_back(name, t.clone());
     }
+    // Whole, gathered where the values are sharded (ZeRO-3).
+    const std::vector<Tensor> whole = rank.trainer().grad_sync().whole_values();
+    const std::vector<Param*>& synced = rank.trainer().grad_sync().params();
     for (Param* p : rank.trainer().params()) {
-      r.params.emplace(p->name, p->value.clone());
+      const size_t i =
+          static_cast<size_t>(std::find(synced.begin(), synced.end(), p) - synced.begin());
+      r.params.emplace(p->name, i < synced.size() ? whole[i] : p->value.clone());
       r.shards.emplace(p->name, p->shard);
     }
     if (with_moments) {
@@ -338,6 +345,31 @@ std::vector<Layout> layouts() {
     z2.bucket_elements = 2048;
     v.push_back(z2);
   }
+  // Sharded parameters (ZeRO-3): small buckets, so that nodes gather several
+  // and the pool evicts; tp and pipelines (tied weights stay whole), W actions
+  // apart from I (ZB-H1, ZB-V) gathering again, recompute's replays, one
+  // bucket for the whole model (1 << 20), sequence parallelism, host buffers.
+  for (Layout z3 : std::vector<Layout>{{8, 1, 1},
+                                       {2, 2, 2, "zb-h1"},
+                                       {4, 1, 2},
+                                       {2, 2, 1, "interleaved-1f1b", 2},
+                                       {2, 2, 1, "zb-v", 2},
+                                       {2, 2, 2, "1f1b", 1, false, true}}) {
+    z3.distributed = z3.shard_grads = z3.shard_params = true;
+    z3.bucket_elements = 2048;
+    v.push_back(z3);
+  }
+  Layout z3_whole{2, 1, 1, "1f1b", 1, true};
+  z3_whole.shard_grads = z3_whole.shard_params = true;
+  v.push_back(z3_whole);
+  Layout z3_sp{2, 1, 2, "1f1b", 1, true};
+  z3_sp.shard_grads = z3_sp.shard_params = z3_sp.sequence_parallel = true;
+  z3_sp.bucket_elements = 2048;
+  v.push_back(z3_sp);
+  Layout z3_staged{2, 2, 2, "zb-h1", 1, true};
+  z3_staged.shard_grads = z3_staged.shard_params = z3_staged.staged = true;
+  z3_staged.bucket_elements = 2048;
+  v.push_back(z3_staged);
   // Recomputation, with every axis.
   v.push_back({2, 2, 2, "1f1b", 1, false, true});
   // Staged through host buffers: pipeline messages, tensor-parallel
@@ -855,6 +887,68 @@ TEST(ShardedGradients, KeepTheirSliceAndAPoolThatTheDepthDoesNotGrow) {
       // is also waited for there).
       EXPECT_EQ(s2.started_in_backward, s2.buckets) << "rank " << r;
     }
+  }
+}
+
+// Sharded parameters (ZeRO-3) keep, per replica, each bucket's slice of the
+// values (padded / dp elements, where ZeRO-2 keeps the bucket whole) and a
+// pool of gathered buckets: at most twice the buckets one node touches, so
+// twice the layers leave the pool as it is while the slices double.
+// Gradients and optimizer state are ZeRO-2's. The values a node reads are
+// the ones ZeRO-2's all-gather after the update gives, bit for bit, so the
+// steps are ZeRO-2's exactly. Each micro-batch gathers every bucket at least
+// once (the deep model's pool holds fewer buckets than it has), and some
+// gathers are posted ahead, while the node before computes.
+TEST(ShardedParameters, KeepTheirSliceAndAPoolThatTheDepthDoesNotGrow) {
+  GptConfig deep = tiny();
+  deep.num_layers = 16;
+  Layout zero2{2, 1, 1};
+  zero2.distributed = zero2.shard_grads = true;
+  zero2.bucket_elements = 2048;
+  Layout zero3 = zero2;
+  zero3.shard_params = true;
+  auto run = [](const Layout& l, const GptConfig& cfg, int steps,
+                std::vector<GradSync::Memory>& held) {
+    std::mutex mu;
+    held.assign(z(l.world()), {});
+    return run_layout(
+        l, steps, {},
+        [&](RankLayout& rank) {
+          std::lock_guard<std::mutex> lock(mu);
+          held[z(rank.coord().dp)] = rank.trainer().grad_sync().memory();
+        },
+        cfg);
+  };
+  std::vector<GradSync::Memory> h2, h3, d2, d3;
+  const std::vector<RankRun> a = run(zero2, tiny(), kSteps, h2);
+  const std::vector<RankRun> b = run(zero3, tiny(), kSteps, h3);
+  const std::vector<RankRun> da = run(zero2, deep, 1, d2);
+  const std::vector<RankRun> db = run(zero3, deep, 1, d3);
+  for (size_t r = 0; r < b.size(); ++r)
+    for (size_t s = 0; s < z(kSteps); ++s) {
+      EXPECT_EQ(b[r].steps[s].loss, a[r].steps[s].loss) << "rank " << r << " step " << s + 1;
+      EXPECT_EQ(b[r].steps[s].grad_norm, a[r].steps[s].grad_norm)
+          << "rank " << r << " step " << s + 1;
+    }
+  expect_reference_steps(b, 0);
+  expect_reference_params(b, zero3);
+  for (size_t r = 0; r < b.size(); ++r) {
+    const GradSync::Memory &m2 = h2[r], &m3 = h3[r];
+    EXPECT_EQ(m3.values, m2.values / zero2.dp) << "rank " << r;
+    EXPECT_EQ(d3[r].values, d2[r].values / zero2.dp) << "rank " << r;
+    EXPECT_EQ(m3.grads, m2.grads);
+    EXPECT_EQ(m3.grad_buffers, m2.grad_buffers);
+    EXPECT_EQ(m3.state, m2.state);
+    EXPECT_EQ(m2.value_buffers, 0.0);
+    EXPECT_GT(m3.value_buffers, 0.0);
+    EXPECT_EQ(d3[r].value_buffers, m3.value_buffers)
+        << "rank " << r << ": the pool grew with depth";
+    EXPECT_LT(d3[r].values + d3[r].value_buffers, d2[r].values) << "rank " << r;
+    const GradSync::Stats& s = db[r].stats.back();
+    // ZeRO-2's reduce-scatters: one per bucket and micro-batch.
+    EXPECT_GE(s.gathers, da[r].stats.back().buckets) << "rank " << r;
+    EXPECT_GT(s.prefetched, 0) << "rank " << r;
+    EXPECT_EQ(a[r].stats.back().gathers, 0) << "rank " << r;
   }
 }
 

@@ -242,6 +242,10 @@ struct Checkpoint {
   // full tensor). Throws Error naming the tensor and both shapes when the
   // checkpoint does not fit, or a tensor that is missing or extra.
   void read_model(const std::vector<Param*>& params) const;
+  // read_model's two parts: throws Error naming a tensor the checkpoint
+  // holds that none of `params` is; reads each of `params` whole.
+  void check_model(const std::vector<Param*>& params) const;
+  void read_values(const std::vector<Param*>& params) const;
   // The optimizer state of these parameters, shaped like their values
   // (pieces sliced), named "<param><suffix>": Adam's ".exp_avg" and
   // ".exp_avg_sq" by default (weft/optimizer.h, optimizer_state_suffixes).

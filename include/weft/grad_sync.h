@@ -46,6 +46,24 @@
 // the pipeline after the last W). It reduces once per micro-batch instead of
 // once per step: M times the reduce-scatters of ZeRO-1, the same bytes each.
 //
+// With sharded parameters as well (ZeRO-3, Megatron-FSDP's
+// optim_grads_params) a replica keeps only its slice of each bucket's
+// values between actions, the slice its optimizer updates; nothing gathers
+// them back after the update. Before each node's action (its forward, the
+// input and weight parts of its backward, a recomputed forward) the executor
+// calls gather(node, next): every bucket holding the node's parameters is
+// all-gathered into a buffer of a second pool (Param::value becomes a view
+// into it), and the gather of the next node's buckets is posted at once, so
+// that it moves while this node computes. A bucket stays gathered until its
+// buffer is needed for another (the least recently used one goes), so a
+// bucket two nodes share is gathered once for both; the pool holds at most
+// twice the most buckets one node touches. Between actions a sharded
+// parameter's value is a view of whatever its buffer holds: read it whole
+// through whole_values(), a slice through value_slice(). Parameters tied
+// across pipeline ranks keep ZeRO-1's whole values. With bf16 activations
+// each gathered bucket is rounded to bf16 once, into the buffer's bf16 half
+// (Param::value16), in place of the batch's copies.
+//
 // The gradient norm counts every parameter once, whether it is split by
 // tensor parallelism (each rank adds its piece), replicated across the
 // tensor-parallel group (tp rank 0 adds it), tied across pipeline stages (its
@@ -77,6 +95,8 @@ struct GradSyncOptions {
   // Gradients sharded too (ZeRO-2; --data-parallel-sharding-strategy
   // optim_grads): needs distributed_optimizer.
   bool shard_grads = false;
+  // Parameters sharded too (ZeRO-3; optim_grads_params): needs shard_grads.
+  bool shard_params = false;
   // With shard_grads: the reductions in flight before a new buffer waits for
   // the oldest instead of growing the pool (on the CPU's transports; a GPU's
   // stream-ordered ones are retired without the host waiting).
@@ -145,6 +165,13 @@ class GradSync {
   // Starts the remaining buckets and waits for all reductions.
   void finish();
 
+  // Sharded parameters: node `node`'s parameters are about to be read (its
+  // forward, either part of its backward, or a replayed forward): waits for
+  // the gathers of their buckets (posting the ones not yet posted), and
+  // posts the gathers of `next`'s (the node whose action follows, or -1).
+  // Nothing otherwise. Every replica calls it in the same order.
+  void gather(int node, int next = -1);
+
   // Multiplies the gradients the update will read by `s`: every gradient, or
   // with the distributed optimizer this replica's reduced slices (after
   // finish). fp16's unscaling.
@@ -176,6 +203,14 @@ class GradSync {
   const std::vector<Param*>& params() const { return params_; }
   bool distributed() const { return options_.distributed_optimizer && groups_.dp_size() > 1; }
   bool sharded_grads() const { return distributed() && options_.shard_grads; }
+  bool sharded_params() const { return sharded_grads() && options_.shard_params; }
+  // The parameters whose values are whole on this rank between actions:
+  // all of them, but with sharded parameters only the tied ones.
+  const std::vector<Param*>& whole_params() const { return whole_params_; }
+  // Every parameter's value (this rank's tensor-parallel piece), whole, on
+  // the parameters' device, in params() order: with sharded parameters
+  // gathered from the replicas (collective over dp), else copies.
+  std::vector<Tensor> whole_values();
   // Off: the next steps' gradients are not reduced across replicas (and
   // PowerSGD's state is left alone): for evaluation, whose gradients are
   // thrown away. Every replica must agree.
@@ -209,6 +244,15 @@ class GradSync {
   using StateReader =
       std::function<void(size_t param, size_t which, int64_t lo, int64_t hi, const Tensor& dest)>;
   void load_optimizer_state(const StateReader& read);
+  // Elements [lo, hi) of the value of params()[s.param], on the host; with
+  // sharded parameters only this replica's slices (owned_slices()).
+  Tensor value_slice(const OwnedSlice& s) const;
+  // Sets the values from a reader that fills `dest` (hi - lo fp32 on the
+  // host) with elements [lo, hi) of params()[param]'s piece: with sharded
+  // parameters only this replica's slices (and tied ones whole), else
+  // every value whole.
+  using ValueReader = std::function<void(size_t param, int64_t lo, int64_t hi, const Tensor& dest)>;
+  void load_values(const ValueReader& read);
 
   // What the last step moved and waited for.
   struct Stats {
@@ -219,6 +263,9 @@ class GradSync {
     double wait_ms = 0;         // time finish() spent waiting: communication not hidden
                                 // (and, compressed, the decompression done there)
     double reduce_ms = 0;       // from the first bucket's start to the last one's end
+    // Sharded parameters: the buckets gathered, and of those the ones posted
+    // ahead (while the node before computed).
+    int gathers = 0, prefetched = 0;
   };
   const Stats& stats() const { return stats_; }
 
@@ -228,9 +275,12 @@ class GradSync {
   // most the pool of micro-batch buffers has held (sharded gradients only; it
   // grows to its peak in the first step and keeps it), and the optimizer's
   // state (whole, or the distributed optimizer's slices).
+  // With sharded parameters, values are this replica's slices (and tied
+  // parameters' whole buffers) and value_buffers the gathered buckets' pool
+  // at its most (with their bf16 halves).
   struct Memory {
-    double values = 0, grads = 0, grad_buffers = 0, state = 0;
-    double total() const { return values + grads + grad_buffers + state; }
+    double values = 0, value_buffers = 0, grads = 0, grad_buffers = 0, state = 0;
+    double total() const { return values + value_buffers + grads + grad_buffers + state; }
   };
   Memory memory() const;
 
@@ -300,6 +350,36 @@ class GradSync {
   // Buffers retire in the order they were posted, so each bucket adds its
   // micro-batches in order. False when there is none to retire.
   bool retire_oldest(bool wait);
+  // Sharded parameters: a pool buffer holding one bucket's gathered values.
+  struct Gathered {
+    Tensor value;    // (largest padded bucket), fp32
+    Tensor value16;  // the same rounded to bf16, with bf16 activations
+    int bucket = -1;
+    RequestPtr request;  // the gather, until waited for
+    bool rounded = false;
+    int64_t used = 0;                    // when a node last needed it
+    std::vector<Tensor> views, views16;  // per parameter index, once made
+  };
+  bool params_sharded(const Bucket& b) const;
+  // Parameter `param`'s value inside gathered buffer `buffer` (its bf16
+  // half with `half`), made once.
+  const Tensor& gathered_view(int buffer, int param, bool half);
+  bool pinned(int bucket, int node, int next) const;
+  int free_gathered(int node, int next);
+  // Makes bucket `bucket` resident (posting its gather) and, with `wait`,
+  // waits for it and rounds it.
+  void resident(int bucket, int node, int next, bool wait);
+  // Waits for every gather in flight and forgets what the buffers hold
+  // (the values are about to change).
+  void drop_gathered();
+  const Graph* graph_;
+  std::vector<Param*> whole_params_;
+  std::vector<Gathered> gathered_;
+  std::vector<int> resident_;                   // bucket -> its buffer, or -1
+  std::vector<std::vector<int>> node_buckets_;  // node -> its sharded-parameter buckets
+  size_t gathered_cap_ = 0;
+  int64_t clock_ = 0;
+  bool bf16_ = false;       // the graph's activations are bf16
   std::vector<Open> open_;  // in the order they were opened; reused
   std::vector<PoolBuffer> pool_;
   std::vector<int> per_micro_batch_;  // bucket -> W actions on it per micro-batch

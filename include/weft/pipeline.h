@@ -190,6 +190,9 @@ class PipelineExecutor {
   void release_if_done(int stage, int micro_batch);
   static bool sends_done(Slot& s);
   void forward_action(int stage, int mb, int64_t step);
+  // forward(graph_, m, begin, end); with sharded parameters node by node,
+  // each after the gather of its parameters (the next one's posted ahead).
+  void forward_nodes(MicroBatch& m, int begin, int end);
   void backward_input_action(int stage, int mb, bool with_weights = false);
   void backward_weight_action(int stage, int mb);
   void fill_inputs(Slot& s, int stage, int mb, int64_t step);

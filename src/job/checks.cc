@@ -334,6 +334,7 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
   GradSyncOptions sync;  // the compression flags, checked before any message
   sync.distributed_optimizer = a.distributed_optimizer;
   sync.shard_grads = a.shard_grads;
+  sync.shard_params = a.shard_params;
   set_grad_compression(a, sync);
   // Compression shapes the data-parallel reduction; one replica has none.
   for (const auto& [flag, value, plain] :
@@ -344,9 +345,10 @@ PipelineSetup check_parallel(const Args& a, const weft::GptConfig& cfg, int worl
           "{} {} compresses the data-parallel reduction, and there is none: dp is 1 (world {} / "
           "(tp {} x pp {}))",
           flag, value, world, a.tp, a.pp);
-  check(a.sample == 0 || (a.pp == 1 && a.tp == 1) || !a.save.empty(),
-        "--sample with --pp or --tp > 1 draws on rank 0 from the run's last checkpoint, whole: "
-        "it needs --save");
+  check(a.sample == 0 || (a.pp == 1 && a.tp == 1 && !a.shard_params) || !a.save.empty(),
+        "--sample with --pp or --tp > 1, or with --data-parallel-sharding-strategy "
+        "optim_grads_params, draws on rank 0 from the run's last checkpoint, whole: it needs "
+        "--save");
   return p;
 }
 
@@ -870,16 +872,14 @@ void settle_sharding(Args& a, const CLI::App& app) {
   using weft::check;
   if (!app.count("--data-parallel-sharding-strategy")) return;
   const weft::ShardingStrategy s = weft::parse_sharding_strategy(a.sharding_strategy);
-  check(s != weft::ShardingStrategy::OptimGradsParams,
-        "--data-parallel-sharding-strategy optim_grads_params (ZeRO-3: parameters sharded too) "
-        "is not available yet; optim_grads shards the optimizer state and the gradients");
-  check(!app.count("--use-distributed-optimizer") || s == weft::ShardingStrategy::Optim ||
-            s == weft::ShardingStrategy::OptimGrads,
+  check(!app.count("--use-distributed-optimizer") || s != weft::ShardingStrategy::NoShard,
         "--use-distributed-optimizer shards the optimizer state, and "
         "--data-parallel-sharding-strategy {} says not to: give one of them",
         a.sharding_strategy);
   a.distributed_optimizer = s != weft::ShardingStrategy::NoShard;
-  a.shard_grads = s == weft::ShardingStrategy::OptimGrads;
+  a.shard_grads =
+      s == weft::ShardingStrategy::OptimGrads || s == weft::ShardingStrategy::OptimGradsParams;
+  a.shard_params = s == weft::ShardingStrategy::OptimGradsParams;
 }
 
 // --plan auto's flags, checked; true when the planner has its costs
@@ -896,6 +896,9 @@ bool check_plan_flags(const Args& a, const CLI::App& app) {
   check(a.plan == "auto", "--plan '{}' must be auto (weft-sched plan prints the others)", a.plan);
   check(app.count("--global-batch-size") > 0 || a.global_batch > 0,
         "--plan auto needs --global-batch-size: the planner splits it into micro-batches");
+  check(a.sharding_strategy != "optim_grads_params",
+        "--data-parallel-sharding-strategy optim_grads_params with --plan auto is not available "
+        "yet: the planner prices no_shard, optim and optim_grads (drop one of them)");
   check(app.count("--recompute-granularity") == 0,
         "--recompute-granularity with --plan auto is not available yet: the planner prices "
         "whole-stage --recompute only (drop one of them)");

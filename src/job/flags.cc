@@ -252,7 +252,9 @@ void add_flags(CLI::App& app, Args& a, const Job& job) {
                "--data-parallel-sharding-strategy optim");
   app.add_option("--data-parallel-sharding-strategy", a.sharding_strategy,
                  "what each data-parallel replica keeps a slice of: no_shard, optim (ZeRO-1), "
-                 "optim_grads (ZeRO-2: the gradients too); default no_shard");
+                 "optim_grads (ZeRO-2: the gradients too), optim_grads_params (ZeRO-3: the "
+                 "parameters too, gathered before each layer's forward and backward); default "
+                 "no_shard");
   app.add_option("--ddp-bucket-size", a.ddp_bucket_size,
                  "gradient elements per data-parallel reduction bucket");
   // Two flags, so that --help shows the real default (a negated alias would print {false}).

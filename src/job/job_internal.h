@@ -136,9 +136,10 @@ struct Args {
   // Data parallelism.
   bool distributed_optimizer = false;
   // --data-parallel-sharding-strategy (Megatron-FSDP's names); settled by
-  // settle_sharding into distributed_optimizer and shard_grads.
+  // settle_sharding into distributed_optimizer, shard_grads and shard_params.
   std::string sharding_strategy;
   bool shard_grads = false;
+  bool shard_params = false;
   // --plan auto: weft-sched plan's best layout, from a profile.
   std::string plan, plan_costs, plan_memory;
   double plan_latency = 0, plan_bandwidth = std::numeric_limits<double>::infinity();

@@ -583,6 +583,7 @@ class Run {
       lo.memory_budget = parse_bytes("--memory-budget", a.memory_budget);
     lo.sync.distributed_optimizer = a.distributed_optimizer;
     lo.sync.shard_grads = a.shard_grads;
+    lo.sync.shard_params = a.shard_params;
     lo.sync.bucket_elements = a.ddp_bucket_size;
     lo.sync.overlap = a.overlap_grad_reduce;
     set_grad_compression(a, lo.sync);
@@ -698,11 +699,12 @@ class Run {
       for (const NodeCost& c : analytic.nodes) outputs += c.output_bytes;
       const double shards = static_cast<double>(a.pp * a.tp);
       const double dp = static_cast<double>((world ? world->size() : 1) / (a.pp * a.tp));
-      // Values, gradients (a replica's slice with --data-parallel-sharding-strategy
-      // optim_grads) and AdamW's two moments (a slice with the distributed optimizer).
-      const double state =
-          4.0 * static_cast<double>(model->graph.param_count()) / shards *
-          (1.0 + (a.shard_grads ? 1.0 / dp : 1.0) + 2.0 / (a.distributed_optimizer ? dp : 1.0));
+      // Values (a replica's slice with --data-parallel-sharding-strategy
+      // optim_grads_params), gradients (a slice with optim_grads) and AdamW's
+      // two moments (a slice with the distributed optimizer).
+      const double state = 4.0 * static_cast<double>(model->graph.param_count()) / shards *
+                           ((a.shard_params ? 1.0 / dp : 1.0) + (a.shard_grads ? 1.0 / dp : 1.0) +
+                            2.0 / (a.distributed_optimizer ? dp : 1.0));
       char host[64] = {};
       gethostname(host, sizeof host - 1);
       int here = 0;
@@ -1010,12 +1012,17 @@ class Run {
       // the sharding strategy's effect, beside the activations above.
       const GradSync::Memory m = layout->trainer().grad_sync().memory();
       fmt::print(
-          "training state on rank 0 ({}): {} of values, {} of gradients{}, {} of optimizer "
+          "training state on rank 0 ({}): {} of values{}, {} of gradients{}, {} of optimizer "
           "state; {} in all\n",
-          a.shard_grads             ? "optimizer state and gradients sharded over dp"
+          a.shard_params            ? "optimizer state, gradients and parameters sharded over dp"
+          : a.shard_grads           ? "optimizer state and gradients sharded over dp"
           : a.distributed_optimizer ? "optimizer state sharded over dp"
                                     : "nothing sharded",
-          format_bytes(m.values), format_bytes(m.grads),
+          format_bytes(m.values),
+          m.value_buffers > 0
+              ? fmt::format(" + {} of gathered-parameter buffers", format_bytes(m.value_buffers))
+              : std::string(),
+          format_bytes(m.grads),
           m.grad_buffers > 0
               ? fmt::format(" + {} of micro-batch gradient buffers", format_bytes(m.grad_buffers))
               : std::string(),
@@ -1074,7 +1081,7 @@ class Run {
       one.micro_batch = 1;
       JobModel sampler = family->build(one);
       sampler.io.graph = &sampler.graph;
-      if (a.pp > 1 || a.tp > 1) {
+      if (a.pp > 1 || a.tp > 1 || a.shard_params) {
         // The trained weights are split over the ranks: rank 0 reads them
         // whole from the run's last checkpoint (saved above, and verified as
         // it is read).

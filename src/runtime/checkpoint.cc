@@ -1117,12 +1117,20 @@ Tensor Checkpoint::read_whole(Part part, const std::string& name) const {
   return t;
 }
 
-void Checkpoint::read_model(const std::vector<Param*>& params) const {
+void Checkpoint::check_model(const std::vector<Param*>& params) const {
   std::set<std::string> names;
   for (const Param* p : params) names.insert(p->name);
   for (const auto& [name, t] : store->parts[0])
     check(names.count(name) == 1, "{}: checkpoint has tensor '{}', which the model does not have",
           source.path, name);
+}
+
+void Checkpoint::read_model(const std::vector<Param*>& params) const {
+  check_model(params);
+  read_values(params);
+}
+
+void Checkpoint::read_values(const std::vector<Param*>& params) const {
   for (Param* p : params) {
     Tensor host = Tensor::zeros({p->value.numel()});
     read(Part::Model, p->name, p->shard, p->true_rows, 0, p->value.numel(), host);

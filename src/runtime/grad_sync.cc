@@ -22,6 +22,7 @@ struct GradSync::Bucket {
   Tensor grad;                  // (padded): Param::grad are views into it
   // Distributed optimizer only.
   Tensor value;                 // (padded): Param::value are views into it
+  Tensor shard_value;           // sharded parameters: (padded / dp), in place of value
   Tensor shard_grad;            // (padded / dp): this replica's reduced slice
   // (padded / dp): the optimizer's state of the slice, as many as its rule keeps.
   std::array<Tensor, kMaxOptimizerState> state;
@@ -62,6 +63,9 @@ void check_grad_sync_options(const GradSyncOptions& o) {
   check(!o.shard_grads || o.distributed_optimizer,
         "sharded gradients (optim_grads) shard the optimizer state too: they need the "
         "distributed optimizer");
+  check(!o.shard_params || o.shard_grads,
+        "sharded parameters (optim_grads_params) shard the gradients and the optimizer state "
+        "too: they need sharded gradients");
   check(o.max_in_flight >= 1, "sharded gradients need at least one reduction in flight, not {}",
         o.max_in_flight);
   check(o.reduce_dtype == DType::F32 || o.reduce_dtype == DType::BF16,
@@ -83,7 +87,7 @@ void check_grad_sync_options(const GradSyncOptions& o) {
 GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param*> params,
                    std::vector<Param*> late, std::vector<Param*> norm_owned, ParallelGroups groups,
                    AdamWConfig adam, GradSyncOptions options)
-    : groups_(groups), options_(options), adam_(adam), params_(std::move(params)) {
+    : groups_(groups), options_(options), adam_(adam), params_(std::move(params)), graph_(&graph) {
   check_grad_sync_options(options_);
   OptimizerConfig oc;
   oc.kind = options_.optimizer, oc.adam = adam_, oc.sgd = options_.sgd, oc.lion = options_.lion;
@@ -179,7 +183,10 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
       // Every shard lives beside the parameters: the reduce-scatter and the
       // all-gather move device tensors, and AdamW runs where they are.
       const int64_t s = b.padded / dp;
-      b.value = Tensor::zeros({b.padded}, DType::F32, device);
+      if (params_sharded(b))
+        b.shard_value = Tensor::zeros({s}, DType::F32, device);
+      else
+        b.value = Tensor::zeros({b.padded}, DType::F32, device);
       b.shard_grad = Tensor::zeros({s}, DType::F32, device);
       for (size_t k = 0; k < state_count_; ++k)
         b.state[k] = Tensor::zeros({s}, DType::F32, device);
@@ -205,7 +212,13 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
       p->grad = sharded(b) ? grad_view(0, b.params[k])
                            : Tensor(b.grad.data<float>() + b.offset[k], p->value.shape(),
                                     DType::F32, device);
-      if (distributed()) {
+      if (params_sharded(b)) {  // this replica's slice of it, if any
+        const int64_t s = b.padded / dp, lo = groups_.dp_rank() * s;
+        const Overlap o = overlap(b.offset[k], b.offset[k] + p->value.numel(), lo, lo + s);
+        if (!o.empty())
+          elements(b.shard_value, o.lo - lo, o.hi - o.lo)
+              .copy_from(elements(p->value, o.lo - b.offset[k], o.hi - o.lo));
+      } else if (distributed()) {
         Tensor view(b.value.data<float>() + b.offset[k], p->value.shape(), DType::F32, device);
         view.copy_from(p->value);
         p->value = view;
@@ -213,11 +226,39 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
     }
   }
   if (!pool_.empty()) pool_[0].busy = false;
+  if (sharded_params()) {
+    // Each node's buckets whose values are sharded, and a first buffer that
+    // every sharded value points into (its own memory is let go).
+    node_buckets_.assign(graph.nodes().size(), {});
+    size_t most = 0;
+    for (int n : nodes) {
+      std::vector<int>& v = node_buckets_[static_cast<size_t>(n)];
+      for (int i : node_params_[static_cast<size_t>(n)]) {
+        const int bi = bucket_of_[static_cast<size_t>(i)];
+        if (params_sharded(*buckets_[static_cast<size_t>(bi)]) &&
+            std::find(v.begin(), v.end(), bi) == v.end())
+          v.push_back(bi);
+      }
+      most = std::max(most, v.size());
+    }
+    gathered_cap_ = std::max<size_t>(2, 2 * most);
+    resident_.assign(buckets_.size(), -1);
+    if (pool_elements_ > 0) {
+      free_gathered(-1, -1);
+      for (size_t i = 0; i < np; ++i)
+        if (params_sharded(*buckets_[static_cast<size_t>(bucket_of_[i])]))
+          params_[i]->value = gathered_view(0, static_cast<int>(i), false);
+    }
+  }
+  for (size_t i = 0; i < np; ++i)
+    if (!params_sharded(*buckets_[static_cast<size_t>(bucket_of_[i])]))
+      whole_params_.push_back(params_[i]);
   if (!distributed()) plain_ = std::make_unique<Optimizer>(params_, make_update_rule(oc));
   remaining_.assign(np, 0);
 }
 
 bool GradSync::sharded(const Bucket& b) const { return sharded_grads() && !b.late; }
+bool GradSync::params_sharded(const Bucket& b) const { return sharded_params() && !b.late; }
 
 const Tensor& GradSync::grad_view(int buffer, int param) {
   PoolBuffer& pb = pool_[static_cast<size_t>(buffer)];
@@ -347,6 +388,123 @@ bool GradSync::retire_oldest(bool wait) {
   oldest->bucket = -1;  // erased below
   std::erase_if(open_, [](const Open& o) { return o.bucket < 0; });
   return true;
+}
+
+const Tensor& GradSync::gathered_view(int buffer, int param, bool half) {
+  Gathered& g = gathered_[static_cast<size_t>(buffer)];
+  Tensor& v = (half ? g.views16 : g.views)[static_cast<size_t>(param)];
+  if (!v.defined()) {
+    const Param* p = params_[static_cast<size_t>(param)];
+    const int64_t at = offset_of_[static_cast<size_t>(param)];
+    v = half ? Tensor(g.value16.data<uint16_t>() + at, p->value.shape(), DType::BF16,
+                      g.value16.device())
+             : Tensor(g.value.data<float>() + at, p->value.shape(), DType::F32, g.value.device());
+  }
+  return v;
+}
+
+bool GradSync::pinned(int bucket, int node, int next) const {
+  for (int n : {node, next}) {
+    if (n < 0) continue;
+    const std::vector<int>& v = node_buckets_[static_cast<size_t>(n)];
+    if (std::find(v.begin(), v.end(), bucket) != v.end()) return true;
+  }
+  return false;
+}
+
+// A buffer for a bucket to be gathered into: a free one, a new one while the
+// pool is below its cap, else the one least recently needed by a node that
+// neither `node` nor `next` needs (its gather waited for first).
+int GradSync::free_gathered(int node, int next) {
+  for (size_t k = 0; k < gathered_.size(); ++k)
+    if (gathered_[k].bucket < 0) return static_cast<int>(k);
+  if (gathered_.size() < gathered_cap_) {
+    const Device device = params_[0]->value.device();
+    Gathered g;
+    g.value = Tensor::zeros({pool_elements_}, DType::F32, device);
+    if (graph_->activation_dtype() == DType::BF16)
+      g.value16 = Tensor::zeros({pool_elements_}, DType::BF16, device);
+    g.views.resize(params_.size());
+    g.views16.resize(params_.size());
+    gathered_.push_back(std::move(g));
+    return static_cast<int>(gathered_.size()) - 1;
+  }
+  int best = -1;
+  for (size_t k = 0; k < gathered_.size(); ++k) {
+    const Gathered& g = gathered_[k];
+    if (pinned(g.bucket, node, next)) continue;
+    if (best < 0 || g.used < gathered_[static_cast<size_t>(best)].used) best = static_cast<int>(k);
+  }
+  check(best >= 0,
+        "no gathered-parameter buffer is free for node {}: the pool's {} hold what it "
+        "and node {} need",
+        node, gathered_.size(), next);
+  Gathered& g = gathered_[static_cast<size_t>(best)];
+  if (g.request) {
+    g.request->wait_on_device();
+    g.request.reset();
+  }
+  resident_[static_cast<size_t>(g.bucket)] = -1;
+  g.bucket = -1;
+  return best;
+}
+
+void GradSync::resident(int bucket, int node, int next, bool wait) {
+  int k = resident_[static_cast<size_t>(bucket)];
+  Bucket& b = *buckets_[static_cast<size_t>(bucket)];
+  if (k < 0) {
+    k = free_gathered(node, next);
+    Gathered& g = gathered_[static_cast<size_t>(k)];
+    g.bucket = bucket;
+    g.rounded = false;
+    resident_[static_cast<size_t>(bucket)] = k;
+    g.request = groups_.dp->iall_gather(b.shard_value, elements(g.value, 0, b.padded));
+    ++stats_.gathers;
+    if (!wait) ++stats_.prefetched;
+    for (int i : b.params) params_[static_cast<size_t>(i)]->value = gathered_view(k, i, false);
+  }
+  Gathered& g = gathered_[static_cast<size_t>(k)];
+  g.used = clock_;
+  if (!wait) return;
+  if (g.request) {
+    g.request->wait_on_device();  // on a GPU with NCCL, the compute stream waits
+    g.request.reset();
+  }
+  const bool half = graph_->activation_dtype() == DType::BF16;
+  if (half && !g.rounded) {  // the bucket's bf16 copies, rounded once while it stays
+    ops::convert(elements(g.value, 0, b.padded), Tensor(g.value16.data<uint16_t>(), Shape{b.padded},
+                                                        DType::BF16, g.value16.device()));
+    g.rounded = true;
+  }
+  // Set again on every use: another bucket may have taken its buffer since.
+  for (int i : b.params) {
+    Param* p = params_[static_cast<size_t>(i)];
+    p->value = gathered_view(k, i, false);
+    p->value16 = half ? gathered_view(k, i, true) : Tensor();
+  }
+}
+
+void GradSync::gather(int node, int next) {
+  if (!sharded_params()) return;
+  ++clock_;
+  for (int bi : node_buckets_[static_cast<size_t>(node)]) resident(bi, node, next, true);
+  if (next < 0) return;
+  for (int bi : node_buckets_[static_cast<size_t>(next)])
+    if (resident_[static_cast<size_t>(bi)] < 0) resident(bi, node, next, false);
+}
+
+void GradSync::drop_gathered() {
+  for (Gathered& g : gathered_) {
+    if (g.request) {
+      g.request->wait_on_device();
+      g.request.reset();
+    }
+    if (g.bucket >= 0) resident_[static_cast<size_t>(g.bucket)] = -1;
+    g.bucket = -1;
+  }
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_sharded(*buckets_[static_cast<size_t>(bucket_of_[i])]))
+      params_[i]->value16 = Tensor();
 }
 
 GradSync::~GradSync() = default;
@@ -579,11 +737,12 @@ GradSync::Memory GradSync::memory() const {
     return m;
   }
   for (const auto& b : buckets_) {
-    m.values += bytes(b->value);
+    m.values += bytes(b->value) + bytes(b->shard_value);
     m.grads += bytes(b->grad) + bytes(b->shard_grad);
     for (size_t j = 0; j < state_count_; ++j) m.state += bytes(b->state[j]);
   }
   for (const PoolBuffer& pb : pool_) m.grad_buffers += bytes(pb.grad) + bytes(pb.shard);
+  for (const Gathered& g : gathered_) m.value_buffers += bytes(g.value) + bytes(g.value16);
   return m;
 }
 
@@ -609,6 +768,7 @@ void GradSync::update(float lr, float grad_scale, const Tensor& grad_scale_at) {
     return;
   }
   const int64_t r = groups_.dp_rank();
+  drop_gathered();  // their gathers read the slices about to change
   std::vector<RequestPtr> gathers;
   gathers.reserve(buckets_.size());
   UpdateStep step;
@@ -624,12 +784,15 @@ void GradSync::update(float lr, float grad_scale, const Tensor& grad_scale_at) {
       const Overlap o = overlap(b.offset[k], b.offset[k] + p->value.numel(), lo, lo + s);
       if (o.empty()) continue;
       const int64_t at = o.lo - lo, n = o.hi - o.lo;
-      UpdatePiece piece{elements(b.value, o.lo, n), elements(b.shard_grad, at, n), {},
-                        p->weight_decay()};
+      const Tensor value =
+          params_sharded(b) ? elements(b.shard_value, at, n) : elements(b.value, o.lo, n);
+      UpdatePiece piece{value, elements(b.shard_grad, at, n), {}, p->weight_decay()};
       for (size_t j = 0; j < state_count_; ++j) piece.state[j] = elements(b.state[j], at, n);
       b.pieces.push_back(piece);
     }
     rule_->update(b.pieces, step, b.update_cache);
+    // Sharded values stay sliced: each node's action gathers them again.
+    if (params_sharded(b)) continue;
     // In place: the updated slice is this replica's part of the output.
     gathers.push_back(groups_.dp->iall_gather(elements(b.value, lo, s), b.value));
   }
@@ -746,6 +909,72 @@ Tensor GradSync::state_slice(const OwnedSlice& s, size_t which) const {
         s.hi);
   host.copy_from(elements(b.state[which], first - shard_lo, s.hi - s.lo));
   return host;
+}
+
+Tensor GradSync::value_slice(const OwnedSlice& s) const {
+  const Param* p = params_[s.param];
+  check(s.lo >= 0 && s.lo <= s.hi && s.hi <= p->value.numel(),
+        "the value of '{}' has no elements [{}, {})", p->name, s.lo, s.hi);
+  Tensor host = Tensor::zeros({s.hi - s.lo});
+  const Bucket& b = *buckets_[static_cast<size_t>(bucket_of_[s.param])];
+  if (!params_sharded(b)) {
+    host.copy_from(elements(p->value, s.lo, s.hi - s.lo));
+    return host;
+  }
+  const auto at = std::find(b.params.begin(), b.params.end(), static_cast<int>(s.param));
+  const int64_t first = b.offset[static_cast<size_t>(at - b.params.begin())] + s.lo;
+  const int64_t shard_lo = groups_.dp_rank() * b.shard_value.numel();
+  check(first >= shard_lo && first + (s.hi - s.lo) <= shard_lo + b.shard_value.numel(),
+        "the value of '{}' [{}, {}) is not this replica's to read: its parameters are sharded",
+        p->name, s.lo, s.hi);
+  host.copy_from(elements(b.shard_value, first - shard_lo, s.hi - s.lo));
+  return host;
+}
+
+std::vector<Tensor> GradSync::whole_values() {
+  std::vector<Tensor> out(params_.size());
+  for (auto& bp : buckets_) {
+    Bucket& b = *bp;
+    Tensor whole;
+    if (params_sharded(b)) {
+      whole = Tensor::zeros({b.padded}, DType::F32, b.shard_value.device());
+      groups_.dp->all_gather(b.shard_value, whole);
+    }
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      const Param* p = params_[static_cast<size_t>(b.params[k])];
+      out[static_cast<size_t>(b.params[k])] =
+          whole.defined() ? Tensor(whole.data<float>() + b.offset[k], p->value.shape(), DType::F32,
+                                   whole.device())
+                                .clone()
+                          : p->value.clone();
+    }
+  }
+  return out;
+}
+
+void GradSync::load_values(const ValueReader& read) {
+  drop_gathered();
+  const int64_t r = groups_.dp_rank();
+  for (auto& bp : buckets_) {
+    Bucket& b = *bp;
+    const int64_t s = params_sharded(b) ? b.shard_value.numel() : 0, lo = r * s;
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      const size_t i = static_cast<size_t>(b.params[k]);
+      Param* p = params_[i];
+      if (!params_sharded(b)) {
+        Tensor host = Tensor::zeros({p->value.numel()});
+        read(i, 0, p->value.numel(), host);
+        p->value.copy_from(host.view(p->value.shape()));
+        continue;
+      }
+      const Overlap o = overlap(b.offset[k], b.offset[k] + p->value.numel(), lo, lo + s);
+      if (o.empty()) continue;
+      const int64_t from = o.lo - b.offset[k], n = o.hi - o.lo;
+      Tensor host = Tensor::zeros({n});
+      read(i, from, from + n, host);
+      elements(b.shard_value, o.lo - lo, n).copy_from(host);
+    }
+  }
 }
 
 }  // namespace weft

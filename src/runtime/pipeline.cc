@@ -335,6 +335,17 @@ static double keep_grads(const std::vector<int>& values, MicroBatch& from, Micro
   return bytes;
 }
 
+void PipelineExecutor::forward_nodes(MicroBatch& m, int begin, int end) {
+  if (sync_ == nullptr || !sync_->sharded_params()) {
+    forward(graph_, m, begin, end);
+    return;
+  }
+  for (int n = begin; n < end; ++n) {
+    sync_->gather(n, n + 1 < end ? n + 1 : -1);
+    forward(graph_, m, n, n + 1);
+  }
+}
+
 void PipelineExecutor::forward_action(int stage, int mb, int64_t step) {
   Slot& s = slot(stage, mb, true);
   peak_stashed_ = std::max(peak_stashed_, ++stashed_);
@@ -351,7 +362,7 @@ void PipelineExecutor::forward_action(int stage, int mb, int64_t step) {
   for (const Unit& u : units_[static_cast<size_t>(stage)]) {
     MicroBatch& m = u.recompute ? *work_ : s.mb;
     if (u.recompute) share_values(u.ins, s.mb, m);
-    forward(graph_, m, u.begin, u.end);
+    forward_nodes(m, u.begin, u.end);
     if (loss_node_ >= u.begin && loss_node_ < u.end) {
       if (!losses_.defined())
         losses_ = Tensor::zeros({schedule_.micro_batches}, DType::F32, options_.device);
@@ -387,10 +398,10 @@ void PipelineExecutor::backward_input_action(int stage, int mb, bool with_weight
   for (size_t k = units.size(); k-- > 0;) {
     const Unit& u = units[k];
     MicroBatch& m = u.recompute && fold_ ? *work_ : s.mb;
-    if (u.recompute && !fold_) forward(graph_, m, u.begin, u.end);  // into the slot
+    if (u.recompute && !fold_) forward_nodes(m, u.begin, u.end);  // into the slot
     if (u.recompute && fold_) {
       share_values(u.ins, s.mb, m);
-      forward(graph_, m, u.begin, u.end);
+      forward_nodes(m, u.begin, u.end);
       share_grads(u.outs, s.mb, m);
       share_grads(u.ins, s.mb, m);  // what later ranges added to: accumulated in place
       // The gradients of values relayed through the stage, for the edge below.
@@ -400,6 +411,7 @@ void PipelineExecutor::backward_input_action(int stage, int mb, bool with_weight
     if (last && loss_node_ >= u.begin && loss_node_ < u.end)
       m.seed_grad(io_.loss, 1.0f / static_cast<float>(loss_terms_) * loss_scale_);
     for (int n = u.end - 1; n >= u.begin; --n) {
+      if (sync_) sync_->gather(n, n > u.begin ? n - 1 : -1);
       backward_input(graph_, m, n);
       if (!weights) continue;
       const double at = used(s.mb);
@@ -458,6 +470,8 @@ void PipelineExecutor::backward_weight_action(int stage, int mb) {
   const int end = plan_.begin[static_cast<size_t>(stage) + 1];
   const double before = used(s.mb);
   for (int n = end - 1; n >= begin; --n) {
+    // A layer's W may read its parameters: gathered as for I.
+    if (sync_) sync_->gather(n, n > begin ? n - 1 : -1);
     if (sync_) sync_->weight_begin(n, mb);
     backward_weight(graph_, s.mb, n);
     if (sync_) sync_->weight_done(n, mb);

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <set>
 
 namespace weft {
 
@@ -297,7 +298,8 @@ double Trainer::evaluate(const BatchSource& data, int64_t iters) {
 
 double Trainer::run_batch_into(const BatchSource& batches, int64_t step, const Tensor& losses,
                                std::vector<int>& order, bool measure) {
-  const Bf16Copies copies(*g_.graph, sync_->params(), bf16_tables_);
+  // Sharded parameters are rounded as each bucket is gathered.
+  const Bf16Copies copies(*g_.graph, sync_->whole_params(), bf16_tables_);
   sync_->begin(micro_batches_);
   order.clear();
   PipelineExecutor& pipeline = *par_.pipeline;
@@ -615,7 +617,7 @@ void Trainer::save(const std::string& dir, int64_t keep_last) {
   for (const GradSync::OwnedSlice& o : owned) {
     const Param& p = *sync_->params()[o.param];
     if (owned_.count(&p) == 0 || !(p.shard.split() || tp0)) continue;
-    out.model.push_back(slice(p, p.name, o.lo, o.hi, host_elements(p.value, o.lo, o.hi)));
+    out.model.push_back(slice(p, p.name, o.lo, o.hi, sync_->value_slice(o)));
     if (par_.ps == nullptr)
       for (size_t j = 0; j < suffixes.size(); ++j)
         out.optimizer.push_back(
@@ -893,7 +895,23 @@ CheckpointSource Trainer::load(const std::string& dir, bool allow_unverified, bo
 }
 
 void Trainer::read_checkpoint(const Checkpoint& c, bool weights_only) {
-  c.read_model(g_.graph->params());
+  if (sync_->sharded_params()) {
+    // Each replica reads only its slices of the sharded values; the
+    // parameters of the other pipeline ranks' stages whole, as before.
+    c.check_model(g_.graph->params());
+    const std::set<const Param*> synced(sync_->params().begin(), sync_->params().end());
+    std::vector<Param*> others;
+    for (Param* p : g_.graph->params())
+      if (synced.count(p) == 0) others.push_back(p);
+    c.read_values(others);
+    const std::vector<Param*>& params = sync_->params();
+    sync_->load_values([&](size_t param, int64_t lo, int64_t hi, const Tensor& dest) {
+      const Param& p = *params[param];
+      c.read(Checkpoint::Part::Model, p.name, p.shard, p.true_rows, lo, hi, dest);
+    });
+  } else {
+    c.read_model(g_.graph->params());
+  }
   if (weights_only) return;
   const std::vector<std::string> suffixes = optimizer_state_suffixes(par_.sync.optimizer);
   const std::vector<Param*>& params = sync_->params();
