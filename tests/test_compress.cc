@@ -529,6 +529,10 @@ TEST(CompressionOptions, ImpossibleCombinationsNameTheFlags) {
   o.shard_grads = true;
   msg = error_message([&] { check_grad_sync_options(o); });
   EXPECT_TRUE(contains(msg, "need the distributed optimizer")) << msg;
+  o = GradSyncOptions{};
+  o.distributed_optimizer = o.shard_params = true;
+  msg = error_message([&] { check_grad_sync_options(o); });
+  EXPECT_TRUE(contains(msg, "sharded parameters (optim_grads_params)")) << msg;
   msg = error_message([] { parse_sharding_strategy("zero3"); });
   EXPECT_TRUE(contains(msg,
                        "--data-parallel-sharding-strategy 'zero3' must be no_shard, optim, "
@@ -554,8 +558,9 @@ TEST(CompressionOptions, TrainGptRejectsBadFlagsWithOneLine) {
       {"--data-parallel-sharding-strategy zero2",
        "--data-parallel-sharding-strategy 'zero2' must be no_shard, optim, optim_grads or "
        "optim_grads_params"},
-      {"--data-parallel-sharding-strategy optim_grads_params",
-       "optim_grads_params (ZeRO-3: parameters sharded too) is not available yet"},
+      {"--data-parallel-sharding-strategy optim_grads_params --plan auto --global-batch-size 8",
+       "--data-parallel-sharding-strategy optim_grads_params with --plan auto is not available "
+       "yet"},
       {"--use-distributed-optimizer --data-parallel-sharding-strategy no_shard",
        "--use-distributed-optimizer shards the optimizer state, and "
        "--data-parallel-sharding-strategy no_shard says not to"},

@@ -1063,6 +1063,24 @@ TEST(Checkpoint, SavedWithShardedGradientsResumesUnderEveryStrategy) {
   save_and_resume(from, {to_zero2, to_zero1, {2, 2, 2, "1f1b"}, {1, 1, 1}}, "ckpt_222_zero2");
 }
 
+// Sharded parameters save each replica's slice of the values, as ZeRO-1
+// saves its slice of the state: the checkpoint is the same files, and it
+// moves both ways between ZeRO-3 and every other strategy and layout (a
+// ZeRO-3 replica reads only its slices; tied weights whole).
+TEST(Checkpoint, SavedWithShardedParametersResumesUnderEveryStrategy) {
+  Layout from{2, 2, 2, "zb-h1"};
+  from.distributed = from.shard_grads = from.shard_params = true;
+  from.bucket_elements = 2048;
+  Layout to_zero3{4, 1, 2};
+  to_zero3.distributed = to_zero3.shard_grads = to_zero3.shard_params = true;
+  to_zero3.bucket_elements = 4096;
+  Layout to_zero1{8, 1, 1};
+  to_zero1.distributed = true;
+  save_and_resume(from, {to_zero3, to_zero1, {1, 1, 1}}, "ckpt_222_zero3");
+  Layout plain{2, 2, 2, "1f1b"};
+  save_and_resume(plain, {to_zero3, from}, "ckpt_222_to_zero3");
+}
+
 TEST(Checkpoint, AnotherModelShapeNamesTheTensorAndBothShapes) {
   const std::string dir = testing::temp_dir("ckpt_shape");
   run_layout({2, 1, 1}, 1, {}, [&](RankLayout& rank) { rank.trainer().save(dir); });
