@@ -142,6 +142,14 @@ TEST_F(MpiLayouts, DistributedOptimizerMatchesSingleProcess) {
                                        " --data-parallel-sharding-strategy optim_grads"
                                        " --ddp-bucket-size 4096"),
                      0, l.str() + " sharded gradients");
+  // Sharded parameters (ZeRO-3): each node's buckets gathered before its
+  // actions, under MPI's non-blocking all-gathers, with a pipeline whose W
+  // actions gather again.
+  for (const Layout& l : {Layout{2, 2, 2}, Layout{8, 1, 1}})
+    expect_reference(train(kWorld, l.args() + (l.pp > 1 ? " --schedule zb-h1" : "") +
+                                       " --data-parallel-sharding-strategy optim_grads_params"
+                                       " --ddp-bucket-size 4096"),
+                     0, l.str() + " sharded parameters");
 }
 
 // Sequence parallelism under mpiexec: the norms, residual adds and the

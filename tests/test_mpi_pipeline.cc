@@ -283,7 +283,8 @@ TEST(MpiMixedPrecision, Fp16AtDp2Pp2SkipsWhereOneProcessDoes) {
   const testing::TrainRun one = testing::run_train_gpt(1, flags, dir);
   ASSERT_TRUE(one.ok) << one.output;
   for (const char* sharding :
-       {"", " --use-distributed-optimizer", " --data-parallel-sharding-strategy optim_grads"}) {
+       {"", " --use-distributed-optimizer", " --data-parallel-sharding-strategy optim_grads",
+        " --data-parallel-sharding-strategy optim_grads_params"}) {
     SCOPED_TRACE(sharding);
     const testing::TrainRun four = testing::run_train_gpt(4, flags + " --pp 2" + sharding, dir);
     ASSERT_TRUE(four.ok) << four.command << "\n" << four.output;
@@ -343,12 +344,31 @@ TEST(MpiSample, AtPp2Tp2RankZeroSamplesTheLastCheckpoint) {
   const std::string drawn = sample(four.output);
   EXPECT_EQ(drawn.substr(0, 5), "It is");
   EXPECT_EQ(drawn, sample(one.output));
+  // Sharded parameters at dp 4: no rank holds the weights whole, so rank 0
+  // samples the checkpoint as well, the same tokens.
+  const std::string zero3_flags = flags + " --data-parallel-sharding-strategy optim_grads_params";
+  const testing::TrainRun zero3 =
+      testing::run_train_gpt(4, zero3_flags + " --save " + dir + "/ckpt3", dir);
+  ASSERT_TRUE(zero3.ok) << zero3.command << "\n" << zero3.output;
+  EXPECT_TRUE(testing::contains(zero3.output, "sampling on rank 0 with the weights of " + dir +
+                                                  "/ckpt3/iter_0000006 (step 6)"))
+      << zero3.output;
+  const testing::TrainRun zero3_one =
+      testing::run_train_gpt(1, flags + " --load " + dir + "/ckpt3", dir);
+  ASSERT_TRUE(zero3_one.ok) << zero3_one.command << "\n" << zero3_one.output;
+  EXPECT_EQ(sample(zero3.output), sample(zero3_one.output));
+  const testing::TrainRun zero3_refused = testing::run_train_gpt(4, zero3_flags, dir);
+  EXPECT_FALSE(zero3_refused.ok);
+  EXPECT_TRUE(testing::contains(zero3_refused.output,
+                                "or with --data-parallel-sharding-strategy "
+                                "optim_grads_params, draws on rank 0"))
+      << zero3_refused.output;
   const testing::TrainRun refused = testing::run_train_gpt(4, flags + " --pp 2 --tp 2", dir);
   EXPECT_FALSE(refused.ok);
   EXPECT_TRUE(testing::contains(refused.output,
-                                "--sample with --pp or --tp > 1 draws on rank 0 "
-                                "from the run's last checkpoint, whole: it needs "
-                                "--save"))
+                                "--sample with --pp or --tp > 1, or with "
+                                "--data-parallel-sharding-strategy optim_grads_params, draws on "
+                                "rank 0 from the run's last checkpoint, whole: it needs --save"))
       << refused.output;
 }
 
@@ -370,6 +390,14 @@ TEST(MpiMixedPrecision, Bf16ActivationsAtDp2Pp2GiveOneProcessRun) {
   const testing::TrainRun four = testing::run_train_gpt(4, flags + " --pp 2", dir);
   ASSERT_TRUE(four.ok) << four.command << "\n" << four.output;
   expect_same_steps(four, one, 1e-4);
+  // Sharded parameters: each gathered bucket rounded to bf16 once, in place
+  // of the batch's copies; the same bits as rounding each weight.
+  const testing::TrainRun zero3 = testing::run_train_gpt(
+      4,
+      flags + " --pp 2 --data-parallel-sharding-strategy optim_grads_params --ddp-bucket-size 2048",
+      dir);
+  ASSERT_TRUE(zero3.ok) << zero3.command << "\n" << zero3.output;
+  expect_same_steps(zero3, one, 1e-4);
 }
 
 // Polls `done` every 20 ms for up to two minutes; its last answer.
