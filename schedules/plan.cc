@@ -240,7 +240,7 @@ std::string Layout::describe() const {
   if (pp > 1) s += fmt::format(" {}", schedule) + (chunks > 1 ? fmt::format(" x{}", chunks) : "");
   s += fmt::format(" mb {}", micro_batch);
   if (recompute) s += " recompute";
-  if (zero1) s += zero2 ? " zero-2" : " zero-1";
+  if (zero1) s += zero3 ? " zero-3" : zero2 ? " zero-2" : " zero-1";
   if (sequence_parallel) s += " sequence-parallel";
   return s;
 }
@@ -252,7 +252,9 @@ std::vector<std::string> Layout::flags() const {
     f.insert(f.end(), {"--schedule", schedule, "--virtual-stages", std::to_string(chunks)});
     if (recompute) f.push_back("--recompute");
   }
-  if (zero2) {
+  if (zero3) {
+    f.insert(f.end(), {"--data-parallel-sharding-strategy", "optim_grads_params"});
+  } else if (zero2) {
     f.insert(f.end(), {"--data-parallel-sharding-strategy", "optim_grads"});
   } else if (zero1) {
     f.push_back("--use-distributed-optimizer");
@@ -306,6 +308,16 @@ std::string layout_rule(const ModelShape& shape, int64_t global, int world, cons
     return "--recompute shapes the pipeline, and there is none: it needs --pp > 1 (--pp is 1)";
   }
   return "";
+}
+
+// The data-parallel traffic of a step in all-reduces of the parameters:
+// one; ZeRO-2's M reduce-scatters and one all-gather, each half of one;
+// ZeRO-3's M reduce-scatters and 2 M all-gathers.
+double dp_rounds(const Layout& l, int64_t mbs) {
+  const double m = static_cast<double>(mbs);
+  if (l.zero3) return 3 * m / 2;
+  if (l.zero2) return (m + 1) / 2;
+  return 1;
 }
 
 Plan evaluate(const PlanInput& in, const Layout& l) {
@@ -435,8 +447,12 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
   most_params = *std::max_element(rank_params.begin(), rank_params.end());
   out.dp_time = all_reduce(dp_link, most_params, l.dp, m.wake);
   // ZeRO-2: a reduce-scatter (half an all-reduce) per micro-batch, and the
-  // all-gather.
-  if (l.zero2) out.dp_time *= (static_cast<double>(mbs) + 1) / 2;
+  // all-gather. ZeRO-3: per micro-batch the reduce-scatter and two
+  // all-gathers (before the forward, and again before the backward), and
+  // none after the update. Counted whole, as ZeRO-2's: the prefetch hides
+  // some of it behind the compute, which this does not credit.
+  const double gathers = dp_rounds(l, mbs);
+  out.dp_time *= gathers;
   out.step_time = out.pipeline_time + out.dp_time + out.update_time;
   // Memory: weights, gradients and AdamW's two moments, as the strategy
   // shards them (weft/plan.h), on the rank that holds the most.
@@ -451,10 +467,24 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
   // bucket is open from the head's W to the embedding's).
   const double largest_bucket =
       std::max({4.0 * (1 << 20), 4.0 * 4 * h * h / tp, l.pp == 1 ? embedding_bytes : 0.0});
+  // ZeRO-3's pool of gathered buckets: twice the most buckets one node
+  // touches (the MLP's two matrices, each a bucket of its own at the
+  // default size, and the buckets its biases share: 4), each as large as
+  // the largest bucket, with its bf16 half under bf16 activations.
+  const double gathered = 2 * 4 * largest_bucket * (1 + c.weight_copy_ratio);
   double state = 0;
   for (int rank = 0; rank < l.pp; ++rank) {
     const double p = rank_params[static_cast<size_t>(rank)];
     double here = 4 * p;  // values, gradients, two moments
+    if (l.zero3) {
+      // Values sliced like the gradients; the tied embedding keeps both whole.
+      const bool tied = l.pp > 1 && (rank == 0 || rank == s.stage_rank.back());
+      const double whole = tied ? embedding_bytes : 0;
+      here = 2 * ((p - whole) / dp + whole * (1 + 1 / dp)) + 2 * p / dp +
+             4 * largest_bucket * (1 + 1 / dp) + gathered + c.weight_copy_ratio * whole;
+      state = std::max(state, here);
+      continue;
+    }
     if (l.zero2) {
       // The tied embedding (on the first and last pipeline ranks, when
       // they differ) keeps its whole gradient and its slice.
@@ -465,7 +495,7 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
     } else if (l.zero1) {
       here = p + p * (1 + 1 / dp) + 2 * p / dp;
     }
-    here += c.weight_copy_ratio * p;  // whole on every replica, whatever is sharded
+    here += c.weight_copy_ratio * p;  // whole on every replica, unless gathered (ZeRO-3)
     state = std::max(state, here);
   }
   // Sequence parallelism's shared buffers: two whole activations and a slice.
@@ -482,7 +512,7 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
       l.tp > 1 ? tp_collectives * 2.0 * (tp - 1) * act * static_cast<double>(mbs) * l.dp : 0;
   double params_all = std::accumulate(stage_params.begin(), stage_params.end(), 0.0) * tp;
   double dp_bytes = l.dp > 1 ? 2.0 * (l.dp - 1) * params_all : 0;
-  if (l.zero2) dp_bytes *= (static_cast<double>(mbs) + 1) / 2;
+  dp_bytes *= gathers;
   out.bytes_per_step = pp_bytes + tp_bytes + dp_bytes;
   return out;
 }
@@ -526,15 +556,16 @@ PlanResult plan(const PlanInput& in) {
             for (bool recompute : {false, true}) {
               if (fx.recompute && *fx.recompute != recompute) continue;
               if (recompute && pp == 1) continue;  // no pipeline to recompute in
-              for (int zero : {0, 1, 2}) {
-                const bool zero1 = zero >= 1, zero2 = zero == 2;
+              for (int zero : {0, 1, 2, 3}) {
+                const bool zero1 = zero >= 1, zero2 = zero >= 2, zero3 = zero == 3;
                 if (fx.zero1 && *fx.zero1 != zero1) continue;
                 if (fx.zero2 && *fx.zero2 != zero2) continue;
+                if (fx.zero3 && *fx.zero3 != zero3) continue;
                 if (zero1 && dp == 1 && !fx.zero1) continue;  // nothing to shard
                 for (bool sp : {false, true}) {
                   if (fx.sequence_parallel && *fx.sequence_parallel != sp) continue;
                   if (sp && tp == 1 && !fx.sequence_parallel) continue;  // nothing to split
-                  Layout l{dp, pp, tp, name, chunks, mb, recompute, zero1, zero2, sp};
+                  Layout l{dp, pp, tp, name, chunks, mb, recompute, zero1, zero2, sp, zero3};
                   if (const std::string why = layout_rule(in.shape, in.global_batch, m.world, l);
                       !why.empty()) {
                     refuse(why);
@@ -580,7 +611,7 @@ std::string plan_table(const PlanResult& r, size_t top) {
   for (size_t k = 0; k < n; ++k) {
     const Plan& p = r.plans[k];
     const Layout& l = p.layout;
-    const char* zero = l.zero2 ? "2" : l.zero1 ? "1" : "-";
+    const char* zero = l.zero3 ? "3" : l.zero2 ? "2" : l.zero1 ? "1" : "-";
     out += fmt::format(row, k + 1, l.dp, l.pp, l.tp, l.sequence_parallel ? "yes" : "-",
                        l.pp > 1 ? l.schedule : "-", l.chunks, l.micro_batch, p.micro_batches,
                        l.recompute ? "yes" : "no", zero, fmt::format("{:.3f}", 1e3 * p.step_time),

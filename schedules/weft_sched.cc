@@ -614,7 +614,8 @@ void add_plan_options(CLI::App* cmd, PlanRequest& q) {
   cmd->add_option("--virtual-stages", q.chunks, "fix the model chunks per rank");
   cmd->add_option("--micro-batch-size", q.micro_batch, "fix the micro-batch size");
   cmd->add_option("--data-parallel-sharding-strategy", q.sharding,
-                  "fix what the replicas shard: no_shard, optim (ZeRO-1) or optim_grads (ZeRO-2)");
+                  "fix what the replicas shard: no_shard, optim (ZeRO-1), optim_grads (ZeRO-2) "
+                  "or optim_grads_params (ZeRO-3)");
   cmd->add_flag("--sequence-parallel", q.sequence_parallel,
                 "fix sequence parallelism on (needs tp > 1); otherwise tried at every tp > 1");
   cmd->add_option("--max-micro-batch-size", q.in.fixed.max_micro_batch,
@@ -652,11 +653,10 @@ int plan_command(PlanRequest q) {
   fx.micro_batch = q.micro_batch;
   if (q.sharding) {
     const weft::ShardingStrategy st = weft::parse_sharding_strategy(*q.sharding);
-    weft::check(st != weft::ShardingStrategy::OptimGradsParams,
-                "--data-parallel-sharding-strategy optim_grads_params (ZeRO-3) is not available "
-                "yet: no_shard, optim or optim_grads");
     fx.zero1 = st != weft::ShardingStrategy::NoShard;
-    fx.zero2 = st == weft::ShardingStrategy::OptimGrads;
+    fx.zero2 =
+        st == weft::ShardingStrategy::OptimGrads || st == weft::ShardingStrategy::OptimGradsParams;
+    fx.zero3 = st == weft::ShardingStrategy::OptimGradsParams;
   }
   if (q.sequence_parallel) fx.sequence_parallel = true;
   if (q.schedule) default_chunks(*q.schedule);  // an unknown name is refused here
@@ -674,6 +674,7 @@ int plan_command(PlanRequest q) {
                      {"recompute", p.layout.recompute},
                      {"zero1", p.layout.zero1},
                      {"zero2", p.layout.zero2},
+                     {"zero3", p.layout.zero3},
                      {"sequence_parallel", p.layout.sequence_parallel},
                      {"step_time", p.step_time},
                      {"pipeline_time", p.pipeline_time},

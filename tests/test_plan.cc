@@ -41,7 +41,7 @@ PlanInput synthetic(int world, int64_t global, double latency = 1e-3) {
 // The candidates the search walks, counted here independently: every
 // dp x pp x tp of the world; at pp > 1 every schedule (interleaved with 2, 3
 // and 4 chunks), with and without recompute; micro-batches 1, 2, 4, 8, 16;
-// no sharding, ZeRO-1 and ZeRO-2 where dp > 1; with and without sequence
+// no sharding, ZeRO-1, ZeRO-2 and ZeRO-3 where dp > 1; with and without sequence
 // parallelism where tp > 1.
 TEST(Plan, WalksTheWholeSearchSpaceAndEveryPlanPassesTheRules) {
   const PlanInput in = synthetic(8, 32);
@@ -54,7 +54,7 @@ TEST(Plan, WalksTheWholeSearchSpaceAndEveryPlanPassesTheRules) {
       const int dp = 8 / (tp * pp);
       const int schedules = pp > 1 ? 4 + 3 : 1;  // gpipe, 1f1b, zb-h1, zb-v + interleaved x3
       const int recompute = pp > 1 ? 2 : 1;
-      const int sharding = dp > 1 ? 3 : 1;
+      const int sharding = dp > 1 ? 4 : 1;
       const int sequence = tp > 1 ? 2 : 1;
       expected += schedules * 5 * recompute * sharding * sequence;
       layouts.insert({dp, pp, tp});
@@ -150,6 +150,18 @@ TEST(Plan, MemoryIsStateAndTheSchedulesActivations) {
   ASSERT_EQ(zero2.micro_batches, 2);
   EXPECT_NEAR(zero2.dp_time, 1.5 * zero1.dp_time, 1e-9 * zero1.dp_time);
   EXPECT_EQ(zero2.layout.flags().back(), "optim_grads");
+  // ZeRO-3: the values sliced too, and a pool of 8 gathered buckets (twice
+  // the 4 one node touches); per micro-batch a reduce-scatter and two
+  // all-gathers, none after the update: 3 halves of an all-reduce per
+  // micro-batch.
+  Layout l3{8, 1, 1, "1f1b", 1, 2, false, true, true};
+  l3.zero3 = true;
+  const Plan zero3 = evaluate(in, l3);
+  const double gathered = 8 * 4.0 * (1 << 20);
+  EXPECT_NEAR(zero3.memory_per_rank, (4.0 / 8) * params + pool + gathered + p.activation_bytes, 1);
+  EXPECT_NEAR(zero3.dp_time, 3 * zero1.dp_time, 1e-9 * zero1.dp_time);
+  EXPECT_EQ(zero3.layout.flags().back(), "optim_grads_params");
+  EXPECT_TRUE(contains(zero3.layout.describe(), "zero-3")) << zero3.layout.describe();
 }
 
 // Where ZeRO-1's state does not fit and ZeRO-2's does, the planner runs
@@ -170,6 +182,17 @@ TEST(Plan, ShardedGradientsWhereOnlyTheyFit) {
   r = plan(in);
   ASSERT_FALSE(r.plans.empty());
   EXPECT_FALSE(r.plans.front().layout.zero2) << r.plans.front().layout.describe();
+  // And ZeRO-3 where only it fits: slower (two all-gathers per micro-batch),
+  // so chosen only then.
+  Layout l3{8, 1, 1, "1f1b", 1, 2, false, true, true};
+  l3.zero3 = true;
+  const Plan zero3 = evaluate(in, l3);
+  ASSERT_LT(zero3.memory_per_rank, zero2.memory_per_rank);
+  EXPECT_GT(zero3.step_time, zero2.step_time);
+  in.machine.memory = (zero2.memory_per_rank + zero3.memory_per_rank) / 2;
+  r = plan(in);
+  ASSERT_FALSE(r.plans.empty());
+  EXPECT_TRUE(r.plans.front().layout.zero3) << r.plans.front().layout.describe();
 }
 
 // Where the answer is known: free compute sharing and no bubble make pure

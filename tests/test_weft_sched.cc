@@ -68,9 +68,10 @@ TEST(WeftSched, PlanPrintsTheRankedTable) {
     EXPECT_EQ(p["schedule"], "zb-h1");
   }
   // A sharding strategy fixed: every plan runs it (at dp 2 here).
-  for (const auto& [strategy, zero1, zero2] : {std::tuple{"no_shard", false, false},
-                                               {"optim", true, false},
-                                               {"optim_grads", true, true}}) {
+  for (const auto& [strategy, zero1, zero2, zero3] : {std::tuple{"no_shard", false, false, false},
+                                                      {"optim", true, false, false},
+                                                      {"optim_grads", true, true, false},
+                                                      {"optim_grads_params", true, true, true}}) {
     o = run(shape + "--flops 1e10 --tp 2 --pp 2 --json --data-parallel-sharding-strategy " +
             strategy);
     ASSERT_EQ(o.code, 0) << o.err;
@@ -79,6 +80,7 @@ TEST(WeftSched, PlanPrintsTheRankedTable) {
     for (const auto& p : fixed) {
       EXPECT_EQ(p["zero1"], zero1) << strategy;
       EXPECT_EQ(p["zero2"], zero2) << strategy;
+      EXPECT_EQ(p["zero3"], zero3) << strategy;
     }
   }
   // Sequence parallelism: searched at tp > 1, beside each plan without it,
@@ -90,7 +92,8 @@ TEST(WeftSched, PlanPrintsTheRankedTable) {
     if (!p["sequence_parallel"].get<bool>()) continue;
     for (const auto& q : plans) {
       if (q["sequence_parallel"].get<bool>() || q["micro_batch"] != p["micro_batch"] ||
-          q["recompute"] != p["recompute"] || q["zero1"] != p["zero1"] || q["zero2"] != p["zero2"])
+          q["recompute"] != p["recompute"] || q["zero1"] != p["zero1"] ||
+          q["zero2"] != p["zero2"] || q["zero3"] != p["zero3"])
         continue;
       EXPECT_LT(p["activation_bytes"].get<double>(), q["activation_bytes"].get<double>());
     }
@@ -106,9 +109,11 @@ TEST(WeftSched, PlanPrintsTheRankedTable) {
   EXPECT_NE(o.out.find("--sequence-parallel needs --tensor-model-parallel-size above 1 (got 1)"),
             std::string::npos)
       << o.out;
-  o = run(shape + "--flops 1e10 --data-parallel-sharding-strategy optim_grads_params");
+  o = run(shape + "--flops 1e10 --data-parallel-sharding-strategy zero3");
   EXPECT_EQ(o.code, 1);
-  EXPECT_NE(o.err.find("optim_grads_params (ZeRO-3) is not available yet"), std::string::npos)
+  EXPECT_NE(o.err.find("--data-parallel-sharding-strategy 'zero3' must be no_shard, optim, "
+                       "optim_grads or optim_grads_params"),
+            std::string::npos)
       << o.err;
   // The recipe of --flops: bf16 activations halve the outputs' bytes and
   // add the weights' bf16 copies; fused attention keeps a log-sum-exp, not

@@ -159,8 +159,8 @@ struct Machine {
 
 // One candidate layout. recompute and zero1 as train_gpt's --recompute and
 // --use-distributed-optimizer; zero2 (with zero1) as
-// --data-parallel-sharding-strategy optim_grads; sequence_parallel as
-// --sequence-parallel (tp > 1).
+// --data-parallel-sharding-strategy optim_grads; zero3 (with zero2) as
+// optim_grads_params; sequence_parallel as --sequence-parallel (tp > 1).
 struct Layout {
   int dp = 1, pp = 1, tp = 1;
   std::string schedule = "1f1b";  // at pp 1: none is run
@@ -170,6 +170,7 @@ struct Layout {
   bool zero1 = false;
   bool zero2 = false;
   bool sequence_parallel = false;
+  bool zero3 = false;
   int64_t micro_batches(int64_t global_batch) const { return global_batch / (micro_batch * dp); }
   std::string describe() const;
   // The train_gpt flags that run it.
@@ -191,7 +192,7 @@ struct Constraints {
   std::optional<int> dp, pp, tp, chunks;
   std::optional<std::string> schedule;
   std::optional<int64_t> micro_batch;
-  std::optional<bool> recompute, zero1, zero2, sequence_parallel;
+  std::optional<bool> recompute, zero1, zero2, zero3, sequence_parallel;
   int64_t max_micro_batch = 16;
 };
 
@@ -228,7 +229,7 @@ Plan evaluate(const PlanInput& in, const Layout& l);
 PlanResult plan(const PlanInput& in);
 
 // The ranked table as text: rank, dp, pp, tp, sequence-parallel, schedule,
-// chunks, micro-batch, recompute, ZeRO stage (-, 1 or 2), step, bubble,
+// chunks, micro-batch, recompute, ZeRO stage (-, 1, 2 or 3), step, bubble,
 // memory per rank, bytes per step; `top` rows at most (0: all).
 std::string plan_table(const PlanResult& r, size_t top = 10);
 

@@ -896,9 +896,6 @@ bool check_plan_flags(const Args& a, const CLI::App& app) {
   check(a.plan == "auto", "--plan '{}' must be auto (weft-sched plan prints the others)", a.plan);
   check(app.count("--global-batch-size") > 0 || a.global_batch > 0,
         "--plan auto needs --global-batch-size: the planner splits it into micro-batches");
-  check(a.sharding_strategy != "optim_grads_params",
-        "--data-parallel-sharding-strategy optim_grads_params with --plan auto is not available "
-        "yet: the planner prices no_shard, optim and optim_grads (drop one of them)");
   check(app.count("--recompute-granularity") == 0,
         "--recompute-granularity with --plan auto is not available yet: the planner prices "
         "whole-stage --recompute only (drop one of them)");
@@ -959,10 +956,10 @@ void adopt_plan(Args& a, const CLI::App& app, weft::plan::PlanInput in) {
   if (app.count("--sequence-parallel"))
     fx.sequence_parallel = true, fixed.push_back("--sequence-parallel");
   if (app.count("--data-parallel-sharding-strategy")) {
-    fx.zero1 = a.distributed_optimizer, fx.zero2 = a.shard_grads;
+    fx.zero1 = a.distributed_optimizer, fx.zero2 = a.shard_grads, fx.zero3 = a.shard_params;
     fixed.push_back("--data-parallel-sharding-strategy " + a.sharding_strategy);
   } else if (app.count("--use-distributed-optimizer")) {
-    fx.zero2 = false;  // optim, the alias's strategy
+    fx.zero2 = fx.zero3 = false;  // optim, the alias's strategy
   }
   // Pipeline flags need a pipeline: a plan at pp 1 would have them refused.
   const bool needs_pipeline = app.count("--schedule") || app.count("--virtual-stages") ||
@@ -985,6 +982,7 @@ void adopt_plan(Args& a, const CLI::App& app, weft::plan::PlanInput in) {
   a.micro_batch = l.micro_batch;
   a.distributed_optimizer = l.zero1;
   a.shard_grads = l.zero2;
+  a.shard_params = l.zero3;
   a.sequence_parallel = l.sequence_parallel;
   if (l.pp > 1) {
     a.schedule = l.schedule;

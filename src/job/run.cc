@@ -1200,7 +1200,7 @@ void plan_by_profile(Args& a, const CLI::App& app, weft::Communicator* world) {
                         measured.size());
   }
   const std::vector<std::string> schedules = sched::schedule_names();
-  Tensor choice = Tensor::zeros({10}, DType::I32);
+  Tensor choice = Tensor::zeros({11}, DType::I32);
   int32_t* c = choice.data<int32_t>();
   std::string error;
   if (rank0) {
@@ -1257,6 +1257,7 @@ void plan_by_profile(Args& a, const CLI::App& app, weft::Communicator* world) {
       c[6] = b.distributed_optimizer;
       c[7] = b.shard_grads, c[8] = b.sequence_parallel;
       c[9] = static_cast<int32_t>(at - schedules.begin());
+      c[10] = b.shard_params;
     } catch (const std::exception& e) {
       error = e.what();
       c[0] = -1;
@@ -1270,7 +1271,7 @@ void plan_by_profile(Args& a, const CLI::App& app, weft::Communicator* world) {
     throw Error("{}", rank0 ? error : "--plan auto: rank 0 could not plan (its error says why)");
   a.tp = c[1], a.pp = c[2], a.virtual_stages = c[3], a.micro_batch = c[4];
   a.recompute = c[5] != 0, a.distributed_optimizer = c[6] != 0, a.shard_grads = c[7] != 0;
-  a.sequence_parallel = c[8] != 0;
+  a.sequence_parallel = c[8] != 0, a.shard_params = c[10] != 0;
   if (c[9] >= 0 && c[9] < static_cast<int32_t>(schedules.size()))
     a.schedule = schedules[static_cast<size_t>(c[9])];
   a.plan_pending = false;

@@ -120,6 +120,10 @@ TEST_F(NcclRanks, TensorAndDataParallel) {
   // Sharded gradients: each micro-batch's buffer is reduce-scattered on the
   // NCCL stream and retired by the compute stream waiting for it.
   expect_single_process(2, "--data-parallel-sharding-strategy optim_grads --ddp-bucket-size 4096");
+  // Sharded parameters: each node's buckets all-gathered on the NCCL stream,
+  // the next node's posted ahead, the compute stream waiting for each.
+  expect_single_process(
+      2, "--data-parallel-sharding-strategy optim_grads_params --ddp-bucket-size 4096");
   expect_single_process(4, "--pp 2 --tp 2");
   // Sequence parallelism: all-gathers and reduce-scatters on the NCCL
   // stream, into whole-sequence buffers the layers reuse in the compute
@@ -132,6 +136,9 @@ TEST_F(NcclRanks, DataPipelineAndTensorParallelOnEightRanks) {
   expect_single_process(8, "--pp 2 --tp 2 --schedule zb-h1 --sequence-parallel");
   expect_single_process(8, "--pp 2 --tp 2 --use-distributed-optimizer");
   expect_single_process(8, "--pp 2 --tp 2 --data-parallel-sharding-strategy optim_grads");
+  expect_single_process(8,
+                        "--pp 2 --tp 2 --schedule zb-h1 --data-parallel-sharding-strategy "
+                        "optim_grads_params --ddp-bucket-size 4096");
 }
 
 // The same layouts with every rank on one GPU, each its own NCCL host
