@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # What each data-parallel sharding strategy keeps per rank, and what it costs
-# a step: --data-parallel-sharding-strategy no_shard, optim (ZeRO-1) and
-# optim_grads (ZeRO-2), in the same run, at dp 2 on 2 ranks.
+# a step: --data-parallel-sharding-strategy no_shard, optim (ZeRO-1),
+# optim_grads (ZeRO-2) and optim_grads_params (ZeRO-3), in the same run, at
+# dp 2 on 2 ranks.
 #
 #   bench/sharding.sh [build-dir] [rounds]      (defaults: build, 2)
 #
 # Protocol, fixed before the run: GPT --model small (10.8M parameters),
 # micro-batches of 2, a global batch of 8 (2 micro-batches per replica), 8
-# steps, one thread per rank, the default buckets (2^20 elements). The three
+# steps, one thread per rank, the default buckets (2^20 elements). The four
 # strategies alternate, in that order, for `rounds` rounds. Reported per
 # strategy: rank 0's training state as train_gpt prints it (GradSync's
-# bytes: values, gradients, the micro-batch buffers of sharded gradients,
-# optimizer state), the same from the formula each strategy stands for (P =
-# the parameters' fp32 bytes on a rank, as the no_shard run prints them;
-# sharded gradients add their pool, measured), the peak resident memory of
+# bytes: values, the gathered-parameter buffers of sharded parameters,
+# gradients, the micro-batch buffers of sharded gradients, optimizer
+# state), the same from the formula each strategy stands for (P = the
+# parameters' fp32 bytes on a rank, as the no_shard run prints them;
+# sharded gradients and parameters add their pools, measured), the peak resident memory of
 # the larger rank (/usr/bin/time's maximum RSS: everything, activations and
 # the program included) as a median over the rounds, and the median step
 # time of steps 2-8 over the rounds. Beside them, the planner's prediction
@@ -26,7 +28,7 @@ need_time=1
 source "$(dirname "$0")/preamble.sh" "$@"
 model="--model small --micro-batch-size 2 --global-batch-size 8 --data-path $data --threads 1 \
   --train-iters 8 --log-interval 1 --comm-timeout 120"
-strategies="no_shard optim optim_grads"
+strategies="no_shard optim optim_grads optim_grads_params"
 shape="--num-layers 6 --hidden-size 384 --num-attention-heads 6 --seq-length 256 --vocab-size 256"
 
 # shellcheck disable=SC2086
@@ -54,7 +56,8 @@ units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 def size(text):
     v, u = text.split()
     return float(v) * units[u]
-line = re.compile(r"training state on rank 0 \([^)]*\): (\S+ \S+) of values, (\S+ \S+) of gradients"
+line = re.compile(r"training state on rank 0 \([^)]*\): (\S+ \S+) of values"
+                  r"(?: \+ (\S+ \S+) of gathered-parameter buffers)?, (\S+ \S+) of gradients"
                   r"(?: \+ (\S+ \S+) of micro-batch gradient buffers)?, (\S+ \S+) of optimizer state")
 rows = {}
 for s in strategies:
@@ -75,23 +78,25 @@ for s in strategies:
                min(steps), max(steps))
 plans = {}
 for p in json.load(open(f"{work}/plans.json")):
-    plans["optim_grads" if p["zero2"] else "optim" if p["zero1"] else "no_shard"] = p["memory_per_rank"]
+    name = ("optim_grads_params" if p["zero3"] else "optim_grads" if p["zero2"] else
+            "optim" if p["zero1"] else "no_shard")
+    plans[name] = p["memory_per_rank"]
 P = rows["no_shard"][0][0]  # a rank's parameters, fp32 bytes
 dp = 2
 formula = {"no_shard": 4 * P, "optim": P + P * (1 + 1 / dp) + 2 * P / dp,
-           "optim_grads": P + P / dp + 2 * P / dp}
+           "optim_grads": P + P / dp + 2 * P / dp, "optim_grads_params": 4 * P / dp}
 mib = lambda b: f"{b / 2**20:.1f}"
 print(f"# data-parallel sharding at dp 2 (2 ranks): GPT --model small, {rounds} rounds")
 print()
-print("| strategy | values | gradients | micro-batch buffers | optimizer state | state, measured | "
-      "state, formula | state + activations, held | planner's prediction | predicted / held | "
-      "peak RSS (median, range) | step ms (median, range) |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+print("| strategy | values | gathered buffers | gradients | micro-batch buffers | optimizer state | "
+      "state, measured | state, formula | state + activations, held | planner's prediction | "
+      "predicted / held | peak RSS (median, range) | step ms (median, range) |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for s in strategies:
-    (v, g, b, o), act, rss, rlo, rhi, step, slo, shi = rows[s]
-    f = formula[s] + b
-    held = v + g + b + o + act
-    print(f"| {s} | {mib(v)} | {mib(g)} | {mib(b)} | {mib(o)} | {mib(v + g + b + o)} | {mib(f)} | "
+    (v, gv, g, b, o), act, rss, rlo, rhi, step, slo, shi = rows[s]
+    f = formula[s] + gv + b
+    held = v + gv + g + b + o + act
+    print(f"| {s} | {mib(v)} | {mib(gv)} | {mib(g)} | {mib(b)} | {mib(o)} | {mib(v + gv + g + b + o)} | {mib(f)} | "
           f"{mib(held)} | {mib(plans[s])} | {plans[s] / held:.3f} | {mib(rss)} ({mib(rlo)}-{mib(rhi)}) | "
           f"{step:.0f} ({slo:.0f}-{shi:.0f}) |")
 print()
