@@ -473,6 +473,11 @@ TEST_F(Cli, PlanAutoRunsTheBestPlan) {
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_TRUE(testing::contains(r.out, "plan auto: (dp 1, pp 1, tp 1) mb 2 zero-2, predicted step"))
       << r.out;
+  r = run(toy("--plan auto --plan-costs " + costs +
+              " --train-iters 1 --data-parallel-sharding-strategy optim_grads_params"));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_TRUE(testing::contains(r.out, "plan auto: (dp 1, pp 1, tp 1) mb 2 zero-3, predicted step"))
+      << r.out;
   expect_error(toy("--plan-costs " + costs), {"--plan-costs sets up the planner: it needs --plan auto"});
   expect_error(toy("--plan-wake 1e-3"), {"--plan-wake sets up the planner: it needs --plan auto"});
   expect_error(toy("--plan auto --plan-wake -1 --plan-costs " + costs),
