@@ -468,10 +468,16 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
   const double largest_bucket =
       std::max({4.0 * (1 << 20), 4.0 * 4 * h * h / tp, l.pp == 1 ? embedding_bytes : 0.0});
   // ZeRO-3's pool of gathered buckets: twice the most buckets one node
-  // touches (the MLP's two matrices, each a bucket of its own at the
-  // default size, and the buckets its biases share: 4), each as large as
-  // the largest bucket, with its bf16 half under bf16 activations.
-  const double gathered = 2 * 4 * largest_bucket * (1 + c.weight_copy_ratio);
+  // touches (at least 2), each as large as the largest bucket, with its bf16
+  // half under bf16 activations. The node is the MLP, (8 h^2 + 5 h) / tp
+  // elements: where a matrix outgrows the default bucket, each matrix and
+  // each bias after it opens a bucket of its own (4); else it spans as many
+  // default buckets as it fills.
+  const double bucket = 1 << 20;
+  const double mlp = (8 * h * h + 5 * h) / tp;
+  const double node_buckets = 4 * h * h / tp > bucket ? 4 : std::ceil(mlp / bucket);
+  const double gathered =
+      std::max(2.0, 2 * node_buckets) * largest_bucket * (1 + c.weight_copy_ratio);
   double state = 0;
   for (int rank = 0; rank < l.pp; ++rank) {
     const double p = rank_params[static_cast<size_t>(rank)];
