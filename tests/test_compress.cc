@@ -558,9 +558,6 @@ TEST(CompressionOptions, TrainGptRejectsBadFlagsWithOneLine) {
       {"--data-parallel-sharding-strategy zero2",
        "--data-parallel-sharding-strategy 'zero2' must be no_shard, optim, optim_grads or "
        "optim_grads_params"},
-      {"--data-parallel-sharding-strategy optim_grads_params --plan auto --global-batch-size 8",
-       "--data-parallel-sharding-strategy optim_grads_params with --plan auto is not available "
-       "yet"},
       {"--use-distributed-optimizer --data-parallel-sharding-strategy no_shard",
        "--use-distributed-optimizer shards the optimizer state, and "
        "--data-parallel-sharding-strategy no_shard says not to"},

@@ -150,8 +150,15 @@ TEST_P(HfRoundTrip, ATrainGptCheckpointComesBackBitForBit) {
 
   const std::string flags = printed_flags(imported.out, "weft.safetensors");
   ASSERT_FALSE(flags.empty()) << imported.out;
+  // The table padded in memory as the checkpoint's run padded it (the file
+  // holds the 256 real rows either way): the head's GEMMs over 259 rows and
+  // over 256 add in other orders on some BLAS kernels (AVX-512's), and the
+  // comparison is of the weights, bit for bit.
   testing::TrainRun from_import = testing::run_train_gpt(
-      1, fmt::format("--init-from {}/weft.safetensors {}{}", dir, flags, data), dir);
+      1,
+      fmt::format("--init-from {}/weft.safetensors {}{} --make-vocab-size-divisible-by 7", dir,
+                  flags, data),
+      dir);
   ASSERT_TRUE(from_import.ok) << from_import.output;
   testing::TrainRun finetune =
       testing::run_train_gpt(1, fmt::format("--load {}/ckpt --finetune --train-iters 1", dir), dir);

@@ -1081,6 +1081,30 @@ TEST(Checkpoint, SavedWithShardedParametersResumesUnderEveryStrategy) {
   save_and_resume(plain, {to_zero3, from}, "ckpt_222_to_zero3");
 }
 
+// --init-from under sharded parameters: each replica keeps its slices of
+// the file's weights (the values between actions are gathered buffers, not
+// the parameters' own), and trains as one process that read the same file.
+TEST(Checkpoint, WeightsFileInitialisesShardedParameters) {
+  const std::string dir = testing::temp_dir("init_zero3");
+  GptModel other = build_gpt(tiny(), kMicro);
+  init_gpt(other, kSeed + 1);  // not the layouts' own initialisation
+  save_weights(dir + "/w.safetensors", other.graph.params());
+  auto from_file = [&](RankLayout& rank) { rank.trainer().load_weights(dir + "/w.safetensors"); };
+  const std::vector<RankRun> one = run_layout({1, 1, 1}, kSteps, from_file);
+  EXPECT_GT(std::abs(one[0].steps[0].loss - reference().loss[0]), 1e-4)
+      << "the file's weights train as the default ones";
+  for (Layout l : std::vector<Layout>{{2, 2, 2, "zb-h1"}, {4, 1, 2}}) {
+    l.distributed = l.shard_grads = l.shard_params = true;
+    l.bucket_elements = 2048;
+    SCOPED_TRACE(l.name());
+    const std::vector<RankRun> runs = run_layout(l, kSteps, from_file);
+    for (const RankRun& r : runs)
+      for (size_t s = 0; s < z(kSteps); ++s)
+        EXPECT_NEAR(r.steps[s].loss, one[0].steps[s].loss, kTol * one[0].steps[s].loss)
+            << "step " << s + 1;
+  }
+}
+
 TEST(Checkpoint, AnotherModelShapeNamesTheTensorAndBothShapes) {
   const std::string dir = testing::temp_dir("ckpt_shape");
   run_layout({2, 1, 1}, 1, {}, [&](RankLayout& rank) { rank.trainer().save(dir); });

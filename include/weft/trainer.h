@@ -315,6 +315,10 @@ class Trainer {
   // returns: a save, or wait_for_saves(), first waits for the one before it,
   // and throws what went wrong in it.
   void save(const std::string& dir, int64_t keep_last = 0);
+  // Sets the weights from a safetensors file (weft/checkpoint.h's
+  // load_weights: --init-from); with sharded parameters each replica keeps
+  // only its slices of what it reads.
+  void load_weights(const std::string& path);
   // Collective: returns once every save started is on disk (a no-op
   // without async_save beyond the check for an earlier failure).
   void wait_for_saves();

@@ -653,7 +653,7 @@ class Run {
       cost = costs(a, model->graph, model->io, *batches, world, opt.device);
     layout.emplace(team, model->graph, model->io, *batches, opt, lo, static_cast<uint64_t>(a.seed),
                    cost ? &*cost : nullptr);
-    if (!a.init_from.empty()) load_weights(a.init_from, layout->graph().params());
+    if (!a.init_from.empty()) layout->trainer().load_weights(a.init_from);
     if (rank0 && layout->mesh())
       fmt::print("mesh: {}{}\n", layout->mesh()->layout.describe(),
                  a.sequence_parallel ? " | sequence-parallel" : "");

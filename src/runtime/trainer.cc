@@ -894,6 +894,36 @@ CheckpointSource Trainer::load(const std::string& dir, bool allow_unverified, bo
   }
 }
 
+void Trainer::load_weights(const std::string& path) {
+  if (!sync_->sharded_params()) {
+    weft::load_weights(path, g_.graph->params());
+    return;
+  }
+  // This rank's parameters read whole into host copies, then handed to
+  // GradSync, which keeps this replica's slices (the values between
+  // actions are views of gathered buffers, not the parameters' own).
+  const std::vector<Param*>& synced = sync_->params();
+  std::vector<Param> whole(synced.size());
+  std::map<const Param*, size_t> index;
+  for (size_t i = 0; i < synced.size(); ++i) {
+    index[synced[i]] = i;
+    whole[i].name = synced[i]->name;
+    whole[i].shard = synced[i]->shard;
+    whole[i].true_rows = synced[i]->true_rows;
+    whole[i].value = Tensor::zeros(synced[i]->value.shape());
+  }
+  std::vector<Param*> targets;
+  for (Param* p : g_.graph->params()) {
+    auto it = index.find(p);
+    targets.push_back(it == index.end() ? p : &whole[it->second]);
+  }
+  weft::load_weights(path, targets);
+  sync_->load_values([&](size_t param, int64_t lo, int64_t hi, const Tensor& dest) {
+    const Tensor& t = whole[param].value;
+    dest.copy_from(Tensor(t.data<float>() + lo, Shape{hi - lo}, DType::F32, t.device()));
+  });
+}
+
 void Trainer::read_checkpoint(const Checkpoint& c, bool weights_only) {
   if (sync_->sharded_params()) {
     // Each replica reads only its slices of the sharded values; the
