@@ -822,6 +822,21 @@ TEST(DistributedOptimizer, EachReplicaKeepsMomentsForItsSliceOnly) {
   for (size_t r = 0; r < plain.size(); ++r) EXPECT_EQ(plain[r].by_replica[r], plain[r].total);
 }
 
+// Runs `l` for `steps` steps of `cfg`, and keeps what each replica's GradSync
+// holds after them (weft/grad_sync.h's Memory), by data-parallel rank.
+std::vector<RankRun> run_keeping_memory(const Layout& l, const GptConfig& cfg, int steps,
+                                        std::vector<GradSync::Memory>& held) {
+  std::mutex mu;
+  held.assign(z(l.world()), {});
+  return run_layout(
+      l, steps, {},
+      [&](RankLayout& rank) {
+        std::lock_guard<std::mutex> lock(mu);
+        held[z(rank.coord().dp)] = rank.trainer().grad_sync().memory();
+      },
+      cfg);
+}
+
 // Sharded gradients (ZeRO-2) keep, per replica, the reduced slice of each
 // bucket (padded / dp elements) and a pool of micro-batch buffers, where
 // ZeRO-1 keeps every bucket whole beside its slice. Measured: the bytes
@@ -845,23 +860,11 @@ TEST(ShardedGradients, KeepTheirSliceAndAPoolThatTheDepthDoesNotGrow) {
     zero1.overlap = overlap;
     Layout zero2 = zero1;
     zero2.shard_grads = true;
-    auto run = [](const Layout& l, const GptConfig& cfg, int steps,
-                  std::vector<GradSync::Memory>& held) {
-      std::mutex mu;
-      held.assign(z(l.world()), {});
-      return run_layout(
-          l, steps, {},
-          [&](RankLayout& rank) {
-            std::lock_guard<std::mutex> lock(mu);
-            held[z(rank.coord().dp)] = rank.trainer().grad_sync().memory();
-          },
-          cfg);
-    };
     std::vector<GradSync::Memory> h1, h2, d1, d2;
-    const std::vector<RankRun> a = run(zero1, tiny(), kSteps, h1);
-    const std::vector<RankRun> b = run(zero2, tiny(), kSteps, h2);
-    run(zero1, deep, 1, d1);
-    run(zero2, deep, 1, d2);
+    const std::vector<RankRun> a = run_keeping_memory(zero1, tiny(), kSteps, h1);
+    const std::vector<RankRun> b = run_keeping_memory(zero2, tiny(), kSteps, h2);
+    run_keeping_memory(zero1, deep, 1, d1);
+    run_keeping_memory(zero2, deep, 1, d2);
     expect_same_steps(a, b, "zero2 against zero1");
     expect_reference_steps(b, 0);
     const double micro_batches = static_cast<double>(kGlobal / (kMicro * zero1.dp));
@@ -907,23 +910,11 @@ TEST(ShardedParameters, KeepTheirSliceAndAPoolThatTheDepthDoesNotGrow) {
   zero2.bucket_elements = 2048;
   Layout zero3 = zero2;
   zero3.shard_params = true;
-  auto run = [](const Layout& l, const GptConfig& cfg, int steps,
-                std::vector<GradSync::Memory>& held) {
-    std::mutex mu;
-    held.assign(z(l.world()), {});
-    return run_layout(
-        l, steps, {},
-        [&](RankLayout& rank) {
-          std::lock_guard<std::mutex> lock(mu);
-          held[z(rank.coord().dp)] = rank.trainer().grad_sync().memory();
-        },
-        cfg);
-  };
   std::vector<GradSync::Memory> h2, h3, d2, d3;
-  const std::vector<RankRun> a = run(zero2, tiny(), kSteps, h2);
-  const std::vector<RankRun> b = run(zero3, tiny(), kSteps, h3);
-  const std::vector<RankRun> da = run(zero2, deep, 1, d2);
-  const std::vector<RankRun> db = run(zero3, deep, 1, d3);
+  const std::vector<RankRun> a = run_keeping_memory(zero2, tiny(), kSteps, h2);
+  const std::vector<RankRun> b = run_keeping_memory(zero3, tiny(), kSteps, h3);
+  const std::vector<RankRun> da = run_keeping_memory(zero2, deep, 1, d2);
+  const std::vector<RankRun> db = run_keeping_memory(zero3, deep, 1, d3);
   for (size_t r = 0; r < b.size(); ++r)
     for (size_t s = 0; s < z(kSteps); ++s) {
       EXPECT_EQ(b[r].steps[s].loss, a[r].steps[s].loss) << "rank " << r << " step " << s + 1;
