@@ -543,7 +543,7 @@ TEST_F(Cli, NumericFlagsOutOfRange) {
   // what there is.
   expect_error(toy("--micro-batch-size 100000000 --global-batch-size 100000000"),
                {"out of host memory: this run needs at least", "TiB of activations per micro-batch",
-                "are available: use a smaller --micro-batch-size"});
+                "were available as it started: use a smaller --micro-batch-size"});
 }
 
 // --load takes a checkpoint directory or one iter_N in it. An edited

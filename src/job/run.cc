@@ -288,6 +288,10 @@ class Run {
         global(a.global_batch > 0 ? a.global_batch : a.micro_batch) {}
 
   int operator()() {
+    // Before this job allocates anything on this host: by the time the
+    // memory check runs, this rank and its neighbours have built their
+    // models, and what is left would count their weights twice.
+    host_available = static_cast<double>(host_memory_available());
     check_training_flags(a, app);
     plan_ranks();
     connect();                         // the communicators: staged or NCCL over MPI, the rank table
@@ -710,11 +714,12 @@ class Run {
       int here = 0;
       for (const auto& r : ranks) here += r["host"].get<std::string>() == host;
       const double need = (outputs / shards + state) * here;
-      const double avail = static_cast<double>(host_memory_available());
+      const double avail = host_available;
       check(
           need <= avail,
           "out of host memory: this run needs at least {} on {} ({} rank{} x ({} of activations "
-          "per micro-batch + {} of weights, gradients and AdamW state)), and {} are available: use "
+          "per micro-batch + {} of weights, gradients and AdamW state)), and {} were available "
+          "as it started: use "
           "a smaller --micro-batch-size or --seq-length, or more --pp or --tp ranks",
           format_bytes(need), host, here, here == 1 ? "" : "s", format_bytes(outputs / shards),
           format_bytes(state), format_bytes(avail));
@@ -1125,6 +1130,7 @@ class Run {
   Communicator* world;  // the MPI world, or the staged or NCCL one over it
   const GptConfig cfg;
   const int64_t global;  // sequences per step
+  double host_available = 0;  // the host's available memory as the run started
   int world_size = 1, workers = 1;
   PipelineSetup setup;
   std::optional<HostStagedCommunicator> staged_world;
