@@ -175,6 +175,27 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
     }
     if (sharded(b)) pool_elements_ = std::max(pool_elements_, b.padded);
   }
+  if (sharded_params()) {
+    // Each node's buckets whose values are sharded, and a first buffer that
+    // every sharded value points into once its slice is copied (its own
+    // memory let go there, bucket by bucket, so that the whole values and
+    // the slices are never all held at once).
+    node_buckets_.assign(graph.nodes().size(), {});
+    size_t most = 0;
+    for (int n : nodes) {
+      std::vector<int>& v = node_buckets_[static_cast<size_t>(n)];
+      for (int i : node_params_[static_cast<size_t>(n)]) {
+        const int bi = bucket_of_[static_cast<size_t>(i)];
+        if (params_sharded(*buckets_[static_cast<size_t>(bi)]) &&
+            std::find(v.begin(), v.end(), bi) == v.end())
+          v.push_back(bi);
+      }
+      most = std::max(most, v.size());
+    }
+    gathered_cap_ = std::max<size_t>(2, 2 * most);
+    resident_.assign(buckets_.size(), -1);
+    if (pool_elements_ > 0) free_gathered(-1, -1);
+  }
   for (auto& bp : buckets_) {
     Bucket& b = *bp;
     // Sharded gradients: no whole buffer; each micro-batch borrows one.
@@ -218,6 +239,7 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
         if (!o.empty())
           elements(b.shard_value, o.lo - lo, o.hi - o.lo)
               .copy_from(elements(p->value, o.lo - b.offset[k], o.hi - o.lo));
+        p->value = gathered_view(0, b.params[k], false);
       } else if (distributed()) {
         Tensor view(b.value.data<float>() + b.offset[k], p->value.shape(), DType::F32, device);
         view.copy_from(p->value);
@@ -226,30 +248,6 @@ GradSync::GradSync(const Graph& graph, std::vector<int> nodes, std::vector<Param
     }
   }
   if (!pool_.empty()) pool_[0].busy = false;
-  if (sharded_params()) {
-    // Each node's buckets whose values are sharded, and a first buffer that
-    // every sharded value points into (its own memory is let go).
-    node_buckets_.assign(graph.nodes().size(), {});
-    size_t most = 0;
-    for (int n : nodes) {
-      std::vector<int>& v = node_buckets_[static_cast<size_t>(n)];
-      for (int i : node_params_[static_cast<size_t>(n)]) {
-        const int bi = bucket_of_[static_cast<size_t>(i)];
-        if (params_sharded(*buckets_[static_cast<size_t>(bi)]) &&
-            std::find(v.begin(), v.end(), bi) == v.end())
-          v.push_back(bi);
-      }
-      most = std::max(most, v.size());
-    }
-    gathered_cap_ = std::max<size_t>(2, 2 * most);
-    resident_.assign(buckets_.size(), -1);
-    if (pool_elements_ > 0) {
-      free_gathered(-1, -1);
-      for (size_t i = 0; i < np; ++i)
-        if (params_sharded(*buckets_[static_cast<size_t>(bucket_of_[i])]))
-          params_[i]->value = gathered_view(0, static_cast<int>(i), false);
-    }
-  }
   for (size_t i = 0; i < np; ++i)
     if (!params_sharded(*buckets_[static_cast<size_t>(bucket_of_[i])]))
       whole_params_.push_back(params_[i]);
@@ -471,6 +469,8 @@ void GradSync::resident(int bucket, int node, int next, bool wait) {
     g.request.reset();
   }
   const bool half = graph_->activation_dtype() == DType::BF16;
+  if (half && !g.value16.defined())  // activations made bf16 after the pool began
+    g.value16 = Tensor::zeros({pool_elements_}, DType::BF16, g.value.device());
   if (half && !g.rounded) {  // the bucket's bf16 copies, rounded once while it stays
     ops::convert(elements(g.value, 0, b.padded), Tensor(g.value16.data<uint16_t>(), Shape{b.padded},
                                                         DType::BF16, g.value16.device()));
