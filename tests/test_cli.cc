@@ -478,6 +478,9 @@ TEST_F(Cli, PlanAutoRunsTheBestPlan) {
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_TRUE(testing::contains(r.out, "plan auto: (dp 1, pp 1, tp 1) mb 2 zero-3, predicted step"))
       << r.out;
+  // What ran is what the state line says: at dp 1 nothing was sharded.
+  EXPECT_TRUE(testing::contains(r.out, "training state on rank 0 (nothing sharded: dp is 1)"))
+      << r.out;
   expect_error(toy("--plan-costs " + costs), {"--plan-costs sets up the planner: it needs --plan auto"});
   expect_error(toy("--plan-wake 1e-3"), {"--plan-wake sets up the planner: it needs --plan auto"});
   expect_error(toy("--plan auto --plan-wake -1 --plan-costs " + costs),

@@ -1015,13 +1015,16 @@ class Run {
     if (rank0 && a.ps_ranks == 0) {
       // What rank 0 keeps for its parameters (weft/grad_sync.h's Memory):
       // the sharding strategy's effect, beside the activations above.
-      const GradSync::Memory m = layout->trainer().grad_sync().memory();
+      // What GradSync runs, not what was asked: at dp 1 nothing is sharded.
+      const GradSync& sync = layout->trainer().grad_sync();
+      const GradSync::Memory m = sync.memory();
       fmt::print(
           "training state on rank 0 ({}): {} of values{}, {} of gradients{}, {} of optimizer "
           "state; {} in all\n",
-          a.shard_params            ? "optimizer state, gradients and parameters sharded over dp"
-          : a.shard_grads           ? "optimizer state and gradients sharded over dp"
-          : a.distributed_optimizer ? "optimizer state sharded over dp"
+          sync.sharded_params()     ? "optimizer state, gradients and parameters sharded over dp"
+          : sync.sharded_grads()    ? "optimizer state and gradients sharded over dp"
+          : sync.distributed()      ? "optimizer state sharded over dp"
+          : a.distributed_optimizer ? "nothing sharded: dp is 1"
                                     : "nothing sharded",
           format_bytes(m.values),
           m.value_buffers > 0
