@@ -465,15 +465,15 @@ Plan evaluate(const PlanInput& in, const Layout& l) {
   // ZeRO-2's pool buffer: the default bucket, or the largest tensor that is
   // a bucket of its own (an MLP matrix; at pp 1 the tied embedding, whose
   // bucket is open from the head's W to the embedding's).
+  const double bucket = 1 << 20;  // GradSyncOptions::bucket_elements' default
   const double largest_bucket =
-      std::max({4.0 * (1 << 20), 4.0 * 4 * h * h / tp, l.pp == 1 ? embedding_bytes : 0.0});
+      std::max({4.0 * bucket, 4.0 * 4 * h * h / tp, l.pp == 1 ? embedding_bytes : 0.0});
   // ZeRO-3's pool of gathered buckets: twice the most buckets one node
   // touches (at least 2), each as large as the largest bucket, with its bf16
   // half under bf16 activations. The node is the MLP, (8 h^2 + 5 h) / tp
   // elements: where a matrix outgrows the default bucket, each matrix and
   // each bias after it opens a bucket of its own (4); else it spans as many
   // default buckets as it fills.
-  const double bucket = 1 << 20;
   const double mlp = (8 * h * h + 5 * h) / tp;
   const double node_buckets = 4 * h * h / tp > bucket ? 4 : std::ceil(mlp / bucket);
   const double gathered =

@@ -459,7 +459,6 @@ void GradSync::resident(int bucket, int node, int next, bool wait) {
     g.request = groups_.dp->iall_gather(b.shard_value, elements(g.value, 0, b.padded));
     ++stats_.gathers;
     if (!wait) ++stats_.prefetched;
-    for (int i : b.params) params_[static_cast<size_t>(i)]->value = gathered_view(k, i, false);
   }
   Gathered& g = gathered_[static_cast<size_t>(k)];
   g.used = clock_;
@@ -476,7 +475,7 @@ void GradSync::resident(int bucket, int node, int next, bool wait) {
                                                         DType::BF16, g.value16.device()));
     g.rounded = true;
   }
-  // Set again on every use: another bucket may have taken its buffer since.
+  // Set on every use: another bucket may have held this buffer since the last.
   for (int i : b.params) {
     Param* p = params_[static_cast<size_t>(i)];
     p->value = gathered_view(k, i, false);
