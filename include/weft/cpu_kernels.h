@@ -1,15 +1,39 @@
 // weft/cpu_kernels.h — CPU kernels on raw fp32 arrays.
 //
-// Row-major throughout. GEMM goes to OpenBLAS's cblas; the element-wise and
-// reduction kernels are OpenMP loops written for the compiler's vectoriser.
+// Row-major throughout. GEMM goes to OpenBLAS's cblas or oneDNN's sgemm
+// (gemm_library); the element-wise and reduction kernels are OpenMP loops
+// written for the compiler's vectoriser.
 // Shapes are given in comments as (rows, cols); N = rows = B*T tokens.
 #pragma once
 
 #include <weft/targets.h>
 
 #include <cstdint>
+#include <string>
+#include <string_view>
 
 namespace weft::cpu {
+
+// The library behind gemm. Both share weft's OpenMP threads (set_threads).
+// Each sums in its own order, so a run's GEMM library is part of what makes
+// it reproducible bit for bit: a resume on the same host chooses the same one.
+enum class GemmLibrary : uint8_t { OpenBlas, OneDnn };
+// oneDNN where weft was built with it (meson -Donednn): its kernels follow the
+// host's vector ISA, where OpenBLAS 0.3.21 runs SSE3 kernels on CPUs newer
+// than itself; else OpenBLAS. The environment's WEFT_CPU_GEMM (openblas or
+// onednn), read at the first use, overrides it, so a test suite can run under
+// each library.
+GemmLibrary default_gemm_library();
+GemmLibrary gemm_library();  // the one in use: set, else the default
+// Throws weft::Error for oneDNN in a build without it.
+void set_gemm_library(GemmLibrary library);
+bool onednn_built();
+// "auto", "openblas" or "onednn" (auto: default_gemm_library()); anything
+// else throws weft::Error naming `what` and the value.
+GemmLibrary parse_gemm_library(std::string_view name, std::string_view what);
+// For the log header: "OpenBLAS 0.3.21 (Prescott kernels)", "oneDNN 2.6.3
+// (avx512_core_bf16)".
+std::string describe_gemm_library(GemmLibrary library);
 
 // C (m,n) = alpha * op(A) op(B) + beta * C, with op = transpose when trans_*.
 // lda/ldb/ldc are row strides (elements); A is (m,k) or (k,m) when trans_a.

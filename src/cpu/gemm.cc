@@ -1,16 +1,121 @@
 #include <weft/bf16.h>
 #include <weft/cpu_kernels.h>
+#include <weft/error.h>
 
 #include <cblas.h>
+#include <fmt/format.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <vector>
 
+#include "weft_config.h"
+#if WEFT_ONEDNN
+#include <oneapi/dnnl/dnnl.h>
+#endif
+
 namespace weft::cpu {
+
+namespace {
+
+// -1 until the first use or set_gemm_library; then a GemmLibrary.
+std::atomic<int> g_library{-1};
+
+#if WEFT_ONEDNN
+const char* isa_name(dnnl_cpu_isa_t isa) {
+  switch (isa) {
+    case dnnl_cpu_isa_sse41:
+      return "sse41";
+    case dnnl_cpu_isa_avx:
+      return "avx";
+    case dnnl_cpu_isa_avx2:
+      return "avx2";
+    case dnnl_cpu_isa_avx2_vnni:
+      return "avx2_vnni";
+    case dnnl_cpu_isa_avx512_mic:
+      return "avx512_mic";
+    case dnnl_cpu_isa_avx512_mic_4ops:
+      return "avx512_mic_4ops";
+    case dnnl_cpu_isa_avx512_core:
+      return "avx512_core";
+    case dnnl_cpu_isa_avx512_core_vnni:
+      return "avx512_core_vnni";
+    case dnnl_cpu_isa_avx512_core_bf16:
+      return "avx512_core_bf16";
+    case dnnl_cpu_isa_avx512_core_amx:
+      return "avx512_core_amx";
+    default:
+      return "other";
+  }
+}
+#endif
+
+}  // namespace
+
+bool onednn_built() { return WEFT_ONEDNN != 0; }
+
+GemmLibrary default_gemm_library() {
+  return onednn_built() ? GemmLibrary::OneDnn : GemmLibrary::OpenBlas;
+}
+
+GemmLibrary parse_gemm_library(std::string_view name, std::string_view what) {
+  if (name == "auto") return default_gemm_library();
+  if (name == "openblas") return GemmLibrary::OpenBlas;
+  if (name == "onednn") {
+    check(onednn_built(),
+          "{} onednn: weft was built without oneDNN (install libdnnl-dev, then set up again)",
+          what);
+    return GemmLibrary::OneDnn;
+  }
+  throw Error("{} '{}' must be auto, openblas or onednn", what, name);
+}
+
+GemmLibrary gemm_library() {
+  int v = g_library.load(std::memory_order_relaxed);
+  if (v >= 0) return static_cast<GemmLibrary>(v);
+  const char* env = std::getenv("WEFT_CPU_GEMM");
+  const GemmLibrary chosen = env == nullptr || *env == 0 ? default_gemm_library()
+                                                         : parse_gemm_library(env, "WEFT_CPU_GEMM");
+  // A racing first use reads the same environment and stores the same value.
+  g_library.store(static_cast<int>(chosen), std::memory_order_relaxed);
+  return chosen;
+}
+
+void set_gemm_library(GemmLibrary library) {
+  check(library != GemmLibrary::OneDnn || onednn_built(),
+        "the oneDNN GEMM: weft was built without oneDNN (install libdnnl-dev, then set up again)");
+  g_library.store(static_cast<int>(library), std::memory_order_relaxed);
+}
+
+std::string describe_gemm_library(GemmLibrary library) {
+#if WEFT_ONEDNN
+  if (library == GemmLibrary::OneDnn) {
+    const dnnl_version_t* v = dnnl_version();
+    return fmt::format("oneDNN {}.{}.{} ({})", v->major, v->minor, v->patch,
+                       isa_name(dnnl_get_effective_cpu_isa()));
+  }
+#endif
+  (void)library;
+  // "OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH ... Prescott MAX_THREADS=64":
+  // the version is its second word.
+  std::string config = openblas_get_config();
+  std::string version = config.substr(0, config.find(' ', config.find(' ') + 1));
+  return fmt::format("{} ({} kernels)", version, openblas_get_corename());
+}
 
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
           const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
           int64_t ldc) {
   if (m == 0 || n == 0) return;
+#if WEFT_ONEDNN
+  if (gemm_library() == GemmLibrary::OneDnn) {
+    const dnnl_status_t status = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k,
+                                            alpha, a, lda, b, ldb, beta, c, ldc);
+    check(status == dnnl_success, "oneDNN sgemm ({} x {} x {}) failed with status {}", m, n, k,
+          static_cast<int>(status));
+    return;
+  }
+#endif
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
               trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(m),
               static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,

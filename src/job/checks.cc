@@ -8,6 +8,7 @@
 #include <weft/link_check.h>
 #include <weft/mesh.h>
 #include <weft/mpi_communicator.h>
+#include <weft/cpu_kernels.h>
 #include <weft/ops.h>
 #include <weft/param_server.h>
 #include <weft/nccl_communicator.h>
@@ -208,6 +209,14 @@ weft::Device resolve_device(const Args& a, int world, bool& staged, bool& nccl) 
         "--attention-backend {}: weft was built without cuDNN's fused attention, so attention "
         "is always unfused (set-up needs cuDNN and scripts/cudnn-frontend.sh's headers)",
         a.attention_backend);
+  check(a.cpu_gemm == "auto" || a.cpu_gemm == "openblas" || a.cpu_gemm == "onednn",
+        "--cpu-gemm '{}' must be auto, openblas or onednn", a.cpu_gemm);
+  check(a.cpu_gemm != "onednn" || weft::cpu::onednn_built(),
+        "--cpu-gemm onednn: weft was built without oneDNN (install libdnnl-dev, then set up "
+        "again)");
+  check(a.cpu_gemm == "auto" || kind != "cuda",
+        "--cpu-gemm {} chooses the CPU's GEMM library, but --device cuda runs GEMMs on cuBLAS",
+        a.cpu_gemm);
   if (kind != "cuda") {
     check(!a.tf32, "--tf32 needs --device cuda: the CPU computes in fp32");
   } else {

@@ -188,6 +188,9 @@ void add_flags(CLI::App& app, Args& a, const Job& job) {
   app.add_option("--comm-backend", a.comm_backend,
                  "auto, mpi or nccl: how ranks on GPUs exchange tensors (mpi: staged through "
                  "host memory, which works when ranks share a GPU)");
+  app.add_option("--cpu-gemm", a.cpu_gemm,
+                 "auto, openblas or onednn: the library of the CPU's GEMMs (auto: oneDNN where "
+                 "weft was built with it, else OpenBLAS; WEFT_CPU_GEMM overrides auto)");
   app.add_flag("--tf32", a.tf32, "GEMMs on tensor cores with TF32 inputs (--device cuda)");
   app.add_option("--attention-backend", a.attention_backend,
                  "auto, fused or unfused (--device cuda): fused is cuDNN's fused flash attention "

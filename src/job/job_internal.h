@@ -112,6 +112,7 @@ struct Args {
   // Device and precision (Megatron's names).
   std::string device = "auto";
   std::string comm_backend = "auto";
+  std::string cpu_gemm = "auto";  // auto, openblas or onednn (cpu::GemmLibrary)
   bool tf32 = false, bf16 = false, fp16 = false;
   // fp16's loss scaling (Megatron's flags and defaults; 0: dynamic).
   double loss_scale = 0, initial_loss_scale = 4294967296.0, min_loss_scale = 1.0;

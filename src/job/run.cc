@@ -7,6 +7,7 @@
 #include <weft/link_check.h>
 #include <weft/mesh.h>
 #include <weft/mpi_communicator.h>
+#include <weft/cpu_kernels.h>
 #include <weft/ops.h>
 #include <weft/param_server.h>
 #include <weft/nccl_communicator.h>
@@ -276,6 +277,8 @@ void set_precision(const Args& a, weft::Device device, weft::Graph& graph) {
   }
   if (a.fp16) ops::set_matmul_precision(device, ops::MatmulPrecision::Fp16);
   ops::set_attention_backend(device, ops::parse_attention_backend(a.attention_backend));
+  if (a.cpu_gemm != "auto")
+    cpu::set_gemm_library(cpu::parse_gemm_library(a.cpu_gemm, "--cpu-gemm"));
 }
 
 class Run {
@@ -774,7 +777,8 @@ class Run {
           global,
           setup.device.is_cpu()
               ? fmt::format(
-                    "threads {}{}", get_threads(),
+                    "threads {} | GEMM {}{}", get_threads(),
+                    cpu::describe_gemm_library(cpu::gemm_library()),
                     a.bf16 || a.fp16
                         ? fmt::format(" {} (emulated on the CPU: GEMM inputs{} rounded, "
                                       "slower than fp32)",
