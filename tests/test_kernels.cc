@@ -58,9 +58,21 @@ struct ThreadGuard {
 
 struct GemmCase {
   bool ta, tb;
+  cpu::GemmLibrary library;
 };
 
-class Gemm : public ::testing::TestWithParam<GemmCase> {};
+// Each case runs on its GEMM library (oneDNN's only where weft was built with
+// it), and puts back the one in use.
+class Gemm : public ::testing::TestWithParam<GemmCase> {
+ protected:
+  void SetUp() override {
+    if (GetParam().library == cpu::GemmLibrary::OneDnn && !cpu::onednn_built())
+      GTEST_SKIP() << "weft was built without oneDNN";
+    cpu::set_gemm_library(GetParam().library);
+  }
+  void TearDown() override { cpu::set_gemm_library(saved_); }
+  cpu::GemmLibrary saved_ = cpu::gemm_library();
+};
 
 // Strided operands: the padding of A and B holds NaN, so reading it poisons the result, and
 // the padding of C holds a sentinel that must survive.
@@ -102,7 +114,11 @@ void check_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, 
     for (int64_t j = 0; j < n; ++j) {
       const double got = c[z(i * ldc + j)];
       const double w = want[z(i * n + j)];
-      if (!(std::abs(got - w) <= 1e-6 + 1e-5 * scale[z(i * n + j)]) && ++bad <= 5)
+      // Recursive summation in any order, with or without FMA, and the
+      // products by alpha and beta: at most (k + 2) roundings of u = 2^-24
+      // relative to the sum of magnitudes (Higham's gamma_{k+2}).
+      const double bound = (static_cast<double>(k) + 2) * 0x1p-24 * scale[z(i * n + j)];
+      if (!(std::abs(got - w) <= 1e-30 + bound) && ++bad <= 5)
         ADD_FAILURE() << "C[" << i << "," << j << "] = " << got << ", want " << w;
     }
     for (int64_t j = n; j < ldc; ++j) EXPECT_EQ(c[z(i * ldc + j)], 12345.0f) << "padding " << i;
@@ -111,16 +127,20 @@ void check_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, 
 }
 
 TEST_P(Gemm, StridedWithAlphaBeta) {
-  const auto [ta, tb] = GetParam();
+  const auto [ta, tb, library] = GetParam();
   check_gemm(ta, tb, 5, 7, 4, 0.75f, -0.5f);
   // Sizes off the BLAS micro-kernel's tile multiples, so edge handling is exercised.
   check_gemm(ta, tb, 33, 65, 17, -1.25f, 0.3f);
   check_gemm(ta, tb, 1, 9, 70, 2.0f, 1.0f);
+  // A long reduction into a small C (a weight gradient's shape), which a
+  // library may split over threads along k; and an empty one, C = beta C.
+  check_gemm(ta, tb, 6, 10, 3000, 1.0f, 0.5f);
+  check_gemm(ta, tb, 3, 4, 0, 1.0f, 0.5f);
 }
 
 TEST_P(Gemm, BetaZeroIgnoresWhatCHeld) {
   // beta = 0 means "overwrite": NaN in C must not leak into the result.
-  const auto [ta, tb] = GetParam();
+  const auto [ta, tb, library] = GetParam();
   const int64_t m = 4, n = 3, k = 5;
   const Vec a = testing::uniform(m * k, 1), b = testing::uniform(k * n, 2);
   Vec c(z(m * n), std::nanf(""));
@@ -128,12 +148,43 @@ TEST_P(Gemm, BetaZeroIgnoresWhatCHeld) {
   for (float v : c) EXPECT_TRUE(std::isfinite(v));
 }
 
-INSTANTIATE_TEST_SUITE_P(AllTransposes, Gemm,
-                         ::testing::Values(GemmCase{false, false}, GemmCase{false, true},
-                                           GemmCase{true, false}, GemmCase{true, true}),
+std::vector<GemmCase> gemm_cases() {
+  std::vector<GemmCase> cases;
+  for (cpu::GemmLibrary library : {cpu::GemmLibrary::OpenBlas, cpu::GemmLibrary::OneDnn})
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) cases.push_back({ta, tb, library});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllTransposes, Gemm, ::testing::ValuesIn(gemm_cases()),
                          [](const ::testing::TestParamInfo<GemmCase>& p) {
-                           return std::string(p.param.ta ? "T" : "N") + (p.param.tb ? "T" : "N");
+                           return std::string(p.param.ta ? "T" : "N") + (p.param.tb ? "T" : "N") +
+                                  (p.param.library == cpu::GemmLibrary::OneDnn ? "_onednn"
+                                                                               : "_openblas");
                          });
+
+// The library is chosen once, by name, and a bad name is refused naming it.
+TEST(GemmLibrary, NamesParseAndABadOneIsRefused) {
+  EXPECT_EQ(cpu::parse_gemm_library("openblas", "--cpu-gemm"), cpu::GemmLibrary::OpenBlas);
+  EXPECT_EQ(cpu::parse_gemm_library("auto", "--cpu-gemm"), cpu::default_gemm_library());
+  EXPECT_EQ(cpu::default_gemm_library(),
+            cpu::onednn_built() ? cpu::GemmLibrary::OneDnn : cpu::GemmLibrary::OpenBlas);
+  try {
+    cpu::parse_gemm_library("mkl", "WEFT_CPU_GEMM");
+    ADD_FAILURE() << "mkl was accepted";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "WEFT_CPU_GEMM 'mkl' must be auto, openblas or onednn");
+  }
+  if (cpu::onednn_built()) {
+    EXPECT_EQ(cpu::parse_gemm_library("onednn", "--cpu-gemm"), cpu::GemmLibrary::OneDnn);
+    EXPECT_TRUE(testing::contains(cpu::describe_gemm_library(cpu::GemmLibrary::OneDnn), "oneDNN "));
+  } else {
+    EXPECT_THROW(cpu::parse_gemm_library("onednn", "--cpu-gemm"), Error);
+    EXPECT_THROW(cpu::set_gemm_library(cpu::GemmLibrary::OneDnn), Error);
+  }
+  EXPECT_TRUE(
+      testing::contains(cpu::describe_gemm_library(cpu::GemmLibrary::OpenBlas), "OpenBLAS 0."));
+}
 
 // --- mixed-precision GEMM inputs ---
 
