@@ -127,9 +127,13 @@ struct TrainResult {
   weft::GptConfig cfg;
   int64_t batch = 0;
   double step_ms = 0, tokens_per_s = 0, gflops = 0;
+  double first_loss = 0;  // the first step's, before any update
 };
 
-TrainResult train_throughput(const std::string& preset, int64_t batch, int steps, int warmup) {
+// bf16: train_gpt --bf16's recipe on the CPU (GEMM inputs rounded to bf16,
+// activations stored in bf16; fp32 weights, gradients and AdamW).
+TrainResult train_throughput(const std::string& preset, int64_t batch, int steps, int warmup,
+                             bool bf16) {
   using namespace weft;
   TrainResult r;
   r.model = preset;
@@ -141,6 +145,9 @@ TrainResult train_throughput(const std::string& preset, int64_t batch, int steps
   TokenData data = TokenData::from_tokens(tokens, static_cast<int32_t>(r.cfg.vocab_size));
   GptModel m = build_gpt(r.cfg, batch);
   init_gpt(m, 1);
+  ops::set_matmul_precision(Device::cpu(),
+                            bf16 ? ops::MatmulPrecision::Bf16 : ops::MatmulPrecision::Fp32);
+  if (bf16) m.graph.set_activation_dtype(DType::BF16);
   TokenBatches batches(data, batch, r.cfg.seq_length);
   TrainOptions opt;
   opt.micro_batch = opt.global_batch = batch;
@@ -149,6 +156,7 @@ TrainResult train_throughput(const std::string& preset, int64_t batch, int steps
   std::vector<double> ms;
   for (int s = 0; s < warmup + steps; ++s) {
     StepRecord rec = trainer.train_step();
+    if (s == 0) r.first_loss = rec.loss;
     if (s >= warmup) ms.push_back(rec.step_ms);
   }
   r.step_ms = median(ms);
@@ -164,7 +172,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> models;
   int64_t batch = 0;
   int steps = 5, warmup = 2, threads = weft::default_threads();
-  bool json = false, skip_gemm = false;
+  bool json = false, skip_gemm = false, bf16 = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -181,10 +189,11 @@ int main(int argc, char** argv) {
     else if (a == "--threads") threads = std::stoi(next());
     else if (a == "--json") json = true;
     else if (a == "--no-gemm") skip_gemm = true;
+    else if (a == "--bf16") bf16 = true;
     else {
       fmt::print(stderr,
                  "usage: bench_train [--model toy|mini|small|gpt2]... [--micro-batch-size B] "
-                 "[--steps N] [--warmup N] [--threads N] [--json] [--no-gemm]\n");
+                 "[--steps N] [--warmup N] [--threads N] [--bf16] [--json] [--no-gemm]\n");
       return 2;
     }
   }
@@ -221,14 +230,17 @@ int main(int argc, char** argv) {
                  "|---|---|---:|---:|---:|---:|---:|---:|\n");
     for (const auto& name : models) {
       const int64_t b = batch > 0 ? batch : (name == "gpt2" ? 1 : 8);
-      TrainResult r = train_throughput(name, b, steps, warmup);
+      TrainResult r = train_throughput(name, b, steps, warmup, bf16);
       if (json) {
         fmt::print("{{\"kind\": \"train\", \"framework\": \"weft\", \"model\": \"{}\", \"num_layers\": {}, "
                    "\"hidden_size\": {}, \"seq_length\": {}, \"micro_batch_size\": {}, "
-                   "\"params\": {}, \"threads\": {}, \"step_ms\": {:.1f}, \"tokens_per_s\": {:.1f}, "
-                   "\"gflops\": {:.2f}}}\n",
+                   "\"params\": {}, \"threads\": {}, \"precision\": \"{}\", \"gemm_library\": "
+                   "\"{}\", \"first_loss\": {:.6f}, \"step_ms\": {:.1f}, \"tokens_per_s\": "
+                   "{:.1f}, \"gflops\": {:.2f}}}\n",
                    r.model, r.cfg.num_layers, r.cfg.hidden_size, r.cfg.seq_length, r.batch,
-                   r.cfg.param_count(), threads, r.step_ms, r.tokens_per_s, r.gflops);
+                   r.cfg.param_count(), threads, bf16 ? "bf16" : "fp32",
+                   weft::cpu::describe_gemm_library(weft::cpu::gemm_library()), r.first_loss,
+                   r.step_ms, r.tokens_per_s, r.gflops);
       } else {
         fmt::print("| {} | {} x {} | {} | {} | {:.1f}M | {:.0f} | {:.0f} | {:.1f} |\n", r.model,
                    r.cfg.num_layers, r.cfg.hidden_size, r.cfg.seq_length, r.batch,

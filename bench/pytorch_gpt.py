@@ -1,9 +1,19 @@
 #!/usr/bin/env python3
-"""PyTorch CPU throughput baseline for weft's GPT.
+"""PyTorch CPU throughput for weft's GPT, as a current PyTorch runs it best.
 
-Uses the model from tests/reference/gpt_reference.py (the same definition as
-the test fixtures) and times full training steps: forward, backward, gradient
-clipping and AdamW, on random byte tokens. Prints one JSON line.
+The model is tests/reference/gpt_reference.py's (the definition the test
+fixtures come from), by default with F.scaled_dot_product_attention and the
+bias added inside the GEMM (torch.addmm), so that nothing is slower than
+PyTorch's own recipe. A step is forward, backward, gradient clipping and
+AdamW (fused, PyTorch 2.4 on); the token batches are made before the timed
+steps, as weft's bench_train makes its data. Recipes:
+
+  --mode eager|compile     torch.compile(model) for compile
+  --precision fp32|bf16    bf16: torch.autocast("cpu", torch.bfloat16) around
+                           forward and loss (fp32 weights, gradients, AdamW)
+
+Prints one JSON line, with the first step's loss (before any update) and the
+parameter count, so the caller can check both sides ran the same model.
 
 The caller is expected to export OMP_WAIT_POLICY=PASSIVE before starting
 python (OpenMP reads it at start-up, so setting it from here is too late).
@@ -14,6 +24,7 @@ Example:
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -42,6 +53,10 @@ def main():
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--clip-grad", type=float, default=1.0, help="max grad norm; 0 disables clipping")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--mode", choices=["eager", "compile"], default="eager")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--attention", choices=["sdpa", "explicit"], default="sdpa")
+    ap.add_argument("--linear", choices=["addmm", "matmul"], default="addmm")
     args = ap.parse_args()
 
     if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
@@ -54,41 +69,60 @@ def main():
 
     L, C, T, B = args.num_layers, args.hidden_size, args.seq_length, args.micro_batch_size
     cfg = GPTConfig(vocab_size=args.vocab_size, n_positions=T, num_layers=L,
-                    hidden_size=C, num_heads=args.num_heads)
+                    hidden_size=C, num_heads=args.num_heads, attention=args.attention,
+                    linear=args.linear)
     model = GPT(cfg)
     init_weights(model)
     model.train()
+    fused = {"fused": True} if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 4) else {}
     opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr,
-                            betas=(0.9, 0.95), eps=1e-8)
+                            betas=(0.9, 0.95), eps=1e-8, **fused)
+    forward = torch.compile(model) if args.mode == "compile" else model
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if args.precision == "bf16" \
+        else contextlib.nullcontext
 
     params = sum(p.numel() for p in model.parameters())       # wte counted once (tied)
     params_nonpos = params - model.wpe.weight.numel()
     tokens_per_step = B * T
     flops_per_step = 6 * params_nonpos * tokens_per_step + 12 * L * T * C * tokens_per_step
 
-    def step():
-        data = torch.randint(0, args.vocab_size, (B, T + 1))
+    batches = [torch.randint(0, args.vocab_size, (B, T + 1))
+               for _ in range(args.warmup + args.steps)]
+
+    def step(data):
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(data[:, :T]), data[:, 1:])
+        with autocast():
+            loss = loss_fn(forward(data[:, :T]), data[:, 1:])
         loss.backward()
         if args.clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
         opt.step()
         return loss.item()
 
-    for _ in range(args.warmup):
-        step()
+    first_loss = None
+    for i in range(args.warmup):
+        loss = step(batches[i])
+        first_loss = loss if first_loss is None else first_loss
     times = []
-    for _ in range(args.steps):
+    for i in range(args.steps):
         t0 = time.perf_counter()
-        step()
+        loss = step(batches[args.warmup + i])
         times.append(time.perf_counter() - t0)
+        first_loss = loss if first_loss is None else first_loss
 
     step_s = statistics.median(times)
     print(json.dumps({
         "framework": "pytorch",
         "torch_version": torch.__version__,
         "threads": torch.get_num_threads(),
+        "mode": args.mode,
+        "precision": args.precision,
+        "attention": args.attention,
+        "linear": args.linear,
+        "fused_adamw": bool(fused),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability()
+        if hasattr(torch.backends, "cpu") else "",
+        "first_loss": round(first_loss, 6),
         "num_layers": L,
         "hidden_size": C,
         "num_heads": args.num_heads,
