@@ -951,6 +951,26 @@ TEST(Bf16Activations, GemmIntoBf16RoundsOnce) {
     }
 }
 
+// Under --bf16 on the CPU, a bf16 operand is widened and used as it is (its
+// values are bf16 already) while an fp32 one is still rounded: the same bits
+// as sgemm on both operands rounded.
+TEST(Bf16Activations, GemmRoundsOnlyItsFp32Operand) {
+  CpuPrecision scope(ops::MatmulPrecision::Bf16);
+  const int64_t m = 6, k = 33, n = 9;
+  const Vec a = testing::uniform(m * k, 21), w = testing::uniform(k * n, 22);
+  Tensor wf = Tensor::empty({k, n});
+  std::copy(w.begin(), w.end(), wf.data<float>());
+  Tensor c = Tensor::zeros({m, n});
+  ops::gemm(bf16_of(a, {m, k}), false, wf, false, c, 1.0f, 0.0f);
+  Vec ra(a), rw(w), want(z(m * n)), unrounded(z(m * n));
+  for (float& x : ra) x = round_to_bf16(x);
+  for (float& x : rw) x = round_to_bf16(x);
+  cpu::gemm(false, false, m, n, k, 1.0f, ra.data(), k, rw.data(), n, 0.0f, want.data(), n);
+  cpu::gemm(false, false, m, n, k, 1.0f, ra.data(), k, w.data(), n, 0.0f, unrounded.data(), n);
+  EXPECT_EQ(std::memcmp(c.data<float>(), want.data(), want.size() * sizeof(float)), 0);
+  EXPECT_NE(std::memcmp(c.data<float>(), unrounded.data(), want.size() * sizeof(float)), 0);
+}
+
 TEST(Ops, GemmChecksThatShapesChain) {
   Tensor a = Tensor::zeros({4, 3}), b = Tensor::zeros({5, 2}), c = Tensor::zeros({4, 2});
   const std::string msg = error_message([&] { ops::gemm(a, false, b, false, c); });

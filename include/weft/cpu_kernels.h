@@ -51,6 +51,11 @@ float round_to(Rounding r, float x);  // x itself for None
 void gemm_rounded(Rounding r, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                   float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
                   float beta, float* c, int64_t ldc);
+// The same with each operand's own rounding (None: used as it is, for an
+// operand that holds values of the rounded type already).
+void gemm_rounded(Rounding round_a, Rounding round_b, bool trans_a, bool trans_b, int64_t m,
+                  int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b,
+                  int64_t ldb, float beta, float* c, int64_t ldc);
 
 // --- LayerNorm over the last dimension, eps inside the square root. ---
 // x, y (N, C); mean, rstd (N)

@@ -129,13 +129,26 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alp
               static_cast<blasint>(ldc));
 }
 
+namespace {
+
+template <Rounding R>
+inline float round_as(float x) {
+  if constexpr (R == Rounding::Bf16) return round_to_bf16(x);
+  // GCC's float -> _Float16 conversion rounds once, to nearest even, and
+  // gives +-inf past the largest finite half (65504).
+  if constexpr (R == Rounding::Fp16) return static_cast<float>(static_cast<_Float16>(x));
+  return x;
+}
+
+}  // namespace
+
 float round_to(Rounding r, float x) {
   switch (r) {
     case Rounding::None: return x;
-    case Rounding::Bf16: return round_to_bf16(x);
-    // GCC's float -> _Float16 conversion rounds once, to nearest even, and
-    // gives +-inf past the largest finite half (65504).
-    case Rounding::Fp16: return static_cast<float>(static_cast<_Float16>(x));
+    case Rounding::Bf16:
+      return round_as<Rounding::Bf16>(x);
+    case Rounding::Fp16:
+      return round_as<Rounding::Fp16>(x);
   }
   return x;
 }
@@ -153,7 +166,7 @@ void round_copy(const float* x, int64_t rows, int64_t cols, int64_t ld, std::vec
   for (int64_t i = 0; i < rows; ++i) {
     const float* src = x + i * ld;
     float* dst = out.data() + i * cols;
-    for (int64_t j = 0; j < cols; ++j) dst[j] = round_to(R, src[j]);
+    for (int64_t j = 0; j < cols; ++j) dst[j] = round_as<R>(src[j]);
   }
 }
 
@@ -170,18 +183,27 @@ void round_copy(Rounding r, const float* x, int64_t rows, int64_t cols, int64_t 
 void gemm_rounded(Rounding r, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                   float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
                   float beta, float* c, int64_t ldc) {
-  if (r == Rounding::None || m == 0 || n == 0 || k == 0) {
-    gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-    return;
-  }
+  gemm_rounded(r, r, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void gemm_rounded(Rounding round_a, Rounding round_b, bool trans_a, bool trans_b, int64_t m,
+                  int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b,
+                  int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m == 0 || n == 0 || k == 0) round_a = round_b = Rounding::None;
   // One pair of buffers per thread (attention calls this from an OpenMP
   // loop); they grow to the largest operands once and stay.
   thread_local std::vector<float> ra, rb;
-  const int64_t a_rows = trans_a ? k : m, a_cols = trans_a ? m : k;
-  const int64_t b_rows = trans_b ? n : k, b_cols = trans_b ? k : n;
-  round_copy(r, a, a_rows, a_cols, lda, ra);
-  round_copy(r, b, b_rows, b_cols, ldb, rb);
-  gemm(trans_a, trans_b, m, n, k, alpha, ra.data(), a_cols, rb.data(), b_cols, beta, c, ldc);
+  if (round_a != Rounding::None) {
+    const int64_t a_rows = trans_a ? k : m, a_cols = trans_a ? m : k;
+    round_copy(round_a, a, a_rows, a_cols, lda, ra);
+    a = ra.data(), lda = a_cols;
+  }
+  if (round_b != Rounding::None) {
+    const int64_t b_rows = trans_b ? n : k, b_cols = trans_b ? k : n;
+    round_copy(round_b, b, b_rows, b_cols, ldb, rb);
+    b = rb.data(), ldb = b_cols;
+  }
+  gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 }  // namespace weft::cpu

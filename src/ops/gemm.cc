@@ -48,7 +48,19 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
         }))
       return;
     Widen wd(__func__);
-    gemm(wd.in(a), trans_a, wd.in(b), trans_b, wd.out(c, beta != 0.0f), alpha, beta);
+    const Tensor wa = wd.in(a), wb = wd.in(b), wc = wd.out(c, beta != 0.0f);
+    if (d.is_cpu()) {
+      // A widened bf16 operand holds bf16 values already: rounding it to
+      // bf16 again would change nothing, so only an fp32 one is rounded.
+      const cpu::Rounding r = cpu_rounding();
+      auto rounding = [&](const Tensor& t) {
+        return is_bf16(t) && r == cpu::Rounding::Bf16 ? cpu::Rounding::None : r;
+      };
+      cpu::gemm_rounded(rounding(a), rounding(b), trans_a, trans_b, m, n, k, alpha, f(wa), ac,
+                        f(wb), bc, beta, fw(wc), n);
+    } else {
+      gemm(wa, trans_a, wb, trans_b, wc, alpha, beta);
+    }
     return wd.commit();
   }
   on_device(
