@@ -168,7 +168,10 @@ TEST_F(Cli, MixedPrecisionFlags) {
 
   Result r = run(toy("--bf16 --train-iters 2"));
   EXPECT_EQ(r.code, 0) << r.err;
-  EXPECT_TRUE(testing::contains(r.out, "bf16 (emulated on the CPU")) << r.out;
+  EXPECT_TRUE(testing::contains(r.out, cpu::bf16_gemm() == cpu::Bf16Gemm::OneDnn
+                                           ? "bf16 (bf16 GEMMs on oneDNN ("
+                                           : "bf16 (emulated on the CPU"))
+      << r.out;
   // The default scale, 2^32, overflows fp16 at once: the first step is
   // skipped and logged so.
   const std::string jsonl = dir_ + "/fp16.jsonl";

@@ -220,7 +220,16 @@ struct CpuPrecision {
   ~CpuPrecision() { ops::set_matmul_precision(Device::cpu(), ops::MatmulPrecision::Fp32); }
 };
 
+// Chooses how the CPU runs bf16 GEMMs for one scope (the emulation, whose
+// bits the rounding tests pin, or oneDNN's bf16 matmul).
+struct Bf16GemmScope {
+  explicit Bf16GemmScope(cpu::Bf16Gemm how) { cpu::set_bf16_gemm(how); }
+  ~Bf16GemmScope() { cpu::set_bf16_gemm(saved); }
+  cpu::Bf16Gemm saved = cpu::bf16_gemm();
+};
+
 TEST(Rounding, Bf16AndFp16GemmsAreSgemmOnRoundedInputs) {
+  Bf16GemmScope emulated(cpu::Bf16Gemm::Emulated);
   for (auto [precision, rounding] :
        {std::pair{ops::MatmulPrecision::Bf16, cpu::Rounding::Bf16},
         std::pair{ops::MatmulPrecision::Fp16, cpu::Rounding::Fp16}}) {
@@ -956,6 +965,7 @@ TEST(Bf16Activations, GemmIntoBf16RoundsOnce) {
 // as sgemm on both operands rounded.
 TEST(Bf16Activations, GemmRoundsOnlyItsFp32Operand) {
   CpuPrecision scope(ops::MatmulPrecision::Bf16);
+  Bf16GemmScope emulated(cpu::Bf16Gemm::Emulated);
   const int64_t m = 6, k = 33, n = 9;
   const Vec a = testing::uniform(m * k, 21), w = testing::uniform(k * n, 22);
   Tensor wf = Tensor::empty({k, n});
@@ -969,6 +979,73 @@ TEST(Bf16Activations, GemmRoundsOnlyItsFp32Operand) {
   cpu::gemm(false, false, m, n, k, 1.0f, ra.data(), k, w.data(), n, 0.0f, unrounded.data(), n);
   EXPECT_EQ(std::memcmp(c.data<float>(), want.data(), want.size() * sizeof(float)), 0);
   EXPECT_NE(std::memcmp(c.data<float>(), unrounded.data(), want.size() * sizeof(float)), 0);
+}
+
+// oneDNN's bf16 matmul (where the CPU has AVX-512 BF16 or AMX): against
+// the double sum of the same bf16 values, every transpose, strided operands,
+// alpha and beta. Products of bf16 values are exact in fp32, so only the
+// sums round: at most (k + 2) u of the magnitudes' sum (u = 2^-24), as for
+// sgemm. Then through ops::gemm under --bf16's precision, a bf16 activation
+// against an fp32 weight: the bits of sgemm on the rounded values up to that
+// bound, where the unrounded weight is far outside it.
+TEST(Bf16Gemm, OneDnnSumsTheRoundedProducts) {
+  if (!cpu::bf16_gemm_runs()) GTEST_SKIP() << "no oneDNN, or a CPU without AVX-512 BF16 or AMX";
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      const int64_t m = 19, n = 23, k = 70;
+      const int64_t lda = (ta ? m : k) + 3, ldb = (tb ? k : n) + 5, ldc = n + 2;
+      const Vec ra = testing::uniform((ta ? k : m) * lda, 31),
+                rb = testing::uniform((tb ? n : k) * ldb, 32);
+      std::vector<uint16_t> a(ra.size()), b(rb.size());
+      for (size_t i = 0; i < a.size(); ++i) a[i] = to_bf16(ra[i]);
+      for (size_t i = 0; i < b.size(); ++i) b[i] = to_bf16(rb[i]);
+      Vec c = testing::uniform(m * ldc, 33);
+      const Vec c0 = c;
+      const float alpha = 0.75f, beta = -0.5f;
+      cpu::gemm_bf16(ta, tb, m, n, k, alpha, a.data(), lda, b.data(), ldb, beta, c.data(), ldc);
+      int bad = 0;
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+          double s = 0, mag = 0;
+          for (int64_t l = 0; l < k; ++l) {
+            const double p =
+                static_cast<double>(bf16_to_float(a[z(ta ? l * lda + i : i * lda + l)])) *
+                bf16_to_float(b[z(tb ? j * ldb + l : l * ldb + j)]);
+            s += p, mag += std::abs(p);
+          }
+          const double want = alpha * s + beta * static_cast<double>(c0[z(i * ldc + j)]);
+          const double bound = (static_cast<double>(k) + 2) * 0x1p-24 *
+                               (std::abs(alpha) * mag + std::abs(beta * c0[z(i * ldc + j)]));
+          if (!(std::abs(c[z(i * ldc + j)] - want) <= bound) && ++bad <= 3)
+            ADD_FAILURE() << "ta=" << ta << " tb=" << tb << " C[" << i << "," << j
+                          << "] = " << c[z(i * ldc + j)] << ", want " << want;
+        }
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = n; j < ldc; ++j) EXPECT_EQ(c[z(i * ldc + j)], c0[z(i * ldc + j)]);
+    }
+
+  CpuPrecision precision(ops::MatmulPrecision::Bf16);
+  Bf16GemmScope onednn(cpu::Bf16Gemm::OneDnn);
+  const int64_t m = 6, k = 33, n = 9;
+  const Vec a = testing::uniform(m * k, 21), w = testing::uniform(k * n, 22);
+  Tensor wf = Tensor::empty({k, n});
+  std::copy(w.begin(), w.end(), wf.data<float>());
+  Tensor c = Tensor::zeros({m, n});
+  ops::gemm(bf16_of(a, {m, k}), false, wf, false, c, 1.0f, 0.0f);
+  Vec ra(a), rw(w), want(z(m * n)), unrounded(z(m * n));
+  for (float& x : ra) x = round_to_bf16(x);
+  for (float& x : rw) x = round_to_bf16(x);
+  cpu::gemm(false, false, m, n, k, 1.0f, ra.data(), k, rw.data(), n, 0.0f, want.data(), n);
+  cpu::gemm(false, false, m, n, k, 1.0f, ra.data(), k, w.data(), n, 0.0f, unrounded.data(), n);
+  double far = 0;
+  for (int64_t i = 0; i < m * n; ++i) {
+    double mag = 0;
+    for (int64_t l = 0; l < k; ++l) mag += std::abs(ra[z(i / n * k + l)] * rw[z(l * n + i % n)]);
+    const double bound = (k + 2) * 0x1p-24 * mag;
+    EXPECT_LE(std::abs(c.data<float>()[i] - want[z(i)]), bound) << i;
+    far = std::max(far, std::abs(unrounded[z(i)] - want[z(i)]) / bound);
+  }
+  EXPECT_GT(far, 4.0) << "the weight's rounding would not be seen";
 }
 
 TEST(Ops, GemmChecksThatShapesChain) {

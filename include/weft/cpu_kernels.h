@@ -57,6 +57,28 @@ void gemm_rounded(Rounding round_a, Rounding round_b, bool trans_a, bool trans_b
                   int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b,
                   int64_t ldb, float beta, float* c, int64_t ldc);
 
+// bf16 GEMMs in hardware: C (fp32) = alpha op(A) op(B) + beta C with A and
+// B bf16 (uint16_t, weft/bf16.h), through oneDNN's matmul, which runs them on
+// AMX or AVX-512 BF16 with fp32 sums. Products of bf16 values are exact in
+// fp32, so this is gemm_rounded(Bf16) up to the order of the sums. Each
+// shape's primitive is built once and kept.
+enum class Bf16Gemm : uint8_t { Emulated, OneDnn };
+// OneDnn where oneDNN is built and its kernels use AMX (there its bf16
+// matmul outruns the fp32 GEMM on rounded copies); else Emulated, as on a
+// CPU with AVX-512 BF16 alone, where oneDNN 2.6's bf16 matmul runs at about
+// half its fp32 speed. WEFT_CPU_BF16_GEMM (emulated or onednn), read at the
+// first use, overrides it.
+Bf16Gemm default_bf16_gemm();
+Bf16Gemm bf16_gemm();  // the one in use
+// Throws weft::Error for OneDnn where bf16_gemm_runs() is false.
+void set_bf16_gemm(Bf16Gemm how);
+// oneDNN is built and the host has AVX-512 BF16 or AMX.
+bool bf16_gemm_runs();
+std::string describe_bf16_gemm(Bf16Gemm how);
+void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+               const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c,
+               int64_t ldc);
+
 // --- LayerNorm over the last dimension, eps inside the square root. ---
 // x, y (N, C); mean, rstd (N)
 void layernorm_forward(const float* x, const float* w, const float* b, float* y, float* mean,

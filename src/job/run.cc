@@ -779,8 +779,11 @@ class Run {
               ? fmt::format(
                     "threads {} | GEMM {}{}", get_threads(),
                     cpu::describe_gemm_library(cpu::gemm_library()),
-                    a.bf16 || a.fp16
-                        ? fmt::format(" {} (emulated on the CPU: GEMM inputs{} rounded, "
+                    a.bf16 && cpu::bf16_gemm() == cpu::Bf16Gemm::OneDnn
+                        ? fmt::format(" | bf16 ({}; activations rounded)",
+                                      cpu::describe_bf16_gemm(cpu::Bf16Gemm::OneDnn))
+                    : a.bf16 || a.fp16
+                        ? fmt::format(" | {} (emulated on the CPU: GEMM inputs{} rounded, "
                                       "slower than fp32)",
                                       a.bf16 ? "bf16" : "fp16", a.bf16 ? " and activations" : "")
                         : "")

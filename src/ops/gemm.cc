@@ -47,6 +47,23 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
                             fw(c), n);
         }))
       return;
+    if (d.is_cpu() && cpu_rounding() == cpu::Rounding::Bf16 &&
+        cpu::bf16_gemm() == cpu::Bf16Gemm::OneDnn) {
+      // oneDNN's bf16 matmul reads bf16 operands as they are; an fp32 one is
+      // rounded first, as the emulation would round it.
+      auto narrow = [&](const Tensor& t) {
+        if (is_bf16(t)) return t;
+        Tensor h = Tensor::empty(t.shape(), DType::BF16, d);
+        convert(t, h);
+        return h;
+      };
+      const Tensor ha = narrow(a), hb = narrow(b);
+      Widen wd(__func__);
+      const Tensor wc = wd.out(c, beta != 0.0f);
+      cpu::gemm_bf16(trans_a, trans_b, m, n, k, alpha, ha.data<uint16_t>(), ac, hb.data<uint16_t>(),
+                     bc, beta, fw(wc), n);
+      return wd.commit();
+    }
     Widen wd(__func__);
     const Tensor wa = wd.in(a), wb = wd.in(b), wc = wd.out(c, beta != 0.0f);
     if (d.is_cpu()) {
