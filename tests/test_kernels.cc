@@ -963,22 +963,33 @@ TEST(Bf16Activations, GemmIntoBf16RoundsOnce) {
 // Under --bf16 on the CPU, a bf16 operand is widened and used as it is (its
 // values are bf16 already) while an fp32 one is still rounded: the same bits
 // as sgemm on both operands rounded.
+// ops::gemm of a bf16 activation and an fp32 weight under --bf16's
+// precision, beside sgemm on both operands rounded to bf16 (want) and on the
+// weight left unrounded.
+struct MixedGemm {
+  static constexpr int64_t m = 6, k = 33, n = 9;
+  Vec ra = testing::uniform(m * k, 21), rw = testing::uniform(k * n, 22);
+  Vec got, want = Vec(z(m * n)), unrounded = Vec(z(m * n));
+  MixedGemm() {
+    CpuPrecision scope(ops::MatmulPrecision::Bf16);
+    Tensor wf = Tensor::empty({k, n});
+    std::copy(rw.begin(), rw.end(), wf.data<float>());
+    Tensor c = Tensor::zeros({m, n});
+    ops::gemm(bf16_of(ra, {m, k}), false, wf, false, c, 1.0f, 0.0f);
+    got.assign(c.data<float>(), c.data<float>() + c.numel());
+    const Vec w = rw;
+    for (float& x : ra) x = round_to_bf16(x);
+    for (float& x : rw) x = round_to_bf16(x);
+    cpu::gemm(false, false, m, n, k, 1.0f, ra.data(), k, rw.data(), n, 0.0f, want.data(), n);
+    cpu::gemm(false, false, m, n, k, 1.0f, ra.data(), k, w.data(), n, 0.0f, unrounded.data(), n);
+  }
+};
+
 TEST(Bf16Activations, GemmRoundsOnlyItsFp32Operand) {
-  CpuPrecision scope(ops::MatmulPrecision::Bf16);
   Bf16GemmScope emulated(cpu::Bf16Gemm::Emulated);
-  const int64_t m = 6, k = 33, n = 9;
-  const Vec a = testing::uniform(m * k, 21), w = testing::uniform(k * n, 22);
-  Tensor wf = Tensor::empty({k, n});
-  std::copy(w.begin(), w.end(), wf.data<float>());
-  Tensor c = Tensor::zeros({m, n});
-  ops::gemm(bf16_of(a, {m, k}), false, wf, false, c, 1.0f, 0.0f);
-  Vec ra(a), rw(w), want(z(m * n)), unrounded(z(m * n));
-  for (float& x : ra) x = round_to_bf16(x);
-  for (float& x : rw) x = round_to_bf16(x);
-  cpu::gemm(false, false, m, n, k, 1.0f, ra.data(), k, rw.data(), n, 0.0f, want.data(), n);
-  cpu::gemm(false, false, m, n, k, 1.0f, ra.data(), k, w.data(), n, 0.0f, unrounded.data(), n);
-  EXPECT_EQ(std::memcmp(c.data<float>(), want.data(), want.size() * sizeof(float)), 0);
-  EXPECT_NE(std::memcmp(c.data<float>(), unrounded.data(), want.size() * sizeof(float)), 0);
+  const MixedGemm g;
+  EXPECT_EQ(std::memcmp(g.got.data(), g.want.data(), g.want.size() * sizeof(float)), 0);
+  EXPECT_NE(std::memcmp(g.got.data(), g.unrounded.data(), g.want.size() * sizeof(float)), 0);
 }
 
 // oneDNN's bf16 matmul (where the CPU has AVX-512 BF16 or AMX): against
@@ -1024,26 +1035,17 @@ TEST(Bf16Gemm, OneDnnSumsTheRoundedProducts) {
         for (int64_t j = n; j < ldc; ++j) EXPECT_EQ(c[z(i * ldc + j)], c0[z(i * ldc + j)]);
     }
 
-  CpuPrecision precision(ops::MatmulPrecision::Bf16);
   Bf16GemmScope onednn(cpu::Bf16Gemm::OneDnn);
-  const int64_t m = 6, k = 33, n = 9;
-  const Vec a = testing::uniform(m * k, 21), w = testing::uniform(k * n, 22);
-  Tensor wf = Tensor::empty({k, n});
-  std::copy(w.begin(), w.end(), wf.data<float>());
-  Tensor c = Tensor::zeros({m, n});
-  ops::gemm(bf16_of(a, {m, k}), false, wf, false, c, 1.0f, 0.0f);
-  Vec ra(a), rw(w), want(z(m * n)), unrounded(z(m * n));
-  for (float& x : ra) x = round_to_bf16(x);
-  for (float& x : rw) x = round_to_bf16(x);
-  cpu::gemm(false, false, m, n, k, 1.0f, ra.data(), k, rw.data(), n, 0.0f, want.data(), n);
-  cpu::gemm(false, false, m, n, k, 1.0f, ra.data(), k, w.data(), n, 0.0f, unrounded.data(), n);
+  const MixedGemm g;
+  const int64_t m = MixedGemm::m, k = MixedGemm::k, n = MixedGemm::n;
   double far = 0;
   for (int64_t i = 0; i < m * n; ++i) {
     double mag = 0;
-    for (int64_t l = 0; l < k; ++l) mag += std::abs(ra[z(i / n * k + l)] * rw[z(l * n + i % n)]);
+    for (int64_t l = 0; l < k; ++l)
+      mag += std::abs(g.ra[z(i / n * k + l)] * g.rw[z(l * n + i % n)]);
     const double bound = (k + 2) * 0x1p-24 * mag;
-    EXPECT_LE(std::abs(c.data<float>()[i] - want[z(i)]), bound) << i;
-    far = std::max(far, std::abs(unrounded[z(i)] - want[z(i)]) / bound);
+    EXPECT_LE(std::abs(g.got[z(i)] - g.want[z(i)]), bound) << i;
+    far = std::max(far, std::abs(g.unrounded[z(i)] - g.want[z(i)]) / bound);
   }
   EXPECT_GT(far, 4.0) << "the weight's rounding would not be seen";
 }
