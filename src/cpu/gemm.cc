@@ -156,7 +156,8 @@ class Bf16Matmuls {
     check_dnnl(dnnl_matmul_desc_init(&desc, &e.a, &e.b, nullptr, &e.c), "the matmul");
     dnnl_primitive_attr_t attr;
     check_dnnl(dnnl_primitive_attr_create(&attr), "the attributes");
-    if (alpha != 1.0f) dnnl_primitive_attr_set_output_scales(attr, 1, 0, &alpha);
+    if (alpha != 1.0f)
+      check_dnnl(dnnl_primitive_attr_set_output_scales(attr, 1, 0, &alpha), "alpha");
     dnnl_post_ops_t post = nullptr;
     if (beta != 0.0f) {
       check_dnnl(dnnl_post_ops_create(&post), "the post-ops");
