@@ -236,6 +236,26 @@ TEST_F(Cli, CpuGemmLibrary) {
   if (!cpu::onednn_built()) {
     expect_error(toy("--cpu-gemm onednn"), {"--cpu-gemm onednn: weft was built without oneDNN"});
   }
+  // The environment's choices, checked as flags are: one line, rc 1.
+  // (Each variable is put back as it was: CI runs this suite under them.)
+  struct ScopedEnv {
+    std::string name, saved;
+    bool had;
+    ScopedEnv(const char* n, const char* value) : name(n), had(std::getenv(n) != nullptr) {
+      if (had) saved = std::getenv(n);
+      setenv(n, value, 1);
+    }
+    ~ScopedEnv() { had ? setenv(name.c_str(), saved.c_str(), 1) : unsetenv(name.c_str()); }
+  };
+  {
+    ScopedEnv env("WEFT_CPU_GEMM", "mkl");
+    expect_error(toy("--train-iters 2"), {"WEFT_CPU_GEMM 'mkl' must be auto, openblas or onednn"});
+  }
+  {
+    ScopedEnv env("WEFT_CPU_BF16_GEMM", "amx");
+    expect_error(toy("--bf16 --train-iters 2"),
+                 {"WEFT_CPU_BF16_GEMM 'amx' must be emulated or onednn"});
+  }
   std::vector<double> first;
   for (const std::string library : {"openblas", "onednn"}) {
     if (library == "onednn" && !cpu::onednn_built()) continue;

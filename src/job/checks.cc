@@ -217,6 +217,12 @@ weft::Device resolve_device(const Args& a, int world, bool& staged, bool& nccl) 
   check(a.cpu_gemm == "auto" || kind != "cuda",
         "--cpu-gemm {} chooses the CPU's GEMM library, but --device cuda runs GEMMs on cuBLAS",
         a.cpu_gemm);
+  // The environment's choices are read now, so that a bad one stops the run
+  // before any work, in one line naming it.
+  if (kind != "cuda") {
+    (void)cpu::gemm_library();
+    if (a.bf16) (void)cpu::bf16_gemm();
+  }
   if (kind != "cuda") {
     check(!a.tf32, "--tf32 needs --device cuda: the CPU computes in fp32");
   } else {
