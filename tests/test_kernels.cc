@@ -970,12 +970,16 @@ struct MixedGemm {
   static constexpr int64_t m = 6, k = 33, n = 9;
   Vec ra = testing::uniform(m * k, 21), rw = testing::uniform(k * n, 22);
   Vec got, want = Vec(z(m * n)), unrounded = Vec(z(m * n));
+  int64_t widened = 0;  // whether ops::gemm widened its bf16 operand (the emulation)
   MixedGemm() {
     CpuPrecision scope(ops::MatmulPrecision::Bf16);
     Tensor wf = Tensor::empty({k, n});
     std::copy(rw.begin(), rw.end(), wf.data<float>());
     Tensor c = Tensor::zeros({m, n});
+    ops::reset_widened_ops();
     ops::gemm(bf16_of(ra, {m, k}), false, wf, false, c, 1.0f, 0.0f);
+    const auto counts = ops::widened_ops();
+    widened = counts.count("gemm") ? counts.at("gemm") : 0;
     got.assign(c.data<float>(), c.data<float>() + c.numel());
     const Vec w = rw;
     for (float& x : ra) x = round_to_bf16(x);
@@ -988,6 +992,7 @@ struct MixedGemm {
 TEST(Bf16Activations, GemmRoundsOnlyItsFp32Operand) {
   Bf16GemmScope emulated(cpu::Bf16Gemm::Emulated);
   const MixedGemm g;
+  EXPECT_EQ(g.widened, 1);
   EXPECT_EQ(std::memcmp(g.got.data(), g.want.data(), g.want.size() * sizeof(float)), 0);
   EXPECT_NE(std::memcmp(g.got.data(), g.unrounded.data(), g.want.size() * sizeof(float)), 0);
 }
@@ -1037,6 +1042,7 @@ TEST(Bf16Gemm, OneDnnSumsTheRoundedProducts) {
 
   Bf16GemmScope onednn(cpu::Bf16Gemm::OneDnn);
   const MixedGemm g;
+  EXPECT_EQ(g.widened, 0) << "the bf16 activation was widened: the emulation ran";
   const int64_t m = MixedGemm::m, k = MixedGemm::k, n = MixedGemm::n;
   double far = 0;
   for (int64_t i = 0; i < m * n; ++i) {

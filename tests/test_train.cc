@@ -348,8 +348,10 @@ TEST(Train, Bf16OnOneDnnTrainsAsTheEmulation) {
   } restore;
   ops::set_matmul_precision(Device::cpu(), ops::MatmulPrecision::Bf16);
   std::vector<std::vector<double>> losses;
+  std::vector<int64_t> gemms_widened;
   for (cpu::Bf16Gemm how : {cpu::Bf16Gemm::Emulated, cpu::Bf16Gemm::OneDnn}) {
     cpu::set_bf16_gemm(how);
+    ops::reset_widened_ops();
     TokenData data = text_data();
     TokenBatches batches(data, 4, small_config().seq_length);
     GptModel m = build_gpt(small_config(), 2);
@@ -358,10 +360,17 @@ TEST(Train, Bf16OnOneDnnTrainsAsTheEmulation) {
     Trainer t(m.io, batches, train_options(2, 4));
     losses.emplace_back();
     for (int s = 0; s < 4; ++s) losses.back().push_back(t.train_step().loss);
+    const auto widened = ops::widened_ops();
+    gemms_widened.push_back(widened.count("gemm") ? widened.at("gemm") : 0);
   }
   EXPECT_NEAR(losses[0][0], losses[1][0], 1e-4);
   EXPECT_NEAR(losses[0][3], losses[1][3], 1e-2);
   EXPECT_LT(losses[1][3], losses[1][0]);  // and it trains
+  // Which path ran: both widen a GEMM's bf16 output, but only the emulation
+  // widens its bf16 operands; oneDNN's matmul reads them as they are. (The
+  // losses may agree bit for bit: sums of a few products of bf16 values are
+  // often exact in fp32, in any order.)
+  EXPECT_LT(gemms_widened[1], gemms_widened[0]);
 }
 
 TEST(Train, LearningRateSchedule) {

@@ -6,6 +6,17 @@ namespace weft::ops {
 
 // --- matrices ---
 
+namespace {
+// t itself if it is bf16, else its values rounded into a new bf16 tensor
+// (what a GEMM with bf16 inputs does to an fp32 operand).
+Tensor as_bf16(const Tensor& t) {
+  if (is_bf16(t)) return t;
+  Tensor h = Tensor::empty(t.shape(), DType::BF16, t.device());
+  convert(t, h);
+  return h;
+}
+}  // namespace
+
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,
           float alpha, float beta) {
   const Device d = common_device("gemm", {&a, &b, &c});
@@ -32,8 +43,7 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
         std::lock_guard lock(widened_mu());
         ++widened_counts()["gemm (an fp32 operand rounded to bf16)"];
       }
-      const Tensor narrow = Tensor::empty(wide.shape(), DType::BF16, d);
-      convert(wide, narrow);
+      const Tensor narrow = as_bf16(wide);
       return is_bf16(a) ? gemm(a, trans_a, narrow, trans_b, c, alpha, beta)
                         : gemm(narrow, trans_a, b, trans_b, c, alpha, beta);
     }
@@ -51,13 +61,7 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
         cpu::bf16_gemm() == cpu::Bf16Gemm::OneDnn) {
       // oneDNN's bf16 matmul reads bf16 operands as they are; an fp32 one is
       // rounded first, as the emulation would round it.
-      auto narrow = [&](const Tensor& t) {
-        if (is_bf16(t)) return t;
-        Tensor h = Tensor::empty(t.shape(), DType::BF16, d);
-        convert(t, h);
-        return h;
-      };
-      const Tensor ha = narrow(a), hb = narrow(b);
+      const Tensor ha = as_bf16(a), hb = as_bf16(b);
       Widen wd(__func__);
       const Tensor wc = wd.out(c, beta != 0.0f);
       cpu::gemm_bf16(trans_a, trans_b, m, n, k, alpha, ha.data<uint16_t>(), ac, hb.data<uint16_t>(),
