@@ -209,21 +209,16 @@ weft::Device resolve_device(const Args& a, int world, bool& staged, bool& nccl) 
         "--attention-backend {}: weft was built without cuDNN's fused attention, so attention "
         "is always unfused (set-up needs cuDNN and scripts/cudnn-frontend.sh's headers)",
         a.attention_backend);
-  check(a.cpu_gemm == "auto" || a.cpu_gemm == "openblas" || a.cpu_gemm == "onednn",
-        "--cpu-gemm '{}' must be auto, openblas or onednn", a.cpu_gemm);
-  check(a.cpu_gemm != "onednn" || weft::cpu::onednn_built(),
-        "--cpu-gemm onednn: weft was built without oneDNN (install libdnnl-dev, then set up "
-        "again)");
   check(a.cpu_gemm == "auto" || kind != "cuda",
         "--cpu-gemm {} chooses the CPU's GEMM library, but --device cuda runs GEMMs on cuBLAS",
         a.cpu_gemm);
-  // The environment's choices are read now, so that a bad one stops the run
-  // before any work, in one line naming it.
   if (kind != "cuda") {
-    (void)cpu::gemm_library();
-    if (a.bf16) (void)cpu::bf16_gemm();
-  }
-  if (kind != "cuda") {
+    // --cpu-gemm and the environment's choices (WEFT_CPU_GEMM,
+    // WEFT_CPU_BF16_GEMM) are read now, so that a bad one stops the run
+    // before any work, in one line naming it.
+    (void)weft::cpu::parse_gemm_library(a.cpu_gemm, "--cpu-gemm");
+    (void)weft::cpu::gemm_library();
+    if (a.bf16) (void)weft::cpu::bf16_gemm();
     check(!a.tf32, "--tf32 needs --device cuda: the CPU computes in fp32");
   } else {
     check(cuda_built(), "--device cuda: weft was built without CUDA (meson setup -Dcuda=enabled)");
